@@ -1,0 +1,23 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> (path, HF model) for every supported architecture, built once per session."""
+    from helpers import make_model
+
+    root = tmp_path_factory.mktemp("models")
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = str(root / arch)
+            cache[arch] = (path, make_model(path, arch))
+        return cache[arch]
+
+    return get

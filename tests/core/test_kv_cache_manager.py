@@ -1,0 +1,63 @@
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+
+def req(rid, tokens):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4))
+
+
+def test_allocation_grows_by_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    r = req("a", range(6))
+    assert kv.allocate_slots(r, 6)
+    assert len(kv.block_ids("a")) == 2
+    r.num_computed_tokens = 6
+    r.output_token_ids.append(7)
+    assert kv.allocate_slots(r, 1)  # 7 tokens still fit in 2 blocks
+    assert len(kv.block_ids("a")) == 2
+    r.num_computed_tokens = 7
+    r.output_token_ids.append(8)
+    assert kv.allocate_slots(r, 1) and len(kv.block_ids("a")) == 2
+    r.num_computed_tokens = 8
+    r.output_token_ids.append(9)
+    assert kv.allocate_slots(r, 1) and len(kv.block_ids("a")) == 3
+
+
+def test_refuses_without_side_effects():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    assert not kv.allocate_slots(req("a", range(12)), 12)
+    assert kv.pool.num_free_blocks == 2 and kv.block_ids("a") == []
+
+
+def test_prefix_hit_full_blocks_only_and_last_token_recomputed():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", range(10))
+    assert kv.allocate_slots(a, 10)
+    b = req("b", list(range(8)) + [99, 98])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and [h.block_id for h in hits] == kv.block_ids("a")[:2]
+    # A prompt that is exactly two cached blocks still recomputes its last block.
+    c = req("c", range(8))
+    _, n = kv.get_computed_blocks(c)
+    assert n == 4
+    assert kv.allocate_slots(b, 2, hits)
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert all(kv.pool.blocks[i].ref_cnt == 2 for i in kv.block_ids("a")[:2])
+    kv.free(a)
+    kv.free(b)
+    kv.pool.check_integrity()
+    assert kv.pool.num_free_blocks == 8
+    # Freed but still cached: a new request hits.
+    _, n = kv.get_computed_blocks(req("d", range(10)))
+    assert n == 8
+
+
+def test_prefix_caching_off_and_prompt_logprobs_skip_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    assert kv.allocate_slots(req("a", range(10)), 10)
+    assert kv.get_computed_blocks(req("b", range(10)))[1] == 0
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate_slots(req("a", range(10)), 10)
+    r = Request("b", list(range(10)), SamplingParams(prompt_logprobs=1))
+    assert kv.get_computed_blocks(r)[1] == 0

@@ -1,0 +1,75 @@
+"""Tiny random-weight checkpoints of each supported architecture, built with transformers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TINY_VOCAB = 512
+_TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+         "Tokens flow through the mill, batch after batch, block after block. ") * 20
+
+
+def make_tokenizer(path: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 8, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                          "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
+    """Saves a 2-layer GQA model of `arch` plus a tokenizer into `path`; returns the HF model."""
+    import transformers as tf
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, eos_token_id=1, bos_token_id=0,
+                  initializer_range=0.2)
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**common, tie_word_embeddings=False),
+        "llama3": lambda: tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "llama_linear": lambda: tf.LlamaConfig(**common, rope_scaling={
+            "rope_type": "linear", "factor": 2.0}),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+    }
+    classes = {"llama": tf.LlamaForCausalLM, "llama3": tf.LlamaForCausalLM,
+               "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
+               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}
+    config = configs[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = classes[arch](config).to(dtype).eval()
+    if arch == "qwen2":  # random init leaves biases at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0,
+                             min_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,53 @@
+"""The attention-backend interface and the one metadata struct a step prepares for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner; every layer reads the same struct.
+
+    Sequences are ordered decodes first: the first `num_decodes` sequences have exactly one
+    query token, so the backend can treat them as one batched gather."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot for each new token's K/V
+    query_start_loc: list[int]  # [num_seqs + 1] offsets of each sequence's tokens in the batch
+    context_lens: list[int]  # [num_seqs] tokens already in the cache before this step
+    seq_lens: torch.Tensor  # [num_seqs] total KV length after this step (int64)
+    block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
+    num_decodes: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+class AttentionBackend:
+    """Writes new K/V into the paged cache and attends each query over its sequence's cache.
+
+    Shapes: q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D];
+    returns [T, Hq, D]. Causality is bottom-right aligned: query i of a sequence with
+    context c sees keys 0..c+i."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        raise NotImplementedError  # abstract: implemented by every backend
+
+    @staticmethod
+    def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """Contiguous [length, Hkv, D] view of one sequence's cached K or V."""
+        blocks = cache[block_ids]  # [n, block_size, Hkv, D]
+        return blocks.reshape(-1, *cache.shape[2:])[:length]

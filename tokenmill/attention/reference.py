@@ -1,0 +1,33 @@
+"""Slow, obviously right attention over the paged cache: one sequence, one head at a time."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class ReferenceBackend(AttentionBackend):
+    """For tests only: every other backend is compared against this one."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        group = q.shape[1] // k.shape[1]
+        for s in range(meta.num_seqs):
+            lo, hi = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+            seq_len = int(meta.seq_lens[s])
+            n_blocks = math.ceil(seq_len / meta.block_size)
+            keys = self.gather_kv(k_cache, meta.block_table[s, :n_blocks], seq_len).float()
+            values = self.gather_kv(v_cache, meta.block_table[s, :n_blocks], seq_len).float()
+            context = meta.context_lens[s]
+            for i in range(hi - lo):
+                visible = context + i + 1
+                for h in range(q.shape[1]):
+                    kv_h = h // group
+                    scores = keys[:visible, kv_h] @ q[lo + i, h].float() * scale
+                    probs = torch.softmax(scores, dim=0)
+                    out[lo + i, h] = (probs @ values[:visible, kv_h]).to(q.dtype)
+        return out

@@ -1,0 +1,104 @@
+"""Which KV blocks each request owns: allocation per step, prefix-cache lookup, release."""
+
+from __future__ import annotations
+
+from tokenmill.core.block_pool import Block, BlockPool, hash_block_tokens
+from tokenmill.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._blocks: dict[str, list[Block]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens, for metrics.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, request.token_ids(i * bs, (i + 1) * bs)))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute: its logits give the next token."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks * self.block_size)
+        hits: list[Block] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_queried_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[Block] | None = None) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits).
+
+        Returns False, changing nothing, when the pool is too small right now."""
+        computed_blocks = computed_blocks or []
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        # Hits sitting on the free list stop being free once we take them.
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_free_hits:
+            if not blocks:
+                del self._blocks[request.request_id]
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        if self.enable_prefix_caching:
+            # KV for every token below `total` is written this step, so those full blocks can
+            # serve other requests from the next step on.
+            num_full = total // self.block_size
+            self._update_block_hashes(request, num_full * self.block_size)
+            start = self._num_cached_blocks.get(request.request_id, 0)
+            for i in range(start, num_full):
+                self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+            self._num_cached_blocks[request.request_id] = max(start, num_full)
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

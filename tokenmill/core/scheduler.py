@@ -1,0 +1,198 @@
+"""Continuous batching: each step, pick which requests run and how many tokens each computes."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step (== num_computed_tokens before the step)
+    num_new_tokens: int
+    block_ids: list[int] = field(default_factory=list)  # the request's whole block table
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests that left the engine since the previous step: the runner drops their state.
+    finished_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS. Running requests are served first (one token for decode, a chunk for a long
+    prompt), then waiting ones are admitted while the token budget, `max_num_seqs` and free
+    blocks allow. Out of blocks: the newest running request is preempted and recomputed later."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- request lifetime -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests for reasons found outside the core: abort, stop strings."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing after it is left to run
+
+        # Admitting new work right after preempting would only thrash the cache.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hits, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            self.kv_cache.record_prefix_query(request.num_tokens, num_cached)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_cached, num_new))
+            budget -= num_new
+
+        for s in scheduled:
+            s.request.num_computed_tokens = s.end
+            s.block_ids = self.kv_cache.block_ids(s.request.request_id)
+        output = SchedulerOutput(scheduled, self._finished_ids)
+        self._finished_ids = set()
+        return output
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token, apply token-level stop rules, release finished requests.
+
+        Returns the requests that got a token (finished ones included)."""
+        updated: list[Request] = []
+        finished = False
+        for s in output.scheduled:
+            request = s.request
+            token = sampled.get(request.request_id)
+            if token is None or request.status != RequestStatus.RUNNING:
+                continue  # a prompt chunk that is not the last one, or aborted meanwhile
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                finished = True
+            updated.append(request)
+        if finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return updated
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token in params.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,100 @@
+"""The engine core: owns the scheduler, the KV cache and the model runner; one step at a time."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from tokenmill.loader import load_hf_config
+
+logger = logging.getLogger(__name__)
+
+
+def derive_max_model_len(config: EngineConfig, hf_config) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "
+                         f"max_position_embeddings ({model_max}).")
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
+
+        self.config = config
+        self.hf_config = load_hf_config(model_path)
+        self.max_model_len = derive_max_model_len(config, self.hf_config)
+        self.runner = ModelRunner(config, model_path, self.hf_config, self.max_model_len)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                       config.enable_prefix_caching)
+        budget = config.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)
+        if not config.enable_chunked_prefill and budget < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
+                             f"({self.max_model_len}) when chunked prefill is off.")
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            self.kv_cache)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("The prompt is empty.")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
+                             f"generate within max_model_len ({self.max_model_len}).")
+        vocab = self.hf_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+        params = request.sampling_params
+        longest = min(n_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if not self.kv_cache.can_ever_fit(longest):
+            raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
+                             f"the whole cache holds ({self.kv_cache.num_blocks} blocks of "
+                             f"{self.config.block_size}).")
+        self.scheduler.add_request(Request(request.request_id, list(request.prompt_token_ids),
+                                           params, arrival_time=request.arrival_time))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str]) -> None:
+        """Stopped by the API side (a stop string matched in the decoded text)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        step = self.scheduler.schedule()
+        result = self.runner.execute(step)
+        updated = self.scheduler.update_from_output(step, result.sampled)
+        outputs = []
+        for request in updated:
+            rid = request.request_id
+            finish = request.finish_reason
+            lp = result.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[request.output_token_ids[-1]],
+                finish_reason=None if finish is None else int(finish),
+                stop_reason=request.stop_reason,
+                new_logprobs=None if lp is None else [lp],
+                prompt_logprobs=result.prompt_logprobs.get(rid),
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        # Prompt logprobs of chunks that sampled nothing travel on an empty output.
+        sent = {o.request_id for o in outputs}
+        for rid, scored in result.prompt_logprobs.items():
+            if rid not in sent:
+                outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[],
+                                                prompt_logprobs=scored))
+        return outputs

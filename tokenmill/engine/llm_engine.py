@@ -1,0 +1,93 @@
+"""Synchronous engine front: tokenize, add requests, step the core, return user results."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core_client import InprocClient
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.protocol import EngineCoreRequest
+from tokenmill.loader import load_tokenizer, resolve_model_path
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import apply_chat_template, eos_token_ids
+
+# A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text beside it).
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path,
+                                        config.trust_remote_code)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path)
+        self.core = EngineCore(config, self.model_path)
+        self.client = InprocClient(self.core)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize_prompt(prompt["prompt"])
+        raise ValueError("A prompt must be a string or a dict with 'prompt_token_ids'.")
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> dict[str, Any]:
+        ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                  **template_kwargs)
+        return {"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}
+
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams) -> str:
+        request_id = str(next(self._counter)) if request_id is None else request_id
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"Request id {request_id!r} is already in the engine.")
+        text, prompt_ids = self.tokenize_prompt(prompt)
+        params = params.clone(eos_token_ids=list(self.eos_token_ids))
+        child_ids = self.output_processor.add_request(request_id, text, prompt_ids, params)
+        added: list[str] = []
+        try:
+            for i, child_id in enumerate(child_ids):
+                # n > 1: each child its own seed, so seeded samples differ but reproduce.
+                child_params = params if params.seed is None or params.n == 1 else \
+                    params.clone(seed=params.seed + i)
+                self.client.add_request(EngineCoreRequest(child_id, prompt_ids, child_params,
+                                                          time.monotonic()))
+                added.append(child_id)
+        except Exception:
+            self.client.abort_requests(added)
+            self.output_processor.abort_request(request_id)
+            raise
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            children = self.output_processor.child_ids(request_id)
+            self.client.abort_requests(children)
+            self.output_processor.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.client.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.client.get_output()
+        results, stopped = self.output_processor.process_outputs(outputs)
+        self.client.finish_requests(stopped)
+        return results

@@ -1,0 +1,188 @@
+"""Turns engine-core outputs into user results: text, stop strings, logprobs, n-way fan-in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.core.request import FinishReason
+from tokenmill.engine.protocol import EngineCoreOutput, PositionLogprobs
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class _Completion:
+    """One sampled sequence (one of a request's `n`)."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.detokenizer.text, list(self.token_ids),
+                                self.finish_reason, self.logprobs, self.stop_reason,
+                                self.cumulative_logprob)
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[_Completion]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._children: dict[str, tuple[_RequestState, _Completion]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[str]:
+        """Registers a request; returns the engine-core ids of its `n` sequences."""
+        state = _RequestState(request_id, prompt, prompt_token_ids, [])
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        ids = []
+        for i in range(params.n):
+            completion = _Completion(i, params, IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens))
+            if params.logprobs is not None:
+                completion.logprobs, completion.cumulative_logprob = [], 0.0
+            state.completions.append(completion)
+            child_id = child_request_id(request_id, i, params.n)
+            self._children[child_id] = (state, completion)
+            ids.append(child_id)
+        self._requests[request_id] = state
+        return ids
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        n = len(state.completions)
+        return [child_request_id(request_id, c.index, n) for c in state.completions]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for child_id in self.child_ids_of(state):
+            self._children.pop(child_id, None)
+        for c in state.completions:
+            if c.finish_reason is None:
+                c.finish_reason = str(FinishReason.ABORT)
+        return self._request_output(state)
+
+    @staticmethod
+    def child_ids_of(state: _RequestState) -> list[str]:
+        n = len(state.completions)
+        return [child_request_id(state.request_id, c.index, n) for c in state.completions]
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated results and the engine-core ids stopped here by a stop string
+        (the caller must finish them in the core)."""
+        touched: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for out in outputs:
+            entry = self._children.get(out.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            state, completion = entry
+            touched[state.request_id] = state
+            if out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, *out.prompt_logprobs)
+            if out.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
+            if not out.new_token_ids:
+                continue
+            completion.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and completion.logprobs is not None:
+                for token, lp in zip(out.new_token_ids, out.new_logprobs):
+                    completion.logprobs.append(self._position_logprobs(token, lp))
+                    completion.cumulative_logprob += lp[2]
+            if self._update_text(completion, out):
+                stopped.append(out.request_id)
+            if completion.finish_reason is not None:
+                del self._children[out.request_id]
+        results = []
+        for request_id, state in touched.items():
+            results.append(self._request_output(state))
+            if state.finished:
+                del self._requests[request_id]
+        return results, stopped
+
+    def _update_text(self, completion: _Completion, out: EngineCoreOutput) -> bool:
+        """Detokenize new tokens, apply stop strings; True if a stop string ended it here."""
+        params = completion.params
+        new_ids = out.new_token_ids
+        if (out.finish_reason == FinishReason.STOP and out.stop_reason is None
+                or isinstance(out.stop_reason, int)):
+            # Ended by EOS or a stop token: that token is not part of the text.
+            if not params.include_stop_str_in_output:
+                new_ids = new_ids[:-1]
+        detok = completion.detokenizer
+        before = len(detok.text)
+        detok.add_tokens(new_ids)
+        if out.finish_reason is not None:
+            completion.finish_reason = str(FinishReason(out.finish_reason))
+            completion.stop_reason = out.stop_reason
+        if not params.stop or completion.finish_reason is not None and out.stop_reason:
+            return False
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, before - longest + 1)
+        hits = [(detok.text.find(s, search_from), s) for s in params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        detok.text = detok.text[:index + (len(stop) if params.include_stop_str_in_output else 0)]
+        already_finished = completion.finish_reason is not None
+        completion.finish_reason = str(FinishReason.STOP)
+        completion.stop_reason = stop
+        return not already_finished
+
+    def _position_logprobs(self, token: int, lp: PositionLogprobs) -> dict[int, Logprob]:
+        top_ids, top_values, chosen, rank = lp
+        entry = {token: Logprob(chosen, rank, self.tokenizer.decode([token]))}
+        for i, (tid, value) in enumerate(zip(top_ids, top_values)):
+            if tid not in entry:
+                entry[tid] = Logprob(value, i + 1, self.tokenizer.decode([tid]))
+        return entry
+
+    def _add_prompt_logprobs(self, state: _RequestState, start: int,
+                             scored: list[PositionLogprobs]) -> None:
+        if state.prompt_logprobs is None:
+            return
+        for offset, lp in enumerate(scored):
+            position = start + offset
+            if position == len(state.prompt_logprobs):  # recompute after preemption repeats
+                state.prompt_logprobs.append(
+                    self._position_logprobs(state.prompt_token_ids[position], lp))
+
+    def _request_output(self, state: _RequestState) -> RequestOutput:
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             [c.output() for c in state.completions], state.finished,
+                             state.prompt_logprobs, state.num_cached_tokens)

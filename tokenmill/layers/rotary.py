@@ -1,0 +1,69 @@
+"""Rotary position embedding (default, linear and Llama-3 scaling) with a cos/sin table."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """One dict {rope_type, rope_theta, ...} from either transformers 5's `rope_parameters` or
+    the older `rope_theta` + `rope_scaling` pair."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None) or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any],
+                        max_position_embeddings: int) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = params.get("original_max_position_embeddings") or max_position_embeddings
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"Unsupported rope scaling type {rope_type!r}; supported: default, linear, "
+                     "llama3.")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
+                 max_position_embeddings: int) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, params, max_position_embeddings)
+        freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated by each token's position."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

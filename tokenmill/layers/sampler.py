@@ -1,0 +1,124 @@
+"""One batched sampler for every request in a step, each row with its own settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for the rows of a logits matrix, built by the model runner."""
+
+    temperature: torch.Tensor  # [N] float; 0 = greedy
+    top_p: torch.Tensor | None = None  # [N] float, None when no row uses it
+    top_k: torch.Tensor | None = None  # [N] int64, 0 = off; None when no row uses it
+    min_p: torch.Tensor | None = None  # [N] float
+    repetition_penalty: torch.Tensor | None = None  # [N], with seen_mask
+    frequency_penalty: torch.Tensor | None = None  # [N], with output_counts
+    presence_penalty: torch.Tensor | None = None  # [N], with output_counts
+    seen_mask: torch.Tensor | None = None  # [N, V] bool: token occurs in prompt or output
+    output_counts: torch.Tensor | None = None  # [N, V] float: occurrences in the output
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids) min_tokens
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row, None = not asked
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor  # [N]
+    # Per row asking for logprobs: (top ids, top logprobs, chosen logprob, chosen rank).
+    logprobs: dict[int, tuple[list[int], list[float], float, int]]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.repetition_penalty is not None:
+        penalty = batch.repetition_penalty.unsqueeze(1)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(batch.seen_mask, scaled, logits)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty.unsqueeze(1) * batch.output_counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty.unsqueeze(1) * (batch.output_counts > 0)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k / nucleus / min-p set."""
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if batch.top_k is not None:
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        remove |= ranks >= k.unsqueeze(1)
+    if batch.top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        # Keep the smallest set whose mass reaches top_p: drop a token when the mass before
+        # it already reaches top_p (the most likely token is always kept).
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= batch.top_p.unsqueeze(1)
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           generator: torch.Generator | None = None) -> SampleResult:
+    """logits [N, V] float32 -> one token per row (greedy rows take the argmax)."""
+    raw_logits = logits
+    logits = apply_penalties(logits, batch)
+    for row, ids in batch.banned:
+        logits[row, ids] = float("-inf")
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy
+    else:
+        temperature = batch.temperature.clamp(min=1e-5).unsqueeze(1)
+        scaled = apply_top_k_top_p_min_p(logits / temperature, batch)
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows use
+        # their own generator, so their draws don't depend on which batch they land in.
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for row, gen in batch.generators.items():
+            noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        token_ids = torch.where(batch.temperature == 0, greedy, sampled)
+    return SampleResult(token_ids, _gather_logprobs(raw_logits, token_ids, batch.num_logprobs))
+
+
+def _gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_logprobs: list[int | None]) -> dict:
+    rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+    if not rows:
+        return {}
+    logprobs = torch.log_softmax(logits[rows], dim=-1)
+    chosen = token_ids[rows]
+    return {row: v for row, v in zip(rows, top_logprobs(logprobs, chosen,
+                                                        [num_logprobs[r] for r in rows]))}
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
+                 ks: list[int]) -> list[tuple[list[int], list[float], float, int]]:
+    """For each row: top-k ids and logprobs, the chosen token's logprob and its rank (1-based)."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
+    k_max = max(ks)
+    top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
+    out = []
+    for i, k in enumerate(ks):
+        ids = top_ids[i, :k].tolist() if k else []
+        vals = top_vals[i, :k].tolist() if k else []
+        out.append((ids, vals, float(chosen_lp[i]), int(ranks[i])))
+    return out

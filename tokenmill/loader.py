@@ -1,0 +1,90 @@
+"""Find a model's config, weights and tokenizer (HF directory or GGUF file) and load them."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tokenmill.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from tokenmill.gguf_loader import default_model_path
+        return default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"Model path {model!r} does not exist (give a local HF "
+                                "directory or a .gguf file; `tokenmill download` fetches one).")
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise FileNotFoundError(f"Model directory {model!r} has no config.json.")
+    return model
+
+
+def load_hf_config(path: str) -> Any:
+    if is_gguf(path):
+        from tokenmill.gguf_loader import load_gguf_config
+        return load_gguf_config(path)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, name) for name in files]
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors weights in {model_dir!r}.")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if is_gguf(path):
+        from tokenmill.gguf_loader import iter_gguf_weights
+        return iter_gguf_weights(path, hf_config)
+    return iter_safetensors(path)
+
+
+def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> nn.Module:
+    with torch.device(device):
+        model = build_model(hf_config, max_positions)
+    model.to(dtype=dtype)
+    loaded = model.load_weights(iter_weights(path, hf_config))
+    expected = {name for name, _ in model.named_parameters()}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"Checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}.")
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    if is_gguf(path):
+        from tokenmill.gguf_loader import load_gguf_tokenizer
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

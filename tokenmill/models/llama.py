@@ -1,0 +1,157 @@
+"""The Llama family (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k norm) in one model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, rope_parameters
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, getattr(config, "attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        # Bound by the model runner once the KV cache is allocated.
+        self.backend: AttentionBackend | None = None
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int) -> None:
+        super().__init__()
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
+                                 config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # (our merged parameter, checkpoint name, shard index)
+    stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1),
+                      ("qkv_proj", "v_proj", 2), ("gate_up_proj", "gate_proj", 0),
+                      ("gate_up_proj", "up_proj", 1)]
+
+    def __init__(self, config: Any, max_positions: int, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the parameter names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for merged, original, shard in self.stacked_params:
+                if f".{original}." in name:
+                    target = name.replace(f".{original}.", f".{merged}.")
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
+                target = name
+                param = params[target]
+                param.weight_loader(param, tensor)
+            loaded.add(target)
+        return loaded

@@ -1,0 +1,32 @@
+"""Maps a checkpoint's `architectures` entry to the model class and its variant switches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tokenmill.models.llama import LlamaForCausalLM
+
+# architecture -> (class, extra constructor arguments derived from the HF config)
+_MODELS = {
+    "LlamaForCausalLM": (LlamaForCausalLM,
+                         lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False))}),
+    "MistralForCausalLM": (LlamaForCausalLM, lambda c: {}),
+    "Qwen2ForCausalLM": (LlamaForCausalLM, lambda c: {"qkv_bias": True}),
+    "Qwen3ForCausalLM": (LlamaForCausalLM,
+                         lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
+                                    "qk_norm": True}),
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+
+
+def build_model(hf_config: Any, max_positions: int) -> nn.Module:
+    architectures = getattr(hf_config, "architectures", None) or []
+    for arch in architectures:
+        if arch in _MODELS:
+            cls, extra = _MODELS[arch]
+            return cls(hf_config, max_positions, **extra(hf_config))
+    raise ValueError(f"Unsupported model architecture {architectures}; tokenmill supports "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}.")

@@ -1,0 +1,68 @@
+"""Tokenizer loading, chat templates, and incremental detokenization of generated tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# Prompt tokens given to the detokenizer as context, so the first generated token is decoded
+# as it reads after the prompt (leading spaces of SentencePiece tokens, merged bytes).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+def eos_token_ids(tokenizer: Any, model_path: str) -> list[int]:
+    """EOS ids from the tokenizer plus `generation_config.json` (which may list several)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_config = os.path.join(model_path, "generation_config.json")
+    if os.path.isdir(model_path) and os.path.isfile(gen_config):
+        with open(gen_config) as f:
+            value = json.load(f).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("This model has no chat template; send a plain prompt instead.")
+    text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    # The template already wrote BOS where the model wants it.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list into text deltas.
+
+    Each step decodes only a short window: text of tokens [prefix, read) is already emitted,
+    and new text is what [prefix, end) adds beyond it, held back while it ends in an
+    incomplete UTF-8 sequence (U+FFFD)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        delta = ""
+        for token in token_ids:
+            self._ids.append(token)
+            prefix_text = self._decode(self._ids[self._prefix:self._read])
+            full_text = self._decode(self._ids[self._prefix:])
+            if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+                delta += full_text[len(prefix_text):]
+                self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,33 @@
+"""Size and allocate the paged K/V tensors: per layer [num_blocks, block_size, Hkv, D]."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element  # K and V
+
+
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    return max(0, budget_bytes // block_bytes)
+
+
+def gpu_kv_budget_bytes(device: torch.device, utilization: float) -> int:
+    """What is left for KV of `utilization` x device memory once weights (and a forward's
+    working set, measured by the caller's profile run) are resident."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * utilization) - used
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Zeroed, not empty: padded decode reads of unused slots are masked out of the softmax,
+    # but garbage NaNs in V would still poison `probs @ V`.
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]

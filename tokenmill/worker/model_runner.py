@@ -1,0 +1,202 @@
+"""Turns a scheduler step into tensors, runs the model once over all its tokens, and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.layers.sampler import SamplingBatch, sample, top_logprobs
+from tokenmill.loader import load_model
+from tokenmill.worker import kv_cache
+
+logger = logging.getLogger(__name__)
+
+# (top ids, top logprobs, chosen logprob, chosen rank) of one position
+PositionLogprobs = tuple[list[int], list[float], float, int]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # request id -> (first prompt position scored, one entry per scored position)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # CPU 16-bit matmuls are slower than fp32 without AMX
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.block_size = config.block_size
+        self.vocab_size = hf_config.vocab_size
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len)
+        self.backend = TorchSDPABackend()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+        attn = self.model.attention_layers()[0]
+        self.num_layers = len(self.model.attention_layers())
+        self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
+                                                    attn.num_kv_heads, attn.head_dim,
+                                                    self.dtype)
+        self.num_blocks = self._decide_num_blocks()
+        caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
+                                            attn.num_kv_heads, attn.head_dim, self.dtype,
+                                            self.device)
+        for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
+            layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
+                    self.block_size, self.num_blocks * self.block_bytes / 2**30, self.dtype)
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            budget = kv_cache.gpu_kv_budget_bytes(self.device, self.config.gpu_memory_utilization)
+        else:
+            budget = int(self.config.kv_cache_memory_gib * 2**30)
+        num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)
+        if num_blocks < 1:
+            raise ValueError("The KV cache budget holds no block: raise kv_cache_memory_gib / "
+                             "gpu_memory_utilization.")
+        return num_blocks
+
+    # ---- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        for request_id in step.finished_ids:
+            self._request_generators.pop(request_id, None)
+        if step.empty:
+            return RunnerOutput()
+        # Decodes first: the backend attends over them in one batched gather.
+        scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta = self._prepare_inputs(scheduled)
+        hidden = self.model(input_ids, positions, meta)
+
+        out = RunnerOutput()
+        sample_rows = [i for i, s in enumerate(scheduled) if s.end == s.request.num_tokens]
+        if sample_rows:
+            last_token = [meta.query_start_loc[i + 1] - 1 for i in sample_rows]
+            logits = self.model.compute_logits(hidden[last_token]).float()
+            requests = [scheduled[i] for i in sample_rows]
+            result = sample(logits, self._sampling_batch(requests), self.generator)
+            for row, (s, token) in enumerate(zip(requests, result.token_ids.tolist())):
+                out.sampled[s.request.request_id] = token
+                if row in result.logprobs:
+                    out.logprobs[s.request.request_id] = result.logprobs[row]
+        for i, s in enumerate(scheduled):
+            if s.request.sampling_params.prompt_logprobs is not None:
+                self._score_prompt(s, hidden, meta.query_start_loc[i], out)
+        return out
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]):
+        ids: list[int] = []
+        pos: list[int] = []
+        query_start_loc = [0]
+        for s in scheduled:
+            ids.extend(s.request.token_ids(s.start, s.end))
+            pos.extend(range(s.start, s.end))
+            query_start_loc.append(len(ids))
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled]
+        dev = self.device
+        block_table = torch.tensor(table, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        counts = torch.tensor([s.num_new_tokens for s in scheduled], device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=dev), counts)
+        bs = self.block_size
+        slot_mapping = block_table[seq_index, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            context_lens=[s.start for s in scheduled],
+            seq_lens=torch.tensor([s.end for s in scheduled], dtype=torch.int64, device=dev),
+            block_table=block_table,
+            num_decodes=sum(1 for s in scheduled if s.num_new_tokens == 1),
+            block_size=bs,
+        )
+        return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
+
+    def _sampling_batch(self, scheduled: list[ScheduledRequest]) -> SamplingBatch:
+        dev = self.device
+        params = [s.request.sampling_params for s in scheduled]
+
+        def column(name: str, neutral: float, dtype=torch.float32) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        batch = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            top_p=column("top_p", 1.0), top_k=column("top_k", 0, torch.int64),
+            min_p=column("min_p", 0.0),
+            repetition_penalty=column("repetition_penalty", 1.0),
+            frequency_penalty=column("frequency_penalty", 0.0),
+            presence_penalty=column("presence_penalty", 0.0),
+            num_logprobs=[p.logprobs for p in params],
+        )
+        if batch.repetition_penalty is not None:
+            batch.seen_mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool,
+                                          device=dev)
+            for row, s in enumerate(scheduled):
+                seen = s.request.prompt_token_ids + s.request.output_token_ids
+                batch.seen_mask[row, torch.tensor(seen, device=dev)] = True
+        if batch.frequency_penalty is not None or batch.presence_penalty is not None:
+            batch.output_counts = torch.zeros(len(params), self.vocab_size, device=dev)
+            for row, s in enumerate(scheduled):
+                out_ids = torch.tensor(s.request.output_token_ids, dtype=torch.int64, device=dev)
+                batch.output_counts[row].index_add_(
+                    0, out_ids, torch.ones(len(out_ids), device=dev))
+        for row, (s, p) in enumerate(zip(scheduled, params)):
+            if s.request.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
+                if banned:
+                    batch.banned.append((row, banned))
+            if p.seed is not None and p.temperature > 0:
+                gen = self._request_generators.get(s.request.request_id)
+                if gen is None:
+                    gen = torch.Generator(dev).manual_seed(p.seed)
+                    self._request_generators[s.request.request_id] = gen
+                batch.generators[row] = gen
+        return batch
+
+    def _score_prompt(self, s: ScheduledRequest, hidden: torch.Tensor, offset: int,
+                      out: RunnerOutput) -> None:
+        """Logprobs of prompt tokens start+1 .. end (those this chunk's logits predict)."""
+        request = s.request
+        last = min(s.end, request.num_prompt_tokens - 1)
+        if s.start >= last:
+            return
+        logits = self.model.compute_logits(hidden[offset:offset + last - s.start]).float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[s.start + 1:last + 1],
+                               device=self.device)
+        k = request.sampling_params.prompt_logprobs
+        scored = top_logprobs(logprobs, targets, [k] * len(targets))
+        out.prompt_logprobs[request.request_id] = (s.start + 1, scored)
