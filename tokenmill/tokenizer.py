@@ -55,14 +55,21 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, token_ids: list[int]) -> str:
+    def add_tokens(self, token_ids: list[int], final: bool = False) -> str:
+        """`final`: the sequence ended, so flush held-back bytes even if incomplete."""
         delta = ""
-        for token in token_ids:
+        for i, token in enumerate(token_ids):
             self._ids.append(token)
-            prefix_text = self._decode(self._ids[self._prefix:self._read])
-            full_text = self._decode(self._ids[self._prefix:])
-            if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-                delta += full_text[len(prefix_text):]
-                self._prefix, self._read = self._read, len(self._ids)
+            delta += self._advance(final and i == len(token_ids) - 1)
+        if final and not token_ids:
+            delta += self._advance(True)
         self.text += delta
         return delta
+
+    def _advance(self, flush: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
+        if len(full_text) > len(prefix_text) and (flush or not full_text.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full_text[len(prefix_text):]
+        return ""

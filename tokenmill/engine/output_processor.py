@@ -145,7 +145,7 @@ class OutputProcessor:
                 new_ids = new_ids[:-1]
         detok = completion.detokenizer
         before = len(detok.text)
-        detok.add_tokens(new_ids)
+        detok.add_tokens(new_ids, final=out.finish_reason is not None)
         if out.finish_reason is not None:
             completion.finish_reason = str(FinishReason(out.finish_reason))
             completion.stop_reason = out.stop_reason

@@ -1,0 +1,83 @@
+"""Greedy tokens and logprobs equal HF transformers on tiny random models of each family."""
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+from tokenmill import LLM, SamplingParams
+
+ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3"]
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
+MAX_TOKENS = 12
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(tiny_models, arch):
+    path, hf = tiny_models(arch)
+    llm = LLM(path, kv_cache_memory_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # Batch 1, one prompt at a time.
+    for prompt in PROMPTS[:2]:
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+    # Batched, mixed prompt lengths.
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logprobs_close_to_transformers(tiny_models, arch):
+    path, hf = tiny_models(arch)
+    llm = LLM(path, kv_cache_memory_gib=0.01)
+    prompt = PROMPTS[1]
+    (out,) = llm.generate({"prompt_token_ids": prompt},
+                          SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                         logprobs=5, prompt_logprobs=3), use_tqdm=False)
+    full = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), dim=-1)
+    diffs = []
+    # Prompt logprobs: position i scored by the logits at i - 1; position 0 is None.
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert prompt[i] in entry and len(entry) >= 3
+        for token, lp in entry.items():
+            diffs.append(abs(lp.logprob - ref[i - 1, token].item()))
+    for j, entry in enumerate(out.outputs[0].logprobs):
+        pos = len(prompt) - 1 + j
+        top = ref[pos].topk(5).indices.tolist()
+        assert list(entry)[0] == full[pos + 1] and set(top) <= set(entry)
+        assert entry[full[pos + 1]].rank == 1  # greedy picks the top token
+        for token, lp in entry.items():
+            diffs.append(abs(lp.logprob - ref[pos, token].item()))
+    print(f"{arch}: max |logprob diff| vs transformers = {max(diffs):.2e}")
+    assert max(diffs) < 1e-4
+
+
+def test_bfloat16_runs_and_mostly_agrees(tiny_models):
+    path, hf = tiny_models("llama")
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_gib=0.01)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    ref = hf_greedy(hf.to(torch.bfloat16), PROMPTS[0], 8)
+    hf.float()
+    assert out.outputs[0].token_ids[:3] == ref[:3]
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    from helpers import make_model
+
+    hf = make_model(str(tmp_path / "src"), "llama")
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    import shutil
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "src" / name, tmp_path / "sharded" / name)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    llm = LLM(str(tmp_path / "sharded"), kv_cache_memory_gib=0.01)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 6)

@@ -1,0 +1,181 @@
+"""Sampling parameters: validation, reproducible seeds, filters against slow references, stops."""
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.sampler import SamplingBatch, apply_top_k_top_p_min_p, sample
+
+PROMPT = {"prompt_token_ids": [5, 17, 99, 200, 3, 45, 67]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models("llama")[0], kv_cache_memory_gib=0.02)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"),
+    ({"min_p": 2}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
+    ({"logprobs": -1}, "logprobs"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_invalid_values_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_same_seed_same_output_in_any_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPT, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": [9, 9, 9]}, PROMPT, PROMPT],
+                         [other, seeded, other], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    different = llm.generate(PROMPT, seeded.clone(seed=99), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    top1 = llm.generate(PROMPT, SamplingParams(temperature=0.8, top_k=1, max_tokens=10,
+                                               ignore_eos=True), use_tqdm=False)
+    assert top1[0].outputs[0].token_ids == greedy
+
+
+def test_n_completions_differ_and_reproduce(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate(PROMPT, params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(seqs)) > 1
+    (again,) = llm.generate(PROMPT, params, use_tqdm=False)
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs
+
+
+def test_stop_strings_tokens_min_max(llm):
+    tok = llm.get_tokenizer()
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert base.text == tok.decode(base.token_ids, skip_special_tokens=True)
+    # Stop string taken from the middle of the greedy text: output ends right before it.
+    stop = base.text[len(base.text) // 2:len(base.text) // 2 + 3]
+    cut = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                              stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == base.text[:base.text.index(stop)]
+    # Stop token id: generation ends on it, its text is not in the output.
+    target = base.token_ids[5]
+    first = base.token_ids.index(target)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                              stop_token_ids=[target]), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.token_ids == base.token_ids[:first + 1] and c.stop_reason == target
+    assert c.text == tok.decode(base.token_ids[:first])
+    # min_tokens bans the stop token until reached.
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                              stop_token_ids=[target], min_tokens=first + 2),
+                       use_tqdm=False)
+    assert target not in out[0].outputs[0].token_ids[:first + 2]
+    assert len(out[0].outputs[0].token_ids) >= first + 2
+
+
+def test_eos_stops_unless_ignored(tiny_models):
+    llm = LLM(tiny_models("llama")[0], kv_cache_memory_gib=0.02)
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    # Make the 3rd greedy token the EOS id by declaring it so in the engine.
+    llm.engine.eos_token_ids = [base[2]]
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.token_ids == base[:3] and c.finish_reason == "stop" and c.stop_reason is None
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == base
+
+
+def reference_filter(logits, top_k, top_p, min_p):
+    """Row by row with Python sorting: the obviously-right version."""
+    out = logits.clone()
+    for r in range(logits.shape[0]):
+        row = logits[r]
+        order = sorted(range(len(row)), key=lambda i: -row[i].item())
+        keep = set(order[:top_k[r]] if top_k[r] > 0 else order)
+        probs = torch.softmax(row, 0)
+        if min_p[r] > 0:
+            keep &= {i for i in range(len(row)) if probs[i] >= probs.max() * min_p[r]}
+        masked = torch.full_like(row, float("-inf"))
+        idx = [i for i in order if i in keep]
+        masked[idx] = row[idx]
+        p = torch.softmax(masked, 0)
+        total, nucleus = 0.0, []
+        for i in idx:
+            if total >= top_p[r]:
+                break
+            nucleus.append(i)
+            total += p[i].item()
+        out[r] = float("-inf")
+        out[r, nucleus] = row[nucleus]
+    return out
+
+
+def test_filters_match_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    top_k, top_p, min_p = [0, 5, 1, 0, 10, 3], [1.0, 0.9, 0.5, 0.3, 0.8, 1.0], \
+        [0.0, 0.0, 0.0, 0.1, 0.05, 0.0]
+    batch = SamplingBatch(temperature=torch.ones(6), top_k=torch.tensor(top_k),
+                          top_p=torch.tensor(top_p), min_p=torch.tensor(min_p))
+    got = apply_top_k_top_p_min_p(logits, batch)
+    assert torch.equal(torch.isinf(got), torch.isinf(reference_filter(logits, top_k, top_p,
+                                                                      min_p)))
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    batch = SamplingBatch(temperature=torch.ones(4000))
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(sample(logits, batch, gen).token_ids, minlength=4).float() / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+
+
+def test_penalties_match_transformers_processors():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    logits = torch.randn(1, 30)
+    seen = [3, 7, 7, 12]
+    batch = SamplingBatch(temperature=torch.zeros(1), repetition_penalty=torch.tensor([1.3]),
+                          seen_mask=torch.zeros(1, 30, dtype=torch.bool))
+    batch.seen_mask[0, seen] = True
+    from tokenmill.layers.sampler import apply_penalties
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen]), logits.clone())
+    torch.testing.assert_close(apply_penalties(logits, batch), ref)
+    counts = torch.zeros(1, 30)
+    counts[0, 7] = 2
+    counts[0, 3] = 1
+    batch = SamplingBatch(temperature=torch.zeros(1), frequency_penalty=torch.tensor([0.5]),
+                          presence_penalty=torch.tensor([0.25]), output_counts=counts)
+    expected = logits.clone()
+    expected[0, 7] -= 0.5 * 2 + 0.25
+    expected[0, 3] -= 0.5 + 0.25
+    torch.testing.assert_close(apply_penalties(logits, batch), expected)
+
+
+def test_penalties_end_to_end_change_output(llm):
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = llm.generate(PROMPT, plain, use_tqdm=False)[0].outputs[0].token_ids
+    pen = llm.generate(PROMPT, plain.clone(repetition_penalty=5.0, presence_penalty=2.0),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(pen)) >= len(set(base))
+
+
+def test_skip_special_tokens(llm):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            skip_special_tokens=False, stop_token_ids=[])
+    out = llm.generate({"prompt_token_ids": [0, 5, 6]}, params, use_tqdm=False)[0].outputs[0]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=False)
