@@ -66,7 +66,8 @@ class TorchSDPABackend(AttentionBackend):
         # [B, n_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
         keys = k_cache[table].view(b, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
         values = v_cache[table].view(b, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
-        mask = (torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)).view(b, 1, 1, max_len)
+        mask = torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)
+        mask = mask.view(b, 1, 1, max_len)
         attn = F.scaled_dot_product_attention(
             _group_queries(q.unsqueeze(1), num_kv_heads), keys, values, attn_mask=mask,
             scale=scale)  # q: [B, 1, Hq, D] -> [B, Hkv, G, D]

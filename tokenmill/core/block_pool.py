@@ -27,7 +27,8 @@ class Block:
         self.block_hash: bytes | None = None
 
     def __repr__(self) -> str:
-        return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        cached = self.block_hash is not None
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, cached={cached})"
 
 
 class BlockPool:

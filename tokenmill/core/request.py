@@ -69,10 +69,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def token_id(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

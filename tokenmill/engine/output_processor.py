@@ -79,16 +79,13 @@ class OutputProcessor:
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self._requests.get(request_id)
-        if state is None:
-            return []
-        n = len(state.completions)
-        return [child_request_id(request_id, c.index, n) for c in state.completions]
+        return [] if state is None else self._child_ids_of(state)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         state = self._requests.pop(request_id, None)
         if state is None:
             return None
-        for child_id in self.child_ids_of(state):
+        for child_id in self._child_ids_of(state):
             self._children.pop(child_id, None)
         for c in state.completions:
             if c.finish_reason is None:
@@ -96,7 +93,7 @@ class OutputProcessor:
         return self._request_output(state)
 
     @staticmethod
-    def child_ids_of(state: _RequestState) -> list[str]:
+    def _child_ids_of(state: _RequestState) -> list[str]:
         n = len(state.completions)
         return [child_request_id(state.request_id, c.index, n) for c in state.completions]
 
@@ -138,11 +135,10 @@ class OutputProcessor:
         """Detokenize new tokens, apply stop strings; True if a stop string ended it here."""
         params = completion.params
         new_ids = out.new_token_ids
-        if (out.finish_reason == FinishReason.STOP and out.stop_reason is None
-                or isinstance(out.stop_reason, int)):
-            # Ended by EOS or a stop token: that token is not part of the text.
-            if not params.include_stop_str_in_output:
-                new_ids = new_ids[:-1]
+        ended_by_token = (out.finish_reason == FinishReason.STOP and out.stop_reason is None
+                          or isinstance(out.stop_reason, int))
+        if ended_by_token and not params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # EOS / stop token: not part of the text
         detok = completion.detokenizer
         before = len(detok.text)
         detok.add_tokens(new_ids, final=out.finish_reason is not None)

@@ -1,0 +1,92 @@
+"""The `tokenmill` command: generate text, or run a benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: bundled SmolLM2-135M)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                        help="CPU memory for the KV cache in GiB (default 4)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed}
+    if args.kv_cache_memory is not None:
+        kwargs["kv_cache_memory_gib"] = args.kv_cache_memory
+    return kwargs
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(args.model, **_engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    sys.stdout.write(outputs[0].outputs[0].text + "\n")
+    return 0
+
+
+def _run_bench_script(name: str, argv: list[str]) -> int:
+    """Benchmarks live in the repository's bench/ folder (they compare against other
+    engines, so they are not part of the installed package)."""
+    import runpy
+    from pathlib import Path
+
+    import tokenmill
+
+    script = Path(tokenmill.__file__).resolve().parent.parent / "bench" / name
+    if not script.is_file():
+        sys.stderr.write(f"error: {script} not found; run from a source checkout.\n")
+        return 2
+    sys.argv = [str(script), *argv]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (see bench/)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline = bench_sub.add_parser("offline", help="offline throughput vs transformers",
+                                   add_help=False)
+    offline.set_defaults(func=None)
+
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "bench":
+        return _run_bench_script("offline_throughput.py", rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
