@@ -49,5 +49,5 @@ class AttentionBackend:
     @staticmethod
     def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
         """Contiguous [length, Hkv, D] view of one sequence's cached K or V."""
-        blocks = cache[block_ids]  # [n, block_size, Hkv, D]
+        blocks = cache.index_select(0, block_ids)  # [n, block_size, Hkv, D]
         return blocks.reshape(-1, *cache.shape[2:])[:length]

@@ -64,8 +64,12 @@ class TorchSDPABackend(AttentionBackend):
         table = meta.block_table[: meta.num_decodes, :n_blocks]
         b = table.shape[0]
         # [B, n_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[table].view(b, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)
-        values = v_cache[table].view(b, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
+        # index_select, not k_cache[table]: several times faster on CPU for this gather.
+        flat = table.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[2:])
+        values = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[2:])
+        keys = keys[:, :max_len].transpose(1, 2)
+        values = values[:, :max_len].transpose(1, 2)
         mask = torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)
         mask = mask.view(b, 1, 1, max_len)
         attn = F.scaled_dot_product_attention(
