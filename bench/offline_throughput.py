@@ -58,6 +58,17 @@ def transformers_run(args, prompts) -> float:
     return elapsed
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None
                                                         else sys.argv[1:])]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+        "machine": {"platform": platform.platform(), "processor": cpu_model(),
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__},
         "model": args.model, "num_prompts": args.num_prompts, "input_len": args.input_len,
