@@ -81,3 +81,18 @@ def test_abort_mid_generation_frees_everything(tiny_models, prompts):
     assert set(finished) == set(ids[2:])
     pool = engine.core.kv_cache.pool
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_prompt_logprobs_same_when_chunked_and_preempted(tiny_models, prompts):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    path = tiny_models("qwen2")[0]
+
+    def run(**kwargs):
+        outs = LLM(path, **kwargs).generate(prompts[6:], params, use_tqdm=False)
+        return [[None if p is None else {t: round(lp.logprob, 4) for t, lp in p.items()}
+                 for p in o.prompt_logprobs] for o in outs]
+
+    whole = run(kv_cache_memory_gib=0.05)
+    assert all(len(p) == len(q["prompt_token_ids"]) for p, q in zip(whole, prompts[6:]))
+    assert run(kv_cache_memory_gib=0.05, max_num_batched_tokens=5) == whole
+    assert run(num_kv_blocks=14, block_size=8) == whole
