@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +13,6 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.models.registry import build_model
-
-logger = logging.getLogger(__name__)
 
 
 def is_gguf(path: str) -> bool:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from tokenmill.loader import load_hf_config
-
-logger = logging.getLogger(__name__)
 
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:

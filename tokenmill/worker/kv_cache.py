@@ -16,8 +16,9 @@ def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
 
 
 def gpu_kv_budget_bytes(device: torch.device, utilization: float) -> int:
-    """What is left for KV of `utilization` x device memory once weights (and a forward's
-    working set, measured by the caller's profile run) are resident."""
+    """What is left for KV of `utilization` x device memory once the weights are resident.
+
+    Activation memory is not profiled yet, so `utilization` must leave room for it."""
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     return int(total * utilization) - used
