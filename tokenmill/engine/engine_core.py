@@ -6,7 +6,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
-from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loader import load_hf_config
 
 
@@ -70,6 +70,14 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=kv.pool.num_used_blocks, kv_blocks_total=kv.num_blocks,
+            prefix_queried_tokens=kv.num_queried_tokens, prefix_hit_tokens=kv.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions)
 
     def step(self) -> list[EngineCoreOutput]:
         step = self.scheduler.schedule()

@@ -74,6 +74,10 @@ class OutputProcessor:
         self._requests[request_id] = state
         return ids
 
+    def parent_of(self, child_id: str) -> str | None:
+        entry = self._children.get(child_id)
+        return None if entry is None else entry[0].request_id
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 

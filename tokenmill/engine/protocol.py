@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from tokenmill.sampling_params import SamplingParams
@@ -26,3 +28,43 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # (first prompt position scored, logprobs per position)
     prompt_logprobs: tuple[int, list[PositionLogprobs]] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # the request was refused or failed; it is finished
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """Engine-core gauges and counters, sent with every batch of outputs and as a heartbeat."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_queried_tokens: int = 0  # cumulative
+    prefix_hit_tokens: int = 0  # cumulative
+    num_preemptions: int = 0  # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineCoreInfo(msgspec.Struct):
+    """What the core tells a client when it connects (sent once, after the model loaded)."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+
+
+class RequestType(enum.IntEnum):
+    HELLO = 0  # a client announces itself; the core answers with EngineCoreInfo
+    ADD = 1  # EngineCoreRequest
+    ABORT = 2  # list[str] request ids
+    FINISH = 3  # list[str] request ids stopped by a stop string
+    SHUTDOWN = 4

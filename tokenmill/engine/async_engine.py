@@ -1,0 +1,152 @@
+"""asyncio front of the engine for API servers: per-request output streams, abort on cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(ValueError):
+    """The engine refused or failed one request (others are unaffected)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped answering; every in-flight request fails with this."""
+
+
+class AsyncLLM:
+    """Owns one client of the engine core. `generate` yields cumulative `RequestOutput`s;
+    leaving the iterator early (client gone, task cancelled) aborts the request in the core."""
+
+    def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
+                 dead_after_s: float = 10.0) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.processor = OutputProcessor(tokenizer)
+        self.stats = SchedulerStats()
+        self.last_heartbeat = time.monotonic()
+        self.dead_after_s = dead_after_s
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._counter = itertools.count()
+        self._loop_task: asyncio.Task | None = None
+        self.dead: BaseException | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    async def start(self) -> None:
+        await self.client.connect()
+        self._loop_task = asyncio.create_task(self._output_loop())
+
+    def is_alive(self) -> bool:
+        return (self.dead is None
+                and time.monotonic() - self.last_heartbeat < self.dead_after_s)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self.dead is not None:
+            raise EngineDeadError("The engine is not running.")
+        request_id = f"req-{next(self._counter)}" if request_id is None else request_id
+        if request_id in self._queues:
+            raise EngineRequestError(f"Request id {request_id!r} is already in flight.")
+        params = params.clone(eos_token_ids=list(self.eos_token_ids))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+            for i, child_id in enumerate(child_ids):
+                child_params = params if params.seed is None or params.n == 1 else \
+                    params.clone(seed=params.seed + i)
+                await self.client.add_request(EngineCoreRequest(
+                    child_id, list(prompt_token_ids), child_params, time.monotonic()))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        children = self.processor.child_ids(request_id)
+        self.processor.abort_request(request_id)
+        if children and self.dead is None:
+            with contextlib.suppress(Exception):
+                await self.client.abort_requests(children)
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                batch = await self.client.get_output()
+                self.last_heartbeat = time.monotonic()
+                if batch.stats is not None:
+                    self.stats = batch.stats
+                outputs = [o for o in batch.outputs if not self._fail_if_error(o)]
+                results, stopped = self.processor.process_outputs(outputs)
+                for result in results:
+                    queue = self._queues.get(result.request_id)
+                    if queue is not None:
+                        queue.put_nowait(result)
+                await self.client.finish_requests(stopped)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure here means no more outputs
+            logger.exception("engine output loop failed")
+            self._fail_all(EngineDeadError(f"The engine output loop failed: {exc}"))
+
+    def _fail_if_error(self, out: EngineCoreOutput) -> bool:
+        if out.error is None:
+            return False
+        parent = self.processor.parent_of(out.request_id)
+        if parent is not None:
+            queue = self._queues.get(parent)
+            if queue is not None:
+                queue.put_nowait(EngineRequestError(out.error))
+            siblings = [c for c in self.processor.child_ids(parent) if c != out.request_id]
+            self.processor.abort_request(parent)
+            if siblings:
+                asyncio.get_running_loop().create_task(self.client.abort_requests(siblings))
+        return True
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    async def check_health(self) -> None:
+        """Marks the engine dead when its heartbeat stopped; in-flight requests get the error."""
+        if self.dead is None and not self.is_alive():
+            self._fail_all(EngineDeadError("The engine core stopped responding."))
+
+    async def shutdown(self, stop_core: bool = False) -> None:
+        if stop_core and self.dead is None:
+            with contextlib.suppress(Exception):
+                await self.client.shutdown_core()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self.client.close()

@@ -1,0 +1,120 @@
+"""The engine core as its own process: a busy loop behind one ZMQ ROUTER socket.
+
+API processes connect DEALER sockets (one per HTTP worker); every message is msgspec-encoded,
+never pickled. The core remembers which client owns each request and sends each client only
+its outputs, plus a stats heartbeat while idle so clients can tell a live loop from a dead one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import FinishReason
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.protocol import (
+    EngineCoreInfo,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+)
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+OUTPUTS, INFO = b"O", b"I"  # first frame of core -> client messages
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, address: str) -> None:
+        self.core = core
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+        self.decode_ids = msgspec.msgpack.Decoder(list[str]).decode
+        self.clients: set[bytes] = set()
+        self.owner: dict[str, bytes] = {}  # request id -> client identity
+        self.info = EngineCoreInfo(max_model_len=core.max_model_len,
+                                   num_kv_blocks=core.kv_cache.num_blocks,
+                                   block_size=core.config.block_size,
+                                   vocab_size=core.hf_config.vocab_size)
+        self._last_sent = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = self.core.has_unfinished_requests()
+            timeout = 0 if busy else int(HEARTBEAT_S * 1000)
+            while self.socket.poll(timeout):
+                if not self._handle(*self.socket.recv_multipart()):
+                    return
+                timeout = 0
+            if self.core.has_unfinished_requests():
+                self._send(self.core.step())
+            elif time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                self._send([])
+
+    def _handle(self, identity: bytes, kind: bytes, payload: bytes) -> bool:
+        kind = RequestType(int(kind))
+        if kind == RequestType.HELLO:
+            self.clients.add(identity)
+            self.socket.send_multipart([identity, INFO, self.encoder.encode(self.info)])
+        elif kind == RequestType.ADD:
+            request = self.decode_request(payload)
+            try:
+                self.core.add_request(request)
+                self.owner[request.request_id] = identity
+            except ValueError as exc:
+                refused = EngineCoreOutput(request.request_id, [], int(FinishReason.ABORT),
+                                           error=str(exc))
+                self._send_to(identity, [refused])
+        elif kind in (RequestType.ABORT, RequestType.FINISH):
+            ids = self.decode_ids(payload)
+            if kind == RequestType.ABORT:
+                self.core.abort_requests(ids)
+            else:
+                self.core.finish_requests(ids)
+            for request_id in ids:
+                self.owner.pop(request_id, None)
+        elif kind == RequestType.SHUTDOWN:
+            return False
+        return True
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        by_client: dict[bytes, list[EngineCoreOutput]] = {c: [] for c in self.clients}
+        for out in outputs:
+            identity = self.owner.get(out.request_id)
+            if identity is None:
+                continue
+            by_client.setdefault(identity, []).append(out)
+            if out.finish_reason is not None:
+                del self.owner[out.request_id]
+        for identity, outs in by_client.items():
+            self._send_to(identity, outs)
+        self._last_sent = time.monotonic()
+
+    def _send_to(self, identity: bytes, outputs: list[EngineCoreOutput]) -> None:
+        message = EngineCoreOutputs(outputs, self.core.stats(), time.time())
+        self.socket.send_multipart([identity, OUTPUTS, self.encoder.encode(message)])
+
+
+def run_engine_core(config: EngineConfig, model_path: str, address: str,
+                    ready: Connection) -> None:
+    """Process entry point: load the model, report readiness (or the error), then loop."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s")
+    try:
+        proc = EngineCoreProc(EngineCore(config, model_path), address)
+    except Exception as exc:  # noqa: BLE001 - any start-up failure is reported, then we exit
+        logger.exception("engine core failed to start")
+        ready.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    ready.send(("ready", msgspec.msgpack.encode(proc.info)))
+    ready.close()
+    proc.run()
