@@ -56,6 +56,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new

@@ -13,6 +13,7 @@ from typing import Any
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.metrics import Metrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -21,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 class EngineRequestError(ValueError):
     """The engine refused or failed one request (others are unaffected)."""
+
+
+class DuplicateRequestError(EngineRequestError):
+    """A request with this id is already in flight."""
 
 
 class EngineDeadError(RuntimeError):
@@ -32,7 +37,8 @@ class AsyncLLM:
     leaving the iterator early (client gone, task cancelled) aborts the request in the core."""
 
     def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
-                 dead_after_s: float = 10.0) -> None:
+                 dead_after_s: float = 10.0, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
         self.client = client
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -64,11 +70,12 @@ class AsyncLLM:
             raise EngineDeadError("The engine is not running.")
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
         if request_id in self._queues:
-            raise EngineRequestError(f"Request id {request_id!r} is already in flight.")
+            raise DuplicateRequestError(f"Request id {request_id!r} is already in flight.")
         params = params.clone(eos_token_ids=list(self.eos_token_ids))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
+        timer = _RequestTimer(self.metrics, len(prompt_token_ids))
         try:
             child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
             for i, child_id in enumerate(child_ids):
@@ -80,15 +87,21 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
+                    timer.finish("error")
                     raise item
                 finished = item.finished
+                timer.output(item)
                 yield item
                 if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
             if not finished:
+                timer.finish("abort")
                 await self.abort(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._queues
 
     async def abort(self, request_id: str) -> None:
         children = self.processor.child_ids(request_id)
@@ -104,6 +117,12 @@ class AsyncLLM:
                 self.last_heartbeat = time.monotonic()
                 if batch.stats is not None:
                     self.stats = batch.stats
+                    if self.metrics is not None:
+                        self.metrics.observe_stats(batch.stats)
+                if self.metrics is not None:
+                    for out in batch.outputs:
+                        if out.queue_time is not None:
+                            self.metrics.queued(out.queue_time)
                 outputs = [o for o in batch.outputs if not self._fail_if_error(o)]
                 results, stopped = self.processor.process_outputs(outputs)
                 for result in results:
@@ -150,3 +169,36 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         self.client.close()
+
+
+class _RequestTimer:
+    """Feeds one request's latencies into the metrics (no-op without metrics)."""
+
+    def __init__(self, metrics: Metrics | None, num_prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.num_prompt_tokens = num_prompt_tokens
+        self.start = self.last = time.monotonic()
+        self.num_tokens = 0
+        self.done = False
+
+    def output(self, out: RequestOutput) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        if tokens > self.num_tokens:
+            if self.num_tokens == 0:
+                self.metrics.first_token(now - self.start)
+            else:
+                self.metrics.inter_token(now - self.last)
+            self.num_tokens, self.last = tokens, now
+        if out.finished:
+            reasons = {c.finish_reason for c in out.outputs}
+            self.finish("length" if reasons == {"length"} else "stop")
+
+    def finish(self, outcome: str) -> None:
+        if self.metrics is None or self.done:
+            return
+        self.done = True
+        self.metrics.request_finished(outcome, self.num_prompt_tokens, self.num_tokens,
+                                      time.monotonic() - self.start)

@@ -20,6 +20,12 @@ def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     return config.max_model_len
 
 
+def _queue_time(request: Request) -> float | None:
+    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        return None
+    return max(0.0, request.first_scheduled_time - request.arrival_time)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
@@ -94,7 +100,8 @@ class EngineCore:
                 stop_reason=request.stop_reason,
                 new_logprobs=None if lp is None else [lp],
                 prompt_logprobs=result.prompt_logprobs.get(rid),
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                queue_time=_queue_time(request)))
         # Prompt logprobs of chunks that sampled nothing travel on an empty output.
         sent = {o.request_id for o in outputs}
         for rid, scored in result.prompt_logprobs.items():

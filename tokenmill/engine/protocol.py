@@ -29,6 +29,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: tuple[int, list[PositionLogprobs]] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request was refused or failed; it is finished
+    queue_time: float | None = None  # on the first token: arrival -> first scheduled (s)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

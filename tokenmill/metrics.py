@@ -1,0 +1,101 @@
+"""Prometheus metrics of one API process: `tokenmill:` families plus the seed's gauge family."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tokenmill.engine.protocol import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class Metrics:
+    def __init__(self, model_name: str, max_num_seqs: int,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.max_num_seqs = max_num_seqs
+        labels = ["model_name"]
+        r = self.registry
+        self.requests = Counter("tokenmill:request_success", "Finished requests by outcome",
+                                labels + ["outcome"], registry=r)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed",
+                                     labels, registry=r)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated",
+                                         labels, registry=r)
+        self.running = Gauge("tokenmill:num_requests_running", "Requests being computed",
+                             labels, registry=r)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Requests queued in the engine",
+                             labels, registry=r)
+        self.kv_used = Gauge("tokenmill:kv_cache_blocks_used", "KV blocks in use", labels,
+                             registry=r)
+        self.kv_total = Gauge("tokenmill:kv_cache_blocks_total", "KV blocks in the cache",
+                              labels, registry=r)
+        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                              labels, registry=r)
+        self.prefix_hit_rate = Gauge("tokenmill:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / queried",
+                                     labels, registry=r)
+        self.preemptions = Gauge("tokenmill:num_preemptions", "Preemptions so far", labels,
+                                 registry=r)
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds",
+                             "Time between consecutive outputs of a request", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds",
+                             "Arrival to finish of a request", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("tokenmill:request_queue_time_seconds",
+                                    "Arrival to first scheduling of a request", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_hist = Histogram("tokenmill:request_prompt_tokens", "Prompt length",
+                                     labels, buckets=_TOKEN_BUCKETS, registry=r)
+        self.generation_hist = Histogram("tokenmill:request_generation_tokens",
+                                         "Generated length", labels, buckets=_TOKEN_BUCKETS,
+                                         registry=r)
+        # The seed's family: one series per quantity, label key == label value.
+        self.seed = Gauge("inference_server_metrics", "Metrics for monitoring inference server "
+                          "status", ["batch_size", "block_num", "max_batch_size",
+                                     "max_block_num", "available_resource"], registry=r)
+        self.model_name = model_name
+
+    def _m(self, metric, **labels):
+        return metric.labels(model_name=self.model_name, **labels)
+
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        self._m(self.running).set(stats.num_running)
+        self._m(self.waiting).set(stats.num_waiting)
+        self._m(self.kv_used).set(stats.kv_blocks_used)
+        self._m(self.kv_total).set(stats.kv_blocks_total)
+        self._m(self.kv_usage).set(stats.kv_usage)
+        queried = stats.prefix_queried_tokens
+        self._m(self.prefix_hit_rate).set(stats.prefix_hit_tokens / queried if queried else 0)
+        self._m(self.preemptions).set(stats.num_preemptions)
+        free = stats.kv_blocks_total - stats.kv_blocks_used
+        values = {"batch_size": stats.num_running, "block_num": free,
+                  "max_batch_size": self.max_num_seqs, "max_block_num": stats.kv_blocks_total,
+                  "available_resource": free / stats.kv_blocks_total
+                  if stats.kv_blocks_total else 0.0}
+        empty = dict.fromkeys(values, "")
+        for key, value in values.items():
+            self.seed.labels(**{**empty, key: key}).set(value)
+
+    def request_finished(self, outcome: str, prompt_tokens: int, generated_tokens: int,
+                         e2e_s: float) -> None:
+        self._m(self.requests, outcome=outcome).inc()
+        self._m(self.prompt_tokens).inc(prompt_tokens)
+        self._m(self.generation_tokens).inc(generated_tokens)
+        self._m(self.prompt_hist).observe(prompt_tokens)
+        self._m(self.generation_hist).observe(generated_tokens)
+        self._m(self.e2e).observe(e2e_s)
+
+    def first_token(self, ttft_s: float) -> None:
+        self._m(self.ttft).observe(ttft_s)
+
+    def inter_token(self, itl_s: float) -> None:
+        self._m(self.itl).observe(itl_s)
+
+    def queued(self, queue_s: float) -> None:
+        self._m(self.queue_time).observe(queue_s)
