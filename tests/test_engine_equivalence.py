@@ -89,10 +89,22 @@ def test_prompt_logprobs_same_when_chunked_and_preempted(tiny_models, prompts):
 
     def run(**kwargs):
         outs = LLM(path, **kwargs).generate(prompts[6:], params, use_tqdm=False)
-        return [[None if p is None else {t: round(lp.logprob, 4) for t, lp in p.items()}
+        return [[None if p is None else {t: lp.logprob for t, lp in p.items()}
                  for p in o.prompt_logprobs] for o in outs]
+
+    def assert_close(got, want):
+        # Same top tokens at every position; values equal up to float reduction order.
+        assert len(got) == len(want)
+        for g_seq, w_seq in zip(got, want):
+            assert len(g_seq) == len(w_seq)
+            for g, w in zip(g_seq, w_seq):
+                if w is None:
+                    assert g is None
+                    continue
+                assert set(g) == set(w)
+                assert all(abs(g[t] - w[t]) < 1e-4 for t in w)
 
     whole = run(kv_cache_memory_gib=0.05)
     assert all(len(p) == len(q["prompt_token_ids"]) for p, q in zip(whole, prompts[6:]))
-    assert run(kv_cache_memory_gib=0.05, max_num_batched_tokens=5) == whole
-    assert run(num_kv_blocks=14, block_size=8) == whole
+    assert_close(run(kv_cache_memory_gib=0.05, max_num_batched_tokens=5), whole)
+    assert_close(run(num_kv_blocks=14, block_size=8), whole)
