@@ -58,3 +58,261 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization!r}.")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Server configuration: defaults < the seed's environment variables < vLLM-style flags.
+
+# (field, new env name, old env name). The old name wins when both are set, as in the seed's
+# start_server script (`HEALTH_HTTP_PORT=${HTTP_PORT:-${HEALTH_HTTP_PORT:-8110}}`).
+_PORT_ENV = (("port", "SERVICE_HTTP_PORT", "PUSH_MODE_HTTP_PORT"),
+             ("health_port", "HEALTH_HTTP_PORT", "HTTP_PORT"),
+             ("grpc_port", "SERVICE_GRPC_PORT", "GRPC_PORT"),
+             ("metrics_port", "METRICS_HTTP_PORT", "METRICS_PORT"),
+             ("inter_proc_port", "INTER_PROC_PORT", "INFER_QUEUE_PORT"))
+
+
+@dataclass
+class ServerConfig:
+    engine: EngineConfig
+    host: str = "0.0.0.0"
+    port: int = 9965  # native + OpenAI + Triton-generate HTTP API
+    health_port: int = 8110  # /v2/health/live, /v2/health/ready
+    grpc_port: int = 8811  # KServe v2 / Triton gRPC
+    metrics_port: int = 8722  # Prometheus /metrics
+    inter_proc_port: int = 8813  # the seed's queue port; checked for conflicts, see README
+    served_model_name: list[str] | None = None  # default: the model's file/dir name
+    api_key: str | None = None
+    http_workers: int = 1  # PUSH_MODE_HTTP_WORKERS
+    max_cached_task_num: int = 128  # requests allowed to wait in the engine queue
+    max_dec_len: int = 1024  # cap on requested new tokens
+    max_seq_len: int | None = None  # cap on prompt tokens; default: max_model_len - 1
+    disable_streaming: bool = False
+    use_warmup: bool = False
+    log_dir: str = "log"
+    shutdown_timeout: float = 300.0  # SIGTERM: seconds to let in-flight requests finish
+    check_health_interval: float = 10.0  # engine silent this long => not ready, requests fail
+
+    @property
+    def model_names(self) -> list[str]:
+        """Names accepted in `model` fields; the first is reported (vLLM: the model argument
+        itself when no --served-model-name is given)."""
+        return self.served_model_name or [self.engine.model or "default"]
+
+    def validate(self) -> None:
+        ports = {}
+        for name in ("port", "health_port", "grpc_port", "metrics_port", "inter_proc_port"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 < value < 65536:
+                raise ValueError(f"{name} must be a TCP port in 1-65535, got {value!r}.")
+            if value in ports:
+                raise ValueError(f"{name} and {ports[value]} are both set to port {value}; "
+                                 "every port must be different.")
+            ports[value] = name
+        if not 1 <= self.http_workers <= 8:
+            raise ValueError(f"PUSH_MODE_HTTP_WORKERS ({self.http_workers}) must be between "
+                             "1 and 8.")
+        if self.engine.max_num_seqs > 256:
+            raise ValueError("The parameter `max_batch_size` is not allowed to exceed 256, but "
+                             f"now it's {self.engine.max_num_seqs}.")
+        for name in ("max_cached_task_num", "max_dec_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got "
+                                 f"{getattr(self, name)}.")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive integer, got {self.max_seq_len}.")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
+        if not self.check_health_interval > 0:
+            raise ValueError("CHECK_HEALTH_INTERVAL must be > 0, got "
+                             f"{self.check_health_interval}.")
+        if self.served_model_name is not None and not all(self.served_model_name):
+            raise ValueError("served_model_name must not be empty.")
+
+
+def _parse_len(text: str) -> int:
+    """vLLM accepts 4096, 4k, 4K (x1000) and 4KiB-style 1ki (x1024) for --max-model-len."""
+    t = text.strip().lower()
+    for suffix, mult in (("ki", 1024), ("k", 1000), ("mi", 1 << 20), ("m", 1_000_000)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def make_serve_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="tokenmill serve",
+        description="Serve a model over the native, OpenAI and Triton-generate HTTP APIs. "
+                    "Flags override the seed's environment variables, which override defaults.")
+    a = p.add_argument
+    a("model", nargs="?", default=None,
+      help="HF directory or .gguf file (env MODEL_DIR; default: bundled SmolLM2-135M)")
+    a("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    a("--tokenizer", default=None)
+    a("--host", default=None, help="bind address of the HTTP ports (default 0.0.0.0)")
+    a("--port", type=int, default=None, help="API port (env SERVICE_HTTP_PORT; default 9965)")
+    a("--health-port", type=int, default=None, help="env HEALTH_HTTP_PORT; default 8110")
+    a("--metrics-port", type=int, default=None, help="env METRICS_HTTP_PORT; default 8722")
+    a("--grpc-port", type=int, default=None, help="env SERVICE_GRPC_PORT; default 8811")
+    a("--served-model-name", nargs="+", default=None,
+      help="names accepted in `model`; the first is reported")
+    a("--api-key", default=None, help="require `Authorization: Bearer KEY` (env VLLM_API_KEY)")
+    a("--dtype", default=None, help="auto, float32, bfloat16, float16 (env DTYPE)")
+    a("--device", default=None, help="auto, cpu, cuda[:N]")
+    a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
+    a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
+    a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
+    a("--gpu-memory-utilization", type=float, default=None)
+    a("--kv-cache-memory", type=float, default=None, metavar="GIB",
+      help="CPU memory for KV blocks in GiB (default 4)")
+    a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    a("--tensor-parallel-size", "-tp", type=int, default=None, help="env MP_NUM; only 1 so far")
+    a("--seed", type=int, default=None)
+    a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
+    a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
+    a("--max-cached-task-num", type=int, default=None,
+      help="queued requests before 503 (env MAX_CACHED_TASK_NUM; default 128)")
+    a("--http-workers", type=int, default=None, help="env PUSH_MODE_HTTP_WORKERS (1-8)")
+    a("--disable-streaming", action="store_true", default=None, help="env DISABLE_STREAMING=1")
+    a("--use-warmup", action="store_true", default=None, help="env USE_WARMUP=1")
+    a("--log-dir", default=None, help="env FD_LOG_DIR; default log")
+    a("--shutdown-timeout", type=float, default=None,
+      help="seconds SIGTERM waits for in-flight requests (default 300)")
+    return p
+
+
+class _Env:
+    """Typed reads of environment variables with messages that name the variable."""
+
+    def __init__(self, environ) -> None:
+        self.environ = environ
+
+    def raw(self, *names: str) -> tuple[str, str] | None:
+        for name in names:  # first given name wins
+            value = self.environ.get(name)
+            if value not in (None, ""):
+                return name, value
+        return None
+
+    def text(self, *names: str):
+        found = self.raw(*names)
+        return None if found is None else found[1]
+
+    def integer(self, *names: str):
+        found = self.raw(*names)
+        if found is None:
+            return None
+        try:
+            return int(found[1])
+        except ValueError:
+            raise ValueError(f"Environment variable {found[0]} must be an integer, got "
+                             f"{found[1]!r}.") from None
+
+    def number(self, *names: str):
+        found = self.raw(*names)
+        if found is None:
+            return None
+        try:
+            return float(found[1])
+        except ValueError:
+            raise ValueError(f"Environment variable {found[0]} must be a number, got "
+                             f"{found[1]!r}.") from None
+
+    def flag(self, name: str):
+        found = self.raw(name)
+        if found is None:
+            return None
+        if found[1] not in ("0", "1"):
+            raise ValueError(f"Environment variable {name} must be 0 or 1, got {found[1]!r}.")
+        return found[1] == "1"
+
+
+def build_server_config(argv: list[str], environ=None) -> ServerConfig:
+    """Defaults, then the seed's environment variables, then flags; validated."""
+    import math
+    import os
+
+    environ = os.environ if environ is None else environ
+    args = make_serve_parser().parse_args(argv)
+    env = _Env(environ)
+
+    def pick(flag, env_value, default=None):
+        return flag if flag is not None else env_value if env_value is not None else default
+
+    if env.flag("USE_CACHE_KV_INT8"):
+        raise ValueError("USE_CACHE_KV_INT8=1: the int8 KV cache is not available yet.")
+    tp = pick(args.tensor_parallel_size, env.integer("MP_NUM"), 1)
+    if tp != 1:
+        raise ValueError(f"tensor parallel size {tp} (MP_NUM / --tensor-parallel-size): only 1 "
+                         "is supported so far.")
+    block_ratio = env.number("BLOCK_RATIO")
+    if block_ratio is not None and not 0 < block_ratio <= 1:
+        raise ValueError(f"BLOCK_RATIO must be in (0, 1], got {block_ratio}.")
+    block_bs = env.number("BLOCK_BS")
+    if block_bs is not None and not block_bs > 0:
+        raise ValueError(f"BLOCK_BS must be > 0, got {block_bs}.")
+
+    block_size = pick(args.block_size, env.integer("BLOCK_SIZE"), 16)
+    max_dec_len = pick(args.max_dec_len, env.integer("MAX_DEC_LEN"), 1024)
+    max_seq_len = pick(args.max_seq_len, env.integer("MAX_SEQ_LEN"))
+    num_kv_blocks = args.num_kv_blocks
+    if num_kv_blocks is None and block_bs is not None:
+        # The seed sizes the cache as BLOCK_BS requests of the longest allowed length.
+        longest = max(max_dec_len, max_seq_len or 0)
+        num_kv_blocks = max(1, int(block_bs * math.ceil(longest / block_size)))
+    engine_kwargs = {
+        "model": pick(args.model_flag or args.model, env.text("MODEL_DIR")),
+        "tokenizer": args.tokenizer,
+        "dtype": pick(args.dtype, env.text("DTYPE"), "auto"),
+        "device": pick(args.device, None, "auto"),
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": pick(args.max_num_seqs, env.integer("BATCH_SIZE"), 256),
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": block_size,
+        "enable_prefix_caching": pick(args.enable_prefix_caching, None, True),
+        "kv_cache_memory_gib": pick(args.kv_cache_memory, None, 4.0),
+        "gpu_memory_utilization": pick(args.gpu_memory_utilization, None, 0.9),
+        "num_kv_blocks": num_kv_blocks,
+        "seed": pick(args.seed, None, 0),
+    }
+    engine = EngineConfig(**engine_kwargs)
+    ports = {}
+    for field_name, new, old in _PORT_ENV:
+        flag = getattr(args, field_name, None)
+        ports[field_name] = pick(flag, env.integer(old, new))
+    ports = {k: v for k, v in ports.items() if v is not None}
+    config = ServerConfig(
+        engine=engine,
+        host=pick(args.host, None, "0.0.0.0"),
+        served_model_name=args.served_model_name,
+        api_key=pick(args.api_key, env.text("VLLM_API_KEY")),
+        http_workers=pick(args.http_workers, env.integer("PUSH_MODE_HTTP_WORKERS"), 1),
+        max_cached_task_num=pick(args.max_cached_task_num, env.integer("MAX_CACHED_TASK_NUM"), 128),
+        max_dec_len=max_dec_len,
+        max_seq_len=max_seq_len,
+        disable_streaming=pick(args.disable_streaming, env.flag("DISABLE_STREAMING"), False),
+        use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
+        log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
+        shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),
+        check_health_interval=pick(None, env.number("CHECK_HEALTH_INTERVAL"), 10.0),
+        **ports)
+    config.validate()
+    return config
+
+
+def check_ports_free(config: ServerConfig) -> None:
+    """Fail fast, naming the port, when something already listens on one of ours."""
+    import socket
+
+    for name, _, _ in _PORT_ENV:
+        port = getattr(config, name)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((config.host if name != "inter_proc_port" else "127.0.0.1", port))
+            except OSError:
+                raise OSError(f"PORT: {port} occupied! Please change the port!") from None

@@ -50,6 +50,7 @@ class AsyncLLM:
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
+        self.num_aborted = 0  # requests left before they finished (client gone, cancelled)
 
     @property
     def max_model_len(self) -> int:
@@ -97,8 +98,12 @@ class AsyncLLM:
         finally:
             self._queues.pop(request_id, None)
             if not finished:
+                self.num_aborted += 1
                 timer.finish("abort")
                 await self.abort(request_id)
+
+    def num_in_flight(self) -> int:
+        return len(self._queues)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._queues
@@ -134,7 +139,7 @@ class AsyncLLM:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here means no more outputs
             logger.exception("engine output loop failed")
-            self._fail_all(EngineDeadError(f"The engine output loop failed: {exc}"))
+            self.fail_all(EngineDeadError(f"The engine output loop failed: {exc}"))
 
     def _fail_if_error(self, out: EngineCoreOutput) -> bool:
         if out.error is None:
@@ -150,7 +155,7 @@ class AsyncLLM:
                 asyncio.get_running_loop().create_task(self.client.abort_requests(siblings))
         return True
 
-    def _fail_all(self, error: BaseException) -> None:
+    def fail_all(self, error: BaseException) -> None:
         self.dead = error
         for queue in self._queues.values():
             queue.put_nowait(error)
@@ -158,7 +163,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Marks the engine dead when its heartbeat stopped; in-flight requests get the error."""
         if self.dead is None and not self.is_alive():
-            self._fail_all(EngineDeadError("The engine core stopped responding."))
+            self.fail_all(EngineDeadError("The engine core stopped responding."))
 
     async def shutdown(self, stop_core: bool = False) -> None:
         if stop_core and self.dead is None:

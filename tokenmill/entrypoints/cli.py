@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate text, or run a benchmark."""
+"""The `tokenmill` command: serve a model, generate text, or run a benchmark."""
 
 from __future__ import annotations
 
@@ -55,9 +55,25 @@ def _run_bench_script(name: str, argv: list[str]) -> int:
     return 0
 
 
+def cmd_serve(argv: list[str]) -> int:
+    from tokenmill.config import build_server_config
+
+    try:
+        config = build_server_config(argv)
+        from tokenmill.entrypoints.serve import run_server
+        return run_server(config)
+    except (ValueError, OSError, RuntimeError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":  # its flags live with the server config
+        return cmd_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run the HTTP server (see `tokenmill serve --help`)")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_args(gen)

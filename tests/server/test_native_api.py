@@ -1,0 +1,120 @@
+"""The seed's native API, spoken the way the seed's own client snippets do (requests)."""
+
+import json
+import threading
+
+import requests
+
+from tokenmill import LLM, SamplingParams
+
+
+def stream_lines(server, body, path="/v1/chat/completions"):
+    with requests.post(server + path, json={**body, "stream": True}, stream=True,
+                       timeout=60) as resp:
+        assert resp.status_code == 200
+        return [json.loads(line) for line in resp.iter_lines() if line]
+
+
+def test_streamed_text_equals_non_streamed_and_offline(server, engine_address):
+    body = {"text": "The quick brown fox", "temperature": 0, "max_dec_len": 12,
+            "req_id": "s-1"}
+    lines = stream_lines(server, body)
+    assert [m["send_idx"] for m in lines[:-1]] == list(range(len(lines) - 1))
+    assert all(m["is_end"] == 0 and m["error_code"] == 0 and m["error_msg"] == ""
+               for m in lines[:-1])
+    last = lines[-1]
+    assert last["is_end"] == 1 and last["req_id"] == "s-1"
+    text = "".join(m["token"] for m in lines)
+    ids = [t for m in lines for t in m["token_ids"]]
+    assert text == last["tokens_all"] and ids == last["tokens_all_ids"]
+    assert last["tokens_all_num"] == len(ids) == last["send_idx"]
+    # Real per-token streaming: more than one message carries text.
+    assert sum(1 for m in lines if m["token"]) > 1
+
+    resp = requests.post(server + "/v1/chat/completions",
+                         json={**body, "req_id": "s-2", "return_usage": True}, timeout=60)
+    assert resp.status_code == 200
+    result = resp.json()
+    assert result["result"] == result["tokens_all"] == text and result["error_code"] == 0
+    usage = result["usage"]
+    assert usage["completion_tokens"] >= len(ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+    # The same prompt through the offline API (chat template wraps text as a user turn).
+    path, _ = engine_address
+    llm = LLM(path, kv_cache_memory_gib=0.02)
+    offline = llm.chat([{"role": "user", "content": "The quick brown fox"}],
+                       SamplingParams(temperature=0, max_tokens=12, min_tokens=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert offline.text == text
+
+
+def test_multi_turn_messages_and_system(server):
+    body = {"messages": [{"role": "user", "content": "Paris is"},
+                         {"role": "assistant", "content": "the capital"},
+                         {"role": "user", "content": "of what?"}],
+            "system": "Answer briefly.", "temperature": 0, "max_dec_len": 6}
+    first = requests.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    again = requests.post(server + "/v1/completions", json=body, timeout=60).json()
+    assert first["error_code"] == 0 and first["result"] == again["result"]
+
+
+def test_input_ids_and_stop_sequences(server):
+    base = requests.post(server + "/v1/chat/completions",
+                         json={"input_ids": [5, 17, 99, 200], "temperature": 0,
+                               "max_dec_len": 16}, timeout=60).json()["result"]
+    stop = base[len(base) // 2:len(base) // 2 + 2]
+    lines = stream_lines(server, {"input_ids": [5, 17, 99, 200], "temperature": 0,
+                                  "max_dec_len": 16, "stop_sequences": [stop]})
+    text = "".join(m["token"] for m in lines)
+    assert text == base[:base.index(stop)] == lines[-1]["tokens_all"]
+
+
+def test_validation_errors_have_seed_texts_and_status(server):
+    cases = [
+        ({}, 400, "should contain either `text`, `input_ids` or `messages`"),
+        ({"text": ""}, 400, "cannot be empty"),
+        ({"text": 5, "model": "x"}, 400, "must be a string"),
+        ({"text": "hi", "max_dec_len": 0}, 400, "`max_dec_len` must be an integer"),
+        ({"text": "hi", "max_dec_len": 10_000}, 400, "exceeds the limit MAX_DEC_LEN(256)"),
+        ({"text": "hi", "topp": 1.5}, 400, "`topp` must be in [0, 1]"),
+        ({"text": "hi", "temperature": -1}, 400, "`temperature` must be >= 0"),
+        ({"text": "hi", "stream": "yes"}, 400, "`stream` must be a boolean"),
+        ({"text": "hi", "eos_token_ids": ["x"]}, 400, "eos token id should be integer"),
+        ({"input_ids": [3] * 450}, 400, "exceeds the limit MAX_SEQ_LEN(400)"),
+        ({"messages": [{"role": "user"}]}, 400, "must include `content`"),
+    ]
+    for body, status, text in cases:
+        if "text" not in body and "input_ids" not in body and "messages" not in body:
+            body = {**body, "text": None}  # still a native body: `text` key present
+        resp = requests.post(server + "/v1/chat/completions", json=body, timeout=30)
+        assert resp.status_code == status, (body, resp.text)
+        data = resp.json()
+        assert text in data["error_msg"], (body, data)
+        assert data["error_code"] == status and data["result"] == ""
+        assert "Traceback" not in resp.text and "/" not in data["error_msg"].replace(
+            "[0, 1]", "")
+
+
+def test_duplicate_in_flight_req_id_is_409(server):
+    body = {"text": "block after block", "max_dec_len": 200, "min_dec_len": 200, "req_id": "dup",
+            "temperature": 0, "stream": True}
+    started = threading.Event()
+    lines = []
+
+    def first():
+        with requests.post(server + "/v1/chat/completions", json=body, stream=True,
+                           timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(json.loads(line))
+                    started.set()
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(30)
+    resp = requests.post(server + "/v1/chat/completions", json={**body, "stream": False},
+                         timeout=30)
+    t.join(60)
+    assert resp.status_code == 409 and "already exists" in resp.json()["error_msg"]
+    assert lines[-1]["is_end"] == 1  # the first request was not disturbed

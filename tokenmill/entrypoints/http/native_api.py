@@ -1,0 +1,304 @@
+"""The seed's native API: `text`/`input_ids`/`messages` in, JSON lines (or one JSON) out.
+
+Field names, defaults and error texts follow the seed (spec §1.4.1-1.4.4), with its bugs
+fixed: tokens stream one message per step (not buffered to the end), `error_msg` is a plain
+sentence (not a stringified list), and errors carry a fitting HTTP status and `error_code`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.engine.async_engine import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineRequestError,
+)
+from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import apply_chat_template
+
+# Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
+DEFAULTS = {"min_dec_len": 1, "topp": 0.7, "temperature": 0.95, "penalty_score": 1.0,
+            "frequency_score": 0.0, "presence_score": 0.0, "timeout": 300}
+
+
+class NativeError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class NativeRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    return_usage: bool
+    return_all_tokens: bool
+    benchmark: bool
+    timeout: float
+
+
+def _first_present(body: dict, *names: str) -> tuple[str, Any] | None:
+    for name in names:
+        if body.get(name) is not None:
+            return name, body[name]
+    return None
+
+
+def validate(body: dict, state: ServerState) -> dict:
+    """Type and range checks with the seed's texts; returns the body with defaults filled."""
+    body = {k: v for k, v in body.items() if v is not None}
+    if not any(k in body for k in ("text", "input_ids", "messages")):
+        raise NativeError("The input parameters should contain either `text`, `input_ids` "
+                          "or `messages`")
+    if "text" in body:
+        if not isinstance(body["text"], str):
+            raise NativeError("The `text` in input parameters must be a string")
+        if not body["text"]:
+            raise NativeError("The `text` in input parameters cannot be empty")
+    if "input_ids" in body and not (isinstance(body["input_ids"], list)
+                                    and all(_is_int(t) for t in body["input_ids"])):
+        raise NativeError("The `input_ids` in input parameters must be a list")
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise NativeError("The `messages` in input parameters must be a non-empty list")
+        for item in messages:
+            if not isinstance(item, dict) or "content" not in item:
+                raise NativeError("The item in messages must include `content`")
+    if "system" in body and not isinstance(body["system"], str):
+        raise NativeError("The `system` in input parameters must be a string")
+    for name in ("max_dec_len", "seq_len", "max_tokens", "min_dec_len"):
+        if name in body and (not _is_int(body[name]) or body[name] < 1):
+            raise NativeError(f"The `{name}` must be an integer and greater than 0")
+    if "topp" in body and "top_p" in body:
+        raise NativeError("Only one of ('topp', 'top_p') should be set")
+    if "seed" in body and "infer_seed" in body:
+        raise NativeError("Only one of ('infer_seed', 'seed') should be set")
+    for name in ("topp", "top_p"):
+        if name in body and (not _is_number(body[name]) or not 0 <= body[name] <= 1):
+            raise NativeError(f"The `{name}` must be in [0, 1]")
+    if "temperature" in body and (not _is_number(body["temperature"])
+                                  or body["temperature"] < 0):
+        raise NativeError("The `temperature` must be >= 0")
+    for name in ("penalty_score", "frequency_score", "presence_score", "timeout"):
+        if name in body and not _is_number(body[name]):
+            raise NativeError(f"The `{name}` must be a number")
+    for name in ("seed", "infer_seed"):
+        if name in body and not _is_int(body[name]):
+            raise NativeError(f"The `{name}` must be an integer")
+    for name in ("stream", "return_usage", "return_all_tokens", "benchmark"):
+        if name in body and not isinstance(body[name], bool):
+            raise NativeError(f"The `{name}` must be a boolean")
+    eos = body.get("eos_token_ids")
+    if eos is not None:
+        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        if not all(_is_int(t) or (isinstance(t, str) and t.isdigit()) for t in eos):
+            raise NativeError("The eos token id should be integer.")
+        body["eos_token_ids"] = [int(t) for t in eos]
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        stops = [stops] if isinstance(stops, str) else stops
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise NativeError("The `stop_sequences` must be a list of non-empty strings")
+        body["stop_sequences"] = stops
+    req_id = body.get("req_id", str(uuid.uuid4()))
+    body["req_id"] = str(req_id)
+    return {**DEFAULTS, **body}
+
+
+def tokenize(body: dict, state: ServerState) -> list[int]:
+    tokenizer = state.tokenizer
+    if "input_ids" in body:
+        return list(body["input_ids"])
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    system = [{"role": "system", "content": body["system"]}] if "system" in body else []
+    if "messages" in body:
+        if not has_template:
+            raise NativeError("This model does not support chat_template.")
+        return apply_chat_template(tokenizer, system + list(body["messages"]))
+    if has_template:  # the seed wraps plain text as one user turn
+        return apply_chat_template(tokenizer, system + [{"role": "user",
+                                                         "content": body["text"]}])
+    return tokenizer.encode(body["text"])
+
+
+def build_request(body: dict, state: ServerState) -> NativeRequest:
+    body = validate(body, state)
+    ids = tokenize(body, state)
+    n_in = len(ids)
+    if n_in == 0:
+        raise NativeError("The input is empty after tokenization")
+    if n_in + body["min_dec_len"] >= state.max_model_len:
+        raise NativeError(f"Input text is too long, input_ids_len ({n_in}) + min_dec_len "
+                          f"({body['min_dec_len']}) >= max_seq_len ({state.max_model_len})")
+    if n_in > state.max_seq_len:
+        raise NativeError(f"Length of input token({n_in}) exceeds the limit "
+                          f"MAX_SEQ_LEN({state.max_seq_len}).")
+    given = _first_present(body, "max_dec_len", "seq_len", "max_tokens")
+    if given is not None and given[1] > state.max_dec_len:
+        raise NativeError(f"The parameter max_dec_len({given[1]}) exceeds the limit "
+                          f"MAX_DEC_LEN({state.max_dec_len}).")
+    room = state.max_model_len - n_in
+    max_tokens = min(given[1] if given else state.max_dec_len, room)
+    top_p = body.get("topp", body.get("top_p"))
+    seed = body.get("seed", body.get("infer_seed"))
+    greedy = body["temperature"] == 0 or top_p == 0
+    try:
+        params = SamplingParams(
+            temperature=0.0 if greedy else float(body["temperature"]),
+            top_p=1.0 if greedy else float(top_p), max_tokens=max_tokens,
+            min_tokens=min(body["min_dec_len"], max_tokens),
+            repetition_penalty=float(body["penalty_score"]),
+            frequency_penalty=float(body["frequency_score"]),
+            presence_penalty=float(body["presence_score"]),
+            stop=body.get("stop_sequences"), stop_token_ids=body.get("eos_token_ids"),
+            seed=seed)
+    except ValueError as exc:
+        raise NativeError(str(exc)) from None
+    return NativeRequest(body["req_id"], ids, params, body.get("stream", False),
+                         body.get("return_usage", False), body.get("return_all_tokens", False),
+                         body.get("benchmark", False), float(body["timeout"]))
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(sep=" ", timespec="microseconds")
+
+
+def _visible_ids(out: RequestOutput) -> list[int]:
+    """Generated ids without the EOS / stop token that ended the sequence (seed behaviour)."""
+    c = out.outputs[0]
+    ids = list(c.token_ids)
+    if c.finish_reason == "stop" and (c.stop_reason is None or isinstance(c.stop_reason, int)):
+        ids = ids[:-1]
+    return ids
+
+
+def error_body(req_id: str | None, message: str, status: int) -> dict:
+    return {"req_id": req_id, "error_msg": message, "error_code": status}
+
+
+async def _messages(req: NativeRequest, state: ServerState,
+                    received: str) -> AsyncIterator[dict]:
+    """One message per engine step: the new text and ids since the previous message."""
+    tracker = DeltaTracker(req.params.stop)
+    started = time.monotonic()
+    stream = state.engine.generate(req.prompt_token_ids, req.params, request_id=req.req_id)
+    async with contextlib.aclosing(stream):
+        while True:
+            try:
+                out = await asyncio.wait_for(anext(stream), timeout=req.timeout)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                yield error_body(req.req_id, f"Timed out: no new token within {req.timeout:g} "
+                                 "seconds.", 504)
+                return
+            c = out.outputs[0]
+            ids = _visible_ids(out) if out.finished else list(c.token_ids)
+            text, new_ids, first = tracker.update(c, out.finished, ids)
+            message = {"req_id": req.req_id, "token": text, "token_ids": new_ids,
+                       "is_end": int(out.finished), "send_idx": first, "error_msg": "",
+                       "error_code": 0}
+            if req.benchmark:
+                message.update(http_received_time=received, inference_current_step_time=_now(),
+                               inference_time_cost=round(time.monotonic() - started, 6))
+            if out.finished:
+                message.update(send_idx=len(ids), tokens_all=c.text, tokens_all_ids=ids,
+                               tokens_all_num=len(ids), finish_reason=c.finish_reason)
+                if req.return_usage:
+                    message["usage"] = {"prompt_tokens": len(req.prompt_token_ids),
+                                        "completion_tokens": len(c.token_ids),
+                                        "total_tokens": len(req.prompt_token_ids)
+                                        + len(c.token_ids)}
+            yield message
+
+
+async def handle(body: dict, request: Request, state: ServerState) -> Response:
+    received = _now()
+    req_id = body.get("req_id") if isinstance(body.get("req_id"), (str, int)) else None
+    try:
+        if state.draining:
+            raise NativeError("The server is shutting down.", 503)
+        if state.queue_full():
+            raise NativeError(f"cached task num ({state.engine.stats.num_waiting}) exceeds the "
+                              f"limit ({state.max_waiting})", 503)
+        req = build_request(body, state)
+        if state.engine.has_request(req.req_id):
+            raise NativeError(f"The req_id {req.req_id} already exists in the current batch, "
+                              "the current request will be ignored.", 409)
+    except NativeError as exc:
+        status = exc.status
+        return JSONResponse({**error_body(req_id, exc.message, status), "result": ""},
+                            status_code=status)
+    messages = _messages(req, state, received)
+    if req.stream and not state.disable_streaming and not req.return_all_tokens:
+        return StreamingResponse(_json_lines(messages), media_type="text/event-stream")
+    response = await unless_disconnected(
+        request, _single_response(req, messages, state.disable_streaming and req.stream))
+    return response if response is not None else Response(status_code=499)
+
+
+async def _json_lines(messages: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async for message in _guard(messages):
+        yield (json.dumps(message, ensure_ascii=False) + "\n").encode()
+
+
+async def _guard(messages: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Engine failures become one error message; the stream ends after it."""
+    try:
+        async for message in messages:
+            yield message
+            if message["error_code"]:
+                return
+    except DuplicateRequestError as exc:
+        yield error_body(None, str(exc), 409)
+    except EngineRequestError as exc:
+        yield error_body(None, str(exc), 400)
+    except EngineDeadError as exc:
+        yield error_body(None, str(exc), 503)
+
+
+async def _single_response(req: NativeRequest, messages: AsyncIterator[dict],
+                           as_stream_line: bool) -> Response:
+    last: dict = {}
+    async for message in _guard(messages):
+        last = message
+    if last.get("error_code"):
+        last["req_id"] = req.req_id
+        return JSONResponse({**last, "result": ""}, status_code=last["error_code"])
+    if as_stream_line:  # DISABLE_STREAMING: the stream is one final message
+        last.update(token=last["tokens_all"], token_ids=last["tokens_all_ids"], send_idx=0)
+        return Response((json.dumps(last, ensure_ascii=False) + "\n").encode(),
+                        media_type="text/event-stream")
+    body = {"req_id": req.req_id, "result": last["tokens_all"],
+            "tokens_all": last["tokens_all"], "error_msg": "", "error_code": 0}
+    if req.return_usage:
+        body["usage"] = last["usage"]
+    if req.benchmark:
+        body.update({k: last[k] for k in ("http_received_time", "inference_time_cost")})
+    return JSONResponse(body)

@@ -1,0 +1,307 @@
+"""OpenAI-compatible completions, chat completions and model list (vLLM's response shapes).
+
+Streams are Server-Sent Events ending in `data: [DONE]`, sent after the last content chunk
+(the seed sent it before); `finish_reason` is always set on the last chunk of a choice."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+from tokenmill.entrypoints.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.entrypoints.http.streaming import DeltaTracker, merge, unless_disconnected
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import apply_chat_template
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                409: "ConflictError", 413: "RequestTooLargeError", 500: "InternalServerError",
+                503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def error_body(message: str, status: int) -> dict:
+    return {"object": "error", "message": message, "type": _ERROR_TYPES.get(status, "Error"),
+            "param": None, "code": status}
+
+
+def error_response(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse(error_body(message, status), status_code=status)
+
+
+def list_models(state: ServerState) -> dict:
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+         "root": name, "parent": None, "max_model_len": state.max_model_len, "permission": []}
+        for name in state.served_model_names]}
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
+    try:
+        req = model_cls.model_validate(body)
+        req.check()
+    except ValidationError as exc:
+        raise ApiError(_validation_message(exc)) from None
+    except ValueError as exc:
+        raise ApiError(str(exc)) from None
+    if check_model and req.model is not None and req.model not in state.model_names:
+        raise ApiError(f"The model `{req.model}` does not exist.", 404)
+    if state.queue_full():
+        raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
+                       503)
+    return req
+
+
+def _check_ids(ids: list[int], state: ServerState) -> None:
+    vocab = len(state.tokenizer)
+    if not ids:
+        raise ApiError("The prompt is empty.")
+    if any(not 0 <= t < vocab for t in ids):
+        raise ApiError(f"Prompt token ids must be in [0, {vocab}).")
+
+
+def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: int | None,
+                what: str) -> int:
+    room = state.max_model_len - n_in
+    if requested is not None and requested < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {requested}.")
+    want = requested if requested is not None else default
+    if room < 1 or (want is not None and want > room):
+        raise ApiError(
+            f"This model's maximum context length is {state.max_model_len} tokens. However, "
+            f"you requested {n_in + (want or 1)} tokens ({n_in} in the {what}, {want or 1} in "
+            "the completion). Please reduce the length of the {what} or completion."
+            .replace("{what}", what))
+    return want if want is not None else room
+
+
+@dataclass
+class _Job:
+    """One engine request behind an OpenAI response: a prompt and its `n` choices."""
+
+    ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None  # for echo
+
+
+def _completion_logprobs(c: CompletionOutput, start: int, end: int, text_offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token, position in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+        chosen = position[token]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        top.append({lp.decoded_token: lp.logprob for lp in position.values()})
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def _chat_logprobs(c: CompletionOutput, start: int, end: int, top_n: int) -> dict:
+    content = []
+    for token, position in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
+        chosen = position[token]
+        ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
+        content.append({
+            "token": chosen.decoded_token, "logprob": chosen.logprob,
+            "bytes": list((chosen.decoded_token or "").encode()),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                              "bytes": list((lp.decoded_token or "").encode())}
+                             for _, lp in ranked]})
+    return {"content": content}
+
+
+class _Responder:
+    """Builds one OpenAI response (streamed or whole) over one or more engine jobs."""
+
+    def __init__(self, state: ServerState, chat: bool, req, jobs: list[_Job],
+                 echo: bool = False, top_logprobs: int = 0) -> None:
+        self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
+        self.echo, self.top_logprobs = echo, top_logprobs
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = req.model or state.served_model_name
+        self.n = req.n
+
+    def _streams(self) -> list[AsyncIterator[RequestOutput]]:
+        return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}")
+                for i, job in enumerate(self.jobs)]
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt = sum(len(job.ids) for job in self.jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
+            else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    async def whole(self) -> Response:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(self._streams()):
+            finals[i] = out
+        choices, generated = [], 0
+        for i in range(len(self.jobs)):
+            for c in finals[i].outputs:
+                generated += len(c.token_ids)
+                choice = {"index": i * self.n + c.index, "finish_reason": c.finish_reason,
+                          "stop_reason": c.stop_reason, "logprobs": None}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                    if c.logprobs is not None:
+                        choice["logprobs"] = _chat_logprobs(c, 0, len(c.token_ids),
+                                                            self.top_logprobs)
+                else:
+                    prefix = self.jobs[i].prompt_text if self.echo else ""
+                    choice["text"] = (prefix or "") + c.text
+                    if c.logprobs is not None:
+                        choice["logprobs"] = _completion_logprobs(c, 0, len(c.token_ids),
+                                                                  len(prefix or ""))
+                choices.append(choice)
+        body = self._envelope(sorted(choices, key=lambda ch: ch["index"]), chunk=False)
+        body["usage"] = self._usage(generated)
+        return JSONResponse(body)
+
+    async def events(self) -> AsyncIterator[str]:
+        options = self.req.stream_options
+        include_usage = options is not None and options.include_usage
+        continuous = options is not None and options.continuous_usage_stats
+        trackers: dict[tuple[int, int], DeltaTracker] = {}
+        counts: dict[tuple[int, int], int] = {}  # generated tokens per (prompt, choice)
+        ended: set[tuple[int, int]] = set()
+        try:
+            if self.chat:  # the first chunk of each choice announces the role
+                for i in range(len(self.jobs)):
+                    for k in range(self.n):
+                        yield self._sse(self._envelope([{
+                            "index": i * self.n + k, "logprobs": None, "finish_reason": None,
+                            "delta": {"role": "assistant", "content": ""}}], chunk=True))
+            async for i, out in merge(self._streams()):
+                for c in out.outputs:
+                    key = (i, c.index)
+                    if key in ended:
+                        continue
+                    tracker = trackers.setdefault(key, DeltaTracker(self.jobs[i].params.stop))
+                    done = c.finish_reason is not None
+                    text, new_ids, first = tracker.update(c, done)
+                    if not text and not new_ids and not done:
+                        continue
+                    counts[key] = len(c.token_ids)
+                    if done:
+                        ended.add(key)
+                    chunk = self._chunk(i, c, text, first, done)
+                    if continuous:
+                        chunk["usage"] = self._usage(sum(counts.values()))
+                    yield self._sse(chunk)
+            if include_usage:
+                usage = self._envelope([], chunk=True)
+                usage["usage"] = self._usage(sum(counts.values()))
+                yield self._sse(usage)
+        except EngineRequestError as exc:
+            yield self._sse({"error": error_body(str(exc), 400)})
+        except EngineDeadError as exc:
+            yield self._sse({"error": error_body(str(exc), 503)})
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool) -> dict:
+        end = len(c.token_ids)
+        choice = {"index": i * self.n + c.index, "logprobs": None,
+                  "finish_reason": c.finish_reason if done else None,
+                  "stop_reason": c.stop_reason if done else None}
+        if self.chat:
+            choice["delta"] = {"content": text} if text or not done else {}
+            if c.logprobs is not None:
+                choice["logprobs"] = _chat_logprobs(c, first, end, self.top_logprobs)
+        else:
+            prefix = self.jobs[i].prompt_text or "" if self.echo and first == 0 else ""
+            choice["text"] = prefix + text
+            if c.logprobs is not None:
+                choice["logprobs"] = _completion_logprobs(c, first, end, 0)
+        return self._envelope([choice], chunk=True)
+
+    @staticmethod
+    def _sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def respond(self, request: Request) -> Response:
+        if self.req.stream:
+            return StreamingResponse(self.events(), media_type="text/event-stream")
+        try:
+            response = await unless_disconnected(request, self.whole())
+        except EngineRequestError as exc:
+            return error_response(str(exc), 400)
+        except EngineDeadError as exc:
+            return error_response(str(exc), 503)
+        return response if response is not None else Response(status_code=499)
+
+
+async def create_completion(body: dict, request: Request, state: ServerState,
+                            check_model: bool = True) -> Response:
+    try:
+        req = _parse(CompletionRequest, body, state, check_model)
+        jobs = []
+        for prompt in req.prompts():
+            if isinstance(prompt, str):
+                ids, text = state.tokenizer.encode(prompt), prompt
+            else:
+                ids, text = list(prompt), None
+            _check_ids(ids, state)
+            if text is None and req.echo:
+                text = state.tokenizer.decode(ids)
+            max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
+            jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs), text))
+    except ApiError as exc:
+        return error_response(exc.message, exc.status)
+    except ValueError as exc:  # SamplingParams validation
+        return error_response(str(exc), 400)
+    return await _Responder(state, False, req, jobs, echo=req.echo).respond(request)
+
+
+async def create_chat_completion(body: dict, request: Request, state: ServerState,
+                                 check_model: bool = True) -> Response:
+    try:
+        req = _parse(ChatCompletionRequest, body, state, check_model)
+        try:
+            ids = apply_chat_template(state.tokenizer, req.plain_messages(),
+                                      add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:
+            raise ApiError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - template errors (jinja) are the caller's
+            raise ApiError(f"The messages do not fit the chat template: {exc}") from None
+        _check_ids(ids, state)
+        max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
+                                 min(state.max_dec_len, state.max_model_len - len(ids)),
+                                 "messages")
+        top = req.top_logprobs or 0
+        params = req.sampling_params(max_tokens, top if req.logprobs else None)
+    except ApiError as exc:
+        return error_response(exc.message, exc.status)
+    except ValueError as exc:
+        return error_response(str(exc), 400)
+    responder = _Responder(state, True, req, [_Job(ids, params)], top_logprobs=top)
+    return await responder.respond(request)

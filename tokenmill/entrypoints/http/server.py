@@ -1,0 +1,139 @@
+"""The service app (native, OpenAI and Triton-generate routes) and the health app."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.entrypoints.http import native_api, openai_api
+from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+from tokenmill.loader import load_tokenizer
+from tokenmill.metrics import Metrics
+from tokenmill.tokenizer import eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> ServerState:
+    tokenizer = load_tokenizer(settings.tokenizer_path)
+    engine = AsyncLLM(AsyncMPClient(settings.engine_address), tokenizer,
+                      eos_token_ids(tokenizer, settings.model_path),
+                      dead_after_s=settings.dead_after_s, metrics=metrics)
+    await engine.start()
+    max_len = engine.max_model_len
+    return ServerState(engine=engine, tokenizer=tokenizer,
+                       served_model_names=settings.served_model_names,
+                       max_model_len=max_len, max_dec_len=settings.max_dec_len,
+                       max_seq_len=min(settings.max_seq_len or max_len - 1, max_len - 1),
+                       max_waiting=settings.max_waiting,
+                       disable_streaming=settings.disable_streaming)
+
+
+def is_native(body: dict) -> bool:
+    """The seed's dispatch: native when the body has `text` or `input_ids`, or `messages`
+    without a `model` key; anything else is an OpenAI request."""
+    return "text" in body or "input_ids" in body or ("messages" in body and "model" not in body)
+
+
+async def read_json(request: Request) -> dict | Response:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return openai_api.error_response("The request body is not valid JSON.", 400)
+    if not isinstance(body, dict):
+        return openai_api.error_response("The request body must be a JSON object.", 400)
+    return body
+
+
+def create_service_app(settings: ApiSettings, state: ServerState | None = None) -> FastAPI:
+    """`state` may be shared with a health app in the same process; else built at start-up."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.server = state or await build_state(settings)
+        yield
+        if state is None:
+            await app.state.server.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+
+    async def dispatch(request: Request, chat: bool, seed_path: bool = False) -> Response:
+        """`seed_path`: the seed's nested OpenAI paths; OpenAI only, `model` not checked
+        (the seed's adapter ignored it)."""
+        body = await read_json(request)
+        if isinstance(body, Response):
+            return body
+        server: ServerState = request.app.state.server
+        native = not seed_path and is_native(body)
+        if server.draining or server.engine.dead is not None:
+            message = "The server is not ready: it is shutting down or its engine stopped."
+            if native:
+                return JSONResponse({"req_id": body.get("req_id"), "error_msg": message,
+                                     "error_code": 503, "result": ""}, status_code=503)
+            return openai_api.error_response(message, 503)
+        if native:
+            return await native_api.handle(body, request, server)
+        create = openai_api.create_chat_completion if chat else openai_api.create_completion
+        return await create(body, request, server, check_model=not seed_path)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await dispatch(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await dispatch(request, chat=False)
+
+    # The seed documents base_url=http://host:port/v1/chat/completions for OpenAI SDKs.
+    @app.post("/v1/chat/completions/chat/completions")
+    async def seed_chat(request: Request) -> Response:
+        return await dispatch(request, chat=True, seed_path=True)
+
+    @app.post("/v1/chat/completions/completions")
+    async def seed_completions(request: Request) -> Response:
+        return await dispatch(request, chat=False, seed_path=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        return openai_api.list_models(request.app.state.server)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ok, _ = readiness(request.app.state.server)
+        return Response(status_code=200 if ok else 503)
+
+    return app
+
+
+def readiness(state: ServerState | None) -> tuple[bool, str]:
+    if state is None:
+        return False, "model is loading"
+    if state.draining:
+        return False, "server is shutting down"
+    if not state.engine.is_alive():
+        return False, "engine is not responding"
+    return True, "ready"
+
+
+def create_health_app(get_state) -> FastAPI:
+    """Liveness: the process answers. Readiness: model loaded, engine loop alive (heartbeat
+    fresh), not draining. `get_state()` returns the shared ServerState or None while loading."""
+    app = FastAPI(title="tokenmill health")
+
+    @app.get("/v2/health/live")
+    async def live() -> dict:
+        return {"status": "live"}
+
+    @app.get("/v2/health/ready")
+    async def ready() -> JSONResponse:
+        ok, reason = readiness(get_state())
+        return JSONResponse({"status": "ready" if ok else "not ready", "reason": reason},
+                            status_code=200 if ok else 503)
+
+    return app

@@ -1,0 +1,52 @@
+"""What every HTTP handler of one API process shares: the engine front, tokenizer, limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engine.async_engine import AsyncLLM
+
+
+@dataclass
+class ApiSettings:
+    """Everything an API worker process needs to build its state (picklable, so workers can be
+    spawned): where the engine core listens and the request limits."""
+
+    engine_address: str
+    tokenizer_path: str
+    model_path: str
+    served_model_names: list[str]
+    max_dec_len: int
+    max_seq_len: int | None  # None: max_model_len - 1
+    max_waiting: int
+    disable_streaming: bool = False
+    api_key: str | None = None
+    dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    tokenizer: Any
+    served_model_names: list[str]  # accepted in `model`; the first is reported
+    max_model_len: int
+    max_dec_len: int  # seed MAX_DEC_LEN: cap on requested new tokens
+    max_seq_len: int  # seed MAX_SEQ_LEN: cap on prompt tokens
+    max_waiting: int  # seed MAX_CACHED_TASK_NUM: requests queued in the engine beyond running
+    disable_streaming: bool = False
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def model_names(self) -> set[str]:
+        return set(self.served_model_names)
+
+    def queue_full(self) -> bool:
+        stats = self.engine.stats
+        return stats.num_waiting >= self.max_waiting

@@ -1,0 +1,95 @@
+"""`start_server` / `stop_server`: the seed's scripts, tracking our own process group by PID.
+
+start_server [MODEL] [serve flags]: refuse occupied ports with the seed's message, start
+`tokenmill serve` in the background in its own session (logs in `log/server.log`, PID in
+`log/server.pid`). stop_server [TIMEOUT]: SIGTERM that process group (the server drains), wait
+up to TIMEOUT seconds (default 300), then SIGKILL whatever is left; no name-matching kills."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tokenmill.config import build_server_config, check_ports_free
+
+PID_FILE = "server.pid"
+
+
+def _pid_path(log_dir: str) -> str:
+    return os.path.join(log_dir, PID_FILE)
+
+
+def start_server_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        config = build_server_config(argv)
+        check_ports_free(config)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 1
+    os.makedirs(config.log_dir, exist_ok=True)
+    log_path = os.path.join(config.log_dir, "server.log")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *argv],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)  # its own process group: stop_server signals all of it
+    with open(_pid_path(config.log_dir), "w") as f:
+        f.write(str(process.pid))
+    sys.stdout.write(f"tokenmill server starting (pid {process.pid}); logs: {log_path}; "
+                     f"service port {config.port}, health port {config.health_port}, "
+                     f"metrics port {config.metrics_port}. Stop it with stop_server.\n")
+    return 0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any live (non-zombie) process left in the group? Zombies wait for a reaper that a
+    container's PID 1 may never run, so they must not keep us waiting."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_server_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        timeout = float(argv[0]) if argv else 300.0
+        log_dir = build_server_config([]).log_dir
+    except ValueError as exc:
+        sys.stderr.write(f"stop_server: {exc}\n")
+        return 1
+    path = _pid_path(log_dir)
+    try:
+        with open(path) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        sys.stdout.write("no tokenmill server is running (no log/server.pid).\n")
+        return 0
+    sys.stdout.write("cleaning process, please wait ...\n")
+    if _group_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(pid):
+            sys.stdout.write("forcibly kill all process ...\n")
+            os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while _group_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    os.remove(path)
+    sys.stdout.write("all process terminated.\n")
+    return 0
