@@ -44,7 +44,8 @@ class EngineCoreProc:
         self.info = EngineCoreInfo(max_model_len=core.max_model_len,
                                    num_kv_blocks=core.kv_cache.num_blocks,
                                    block_size=core.config.block_size,
-                                   vocab_size=core.hf_config.vocab_size)
+                                   vocab_size=core.hf_config.vocab_size,
+                                   max_num_seqs=core.config.max_num_seqs)
         self._last_sent = 0.0
 
     def run(self) -> None:

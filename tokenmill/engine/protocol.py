@@ -61,6 +61,7 @@ class EngineCoreInfo(msgspec.Struct):
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    max_num_seqs: int = 256
 
 
 class RequestType(enum.IntEnum):

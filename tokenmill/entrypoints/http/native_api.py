@@ -245,7 +245,7 @@ async def handle(body: dict, request: Request, state: ServerState) -> Response:
         if state.draining:
             raise NativeError("The server is shutting down.", 503)
         if state.queue_full():
-            raise NativeError(f"cached task num ({state.engine.stats.num_waiting}) exceeds the "
+            raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
                               f"limit ({state.max_waiting})", 503)
         req = build_request(body, state)
         if state.engine.has_request(req.req_id):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
-from tokenmill.entrypoints.http import native_api, openai_api
+from tokenmill.entrypoints.http import native_api, openai_api, triton_api
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.loader import load_tokenizer
 from tokenmill.metrics import Metrics
@@ -62,6 +63,26 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
             await app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
+    key = settings.api_key.encode() if settings.api_key else None
+
+    async def check_api_key(request: Request) -> None:
+        """Inference routes need `Authorization: Bearer <key>` when a key is configured;
+        compared in constant time. Health, model list and metrics stay open."""
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                   key)):
+            raise _Unauthorized()
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: Exception) -> Response:
+        return JSONResponse({**openai_api.error_body("Unauthorized: a valid API key is "
+                                                     "required.", 401), "error_code": 401},
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    guarded = [Depends(check_api_key)]
 
     async def dispatch(request: Request, chat: bool, seed_path: bool = False) -> Response:
         """`seed_path`: the seed's nested OpenAI paths; OpenAI only, `model` not checked
@@ -82,24 +103,24 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
         create = openai_api.create_chat_completion if chat else openai_api.create_completion
         return await create(body, request, server, check_model=not seed_path)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         return await dispatch(request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         return await dispatch(request, chat=False)
 
     # The seed documents base_url=http://host:port/v1/chat/completions for OpenAI SDKs.
-    @app.post("/v1/chat/completions/chat/completions")
+    @app.post("/v1/chat/completions/chat/completions", dependencies=guarded)
     async def seed_chat(request: Request) -> Response:
         return await dispatch(request, chat=True, seed_path=True)
 
-    @app.post("/v1/chat/completions/completions")
+    @app.post("/v1/chat/completions/completions", dependencies=guarded)
     async def seed_completions(request: Request) -> Response:
         return await dispatch(request, chat=False, seed_path=True)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=guarded)
     async def models(request: Request) -> dict:
         return openai_api.list_models(request.app.state.server)
 
@@ -108,7 +129,23 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
         ok, _ = readiness(request.app.state.server)
         return Response(status_code=200 if ok else 503)
 
+    # KServe v2 probes on the API port too, for Triton clients that only know one port.
+    @app.get("/v2/health/live")
+    async def v2_live() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready")
+    async def v2_ready(request: Request) -> Response:
+        ok, _ = readiness(request.app.state.server)
+        return Response(status_code=200 if ok else 400)
+
+    app.include_router(triton_api.create_router(lambda request: request.app.state.server,
+                                                guard=guarded))
     return app
+
+
+class _Unauthorized(Exception):
+    pass
 
 
 def readiness(state: ServerState | None) -> tuple[bool, str]:

@@ -47,6 +47,13 @@ class ServerState:
     def model_names(self) -> set[str]:
         return set(self.served_model_names)
 
+    def num_waiting(self) -> int:
+        """Requests queued in the engine. The core's count arrives with each step; this
+        process's own requests beyond the running slots count at once, so a burst between
+        two steps cannot slip past the limit."""
+        own_waiting = self.engine.num_in_flight() - self.engine.client.info.max_num_seqs
+        return max(self.engine.stats.num_waiting, own_waiting)
+
     def queue_full(self) -> bool:
-        stats = self.engine.stats
-        return stats.num_waiting >= self.max_waiting
+        """The seed's MAX_CACHED_TASK_NUM admission check."""
+        return self.num_waiting() >= self.max_waiting

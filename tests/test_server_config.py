@@ -1,0 +1,89 @@
+"""Server configuration: defaults < the seed's environment variables < flags; validation."""
+
+import socket
+
+import pytest
+
+from tokenmill.config import build_server_config, check_ports_free
+
+
+def test_defaults_match_the_seed_script():
+    c = build_server_config([], {})
+    assert (c.port, c.health_port, c.grpc_port, c.metrics_port, c.inter_proc_port) == \
+        (9965, 8110, 8811, 8722, 8813)
+    assert c.max_dec_len == 1024 and c.max_cached_task_num == 128 and c.http_workers == 1
+    assert c.engine.model is None and c.model_names == ["default"]
+    assert not c.disable_streaming and not c.use_warmup and c.log_dir == "log"
+
+
+@pytest.mark.parametrize("field,new,old", [
+    ("port", "SERVICE_HTTP_PORT", "PUSH_MODE_HTTP_PORT"),
+    ("health_port", "HEALTH_HTTP_PORT", "HTTP_PORT"),
+    ("grpc_port", "SERVICE_GRPC_PORT", "GRPC_PORT"),
+    ("metrics_port", "METRICS_HTTP_PORT", "METRICS_PORT"),
+    ("inter_proc_port", "INTER_PROC_PORT", "INFER_QUEUE_PORT"),
+])
+def test_port_env_names_old_name_wins(field, new, old):
+    assert getattr(build_server_config([], {new: "7001"}), field) == 7001
+    assert getattr(build_server_config([], {old: "7002"}), field) == 7002
+    assert getattr(build_server_config([], {new: "7001", old: "7002"}), field) == 7002
+
+
+def test_env_values_reach_the_engine_and_flags_override_them():
+    env = {"MODEL_DIR": "/models/x", "MAX_SEQ_LEN": "300", "MAX_DEC_LEN": "64",
+           "BATCH_SIZE": "8", "BLOCK_SIZE": "32", "MAX_CACHED_TASK_NUM": "5",
+           "DISABLE_STREAMING": "1", "USE_WARMUP": "1", "PUSH_MODE_HTTP_WORKERS": "3",
+           "DTYPE": "bf16", "FD_LOG_DIR": "/tmp/tm-logs", "VLLM_API_KEY": "k"}
+    c = build_server_config([], env)
+    assert c.engine.model == "/models/x" and c.engine.max_num_seqs == 8
+    assert c.engine.block_size == 32 and c.engine.dtype == "bfloat16"
+    assert (c.max_seq_len, c.max_dec_len, c.max_cached_task_num) == (300, 64, 5)
+    assert c.disable_streaming and c.use_warmup and c.http_workers == 3
+    assert c.log_dir == "/tmp/tm-logs" and c.api_key == "k"
+    c = build_server_config(["/other", "--max-num-seqs", "4", "--block-size", "16",
+                             "--max-dec-len", "10", "--port", "1234", "--api-key", "flag",
+                             "--served-model-name", "a", "b", "--max-model-len", "4k",
+                             "--no-enable-prefix-caching", "--kv-cache-memory", "0.5"], env)
+    assert c.engine.model == "/other" and c.engine.max_num_seqs == 4
+    assert c.engine.block_size == 16 and c.max_dec_len == 10 and c.port == 1234
+    assert c.api_key == "flag" and c.model_names == ["a", "b"]
+    assert c.engine.max_model_len == 4000 and not c.engine.enable_prefix_caching
+    assert c.engine.kv_cache_memory_gib == 0.5
+
+
+def test_block_bs_sizes_the_cache_like_the_seed():
+    # BLOCK_BS requests of the longest allowed length: 4 * ceil(max(1024, 2048) / 64) blocks.
+    c = build_server_config([], {"BLOCK_BS": "4", "BLOCK_SIZE": "64", "MAX_SEQ_LEN": "2048"})
+    assert c.engine.num_kv_blocks == 4 * 32
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    ([], {"MAX_DEC_LEN": "lots"}, "MAX_DEC_LEN must be an integer, got 'lots'"),
+    ([], {"BATCH_SIZE": "300"}, "`max_batch_size` is not allowed to exceed 256"),
+    ([], {"PUSH_MODE_HTTP_WORKERS": "0"}, "PUSH_MODE_HTTP_WORKERS (0) must be between 1 and 8"),
+    ([], {"PUSH_MODE_HTTP_WORKERS": "9"}, "must be between 1 and 8"),
+    ([], {"DISABLE_STREAMING": "yes"}, "DISABLE_STREAMING must be 0 or 1"),
+    ([], {"USE_CACHE_KV_INT8": "1"}, "int8 KV cache is not available yet"),
+    ([], {"MP_NUM": "2"}, "only 1 is supported"),
+    ([], {"BLOCK_RATIO": "1.5"}, "BLOCK_RATIO must be in (0, 1]"),
+    (["--port", "8110"], {}, "both set to port 8110"),
+    (["--port", "70000"], {}, "must be a TCP port"),
+    (["--max-num-seqs", "0"], {}, "max_num_seqs must be a positive integer"),
+    (["--dtype", "int3"], {}, "dtype must be one of"),
+    (["--max-dec-len", "0"], {}, "max_dec_len must be a positive integer"),
+    (["--shutdown-timeout", "-1"], {}, "shutdown_timeout must be >= 0"),
+])
+def test_invalid_values_fail_with_a_clear_message(argv, env, message):
+    with pytest.raises(ValueError) as err:
+        build_server_config(argv, env)
+    assert message in str(err.value)
+
+
+def test_occupied_port_is_named():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = build_server_config(["--host", "127.0.0.1", "--metrics-port", str(port)], {})
+        with pytest.raises(OSError, match=f"PORT: {port} occupied! Please change the port!"):
+            check_ports_free(config)

@@ -1,0 +1,214 @@
+"""Triton's HTTP generate extension (TensorRT-LLM `ensemble` style) and the KServe v2 model
+metadata/readiness routes a Triton client expects on the same port.
+
+`POST /v2/models/{model}[/versions/{v}]/generate` returns one JSON object;
+`.../generate_stream` sends Server-Sent Events, one `data:` object per new piece of text.
+Errors are `{"error": message}` with Triton's status mapping (400 invalid, 404 unknown model,
+503 unavailable); once a stream has started, an error arrives as an `{"error": ...}` event."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
+from tokenmill.sampling_params import SamplingParams
+
+# Names a TensorRT-LLM deployment answers to, besides the served model names.
+TRTLLM_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
+_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "stop_words",
+           "bad_words", "end_id", "pad_id", "return_log_probs", "repetition_penalty",
+           "presence_penalty", "frequency_penalty", "min_length", "random_seed", "seed",
+           "beam_width", "exclude_input_in_output")
+
+
+class TritonError(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+def error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _model_known(state: ServerState, model: str) -> bool:
+    return model in state.model_names or model in TRTLLM_MODEL_NAMES
+
+
+def _words(value: Any, name: str) -> list[str]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return [v for v in value if v]
+    raise TritonError(f"{name} must be a string or a list of strings.")
+
+
+def _number(fields: dict, name: str, kind: type, default: Any) -> Any:
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or (kind is int and not float(value).is_integer()):
+        raise TritonError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                          f"got {value!r}.")
+    return kind(value)
+
+
+def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dict]:
+    """Returns prompt ids, sampling params and options (stream, log probs, echo)."""
+    if not isinstance(body, dict):
+        raise TritonError("The request body must be a JSON object.")
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise TritonError("parameters must be a JSON object.")
+    fields = {**{k: v for k, v in body.items() if k != "parameters"}, **params}
+    unknown = sorted(set(fields) - set(_INPUTS))
+    if unknown:
+        raise TritonError(f"unexpected inference input(s) {unknown}; accepted: "
+                          f"{', '.join(_INPUTS)}.")
+    text = fields.get("text_input")
+    if not isinstance(text, str) or not text:
+        raise TritonError("text_input is required and must be a non-empty string.")
+    if _words(fields.get("bad_words"), "bad_words"):
+        raise TritonError("bad_words is not supported by this server.")
+    if _number(fields, "beam_width", int, 1) != 1:
+        raise TritonError("beam_width other than 1 is not supported by this server.")
+    for flag in ("stream", "return_log_probs", "exclude_input_in_output"):
+        if not isinstance(fields.get(flag, False), bool):
+            raise TritonError(f"{flag} must be a boolean.")
+    ids = state.tokenizer.encode(text)
+    max_tokens = _number(fields, "max_tokens", int, 16)
+    if max_tokens < 1:
+        raise TritonError(f"max_tokens must be at least 1, got {max_tokens}.")
+    if len(ids) + max_tokens > state.max_model_len:
+        raise TritonError(f"The prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
+                          f"exceeds the model's context length ({state.max_model_len}).")
+    top_k = _number(fields, "top_k", int, 0)
+    top_p = _number(fields, "top_p", float, 0.0)
+    greedy = top_k in (0, 1) and top_p == 0.0  # TensorRT-LLM: no top-k/top-p means greedy
+    end_id = fields.get("end_id")
+    seed = fields.get("random_seed", fields.get("seed"))
+    try:
+        sampling = SamplingParams(
+            temperature=0.0 if greedy else _number(fields, "temperature", float, 1.0),
+            top_k=top_k, top_p=top_p or 1.0, max_tokens=max_tokens,
+            min_tokens=min(_number(fields, "min_length", int, 0), max_tokens),
+            repetition_penalty=_number(fields, "repetition_penalty", float, 1.0),
+            presence_penalty=_number(fields, "presence_penalty", float, 0.0),
+            frequency_penalty=_number(fields, "frequency_penalty", float, 0.0),
+            stop=_words(fields.get("stop_words"), "stop_words"),
+            stop_token_ids=None if end_id is None else [_number(fields, "end_id", int, 0)],
+            seed=None if seed is None else _number(fields, "random_seed" if "random_seed"
+                                                   in fields else "seed", int, 0),
+            logprobs=0 if fields.get("return_log_probs") else None)
+    except ValueError as exc:
+        raise TritonError(str(exc)) from None
+    options = {"stream": fields.get("stream", False),
+               "log_probs": fields.get("return_log_probs", False),
+               "echo": "" if fields.get("exclude_input_in_output", False) else text}
+    return ids, sampling, options
+
+
+def _logprob_fields(c, start: int) -> dict:
+    chosen = [pos[t].logprob for t, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:])]
+    return {"output_log_probs": chosen, "cum_log_probs": c.cumulative_logprob or 0.0}
+
+
+def create_router(get_state, guard: list | None = None) -> APIRouter:
+    """`guard`: dependencies of the inference routes (the API key check)."""
+    router = APIRouter()
+
+    async def generate(request: Request, model: str, streaming: bool) -> Response:
+        state: ServerState = get_state(request)
+        if not _model_known(state, model):
+            return error(f"Request for unknown model: '{model}' is not found", 404)
+        if state.draining or state.engine.dead is not None or state.queue_full():
+            return error("The server is not accepting requests now (overloaded, shutting "
+                         "down, or its engine stopped).", 503)
+        try:
+            body = json.loads(await request.body())
+            ids, params, options = parse(body, state)
+        except json.JSONDecodeError:
+            return error("The request body is not valid JSON.", 400)
+        except TritonError as exc:
+            return error(exc.message, exc.status)
+        head = {"model_name": model, "model_version": "1"}
+        stream = state.engine.generate(ids, params)
+        if streaming:
+            return StreamingResponse(_events(stream, params, options, head),
+                                     media_type="text/event-stream")
+
+        async def whole() -> Response:
+            last = None
+            async for out in stream:
+                last = out
+            c = last.outputs[0]
+            out = {**head, "text_output": options["echo"] + c.text}
+            if options["log_probs"]:
+                out.update(_logprob_fields(c, 0))
+            return JSONResponse(out)
+
+        try:
+            response = await unless_disconnected(request, whole())
+        except EngineRequestError as exc:
+            return error(str(exc), 400)
+        except EngineDeadError as exc:
+            return error(str(exc), 503)
+        return response if response is not None else Response(status_code=499)
+
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        @router.post(prefix + "/generate", dependencies=guard)
+        async def generate_route(request: Request, model: str) -> Response:
+            return await generate(request, model, streaming=False)
+
+        @router.post(prefix + "/generate_stream", dependencies=guard)
+        async def generate_stream_route(request: Request, model: str) -> Response:
+            return await generate(request, model, streaming=True)
+
+        @router.get(prefix)
+        async def metadata(request: Request, model: str) -> Response:
+            state = get_state(request)
+            if not _model_known(state, model):
+                return error(f"Request for unknown model: '{model}' is not found", 404)
+            return JSONResponse({
+                "name": model, "versions": ["1"], "platform": "tokenmill",
+                "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [-1]},
+                           {"name": "max_tokens", "datatype": "INT32", "shape": [-1]}],
+                "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]})
+
+        @router.get(prefix + "/ready")
+        async def model_ready(request: Request, model: str) -> Response:
+            state = get_state(request)
+            ok = _model_known(state, model) and not state.draining and state.engine.is_alive()
+            return Response(status_code=200 if ok else 400)
+
+    return router
+
+
+async def _events(stream: AsyncIterator, params: SamplingParams, options: dict,
+                  head: dict) -> AsyncIterator[str]:
+    tracker = DeltaTracker(params.stop)
+    try:
+        async for out in stream:
+            c = out.outputs[0]
+            text, _, first = tracker.update(c, out.finished)
+            if not text and not out.finished:
+                continue
+            event = {**head, "text_output": text}
+            if options["log_probs"]:
+                event.update(_logprob_fields(c, first))
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except EngineRequestError as exc:
+        yield f"data: {json.dumps({'error': str(exc)})}\n\n"
+    except EngineDeadError as exc:
+        yield f"data: {json.dumps({'error': str(exc)})}\n\n"
