@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from tokenmill.engine.protocol import SchedulerStats
 
@@ -55,10 +56,10 @@ class Metrics:
         self.generation_hist = Histogram("tokenmill:request_generation_tokens",
                                          "Generated length", labels, buckets=_TOKEN_BUCKETS,
                                          registry=r)
-        # The seed's family: one series per quantity, label key == label value.
-        self.seed = Gauge("inference_server_metrics", "Metrics for monitoring inference server "
-                          "status", ["batch_size", "block_num", "max_batch_size",
-                                     "max_block_num", "available_resource"], registry=r)
+        # The seed's family: one series per quantity, each with one label whose key equals
+        # its value. Label sets differ between series, which only a custom collector can say.
+        self.seed_values: dict[str, float] = {}
+        r.register(_SeedGaugeCollector(self.seed_values))
         self.model_name = model_name
 
     def _m(self, metric, **labels):
@@ -78,9 +79,7 @@ class Metrics:
                   "max_batch_size": self.max_num_seqs, "max_block_num": stats.kv_blocks_total,
                   "available_resource": free / stats.kv_blocks_total
                   if stats.kv_blocks_total else 0.0}
-        empty = dict.fromkeys(values, "")
-        for key, value in values.items():
-            self.seed.labels(**{**empty, key: key}).set(value)
+        self.seed_values.update(values)
 
     def request_finished(self, outcome: str, prompt_tokens: int, generated_tokens: int,
                          e2e_s: float) -> None:
@@ -99,3 +98,17 @@ class Metrics:
 
     def queued(self, queue_s: float) -> None:
         self._m(self.queue_time).observe(queue_s)
+
+
+class _SeedGaugeCollector:
+    """`inference_server_metrics{batch_size="batch_size"} 3` and its four siblings."""
+
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def collect(self):
+        family = GaugeMetricFamily("inference_server_metrics",
+                                   "Metrics for monitoring inference server status")
+        for key, value in self.values.items():
+            family.add_sample("inference_server_metrics", {key: key}, value)
+        yield family

@@ -57,7 +57,10 @@ class AsyncLLM:
         return self.client.info.max_model_len
 
     async def start(self) -> None:
-        await self.client.connect()
+        info = await self.client.connect()
+        self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
+        if self.metrics is not None:  # every gauge has a value before the first heartbeat
+            self.metrics.observe_stats(self.stats)
         self._loop_task = asyncio.create_task(self._output_loop())
 
     def is_alive(self) -> bool:

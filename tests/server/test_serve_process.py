@@ -1,0 +1,228 @@
+"""`tokenmill serve` as users run it: a real process tree on loopback ports, driven from
+outside (health, metrics, overload, disconnects, SIGTERM drain, engine death, start/stop)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port, wait_until
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+class Served:
+    """Ports and environment for one server; `start()` runs `tokenmill serve`."""
+
+    def __init__(self, model: str, tmp_path, *flags: str) -> None:
+        self.ports = {name: free_port() for name in ("port", "health", "metrics", "grpc")}
+        self.env = {**os.environ, "INTER_PROC_PORT": str(free_port()),
+                    "SERVICE_HTTP_PORT": str(self.ports["port"]),
+                    "HEALTH_HTTP_PORT": str(self.ports["health"]),
+                    "METRICS_HTTP_PORT": str(self.ports["metrics"]),
+                    "SERVICE_GRPC_PORT": str(self.ports["grpc"])}
+        self.args = [model, "--host", "127.0.0.1", "--kv-cache-memory", "0.02",
+                     "--served-model-name", "tiny", *flags]
+        self.cwd = tmp_path
+        self.api = f"http://127.0.0.1:{self.ports['port']}"
+        self.health = f"http://127.0.0.1:{self.ports['health']}"
+        self.metrics = f"http://127.0.0.1:{self.ports['metrics']}"
+        self.process = None
+
+    def start(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *self.args],
+            env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return self
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.health + "/v2/health/ready", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_ready(self, timeout=120.0):
+        assert wait_until(lambda: self.ready() or self.process.poll() is not None, timeout)
+        assert self.process.poll() is None, self.process.stdout.read().decode()[-3000:]
+
+    def ports_free(self) -> bool:
+        return all(port_free(p) for p in self.ports.values())
+
+    def stop(self):
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+
+@pytest.fixture
+def model(tiny_models):
+    return tiny_models("llama")[0]
+
+
+def stream_first_chunk(api: str, body: dict, chunks: list, opened: threading.Event,
+                       close: threading.Event):
+    with httpx.stream("POST", api + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[6:])
+                opened.set()
+                if close.is_set():
+                    return
+    opened.set()
+
+
+def test_metrics_overload_and_disconnect(model, tmp_path):
+    served = Served(model, tmp_path, "--max-num-seqs", "1", "--max-cached-task-num", "1").start()
+    try:
+        served.wait_ready()
+        assert httpx.get(served.health + "/v2/health/live").status_code == 200
+        assert metric(served.metrics, "tokenmill:kv_cache_blocks_total") > 0
+        text = httpx.get(served.metrics + "/metrics").text
+        assert 'inference_server_metrics{max_batch_size="max_batch_size"} 1.0' in text
+        # One running, one waiting: the next request is refused with 503 (the seed's text).
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
+        close = threading.Event()
+        threads = []
+        for _ in range(2):
+            opened = threading.Event()
+            t = threading.Thread(target=stream_first_chunk,
+                                 args=(served.api, body, [], opened, close), daemon=True)
+            t.start()
+            threads.append(t)
+        assert wait_until(lambda: metric(served.metrics, "tokenmill:num_requests_running") == 1
+                          and metric(served.metrics, "tokenmill:num_requests_waiting") == 1)
+        native = httpx.post(served.api + "/v1/chat/completions",
+                            json={"text": "hi", "max_dec_len": 3}, timeout=30)
+        assert native.status_code == 503 and "cached task num" in native.json()["error_msg"]
+        openai_style = httpx.post(served.api + "/v1/completions",
+                                  json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert openai_style.status_code == 503
+        # Clients leave: both requests are aborted and every KV block comes back.
+        close.set()
+        for t in threads:
+            t.join(60)
+        assert wait_until(lambda: metric(served.metrics, "tokenmill:num_requests_running") == 0
+                          and metric(served.metrics, "tokenmill:num_requests_waiting") == 0
+                          and metric(served.metrics, "tokenmill:kv_cache_blocks_used") == 0)
+        assert metric(served.metrics, "tokenmill:generation_tokens_total") < 2000
+    finally:
+        served.stop()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_cleanly(model, tmp_path):
+    served = Served(model, tmp_path, "--shutdown-timeout", "60").start()
+    try:
+        served.wait_ready()
+        kids = children(served.process.pid)
+        assert kids  # the engine-core process
+        chunks, opened, close = [], threading.Event(), threading.Event()
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True}
+        t = threading.Thread(target=stream_first_chunk,
+                             args=(served.api, body, chunks, opened, close))
+        t.start()
+        assert opened.wait(60)
+        served.process.send_signal(signal.SIGTERM)
+        # Not ready at once; new work refused while the old one finishes.
+        assert wait_until(lambda: httpx.get(served.health + "/v2/health/ready",
+                                            timeout=5).status_code == 503, 10)
+        refused = httpx.post(served.api + "/v1/completions",
+                             json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert refused.status_code == 503
+        t.join(120)
+        assert chunks[-1] == "[DONE]"
+        finals = [json.loads(c) for c in chunks[:-1]]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        assert served.process.wait(60) == 0
+        assert not any(alive(pid) for pid in kids)
+        assert wait_until(served.ports_free, 10)
+    finally:
+        served.stop()
+
+
+def test_engine_death_fails_requests_fast_and_exits_nonzero(model, tmp_path):
+    served = Served(model, tmp_path).start()
+    try:
+        served.wait_ready()
+        chunks, opened, close = [], threading.Event(), threading.Event()
+        body = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
+        t = threading.Thread(target=stream_first_chunk,
+                             args=(served.api, body, chunks, opened, close))
+        t.start()
+        assert opened.wait(60)
+        for pid in children(served.process.pid):
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        t.join(30)
+        assert time.monotonic() - killed < 5
+        errors = [json.loads(c) for c in chunks if c.startswith('{"error"')]
+        assert errors and errors[0]["error"]["code"] == 503
+        assert served.process.wait(30) == 1
+        assert wait_until(served.ports_free, 10)
+    finally:
+        served.stop()
+
+
+def test_start_server_and_stop_server(model, tmp_path):
+    served = Served(model, tmp_path)
+    bin_dir = os.path.dirname(sys.executable)
+    start = subprocess.run([os.path.join(bin_dir, "start_server"), *served.args],
+                           env=served.env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert start.returncode == 0, start.stderr
+    pid = int((tmp_path / "log" / "server.pid").read_text())
+    try:
+        assert wait_until(served.ready, 120)
+        again = subprocess.run([os.path.join(bin_dir, "start_server"), *served.args],
+                               env=served.env, cwd=tmp_path, capture_output=True, text=True,
+                               timeout=60)
+        assert again.returncode == 1
+        assert f"PORT: {served.ports['port']} occupied! Please change the port!" in again.stderr
+        stop = subprocess.run([os.path.join(bin_dir, "stop_server"), "60"], env=served.env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0 and "all process terminated." in stop.stdout
+        assert not alive(pid)
+        assert not (tmp_path / "log" / "server.pid").exists()
+        assert (tmp_path / "log" / "server.log").stat().st_size > 0
+        assert wait_until(served.ports_free, 10)
+    finally:
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
