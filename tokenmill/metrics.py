@@ -1,4 +1,9 @@
-"""Prometheus metrics of one API process: `tokenmill:` families plus the seed's gauge family."""
+"""Prometheus metrics: `tokenmill:` families plus the seed's gauge family.
+
+Engine gauges (running, waiting, KV blocks, ...) come from the engine's stats and are kept by
+one process; request counters and histograms are kept by every API process. With several
+HTTP workers the request families live in prometheus_client's multiprocess files and the
+supervisor's metrics port merges them (`multiprocess_registry`)."""
 
 from __future__ import annotations
 
@@ -13,33 +18,30 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class Metrics:
+    """`engine_gauges=False`: an HTTP worker (the supervisor keeps the gauges);
+    `request_metrics=False`: the supervisor of several HTTP workers."""
+
     def __init__(self, model_name: str, max_num_seqs: int,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, engine_gauges: bool = True,
+                 request_metrics: bool = True) -> None:
         self.registry = registry or CollectorRegistry()
         self.max_num_seqs = max_num_seqs
+        self.model_name = model_name
+        self.engine_gauges = engine_gauges
+        self.request_metrics = request_metrics
         labels = ["model_name"]
-        r = self.registry
+        if request_metrics:
+            self._request_families(labels, self.registry)
+        if engine_gauges:
+            self._engine_families(labels, self.registry)
+
+    def _request_families(self, labels: list[str], r: CollectorRegistry | None) -> None:
         self.requests = Counter("tokenmill:request_success", "Finished requests by outcome",
                                 labels + ["outcome"], registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed",
                                      labels, registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated",
                                          labels, registry=r)
-        self.running = Gauge("tokenmill:num_requests_running", "Requests being computed",
-                             labels, registry=r)
-        self.waiting = Gauge("tokenmill:num_requests_waiting", "Requests queued in the engine",
-                             labels, registry=r)
-        self.kv_used = Gauge("tokenmill:kv_cache_blocks_used", "KV blocks in use", labels,
-                             registry=r)
-        self.kv_total = Gauge("tokenmill:kv_cache_blocks_total", "KV blocks in the cache",
-                              labels, registry=r)
-        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use",
-                              labels, registry=r)
-        self.prefix_hit_rate = Gauge("tokenmill:prefix_cache_hit_rate",
-                                     "Prompt tokens served from the prefix cache / queried",
-                                     labels, registry=r)
-        self.preemptions = Gauge("tokenmill:num_preemptions", "Preemptions so far", labels,
-                                 registry=r)
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token",
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("tokenmill:inter_token_latency_seconds",
@@ -56,16 +58,35 @@ class Metrics:
         self.generation_hist = Histogram("tokenmill:request_generation_tokens",
                                          "Generated length", labels, buckets=_TOKEN_BUCKETS,
                                          registry=r)
+
+    def _engine_families(self, labels: list[str], r: CollectorRegistry) -> None:
+        self.running = Gauge("tokenmill:num_requests_running", "Requests being computed",
+                             labels, registry=r)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Requests queued in the engine",
+                             labels, registry=r)
+        self.kv_used = Gauge("tokenmill:kv_cache_blocks_used", "KV blocks in use", labels,
+                             registry=r)
+        self.kv_total = Gauge("tokenmill:kv_cache_blocks_total", "KV blocks in the cache",
+                              labels, registry=r)
+        self.kv_usage = Gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use",
+                              labels, registry=r)
+        self.prefix_hit_rate = Gauge("tokenmill:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / queried",
+                                     labels, registry=r)
+        self.preemptions = Gauge("tokenmill:num_preemptions", "Preemptions so far", labels,
+                                 registry=r)
         # The seed's family: one series per quantity, each with one label whose key equals
         # its value. Label sets differ between series, which only a custom collector can say.
         self.seed_values: dict[str, float] = {}
         r.register(_SeedGaugeCollector(self.seed_values))
-        self.model_name = model_name
+
 
     def _m(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
 
     def observe_stats(self, stats: SchedulerStats) -> None:
+        if not self.engine_gauges:
+            return
         self._m(self.running).set(stats.num_running)
         self._m(self.waiting).set(stats.num_waiting)
         self._m(self.kv_used).set(stats.kv_blocks_used)
@@ -83,6 +104,8 @@ class Metrics:
 
     def request_finished(self, outcome: str, prompt_tokens: int, generated_tokens: int,
                          e2e_s: float) -> None:
+        if not self.request_metrics:
+            return
         self._m(self.requests, outcome=outcome).inc()
         self._m(self.prompt_tokens).inc(prompt_tokens)
         self._m(self.generation_tokens).inc(generated_tokens)
@@ -91,12 +114,18 @@ class Metrics:
         self._m(self.e2e).observe(e2e_s)
 
     def first_token(self, ttft_s: float) -> None:
+        if not self.request_metrics:
+            return
         self._m(self.ttft).observe(ttft_s)
 
     def inter_token(self, itl_s: float) -> None:
+        if not self.request_metrics:
+            return
         self._m(self.itl).observe(itl_s)
 
     def queued(self, queue_s: float) -> None:
+        if not self.request_metrics:
+            return
         self._m(self.queue_time).observe(queue_s)
 
 
@@ -112,3 +141,12 @@ class _SeedGaugeCollector:
         for key, value in self.values.items():
             family.add_sample("inference_server_metrics", {key: key}, value)
         yield family
+
+
+def multiprocess_registry(path: str) -> CollectorRegistry:
+    """A registry that reads the request families every HTTP worker wrote under `path`."""
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    return registry

@@ -118,3 +118,30 @@ def test_duplicate_in_flight_req_id_is_409(server):
     t.join(60)
     assert resp.status_code == 409 and "already exists" in resp.json()["error_msg"]
     assert lines[-1]["is_end"] == 1  # the first request was not disturbed
+
+
+def test_disable_streaming_sends_one_final_message(engine_address):
+    from tests.server.conftest import ServerThread, free_port
+    from tokenmill.entrypoints.http.server import create_service_app
+    from tokenmill.entrypoints.http.state import ApiSettings
+
+    path, address = engine_address
+    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
+                           served_model_names=["tiny"], max_dec_len=64, max_seq_len=None,
+                           max_waiting=8, disable_streaming=True)
+    with ServerThread(create_service_app(settings), free_port()) as thread:
+        url = f"http://127.0.0.1:{thread.port}"
+        body = {"text": "The quick brown fox", "temperature": 0, "max_dec_len": 12}
+        lines = stream_lines(url, body)
+        whole = requests.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert len(lines) == 1 and lines[0]["is_end"] == 1
+    assert lines[0]["token"] == lines[0]["tokens_all"] == whole["result"]
+    assert lines[0]["token_ids"] == lines[0]["tokens_all_ids"]
+
+
+def test_return_all_tokens_streams_only_the_last_message(server):
+    body = {"text": "The quick brown fox", "temperature": 0, "max_dec_len": 12}
+    streamed = stream_lines(server, body)
+    lines = stream_lines(server, {**body, "return_all_tokens": True})
+    assert len(lines) == 1 and lines[0]["is_end"] == 1
+    assert lines[0]["token"] == lines[0]["tokens_all"] == streamed[-1]["tokens_all"]

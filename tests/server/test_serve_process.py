@@ -110,10 +110,14 @@ def stream_first_chunk(api: str, body: dict, chunks: list, opened: threading.Eve
     opened.set()
 
 
-def test_metrics_overload_and_disconnect(model, tmp_path):
-    served = Served(model, tmp_path, "--max-num-seqs", "1", "--max-cached-task-num", "1").start()
+def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
+    served = Served(model, tmp_path, "--max-num-seqs", "1", "--max-cached-task-num", "1")
+    served.env["USE_WARMUP"] = "1"
+    served.start()
     try:
         served.wait_ready()
+        # USE_WARMUP=1: one warm-up request ran before the server reported ready.
+        assert metric(served.metrics, "tokenmill:request_success_total") == 1
         assert httpx.get(served.health + "/v2/health/live").status_code == 200
         assert metric(served.metrics, "tokenmill:kv_cache_blocks_total") > 0
         text = httpx.get(served.metrics + "/metrics").text
@@ -226,3 +230,38 @@ def test_start_server_and_stop_server(model, tmp_path):
     finally:
         if alive(pid):
             os.killpg(pid, signal.SIGKILL)
+
+
+def test_several_http_workers_share_one_engine(model, tmp_path):
+    served = Served(model, tmp_path)
+    served.env["PUSH_MODE_HTTP_WORKERS"] = "2"
+    served.start()
+    try:
+        served.wait_ready()
+        assert len(children(served.process.pid)) >= 3  # engine core + two API processes
+        body = {"model": "tiny", "prompt": "same prompt", "max_tokens": 8, "temperature": 0}
+        results = [None] * 12
+
+        def call(i):
+            results[i] = httpx.post(served.api + "/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(r.status_code == 200 for r in results)
+        assert len({r.json()["choices"][0]["text"] for r in results}) == 1
+        native = httpx.post(served.api + "/v1/chat/completions",
+                            json={"text": "same prompt", "max_dec_len": 4}, timeout=60)
+        assert native.status_code == 200 and native.json()["error_code"] == 0
+        # Request counters of both workers are merged on the metrics port.
+        assert wait_until(lambda: metric(served.metrics, "tokenmill:request_success_total")
+                          == 13, 10)
+        kids = children(served.process.pid)
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(60) == 0
+        assert not any(alive(pid) for pid in kids)
+        assert wait_until(served.ports_free, 10)
+    finally:
+        served.stop()

@@ -1,73 +1,74 @@
-"""`tokenmill serve`: engine-core process + service, health and metrics ports in one API process.
+"""`tokenmill serve`: the supervisor process. It owns the health and metrics ports, the engine
+core process and the API process(es), and the shutdown.
 
 Start order follows the seed: the health port answers first (not ready while the model
-loads), then the engine core starts, then the service and metrics ports open. SIGTERM/SIGINT:
-readiness goes false at once, in-flight requests finish (bounded by the drain timeout), exit 0.
-If the engine-core process dies, in-flight requests fail at once and the server exits with 1."""
+loads), then the engine core starts, then the API and metrics ports open. One HTTP worker
+runs the API in this process; PUSH_MODE_HTTP_WORKERS > 1 spawns that many API processes
+sharing one listening socket, each with its own engine client.
+SIGTERM/SIGINT: readiness goes false at once, in-flight requests finish (bounded by the
+shutdown timeout), exit 0. If the engine core dies, in-flight requests fail at once and the
+server exits with 1 (a supervisor such as systemd or Kubernetes restarts it); so does the
+death of an API process."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
-import time
+import socket
+import tempfile
 
-import uvicorn
 from prometheus_client import make_asgi_app
 
 from tokenmill.config import ServerConfig, check_ports_free
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.core_client import start_engine_core_process
+from tokenmill.entrypoints.api_worker import (
+    drain,
+    make_server,
+    run_api_worker,
+    wait_started,
+)
 from tokenmill.entrypoints.http.server import build_state, create_health_app, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.loader import resolve_model_path
-from tokenmill.metrics import Metrics
+from tokenmill.metrics import Metrics, multiprocess_registry
 
 logger = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to us (several share one loop)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
-
-def _uvicorn(app, host: str, port: int) -> _Server:
-    return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                  access_log=False, timeout_graceful_shutdown=5))
 
 
 class ServeProcess:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.state: ServerState | None = None
+        self.state: ServerState | None = None  # set once everything is up: readiness
         self.exit_code = 0
         self.stop = asyncio.Event()
+        self.workers: list[multiprocessing.Process] = []
+        self.metrics_dir: str | None = None
 
     async def run(self) -> int:
         config = self.config
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        health = _uvicorn(create_health_app(lambda: self.state), config.host, config.health_port)
-        servers = [health]
-        tasks = [asyncio.create_task(health.serve())]
+        health = make_server(create_health_app(lambda: self.state), config.host,
+                             config.health_port)
+        servers, tasks = [health], [asyncio.create_task(health.serve())]
         model_path = resolve_model_path(config.engine.model)
         start = loop.run_in_executor(None, start_engine_core_process, config.engine, model_path)
-        done, _ = await asyncio.wait([start, asyncio.create_task(self.stop.wait())],
-                                     return_when=asyncio.FIRST_COMPLETED)
+        stop_wait = asyncio.create_task(self.stop.wait())
+        done, _ = await asyncio.wait([start, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if start not in done:  # asked to stop while loading
-            await self._shutdown(servers, tasks)
+            await self._close(servers, tasks)
+            (await start)[0].kill()
             return 0
-        process, address, info = start.result()
+        stop_wait.cancel()
+        process, address, _ = start.result()
+        state = None
         try:
-            metrics = Metrics(config.model_names[0], config.engine.max_num_seqs)
             settings = ApiSettings(
                 engine_address=address, tokenizer_path=config.engine.tokenizer or model_path,
                 model_path=model_path, served_model_names=config.model_names,
@@ -75,36 +76,83 @@ class ServeProcess:
                 max_waiting=config.max_cached_task_num,
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
                 dead_after_s=config.check_health_interval)
+            registry, metrics = self._metrics()
             state = await build_state(settings, metrics)
-            service = _uvicorn(create_service_app(settings, state), config.host, config.port)
-            metrics_server = _uvicorn(make_asgi_app(metrics.registry), config.host,
-                                      config.metrics_port)
-            servers += [service, metrics_server]
-            tasks += [asyncio.create_task(service.serve()),
-                      asyncio.create_task(metrics_server.serve())]
-            while not (service.started and metrics_server.started):
-                if any(t.done() for t in tasks):
-                    raise RuntimeError("an HTTP server failed to start")
-                await asyncio.sleep(0.05)
             if config.use_warmup:
                 await self._warmup(state)
+            if config.http_workers == 1:
+                service = make_server(create_service_app(settings, state), config.host,
+                                      config.port)
+                servers.append(service)
+                tasks.append(asyncio.create_task(service.serve()))
+            else:
+                await self._start_workers(settings)
+            metrics_server = make_server(make_asgi_app(registry), config.host,
+                                         config.metrics_port)
+            servers.append(metrics_server)
+            tasks.append(asyncio.create_task(metrics_server.serve()))
+            await wait_started(servers, tasks)
             self.state = state
-            logger.info("tokenmill serving %s on %s:%d (health %d, metrics %d)",
-                        config.model_names[0], config.host, config.port,
-                        config.health_port, config.metrics_port)
-            watchdog = asyncio.create_task(self._watch_engine(process))
+            logger.info("tokenmill serving %s on %s:%d (%d HTTP worker(s); health %d, "
+                        "metrics %d)", config.model_names[0], config.host, config.port,
+                        config.http_workers, config.health_port, config.metrics_port)
+            watchdog = asyncio.create_task(self._watch(process, state))
             await self.stop.wait()
             watchdog.cancel()
             await self._drain(state)
         finally:
-            await self._shutdown(servers, tasks)
-            if self.state is not None:
-                await self.state.engine.shutdown(stop_core=True)
+            await self._close(servers, tasks)
+            self._stop_workers(signal.SIGKILL)
+            if state is not None:
+                await state.engine.shutdown(stop_core=True)
             process.join(5)
             if process.is_alive():
                 process.kill()
                 process.join(5)
+            if self.metrics_dir:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return self.exit_code
+
+    def _metrics(self):
+        config = self.config
+        name, max_seqs = config.model_names[0], config.engine.max_num_seqs
+        if config.http_workers == 1:
+            metrics = Metrics(name, max_seqs)
+            return metrics.registry, metrics
+        # Workers write request families to files here; this process adds engine gauges.
+        path = self.metrics_dir = tempfile.mkdtemp(prefix="tokenmill-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # inherited by spawned workers
+        registry = multiprocess_registry(path)
+        return registry, Metrics(name, max_seqs, registry=registry, request_metrics=False)
+
+    async def _start_workers(self, settings: ApiSettings) -> None:
+        config = self.config
+        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+        sock.listen(2048)
+        ctx = multiprocessing.get_context("spawn")
+        pipes = []
+        for i in range(config.http_workers):
+            parent, child = ctx.Pipe(duplex=False)
+            worker = ctx.Process(target=run_api_worker, name=f"tokenmill-api-{i}",
+                                 args=(settings, sock, child, config.shutdown_timeout))
+            worker.start()
+            child.close()
+            self.workers.append(worker)
+            pipes.append(parent)
+        loop = asyncio.get_running_loop()
+        for worker, pipe in zip(self.workers, pipes):
+            ok = await loop.run_in_executor(None, pipe.poll, 300)
+            if not ok or not worker.is_alive():
+                raise RuntimeError(f"HTTP worker {worker.name} failed to start")
+            pipe.recv()
+        sock.close()  # the workers hold it now; no connection may wait on ours
+
+    def _stop_workers(self, sig: int) -> None:
+        for worker in self.workers:
+            if worker.is_alive():
+                os.kill(worker.pid, sig)
 
     async def _warmup(self, state: ServerState) -> None:
         from tokenmill.sampling_params import SamplingParams
@@ -113,26 +161,35 @@ class ServeProcess:
         async for _ in state.engine.generate([1] * 8, params, request_id="warmup"):
             pass
 
-    async def _watch_engine(self, process) -> None:
-        """Engine death: fail in-flight requests now, then stop with exit code 1."""
+    async def _watch(self, process, state: ServerState) -> None:
+        """Engine death: fail in-flight requests now (here and in the workers), exit 1.
+        An API process that died: exit 1 too."""
         while True:
             await asyncio.sleep(0.5)
-            engine = self.state.engine
-            await engine.check_health()
-            if not process.is_alive() or engine.dead is not None:
+            await state.engine.check_health()
+            if not process.is_alive() or state.engine.dead is not None:
                 logger.error("engine core died (exit code %s)", process.exitcode)
-                engine.fail_all(EngineDeadError("The engine core died."))
-                self.exit_code = 1
-                self.stop.set()
-                return
+                state.engine.fail_all(EngineDeadError("The engine core died."))
+                self._stop_workers(signal.SIGUSR1)
+                break
+            gone = [w for w in self.workers if not w.is_alive()]
+            if gone:
+                logger.error("HTTP worker %s exited (code %s)", gone[0].name, gone[0].exitcode)
+                break
+        self.exit_code = 1
+        self.stop.set()
 
     async def _drain(self, state: ServerState) -> None:
-        state.draining = True  # readiness false, new requests refused with 503
-        deadline = time.monotonic() + self.config.shutdown_timeout
-        while state.engine.num_in_flight() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        if not self.workers:
+            await drain(state, self.config.shutdown_timeout)
+            return
+        state.draining = True
+        self._stop_workers(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        for worker in self.workers:
+            await loop.run_in_executor(None, worker.join, self.config.shutdown_timeout + 10)
 
-    async def _shutdown(self, servers, tasks) -> None:
+    async def _close(self, servers, tasks) -> None:
         for server in servers:
             server.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -259,7 +259,7 @@ async def handle(body: dict, request: Request, state: ServerState) -> Response:
     if req.stream and not state.disable_streaming and not req.return_all_tokens:
         return StreamingResponse(_json_lines(messages), media_type="text/event-stream")
     response = await unless_disconnected(
-        request, _single_response(req, messages, state.disable_streaming and req.stream))
+        request, _single_response(req, messages, req.stream))
     return response if response is not None else Response(status_code=499)
 
 
@@ -291,7 +291,7 @@ async def _single_response(req: NativeRequest, messages: AsyncIterator[dict],
     if last.get("error_code"):
         last["req_id"] = req.req_id
         return JSONResponse({**last, "result": ""}, status_code=last["error_code"])
-    if as_stream_line:  # DISABLE_STREAMING: the stream is one final message
+    if as_stream_line:  # DISABLE_STREAMING or return_all_tokens: one final stream message
         last.update(token=last["tokens_all"], token_ids=last["tokens_all_ids"], send_idx=0)
         return Response((json.dumps(last, ensure_ascii=False) + "\n").encode(),
                         media_type="text/event-stream")

@@ -1,0 +1,106 @@
+"""One API process: the service app on uvicorn over its own engine client, draining on
+SIGTERM. The supervisor (`serve.py`) runs it in-process for one HTTP worker, or spawns
+PUSH_MODE_HTTP_WORKERS of these processes sharing one listening socket.
+
+Signals from the supervisor: SIGTERM = drain (refuse new requests with 503, let in-flight ones
+finish, bounded by the shutdown timeout) and exit; SIGUSR1 = the engine core died: fail every
+in-flight request now and exit. SIGINT is left to the supervisor, which owns the shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from multiprocessing.connection import Connection
+
+import uvicorn
+
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.entrypoints.http.server import build_state, create_service_app
+from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+
+logger = logging.getLogger(__name__)
+
+
+class QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to us (several share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+def make_server(app, host: str = "127.0.0.1", port: int = 0) -> QuietServer:
+    return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                      access_log=False, timeout_graceful_shutdown=5))
+
+
+async def wait_started(servers: list[QuietServer], tasks: list[asyncio.Task]) -> None:
+    while not all(s.started for s in servers):
+        if any(t.done() for t in tasks):
+            raise RuntimeError("an HTTP server failed to start (is its port free?)")
+        await asyncio.sleep(0.05)
+
+
+async def drain(state: ServerState, timeout_s: float) -> None:
+    """Readiness goes false and new requests get 503; wait for in-flight ones (bounded)."""
+    state.draining = True
+    deadline = time.monotonic() + timeout_s
+    while state.engine.num_in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def run_api_worker(settings: ApiSettings, sock: socket.socket, ready: Connection,
+                   shutdown_timeout: float) -> None:
+    """Process entry point of one HTTP worker."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    asyncio.run(_worker(settings, sock, ready, shutdown_timeout))
+
+
+async def _worker(settings: ApiSettings, sock: socket.socket, ready: Connection,
+                  shutdown_timeout: float) -> None:
+    from tokenmill.metrics import Metrics
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    engine_died = False
+    supervisor = os.getppid()
+    # Request families go to prometheus_client's multiprocess files (the supervisor set
+    # PROMETHEUS_MULTIPROC_DIR); engine gauges are the supervisor's.
+    metrics = Metrics(settings.served_model_names[0], 0, engine_gauges=False)
+    state = await build_state(settings, metrics)
+
+    def on_engine_death() -> None:
+        nonlocal engine_died
+        engine_died = True
+        state.engine.fail_all(EngineDeadError("The engine core died."))
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, on_engine_death)
+    server = make_server(create_service_app(settings, state))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    await wait_started([server], [task])
+    ready.send("ready")
+    ready.close()
+    while not stop.is_set():  # never outlive the supervisor
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+        if os.getppid() != supervisor:
+            logger.error("supervisor gone; stopping")
+            break
+        await state.engine.check_health()
+    if not engine_died:
+        await drain(state, shutdown_timeout)
+    server.should_exit = True
+    await asyncio.gather(task, return_exceptions=True)
+    await state.engine.shutdown()
