@@ -145,3 +145,16 @@ def test_return_all_tokens_streams_only_the_last_message(server):
     lines = stream_lines(server, {**body, "return_all_tokens": True})
     assert len(lines) == 1 and lines[0]["is_end"] == 1
     assert lines[0]["token"] == lines[0]["tokens_all"] == streamed[-1]["tokens_all"]
+
+
+def test_timeout_between_messages_ends_the_request(server, server_thread):
+    # 1 ms is shorter than any round trip through the engine: the first wait times out.
+    body = {"text": "slow", "max_dec_len": 200, "min_dec_len": 200, "timeout": 0.001}
+    resp = requests.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 504 and "Timed out" in resp.json()["error_msg"]
+    lines = stream_lines(server, body)
+    assert lines[-1]["error_code"] == 504
+    engine = server_thread.app.state.server.engine
+    from tests.server.conftest import wait_until
+
+    assert wait_until(lambda: engine.num_in_flight() == 0 and engine.stats.num_running == 0)

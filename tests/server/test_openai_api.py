@@ -128,11 +128,12 @@ def test_errors_have_openai_shape(client, server):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=[10**9], max_tokens=2)
     resp = httpx.post(server + "/v1/completions", content=b"{not json", timeout=10)
-    assert resp.status_code == 400 and resp.json()["object"] == "error"
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
     resp = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x",
                                                         "n": "many"}, timeout=10)
-    body = resp.json()
+    body = resp.json()["error"]
     assert resp.status_code == 400 and body["type"] == "BadRequestError" and "n" in body["message"]
+    assert set(body) == {"message", "type", "param", "code"}
     assert "Traceback" not in resp.text
 
 

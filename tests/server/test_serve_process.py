@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import free_port, wait_until
 
@@ -42,11 +43,20 @@ def port_free(port: int) -> bool:
     return True
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample from the metrics port, parsed by prometheus_client's own parser."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
     raise KeyError(name)
+
+
+def metric_sum(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
 
 
 class Served:
@@ -120,8 +130,10 @@ def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
         assert metric(served.metrics, "tokenmill:request_success_total") == 1
         assert httpx.get(served.health + "/v2/health/live").status_code == 200
         assert metric(served.metrics, "tokenmill:kv_cache_blocks_total") > 0
-        text = httpx.get(served.metrics + "/metrics").text
-        assert 'inference_server_metrics{max_batch_size="max_batch_size"} 1.0' in text
+        assert metric(served.metrics, "inference_server_metrics",
+                      max_batch_size="max_batch_size") == 1
+        assert metric(served.metrics, "inference_server_metrics", block_num="block_num") == \
+            metric(served.metrics, "tokenmill:kv_cache_blocks_total")
         # One running, one waiting: the next request is refused with 503 (the seed's text).
         body = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
         close = threading.Event()
@@ -153,9 +165,14 @@ def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_cleanly(model, tmp_path):
-    served = Served(model, tmp_path, "--shutdown-timeout", "60").start()
+    served = Served(model, tmp_path, "--shutdown-timeout", "60", "--num-kv-blocks", "40",
+                    "--block-size", "16").start()
     try:
         served.wait_ready()
+        # A prompt that can never fit the 640-token cache is refused, not queued forever.
+        huge = httpx.post(served.api + "/v1/chat/completions",
+                          json={"input_ids": [7] * 700, "max_dec_len": 5}, timeout=30)
+        assert huge.status_code == 400 and "KV cache" in huge.json()["error_msg"]
         kids = children(served.process.pid)
         assert kids  # the engine-core process
         chunks, opened, close = [], threading.Event(), threading.Event()
@@ -256,7 +273,7 @@ def test_several_http_workers_share_one_engine(model, tmp_path):
                             json={"text": "same prompt", "max_dec_len": 4}, timeout=60)
         assert native.status_code == 200 and native.json()["error_code"] == 0
         # Request counters of both workers are merged on the metrics port.
-        assert wait_until(lambda: metric(served.metrics, "tokenmill:request_success_total")
+        assert wait_until(lambda: metric_sum(served.metrics, "tokenmill:request_success_total")
                           == 13, 10)
         kids = children(served.process.pid)
         served.process.send_signal(signal.SIGTERM)

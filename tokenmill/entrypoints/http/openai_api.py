@@ -36,8 +36,9 @@ class ApiError(Exception):
 
 
 def error_body(message: str, status: int) -> dict:
-    return {"object": "error", "message": message, "type": _ERROR_TYPES.get(status, "Error"),
-            "param": None, "code": status}
+    """OpenAI's error object (what the `openai` SDK parses)."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
+                      "param": None, "code": status}}
 
 
 def error_response(message: str, status: int = 400) -> JSONResponse:
@@ -223,9 +224,9 @@ class _Responder:
                 usage["usage"] = self._usage(sum(counts.values()))
                 yield self._sse(usage)
         except EngineRequestError as exc:
-            yield self._sse({"error": error_body(str(exc), 400)})
+            yield self._sse(error_body(str(exc), 400))
         except EngineDeadError as exc:
-            yield self._sse({"error": error_body(str(exc), 503)})
+            yield self._sse(error_body(str(exc), 503))
         yield "data: [DONE]\n\n"
 
     def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool) -> dict:

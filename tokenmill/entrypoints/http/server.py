@@ -78,8 +78,8 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, exc: Exception) -> Response:
-        return JSONResponse({**openai_api.error_body("Unauthorized: a valid API key is "
-                                                     "required.", 401), "error_code": 401},
+        return JSONResponse(openai_api.error_body("Unauthorized: a valid API key is required.",
+                                                  401),
                             status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     guarded = [Depends(check_api_key)]

@@ -1,0 +1,70 @@
+"""The default model (SmolLM2-135M-Instruct from its GGUF) behind `tokenmill serve`, spoken to
+the way users do: the seed's client snippet, the openai SDK on both base URLs, Triton generate."""
+
+import json
+
+import httpx
+import openai
+import pytest
+import requests
+
+from tests.server.test_serve_process import Served
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    served = Served("", tmp_path_factory.mktemp("default"), "--max-model-len", "1024")
+    served.args.remove("")  # no MODEL argument: the bundled default
+    served.args[served.args.index("tiny")] = "smollm2"
+    served.start()
+    try:
+        served.wait_ready(300)
+        yield served
+    finally:
+        served.stop()
+
+
+def test_seed_client_snippet_streams_the_answer(default_server):
+    url = default_server.api + "/v1/chat/completions"
+    body = {"text": QUESTION, "temperature": 0, "max_dec_len": 24, "stream": True,
+            "req_id": "france"}
+    tokens = []
+    with requests.post(url, json=body, stream=True, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if line:
+                message = json.loads(line)
+                assert message["error_code"] == 0
+                tokens.append(message["token"])
+    assert "Paris" in "".join(tokens)
+    whole = requests.post(url, json={**body, "stream": False}, timeout=120).json()
+    assert whole["result"] == "".join(tokens)
+    turns = {"messages": [{"role": "user", "content": QUESTION},
+                          {"role": "assistant", "content": "Paris."},
+                          {"role": "user", "content": "And of Italy?"}],
+             "temperature": 0, "max_dec_len": 24}
+    assert requests.post(url, json=turns, timeout=120).json()["error_code"] == 0
+
+
+@pytest.mark.parametrize("base", ["/v1", "/v1/chat/completions"])
+def test_openai_sdk_chat_on_both_base_urls(default_server, base):
+    client = openai.OpenAI(base_url=default_server.api + base, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model="smollm2", messages=messages,
+                                           temperature=0, max_tokens=24)
+    assert "Paris" in whole.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2", messages=messages, temperature=0, max_tokens=24, stream=True))
+    assert streamed == whole.choices[0].message.content
+    completion = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                           temperature=0, max_tokens=8)
+    assert completion.usage.completion_tokens <= 8
+
+
+def test_triton_generate_with_the_default_model(default_server):
+    out = httpx.post(default_server.api + "/v2/models/ensemble/generate",
+                     json={"text_input": "The capital of France is", "max_tokens": 8},
+                     timeout=120).json()
+    assert out["text_output"].startswith("The capital of France is")
+    assert "Paris" in out["text_output"]
