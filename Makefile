@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest -q
 
+# Serves the default model in the foreground (Ctrl-C drains and stops). Extra flags: make serve ARGS="--port 8000"
 serve: install
-	$(VENV)/bin/tokenmill generate --chat --prompt "What is the capital of France?" --max-tokens 64
+	$(VENV)/bin/tokenmill serve $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check tokenmill tests bench

@@ -7,6 +7,8 @@ its outputs, plus a stats heartbeat while idle so clients can tell a live loop f
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from multiprocessing.connection import Connection
 
@@ -49,6 +51,7 @@ class EngineCoreProc:
         self._last_sent = 0.0
 
     def run(self) -> None:
+        parent = os.getppid()
         while True:
             busy = self.core.has_unfinished_requests()
             timeout = 0 if busy else int(HEARTBEAT_S * 1000)
@@ -59,6 +62,9 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 self._send(self.core.step())
             elif time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                if os.getppid() != parent:  # the server is gone: never linger as an orphan
+                    logger.error("parent process gone; engine core exiting")
+                    return
                 self._send([])
 
     def _handle(self, identity: bytes, kind: bytes, payload: bytes) -> bool:
@@ -110,6 +116,10 @@ def run_engine_core(config: EngineConfig, model_path: str, address: str,
     """Process entry point: load the model, report readiness (or the error), then loop."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                                                    "%(message)s")
+    # Ctrl-C and `stop_server` reach the whole process group; the server that owns this
+    # process drains first and then stops it with a SHUTDOWN message (or kills it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         proc = EngineCoreProc(EngineCore(config, model_path), address)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is reported, then we exit

@@ -2,8 +2,9 @@
 
 start_server [MODEL] [serve flags]: refuse occupied ports with the seed's message, start
 `tokenmill serve` in the background in its own session (logs in `log/server.log`, PID in
-`log/server.pid`). stop_server [TIMEOUT]: SIGTERM that process group (the server drains), wait
-up to TIMEOUT seconds (default 300), then SIGKILL whatever is left; no name-matching kills."""
+`log/server.pid`). stop_server [TIMEOUT]: SIGTERM the server process (it drains in-flight
+requests, then stops its engine and workers), wait up to TIMEOUT seconds (default 300), then
+SIGKILL whatever is left of its process group; no name-matching kills."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def stop_server_main(argv: list[str] | None = None) -> int:
     sys.stdout.write("cleaning process, please wait ...\n")
     if _group_alive(pid):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while _group_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
