@@ -179,3 +179,32 @@ def test_skip_special_tokens(llm):
                             skip_special_tokens=False, stop_token_ids=[])
     out = llm.generate({"prompt_token_ids": [0, 5, 6]}, params, use_tqdm=False)[0].outputs[0]
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=False)
+
+
+def test_banned_by_bad_words_matches_suffixes():
+    from tokenmill.layers.sampler import banned_by_bad_words
+
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert banned_by_bad_words([], words) == [5]
+    assert banned_by_bad_words([9, 7], words) == [5, 8]
+    assert banned_by_bad_words([1, 2], words) == [5, 3]
+    assert banned_by_bad_words([2, 1], words) == [5]
+
+
+def test_bad_words_are_never_generated(llm):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 17, 99, 200]}
+    base = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    # Ban the first real word the model says.
+    words = [tokenizer.decode([t]).strip() for t in base.token_ids]
+    word = next(w for w in words if w.isalpha())
+    banned = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=[word])
+    out = llm.generate(prompt, banned, use_tqdm=False)[0].outputs[0]
+    forbidden = [tokenizer.encode(f, add_special_tokens=False) for f in (word, " " + word)]
+    for seq in forbidden:
+        n = len(seq)
+        assert all(out.token_ids[i:i + n] != seq for i in range(len(out.token_ids)))
+    assert out.token_ids != base.token_ids
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[""])

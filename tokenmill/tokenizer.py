@@ -26,6 +26,18 @@ def eos_token_ids(tokenizer: Any, model_path: str) -> list[int]:
     return ids
 
 
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Token sequences to forbid for each bad word: as written and with a leading space
+    (mid-sentence form), as vLLM does."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for form in (word.strip(), " " + word.strip()):
+            ids = tokenizer.encode(form, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):

@@ -63,7 +63,7 @@ def test_log_probs_and_sampling_inputs(server, offline_llm):
     ("/v2/models/tiny/generate", {"text_input": "x", "max_tokens": "3"}, 400,
      "max_tokens must be an integer"),
     ("/v2/models/tiny/generate", {"text_input": "x", "colour": 1}, 400, "unexpected"),
-    ("/v2/models/tiny/generate", {"text_input": "x", "bad_words": "y"}, 400, "bad_words"),
+    ("/v2/models/tiny/generate", {"text_input": "x", "bad_words": [3]}, 400, "bad_words"),
     ("/v2/models/tiny/generate", {"text_input": "x", "max_tokens": 5000}, 400,
      "context length"),
     ("/v2/models/tiny/generate_stream", {"text_input": "x", "temperature": -2, "top_k": 5},
@@ -82,3 +82,25 @@ def test_kserve_metadata_and_readiness(server):
     assert httpx.get(server + "/v2/models/nope/ready").status_code == 400
     meta = httpx.get(server + "/v2/models/tiny").json()
     assert meta["name"] == "tiny" and meta["outputs"][0]["name"] == "text_output"
+
+
+def test_bad_words_and_stop_words(server, offline_llm):
+    base_out = offline_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16),
+                                    use_tqdm=False)[0].outputs[0]
+    base = base_out.text
+    tokenizer = offline_llm.get_tokenizer()
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in base_out.token_ids)
+                if w.isalpha())
+    body = {"text_input": PROMPT, "max_tokens": 16, "bad_words": [word],
+            "exclude_input_in_output": True}
+    out = httpx.post(server + "/v2/models/tiny/generate", json=body, timeout=60).json()
+    assert out["text_output"] != base
+    want = offline_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16,
+                                                       bad_words=[word]),
+                                use_tqdm=False)[0].outputs[0].text
+    assert out["text_output"] == want
+    stop = base[len(base) // 2:len(base) // 2 + 2]
+    body = {"text_input": PROMPT, "max_tokens": 16, "stop_words": stop,
+            "exclude_input_in_output": True}
+    out = httpx.post(server + "/v2/models/tiny/generate", json=body, timeout=60).json()
+    assert out["text_output"] == base[:base.index(stop)]

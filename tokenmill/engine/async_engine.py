@@ -16,6 +16,7 @@ from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, Sched
 from tokenmill.metrics import Metrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class AsyncLLM:
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
         if request_id in self._queues:
             raise DuplicateRequestError(f"Request id {request_id!r} is already in flight.")
-        params = params.clone(eos_token_ids=list(self.eos_token_ids))
+        bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        params = params.clone(eos_token_ids=list(self.eos_token_ids),
+                              bad_words_token_ids=bad_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False

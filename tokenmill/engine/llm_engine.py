@@ -14,7 +14,7 @@ from tokenmill.engine.protocol import EngineCoreRequest
 from tokenmill.loader import load_tokenizer, resolve_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import apply_chat_template, eos_token_ids
+from tokenmill.tokenizer import apply_chat_template, bad_words_token_ids, eos_token_ids
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text beside it).
 PromptType = str | dict[str, Any]
@@ -60,7 +60,9 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
         text, prompt_ids = self.tokenize_prompt(prompt)
-        params = params.clone(eos_token_ids=list(self.eos_token_ids))
+        bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        params = params.clone(eos_token_ids=list(self.eos_token_ids),
+                              bad_words_token_ids=bad_ids)
         child_ids = self.output_processor.add_request(request_id, text, prompt_ids, params)
         added: list[str] = []
         try:

@@ -36,6 +36,17 @@ class SampleResult:
     logprobs: dict[int, tuple[list[int], list[float], float, int]]
 
 
+def banned_by_bad_words(output_ids: list[int], words: list[list[int]]) -> list[int]:
+    """Next tokens that would complete a bad word: its last token, when the output already
+    ends with the rest of it."""
+    banned = []
+    for word in words:
+        prefix = word[:-1]
+        if not prefix or output_ids[len(output_ids) - len(prefix):] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.repetition_penalty is not None:
         penalty = batch.repetition_penalty.unsqueeze(1)

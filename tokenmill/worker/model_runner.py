@@ -12,7 +12,7 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
-from tokenmill.layers.sampler import SamplingBatch, sample, top_logprobs
+from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.worker import kv_cache
 
@@ -176,6 +176,10 @@ class ModelRunner:
         for row, (s, p) in enumerate(zip(scheduled, params)):
             if s.request.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
+                if banned:
+                    batch.banned.append((row, banned))
+            if p.bad_words_token_ids:
+                banned = banned_by_bad_words(s.request.output_token_ids, p.bad_words_token_ids)
                 if banned:
                     batch.banned.append((row, banned))
             if p.seed is not None and p.temperature > 0:

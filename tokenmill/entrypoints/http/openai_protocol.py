@@ -32,6 +32,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -55,6 +56,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             seed=self.seed, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            bad_words=self.bad_words,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
 

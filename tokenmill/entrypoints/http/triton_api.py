@@ -79,8 +79,6 @@ def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dic
     text = fields.get("text_input")
     if not isinstance(text, str) or not text:
         raise TritonError("text_input is required and must be a non-empty string.")
-    if _words(fields.get("bad_words"), "bad_words"):
-        raise TritonError("bad_words is not supported by this server.")
     if _number(fields, "beam_width", int, 1) != 1:
         raise TritonError("beam_width other than 1 is not supported by this server.")
     for flag in ("stream", "return_log_probs", "exclude_input_in_output"):
@@ -107,6 +105,7 @@ def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dic
             presence_penalty=_number(fields, "presence_penalty", float, 0.0),
             frequency_penalty=_number(fields, "frequency_penalty", float, 0.0),
             stop=_words(fields.get("stop_words"), "stop_words"),
+            bad_words=_words(fields.get("bad_words"), "bad_words"),
             stop_token_ids=None if end_id is None else [_number(fields, "end_id", int, 0)],
             seed=None if seed is None else _number(fields, "random_seed" if "random_seed"
                                                    in fields else "seed", int, 0),
