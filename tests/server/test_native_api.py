@@ -158,3 +158,34 @@ def test_timeout_between_messages_ends_the_request(server, server_thread):
     from tests.server.conftest import wait_until
 
     assert wait_until(lambda: engine.num_in_flight() == 0 and engine.stats.num_running == 0)
+
+
+def test_internal_errors_are_500_without_details(engine_address):
+    from tests.server.conftest import ServerThread, free_port
+    from tokenmill.entrypoints.http.server import create_service_app
+    from tokenmill.entrypoints.http.state import ApiSettings
+
+    class BrokenTokenizer:
+        chat_template = None
+
+        def __len__(self):
+            return 1000
+
+        def encode(self, *args, **kwargs):
+            raise RuntimeError("secret detail in /home/user/model")
+
+    path, address = engine_address
+    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
+                           served_model_names=["tiny"], max_dec_len=64, max_seq_len=None,
+                           max_waiting=8)
+    app = create_service_app(settings)
+    with ServerThread(app, free_port()) as thread:
+        app.state.server.tokenizer = BrokenTokenizer()
+        url = f"http://127.0.0.1:{thread.port}"
+        for path_, body in (("/v1/chat/completions", {"text": "hi"}),
+                            ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+            resp = requests.post(url + path_, json=body, timeout=30)
+            assert resp.status_code == 500
+            assert resp.json()["error_code"] == 500
+            assert resp.json()["error"]["message"] == "Internal server error."
+            assert "secret" not in resp.text and "Traceback" not in resp.text

@@ -108,6 +108,8 @@ def validate(body: dict, state: ServerState) -> dict:
     for name in ("penalty_score", "frequency_score", "presence_score", "timeout"):
         if name in body and not _is_number(body[name]):
             raise NativeError(f"The `{name}` must be a number")
+    if "timeout" in body and body["timeout"] <= 0:
+        raise NativeError("The `timeout` must be a positive number of seconds")
     for name in ("seed", "infer_seed"):
         if name in body and not _is_int(body[name]):
             raise NativeError(f"The `{name}` must be an integer")

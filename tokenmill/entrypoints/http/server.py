@@ -82,6 +82,14 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
                                                   401),
                             status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # Logged with its traceback here; the client gets a sentence in both APIs' shapes.
+        logger.exception("unhandled error in %s", request.url.path)
+        message = "Internal server error."
+        return JSONResponse({"error_msg": message, "error_code": 500,
+                             **openai_api.error_body(message, 500)}, status_code=500)
+
     guarded = [Depends(check_api_key)]
 
     async def dispatch(request: Request, chat: bool, seed_path: bool = False) -> Response:
