@@ -189,3 +189,21 @@ def test_internal_errors_are_500_without_details(engine_address):
             assert resp.json()["error_code"] == 500
             assert resp.json()["error"]["message"] == "Internal server error."
             assert "secret" not in resp.text and "Traceback" not in resp.text
+
+
+def test_benchmark_fields_and_extra_eos_token(server):
+    body = {"input_ids": [5, 17, 99, 200], "temperature": 0, "max_dec_len": 16,
+            "benchmark": True}
+    lines = stream_lines(server, body)
+    assert all("inference_time_cost" in m and "http_received_time" in m for m in lines)
+    ids = lines[-1]["tokens_all_ids"]
+    assert len(ids) >= 3
+    # Declaring a generated token (one not seen before it) an EOS ends the output right
+    # before it.
+    cut_at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    cut = requests.post(server + "/v1/chat/completions",
+                        json={**body, "eos_token_ids": [ids[cut_at]], "stream": True},
+                        stream=True, timeout=60)
+    cut_lines = [json.loads(line) for line in cut.iter_lines() if line]
+    assert cut_lines[-1]["tokens_all_ids"] == ids[:cut_at]
+    assert cut_lines[-1]["finish_reason"] == "stop"

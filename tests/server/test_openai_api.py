@@ -170,3 +170,22 @@ def test_client_disconnect_frees_the_request(server, server_thread):
                       and state.engine.stats.num_running == 0)
     assert state.engine.num_aborted == aborted + 16
     assert state.engine.stats.kv_blocks_used == 0
+
+
+def test_vllm_extras_echo_and_max_completion_tokens(client, offline_llm):
+    extras = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3, "min_tokens": 3}
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                     temperature=0.9, seed=11, extra_body=extras)
+    want = offline_llm.generate(PROMPT, SamplingParams(temperature=0.9, seed=11, max_tokens=8,
+                                                       **extras), use_tqdm=False)[0]
+    assert resp.choices[0].text == want.outputs[0].text
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                       temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                      temperature=0)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                   "content": "hi"}],
+                                          max_completion_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
