@@ -34,6 +34,7 @@ from tokenmill.entrypoints.api_worker import (
 )
 from tokenmill.entrypoints.http.server import build_state, create_health_app, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+from tokenmill.entrypoints.kserve import start_grpc_server
 from tokenmill.loader import resolve_model_path
 from tokenmill.metrics import Metrics, multiprocess_registry
 
@@ -67,7 +68,7 @@ class ServeProcess:
             return 0
         stop_wait.cancel()
         process, address, _ = start.result()
-        state = None
+        state = grpc_server = None
         try:
             settings = ApiSettings(
                 engine_address=address, tokenizer_path=config.engine.tokenizer or model_path,
@@ -91,16 +92,22 @@ class ServeProcess:
                                          config.metrics_port)
             servers.append(metrics_server)
             tasks.append(asyncio.create_task(metrics_server.serve()))
+            # gRPC lives here, on this process's engine client, whatever the HTTP workers.
+            grpc_server = await start_grpc_server(lambda: self.state, config.host,
+                                                  config.grpc_port)
             await wait_started(servers, tasks)
             self.state = state
-            logger.info("tokenmill serving %s on %s:%d (%d HTTP worker(s); health %d, "
-                        "metrics %d)", config.model_names[0], config.host, config.port,
-                        config.http_workers, config.health_port, config.metrics_port)
+            logger.info("tokenmill serving %s on %s:%d (%d HTTP worker(s); gRPC %d, health %d,"
+                        " metrics %d)", config.model_names[0], config.host, config.port,
+                        config.http_workers, config.grpc_port, config.health_port,
+                        config.metrics_port)
             watchdog = asyncio.create_task(self._watch(process, state))
             await self.stop.wait()
             watchdog.cancel()
             await self._drain(state)
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=2)
             await self._close(servers, tasks)
             self._stop_workers(signal.SIGKILL)
             if state is not None:
@@ -180,11 +187,11 @@ class ServeProcess:
         self.stop.set()
 
     async def _drain(self, state: ServerState) -> None:
-        if not self.workers:
-            await drain(state, self.config.shutdown_timeout)
-            return
+        """Workers drain their own HTTP requests; this process drains its own (gRPC, and
+        HTTP when it serves the API itself)."""
         state.draining = True
         self._stop_workers(signal.SIGTERM)
+        await drain(state, self.config.shutdown_timeout)
         loop = asyncio.get_running_loop()
         for worker in self.workers:
             await loop.run_in_executor(None, worker.join, self.config.shutdown_timeout + 10)

@@ -240,19 +240,32 @@ async def _messages(req: NativeRequest, state: ServerState,
             yield message
 
 
+def admit(body: dict, state: ServerState) -> NativeRequest:
+    """The seed's admission order: shutting down / queue full first (before tokenizing),
+    then validation, then the duplicate check. Raises NativeError."""
+    if state.draining:
+        raise NativeError("The server is shutting down.", 503)
+    if state.queue_full():
+        raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
+                          f"limit ({state.max_waiting})", 503)
+    req = build_request(body, state)
+    if state.engine.has_request(req.req_id):
+        raise NativeError(f"The req_id {req.req_id} already exists in the current batch, "
+                          "the current request will be ignored.", 409)
+    return req
+
+
+def stream_messages(req: NativeRequest, state: ServerState,
+                    received: str | None = None) -> AsyncIterator[dict]:
+    """The per-step messages of an admitted request; failures end it with an error message."""
+    return _guard(_messages(req, state, received or _now()))
+
+
 async def handle(body: dict, request: Request, state: ServerState) -> Response:
     received = _now()
     req_id = body.get("req_id") if isinstance(body.get("req_id"), (str, int)) else None
     try:
-        if state.draining:
-            raise NativeError("The server is shutting down.", 503)
-        if state.queue_full():
-            raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
-                              f"limit ({state.max_waiting})", 503)
-        req = build_request(body, state)
-        if state.engine.has_request(req.req_id):
-            raise NativeError(f"The req_id {req.req_id} already exists in the current batch, "
-                              "the current request will be ignored.", 409)
+        req = admit(body, state)
     except NativeError as exc:
         status = exc.status
         return JSONResponse({**error_body(req_id, exc.message, status), "result": ""},

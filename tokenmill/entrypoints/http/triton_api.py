@@ -22,10 +22,11 @@ from tokenmill.sampling_params import SamplingParams
 
 # Names a TensorRT-LLM deployment answers to, besides the served model names.
 TRTLLM_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
-_INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "stop_words",
-           "bad_words", "end_id", "pad_id", "return_log_probs", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "min_length", "random_seed", "seed",
-           "beam_width", "exclude_input_in_output")
+INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p", "stop_words",
+          "bad_words", "end_id", "pad_id", "return_log_probs", "repetition_penalty",
+          "presence_penalty", "frequency_penalty", "min_length", "min_tokens", "random_seed",
+          "seed", "beam_width", "num_return_sequences", "length_penalty",
+          "exclude_input_in_output")
 
 
 class TritonError(Exception):
@@ -39,7 +40,7 @@ def error(message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def _model_known(state: ServerState, model: str) -> bool:
+def model_known(state: ServerState, model: str) -> bool:
     return model in state.model_names or model in TRTLLM_MODEL_NAMES
 
 
@@ -65,22 +66,30 @@ def _number(fields: dict, name: str, kind: type, default: Any) -> Any:
 
 
 def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dict]:
-    """Returns prompt ids, sampling params and options (stream, log probs, echo)."""
+    """An HTTP generate body: inputs at the top level or inside `parameters`."""
     if not isinstance(body, dict):
         raise TritonError("The request body must be a JSON object.")
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise TritonError("parameters must be a JSON object.")
-    fields = {**{k: v for k, v in body.items() if k != "parameters"}, **params}
-    unknown = sorted(set(fields) - set(_INPUTS))
+    return parse_fields({**{k: v for k, v in body.items() if k != "parameters"}, **params},
+                        state)
+
+
+def parse_fields(fields: dict, state: ServerState) -> tuple[list[int], SamplingParams, dict]:
+    """TensorRT-LLM ensemble inputs (HTTP generate or gRPC tensors, as Python values) ->
+    prompt ids, sampling params and options (stream, log probs, echo)."""
+    unknown = sorted(set(fields) - set(INPUTS))
     if unknown:
         raise TritonError(f"unexpected inference input(s) {unknown}; accepted: "
-                          f"{', '.join(_INPUTS)}.")
+                          f"{', '.join(INPUTS)}.")
     text = fields.get("text_input")
     if not isinstance(text, str) or not text:
         raise TritonError("text_input is required and must be a non-empty string.")
     if _number(fields, "beam_width", int, 1) != 1:
         raise TritonError("beam_width other than 1 is not supported by this server.")
+    if _number(fields, "num_return_sequences", int, 1) != 1:
+        raise TritonError("num_return_sequences other than 1 is not supported by this server.")
     for flag in ("stream", "return_log_probs", "exclude_input_in_output"):
         if not isinstance(fields.get(flag, False), bool):
             raise TritonError(f"{flag} must be a boolean.")
@@ -100,7 +109,8 @@ def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dic
         sampling = SamplingParams(
             temperature=0.0 if greedy else _number(fields, "temperature", float, 1.0),
             top_k=top_k, top_p=top_p or 1.0, max_tokens=max_tokens,
-            min_tokens=min(_number(fields, "min_length", int, 0), max_tokens),
+            min_tokens=min(_number(fields, "min_tokens", int, 0)
+                           or _number(fields, "min_length", int, 0), max_tokens),
             repetition_penalty=_number(fields, "repetition_penalty", float, 1.0),
             presence_penalty=_number(fields, "presence_penalty", float, 0.0),
             frequency_penalty=_number(fields, "frequency_penalty", float, 0.0),
@@ -118,7 +128,7 @@ def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dic
     return ids, sampling, options
 
 
-def _logprob_fields(c, start: int) -> dict:
+def logprob_fields(c, start: int) -> dict:
     chosen = [pos[t].logprob for t, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:])]
     return {"output_log_probs": chosen, "cum_log_probs": c.cumulative_logprob or 0.0}
 
@@ -129,7 +139,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
 
     async def generate(request: Request, model: str, streaming: bool) -> Response:
         state: ServerState = get_state(request)
-        if not _model_known(state, model):
+        if not model_known(state, model):
             return error(f"Request for unknown model: '{model}' is not found", 404)
         if state.draining or state.engine.dead is not None or state.queue_full():
             return error("The server is not accepting requests now (overloaded, shutting "
@@ -154,7 +164,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             c = last.outputs[0]
             out = {**head, "text_output": options["echo"] + c.text}
             if options["log_probs"]:
-                out.update(_logprob_fields(c, 0))
+                out.update(logprob_fields(c, 0))
             return JSONResponse(out)
 
         try:
@@ -177,7 +187,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
         @router.get(prefix)
         async def metadata(request: Request, model: str) -> Response:
             state = get_state(request)
-            if not _model_known(state, model):
+            if not model_known(state, model):
                 return error(f"Request for unknown model: '{model}' is not found", 404)
             return JSONResponse({
                 "name": model, "versions": ["1"], "platform": "tokenmill",
@@ -188,7 +198,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
         @router.get(prefix + "/ready")
         async def model_ready(request: Request, model: str) -> Response:
             state = get_state(request)
-            ok = _model_known(state, model) and not state.draining and state.engine.is_alive()
+            ok = model_known(state, model) and not state.draining and state.engine.is_alive()
             return Response(status_code=200 if ok else 400)
 
     return router
@@ -205,7 +215,7 @@ async def _events(stream: AsyncIterator, params: SamplingParams, options: dict,
                 continue
             event = {**head, "text_output": text}
             if options["log_probs"]:
-                event.update(_logprob_fields(c, first))
+                event.update(logprob_fields(c, first))
             yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
     except EngineRequestError as exc:
         yield f"data: {json.dumps({'error': str(exc)})}\n\n"
