@@ -68,3 +68,27 @@ def test_triton_generate_with_the_default_model(default_server):
                      timeout=120).json()
     assert out["text_output"].startswith("The capital of France is")
     assert "Paris" in out["text_output"]
+
+
+def test_tritonclient_seed_model_answers(default_server):
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{default_server.ports['grpc']}")
+    answers = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    request = grpcclient.InferInput("IN", [1], "BYTES")
+    request.set_data_from_numpy(np.array([json.dumps(
+        [{"text": QUESTION, "max_dec_len": 24, "temperature": 0}]).encode()], dtype=object))
+    client.async_stream_infer("model", [request], request_id="q-1")
+    text = ""
+    while True:
+        result, error = answers.get(timeout=120)
+        assert error is None
+        text += json.loads(result.as_numpy("OUT")[0])[0]["token"]
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    assert "Paris" in text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 
 import grpc
@@ -9,16 +10,53 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tokenmill.entrypoints.http.state import ServerState
 
+_GUARDED = ("/inference.GRPCInferenceService/ModelInfer",
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            "/inference.GRPCInferenceService/ModelMetadata",
+            "/inference.GRPCInferenceService/ModelConfig")
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """With --api-key, inference and model-description RPCs need the metadata
+    `authorization: Bearer <key>` (tritonclient: `headers={"authorization": ...}`), compared in
+    constant time; liveness/readiness stay open like the HTTP probes."""
+
+    def __init__(self, api_key: str) -> None:
+        self.key = api_key.encode()
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "Unauthorized: a valid API key is required.")
+
+        async def deny_stream(request_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "Unauthorized: a valid API key is required.")
+            yield  # pragma: no cover - abort raises
+
+        self.deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self.deny_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation, details):
+        if details.method in _GUARDED:
+            given = dict(details.invocation_metadata or ()).get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if not (scheme.lower() == "bearer"
+                    and hmac.compare_digest(token.strip().encode(), self.key)):
+                return self.deny_stream if details.method.endswith("StreamInfer") \
+                    else self.deny_unary
+        return await continuation(details)
+
 
 async def start_grpc_server(get_state: Callable[[], ServerState | None], host: str,
-                            port: int) -> grpc.aio.Server:
+                            port: int, api_key: str | None = None) -> grpc.aio.Server:
     """Serve on host:port in the running event loop (sharing the engine client of the HTTP
     API in this process). `get_state()` is None until the server is ready."""
     from tokenmill import __version__
     from tokenmill.entrypoints.kserve.service import InferenceService
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(api_key)] if api_key else None,
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceService(get_state, __version__), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
