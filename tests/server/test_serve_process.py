@@ -1,6 +1,7 @@
 """`tokenmill serve` as users run it: a real process tree on loopback ports, driven from
 outside (health, metrics, overload, disconnects, SIGTERM drain, engine death, start/stop)."""
 
+import contextlib
 import json
 import os
 import signal
@@ -98,9 +99,16 @@ class Served:
         return all(port_free(p) for p in self.ports.values())
 
     def stop(self):
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
+        """Graceful first; then nothing of the process group may survive the test."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
 
 
 @pytest.fixture

@@ -1,0 +1,160 @@
+"""Model files every engine of `bench/compare.py` can load, with the same weights:
+
+- `default`: SmolLM2-135M-Instruct from the bundled Q4_1 GGUF, dequantized once: an fp32 HF
+  folder (transformers, vLLM; tokenmill loads it too) and an f32 GGUF (llama.cpp), both holding
+  exactly the dequantized values tokenmill computes with.
+- `qwen0.5b`: random weights shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads / 2 KV
+  heads, vocab 151936, tied embeddings), as an HF folder and an f32 GGUF written from it.
+
+  python bench/peers/prepare_models.py [--out DIR]   (default $TOKENMILL_PEERS_DIR/models)"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+
+def f32_gguf_from_gguf(src: str, dst: str) -> None:
+    """Same metadata, every tensor dequantized to F32 (llama.cpp's Q/K row order kept)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        if field.name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def hf_from_gguf(src: str, out: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(src), os.path.basename(src)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers will not save a model it loaded from GGUF; copy it into a plain one.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+
+
+def qwen_shaped(out: str) -> None:
+    """Random Qwen2.5-0.5B-shaped weights + a word-level tokenizer of the full vocabulary
+    (prompts are token ids; the tokenizer only has to exist and cover the ids)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                         eos_token_id=151645, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t151645",
+                            bos_token="t151643", pad_token="t151643").save_pretrained(out)
+    return model
+
+
+def gguf_from_qwen(model, dst: str) -> None:
+    """llama.cpp's qwen2 layout for the random model (a dummy 'gpt2' vocabulary of the right
+    size: llama.cpp only needs token ids here)."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(dst, "qwen2")
+    w.add_name("qwen2.5-0.5b-shaped-random")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    rope = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
+    w.add_rope_freq_base(rope)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size)
+    w.add_token_merges([])
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, gg in names.items():
+            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"])
+            if p + hf + ".bias" in sd:
+                w.add_tensor(f"blk.{i}.{gg}.bias", sd[p + hf + ".bias"])
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> None:
+    root = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(root, "models"))
+    p.add_argument("--only", choices=["default", "qwen0.5b"], default=None)
+    args = p.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    from tokenmill.gguf_loader import default_model_path
+
+    if args.only in (None, "default"):
+        out = os.path.join(args.out, "default")
+        os.makedirs(out, exist_ok=True)
+        if not os.path.exists(os.path.join(out, "hf", "config.json")):
+            hf_from_gguf(default_model_path(), os.path.join(out, "hf"))
+        if not os.path.exists(os.path.join(out, "f32.gguf")):
+            f32_gguf_from_gguf(default_model_path(), os.path.join(out, "f32.gguf"))
+    if args.only in (None, "qwen0.5b"):
+        out = os.path.join(args.out, "qwen0.5b")
+        os.makedirs(out, exist_ok=True)
+        if not os.path.exists(os.path.join(out, "f32.gguf")):
+            if os.path.exists(os.path.join(out, "hf", "model.safetensors")):
+                from transformers import Qwen2ForCausalLM
+
+                model = Qwen2ForCausalLM.from_pretrained(os.path.join(out, "hf"))
+            else:
+                model = qwen_shaped(os.path.join(out, "hf"))
+            gguf_from_qwen(model, os.path.join(out, "f32.gguf"))
+    print(f"models in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""One engine, one workload, one process: run by `bench/compare.py` with the Python of the
+engine's own venv (so it imports only that engine). Prints one JSON line.
+
+  python runner.py --engine tokenmill|transformers|vllm|llamacpp --workload w1|w2 --model M
+
+W1: N prompts x input-len random token ids -> exactly output-len new tokens each (greedy,
+    EOS ignored), one batch: output tokens/s over the whole run.
+W2: one prompt of input-len -> output-len tokens: time to first token and decode tokens/s
+    (tokens after the first / time after the first).
+Every engine gets both cores (torch/OpenMP threads = cores; llama.cpp n_threads = cores)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+CORES = os.cpu_count() or 1
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+# -- tokenmill ------------------------------------------------------------------------------
+def tokenmill(args):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype="float32", kv_cache_memory_gib=2.0, seed=0)
+    vocab = llm.engine.core.hf_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    if args.workload == "w1":
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params.clone(max_tokens=2),
+                     use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+        return {"seconds": elapsed}
+    prompt = make_prompts(1, args.input_len, vocab)[0]
+    engine = llm.engine
+    engine.add_request(None, {"prompt_token_ids": prompt}, params.clone(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    start = time.perf_counter()
+    first = None
+    engine.add_request(None, {"prompt_token_ids": prompt}, params)
+    n = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            if first is None and n:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    assert n == args.output_len
+    return {"ttft": first - start, "decode_tps": (n - 1) / (end - first)}
+
+
+# -- transformers ---------------------------------------------------------------------------
+def transformers(args):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(CORES)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+
+    def generate(batch, n):
+        ids = torch.tensor(batch)
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0, attention_mask=torch.ones_like(ids))
+        assert out.shape[1] == ids.shape[1] + n
+        return out
+
+    if args.workload == "w1":
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+        generate(prompts[:2], 2)
+        start = time.perf_counter()
+        generate(prompts, args.output_len)
+        return {"seconds": time.perf_counter() - start}
+    prompt = make_prompts(1, args.input_len, vocab)
+    generate(prompt, 2)
+    start = time.perf_counter()
+    generate(prompt, 1)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(prompt, args.output_len)
+    total = time.perf_counter() - start
+    return {"ttft": ttft, "decode_tps": (args.output_len - 1) / (total - ttft)}
+
+
+# -- vLLM (CPU) -----------------------------------------------------------------------------
+def vllm(args):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(args.model, dtype="float32", max_model_len=args.input_len + args.output_len + 16,
+              seed=0, enable_prefix_caching=False)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True,
+                              detokenize=False)
+
+    def generate(prompts, n):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(n),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+
+    if args.workload == "w1":
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+        generate(prompts[:2], 2)
+        start = time.perf_counter()
+        generate(prompts, args.output_len)
+        return {"seconds": time.perf_counter() - start}
+    prompt = make_prompts(1, args.input_len, vocab)
+    generate(prompt, 2)
+    start = time.perf_counter()
+    generate(prompt, 1)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(prompt, args.output_len)
+    total = time.perf_counter() - start
+    return {"ttft": ttft, "decode_tps": (args.output_len - 1) / (total - ttft)}
+
+
+# -- llama.cpp (low-level batch API) --------------------------------------------------------
+def llamacpp(args):
+
+    import llama_cpp as lc
+    import numpy as np
+
+    lc.llama_backend_init()
+    mparams = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(args.model.encode(), mparams)
+    vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    n_seq = args.num_prompts if args.workload == "w1" else 1
+    per_seq = args.input_len + args.output_len + 8
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = per_seq * n_seq
+    cparams.n_batch = max(args.input_len, n_seq)
+    cparams.n_ubatch = cparams.n_batch
+    cparams.n_seq_max = n_seq
+    cparams.n_threads = CORES
+    cparams.n_threads_batch = CORES
+    ctx = lc.llama_init_from_model(model, cparams)
+    batch = lc.llama_batch_init(cparams.n_batch, 0, n_seq)
+
+    def decode(entries):
+        """entries: (token, pos, seq, want_logits); returns rows of logits wanted."""
+        batch.n_tokens = len(entries)
+        for i, (tok, pos, seq, want) in enumerate(entries):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = want
+        assert lc.llama_decode(ctx, batch) == 0
+        rows = [i for i, e in enumerate(entries) if e[3]]
+        out = []
+        for i in rows:
+            ptr = lc.llama_get_logits_ith(ctx, i)
+            out.append(int(np.argmax(np.ctypeslib.as_array(ptr, shape=(vocab,)))))
+        return out
+
+    def run(prompts, n_new):
+        mem = lc.llama_get_memory(ctx)
+        lc.llama_memory_clear(mem, True)
+        last = []
+        for s, p in enumerate(prompts):  # prefill prompt by prompt
+            last += decode([(t, j, s, j == len(p) - 1) for j, t in enumerate(p)])
+        first_time = time.perf_counter()
+        produced = 1
+        pos = [len(p) for p in prompts]
+        while produced < n_new:  # then decode all sequences jointly
+            last = decode([(last[s], pos[s], s, True) for s in range(len(prompts))])
+            pos = [x + 1 for x in pos]
+            produced += 1
+        return first_time
+
+    if args.workload == "w1":
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+        run(prompts[:2], 2)
+        start = time.perf_counter()
+        run(prompts, args.output_len)
+        return {"seconds": time.perf_counter() - start}
+    prompt = make_prompts(1, args.input_len, vocab)
+    run(prompt, 2)
+    start = time.perf_counter()
+    first = run(prompt, args.output_len)
+    end = time.perf_counter()
+    return {"ttft": first - start, "decode_tps": (args.output_len - 1) / (end - first)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--engine", required=True,
+                   choices=["tokenmill", "transformers", "vllm", "llamacpp"])
+    p.add_argument("--workload", required=True, choices=["w1", "w2"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    args = p.parse_args()
+    result = globals()[args.engine](args)
+    if args.workload == "w1":
+        result["out_tps"] = args.num_prompts * args.output_len / result["seconds"]
+    print("RESULT " + json.dumps({"engine": args.engine, "workload": args.workload, **result}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
