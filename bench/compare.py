@@ -1,16 +1,18 @@
 """tokenmill against the engines users would run instead, back to back on this machine.
 
   python bench/compare.py [--models default,qwen0.5b] [--engines tokenmill,vllm,llamacpp,
-                           transformers] [--workloads w1,w2] [--repeats 2]
+                           transformers] [--workloads w1,w2,w3] [--repeats 2]
   (also `tokenmill bench compare ...`)
 
 Peers come from `bench/peers/install.sh` (venvs under $TOKENMILL_PEERS_DIR, default
 ~/.cache/tokenmill-peers) and models from `bench/peers/prepare_models.py`; engines missing
 there are skipped and reported. Each (model, workload) runs every engine `--repeats` times,
 alternating the order, each run in a fresh process (`bench/peers/runner.py`); the best run
-counts. Also measured in the same run: copy bandwidth and fp32 matmul rate, giving the
-batch-1 decode ceiling (weight bytes per token / bandwidth) and the throughput ceiling
-(2 x params FLOPs per token / matmul rate). Writes JSON (and a PNG if matplotlib is
+counts. W3 starts each engine's OpenAI server on 127.0.0.1 and drives it with
+`bench/serve_load.py` (the same client for every engine; transformers has no server). Also
+measured in the same run: copy bandwidth and fp32 matmul rate, giving the batch-1 decode
+ceiling (weight bytes per token / bandwidth) and the throughput ceiling (2 x params FLOPs per
+token / matmul rate). Writes JSON (and a PNG if matplotlib is
 installed) to bench/results/."""
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ import datetime
 import json
 import os
 import platform
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
@@ -44,13 +50,20 @@ def model_path(models_dir: str, model: str, engine: str) -> str:
     return os.path.join(base, "f32.gguf") if engine == "llamacpp" else os.path.join(base, "hf")
 
 
-def run_one(engine: str, workload: str, path: str, args) -> dict:
+def engine_env(engine: str) -> dict:
     env = dict(os.environ)
     cores = os.cpu_count() or 1
     if engine == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
     env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_one(engine: str, workload: str, path: str, args) -> dict:
+    if workload == "w3":
+        return run_serving(engine, path, args)
+    env = engine_env(engine)
     cmd = [engine_python(engine), os.path.join(HERE, "peers", "runner.py"), "--engine", engine,
            "--workload", workload, "--model", path, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len),
@@ -66,21 +79,102 @@ def run_one(engine: str, workload: str, path: str, args) -> dict:
     return {"engine": engine, "workload": workload, "error": f"exit {proc.returncode}: {tail}"}
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(engine: str, path: str, port: int, args, log_dir: str) -> list[str]:
+    cores = str(os.cpu_count() or 1)
+    context = str(args.input_len + args.output_len + 256)
+    py = engine_python(engine)
+    if engine == "tokenmill":
+        return [os.path.join(os.path.dirname(py), "tokenmill"), "serve", path,
+                "--host", "127.0.0.1", "--port", str(port), "--health-port", str(_free_port()),
+                "--metrics-port", str(_free_port()), "--grpc-port", str(_free_port()),
+                "--dtype", "float32", "--max-model-len", context, "--kv-cache-memory", "2",
+                "--log-dir", log_dir]
+    if engine == "vllm":
+        return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host",
+                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
+                context, "--no-enable-prefix-caching", "--seed", "0"]
+    if engine == "llamacpp":  # one request at a time: llama-cpp-python's server has no batching
+        return [py, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1", "--port",
+                str(port), "--n_threads", cores, "--n_threads_batch", cores, "--n_ctx", context]
+    raise ValueError(f"{engine} has no OpenAI server")
+
+
+def run_serving(engine: str, path: str, args) -> dict:
+    """W3: start the engine's server, wait until /v1/models answers, drive it, stop it."""
+    sys.path.insert(0, HERE)
+    import asyncio
+
+    from serve_load import make_text_prompts, run_load
+
+    hf_dir = os.path.join(os.path.dirname(path), "hf")
+    prompts = make_text_prompts(hf_dir, args.w3_requests, args.input_len)
+    port = _free_port()
+    log_dir = tempfile.mkdtemp(prefix=f"compare-{engine}-")
+    start = time.perf_counter()
+    with open(os.path.join(log_dir, "server.log"), "w") as log:
+        proc = subprocess.Popen(server_command(engine, path, port, args, log_dir), stdout=log,
+                                stderr=subprocess.STDOUT, env=engine_env(engine),
+                                start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        model = _wait_ready(proc, base, args.timeout)
+        if model is None:
+            return {"engine": engine, "workload": "w3",
+                    "error": f"server did not start; log in {log_dir}"}
+        startup = time.perf_counter() - start
+        asyncio.run(run_load(base, model, prompts[:2], 2, 4))  # warm-up, not measured
+        result = asyncio.run(run_load(base, model, prompts, args.w3_concurrency,
+                                      args.output_len))
+        result.update(engine=engine, workload="w3", startup_s=round(startup, 1))
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> str | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as resp:
+                return json.loads(resp.read())["data"][0]["id"]
+        except OSError:
+            time.sleep(1)
+    return None
+
+
 def roofline(params: int) -> dict:
-    """Copy bandwidth (read + write bytes) and fp32 matmul rate measured now."""
+    """Read bandwidth (sum of 1 GiB), copy bandwidth (read + write bytes) and fp32 matmul
+    rate measured now; batch-1 decode reads every weight once per token."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    a = torch.empty(256 * 1024 * 1024 // 4)
+    a = torch.ones(256 * 1024 * 1024 // 4)  # touched pages: torch.empty would read the zero page
     b = torch.empty_like(a)
     b.copy_(a)
     best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
-    bandwidth = 2 * a.numel() * 4 / best
+    copy_bandwidth = 2 * a.numel() * 4 / best
+    big = torch.ones(1024 * 1024 * 1024 // 4)
+    big.sum()
+    bandwidth = big.numel() * 4 / min(_timed(big.sum) for _ in range(5))
+    del big
     n = 2048
     x, y = torch.randn(n, n), torch.randn(n, n)
     x @ y
     gflops = 2 * n ** 3 / min(_timed(lambda: x @ y) for _ in range(5)) / 1e9
-    return {"bandwidth_gbs": round(bandwidth / 1e9, 1), "matmul_gflops": round(gflops, 1),
+    return {"bandwidth_gbs": round(bandwidth / 1e9, 1),
+            "copy_bandwidth_gbs": round(copy_bandwidth / 1e9, 1),
+            "matmul_gflops": round(gflops, 1),
             "decode_ceiling_tps": round(bandwidth / (params * 4), 2),
             "throughput_ceiling_tps": round(gflops * 1e9 / (2 * params), 1)}
 
@@ -110,7 +204,7 @@ def count_params(hf_dir: str) -> int:
 def score(result: dict) -> float | None:
     if "error" in result:
         return None
-    return result["out_tps"] if result["workload"] == "w1" else result["decode_tps"]
+    return result["decode_tps"] if result["workload"] == "w2" else result["out_tps"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,12 +212,14 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="default,qwen0.5b")
     p.add_argument("--engines", default="tokenmill,vllm,llamacpp,transformers")
-    p.add_argument("--workloads", default="w1,w2")
+    p.add_argument("--workloads", default="w1,w2,w3")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--w2-output-len", type=int, default=128)
+    p.add_argument("--w3-requests", type=int, default=64)
+    p.add_argument("--w3-concurrency", type=int, default=16)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per engine run")
     p.add_argument("--models-dir", default=os.path.join(ROOT, "models"))
     p.add_argument("--out", default=None)
@@ -149,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.repeats):
                 order = engines if r % 2 == 0 else list(reversed(engines))
                 for engine in order:
+                    if workload == "w3" and engine == "transformers":
+                        continue  # no server to drive
                     result = run_one(engine, workload, model_path(args.models_dir, model,
                                                                   engine), args)
                     result["repeat"] = r
@@ -189,7 +287,7 @@ def _table(runs: list[dict], engines: list[str]) -> dict:
 def _print(report: dict) -> None:
     for model, entry in report["models"].items():
         roof = entry["roofline"]
-        print(f"\n{model}: {entry['params'] / 1e6:.0f}M params; bandwidth "
+        print(f"\n{model}: {entry['params'] / 1e6:.0f}M params; read bandwidth "
               f"{roof['bandwidth_gbs']} GB/s, matmul {roof['matmul_gflops']} GFLOP/s -> "
               f"decode ceiling {roof['decode_ceiling_tps']} tok/s, throughput ceiling "
               f"{roof['throughput_ceiling_tps']} tok/s")
@@ -200,6 +298,12 @@ def _print(report: dict) -> None:
                     continue
                 if workload == "w1":
                     print(f"  {workload} {engine:13s} {cell['out_tps']:8.2f} out tok/s")
+                elif workload == "w3":
+                    print(f"  {workload} {engine:13s} {cell['out_tps']:8.2f} out tok/s, "
+                          f"{cell['request_throughput']:.3f} req/s, TTFT p50/p99 "
+                          f"{cell['ttft']['p50']:.2f}/{cell['ttft']['p99']:.2f} s, ITL "
+                          f"p50/p99 {cell['itl']['p50'] * 1e3:.0f}/"
+                          f"{cell['itl']['p99'] * 1e3:.0f} ms")
                 else:
                     print(f"  {workload} {engine:13s} {cell['decode_tps']:8.2f} decode tok/s, "
                           f"TTFT {cell['ttft']:.3f} s")
@@ -226,7 +330,7 @@ def _plot(report: dict, path: str) -> None:
         ax.bar(names, [score(cells[e]) for e in names],
                color=["tab:green" if e == "tokenmill" else "tab:gray" for e in names])
         ax.set_title(f"{model} {workload}")
-        ax.set_ylabel("out tok/s" if workload == "w1" else "decode tok/s")
+        ax.set_ylabel("decode tok/s" if workload == "w2" else "out tok/s")
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -46,24 +46,31 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any],
                      "llama3.")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding, HF's `x * cos + rotate_half(x) * sin` element for element.
+
+    `rotate_half(x) * sin` is computed as `roll(x, D/2) * signed_sin` (the first half of the
+    sin table negated): one op instead of four, and the same products since negation is exact.
+    The table rows are gathered once per step (`table`) and shared by every layer."""
+
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
                  max_position_embeddings: int) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, params, max_position_embeddings)
         freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("signed_sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and signed sin rows [T, 1, D] for this step's positions."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.signed_sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, table: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [T, H, D] rotated by each token's position (q and k heads can go together)."""
+        cos, signed_sin = table
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -16,8 +16,7 @@ from tokenmill.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -30,22 +29,26 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
         # Bound by the model runner once the KV cache is allocated.
         self.backend: AttentionBackend | None = None
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, ...], x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        q_heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.q_norm is None:
+            # q and k heads side by side in one view: one rotary pass for both.
+            qk = RotaryEmbedding.apply(
+                qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads, -1), rope)
+            q, k = qk.split([q_heads, kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1))
+            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
+            q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, -1)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -64,21 +67,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
-                 rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm, rotary)
+        self.self_attn = Attention(config, qkv_bias, qk_norm)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, rope, hidden, residual, meta):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -88,20 +90,21 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
+        self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
                                  config.max_position_embeddings)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm, rotary)
+        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
