@@ -32,6 +32,7 @@ def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8):
         seq_lens=torch.tensor([c + q for c, q in seqs]),
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         num_decodes=num_decodes, block_size=block_size)
+    TorchSDPABackend().prepare(meta)  # once per step, as the model runner does
     t = qsl[-1]
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     cache = torch.randn(2, num_blocks, block_size, hkv, d)  # context K/V already there
@@ -40,8 +41,10 @@ def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8):
 
 def test_sdpa_matches_reference_mixed_batch():
     for seed in range(5):
+        # fresh prompts of equal length run as one SDPA batch, the others one by one
         q, k, v, cache, meta = random_step(seed, num_decodes=3,
-                                           prefills=[(0, 7), (9, 5), (4, 1 + seed)])
+                                           prefills=[(0, 7), (0, 7), (0, 7), (9, 5),
+                                                     (0, 3 + seed), (4, 1 + seed), (0, 7)])
         k1, v1 = cache[0].clone(), cache[1].clone()
         k2, v2 = cache[0].clone(), cache[1].clone()
         ref = ReferenceBackend().forward(q, k, v, k1, v1, meta, scale=0.3)
@@ -52,7 +55,8 @@ def test_sdpa_matches_reference_mixed_batch():
 
 
 def test_decode_only_and_prefill_only():
-    for num_decodes, prefills in ((5, []), (0, [(0, 12)]), (0, [(13, 3), (0, 1)])):
+    for num_decodes, prefills in ((5, []), (0, [(0, 12)]), (0, [(13, 3), (0, 1)]),
+                                  (0, [(0, 5)] * 4)):
         q, k, v, cache, meta = random_step(7, num_decodes, prefills)
         ref = ReferenceBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, 0.5)
         out = TorchSDPABackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, 0.5)

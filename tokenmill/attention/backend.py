@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
     num_decodes: int
     block_size: int
+    # What the backend derives once per step for all layers (set by `AttentionBackend.prepare`).
+    backend_data: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -33,6 +36,10 @@ class AttentionBackend:
     Shapes: q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D];
     returns [T, Hq, D]. Causality is bottom-right aligned: query i of a sequence with
     context c sees keys 0..c+i."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per step before the forward: derive what every layer would otherwise
+        recompute (masks, gather indices) into `meta.backend_data`."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -1,6 +1,8 @@
-"""CPU attention with torch SDPA: one batched gather for decodes, per-sequence SDPA for prompts."""
+"""CPU attention with torch SDPA: one batched gather for decodes, prompts batched by length."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,24 +27,69 @@ def _ungroup(out: torch.Tensor, t: int) -> torch.Tensor:
     return out.reshape(*lead, t, hkv * g, d)
 
 
+@dataclass
+class _StepPlan:
+    """Per-step work shared by all layers."""
+
+    decode_blocks: torch.Tensor | None  # flat block ids of the decode rows [B * n_blocks]
+    decode_len: int  # longest decode sequence
+    decode_mask: torch.Tensor | None  # additive [B, 1, 1, decode_len]: 0 visible, -inf padding
+    # (first seq, last seq + 1) runs of consecutive fresh prompts of equal length
+    fresh_runs: list[tuple[int, int]]
+
+
 class TorchSDPABackend(AttentionBackend):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        nd = meta.num_decodes
+        blocks = mask = None
+        max_len = 0
+        if nd:
+            seq_lens = meta.seq_lens[:nd]
+            max_len = int(seq_lens.max())
+            n_blocks = -(-max_len // meta.block_size)
+            blocks = meta.block_table[:nd, :n_blocks].reshape(-1)
+            # An additive float mask: SDPA converts a boolean one on every call.
+            visible = torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)
+            mask = torch.zeros(visible.shape, device=seq_lens.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            mask = mask.view(nd, 1, 1, max_len)
+        runs: list[tuple[int, int]] = []
+        loc = meta.query_start_loc
+        for s in range(nd, meta.num_seqs):
+            if meta.context_lens[s] != 0:
+                continue
+            if (runs and runs[-1][1] == s
+                    and loc[s + 1] - loc[s] == loc[s] - loc[s - 1]):
+                runs[-1] = (runs[-1][0], s + 1)
+            else:
+                runs.append((s, s + 1))
+        meta.backend_data = _StepPlan(blocks, max_len, mask, runs)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan: _StepPlan = meta.backend_data
         num_kv_heads = k.shape[1]
         out = torch.empty_like(q)
         nd = meta.num_decodes
+        loc = meta.query_start_loc
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, num_kv_heads, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, plan, num_kv_heads, scale)
+        for first, end in plan.fresh_runs:
+            # Fresh prompts: their K/V are exactly this step's k, v; no cache read needed.
+            # Equal lengths go through SDPA as one batch.
+            lo, hi, n = loc[first], loc[end], end - first
+            t = (hi - lo) // n
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi].view(n, t, *q.shape[1:]).transpose(1, 2),
+                k[lo:hi].view(n, t, *k.shape[1:]).transpose(1, 2),
+                v[lo:hi].view(n, t, *v.shape[1:]).transpose(1, 2),
+                is_causal=True, scale=scale, enable_gqa=True,
+            ).transpose(1, 2).reshape(hi - lo, *q.shape[1:])
         for s in range(nd, meta.num_seqs):
-            lo, hi = meta.query_start_loc[s], meta.query_start_loc[s + 1]
             context = meta.context_lens[s]
             if context == 0:
-                # Fresh prompt: its K/V are exactly this step's k, v; no cache read needed.
-                out[lo:hi] = F.scaled_dot_product_attention(
-                    q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1),
-                    v[lo:hi].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True,
-                ).transpose(0, 1)
                 continue
+            lo, hi = loc[s], loc[s + 1]
             seq_len = context + hi - lo
             n_blocks = -(-seq_len // meta.block_size)
             keys = self.gather_kv(k_cache, meta.block_table[s, :n_blocks], seq_len)
@@ -57,22 +104,16 @@ class TorchSDPABackend(AttentionBackend):
             out[lo:hi] = _ungroup(attn, hi - lo)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta, num_kv_heads, scale):
-        seq_lens = meta.seq_lens[: meta.num_decodes]
-        max_len = int(seq_lens.max())
-        n_blocks = -(-max_len // meta.block_size)
-        table = meta.block_table[: meta.num_decodes, :n_blocks]
-        b = table.shape[0]
-        # [B, n_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
+    @staticmethod
+    def _decode(q, k_cache, v_cache, plan: _StepPlan, num_kv_heads, scale):
+        b = q.shape[0]
+        # [B * n_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
         # index_select, not k_cache[table]: several times faster on CPU for this gather.
-        flat = table.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(b, -1, *k_cache.shape[2:])
-        values = v_cache.index_select(0, flat).view(b, -1, *v_cache.shape[2:])
-        keys = keys[:, :max_len].transpose(1, 2)
-        values = values[:, :max_len].transpose(1, 2)
-        mask = torch.arange(max_len, device=q.device) < seq_lens.unsqueeze(1)
-        mask = mask.view(b, 1, 1, max_len)
+        keys = k_cache.index_select(0, plan.decode_blocks).view(b, -1, *k_cache.shape[2:])
+        values = v_cache.index_select(0, plan.decode_blocks).view(b, -1, *v_cache.shape[2:])
+        keys = keys[:, : plan.decode_len].transpose(1, 2)
+        values = values[:, : plan.decode_len].transpose(1, 2)
         attn = F.scaled_dot_product_attention(
-            _group_queries(q.unsqueeze(1), num_kv_heads), keys, values, attn_mask=mask,
-            scale=scale)  # q: [B, 1, Hq, D] -> [B, Hkv, G, D]
+            _group_queries(q.unsqueeze(1), num_kv_heads), keys, values,
+            attn_mask=plan.decode_mask, scale=scale)  # q: [B, 1, Hq, D] -> [B, Hkv, G, D]
         return _ungroup(attn, 1).squeeze(1)

@@ -140,6 +140,7 @@ class ModelRunner:
             num_decodes=sum(1 for s in scheduled if s.num_new_tokens == 1),
             block_size=bs,
         )
+        self.backend.prepare(meta)
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
 
     def _sampling_batch(self, scheduled: list[ScheduledRequest]) -> SamplingBatch:
