@@ -99,9 +99,12 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
         return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host",
                 "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
                 context, "--no-enable-prefix-caching", "--seed", "0"]
-    if engine == "llamacpp":  # one request at a time: llama-cpp-python's server has no batching
+    if engine == "llamacpp":
+        # One request at a time (llama-cpp-python's server does not batch); by default a new
+        # request interrupts the running one, which would cut every stream short.
         return [py, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1", "--port",
-                str(port), "--n_threads", cores, "--n_threads_batch", cores, "--n_ctx", context]
+                str(port), "--n_threads", cores, "--n_threads_batch", cores, "--n_ctx", context,
+                "--interrupt_requests", "false"]
     raise ValueError(f"{engine} has no OpenAI server")
 
 
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                   engine), args)
                     result["repeat"] = r
                     entry["runs"].append(result)
-                    print(json.dumps({"model": model, **result})[:400], flush=True)
+                    print(json.dumps({"model": model, **result}), flush=True)
         entry["table"] = _table(entry["runs"], engines)
         report["models"][model] = entry
     _print(report)

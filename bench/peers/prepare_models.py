@@ -102,7 +102,9 @@ def gguf_from_qwen(model, dst: str) -> None:
     w.add_tokenizer_pre("qwen2")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     w.add_token_types([1] * c.vocab_size)
-    w.add_token_merges([])
+    # llama.cpp refuses a BPE vocabulary without merges; one harmless merge (ids are fed
+    # directly, nothing is tokenized).
+    w.add_token_merges(["t 0"])
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
