@@ -47,11 +47,32 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def keep_freed_cpu_memory() -> None:
+    """Make glibc keep freed step buffers instead of returning them to the OS.
+
+    A prompt step allocates activations of tens of MB; by default glibc serves those with fresh
+    mmaps and unmaps them on free, so every such buffer page-faults again on the next use
+    (the first 2048-token step of the default model took 4.7 s instead of 3.2 s). Buffers below
+    32 MB (glibc's maximum) now come from the heap, and the heap is not trimmed."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)
+        libc.mallopt(m_trim_threshold, 2**31 - 1)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
+        pass
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
                  max_model_len: int) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_cpu_memory()
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
