@@ -31,6 +31,9 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from offline_throughput import cpu_model  # noqa: E402 - a sibling script, not a package
+
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
 PEER_VENVS = {"vllm": "vllm", "llamacpp": "llamacpp"}
 HOW_CORES = {"tokenmill": "torch threads = cores", "transformers": "torch threads = cores",
@@ -110,7 +113,6 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
 
 def run_serving(engine: str, path: str, args) -> dict:
     """W3: start the engine's server, wait until /v1/models answers, drive it, stop it."""
-    sys.path.insert(0, HERE)
     import asyncio
 
     from serve_load import make_text_prompts, run_load
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     skipped = [e for e in engines if engine_python(e) is None]
     engines = [e for e in engines if e not in skipped]
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
+              "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                           "python": platform.python_version()},
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
               "how_cores": {e: HOW_CORES[e] for e in engines}, "skipped": skipped,
@@ -338,17 +340,6 @@ def _plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
