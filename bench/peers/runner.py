@@ -25,6 +25,26 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
+def measure_blocking(generate, vocab: int, args) -> dict:
+    """For engines with only a blocking `generate(prompts, n)`: W1 times one batch; W2 takes
+    TTFT from a 1-token call and decode speed from the rest of a full call."""
+    if args.workload == "w1":
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
+        generate(prompts[:2], 2)
+        start = time.perf_counter()
+        generate(prompts, args.output_len)
+        return {"seconds": time.perf_counter() - start}
+    prompt = make_prompts(1, args.input_len, vocab)
+    generate(prompt, 2)
+    start = time.perf_counter()
+    generate(prompt, 1)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(prompt, args.output_len)
+    total = time.perf_counter() - start
+    return {"ttft": ttft, "decode_tps": (args.output_len - 1) / (total - ttft)}
+
+
 # -- tokenmill ------------------------------------------------------------------------------
 def tokenmill(args):
     from tokenmill import LLM, SamplingParams
@@ -77,21 +97,7 @@ def transformers(args):
         assert out.shape[1] == ids.shape[1] + n
         return out
 
-    if args.workload == "w1":
-        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
-        generate(prompts[:2], 2)
-        start = time.perf_counter()
-        generate(prompts, args.output_len)
-        return {"seconds": time.perf_counter() - start}
-    prompt = make_prompts(1, args.input_len, vocab)
-    generate(prompt, 2)
-    start = time.perf_counter()
-    generate(prompt, 1)
-    ttft = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(prompt, args.output_len)
-    total = time.perf_counter() - start
-    return {"ttft": ttft, "decode_tps": (args.output_len - 1) / (total - ttft)}
+    return measure_blocking(generate, vocab, args)
 
 
 # -- vLLM (CPU) -----------------------------------------------------------------------------
@@ -112,21 +118,7 @@ def vllm(args):
                             use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
 
-    if args.workload == "w1":
-        prompts = make_prompts(args.num_prompts, args.input_len, vocab)
-        generate(prompts[:2], 2)
-        start = time.perf_counter()
-        generate(prompts, args.output_len)
-        return {"seconds": time.perf_counter() - start}
-    prompt = make_prompts(1, args.input_len, vocab)
-    generate(prompt, 2)
-    start = time.perf_counter()
-    generate(prompt, 1)
-    ttft = time.perf_counter() - start
-    start = time.perf_counter()
-    generate(prompt, args.output_len)
-    total = time.perf_counter() - start
-    return {"ttft": ttft, "decode_tps": (args.output_len - 1) / (total - ttft)}
+    return measure_blocking(generate, vocab, args)
 
 
 # -- llama.cpp (low-level batch API) --------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ class AttentionMetadata:
         return len(self.context_lens)
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends each query over its sequence's cache.
 
     Shapes: q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D];
@@ -39,12 +40,14 @@ class AttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the forward: derive what every layer would otherwise
-        recompute (masks, gather indices) into `meta.backend_data`."""
+        recompute (masks, gather indices) into `meta.backend_data`. Default: nothing."""
+        meta.backend_data = None
 
+    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        raise NotImplementedError  # abstract: implemented by every backend
+        """Attention output [T, Hq, D] for this step's queries (new K/V written first)."""
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
