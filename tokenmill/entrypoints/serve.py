@@ -128,7 +128,6 @@ class ServeProcess:
             return metrics.registry, metrics
         # Workers write request families to files here; this process adds engine gauges.
         path = self.metrics_dir = tempfile.mkdtemp(prefix="tokenmill-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # inherited by spawned workers
         registry = multiprocess_registry(path)
         return registry, Metrics(name, max_seqs, registry=registry, request_metrics=False)
 
