@@ -213,10 +213,14 @@ async def _messages(req: NativeRequest, state: ServerState,
     async with contextlib.aclosing(stream):
         while True:
             try:
-                out = await asyncio.wait_for(anext(stream), timeout=req.timeout)
+                # asyncio.timeout, not wait_for: wait_for runs anext in a task of its own and,
+                # when a token arrives as the request is cancelled, returns the token and drops
+                # the cancellation, so a cancelled request ran on to max_dec_len.
+                async with asyncio.timeout(req.timeout):
+                    out = await anext(stream)
             except StopAsyncIteration:
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield error_body(req.req_id, f"Timed out: no new token within {req.timeout:g} "
                                  "seconds.", 504)
                 return
