@@ -51,6 +51,15 @@ def test_env_values_reach_the_engine_and_flags_override_them():
     assert c.engine.kv_cache_memory_gib == 0.5
 
 
+def test_quantization_flags_and_the_seeds_int8_kv_variable():
+    c = build_server_config([], {"USE_CACHE_KV_INT8": "1"})
+    assert c.engine.kv_cache_dtype == "int8" and c.engine.quantization is None
+    c = build_server_config(["--kv-cache-dtype", "auto", "-q", "weight_only_int4"],
+                            {"USE_CACHE_KV_INT8": "1"})
+    assert c.engine.kv_cache_dtype == "auto" and c.engine.quantization == "int4"
+    assert build_server_config(["--quantization", "W8A8"], {}).engine.quantization == "a8w8"
+
+
 def test_block_bs_sizes_the_cache_like_the_seed():
     # BLOCK_BS requests of the longest allowed length: 4 * ceil(max(1024, 2048) / 64) blocks.
     c = build_server_config([], {"BLOCK_BS": "4", "BLOCK_SIZE": "64", "MAX_SEQ_LEN": "2048"})
@@ -63,7 +72,8 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     ([], {"PUSH_MODE_HTTP_WORKERS": "0"}, "PUSH_MODE_HTTP_WORKERS (0) must be between 1 and 8"),
     ([], {"PUSH_MODE_HTTP_WORKERS": "9"}, "must be between 1 and 8"),
     ([], {"DISABLE_STREAMING": "yes"}, "DISABLE_STREAMING must be 0 or 1"),
-    ([], {"USE_CACHE_KV_INT8": "1"}, "int8 KV cache is not available yet"),
+    ([], {"USE_CACHE_KV_INT8": "2"}, "USE_CACHE_KV_INT8 must be 0 or 1"),
+    (["--quantization", "int3"], {}, "quantization must be one of int8, int4, a8w8, fp8"),
     ([], {"MP_NUM": "2"}, "only 1 is supported"),
     ([], {"BLOCK_RATIO": "1.5"}, "BLOCK_RATIO must be in (0, 1]"),
     (["--port", "8110"], {}, "both set to port 8110"),

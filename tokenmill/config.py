@@ -26,9 +26,15 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
     seed: int = 0
     trust_remote_code: bool = False
+    # Weights: int8 | int4 | a8w8 | fp8 (aliases: weight_only_int8, wint4, ...), quantized at
+    # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 K/V with per-head scales
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        from tokenmill.quantization import parse_method
+        self.quantization = parse_method(self.quantization)
         self.validate()
 
     def validate(self) -> None:
@@ -58,6 +64,13 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization!r}.")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        from tokenmill.quantization import ALIASES, METHODS
+        if self.quantization is not None and self.quantization not in METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or "
+                             f"{', '.join(sorted(ALIASES))}), got {self.quantization!r}.")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError("kv_cache_dtype must be 'auto' or 'int8', got "
+                             f"{self.kv_cache_dtype!r}.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +174,11 @@ def make_serve_parser():
     a("--api-key", default=None, help="require `Authorization: Bearer KEY` (env VLLM_API_KEY)")
     a("--dtype", default=None, help="auto, float32, bfloat16, float16 (env DTYPE)")
     a("--device", default=None, help="auto, cpu, cuda[:N]")
+    a("--quantization", "-q", default=None,
+      help="int8, int4, a8w8 or fp8 (also weight_only_int8, weight_only_int4); default: as the "
+           "checkpoint is")
+    a("--kv-cache-dtype", default=None, choices=["auto", "int8"],
+      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1)")
     a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
     a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
@@ -243,8 +261,7 @@ def build_server_config(argv: list[str], environ=None) -> ServerConfig:
     def pick(flag, env_value, default=None):
         return flag if flag is not None else env_value if env_value is not None else default
 
-    if env.flag("USE_CACHE_KV_INT8"):
-        raise ValueError("USE_CACHE_KV_INT8=1: the int8 KV cache is not available yet.")
+    kv_int8 = env.flag("USE_CACHE_KV_INT8")
     tp = pick(args.tensor_parallel_size, env.integer("MP_NUM"), 1)
     if tp != 1:
         raise ValueError(f"tensor parallel size {tp} (MP_NUM / --tensor-parallel-size): only 1 "
@@ -278,6 +295,8 @@ def build_server_config(argv: list[str], environ=None) -> ServerConfig:
         "gpu_memory_utilization": pick(args.gpu_memory_utilization, None, 0.9),
         "num_kv_blocks": num_kv_blocks,
         "seed": pick(args.seed, None, 0),
+        "quantization": args.quantization,
+        "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
     }
     engine = EngineConfig(**engine_kwargs)
     ports = {}

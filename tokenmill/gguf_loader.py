@@ -138,7 +138,37 @@ def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def iter_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
+    """GGUF Q8_0 / Q4_0 / Q4_1 blocks of a [N, K] weight as int8 / int4 kernel tensors, without
+    expanding them: the same 32-input blocks, scales split out (Q4_0's w = d * (q - 8) is
+    Q4_1's form with min = -8 d)."""
+    from tokenmill.quantization.model import QuantizedShard
+
+    n, k = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n, k // 32, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if type_name == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return QuantizedShard("int8", {"qweight": torch.from_numpy(q),
+                                       "scale": torch.from_numpy(d.astype(np.float32))})
+    if type_name == "Q4_0":
+        mins, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
+    else:  # Q4_1
+        mins, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    return QuantizedShard("int4", {"qweight": torch.from_numpy(qs.reshape(n, k // 2).copy()),
+                                   "scale": torch.from_numpy(d.copy()),
+                                   "min": torch.from_numpy(mins.copy())})
+
+
+# GGUF block types whose weights the int8 / int4 kernels read as they are.
+_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1"}
+
+
+def iter_gguf_weights(path: str, config: Any,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, float32 tensor) per weight; with `keep_quantized`, linear weights stored as
+    Q8_0 / Q4_0 / Q4_1 come as `QuantizedShard`s (a tied LM head too, beside the float
+    embedding table it shares)."""
     from gguf.quants import dequantize
 
     reader = _reader(path)
@@ -156,6 +186,20 @@ def iter_gguf_weights(path: str, config: Any) -> Iterator[tuple[str, torch.Tenso
             logger.debug("skipping GGUF tensor %s", name)
             continue
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
+        kept = keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED
+        linear = hf_name.endswith("proj.weight") or hf_name == "lm_head.weight"
+        if kept and (linear or (hf_name == "model.embed_tokens.weight"
+                                and config.tie_word_embeddings)):
+            shard = _quantized_shard(tensor.data, tensor.tensor_type.name, shape)
+            if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = (config.num_attention_heads if "q_proj" in hf_name
+                         else config.num_key_value_heads)
+                shard.tensors = {leaf: torch.from_numpy(np.ascontiguousarray(
+                    _unpermute_qk(t.numpy(), heads))) for leaf, t in shard.tensors.items()}
+            if linear:
+                yield hf_name, shard
+                continue
+            yield "lm_head.weight", shard
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute_qk(weight, config.num_attention_heads)

@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenmill.layers.linear import choose_linear_kernels
 from tokenmill.models.registry import build_model
+from tokenmill.quantization import QuantConfig, checkpoint_quant_config, cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -62,25 +63,57 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def iter_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, hf_config: Any,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs; from GGUF with `keep_quantized`, Q8_0/Q4_0/Q4_1 linear weights
+    come as `QuantizedShard`s instead of float tensors."""
     if is_gguf(path):
         from tokenmill.gguf_loader import iter_gguf_weights
-        return iter_gguf_weights(path, hf_config)
+        return iter_gguf_weights(path, hf_config, keep_quantized)
     return iter_safetensors(path)
 
 
+def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig | None:
+    stored = checkpoint_quant_config(hf_config)
+    if stored is not None and method is not None and method != stored.method:
+        raise ValueError(f"Checkpoint {path!r} is already quantized with {stored.method}; "
+                         f"it cannot be served as {method}.")
+    return stored if stored is not None else QuantConfig(method) if method else None
+
+
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> nn.Module:
+               max_positions: int, quantization: str | None = None) -> nn.Module:
+    """Build the model and load its weights; quantized as the checkpoint is, or by
+    `quantization` (a method name), then every remaining linear gets its fastest kernel."""
+    from tokenmill.quantization import model as qmodel
+
+    quant = _quant_config(path, hf_config, quantization)
     with torch.device(device):
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
-    loaded = model.load_weights(iter_weights(path, hf_config))
+    # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
+    keep_gguf = (quant is None and device.type == "cpu" and dtype == torch.float32
+                 and cpu_kernels.available())
+    stored: dict[str, dict[str, torch.Tensor]] = {}
+    shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
+    weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf),
+                                      model.checkpoint_target, stored, shards)
+    loaded = model.load_weights(weights)
+    if stored:
+        if checkpoint_quant_config(hf_config) is None:
+            raise ValueError(f"Checkpoint {path!r} has quantized tensors but its config.json "
+                             "has no tokenmill quantization_config.")
+        loaded |= qmodel.load_kernels(model, quant, stored)
+    loaded |= qmodel.load_shards(model, shards)
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
         raise ValueError(f"Checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}.")
+    if quant is not None and not stored:
+        qmodel.quantize_linears(model, quant)
     kernels = choose_linear_kernels(model)
-    logger.info("Linear kernels: %s", kernels)
+    logger.info("Linear kernels: %s; weights %.1f MiB", kernels,
+                qmodel.weight_bytes(model) / 2**20)
     model.eval()
     return model
 

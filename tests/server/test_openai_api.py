@@ -150,13 +150,15 @@ def test_seed_base_url_paths_ignore_model(server):
 
 def test_client_disconnect_frees_the_request(server, server_thread):
     state = server_thread.app.state.server
-    body = {"model": "tiny", "prompt": "long story", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    # 16 prompts x 256 tokens: seconds of work, so the stream is surely unfinished when the
+    # client leaves after its first token (one prompt could finish before the client reads).
+    body = {"model": "tiny", "prompt": [f"long story {i}" for i in range(16)],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
-        assert state.engine.num_in_flight() == 1
+        assert state.engine.num_in_flight() > 0
     assert wait_until(lambda: state.engine.num_in_flight() == 0
                       and state.engine.stats.num_running == 0)
     # A non-streaming request whose client gives up is aborted too (16 prompts x 480

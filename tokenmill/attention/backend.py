@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.quantization.kv_cache import dequantize_kv, quantize_kv
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,9 +36,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends each query over its sequence's cache.
 
-    Shapes: q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D];
-    returns [T, Hq, D]. Causality is bottom-right aligned: query i of a sequence with
-    context c sees keys 0..c+i."""
+    Shapes: q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] (int8
+    caches: D + 4 bytes per row, see quantization/kv_cache.py); returns [T, Hq, D].
+    Causality is bottom-right aligned: query i of a sequence with context c sees keys
+    0..c+i."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the forward: derive what every layer would otherwise
@@ -52,12 +55,21 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        for new, cache in ((k, k_cache), (v, v_cache)):
+            if cache.dtype == torch.int8:
+                new = quantize_kv(new)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
 
     @staticmethod
-    def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-        """Contiguous [length, Hkv, D] view of one sequence's cached K or V."""
-        blocks = cache.index_select(0, block_ids)  # [n, block_size, Hkv, D]
-        return blocks.reshape(-1, *cache.shape[2:])[:length]
+    def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The blocks' K or V, [n, block_size, Hkv, D] in `dtype` (dequantized from int8)."""
+        blocks = cache.index_select(0, block_ids)
+        return dequantize_kv(blocks, dtype) if cache.dtype == torch.int8 else blocks
+
+    @classmethod
+    def gather_kv(cls, cache: torch.Tensor, block_ids: torch.Tensor, length: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+        """Contiguous [length, Hkv, D] copy of one sequence's cached K or V."""
+        blocks = cls.read_blocks(cache, block_ids, dtype)
+        return blocks.reshape(-1, *blocks.shape[2:])[:length]

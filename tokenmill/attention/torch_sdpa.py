@@ -92,8 +92,8 @@ class TorchSDPABackend(AttentionBackend):
             lo, hi = loc[s], loc[s + 1]
             seq_len = context + hi - lo
             n_blocks = -(-seq_len // meta.block_size)
-            keys = self.gather_kv(k_cache, meta.block_table[s, :n_blocks], seq_len)
-            values = self.gather_kv(v_cache, meta.block_table[s, :n_blocks], seq_len)
+            keys = self.gather_kv(k_cache, meta.block_table[s, :n_blocks], seq_len, q.dtype)
+            values = self.gather_kv(v_cache, meta.block_table[s, :n_blocks], seq_len, q.dtype)
             # Bottom-right causal mask: query i sees keys 0..context+i.
             rows = torch.arange(hi - lo, device=q.device).unsqueeze(1) + context
             mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows  # [t, seq_len]
@@ -104,13 +104,14 @@ class TorchSDPABackend(AttentionBackend):
             out[lo:hi] = _ungroup(attn, hi - lo)
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, plan: _StepPlan, num_kv_heads, scale):
+    @classmethod
+    def _decode(cls, q, k_cache, v_cache, plan: _StepPlan, num_kv_heads, scale):
         b = q.shape[0]
         # [B * n_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
         # index_select, not k_cache[table]: several times faster on CPU for this gather.
-        keys = k_cache.index_select(0, plan.decode_blocks).view(b, -1, *k_cache.shape[2:])
-        values = v_cache.index_select(0, plan.decode_blocks).view(b, -1, *v_cache.shape[2:])
+        keys = cls.read_blocks(k_cache, plan.decode_blocks, q.dtype)
+        values = cls.read_blocks(v_cache, plan.decode_blocks, q.dtype)
+        keys, values = keys.view(b, -1, *keys.shape[2:]), values.view(b, -1, *values.shape[2:])
         keys = keys[:, : plan.decode_len].transpose(1, 2)
         values = values[:, : plan.decode_len].transpose(1, 2)
         attn = F.scaled_dot_product_attention(

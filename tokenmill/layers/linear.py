@@ -49,6 +49,9 @@ class CpuPackedKernel:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, layer.bias, "none", [], "")
 
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -60,12 +63,13 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader
         else:
             self.register_parameter("bias", None)
-        self.kernel: DenseKernel | CpuPackedKernel = DenseKernel()
+        # DenseKernel, CpuPackedKernel or a quantized kernel (tokenmill/quantization)
+        self.kernel = DenseKernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.apply(self, x)
 
-    def use_kernel(self, kernel: CpuPackedKernel) -> None:
+    def use_kernel(self, kernel) -> None:
         """Switch to a kernel that holds its own copy of the weight; ours is dropped (a weight
         shared with another module, such as a tied embedding, lives on there)."""
         self.kernel = kernel

@@ -135,6 +135,13 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        """Checkpoint tensor name -> (our parameter name, shard index in a merged layer)."""
+        for merged, original, shard in self.stacked_params:
+            if f".{original}." in name:
+                return name.replace(f".{original}.", f".{merged}."), shard
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the parameter names loaded."""
         params = dict(self.named_parameters())
@@ -144,17 +151,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            for merged, original, shard in self.stacked_params:
-                if f".{original}." in name:
-                    target = name.replace(f".{original}.", f".{merged}.")
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
-                target = name
-                param = params[target]
+            target, shard = self.checkpoint_target(name)
+            if target not in params:
+                raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
+            param = params[target]
+            if shard is None:
                 param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
             loaded.add(target)
         return loaded

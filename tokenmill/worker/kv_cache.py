@@ -1,14 +1,16 @@
-"""Size and allocate the paged K/V tensors: per layer [num_blocks, block_size, Hkv, D]."""
+"""Size and allocate the paged K/V tensors: per layer [num_blocks, block_size, Hkv, D]
+(int8: D + 4 bytes per row, values and their scale)."""
 
 from __future__ import annotations
 
 import torch
 
+from tokenmill.quantization.kv_cache import SCALE_BYTES, row_bytes
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element  # K and V
+    return 2 * num_layers * block_size * num_kv_heads * row_bytes(head_dim, dtype)  # K and V
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -29,6 +31,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeroed, not empty: padded decode reads of unused slots are masked out of the softmax,
     # but garbage NaNs in V would still poison `probs @ V`.
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
+    shape = (num_blocks, block_size, num_kv_heads, row)
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]

@@ -76,7 +76,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
+                                config.quantization)
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
         self.backend = TorchSDPABackend()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
@@ -84,15 +86,15 @@ class ModelRunner:
         self.num_layers = len(self.model.attention_layers())
         self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
                                                     attn.num_kv_heads, attn.head_dim,
-                                                    self.dtype)
+                                                    self.kv_dtype)
         self.num_blocks = self._decide_num_blocks()
         caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
-                                            attn.num_kv_heads, attn.head_dim, self.dtype,
+                                            attn.num_kv_heads, attn.head_dim, self.kv_dtype,
                                             self.device)
         for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
-                    self.block_size, self.num_blocks * self.block_bytes / 2**30, self.dtype)
+                    self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -1,0 +1,218 @@
+"""Quantized kernels for `Linear`: each holds its quantized tensors (the layer's float weight is
+dropped) and multiplies by them. The fast path is picked once, at construction, from the device;
+`reference()` is the plain dequantize-then-matmul path beside it, used where no fast kernel
+exists and by the tests that check the fast path against it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quantization import cpu_kernels, schemes
+
+# Rows above which the weight-only kernels dequantize the weight and run the fp32 GEMM: the
+# compiled kernels win while a step reads more weight bytes than it does arithmetic (decode),
+# the GEMM wins on prompts (bench/NOTES.md, "quantized kernels").
+WEIGHT_ONLY_MAX_ROWS = 16
+
+
+class QuantizedKernel:
+    """Shared shape of the quantized kernels. `tensors` is what a checkpoint stores."""
+
+    method = ""
+    name = ""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return self.reference(layer, x)
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize().to(x.dtype), layer.bias)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def _on_fast_cpu(self) -> bool:
+        first = next(iter(self.tensors.values()))
+        return first.device.type == "cpu" and cpu_kernels.available()
+
+
+class Int8Kernel(QuantizedKernel):
+    """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores)."""
+
+    method = "int8"
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.qweight, self.scale = tensors["qweight"], tensors["scale"].float()
+        self.group = self.qweight.shape[1] // self.scale.shape[1]
+        self.fast = self._on_fast_cpu() and self.group % 8 == 0
+        self.name = "int8-cpu" if self.fast else "int8-dequant"
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, group: int | None = None) -> Int8Kernel:
+        q, scale = schemes.quantize_int8(weight, group)
+        return cls({"qweight": q, "scale": scale})
+
+    def dequantize(self) -> torch.Tensor:
+        return schemes.dequantize_int8(self.qweight, self.scale)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype == torch.float32:
+            return cpu_kernels.int8_gemm(x.contiguous(), self.qweight, self.scale, layer.bias,
+                                         self.group)
+        return self.reference(layer, x)
+
+
+class Int4Kernel(QuantizedKernel):
+    """Weight-only 4-bit, asymmetric per group of inputs (GGUF Q4_1's scheme and layout)."""
+
+    method = "int4"
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.qweight = tensors["qweight"]
+        self.scale, self.mins = tensors["scale"].half(), tensors["min"].half()
+        self.group = self.qweight.shape[1] * 2 // self.scale.shape[1]
+        self.fast = self._on_fast_cpu()
+        self.name = "int4-cpu" if self.fast else "int4-dequant"
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, group: int = 32) -> Int4Kernel:
+        packed, scale, mins = schemes.quantize_int4(weight, group)
+        return cls({"qweight": packed, "scale": scale, "min": mins})
+
+    def dequantize(self) -> torch.Tensor:
+        return schemes.dequantize_int4(self.qweight, self.scale, self.mins)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype == torch.float32:
+            return cpu_kernels.int4_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
+                                         layer.bias, self.group)
+        return self.reference(layer, x)
+
+
+class A8W8Kernel(QuantizedKernel):
+    """int8 weights (per output channel) times int8 activations. Activations are quantized per
+    tensor to asymmetric uint8, from each call's range (dynamic) or a calibrated one (static),
+    after dividing by the SmoothQuant factors when calibration produced them.
+    CPU fast path: fbgemm/oneDNN int8 GEMMs."""
+
+    method = "a8w8"
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.qweight, self.scale = tensors["qweight"], tensors["scale"].float().reshape(-1)
+        smooth = tensors.get("smooth")
+        self.inv_smooth = None if smooth is None else (1.0 / smooth.float())
+        act = tensors.get("act_range")  # [low, high] of the smoothed activations
+        self.static = None if act is None else schemes.uint8_activation_params(act[0], act[1])
+        self.packed = None
+        if self.qweight.device.type == "cpu":
+            qw = torch._make_per_channel_quantized_tensor(
+                self.qweight, self.scale.double(), torch.zeros_like(self.scale, dtype=torch.long),
+                0)
+            if self.static is None:
+                self.packed = torch.ops.quantized.linear_prepack(qw, None)
+            else:
+                self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+        self.name = "a8w8-cpu" if self.packed is not None else "a8w8-dequant"
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, smooth: torch.Tensor | None = None,
+                    act_range: torch.Tensor | None = None) -> A8W8Kernel:
+        if smooth is not None:
+            weight = weight.float() * smooth[None, :]
+        q, scale = schemes.quantize_int8(weight)
+        tensors = {"qweight": q, "scale": scale.reshape(-1)}
+        if smooth is not None:
+            tensors["smooth"] = smooth.float()
+        if act_range is not None:
+            tensors["act_range"] = act_range.float()
+        return cls(tensors)
+
+    def dequantize(self) -> torch.Tensor:
+        return schemes.dequantize_int8(self.qweight, self.scale[:, None])
+
+    def _smoothed(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.inv_smooth is None else x * self.inv_smooth.to(x.dtype)
+
+    def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
+        x = self._smoothed(x.float())
+        scale, zero = self.static or schemes.uint8_activation_params(x.min(), x.max())
+        x = schemes.fake_quantize_uint8(x, scale, zero)
+        return F.linear(x, self.dequantize(), layer.bias.float() if layer.bias is not None
+                        else None)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.dtype != torch.float32:
+            return self.reference(layer, x).to(x.dtype)
+        x = self._smoothed(x)
+        if self.static is None:
+            y = torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, False)
+        else:
+            scale, zero = self.static
+            qx = torch.clamp(torch.round(x / scale) + zero, 0, 255).to(torch.uint8)
+            y = torch.ops.onednn.qlinear_pointwise(
+                qx, scale, zero, self.packed, self.scale,
+                torch.zeros_like(self.scale, dtype=torch.long), None, 1.0, 0, torch.float32,
+                "none", [], "")
+        return y if layer.bias is None else y + layer.bias
+
+
+class Fp8Kernel(QuantizedKernel):
+    """W8A8 float8 e4m3: weights with per-channel or per-tensor scales, activations rounded
+    through e4m3 with a per-tensor scale (dynamic, or static from calibration). On GPUs with
+    fp8 units the matmul is `torch._scaled_mm`; elsewhere a dequantizing path."""
+
+    method = "fp8"
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)
+        self.qweight, self.scale = tensors["qweight"], tensors["scale"].float()
+        self.act_scale = tensors.get("act_scale")
+        device = self.qweight.device
+        self.scaled_mm = (device.type == "cuda"
+                          and torch.cuda.get_device_capability(device) >= (8, 9))
+        self.name = "fp8-scaled-mm" if self.scaled_mm else "fp8-dequant"
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, per_channel: bool = True,
+                    act_absmax: torch.Tensor | None = None) -> Fp8Kernel:
+        q, scale = schemes.quantize_fp8(weight, per_channel)
+        tensors = {"qweight": q, "scale": scale}
+        if act_absmax is not None:
+            tensors["act_scale"] = (act_absmax.float().clamp(min=1e-12)
+                                    / schemes.FP8_MAX).reshape(1)
+        return cls(tensors)
+
+    def dequantize(self) -> torch.Tensor:
+        scale = self.scale if self.scale.numel() > 1 else self.scale.expand(
+            self.qweight.shape[0])
+        return schemes.dequantize_fp8(self.qweight, scale)
+
+    def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
+        x = schemes.fake_quantize_fp8(x.float(), self.act_scale)
+        return F.linear(x, self.dequantize(), layer.bias).to(x.dtype)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if not self.scaled_mm:
+            return self.reference(layer, x).to(x.dtype)
+        act_scale = self.act_scale
+        if act_scale is None:
+            act_scale = x.abs().amax().float().clamp(min=1e-12) / schemes.FP8_MAX
+        qx = (x / act_scale).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(torch.float8_e4m3fn)
+        w_scale = self.scale.reshape(1, -1) if self.scale.numel() > 1 else self.scale
+        x_scale = act_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous() \
+            if self.scale.numel() > 1 else act_scale.reshape(())
+        y = torch._scaled_mm(qx, self.qweight.t(), scale_a=x_scale, scale_b=w_scale,
+                             bias=layer.bias, out_dtype=x.dtype)
+        return y
+
+
+KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}

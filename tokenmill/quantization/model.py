@@ -1,0 +1,170 @@
+"""Quantization applied to a whole model: switch its `Linear` layers to quantized kernels, from
+float weights (quantize at load), from a `tokenmill quantize` checkpoint's tensors, or from
+GGUF's quantized blocks; and the other way, the tensors a quantized checkpoint stores."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from tokenmill.layers.linear import DenseKernel, Linear
+from tokenmill.quantization import QuantConfig
+from tokenmill.quantization.calibration import ActivationStats
+from tokenmill.quantization.linear_kernels import (
+    KERNELS,
+    A8W8Kernel,
+    Fp8Kernel,
+    Int4Kernel,
+    Int8Kernel,
+    QuantizedKernel,
+)
+from tokenmill.quantization.schemes import smoothing_factors
+
+logger = logging.getLogger(__name__)
+
+# Leaf names of the tensors quantized kernels keep (a checkpoint stores `<layer>.<leaf>`).
+KERNEL_TENSORS = frozenset({"qweight", "scale", "min", "smooth", "act_range", "act_scale"})
+
+
+@dataclass
+class QuantizedShard:
+    """One checkpoint weight kept in its quantized form (GGUF Q8_0 / Q4_0 / Q4_1), rows =
+    output channels, so the shards of a merged layer concatenate."""
+
+    method: str  # "int8" or "int4"
+    tensors: dict[str, torch.Tensor]
+
+
+def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str, Linear]]:
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, Linear) and isinstance(module.kernel, DenseKernel)
+            and (config.lm_head or name != "lm_head")]
+
+
+def make_kernel(weight: torch.Tensor, config: QuantConfig,
+                stats: ActivationStats | None = None) -> QuantizedKernel:
+    if config.method == "int8":
+        return Int8Kernel.from_weight(weight, config.group_size)
+    if config.method == "int4":
+        return Int4Kernel.from_weight(weight, config.group_size)
+    if config.method == "a8w8":
+        smooth = None if stats is None else smoothing_factors(stats.absmax, weight,
+                                                              config.smoothquant_alpha)
+        act_range = None
+        if config.activation == "static":
+            if stats is None:
+                raise ValueError("a8w8 with static activations needs calibration data.")
+            s = torch.ones_like(stats.low) if smooth is None else smooth
+            act_range = torch.stack([(stats.low / s).min(), (stats.high / s).max()])
+        return A8W8Kernel.from_weight(weight, smooth, act_range)
+    if config.activation == "static" and stats is None:
+        raise ValueError("fp8 with static activations needs calibration data.")
+    return Fp8Kernel.from_weight(weight, config.fp8_per_channel,
+                                 None if config.activation == "dynamic" else stats.absmax.max())
+
+
+def quantize_linears(model: nn.Module, config: QuantConfig,
+                     stats: dict[str, ActivationStats] | None = None,
+                     progress: bool = False) -> int:
+    """Quantize every dense `Linear` (the LM head too unless `config.lm_head` is False) in
+    place. Returns how many layers were quantized."""
+    layers = quantizable_linears(model, config)
+    for name, module in tqdm(layers, desc=f"quantizing ({config.method})", disable=not progress):
+        try:
+            kernel = make_kernel(module.weight.detach(), config, (stats or {}).get(name))
+        except ValueError as exc:
+            raise ValueError(f"Cannot quantize {name} with {config.method}: {exc}") from None
+        module.use_kernel(kernel)
+    return len(layers)
+
+
+def load_kernels(model: nn.Module, config: QuantConfig,
+                 tensors: dict[str, dict[str, torch.Tensor]]) -> set[str]:
+    """Give each layer named in `tensors` (layer -> leaf -> tensor, as a checkpoint stores
+    them) its quantized kernel. Returns the float weights this replaces."""
+    modules = dict(model.named_modules())
+    replaced = set()
+    for name, leaves in tensors.items():
+        module = modules.get(name)
+        if not isinstance(module, Linear):
+            raise ValueError(f"Checkpoint has quantized tensors for {name!r}, which is not a "
+                             "linear layer of this model.")
+        module.use_kernel(KERNELS[config.method](leaves))
+        replaced.add(f"{name}.weight")
+    return replaced
+
+
+def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) -> set[str]:
+    """GGUF weights kept quantized: shards of one layer (q|k|v, gate|up) are concatenated by
+    rows when they share a format; a layer whose shards differ is dequantized instead."""
+    modules = dict(model.named_modules())
+    replaced = set()
+    for name, by_index in shards.items():
+        module = modules[name]
+        parts = [by_index[i] for i in sorted(by_index)]
+        kernel_cls = KERNELS[parts[0].method]
+        same = all(p.method == parts[0].method and p.tensors["scale"].shape[1:]
+                   == parts[0].tensors["scale"].shape[1:] for p in parts)
+        if same:
+            joined = {leaf: torch.cat([p.tensors[leaf] for p in parts])
+                      for leaf in parts[0].tensors}
+            module.use_kernel(kernel_cls(joined))
+        else:
+            weight = torch.cat([KERNELS[p.method](p.tensors).dequantize() for p in parts])
+            module.weight.data.copy_(weight)
+        replaced.add(f"{name}.weight")
+    return replaced
+
+
+def split_checkpoint(weights: Iterable[tuple[str, object]], target_of,
+                     quantized: dict[str, dict[str, torch.Tensor]],
+                     shards: dict[str, dict[int, QuantizedShard]]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass float tensors on; keep quantized ones aside, by layer: kernel tensors of a
+    tokenmill checkpoint into `quantized`, GGUF shards into `shards` (`target_of` maps a
+    checkpoint name to the model's parameter and shard index)."""
+    for name, tensor in weights:
+        if isinstance(tensor, QuantizedShard):
+            target, shard = target_of(name)
+            shards.setdefault(target.rpartition(".")[0], {})[shard or 0] = tensor
+            continue
+        layer, _, leaf = name.rpartition(".")
+        if leaf in KERNEL_TENSORS:
+            quantized.setdefault(layer, {})[leaf] = tensor
+            continue
+        yield name, tensor
+
+
+def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything a quantized checkpoint stores, under the model's own parameter names:
+    quantized layers as their kernel tensors, the rest as parameters (tied ones once)."""
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            state[name] = param.detach().contiguous()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and isinstance(module.kernel, QuantizedKernel):
+            for leaf, tensor in module.kernel.tensors.items():
+                state[f"{name}.{leaf}"] = tensor.contiguous()
+    return state
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as they sit in memory (quantized tensors, float parameters, each
+    shared tensor once; CPU-packed fp32 layers count their packed copy)."""
+    total, seen = 0, set()
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel() * param.element_size()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight is None:
+            total += module.kernel.weight_bytes()
+    return total

@@ -1,0 +1,112 @@
+"""The arithmetic of each quantization scheme, in plain torch on any device: quantize a weight,
+dequantize it back, quantize activations. Kernels (`linear_kernels.py`) store what these return;
+their fallback path and the tests use the dequantizers as the definition of the numbers."""
+
+from __future__ import annotations
+
+import torch
+
+INT4_BLOCK = 32  # the Q4 layout packs 32 inputs into 16 bytes; groups are multiples of it
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_TINY = 1e-12
+
+
+def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"group size {group} does not divide the input size {k}")
+    return w.reshape(n, k // group, group)
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel (group None) or per `group` inputs.
+    Returns q int8 [N, K] and scale float32 [N, K // group]."""
+    group = group or w.shape[1]
+    wg = _grouped(w.float(), group)
+    scale = wg.abs().amax(-1).clamp(min=_TINY) / 127
+    q = torch.round(wg / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(w.shape), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scale.shape[1]
+    return (_grouped(q.float(), group) * scale[..., None].float()).reshape(q.shape)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q in 0..15, [N, K] -> uint8 [N, K // 2] in GGUF's Q4 layout: per 32 inputs, byte j holds
+    input j in its low nibble and input j + 16 in its high nibble."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // (INT4_BLOCK // 2), 1, INT4_BLOCK // 2)
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).reshape(n, half * 2)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric 4-bit per `group` inputs: w ~ q * scale + min, q in 0..15 (GGUF Q4_1's
+    scheme). Returns packed uint8 [N, K // 2], scale and min float16 [N, K // group]."""
+    if group % INT4_BLOCK:
+        raise ValueError(f"int4 group size must be a multiple of {INT4_BLOCK}, got {group}")
+    wg = _grouped(w.float(), group)
+    low, high = wg.amin(-1), wg.amax(-1)
+    # Round the parameters to float16 first: q is chosen against the values the kernel reads.
+    scale = ((high - low) / 15).clamp(min=1e-7).half()
+    low16 = low.half()
+    q = torch.round((wg - low16.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    return pack_int4(q.reshape(w.shape)), scale, low16
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
+                    ) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    group = q.shape[1] // scale.shape[1]
+    wg = _grouped(q, group) * scale.float()[..., None] + mins.float()[..., None]
+    return wg.reshape(q.shape)
+
+
+def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 with a float32 scale per output channel ([N]) or per tensor ([1])."""
+    w = w.float()
+    absmax = w.abs().amax(1) if per_channel else w.abs().amax().reshape(1)
+    scale = absmax.clamp(min=_TINY) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x rounded through float8 e4m3 with a per-tensor scale (None: dynamic, from x)."""
+    if scale is None:
+        scale = x.abs().amax().clamp(min=_TINY) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+def uint8_activation_params(low: torch.Tensor, high: torch.Tensor) -> tuple[float, int]:
+    """Per-tensor asymmetric uint8 parameters covering [low, high] and zero (fbgemm's
+    dynamic scheme; static activations use the calibrated range)."""
+    low, high = float(min(low, 0.0)), float(max(high, 0.0))
+    scale = max((high - low) / 255, _TINY)
+    return scale, int(min(max(round(-low / scale), 0), 255))
+
+
+def fake_quantize_uint8(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
+    q = torch.clamp(torch.round(x / scale) + zero_point, 0, 255)
+    return (q - zero_point) * scale
+
+
+def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor,
+                      alpha: float = 0.5) -> torch.Tensor:
+    """SmoothQuant: per input channel s = max|X|^a / max|W|^(1-a). The layer computes
+    (X / s) @ (W * s)^T, moving activation outliers into the weights, where per-channel int8
+    absorbs them. Returns s (float32 [K])."""
+    w_absmax = weight.float().abs().amax(0).clamp(min=1e-5)
+    s = act_absmax.float().clamp(min=1e-5).pow(alpha) / w_absmax.pow(1 - alpha)
+    return s.clamp(min=1e-5)
