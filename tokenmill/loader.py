@@ -82,18 +82,24 @@ def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig 
 
 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               max_positions: int, quantization: str | None = None) -> nn.Module:
+               max_positions: int, quantization: str | None = None,
+               float_weights: bool = False) -> nn.Module:
     """Build the model and load its weights; quantized as the checkpoint is, or by
-    `quantization` (a method name), then every remaining linear gets its fastest kernel."""
+    `quantization` (a method name), then every remaining linear gets its fastest kernel.
+    `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
+    packing), as `tokenmill quantize` needs them."""
     from tokenmill.quantization import model as qmodel
 
     quant = _quant_config(path, hf_config, quantization)
+    if float_weights and quant is not None:
+        raise ValueError(f"Checkpoint {path!r} is already quantized ({quant.method}); "
+                         "quantize the original weights.")
     with torch.device(device):
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
-    keep_gguf = (quant is None and device.type == "cpu" and dtype == torch.float32
-                 and cpu_kernels.available())
+    keep_gguf = (quant is None and not float_weights and device.type == "cpu"
+                 and dtype == torch.float32 and cpu_kernels.available())
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
     weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf),
@@ -111,6 +117,8 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"Checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}.")
     if quant is not None and not stored:
         qmodel.quantize_linears(model, quant)
+    if float_weights:
+        return model.eval()
     kernels = choose_linear_kernels(model)
     logger.info("Linear kernels: %s; weights %.1f MiB", kernels,
                 qmodel.weight_bytes(model) / 2**20)

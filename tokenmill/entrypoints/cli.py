@@ -1,4 +1,5 @@
-"""The `tokenmill` command: serve a model, generate text, or run a benchmark."""
+"""The `tokenmill` command: serve a model, generate text, quantize a model, or run a
+benchmark."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                         help="CPU memory for the KV cache in GiB (default 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", "-q", default=None, help="int8, int4, a8w8, fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed}
+    kwargs = {"dtype": args.dtype, "max_model_len": args.max_model_len, "seed": args.seed,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory_gib"] = args.kv_cache_memory
     return kwargs
@@ -67,13 +71,28 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
 
 
+def cmd_quantize(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tokenmill.quantization.tool import run
+
+    try:
+        return run(argv)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "serve":  # its flags live with the server config
         return cmd_serve(argv[1:])
+    if argv and argv[0] == "quantize":
+        return cmd_quantize(argv[1:])
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (see `tokenmill serve --help`)")
+    sub.add_parser("quantize", help="write a quantized copy of a model (see `tokenmill "
+                   "quantize --help`)")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_args(gen)

@@ -5,6 +5,8 @@ exists and by the tests that check the fast path against it."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -99,7 +101,7 @@ class Int4Kernel(QuantizedKernel):
 
 class A8W8Kernel(QuantizedKernel):
     """int8 weights (per output channel) times int8 activations. Activations are quantized per
-    tensor to asymmetric uint8, from each call's range (dynamic) or a calibrated one (static),
+    tensor to asymmetric 7-bit, from each call's range (dynamic) or a calibrated one (static),
     after dividing by the SmoothQuant factors when calibration produced them.
     CPU fast path: fbgemm/oneDNN int8 GEMMs."""
 
@@ -114,10 +116,12 @@ class A8W8Kernel(QuantizedKernel):
         self.static = None if act is None else schemes.uint8_activation_params(act[0], act[1])
         self.packed = None
         if self.qweight.device.type == "cpu":
-            qw = torch._make_per_channel_quantized_tensor(
-                self.qweight, self.scale.double(), torch.zeros_like(self.scale, dtype=torch.long),
-                0)
             if self.static is None:
+                with warnings.catch_warnings():  # torch's quantized tensors are deprecated;
+                    warnings.simplefilter("ignore")  # fbgemm's packed GEMM is the fast one
+                    qw = torch._make_per_channel_quantized_tensor(
+                        self.qweight, self.scale.double(),
+                        torch.zeros_like(self.scale, dtype=torch.long), 0)
                 self.packed = torch.ops.quantized.linear_prepack(qw, None)
             else:
                 self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
@@ -154,10 +158,11 @@ class A8W8Kernel(QuantizedKernel):
             return self.reference(layer, x).to(x.dtype)
         x = self._smoothed(x)
         if self.static is None:
-            y = torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, False)
+            # reduce_range: 7-bit activations, see schemes.ACT_LEVELS
+            y = torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
         else:
             scale, zero = self.static
-            qx = torch.clamp(torch.round(x / scale) + zero, 0, 255).to(torch.uint8)
+            qx = torch.clamp(torch.round(x / scale) + zero, 0, schemes.ACT_LEVELS).to(torch.uint8)
             y = torch.ops.onednn.qlinear_pointwise(
                 qx, scale, zero, self.packed, self.scale,
                 torch.zeros_like(self.scale, dtype=torch.long), None, 1.0, 0, torch.float32,

@@ -89,16 +89,23 @@ def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tens
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
 
+# Activations use 7 of uint8's 8 bits: x86 int8 GEMMs without VNNI (AVX2's vpmaddubsw) add
+# pairs of u8 x s8 products in int16, which saturates with full-range inputs (fbgemm's
+# `reduce_range`). Measured: 8-bit activations turned the default model's output to nonsense.
+ACT_LEVELS = 127
+
+
 def uint8_activation_params(low: torch.Tensor, high: torch.Tensor) -> tuple[float, int]:
-    """Per-tensor asymmetric uint8 parameters covering [low, high] and zero (fbgemm's
-    dynamic scheme; static activations use the calibrated range)."""
+    """Per-tensor asymmetric parameters covering [low, high] and zero in 0..ACT_LEVELS
+    (fbgemm's dynamic scheme with reduce_range; static activations use the calibrated
+    range)."""
     low, high = float(min(low, 0.0)), float(max(high, 0.0))
-    scale = max((high - low) / 255, _TINY)
-    return scale, int(min(max(round(-low / scale), 0), 255))
+    scale = max((high - low) / ACT_LEVELS, _TINY)
+    return scale, int(min(max(round(-low / scale), 0), ACT_LEVELS))
 
 
 def fake_quantize_uint8(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    q = torch.clamp(torch.round(x / scale) + zero_point, 0, 255)
+    q = torch.clamp(torch.round(x / scale) + zero_point, 0, ACT_LEVELS)
     return (q - zero_point) * scale
 
 
