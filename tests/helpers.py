@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
+
+from tokenmill import gguf_loader
 
 TINY_VOCAB = 512
 _TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
@@ -73,3 +76,59 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
                              do_sample=False, eos_token_id=None, pad_token_id=0,
                              min_new_tokens=max_new_tokens)
     return out[0, len(prompt_ids):].tolist()
+
+
+LAYER_MAP = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert script does to Q/K rows of Llama-type models."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def write_gguf(path, arch, state, config, qtype=None):
+    """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
+    GGMLQuantizationType) stores 2-D weights in that block format."""
+    import gguf
+    from gguf.quants import quantize
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_key_length(head_dim(config))
+    writer.add_value_length(head_dim(config))
+    for name, tensor in state.items():
+        w = tensor.numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+            gname = f"blk.{layer}.{LAYER_MAP[rest]}"
+            if arch == "llama" and rest.startswith("self_attn.q_proj"):
+                w = llama_cpp_permute(w, config.num_attention_heads)
+            elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+                w = llama_cpp_permute(w, config.num_key_value_heads)
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(gname, quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -87,7 +87,11 @@ class MergedLinear(Linear):
         if bias:
             self.bias.weight_loader = self._load_shard
 
-    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
+    def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
+                    shard: int | None = None) -> None:
+        if shard is None:  # the merged tensor itself (a checkpoint `tokenmill quantize` wrote)
+            default_weight_loader(param, loaded)
+            return
         start = sum(self.output_sizes[:shard])
         default_weight_loader(param.data.narrow(0, start, self.output_sizes[shard]), loaded)
 

@@ -1,0 +1,156 @@
+"""Quantization arithmetic and kernels: the schemes against GGUF's own dequantizer and
+against their error bounds, every fast kernel against its dequantize-then-matmul path."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.linear import Linear
+from tokenmill.quantization import cpu_kernels, linear_kernels, schemes
+from tokenmill.quantization.linear_kernels import A8W8Kernel, Fp8Kernel, Int4Kernel, Int8Kernel
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                       reason="no C compiler or no AVX2/FMA/F16C")
+
+
+def layer(n=96, k=128, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = Linear(k, n, bias)
+    lin.weight.data.normal_(0, 0.05)
+    if bias:
+        lin.bias.data.normal_(0, 0.1)
+    return lin
+
+
+def test_compiled_kernels_build_where_a_compiler_and_avx2_exist():
+    # Guards against the CPU tests below skipping silently on a machine that could run them.
+    if os.environ.get(cpu_kernels.DISABLE_ENV) == "0" or not cpu_kernels._cpu_has_avx2():
+        pytest.skip("kernels disabled or CPU without AVX2/FMA/F16C")
+    if shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc"):
+        assert cpu_kernels.available()
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_round_trip_within_half_a_step(group):
+    w = torch.randn(40, 64)
+    q, scale = schemes.quantize_int8(w, group)
+    assert q.dtype == torch.int8 and scale.shape == (40, 64 // (group or 64))
+    err = (schemes.dequantize_int8(q, scale) - w).abs()
+    step = scale.repeat_interleave(group or 64, dim=1)
+    assert (err <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step_and_packing_is_invertible(group):
+    w = torch.randn(24, 256) + 0.3
+    packed, scale, mins = schemes.quantize_int4(w, group)
+    assert packed.shape == (24, 128) and packed.dtype == torch.uint8
+    assert scale.dtype == mins.dtype == torch.float16
+    step = scale.float().repeat_interleave(group, dim=1)
+    assert ((schemes.dequantize_int4(packed, scale, mins) - w).abs() <= step / 2 + 2e-3).all()
+    q = torch.randint(0, 16, (5, 64))
+    assert torch.equal(schemes.unpack_int4(schemes.pack_int4(q)), q.to(torch.uint8))
+
+
+def test_int4_refuses_groups_that_do_not_fit():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        schemes.quantize_int4(torch.randn(4, 64), 48)
+    with pytest.raises(ValueError, match="does not divide"):
+        schemes.quantize_int4(torch.randn(4, 96), 64)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from tokenmill.gguf_loader import _quantized_shard
+
+    w = np.random.default_rng(0).normal(size=(8, 96)).astype(np.float32)
+    kind = GGMLQuantizationType[qtype]
+    blocks = quantize(w, kind)
+    shard = _quantized_shard(blocks, qtype, [8, 96])
+    ours = linear_kernels.KERNELS[shard.method](shard.tensors).dequantize()
+    expected = torch.from_numpy(dequantize(blocks, kind).reshape(8, 96))
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kernel,kwargs", [(Int8Kernel, {}), (Int8Kernel, {"group": 32}),
+                                           (Int4Kernel, {"group": 32}),
+                                           (Int4Kernel, {"group": 64})])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_weight_only_kernels_match_dequantize_then_matmul(kernel, kwargs, rows, bias):
+    lin = layer(bias=bias)
+    k = kernel.from_weight(lin.weight.detach(), **kwargs)
+    assert k.fast
+    x = torch.randn(rows + 4, 128)[2:2 + rows]  # an offset view: made contiguous by the kernel
+    expected = F.linear(x, k.dequantize(), lin.bias)
+    torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [Int8Kernel, Int4Kernel])
+def test_weight_only_kernels_without_compiled_code_and_for_prompts(kernel, monkeypatch):
+    lin = layer()
+    k = kernel.from_weight(lin.weight.detach())
+    x = torch.randn(linear_kernels.WEIGHT_ONLY_MAX_ROWS + 3, 128)  # prompt rows: GEMM path
+    expected = x @ k.dequantize().T + lin.bias
+    torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    slow = kernel.from_weight(lin.weight.detach())
+    assert not slow.fast and slow.name.endswith("dequant")
+    torch.testing.assert_close(slow.apply(lin, x[:2]), expected[:2], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("rows", [1, 6, 40])
+def test_a8w8_fast_path_matches_its_emulation(static, rows):
+    lin = layer()
+    x = torch.randn(rows, 128)
+    x[:, 3] *= 20  # an outlier channel, as LLM activations have
+    smooth = schemes.smoothing_factors(x.abs().amax(0), lin.weight.detach())
+    act = None
+    if static:
+        act = torch.stack([(x / smooth).min(), (x / smooth).max()])
+    k = A8W8Kernel.from_weight(lin.weight.detach(), smooth, act)
+    assert k.packed is not None
+    fast, emulated = k.apply(lin, x), k.reference(lin, x)
+    exact = F.linear(x, lin.weight, lin.bias)
+    scale = exact.abs().max()
+    assert (fast - emulated).abs().max() <= 0.01 * scale
+    assert (emulated - exact).abs().max() <= 0.1 * scale  # 7-bit activations: coarse
+
+
+def test_smoothing_moves_outliers_into_weights_exactly():
+    w, x = torch.randn(16, 32), torch.randn(5, 32)
+    x[:, 7] *= 50
+    s = schemes.smoothing_factors(x.abs().amax(0), w)
+    torch.testing.assert_close((x / s) @ (w * s).T, x @ w.T, rtol=1e-4, atol=1e-4)
+    assert (x / s).abs().amax(0).max() < x.abs().amax(0).max() / 5
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_dequantizing_path_is_close_to_float(per_channel, static):
+    lin = layer()
+    x = torch.randn(7, 128)
+    k = Fp8Kernel.from_weight(lin.weight.detach(), per_channel,
+                              x.abs().max() if static else None)
+    assert k.qweight.dtype == torch.float8_e4m3fn
+    assert k.scale.shape == ((96,) if per_channel else (1,))
+    exact = F.linear(x, lin.weight, lin.bias)
+    assert (k.apply(lin, x) - exact).norm() / exact.norm() < 0.06
+
+
+def test_kernel_names_say_which_path_runs():
+    lin = layer()
+    names = {cls.method: cls.from_weight(lin.weight.detach()).name
+             for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}
+    assert names["a8w8"] == "a8w8-cpu" and names["fp8"] == "fp8-dequant"
+    if cpu_kernels.available():
+        assert names["int8"] == "int8-cpu" and names["int4"] == "int4-cpu"
