@@ -17,7 +17,7 @@ needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                        reason="no C compiler or no AVX2/FMA/F16C")
 
 
-def layer(n=96, k=128, bias=True, seed=0):
+def layer(n=98, k=128, bias=True, seed=0):  # n: not a multiple of the 4-channel tiles
     torch.manual_seed(seed)
     lin = Linear(k, n, bias)
     lin.weight.data.normal_(0, 0.05)
@@ -83,7 +83,7 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
 @pytest.mark.parametrize("kernel,kwargs", [(Int8Kernel, {}), (Int8Kernel, {"group": 32}),
                                            (Int4Kernel, {"group": 32}),
                                            (Int4Kernel, {"group": 64})])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 33])
 @pytest.mark.parametrize("bias", [True, False])
 def test_compiled_weight_only_kernels_match_dequantize_then_matmul(kernel, kwargs, rows, bias):
     lin = layer(bias=bias)
@@ -98,7 +98,7 @@ def test_compiled_weight_only_kernels_match_dequantize_then_matmul(kernel, kwarg
 def test_weight_only_kernels_without_compiled_code_and_for_prompts(kernel, monkeypatch):
     lin = layer()
     k = kernel.from_weight(lin.weight.detach())
-    x = torch.randn(linear_kernels.WEIGHT_ONLY_MAX_ROWS + 3, 128)  # prompt rows: GEMM path
+    x = torch.randn(linear_kernels.INT8_MAX_ROWS + 3, 128)  # prompt rows: GEMM path
     expected = x @ k.dequantize().T + lin.bias
     torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
@@ -142,7 +142,7 @@ def test_fp8_dequantizing_path_is_close_to_float(per_channel, static):
     k = Fp8Kernel.from_weight(lin.weight.detach(), per_channel,
                               x.abs().max() if static else None)
     assert k.qweight.dtype == torch.float8_e4m3fn
-    assert k.scale.shape == ((96,) if per_channel else (1,))
+    assert k.scale.shape == ((98,) if per_channel else (1,))
     exact = F.linear(x, lin.weight, lin.bias)
     assert (k.apply(lin, x) - exact).norm() / exact.norm() < 0.06
 

@@ -85,7 +85,7 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tm_int8_gemm.argtypes = [ptr] * 5 + [i64] * 4
-    lib.tm_int4_gemm.argtypes = [ptr] * 7 + [i64] * 4
+    lib.tm_int4_gemm.argtypes = [ptr] * 6 + [i64] * 4
     return lib
 
 
@@ -115,7 +115,6 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins:
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    xsum = torch.empty(m, k // group, dtype=torch.float32)
     _library().tm_int4_gemm(_ptr(x), _ptr(qweight), _ptr(scale), _ptr(mins), _ptr(bias),
-                            _ptr(xsum), _ptr(y), m, n, k, group)
+                            _ptr(y), m, n, k, group)
     return y

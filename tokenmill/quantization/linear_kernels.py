@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 from tokenmill.quantization import cpu_kernels, schemes
 
-# Rows above which the weight-only kernels dequantize the weight and run the fp32 GEMM: the
-# compiled kernels win while a step reads more weight bytes than it does arithmetic (decode),
-# the GEMM wins on prompts (bench/NOTES.md, "quantized kernels").
-WEIGHT_ONLY_MAX_ROWS = 16
+# Rows above which the weight-only kernels dequantize the weight and run the fp32 GEMM
+# instead of the compiled kernel (which converts each weight once per 4 rows): measured
+# crossovers on the default model's shapes, bench/NOTES.md "quantized kernels".
+INT8_MAX_ROWS = 128
+INT4_MAX_ROWS = 64
 
 
 class QuantizedKernel:
@@ -65,7 +66,7 @@ class Int8Kernel(QuantizedKernel):
         return schemes.dequantize_int8(self.qweight, self.scale)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.fast and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype == torch.float32:
+        if self.fast and x.shape[0] <= INT8_MAX_ROWS and x.dtype == torch.float32:
             return cpu_kernels.int8_gemm(x.contiguous(), self.qweight, self.scale, layer.bias,
                                          self.group)
         return self.reference(layer, x)
@@ -93,7 +94,7 @@ class Int4Kernel(QuantizedKernel):
         return schemes.dequantize_int4(self.qweight, self.scale, self.mins)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.fast and x.shape[0] <= WEIGHT_ONLY_MAX_ROWS and x.dtype == torch.float32:
+        if self.fast and x.shape[0] <= INT4_MAX_ROWS and x.dtype == torch.float32:
             return cpu_kernels.int4_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
                                          layer.bias, self.group)
         return self.reference(layer, x)
