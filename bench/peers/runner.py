@@ -49,8 +49,14 @@ def measure_blocking(generate, vocab: int, args) -> dict:
 def tokenmill(args):
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="float32", kv_cache_memory_gib=2.0, seed=0)
+    from tokenmill.quantization.model import weight_bytes
+
+    engine_args = {"dtype": "float32", "kv_cache_memory_gib": 2.0, "seed": 0,
+                   **json.loads(args.engine_args)}
+    llm = LLM(args.model, **engine_args)
     vocab = llm.engine.core.hf_config.vocab_size
+    runner = llm.engine.core.runner
+    memory = {"weight_bytes": weight_bytes(runner.model), "kv_block_bytes": runner.block_bytes}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     if args.workload == "w1":
         prompts = make_prompts(args.num_prompts, args.input_len, vocab)
@@ -60,7 +66,7 @@ def tokenmill(args):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
-        return {"seconds": elapsed}
+        return {"seconds": elapsed, **memory}
     prompt = make_prompts(1, args.input_len, vocab)[0]
     engine = llm.engine
     engine.add_request(None, {"prompt_token_ids": prompt}, params.clone(max_tokens=2))
@@ -77,7 +83,7 @@ def tokenmill(args):
                 first = time.perf_counter()
     end = time.perf_counter()
     assert n == args.output_len
-    return {"ttft": first - start, "decode_tps": (n - 1) / (end - first)}
+    return {"ttft": first - start, "decode_tps": (n - 1) / (end - first), **memory}
 
 
 # -- transformers ---------------------------------------------------------------------------
@@ -198,6 +204,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--engine-args", default="{}",
+                   help="tokenmill only: JSON of extra LLM(...) arguments (quantization, ...)")
     args = p.parse_args()
     result = globals()[args.engine](args)
     if args.workload == "w1":
