@@ -48,7 +48,6 @@ def measure_blocking(generate, vocab: int, args) -> dict:
 # -- tokenmill ------------------------------------------------------------------------------
 def tokenmill(args):
     from tokenmill import LLM, SamplingParams
-
     from tokenmill.quantization.model import weight_bytes
 
     engine_args = {"dtype": "float32", "kv_cache_memory_gib": 2.0, "seed": 0,

@@ -115,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     serve_load = bench_sub.add_parser("serve", help="concurrent streaming clients against a "
                                       "running OpenAI-compatible server", add_help=False)
     serve_load.set_defaults(func=None)
+    quant = bench_sub.add_parser("quant", help="quantization methods: perplexity, speed and "
+                                 "memory against fp32", add_help=False)
+    quant.set_defaults(func=None)
 
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "bench":
         script = {"offline": "offline_throughput.py", "compare": "compare.py",
-                  "serve": "serve_load.py"}
+                  "serve": "serve_load.py", "quant": "quantization.py"}
         return _run_bench_script(script[args.bench_command], rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
