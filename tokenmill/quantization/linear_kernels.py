@@ -101,8 +101,8 @@ class Int4Kernel(QuantizedKernel):
 
 
 class A8W8Kernel(QuantizedKernel):
-    """int8 weights (per output channel) times int8 activations. Activations are quantized per
-    tensor to asymmetric 7-bit, from each call's range (dynamic) or a calibrated one (static),
+    """int8 weights (per output channel) times int8 activations, quantized to asymmetric 7-bit:
+    per token from each call's range (dynamic) or per tensor from a calibrated range (static),
     after dividing by the SmoothQuant factors when calibration produced them.
     CPU fast path: fbgemm/oneDNN int8 GEMMs."""
 
@@ -149,8 +149,14 @@ class A8W8Kernel(QuantizedKernel):
 
     def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
         x = self._smoothed(x.float())
-        scale, zero = self.static or schemes.uint8_activation_params(x.min(), x.max())
-        x = schemes.fake_quantize_uint8(x, scale, zero)
+        if self.static is None:
+            rows = schemes.row_scales(x)
+            x = x / rows
+            x = schemes.fake_quantize_uint8(x, *schemes.uint8_activation_params(x.min(),
+                                                                                x.max()))
+            x = x * rows
+        else:
+            x = schemes.fake_quantize_uint8(x, *self.static, upper=schemes.ACT_LEVELS)
         return F.linear(x, self.dequantize(), layer.bias.float() if layer.bias is not None
                         else None)
 
@@ -159,11 +165,15 @@ class A8W8Kernel(QuantizedKernel):
             return self.reference(layer, x).to(x.dtype)
         x = self._smoothed(x)
         if self.static is None:
-            # reduce_range: 7-bit activations, see schemes.ACT_LEVELS
-            y = torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+            # Rows scaled to one range first, so the per-tensor quantization fbgemm applies
+            # is in effect per token (a token with huge activations, such as the first one,
+            # no longer flattens the others); reduce_range: 7 bits, see schemes.ACT_LEVELS.
+            rows = schemes.row_scales(x)
+            y = torch.ops.quantized.linear_dynamic((x / rows).contiguous(), self.packed, True)
+            y = y * rows
         else:
             scale, zero = self.static
-            qx = torch.clamp(torch.round(x / scale) + zero, 0, schemes.ACT_LEVELS).to(torch.uint8)
+            qx = schemes.quantize_uint8(x, scale, zero, schemes.ACT_LEVELS).to(torch.uint8)
             y = torch.ops.onednn.qlinear_pointwise(
                 qx, scale, zero, self.packed, self.scale,
                 torch.zeros_like(self.scale, dtype=torch.long), None, 1.0, 0, torch.float32,

@@ -47,12 +47,15 @@ def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str
 
 
 def make_kernel(weight: torch.Tensor, config: QuantConfig,
-                stats: ActivationStats | None = None) -> QuantizedKernel:
-    if config.method == "int8":
-        return Int8Kernel.from_weight(weight, config.group_size)
-    if config.method == "int4":
+                stats: ActivationStats | None = None, method: str | None = None
+                ) -> QuantizedKernel:
+    method = method or config.method
+    if method == "int8":
+        return Int8Kernel.from_weight(weight, None if config.method == "int4"
+                                      else config.group_size)
+    if method == "int4":
         return Int4Kernel.from_weight(weight, config.group_size)
-    if config.method == "a8w8":
+    if method == "a8w8":
         smooth = None if stats is None else smoothing_factors(stats.absmax, weight,
                                                               config.smoothquant_alpha)
         act_range = None
@@ -76,7 +79,8 @@ def quantize_linears(model: nn.Module, config: QuantConfig,
     layers = quantizable_linears(model, config)
     for name, module in tqdm(layers, desc=f"quantizing ({config.method})", disable=not progress):
         try:
-            kernel = make_kernel(module.weight.detach(), config, (stats or {}).get(name))
+            kernel = make_kernel(module.weight.detach(), config, (stats or {}).get(name),
+                                 config.layer_method(name))
         except ValueError as exc:
             raise ValueError(f"Cannot quantize {name} with {config.method}: {exc}") from None
         module.use_kernel(kernel)
@@ -94,7 +98,7 @@ def load_kernels(model: nn.Module, config: QuantConfig,
         if not isinstance(module, Linear):
             raise ValueError(f"Checkpoint has quantized tensors for {name!r}, which is not a "
                              "linear layer of this model.")
-        module.use_kernel(KERNELS[config.method](leaves))
+        module.use_kernel(KERNELS[config.layer_method(name)](leaves))
         replaced.add(f"{name}.weight")
     return replaced
 

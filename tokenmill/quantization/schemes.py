@@ -96,17 +96,36 @@ ACT_LEVELS = 127
 
 
 def uint8_activation_params(low: torch.Tensor, high: torch.Tensor) -> tuple[float, int]:
-    """Per-tensor asymmetric parameters covering [low, high] and zero in 0..ACT_LEVELS
-    (fbgemm's dynamic scheme with reduce_range; static activations use the calibrated
-    range)."""
+    """Per-tensor asymmetric parameters covering [low, high] and zero in 0..ACT_LEVELS,
+    computed as fbgemm's dynamic quantization does (float32 scale, zero point from the end
+    with the smaller error, rounded half to even), so the emulation matches it exactly."""
     low, high = float(min(low, 0.0)), float(max(high, 0.0))
-    scale = max((high - low) / ACT_LEVELS, _TINY)
-    return scale, int(min(max(round(-low / scale), 0), ACT_LEVELS))
+    scale = float(torch.tensor((high - low) / ACT_LEVELS, dtype=torch.float32))
+    if scale == 0.0:
+        return 1.0, 0
+    from_low, from_high = -low / scale, ACT_LEVELS - high / scale
+    zero = from_low if abs(low / scale) < ACT_LEVELS + abs(high / scale) else from_high
+    return scale, int(min(max(round(zero), 0), ACT_LEVELS))
 
 
-def fake_quantize_uint8(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    q = torch.clamp(torch.round(x / scale) + zero_point, 0, ACT_LEVELS)
-    return (q - zero_point) * scale
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-row max |x| ([T, 1], never 0): dividing by it puts every token in [-1, 1]."""
+    return x.abs().amax(-1, keepdim=True).clamp(min=_TINY)
+
+
+def quantize_uint8(x: torch.Tensor, scale: float, zero_point: int,
+                   upper: int = 255) -> torch.Tensor:
+    """x -> q (as float) the way fbgemm's quantizer does it: x * (1 / scale) + zero point in
+    float32, rounded to the nearest integer (ties to even), clamped to 0..upper. Dynamic
+    ranges put x within 0..ACT_LEVELS + 1 by construction; static ones clamp at
+    ACT_LEVELS (inputs beyond the calibrated range must not reach int16 saturation)."""
+    inverse = torch.tensor(1.0, dtype=torch.float32) / scale
+    return torch.clamp(torch.round(x.float() * inverse + zero_point), 0, upper)
+
+
+def fake_quantize_uint8(x: torch.Tensor, scale: float, zero_point: int,
+                        upper: int = 255) -> torch.Tensor:
+    return (quantize_uint8(x, scale, zero_point, upper) - zero_point) * scale
 
 
 def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor,
