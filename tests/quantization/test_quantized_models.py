@@ -127,6 +127,19 @@ def test_int8_kv_cache_holds_the_theoretical_block_count_and_stays_close(baselin
     assert mean_logprob_gap(logprobs, q_logprobs) < 0.05  # measured 0.015
 
 
+def test_seed_checkpoints_marking_int8_kv_get_it(tmp_path, tiny_models):
+    import shutil
+
+    path = str(tmp_path / "model")
+    shutil.copytree(tiny_models("llama")[0], path)
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    config["infer_model_cachekv_int8_type"] = "cachekv_int8"  # the seed 3.0 key
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    assert LLM(path, kv_cache_memory_gib=0.01).engine.core.runner.kv_dtype == torch.int8
+
+
 def test_int8_kv_attention_matches_the_reference_backend():
     from tokenmill.attention.backend import AttentionMetadata
     from tokenmill.attention.reference import ReferenceBackend

@@ -1,5 +1,6 @@
 """Quantized kernels for `Linear`: each holds its quantized tensors (the layer's float weight is
-dropped) and multiplies by them. The fast path is picked once, at construction, from the device;
+dropped) and multiplies by them. The fast path is picked once, at construction, from the device
+(CPU: compiled AVX2 kernels / fbgemm; CUDA: Triton, `torch._scaled_mm`);
 `reference()` is the plain dequantize-then-matmul path beside it, used where no fast kernel
 exists and by the tests that check the fast path against it."""
 
@@ -44,6 +45,18 @@ class QuantizedKernel:
         first = next(iter(self.tensors.values()))
         return first.device.type == "cpu" and cpu_kernels.available()
 
+    def _on_triton_gpu(self, k: int) -> bool:
+        first = next(iter(self.tensors.values()))
+        return first.device.type == "cuda" and k % 32 == 0 and _triton_kernels() is not None
+
+
+def _triton_kernels():
+    try:
+        from tokenmill.quantization import triton_kernels
+    except ImportError:  # no triton installed
+        return None
+    return triton_kernels
+
 
 class Int8Kernel(QuantizedKernel):
     """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores)."""
@@ -55,7 +68,9 @@ class Int8Kernel(QuantizedKernel):
         self.qweight, self.scale = tensors["qweight"], tensors["scale"].float()
         self.group = self.qweight.shape[1] // self.scale.shape[1]
         self.fast = self._on_fast_cpu() and self.group % 8 == 0
-        self.name = "int8-cpu" if self.fast else "int8-dequant"
+        self.triton = self._on_triton_gpu(self.qweight.shape[1])
+        self.name = ("int8-cpu" if self.fast else "int8-triton" if self.triton
+                     else "int8-dequant")
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int | None = None) -> Int8Kernel:
@@ -69,6 +84,9 @@ class Int8Kernel(QuantizedKernel):
         if self.fast and x.shape[0] <= INT8_MAX_ROWS and x.dtype == torch.float32:
             return cpu_kernels.int8_gemm(x.contiguous(), self.qweight, self.scale, layer.bias,
                                          self.group)
+        if self.triton:
+            return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, None,
+                                                        layer.bias, self.group)
         return self.reference(layer, x)
 
 
@@ -83,7 +101,9 @@ class Int4Kernel(QuantizedKernel):
         self.scale, self.mins = tensors["scale"].half(), tensors["min"].half()
         self.group = self.qweight.shape[1] * 2 // self.scale.shape[1]
         self.fast = self._on_fast_cpu()
-        self.name = "int4-cpu" if self.fast else "int4-dequant"
+        self.triton = self._on_triton_gpu(self.qweight.shape[1] * 2)
+        self.name = ("int4-cpu" if self.fast else "int4-triton" if self.triton
+                     else "int4-dequant")
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int = 32) -> Int4Kernel:
@@ -97,6 +117,9 @@ class Int4Kernel(QuantizedKernel):
         if self.fast and x.shape[0] <= INT4_MAX_ROWS and x.dtype == torch.float32:
             return cpu_kernels.int4_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
                                          layer.bias, self.group)
+        if self.triton:
+            return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, self.mins,
+                                                        layer.bias, self.group)
         return self.reference(layer, x)
 
 

@@ -78,7 +78,10 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
                                 config.quantization)
-        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        # The seed's 3.0 checkpoints mark an int8 KV cache in config.json; it wins over "auto".
+        kv_int8 = config.kv_cache_dtype == "int8" or hasattr(hf_config,
+                                                             "infer_model_cachekv_int8_type")
+        self.kv_dtype = torch.int8 if kv_int8 else self.dtype
         self.backend = TorchSDPABackend()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}

@@ -1,0 +1,71 @@
+"""Weight-only int8 / int4 matrix multiply for GPUs in Triton: each program loads a tile of
+quantized weights, dequantizes it in registers (scale, and min for int4) and multiplies with
+`tl.dot` in the activations' dtype, accumulating in float32, so weights cross memory at 1 or
+1/2 byte each. Same tensors and layouts as the CPU kernels (int4: GGUF's Q4 layout).
+Tested on the CPU with TRITON_INTERPRET=1; its speed needs a GPU run."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 32  # one int4 block of the Q4 layout; every group size is a multiple of it
+
+
+@triton.jit
+def _weight_only_matmul(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, y_ptr, M, N, K, groups,
+                        group, stride_xm, stride_wn, stride_ym, INT4: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_j
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        if INT4:
+            # byte j % 16 of this 32-input block: input j in the low nibble, j + 16 high
+            byte = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k0 // 2 + offs_j % 16)[:, None],
+                           mask=n_mask[None, :], other=0)
+            q = tl.where((offs_j >= 16)[:, None], byte >> 4, byte & 0x0F).to(tl.float32)
+        else:
+            q = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
+                        mask=n_mask[None, :], other=0).to(tl.float32)
+        g = k0 // group
+        scale = tl.load(scale_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
+        w = q * scale[None, :]
+        if INT4:
+            low = tl.load(min_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
+            w = w + low[None, :]
+        acc += tl.dot(x, w.to(x.dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       mins: torch.Tensor | None, bias: torch.Tensor | None,
+                       group: int) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias). int4 when `mins` is given (qweight uint8 [N, K/2]),
+    else int8 (qweight [N, K]); scale (and mins) [N, K // group]."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    block_n = 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _weight_only_matmul[grid](
+        x, qweight, scale, mins if mins is not None else scale,
+        bias if bias is not None else scale, y, m, n, k, k // group, group, x.stride(0),
+        qweight.stride(0), y.stride(0), INT4=mins is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
+    return y
