@@ -155,3 +155,16 @@ def test_kernel_names_say_which_path_runs():
     assert names["a8w8"] == "a8w8-cpu" and names["fp8"] == "fp8-dequant"
     if cpu_kernels.available():
         assert names["int8"] == "int8-cpu" and names["int4"] == "int4-cpu"
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_scaled_mm_path_matches_its_dequantizing_path(per_channel, static, bias):
+    # The GPU path (`torch._scaled_mm`), run here through torch's CPU implementation.
+    lin = layer(bias=bias)
+    x = torch.randn(7, 128)
+    k = Fp8Kernel.from_weight(lin.weight.detach(), per_channel,
+                              x.abs().max() if static else None)
+    k.scaled_mm = True
+    torch.testing.assert_close(k.apply(lin, x), k.reference(lin, x), rtol=1e-4, atol=1e-4)

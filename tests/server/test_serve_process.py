@@ -303,3 +303,27 @@ def test_several_http_workers_share_one_engine(model, tmp_path):
         assert wait_until(served.ports_free, 10)
     finally:
         served.stop()
+
+
+def test_serves_a_tokenmill_quantize_checkpoint_with_the_seeds_int8_kv(model, tmp_path):
+    """`tokenmill quantize` output served as it is, USE_CACHE_KV_INT8=1 from the seed's env:
+    the same greedy text as the offline API gives for that checkpoint and KV dtype."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.entrypoints.cli import main as cli
+
+    out = str(tmp_path / "int4")
+    assert cli(["quantize", "--model", model, "--out", out, "--method", "int4"]) == 0
+    expected = LLM(out, kv_cache_memory_gib=0.02, kv_cache_dtype="int8").generate(
+        "The mill", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text
+    served = Served(out, tmp_path)
+    served.env["USE_CACHE_KV_INT8"] = "1"
+    served.start()
+    try:
+        served.wait_ready()
+        resp = httpx.post(served.api + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "The mill", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected
+    finally:
+        served.stop()
