@@ -93,29 +93,29 @@ def accuracy_worker(args) -> dict:
             "greedy": [o.outputs[0].token_ids for o in greedy]}
 
 
-def run_accuracy(variant: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant, "--model", args.model,
-           "--ppl-tokens", str(args.ppl_tokens), "--window", str(args.window),
-           "--chunk", str(args.chunk), "--greedy-tokens", str(args.greedy_tokens)]
+def run_in_process(cmd: list[str], variant: str, args) -> dict:
+    """One measurement in a fresh process: its `RESULT {json}` line, or the error."""
     proc = subprocess.run(cmd, env=variant_env(variant), capture_output=True, text=True,
                           timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+def run_accuracy(variant: str, args) -> dict:
+    return run_in_process([sys.executable, os.path.abspath(__file__), "--worker", variant,
+                           "--model", args.model, "--ppl-tokens", str(args.ppl_tokens),
+                           "--window", str(args.window), "--chunk", str(args.chunk),
+                           "--greedy-tokens", str(args.greedy_tokens)], variant, args)
 
 
 def run_speed(variant: str, workload: str, args) -> dict:
-    cmd = [sys.executable, os.path.join(HERE, "peers", "runner.py"), "--engine", "tokenmill",
-           "--workload", workload, "--model", args.model, "--num-prompts", "32",
-           "--input-len", "128", "--output-len", "64" if workload == "w1" else "128",
-           "--engine-args", json.dumps(VARIANTS[variant])]
-    proc = subprocess.run(cmd, env=variant_env(variant), capture_output=True, text=True,
-                          timeout=args.timeout)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    return run_in_process([sys.executable, os.path.join(HERE, "peers", "runner.py"),
+                           "--engine", "tokenmill", "--workload", workload, "--model",
+                           args.model, "--num-prompts", "32", "--input-len", "128",
+                           "--output-len", "64" if workload == "w1" else "128",
+                           "--engine-args", json.dumps(VARIANTS[variant])], variant, args)
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
