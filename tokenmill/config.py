@@ -335,3 +335,23 @@ def check_ports_free(config: ServerConfig) -> None:
                 s.bind((config.host if name != "inter_proc_port" else "127.0.0.1", port))
             except OSError:
                 raise OSError(f"PORT: {port} occupied! Please change the port!") from None
+
+
+@dataclass(frozen=True)
+class CpuKernelSettings:
+    """How the compiled CPU quantized kernels are built: TOKENMILL_CPU_KERNELS=0 turns them
+    off (tests, debugging); CC picks the compiler; XDG_CACHE_HOME moves the build cache."""
+
+    enabled: bool
+    compiler: str
+    cache_dir: str
+
+    @classmethod
+    def from_env(cls, environ=None) -> CpuKernelSettings:
+        import os
+
+        environ = os.environ if environ is None else environ
+        cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
+                   compiler=environ.get("CC", "cc"),
+                   cache_dir=os.path.join(cache, "tokenmill", "kernels"))

@@ -1,7 +1,6 @@
 """Quantization arithmetic and kernels: the schemes against GGUF's own dequantizer and
 against their error bounds, every fast kernel against its dequantize-then-matmul path."""
 
-import os
 import shutil
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.config import CpuKernelSettings
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization import cpu_kernels, linear_kernels, schemes
 from tokenmill.quantization.linear_kernels import A8W8Kernel, Fp8Kernel, Int4Kernel, Int8Kernel
@@ -28,9 +28,10 @@ def layer(n=98, k=128, bias=True, seed=0):  # n: not a multiple of the 4-channel
 
 def test_compiled_kernels_build_where_a_compiler_and_avx2_exist():
     # Guards against the CPU tests below skipping silently on a machine that could run them.
-    if os.environ.get(cpu_kernels.DISABLE_ENV) == "0" or not cpu_kernels._cpu_has_avx2():
+    settings = CpuKernelSettings.from_env()
+    if not settings.enabled or not cpu_kernels._cpu_has_avx2():
         pytest.skip("kernels disabled or CPU without AVX2/FMA/F16C")
-    if shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc"):
+    if shutil.which(settings.compiler) or shutil.which("gcc"):
         assert cpu_kernels.available()
 
 

@@ -20,16 +20,12 @@ from functools import lru_cache
 
 import torch
 
+from tokenmill.config import CpuKernelSettings
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_gemm.c")
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
-DISABLE_ENV = "TOKENMILL_CPU_KERNELS"  # "0" turns the compiled kernels off (tests, debugging)
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "tokenmill", "kernels")
 
 
 def _cpu_has_avx2() -> bool:
@@ -43,12 +39,12 @@ def _cpu_has_avx2() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags)
 
 
-def _build(compiler: str) -> str:
+def _build(compiler: str, cache_dir: str) -> str:
     with open(_SOURCE, "rb") as f:
         source = f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"cpu_gemm-{key}.so")
+    target = os.path.join(cache_dir, f"cpu_gemm-{key}.so")
     if os.path.isfile(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -67,14 +63,15 @@ def _build(compiler: str) -> str:
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV, "1") == "0" or not _cpu_has_avx2():
+    settings = CpuKernelSettings.from_env()
+    if not settings.enabled or not _cpu_has_avx2():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = shutil.which(settings.compiler) or shutil.which("gcc")
     if compiler is None:
         logger.warning("No C compiler found: quantized layers use the slower torch fallback.")
         return None
     try:
-        path = _build(compiler)
+        path = _build(compiler, settings.cache_dir)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("Building the CPU quantized kernels failed (%s): using the torch "

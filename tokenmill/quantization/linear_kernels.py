@@ -7,6 +7,7 @@ exists and by the tests that check the fast path against it."""
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ INT8_MAX_ROWS = 128
 INT4_MAX_ROWS = 64
 
 
-class QuantizedKernel:
+class QuantizedKernel(ABC):
     """Shared shape of the quantized kernels. `tensors` is what a checkpoint stores."""
 
     method = ""
@@ -32,8 +33,9 @@ class QuantizedKernel:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return self.reference(layer, x)
 
+    @abstractmethod
     def dequantize(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The float weight [N, K] these tensors stand for."""
 
     def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize().to(x.dtype), layer.bias)
