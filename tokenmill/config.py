@@ -355,3 +355,12 @@ class CpuKernelSettings:
         return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
                    compiler=environ.get("CC", "cc"),
                    cache_dir=os.path.join(cache, "tokenmill", "kernels"))
+
+
+def share_metrics_dir(path: str) -> None:
+    """Point PROMETHEUS_MULTIPROC_DIR at `path` for this process and the HTTP workers it
+    spawns afterwards (they inherit the environment; prometheus_client reads the variable when
+    it is imported there and writes its metric files under it)."""
+    import os
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path

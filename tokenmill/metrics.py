@@ -7,8 +7,6 @@ supervisor's metrics port merges them (`multiprocess_registry`)."""
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -148,11 +146,12 @@ class _SeedGaugeCollector:
 def multiprocess_registry(path: str) -> CollectorRegistry:
     """A registry that reads the request families every HTTP worker wrote under `path`.
 
-    Also points PROMETHEUS_MULTIPROC_DIR at `path`: prometheus_client in the workers (spawned
-    after this, inheriting the environment) writes its metric files there."""
+    Also points the workers spawned after this at `path` (`share_metrics_dir`)."""
     from prometheus_client import multiprocess
 
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    from tokenmill.config import share_metrics_dir
+
+    share_metrics_dir(path)
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)
