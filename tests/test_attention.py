@@ -1,12 +1,16 @@
-"""The CPU SDPA backend against the slow reference on random paged caches."""
+"""The CPU backend (compiled in-place decode kernel and the torch gather + SDPA path) against
+the slow reference on random paged caches."""
 
 import random
 
+import pytest
 import torch
 
+from tokenmill import csrc
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.reference import ReferenceBackend
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.quantization.kv_cache import quantize_kv
 
 
 def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8):
@@ -39,7 +43,13 @@ def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8):
     return q, k, v, cache, meta
 
 
-def test_sdpa_matches_reference_mixed_batch():
+BACKENDS = [pytest.param(False, id="torch-gather")] + [pytest.param(
+    True, id="compiled-decode",
+    marks=pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels"))]
+
+
+@pytest.mark.parametrize("compiled", BACKENDS)
+def test_sdpa_matches_reference_mixed_batch(compiled):
     for seed in range(5):
         # fresh prompts of equal length run as one SDPA batch, the others one by one
         q, k, v, cache, meta = random_step(seed, num_decodes=3,
@@ -48,16 +58,38 @@ def test_sdpa_matches_reference_mixed_batch():
         k1, v1 = cache[0].clone(), cache[1].clone()
         k2, v2 = cache[0].clone(), cache[1].clone()
         ref = ReferenceBackend().forward(q, k, v, k1, v1, meta, scale=0.3)
-        out = TorchSDPABackend().forward(q, k, v, k2, v2, meta, scale=0.3)
+        out = TorchSDPABackend(compiled).forward(q, k, v, k2, v2, meta, scale=0.3)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(k2, k1)
         torch.testing.assert_close(v2, v1)
 
 
-def test_decode_only_and_prefill_only():
+@pytest.mark.parametrize("compiled", BACKENDS)
+def test_decode_only_and_prefill_only(compiled):
     for num_decodes, prefills in ((5, []), (0, [(0, 12)]), (0, [(13, 3), (0, 1)]),
                                   (0, [(0, 5)] * 4)):
         q, k, v, cache, meta = random_step(7, num_decodes, prefills)
         ref = ReferenceBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, 0.5)
-        out = TorchSDPABackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, 0.5)
+        out = TorchSDPABackend(compiled).forward(q, k, v, cache[0].clone(), cache[1].clone(),
+                                                 meta, 0.5)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", BACKENDS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (8, 1, 16)])
+def test_decode_batch_head_shapes_and_int8_cache(compiled, kv_dtype, hq, hkv, d):
+    # Real model head layouts (SmolLM2 9/3, Qwen2.5 14/2), context lengths that are not
+    # multiples of 8 or of the block size, and int8 rows with their scales.
+    q, k, v, cache, meta = random_step(3, 9, [], block_size=16, hq=hq, hkv=hkv, d=d)
+    caches = [cache[0] * 3, cache[1]]  # a different magnitude for K and V
+    if kv_dtype == torch.int8:
+        caches = [quantize_kv(c) for c in caches]
+    ref = ReferenceBackend().forward(q, k, v, *(c.clone() for c in caches), meta, d ** -0.5)
+    out = TorchSDPABackend(compiled).forward(q, k, v, *(c.clone() for c in caches), meta,
+                                             d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_decode_is_used_where_the_kernels_build():
+    assert TorchSDPABackend().use_compiled_decode == csrc.available()

@@ -1,18 +1,31 @@
 """Greedy tokens and logprobs equal HF transformers on tiny random models of each family."""
 
+import copy
+
 import pytest
 import torch
 from helpers import hf_greedy
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, csrc
 
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3"]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 12
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_ops(request, monkeypatch):
+    """Run with the compiled CPU kernels (norm, rotary, SiLU, KV write, decode attention) and
+    with torch ops only."""
+    if request.param == "torch":
+        monkeypatch.setattr(csrc, "available", lambda: False)
+    elif not csrc.available():
+        pytest.skip("no compiled CPU kernels")
+    return request.param
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(tiny_models, arch):
+def test_greedy_matches_transformers(tiny_models, arch, cpu_ops):
     path, hf = tiny_models(arch)
     llm = LLM(path, kv_cache_memory_gib=0.01)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -28,7 +41,7 @@ def test_greedy_matches_transformers(tiny_models, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_logprobs_close_to_transformers(tiny_models, arch):
+def test_logprobs_close_to_transformers(tiny_models, arch, cpu_ops):
     path, hf = tiny_models(arch)
     llm = LLM(path, kv_cache_memory_gib=0.01)
     prompt = PROMPTS[1]
@@ -62,8 +75,9 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_models):
     llm = LLM(path, dtype="bfloat16", kv_cache_memory_gib=0.01)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
-    ref = hf_greedy(hf.to(torch.bfloat16), PROMPTS[0], 8)
-    hf.float()
+    # A copy: the session's shared HF model must keep its float32 weights (a round trip
+    # through bfloat16 would round them for every later test).
+    ref = hf_greedy(copy.deepcopy(hf).to(torch.bfloat16), PROMPTS[0], 8)
     assert out.outputs[0].token_ids[:3] == ref[:3]
 
 

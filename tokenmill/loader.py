@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill import csrc
 from tokenmill.layers.linear import choose_linear_kernels
 from tokenmill.models.registry import build_model
-from tokenmill.quantization import QuantConfig, checkpoint_quant_config, cpu_kernels
+from tokenmill.quantization import QuantConfig, checkpoint_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     model.to(dtype=dtype)
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
-                 and dtype == torch.float32 and cpu_kernels.available())
+                 and dtype == torch.float32 and csrc.available())
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
     weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf),

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill import csrc
 from tokenmill.config import CpuKernelSettings
 from tokenmill.layers.linear import Linear
-from tokenmill.quantization import cpu_kernels, linear_kernels, schemes
+from tokenmill.quantization import linear_kernels, schemes
 from tokenmill.quantization.linear_kernels import A8W8Kernel, Fp8Kernel, Int4Kernel, Int8Kernel
 
-needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+needs_csrc = pytest.mark.skipif(not csrc.available(),
                                        reason="no C compiler or no AVX2/FMA/F16C")
 
 
@@ -29,10 +30,10 @@ def layer(n=98, k=128, bias=True, seed=0):  # n: not a multiple of the 4-channel
 def test_compiled_kernels_build_where_a_compiler_and_avx2_exist():
     # Guards against the CPU tests below skipping silently on a machine that could run them.
     settings = CpuKernelSettings.from_env()
-    if not settings.enabled or not cpu_kernels._cpu_has_avx2():
+    if not settings.enabled or not csrc._cpu_has_avx2():
         pytest.skip("kernels disabled or CPU without AVX2/FMA/F16C")
     if shutil.which(settings.compiler) or shutil.which("gcc"):
-        assert cpu_kernels.available()
+        assert csrc.available()
 
 
 @pytest.mark.parametrize("group", [None, 32])
@@ -80,7 +81,7 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
 
-@needs_cpu_kernels
+@needs_csrc
 @pytest.mark.parametrize("kernel,kwargs", [(Int8Kernel, {}), (Int8Kernel, {"group": 32}),
                                            (Int4Kernel, {"group": 32}),
                                            (Int4Kernel, {"group": 64})])
@@ -102,7 +103,7 @@ def test_weight_only_kernels_without_compiled_code_and_for_prompts(kernel, monke
     x = torch.randn(linear_kernels.INT8_MAX_ROWS + 3, 128)  # prompt rows: GEMM path
     expected = x @ k.dequantize().T + lin.bias
     torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(csrc, "available", lambda: False)
     slow = kernel.from_weight(lin.weight.detach())
     assert not slow.fast and slow.name.endswith("dequant")
     torch.testing.assert_close(slow.apply(lin, x[:2]), expected[:2], rtol=1e-4, atol=1e-4)
@@ -154,7 +155,7 @@ def test_kernel_names_say_which_path_runs():
     names = {cls.method: cls.from_weight(lin.weight.detach()).name
              for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}
     assert names["a8w8"] == "a8w8-cpu" and names["fp8"] == "fp8-dequant"
-    if cpu_kernels.available():
+    if csrc.available():
         assert names["int8"] == "int8-cpu" and names["int4"] == "int4-cpu"
 
 

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.entrypoints.cli import main as cli
-from tokenmill.quantization import cpu_kernels
 from tokenmill.quantization.model import weight_bytes
 
 PROMPTS = [[5, 9, 23, 7, 81, 44, 3, 12, 60, 19, 2, 33],
@@ -170,7 +169,7 @@ def test_int8_kv_attention_matches_the_reference_backend():
     torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no compiled CPU kernels")
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
 @pytest.mark.parametrize("qtype,method", [("Q8_0", "int8"), ("Q4_1", "int4"),
                                           ("Q4_0", "int4")])
 def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, method,
@@ -189,7 +188,7 @@ def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, 
                if hasattr(m, "kernel")}
     assert kernels == {f"{method.capitalize()}Kernel"}
     # The same file with every block expanded to float32 gives the same numbers.
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(csrc, "available", lambda: False)
     _, fp_tokens, fp_logprobs = run(path, tokenizer=hf_path)
     assert tokens == fp_tokens
     assert max_logprob_gap(logprobs, fp_logprobs) < 1e-3

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tokenmill import csrc
 from tokenmill.quantization.kv_cache import dequantize_kv, quantize_kv
 
 
@@ -55,6 +56,10 @@ class AttentionBackend(ABC):
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if (csrc.usable(k) and k_cache.device.type == "cpu"
+                and csrc.heads_contiguous(k) and csrc.heads_contiguous(v)):
+            csrc.write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return
         for new, cache in ((k, k_cache), (v, v_cache)):
             if cache.dtype == torch.int8:
                 new = quantize_kv(new)

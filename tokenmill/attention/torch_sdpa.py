@@ -1,4 +1,5 @@
-"""CPU attention with torch SDPA: one batched gather for decodes, prompts batched by length."""
+"""CPU attention: decodes read the paged cache in place (compiled kernel) or through one batched
+gather + SDPA; prompts go through SDPA, batched by length."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill import csrc
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 
 
@@ -28,31 +30,36 @@ def _ungroup(out: torch.Tensor, t: int) -> torch.Tensor:
 
 
 @dataclass
+class _DecodeGather:
+    """What the gather path for decodes needs, shared by all layers of a step."""
+
+    blocks: torch.Tensor  # flat block ids of the decode rows [B * n_blocks]
+    max_len: int  # longest decode sequence
+    mask: torch.Tensor  # additive [B, 1, 1, max_len]: 0 visible, -inf padding
+
+
+@dataclass
 class _StepPlan:
     """Per-step work shared by all layers."""
 
-    decode_blocks: torch.Tensor | None  # flat block ids of the decode rows [B * n_blocks]
-    decode_len: int  # longest decode sequence
-    decode_mask: torch.Tensor | None  # additive [B, 1, 1, decode_len]: 0 visible, -inf padding
     # (first seq, last seq + 1) runs of consecutive fresh prompts of equal length
     fresh_runs: list[tuple[int, int]]
+    decode_gather: _DecodeGather | None = None  # built by the first layer that needs it
 
 
 class TorchSDPABackend(AttentionBackend):
+    def __init__(self, use_compiled_decode: bool | None = None):
+        # The compiled kernel attends decodes over the cache blocks where they lie; torch ops
+        # must copy every sequence's K/V into a padded batch first (per layer, per step).
+        self.use_compiled_decode = (csrc.available() if use_compiled_decode is None
+                                    else use_compiled_decode)
+
+    def _compiled_decode(self, q: torch.Tensor) -> bool:
+        return (self.use_compiled_decode and q.device.type == "cpu"
+                and q.dtype == torch.float32 and q.shape[-1] % 8 == 0)
+
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
-        blocks = mask = None
-        max_len = 0
-        if nd:
-            seq_lens = meta.seq_lens[:nd]
-            max_len = int(seq_lens.max())
-            n_blocks = -(-max_len // meta.block_size)
-            blocks = meta.block_table[:nd, :n_blocks].reshape(-1)
-            # An additive float mask: SDPA converts a boolean one on every call.
-            visible = torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)
-            mask = torch.zeros(visible.shape, device=seq_lens.device)
-            mask.masked_fill_(~visible, float("-inf"))
-            mask = mask.view(nd, 1, 1, max_len)
         runs: list[tuple[int, int]] = []
         loc = meta.query_start_loc
         for s in range(nd, meta.num_seqs):
@@ -63,7 +70,23 @@ class TorchSDPABackend(AttentionBackend):
                 runs[-1] = (runs[-1][0], s + 1)
             else:
                 runs.append((s, s + 1))
-        meta.backend_data = _StepPlan(blocks, max_len, mask, runs)
+        meta.backend_data = _StepPlan(runs)
+
+    @staticmethod
+    def _decode_gather(meta: AttentionMetadata) -> _DecodeGather:
+        plan: _StepPlan = meta.backend_data
+        if plan.decode_gather is None:
+            nd = meta.num_decodes
+            seq_lens = meta.seq_lens[:nd]
+            max_len = int(seq_lens.max())
+            n_blocks = -(-max_len // meta.block_size)
+            blocks = meta.block_table[:nd, :n_blocks].reshape(-1)
+            # An additive float mask: SDPA converts a boolean one on every call.
+            visible = torch.arange(max_len, device=seq_lens.device) < seq_lens.unsqueeze(1)
+            mask = torch.zeros(visible.shape, device=seq_lens.device)
+            mask.masked_fill_(~visible, float("-inf"))
+            plan.decode_gather = _DecodeGather(blocks, max_len, mask.view(nd, 1, 1, max_len))
+        return plan.decode_gather
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -72,8 +95,13 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         loc = meta.query_start_loc
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, plan, num_kv_heads, scale)
+        if nd and self._compiled_decode(q):
+            out[:nd] = csrc.paged_decode_attention(
+                q[:nd].contiguous(), k_cache, v_cache, meta.block_table, meta.seq_lens[:nd],
+                scale)
+        elif nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, self._decode_gather(meta),
+                                    num_kv_heads, scale)
         for first, end in plan.fresh_runs:
             # Fresh prompts: their K/V are exactly this step's k, v; no cache read needed.
             # Equal lengths go through SDPA as one batch.
@@ -105,16 +133,16 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     @classmethod
-    def _decode(cls, q, k_cache, v_cache, plan: _StepPlan, num_kv_heads, scale):
+    def _decode(cls, q, k_cache, v_cache, plan: _DecodeGather, num_kv_heads, scale):
         b = q.shape[0]
         # [B * n_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
         # index_select, not k_cache[table]: several times faster on CPU for this gather.
-        keys = cls.read_blocks(k_cache, plan.decode_blocks, q.dtype)
-        values = cls.read_blocks(v_cache, plan.decode_blocks, q.dtype)
+        keys = cls.read_blocks(k_cache, plan.blocks, q.dtype)
+        values = cls.read_blocks(v_cache, plan.blocks, q.dtype)
         keys, values = keys.view(b, -1, *keys.shape[2:]), values.view(b, -1, *values.shape[2:])
-        keys = keys[:, : plan.decode_len].transpose(1, 2)
-        values = values[:, : plan.decode_len].transpose(1, 2)
+        keys = keys[:, : plan.max_len].transpose(1, 2)
+        values = values[:, : plan.max_len].transpose(1, 2)
         attn = F.scaled_dot_product_attention(
             _group_queries(q.unsqueeze(1), num_kv_heads), keys, values,
-            attn_mask=plan.decode_mask, scale=scale)  # q: [B, 1, Hq, D] -> [B, Hkv, G, D]
+            attn_mask=plan.mask, scale=scale)  # q: [B, 1, Hq, D] -> [B, Hkv, G, D]
         return _ungroup(attn, 1).squeeze(1)

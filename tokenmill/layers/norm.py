@@ -1,10 +1,12 @@
-"""RMSNorm with an optional fused residual add, numerically identical to HF's."""
+"""RMSNorm with an optional fused residual add, numerically HF's formula (the compiled CPU
+kernel rounds the same products; only the order of the sum of squares can differ)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from tokenmill import csrc
 from tokenmill.layers.linear import default_weight_loader
 
 
@@ -22,7 +24,12 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual); the sum may
+        be stored in `residual`'s memory (the caller passes a residual it owns)."""
+        if (csrc.usable(x) and x.is_contiguous()
+                and (residual is None or residual.is_contiguous())):
+            out = csrc.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import csrc
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """One dict {rope_type, rope_theta, ...} from either transformers 5's `rope_parameters` or
@@ -50,8 +52,8 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding, HF's `x * cos + rotate_half(x) * sin` element for element.
 
     `rotate_half(x) * sin` is computed as `roll(x, D/2) * signed_sin` (the first half of the
-    sin table negated): one op instead of four, and the same products since negation is exact.
-    The table rows are gathered once per step (`table`) and shared by every layer."""
+    sin table negated): the same products, since negation is exact. `for_step` prepares what
+    every layer of a step shares."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
                  max_position_embeddings: int) -> None:
@@ -64,13 +66,31 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("signed_sin", sin, persistent=False)
 
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and signed sin rows [T, 1, D] for this step's positions."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.signed_sin[positions].unsqueeze(1).to(dtype))
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
+        return StepRotary(self, positions, dtype)
 
-    @staticmethod
-    def apply(x: torch.Tensor, table: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """x [T, H, D] rotated by each token's position (q and k heads can go together)."""
-        cos, signed_sin = table
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+class StepRotary:
+    """One step's rotation, shared by all layers: float32 on the CPU rotates in place with the
+    compiled kernel (reading the tables at each token's position); otherwise the cos / signed
+    sin rows are gathered once and applied with torch ops."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self.compiled = (dtype == torch.float32 and csrc.usable(rotary.cos)
+                         and positions.device.type == "cpu")
+        self.cos, self.signed_sin, self.positions = rotary.cos, rotary.signed_sin, positions
+        if not self.compiled:
+            self.cos = rotary.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+            self.signed_sin = rotary.signed_sin[positions].unsqueeze(1).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated by each token's position (q and k heads can go together); may
+        rotate x in place and return it."""
+        if self.compiled and csrc.heads_contiguous(x):
+            csrc.rotary_(x, self.cos, self.signed_sin, self.positions)
+            return x
+        if self.compiled:  # a layout the kernel cannot take: gather the rows here
+            cos, sin = self.cos[self.positions].unsqueeze(1), self.signed_sin[self.positions]
+            return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin.unsqueeze(1)
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin

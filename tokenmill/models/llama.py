@@ -12,7 +12,7 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, rope_parameters
+from tokenmill.layers.rotary import RotaryEmbedding, StepRotary, rope_parameters
 
 
 class Attention(nn.Module):
@@ -34,20 +34,19 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, rope: tuple[torch.Tensor, ...], x: torch.Tensor,
+    def forward(self, rope: StepRotary, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.q_norm is None:
             # q and k heads side by side in one view: one rotary pass for both.
-            qk = RotaryEmbedding.apply(
-                qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads, -1), rope)
+            qk = rope(qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads, -1))
             q, k = qk.split([q_heads, kv_heads], dim=1)
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1))
             k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
-            q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
+            q, k = rope(q), rope(k)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, -1)
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -101,7 +100,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.table(positions, hidden.dtype)
+        rope = self.rotary.for_step(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, meta)

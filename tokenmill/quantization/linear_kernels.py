@@ -12,7 +12,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quantization import cpu_kernels, schemes
+from tokenmill import csrc
+from tokenmill.quantization import schemes
 
 # Rows above which the weight-only kernels dequantize the weight and run the fp32 GEMM
 # instead of the compiled kernel (which converts each weight once per 4 rows): measured
@@ -45,7 +46,7 @@ class QuantizedKernel(ABC):
 
     def _on_fast_cpu(self) -> bool:
         first = next(iter(self.tensors.values()))
-        return first.device.type == "cpu" and cpu_kernels.available()
+        return first.device.type == "cpu" and csrc.available()
 
     def _on_triton_gpu(self, k: int) -> bool:
         first = next(iter(self.tensors.values()))
@@ -84,7 +85,7 @@ class Int8Kernel(QuantizedKernel):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.shape[0] <= INT8_MAX_ROWS and x.dtype == torch.float32:
-            return cpu_kernels.int8_gemm(x.contiguous(), self.qweight, self.scale, layer.bias,
+            return csrc.int8_gemm(x.contiguous(), self.qweight, self.scale, layer.bias,
                                          self.group)
         if self.triton:
             return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, None,
@@ -117,7 +118,7 @@ class Int4Kernel(QuantizedKernel):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.shape[0] <= INT4_MAX_ROWS and x.dtype == torch.float32:
-            return cpu_kernels.int4_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
+            return csrc.int4_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
                                          layer.bias, self.group)
         if self.triton:
             return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, self.mins,

@@ -13,7 +13,7 @@
  * int4: each tile computes NB output channels for MB rows of x: 8 weights at a time are
  * unpacked to floats (scale and min applied) once and used for MB rows, with NB x MB
  * independent accumulators. Few rows: 4 channels x up to 3 rows; more: 2 channels x 4 rows.
- * Built at run time by tokenmill/quantization/cpu_kernels.py; threads come from OpenMP (the
+ * Built at run time by tokenmill/csrc/__init__.py; threads come from OpenMP (the
  * same libgomp torch loaded, so there is one thread pool). */
 #include <immintrin.h>
 #include <stdint.h>

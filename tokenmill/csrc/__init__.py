@@ -1,0 +1,203 @@
+"""tokenmill's compiled CPU kernels (the `.c` files beside this module): built once per machine
+with the system C compiler into one cached library, then called through ctypes on tensors'
+memory.
+
+- `gemm.c`: int8 / int4 weight-only matmul. torch's own (`_weight_int8pack_mm`,
+  `_weight_int4pack_mm_for_cpu`) are 2.6x / 5x slower than fp32 on AVX2 CPUs (bench/NOTES.md).
+- `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
+  must gather a padded copy of every sequence's K/V first.
+- `layer_ops.c`: RMSNorm with its residual add, rotary, SiLU-and-multiply, the K/V cache
+  write, each one call instead of several torch ops (dispatch dominates at decode sizes).
+
+Plain C files need no torch headers (they build in about a second). Without a compiler, or
+without AVX2/FMA/F16C, `available()` is False and callers use their torch paths."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+
+import torch
+
+from tokenmill.config import CpuKernelSettings
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [os.path.join(os.path.dirname(__file__), name)
+            for name in ("gemm.c", "paged_attention.c", "layer_ops.c")]
+# -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
+# the kernels replace (explicit FMA intrinsics are unaffected).
+_FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+          "-shared", "-fPIC"]
+
+
+def _cpu_has_avx2() -> bool:
+    if sys.platform != "linux":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+def _build(compiler: str, cache_dir: str) -> str:
+    source = b""
+    for path in _SOURCES:
+        with open(path, "rb") as f:
+            source += f.read()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
+    if os.path.isfile(target):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, *_SOURCES, "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    settings = CpuKernelSettings.from_env()
+    if not settings.enabled or not _cpu_has_avx2():
+        return None
+    compiler = shutil.which(settings.compiler) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("No C compiler found: CPU kernels fall back to slower torch ops.")
+        return None
+    try:
+        path = _build(compiler, settings.cache_dir)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("Building the CPU kernels failed (%s): using torch ops instead.",
+                       str(detail).strip()[:500])
+        return None
+    # torch is imported first, so the library's libgomp.so.1 resolves to the runtime torch
+    # already loaded: one OpenMP thread pool, sized by torch.set_num_threads.
+    lib = ctypes.CDLL(path)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tm_int8_gemm.argtypes = [ptr] * 5 + [i64] * 4
+    lib.tm_int4_gemm.argtypes = [ptr] * 6 + [i64] * 4
+    lib.tm_paged_decode_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 2 + [i64] * 5
+                                              + [ctypes.c_float, i64])
+    f32 = ctypes.c_float
+    lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
+    lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
+    lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
+    lib.tm_write_kv.argtypes = [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 4
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous; qweight int8 [N, K]; scale float32 [N, K // group]."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_int8_gemm(_ptr(x), _ptr(qweight), _ptr(scale), _ptr(bias), _ptr(y),
+                            m, n, k, group)
+    return y
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+              bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous; qweight uint8 [N, K // 2] (Q4 layout); scale, mins float16
+    [N, K // group]."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_int4_gemm(_ptr(x), _ptr(qweight), _ptr(scale), _ptr(mins), _ptr(bias),
+                            _ptr(y), m, n, k, group)
+    return y
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence attending over its cached keys: q [B, Hq, D] float32
+    contiguous; caches [num_blocks, block_size, Hkv, D] float32 or [..., D + 4] int8;
+    block_table int64 [>= B, max_blocks] (row stride contiguous); seq_lens int64 [B].
+    Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    out = torch.empty_like(q)
+    _library().tm_paged_decode_attention(
+        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), block_table.stride(0),
+        _ptr(seq_lens), _ptr(out), b, hq, hkv, d, block_size, scale,
+        int(k_cache.dtype == torch.int8))
+    return out
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the compiled kernels can take this activation (float32 on the CPU)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and available()
+
+
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """x [T, H, D]: each token's H x D values lie contiguous (the token stride is free)."""
+    return (x.shape[2] == 1 or x.stride(2) == 1) and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """norm(x + residual) with `residual += x` in place (norm(x) without a residual); x and
+    residual [..., D] float32 contiguous. Returns the normalized tensor."""
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    _library().tm_add_rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out),
+                               x.numel() // d, d, eps)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+            positions: torch.Tensor) -> None:
+    """Rotate x [T, H, D] in place (heads contiguous, any token stride) by the rows of the
+    [max_pos, D] tables at `positions` (int64 [T])."""
+    t, h, d = x.shape
+    assert heads_contiguous(x)
+    _library().tm_rotary(_ptr(x), t, h, d, x.stride(0), _ptr(cos), _ptr(signed_sin),
+                         _ptr(positions))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = gate | up [T, 2I] float32 contiguous -> [T, I]."""
+    t, two_i = x.shape
+    out = torch.empty(t, two_i // 2, dtype=x.dtype)
+    _library().tm_silu_and_mul(_ptr(x), _ptr(out), t, two_i // 2)
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] (each token's heads contiguous, any token stride) in their cache
+    slots; int8 caches get each row quantized with its scale."""
+    t, h, d = k.shape
+    assert heads_contiguous(k) and heads_contiguous(v)
+    _library().tm_write_kv(_ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(k_cache),
+                           _ptr(v_cache),
+                           _ptr(slot_mapping), t, h, d, int(k_cache.dtype == torch.int8))
