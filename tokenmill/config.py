@@ -339,12 +339,15 @@ def check_ports_free(config: ServerConfig) -> None:
 
 @dataclass(frozen=True)
 class CpuKernelSettings:
-    """How the compiled CPU quantized kernels are built: TOKENMILL_CPU_KERNELS=0 turns them
-    off (tests, debugging); CC picks the compiler; XDG_CACHE_HOME moves the build cache."""
+    """The compiled CPU kernels: TOKENMILL_CPU_KERNELS=0 turns them off (tests, debugging);
+    TOKENMILL_CPU_INT_DOT=0 keeps int8/int4 weight layers' activations in float32 (exact
+    weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs; CC picks the
+    compiler; XDG_CACHE_HOME moves the build cache."""
 
     enabled: bool
     compiler: str
     cache_dir: str
+    int_dot: bool = True
 
     @classmethod
     def from_env(cls, environ=None) -> CpuKernelSettings:
@@ -354,7 +357,8 @@ class CpuKernelSettings:
         cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
                    compiler=environ.get("CC", "cc"),
-                   cache_dir=os.path.join(cache, "tokenmill", "kernels"))
+                   cache_dir=os.path.join(cache, "tokenmill", "kernels"),
+                   int_dot=environ.get("TOKENMILL_CPU_INT_DOT", "1") != "0")
 
 
 def share_metrics_dir(path: str) -> None:

@@ -5,6 +5,10 @@
   exactly the dequantized values tokenmill computes with.
 - `qwen0.5b`: random weights shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads / 2 KV
   heads, vocab 151936, tied embeddings), as an HF folder and an f32 GGUF written from it.
+- For the equal-bits comparison (`compare.py --precisions`), each model also as `q8_0.gguf`
+  (every matrix Q8_0) and `q4_1.gguf` (linear layers Q4_1, token embedding / tied LM head
+  Q8_0, as the bundled default model is: for `default` that file is the bundled one). tokenmill
+  and llama.cpp load the same file.
 
   python bench/peers/prepare_models.py [--out DIR]   (default $TOKENMILL_PEERS_DIR/models)"""
 
@@ -17,10 +21,15 @@ import sys
 import numpy as np
 
 
-def f32_gguf_from_gguf(src: str, dst: str) -> None:
-    """Same metadata, every tensor dequantized to F32 (llama.cpp's Q/K row order kept)."""
+def rewrite_gguf(src: str, dst: str, weight_type: str) -> None:
+    """Same metadata and tensors as `src`, every matrix stored as `weight_type` ("F32", "Q8_0"
+    or "Q4_1"; the token embedding is Q8_0 unless F32), vectors F32. llama.cpp's Q/K row order
+    is kept."""
     import gguf
 
+    types = gguf.GGMLQuantizationType
+    file_types = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                  "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
@@ -29,12 +38,18 @@ def f32_gguf_from_gguf(src: str, dst: str) -> None:
             continue
         value = field.contents()
         if field.name == "general.file_type":
-            value = int(gguf.LlamaFileType.ALL_F32)
+            value = int(file_types[weight_type])
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, field.types[0], sub)
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        target = types.F32 if data.ndim < 2 or weight_type == "F32" else (
+            types.Q8_0 if t.name == "token_embd.weight" else types[weight_type])
+        if target == types.F32:
+            writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, target), raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -143,7 +158,11 @@ def main() -> None:
         if not os.path.exists(os.path.join(out, "hf", "config.json")):
             hf_from_gguf(default_model_path(), os.path.join(out, "hf"))
         if not os.path.exists(os.path.join(out, "f32.gguf")):
-            f32_gguf_from_gguf(default_model_path(), os.path.join(out, "f32.gguf"))
+            rewrite_gguf(default_model_path(), os.path.join(out, "f32.gguf"), "F32")
+        if not os.path.exists(os.path.join(out, "q8_0.gguf")):
+            rewrite_gguf(default_model_path(), os.path.join(out, "q8_0.gguf"), "Q8_0")
+        if not os.path.lexists(os.path.join(out, "q4_1.gguf")):
+            os.symlink(default_model_path(), os.path.join(out, "q4_1.gguf"))
     if args.only in (None, "qwen0.5b"):
         out = os.path.join(args.out, "qwen0.5b")
         os.makedirs(out, exist_ok=True)
@@ -155,6 +174,10 @@ def main() -> None:
             else:
                 model = qwen_shaped(os.path.join(out, "hf"))
             gguf_from_qwen(model, os.path.join(out, "f32.gguf"))
+        for name in ("Q8_0", "Q4_1"):
+            dst = os.path.join(out, f"{name.lower()}.gguf")
+            if not os.path.exists(dst):
+                rewrite_gguf(os.path.join(out, "f32.gguf"), dst, name)
     print(f"models in {args.out}")
 
 

@@ -87,13 +87,47 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
                                            (Int4Kernel, {"group": 64})])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 33])
 @pytest.mark.parametrize("bias", [True, False])
-def test_compiled_weight_only_kernels_match_dequantize_then_matmul(kernel, kwargs, rows, bias):
+def test_compiled_weight_only_kernels_match_dequantize_then_matmul(kernel, kwargs, rows, bias,
+                                                                   monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CPU_INT_DOT", "0")  # float activations: exact weight-only
     lin = layer(bias=bias)
     k = kernel.from_weight(lin.weight.detach(), **kwargs)
-    assert k.fast
+    assert k.fast and not k.int_dot
     x = torch.randn(rows + 4, 128)[2:2 + rows]  # an offset view: made contiguous by the kernel
     expected = F.linear(x, k.dequantize(), lin.bias)
     torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_csrc
+@pytest.mark.parametrize("kernel,kwargs", [(Int8Kernel, {}), (Int8Kernel, {"group": 32}),
+                                           (Int4Kernel, {"group": 32})])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 9, 16, 33])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int_dot_kernels_match_int16_activations_times_dequantized_weights(kernel, kwargs, rows,
+                                                                         bias):
+    # K = 320: ten blocks of 32, so the int4 kernel's 8-block batches and its remainder both run
+    lin = layer(k=320, bias=bias)
+    k = kernel.from_weight(lin.weight.detach(), **kwargs)
+    assert k.int_dot and k.name.endswith("intdot")
+    x = torch.randn(rows + 4, 320)[2:2 + rows] * 3
+    x[0, :32] = 0  # an all-zero block (scale 0)
+    x[-1, 40] = 200.0  # an outlier dominating its block
+    expected = F.linear(schemes.fake_quantize_blocks(x), k.dequantize(), lin.bias)
+    torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-5, atol=1e-4)
+    # 16-bit activations cost almost nothing against float ones, even with the outlier
+    # (int8 per 32 inputs, llama.cpp's rounding, is ~100x coarser: shown for contrast)
+    exact = F.linear(x, k.dequantize(), lin.bias)
+    int8_like = F.linear(schemes.fake_quantize_blocks(x, bits=8), k.dequantize(), lin.bias)
+    error = (k.apply(lin, x) - exact).abs().max()
+    assert error < 1e-3 * exact.abs().max()
+    assert error * 30 < (int8_like - exact).abs().max()
+
+
+@needs_csrc
+def test_int_dot_falls_back_where_shapes_do_not_fit():
+    assert not Int4Kernel.from_weight(layer().weight.detach(), group=64).int_dot
+    odd = Int8Kernel.from_weight(layer(k=72).weight.detach(), group=8)  # groups of 8
+    assert odd.fast and not odd.int_dot
 
 
 @pytest.mark.parametrize("kernel", [Int8Kernel, Int4Kernel])
@@ -156,7 +190,7 @@ def test_kernel_names_say_which_path_runs():
              for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}
     assert names["a8w8"] == "a8w8-cpu" and names["fp8"] == "fp8-dequant"
     if csrc.available():
-        assert names["int8"] == "int8-cpu" and names["int4"] == "int4-cpu"
+        assert names["int8"] == "int8-cpu-intdot" and names["int4"] == "int4-cpu-intdot"
 
 
 @pytest.mark.parametrize("per_channel", [True, False])

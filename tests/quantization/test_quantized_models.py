@@ -57,9 +57,12 @@ TOLERANCE = {"int8": 0.1, "int4": 1.5, "a8w8": 0.4, "fp8": 0.5}
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_weight_only_matches_transformers_with_the_same_rounded_weights(tiny_models, method):
+def test_weight_only_matches_transformers_with_the_same_rounded_weights(tiny_models, method,
+                                                                      monkeypatch):
     from tokenmill.quantization.linear_kernels import KERNELS
 
+    # float activations: the exact weight-only arithmetic (int8 activations: test_kernels.py)
+    monkeypatch.setenv("TOKENMILL_CPU_INT_DOT", "0")
     path, hf = tiny_models("llama")
     llm, tokens, logprobs = run(path, quantization=method)
     reference = copy.deepcopy(hf)
@@ -172,8 +175,9 @@ def test_int8_kv_attention_matches_the_reference_backend():
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
 @pytest.mark.parametrize("qtype,method", [("Q8_0", "int8"), ("Q4_1", "int4"),
                                           ("Q4_0", "int4")])
+@pytest.mark.parametrize("int_dot", [False, True])
 def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, method,
-                                                  monkeypatch):
+                                                  int_dot, monkeypatch):
     from gguf import GGMLQuantizationType
     from helpers import write_gguf
 
@@ -183,11 +187,13 @@ def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, 
     path = str(tmp_path / f"{qtype}.gguf")
     write_gguf(path, "llama", hf.state_dict(), hf.config, GGMLQuantizationType[qtype])
     gguf_loader._reader.cache_clear()
+    monkeypatch.setenv("TOKENMILL_CPU_INT_DOT", str(int(int_dot)))
     llm, tokens, logprobs = run(path, tokenizer=hf_path)
-    kernels = {type(m.kernel).__name__ for m in llm.engine.core.runner.model.modules()
+    kernels = {m.kernel.name for m in llm.engine.core.runner.model.modules()
                if hasattr(m, "kernel")}
-    assert kernels == {f"{method.capitalize()}Kernel"}
-    # The same file with every block expanded to float32 gives the same numbers.
+    assert kernels == {f"{method}-cpu" + ("-intdot" if int_dot else "")}
+    # The same file with every block expanded to float32 gives the same numbers (integer dot
+    # products: activations rounded to 16 bits, within the same bound).
     monkeypatch.setattr(csrc, "available", lambda: False)
     _, fp_tokens, fp_logprobs = run(path, tokenizer=hf_path)
     assert tokens == fp_tokens

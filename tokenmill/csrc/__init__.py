@@ -98,6 +98,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_paged_decode_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 2 + [i64] * 5
                                               + [ctypes.c_float, i64])
     f32 = ctypes.c_float
+    lib.tm_quantize_rows_q16.argtypes = [ptr] * 4 + [i64] * 2
+    lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4
+    lib.tm_int4_gemm_q16.argtypes = [ptr] * 8 + [i64] * 3
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
@@ -133,6 +136,42 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins:
     y = torch.empty(m, n, dtype=torch.float32)
     _library().tm_int4_gemm(_ptr(x), _ptr(qweight), _ptr(scale), _ptr(mins), _ptr(bias),
                             _ptr(y), m, n, k, group)
+    return y
+
+
+def quantize_rows_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 contiguous (K % 32 == 0) -> (int16 [M, K], block scales [M, K/32],
+    block sums of the dequantized values [M, K/32])."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int16)
+    xs = torch.empty(m, k // 32)
+    xsum = torch.empty(m, k // 32)
+    _library().tm_quantize_rows_q16(_ptr(x), _ptr(xq), _ptr(xs), _ptr(xsum), m, k)
+    return xq, xs, xsum
+
+
+def int8_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """As `int8_gemm`, with x rounded to int16 per 32 inputs first (integer dot products);
+    group a multiple of 32."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    xq, xs, _ = quantize_rows_q16(x)
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_int8_gemm_q16(_ptr(xq), _ptr(xs), _ptr(qweight), _ptr(scale), _ptr(bias),
+                                _ptr(y), m, n, k, group)
+    return y
+
+
+def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      mins: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """As `int4_gemm` with group 32, x rounded to int16 per 32 inputs first."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    xq, xs, xsum = quantize_rows_q16(x)
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_int4_gemm_q16(_ptr(xq), _ptr(xs), _ptr(xsum), _ptr(qweight), _ptr(scale),
+                                _ptr(mins), _ptr(bias), _ptr(y), m, n, k)
     return y
 
 

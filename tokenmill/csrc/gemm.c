@@ -141,3 +141,180 @@ void tm_int8_gemm(const float *x, const int8_t *w, const float *scale, const flo
         }
     }
 }
+
+/* ---- integer dot products with 16-bit activations --------------------------------------
+ * The float-activation kernels above convert every weight to float (~3 uops per 8 weights).
+ * These quantize each row of activations instead, per block of 32 inputs, to int16
+ * (symmetric, scale = absmax / 32767, round to nearest even) and multiply by the int8 / int4
+ * weights widened to int16 with vpmaddwd into exact int32 block sums, scaled once per block.
+ * llama.cpp rounds activations to int8 for this (vpmaddubsw); on the default SmolLM2-135M that
+ * turned the chat answer to "What is the capital of France?" into nonsense (llama.cpp's own
+ * answer on that file is the same nonsense), while 16 bits keep the relative rounding at ~1e-5
+ * for the same number of instructions. Equal to dequantize(x_q16) @ dequantize(W)^T up to
+ * float summation order (quantization/schemes.py has that reference). K must be a multiple
+ * of 32. Overflow: |w| <= 127 (int4: <= 15), |x| <= 32767, 32 products < 2^31. */
+
+/* x [M, K] -> xq int16 [M, K], xs [M, K/32] block scales, xsum [M, K/32] = xs * sum(xq). */
+void tm_quantize_rows_q16(const float *x, int16_t *xq, float *xs, float *xsum, int64_t M,
+                          int64_t K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const int64_t blocks = K / 32;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * blocks; i++) {
+        const float *src = x + i * 32;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(src + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float m = _mm_cvtss_f32(m4);
+        const float d = m / 32767.0f, id = m != 0.0f ? 32767.0f / m : 0.0f;
+        __m256i q[4];
+        __m256i total = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT |
+                                                      _MM_FROUND_NO_EXC));
+            total = _mm256_add_epi32(total, q[j]);
+        }
+        /* int32 x 16 -> int16 x 16 in input order (packs interleaves the 128-bit lanes) */
+        for (int j = 0; j < 2; j++)
+            _mm256_storeu_si256((__m256i *)(xq + i * 32 + 16 * j),
+                                _mm256_permute4x64_epi64(
+                                    _mm256_packs_epi32(q[2 * j], q[2 * j + 1]), 0xD8));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                  _mm256_extracti128_si256(total, 1));
+        t = _mm_hadd_epi32(t, t);
+        t = _mm_hadd_epi32(t, t);
+        xs[i] = d;
+        xsum[i] = d * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* 8 int32 partial sums of w[0..32) . x[0..32): w's two halves already widened to int16. */
+static inline __m256i dot_16(__m256i w_lo, __m256i w_hi, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w_lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(w_hi,
+                                              _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+#define QMB 4 /* rows sharing each loaded weight block */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The row count of a tile is a compile-time constant (1..QMB) in these bodies, so the
+ * compiler unrolls the row loops and keeps every accumulator in a register; with a run-time
+ * count they lived on the stack and each block waited on a store-to-load round trip. */
+INLINE void int8_q16_tile(const int16_t *xq, const float *xs, const int8_t *wn,
+                          const float *sn, float *y, float bias, int64_t m0, int64_t n,
+                          int64_t N, int64_t K, int64_t group, const int mb) {
+    const int64_t groups = K / group, blocks = K / 32, per_group = group / 32;
+    __m256 acc[QMB];
+    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 part[QMB];
+        for (int i = 0; i < mb; i++) part[i] = _mm256_setzero_ps();
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
+            const __m128i *wb = (const __m128i *)(wn + b * 32);
+            const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb));
+            const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb + 1));
+            for (int i = 0; i < mb; i++)
+                part[i] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot_16(w_lo, w_hi, xq + (m0 + i) * K + b * 32)),
+                    _mm256_set1_ps(xs[(m0 + i) * blocks + b]), part[i]);
+        }
+        const __m256 s = _mm256_set1_ps(sn[g]);
+        for (int i = 0; i < mb; i++) acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
+    }
+    for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum(acc[i]) + bias;
+}
+
+void tm_int8_gemm_q16(const int16_t *xq, const float *xs, const int8_t *w, const float *scale,
+                      const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                      int64_t group) {
+    const int64_t groups = K / group;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wn = w + n * K;
+        const float *sn = scale + n * groups, b = bias ? bias[n] : 0.0f;
+        int64_t m0 = 0;
+        for (; m0 + QMB <= M; m0 += QMB)
+            int8_q16_tile(xq, xs, wn, sn, y, b, m0, n, N, K, group, QMB);
+        switch (M - m0) {
+            case 3: int8_q16_tile(xq, xs, wn, sn, y, b, m0, n, N, K, group, 3); break;
+            case 2: int8_q16_tile(xq, xs, wn, sn, y, b, m0, n, N, K, group, 2); break;
+            case 1: int8_q16_tile(xq, xs, wn, sn, y, b, m0, n, N, K, group, 1); break;
+        }
+    }
+}
+
+/* int4 (Q4 layout, group 32: one fp16 scale and min per block). Per block b and row:
+ * y += (s_b * xs_b) * sum(q * xq) + m_b * xsum_b; the per-block factors of 8 blocks are
+ * computed together in vector registers. */
+INLINE void int4_q16_tile(const int16_t *xq, const float *xs, const float *xsum,
+                          const uint8_t *wn, const uint16_t *sn, const uint16_t *mn, float *y,
+                          float bias, int64_t m0, int64_t n, int64_t N, int64_t K,
+                          const int mb) {
+    const int64_t blocks = K / 32;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m256 acc[QMB], macc[QMB];
+    float ds[QMB][8] __attribute__((aligned(32)));
+    float extra[QMB] = {0};
+    for (int i = 0; i < mb; i++) acc[i] = macc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < blocks; c += 8) {
+        const int nb = blocks - c < 8 ? (int)(blocks - c) : 8;
+        if (nb == 8) {
+            const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sn + c)));
+            const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + c)));
+            for (int i = 0; i < mb; i++) {
+                const int64_t xb = (m0 + i) * blocks + c;
+                _mm256_store_ps(ds[i], _mm256_mul_ps(s8, _mm256_loadu_ps(xs + xb)));
+                macc[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xsum + xb), macc[i]);
+            }
+        } else {
+            for (int i = 0; i < mb; i++) {
+                const int64_t xb = (m0 + i) * blocks + c;
+                for (int j = 0; j < nb; j++) {
+                    ds[i][j] = _cvtsh_ss(sn[c + j]) * xs[xb + j];
+                    extra[i] += _cvtsh_ss(mn[c + j]) * xsum[xb + j];
+                }
+            }
+        }
+        for (int j = 0; j < nb; j++) {
+            const int64_t b = c + j;
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(wn + b * 16));
+            const __m256i w_lo = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low));
+            const __m256i w_hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4),
+                                                                    low));
+            for (int i = 0; i < mb; i++)
+                acc[i] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(dot_16(w_lo, w_hi, xq + (m0 + i) * K + b * 32)),
+                    _mm256_set1_ps(ds[i][j]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        y[(m0 + i) * N + n] = hsum(acc[i]) + hsum(macc[i]) + extra[i] + bias;
+}
+
+void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *w,
+                      const uint16_t *scale, const uint16_t *min, const float *bias, float *y,
+                      int64_t M, int64_t N, int64_t K) {
+    const int64_t blocks = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wn = w + n * (K / 2);
+        const uint16_t *sn = scale + n * blocks, *mn = min + n * blocks;
+        const float b = bias ? bias[n] : 0.0f;
+        int64_t m0 = 0;
+        for (; m0 + QMB <= M; m0 += QMB)
+            int4_q16_tile(xq, xs, xsum, wn, sn, mn, y, b, m0, n, N, K, QMB);
+        switch (M - m0) {
+            case 3: int4_q16_tile(xq, xs, xsum, wn, sn, mn, y, b, m0, n, N, K, 3); break;
+            case 2: int4_q16_tile(xq, xs, xsum, wn, sn, mn, y, b, m0, n, N, K, 2); break;
+            case 1: int4_q16_tile(xq, xs, xsum, wn, sn, mn, y, b, m0, n, N, K, 1); break;
+        }
+    }
+}

@@ -69,6 +69,17 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tenso
     return wg.reshape(q.shape)
 
 
+def fake_quantize_blocks(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) rounded as the compiled CPU kernels' integer-dot activations
+    are: per 32 inputs, symmetric `bits`-bit integers with scale absmax / (2^(bits-1) - 1),
+    ties to even (bits=8 is llama.cpp's Q8_0 activations), returned dequantized in float32."""
+    top = float(2 ** (bits - 1) - 1)
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax != 0, top / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / top)).reshape(x.shape)
+
+
 def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """float8 e4m3 with a float32 scale per output channel ([N]) or per tensor ([1])."""
     w = w.float()
