@@ -51,7 +51,7 @@ def _cpu_has_avx2() -> bool:
 
 def _build(compiler: str, cache_dir: str) -> str:
     source = b""
-    for path in _SOURCES:
+    for path in _SOURCES + [os.path.join(os.path.dirname(__file__), "simd.h")]:
         with open(path, "rb") as f:
             source += f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout

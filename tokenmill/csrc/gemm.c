@@ -18,12 +18,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 static inline __m256 i8x8_to_ps(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -42,7 +37,7 @@ static inline __m256 u8x8_to_ps(__m128i v) {
 #define STORE_TILE()                                                                      \
     for (int j = 0; j < NB_; j++)                                                         \
         for (int i = 0; i < MB_; i++)                                                     \
-            y[(m0 + i) * N + n0 + j] = hsum(acc[j][i]) + (bias ? bias[n0 + j] : 0.0f);
+            y[(m0 + i) * N + n0 + j] = hsum8(acc[j][i]) + (bias ? bias[n0 + j] : 0.0f);
 
 #define INT4_TILE(NB, MB)                                                                 \
 static void int4_tile_##NB##_##MB(const float *x, const uint8_t *w, const uint16_t *scale,\
@@ -137,7 +132,7 @@ void tm_int8_gemm(const float *x, const int8_t *w, const float *scale, const flo
                 for (int i = 0; i < mb; i++) acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
             }
             for (int i = 0; i < mb; i++)
-                y[(m0 + i) * N + n] = hsum(acc[i]) + (bias ? bias[n] : 0.0f);
+                y[(m0 + i) * N + n] = hsum8(acc[i]) + (bias ? bias[n] : 0.0f);
         }
     }
 }
@@ -229,7 +224,7 @@ INLINE void int8_q16_tile(const int16_t *xq, const float *xs, const int8_t *wn,
         const __m256 s = _mm256_set1_ps(sn[g]);
         for (int i = 0; i < mb; i++) acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
     }
-    for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum(acc[i]) + bias;
+    for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum8(acc[i]) + bias;
 }
 
 void tm_int8_gemm_q16(const int16_t *xq, const float *xs, const int8_t *w, const float *scale,
@@ -296,7 +291,7 @@ INLINE void int4_q16_tile(const int16_t *xq, const float *xs, const float *xsum,
         }
     }
     for (int i = 0; i < mb; i++)
-        y[(m0 + i) * N + n] = hsum(acc[i]) + hsum(macc[i]) + extra[i] + bias;
+        y[(m0 + i) * N + n] = hsum8(acc[i]) + hsum8(macc[i]) + extra[i] + bias;
 }
 
 void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *w,

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 /* residual += x (when residual is given), then out = weight * (r / sqrt(mean(r^2) + eps)) */
 void tm_add_rms_norm(float *x, float *residual, const float *weight, float *out, int64_t T,
                      int64_t D, float eps) {
@@ -56,25 +58,6 @@ void tm_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t stride, const 
     }
 }
 
-/* e^x on AVX2 lanes (Cody-Waite reduction, degree-6 polynomial, ~2 ulp), clamped to the
- * float range. */
-static inline __m256 exp_full_ps(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                   _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* out[t, i] = silu(x[t, i]) * x[t, I + i]  (x = gate | up, [T, 2I]) */
 void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
 #pragma omp parallel for schedule(static) if (T * I > 65536)
@@ -85,7 +68,7 @@ void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; i + 8 <= I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = exp_full_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
         }

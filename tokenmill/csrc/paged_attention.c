@@ -18,34 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* e^x for x <= 0 (scores minus their max): Cody-Waite range reduction to 2^n * e^r,
- * |r| <= ln2/2, then a degree-6 polynomial; inputs below -87 give 0. */
-static inline __m256 exp_ps(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                   _mm256_set1_epi32(127)), 23);
-    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(underflow, y);
-}
+#include "simd.h"
 
 static inline __m256 load8(const void *row, int64_t d, int kv_int8) {
     if (!kv_int8) return _mm256_loadu_ps((const float *)row + d);
@@ -100,7 +73,7 @@ static void attend_item(const float *q, const void *k_cache, const void *v_cache
         const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
         __m256 sum = _mm256_setzero_ps();
         for (int64_t t = 0; t < Lp; t += 8) {
-            __m256 e = exp_ps(_mm256_sub_ps(_mm256_load_ps(s + t), m));
+            __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + t), m));
             _mm256_store_ps(s + t, e);
             sum = _mm256_add_ps(sum, e);
         }
