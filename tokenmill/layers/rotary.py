@@ -73,24 +73,23 @@ class RotaryEmbedding(nn.Module):
 class StepRotary:
     """One step's rotation, shared by all layers: float32 on the CPU rotates in place with the
     compiled kernel (reading the tables at each token's position); otherwise the cos / signed
-    sin rows are gathered once and applied with torch ops."""
+    sin rows of the step's positions are gathered once and applied with torch ops."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor,
                  dtype: torch.dtype) -> None:
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
         self.compiled = (dtype == torch.float32 and csrc.usable(rotary.cos)
                          and positions.device.type == "cpu")
-        self.cos, self.signed_sin, self.positions = rotary.cos, rotary.signed_sin, positions
-        if not self.compiled:
-            self.cos = rotary.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
-            self.signed_sin = rotary.signed_sin[positions].unsqueeze(1).to(dtype)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated by each token's position (q and k heads can go together); may
         rotate x in place and return it."""
         if self.compiled and csrc.heads_contiguous(x):
-            csrc.rotary_(x, self.cos, self.signed_sin, self.positions)
+            csrc.rotary_(x, self.rotary.cos, self.rotary.signed_sin, self.positions)
             return x
-        if self.compiled:  # a layout the kernel cannot take: gather the rows here
-            cos, sin = self.cos[self.positions].unsqueeze(1), self.signed_sin[self.positions]
-            return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin.unsqueeze(1)
-        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
+        if self._rows is None:  # [T, 1, D] each, gathered by the first layer that needs them
+            self._rows = tuple(table[self.positions].unsqueeze(1).to(self.dtype)
+                               for table in (self.rotary.cos, self.rotary.signed_sin))
+        cos, signed_sin = self._rows
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
