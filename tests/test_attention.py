@@ -82,6 +82,8 @@ def test_decode_batch_head_shapes_and_int8_cache(compiled, kv_dtype, hq, hkv, d)
     # Real model head layouts (SmolLM2 9/3, Qwen2.5 14/2), context lengths that are not
     # multiples of 8 or of the block size, and int8 rows with their scales.
     q, k, v, cache, meta = random_step(3, 9, [], block_size=16, hq=hq, hkv=hkv, d=d)
+    # q as the model passes it: a view of a wider qkv row (token stride > Hq * D)
+    q = torch.cat([q, torch.randn(q.shape[0], 2, d)], dim=1)[:, :hq]
     caches = [cache[0] * 3, cache[1]]  # a different magnitude for K and V
     if kv_dtype == torch.int8:
         caches = [quantize_kv(c) for c in caches]

@@ -96,9 +96,10 @@ class TorchSDPABackend(AttentionBackend):
         nd = meta.num_decodes
         loc = meta.query_start_loc
         if nd and self._compiled_decode(q):
-            out[:nd] = csrc.paged_decode_attention(
-                q[:nd].contiguous(), k_cache, v_cache, meta.block_table, meta.seq_lens[:nd],
-                scale)
+            # q may be a view of the qkv output (read in place); out's first rows are contiguous
+            decodes = q[:nd] if csrc.heads_contiguous(q) else q[:nd].contiguous()
+            csrc.paged_decode_attention(decodes, k_cache, v_cache, meta.block_table,
+                                        meta.seq_lens[:nd], scale, out[:nd])
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, self._decode_gather(meta),
                                     num_kv_heads, scale)

@@ -95,8 +95,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tm_int8_gemm.argtypes = [ptr] * 5 + [i64] * 4
     lib.tm_int4_gemm.argtypes = [ptr] * 6 + [i64] * 4
-    lib.tm_paged_decode_attention.argtypes = ([ptr] * 4 + [i64] + [ptr] * 2 + [i64] * 5
-                                              + [ctypes.c_float, i64])
+    lib.tm_paged_decode_attention.argtypes = ([ptr, i64] + [ptr] * 3 + [i64] + [ptr] * 2
+                                              + [i64] * 5 + [ctypes.c_float, i64])
     f32 = ctypes.c_float
     lib.tm_quantize_rows_q16.argtypes = [ptr] * 4 + [i64] * 2
     lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4
@@ -176,20 +176,19 @@ def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """One query token per sequence attending over its cached keys: q [B, Hq, D] float32
-    contiguous; caches [num_blocks, block_size, Hkv, D] float32 or [..., D + 4] int8;
-    block_table int64 [>= B, max_blocks] (row stride contiguous); seq_lens int64 [B].
-    Returns [B, Hq, D]."""
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor) -> None:
+    """One query token per sequence attending over its cached keys, written into `out`
+    [B, Hq, D] (contiguous): q [B, Hq, D] float32 with each token's heads contiguous (any
+    token stride); caches [num_blocks, block_size, Hkv, D] float32 or [..., D + 4] int8;
+    block_table int64 [>= B, max_blocks] (rows contiguous); seq_lens int64 [B]."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
-    out = torch.empty_like(q)
+    assert heads_contiguous(q) and out.is_contiguous() and out.shape == q.shape
     _library().tm_paged_decode_attention(
-        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(block_table), block_table.stride(0),
-        _ptr(seq_lens), _ptr(out), b, hq, hkv, d, block_size, scale,
+        _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), _ptr(block_table),
+        block_table.stride(0), _ptr(seq_lens), _ptr(out), b, hq, hkv, d, block_size, scale,
         int(k_cache.dtype == torch.int8))
-    return out
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -7,7 +7,8 @@
  * and once for the values. The query heads sharing a KV head (grouped-query attention) are
  * scored together, so a K or V row is loaded once per group.
  *
- * Layouts: q, out [B, Hq, D] float32; caches [num_blocks, block_size, Hkv, row] with row = D
+ * Layouts: q [B, Hq, D] float32 with its token rows q_stride floats apart (a view of the qkv
+ * projection's output needs no copy), out [B, Hq, D] contiguous; caches [num_blocks, block_size, Hkv, row] with row = D
  * float32, or (int8 cache) D int8 followed by their float32 scale (quantization/kv_cache.py);
  * block_table [num_seqs, table_stride] int64; seq_lens [B] int64. D must be a multiple of 8.
  * Softmax is exact (max-subtracted, two passes); exp uses a polynomial accurate to ~2 ulp. */
@@ -103,7 +104,8 @@ static void attend_item(const float *q, const void *k_cache, const void *v_cache
     memcpy(out + h0 * G * D, acc, H * D * sizeof(float));
 }
 
-void tm_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache,
                                const int64_t *block_table, int64_t table_stride,
                                const int64_t *seq_lens, float *out, int64_t B, int64_t Hq,
                                int64_t Hkv, int64_t D, int64_t block_size, float scale,
@@ -121,7 +123,7 @@ void tm_paged_decode_attention(const float *q, const void *k_cache, const void *
         }
         const int64_t Lp = (L + 7) & ~(int64_t)7, H = heads_per_item * (Hq / Hkv);
         float *scores = aligned_alloc(32, (size_t)(H * Lp + H * D) * sizeof(float));
-        attend_item(q + b * Hq * D, k_cache, v_cache, block_table + b * table_stride, L,
+        attend_item(q + b * q_stride, k_cache, v_cache, block_table + b * table_stride, L,
                     out + b * Hq * D, Hq, Hkv, h0, h0 + heads_per_item, D, block_size, scale,
                     (int)kv_int8, scores, scores + H * Lp);
         free(scores);
