@@ -105,6 +105,8 @@ class ServerConfig:
     log_dir: str = "log"
     shutdown_timeout: float = 300.0  # SIGTERM: seconds to let in-flight requests finish
     check_health_interval: float = 10.0  # engine silent this long => not ready, requests fail
+    max_request_body_bytes: int = 2 * 1024 * 1024  # larger bodies get 413 before parsing
+    trust_request_chat_template: bool = False  # accept `chat_template` in requests
 
     @property
     def model_names(self) -> list[str]:
@@ -136,6 +138,9 @@ class ServerConfig:
             raise ValueError(f"max_seq_len must be a positive integer, got {self.max_seq_len}.")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError("max_request_body_bytes must be at least 1024, got "
+                             f"{self.max_request_body_bytes}.")
         if not self.check_health_interval > 0:
             raise ValueError("CHECK_HEALTH_INTERVAL must be > 0, got "
                              f"{self.check_health_interval}.")
@@ -199,7 +204,11 @@ def make_serve_parser():
     a("--use-warmup", action="store_true", default=None, help="env USE_WARMUP=1")
     a("--log-dir", default=None, help="env FD_LOG_DIR; default log")
     a("--shutdown-timeout", type=float, default=None,
-      help="seconds SIGTERM waits for in-flight requests (default 300)")
+      help="seconds SIGTERM waits for in-flight requests (default 300); 0 ends them at once")
+    a("--max-request-body-bytes", type=int, default=None,
+      help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
+    a("--trust-request-chat-template", action="store_true", default=None,
+      help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
     return p
 
 
@@ -318,6 +327,8 @@ def build_server_config(argv: list[str], environ=None) -> ServerConfig:
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
         shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),
         check_health_interval=pick(None, env.number("CHECK_HEALTH_INTERVAL"), 10.0),
+        max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
+        trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
         **ports)
     config.validate()
     return config

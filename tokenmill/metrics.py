@@ -38,6 +38,15 @@ class Metrics:
     def _request_families(self, labels: list[str], r: CollectorRegistry | None) -> None:
         self.requests = Counter("tokenmill:request_success", "Finished requests by outcome",
                                 labels + ["outcome"], registry=r)
+        self.rejected_requests = Counter(
+            "tokenmill:request_rejected", "Requests refused before reaching the engine, by "
+            "reason (queue_full, not_ready)", labels + ["reason"], registry=r)
+        self.disconnects = Counter("tokenmill:client_disconnects",
+                                   "Requests abandoned by their client before finishing",
+                                   labels, registry=r)
+        self.in_flight = Gauge("tokenmill:num_requests_in_flight",
+                               "Requests the API processes are serving now", labels,
+                               registry=r, multiprocess_mode="livesum")
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed",
                                      labels, registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated",
@@ -112,6 +121,21 @@ class Metrics:
         self._m(self.prompt_hist).observe(prompt_tokens)
         self._m(self.generation_hist).observe(generated_tokens)
         self._m(self.e2e).observe(e2e_s)
+
+    def rejected(self, reason: str) -> None:
+        if self.request_metrics:
+            self._m(self.rejected_requests, reason=reason).inc()
+
+    def request_started(self) -> None:
+        if self.request_metrics:
+            self._m(self.in_flight).inc()
+
+    def request_ended(self, disconnected: bool) -> None:
+        if not self.request_metrics:
+            return
+        self._m(self.in_flight).dec()
+        if disconnected:
+            self._m(self.disconnects).inc()
 
     def first_token(self, ttft_s: float) -> None:
         if not self.request_metrics:

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+
+
+class InvalidParameter(ValueError):
+    """A request parameter out of its domain; `param` names it (the API error's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -48,10 +57,14 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+            return InvalidParameter(name, f"{name} must be {rule}, got {getattr(self, name)!r}.")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "a finite number")
         if self.temperature < 0:
             raise bad("temperature", ">= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -74,8 +87,9 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens}"
-                             f" and max_tokens={self.max_tokens}.")
+            raise InvalidParameter("min_tokens", "min_tokens must be <= max_tokens, got "
+                                   f"min_tokens={self.min_tokens} and "
+                                   f"max_tokens={self.max_tokens}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Prompt tokens given to the detokenizer as context, so the first generated token is decoded
 # as it reads after the prompt (leading spaces of SentencePiece tokens, merged bytes).
@@ -38,12 +41,34 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return sequences
 
 
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered by the chat template (the caller's problem: 400)."""
+
+    param = "messages"
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("This model has no chat template; send a plain prompt instead.")
-    text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+                        add_generation_prompt: bool = True, chat_template: str | None = None,
+                        **kwargs: Any) -> list[int]:
+    """Renders in transformers' sandboxed Jinja environment (ImmutableSandboxedEnvironment):
+    a template that reaches for Python internals fails with a SecurityError instead of
+    running, and message content is data, never template code."""
+    import jinja2
+    from jinja2.sandbox import SecurityError
+
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ChatTemplateError("This model has no chat template; send a plain prompt instead.")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, **kwargs)
+    except SecurityError:
+        logger.warning("the chat template attempted an unsafe operation; refused")
+        raise ChatTemplateError("The chat template attempted an operation that is not "
+                                "allowed.") from None
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        # Templates reject conversations with raise_exception (e.g. roles not alternating).
+        raise ChatTemplateError(f"The messages do not fit the chat template: {exc}") from None
     # The template already wrote BOS where the model wants it.
     return tokenizer.encode(text, add_special_tokens=False)
 

@@ -33,6 +33,10 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped answering; every in-flight request fails with this."""
 
 
+class ShutdownError(EngineDeadError):
+    """The server stopped (drain timeout over) before the request finished."""
+
+
 class AsyncLLM:
     """Owns one client of the engine core. `generate` yields cumulative `RequestOutput`s;
     leaving the iterator early (client gone, task cancelled) aborts the request in the core."""
@@ -51,6 +55,7 @@ class AsyncLLM:
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
+        self._num_sequences = 0  # engine sequences (n per request) of in-flight requests
         self.num_aborted = 0  # requests left before they finished (client gone, cancelled)
 
     @property
@@ -81,6 +86,7 @@ class AsyncLLM:
                               bad_words_token_ids=bad_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._num_sequences += params.n
         finished = False
         timer = _RequestTimer(self.metrics, len(prompt_token_ids))
         try:
@@ -103,6 +109,8 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._num_sequences -= params.n
+            timer.ended(disconnected=not finished)
             if not finished:
                 self.num_aborted += 1
                 timer.finish("abort")
@@ -110,6 +118,9 @@ class AsyncLLM:
 
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def num_in_flight_sequences(self) -> int:
+        return self._num_sequences
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._queues
@@ -163,6 +174,10 @@ class AsyncLLM:
 
     def fail_all(self, error: BaseException) -> None:
         self.dead = error
+        self.end_all(error)
+
+    def end_all(self, error: BaseException) -> None:
+        """Every in-flight request ends with `error` (its handler aborts it in the core)."""
         for queue in self._queues.values():
             queue.put_nowait(error)
 
@@ -191,6 +206,12 @@ class _RequestTimer:
         self.start = self.last = time.monotonic()
         self.num_tokens = 0
         self.done = False
+        if metrics is not None:
+            metrics.request_started()
+
+    def ended(self, disconnected: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.request_ended(disconnected)
 
     def output(self, out: RequestOutput) -> None:
         if self.metrics is None:

@@ -56,7 +56,15 @@ class EngineCoreProc:
             busy = self.core.has_unfinished_requests()
             timeout = 0 if busy else int(HEARTBEAT_S * 1000)
             while self.socket.poll(timeout):
-                if not self._handle(*self.socket.recv_multipart()):
+                frames = self.socket.recv_multipart()
+                try:
+                    keep_going = self._handle(*frames)
+                except (TypeError, ValueError, msgspec.DecodeError) as exc:
+                    # Only typed msgpack is read (never pickle); anything else is dropped.
+                    logger.warning("dropped a malformed message on the engine socket (%s)",
+                                   type(exc).__name__)
+                    continue
+                if not keep_going:
                     return
                 timeout = 0
             if self.core.has_unfinished_requests():

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 
 import uvicorn
 
-from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.async_engine import EngineDeadError, ShutdownError
 from tokenmill.entrypoints.http.server import build_state, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 
@@ -50,11 +50,22 @@ async def wait_started(servers: list[QuietServer], tasks: list[asyncio.Task]) ->
 
 
 async def drain(state: ServerState, timeout_s: float) -> None:
-    """Readiness goes false and new requests get 503; wait for in-flight ones (bounded)."""
+    """Readiness goes false and new requests get 503; wait for in-flight ones (bounded).
+    Those still running at the deadline end with an error response (503 / a stream's error
+    event), and their handlers get a moment to send it before the servers close."""
     state.draining = True
-    deadline = time.monotonic() + timeout_s
+    await _until_idle(state, time.monotonic() + timeout_s)
+    if state.engine.num_in_flight():
+        logger.warning("shutdown timeout: ending %d in-flight request(s)",
+                       state.engine.num_in_flight())
+        state.engine.end_all(ShutdownError("The server shut down before the request "
+                                           "finished."))
+        await _until_idle(state, time.monotonic() + 2.0)
+
+
+async def _until_idle(state: ServerState, deadline: float) -> None:
     while state.engine.num_in_flight() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)
 
 
 def run_api_worker(settings: ApiSettings, sock: socket.socket, ready: Connection,

@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     compare = bench_sub.add_parser("compare", help="tokenmill vs vLLM-CPU, llama.cpp and "
                                    "transformers on this machine", add_help=False)
     compare.set_defaults(func=None)
-    serve_load = bench_sub.add_parser("serve", help="concurrent streaming clients against a "
-                                      "running OpenAI-compatible server", add_help=False)
+    serve_load = bench_sub.add_parser("serve", help="streaming load (closed loop, --duration or "
+                                      "--request-rate-ramp) against a running OpenAI-compatible "
+                                      "or native server", add_help=False)
     serve_load.set_defaults(func=None)
     quant = bench_sub.add_parser("quant", help="quantization methods: perplexity, speed and "
                                  "memory against fp32", add_help=False)

@@ -76,7 +76,9 @@ class ServeProcess:
                 max_dec_len=config.max_dec_len, max_seq_len=config.max_seq_len,
                 max_waiting=config.max_cached_task_num,
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
-                dead_after_s=config.check_health_interval)
+                dead_after_s=config.check_health_interval,
+                max_request_body_bytes=config.max_request_body_bytes,
+                trust_request_chat_template=config.trust_request_chat_template)
             registry, metrics = self._metrics()
             state = await build_state(settings, metrics)
             if config.use_warmup:

@@ -24,11 +24,12 @@ from tokenmill.engine.async_engine import (
     EngineDeadError,
     EngineRequestError,
 )
+from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import apply_chat_template
+from tokenmill.tokenizer import ChatTemplateError, apply_chat_template
 
 # Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
 DEFAULTS = {"min_dec_len": 1, "topp": 0.7, "temperature": 0.95, "penalty_score": 1.0,
@@ -128,8 +129,18 @@ def validate(body: dict, state: ServerState) -> dict:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise NativeError("The `stop_sequences` must be a list of non-empty strings")
         body["stop_sequences"] = stops
+    for name in ("stop_sequences", "eos_token_ids"):
+        items = body.get(name) or []
+        if len(items) > CAPS.max_stop:
+            raise NativeError(f"The `{name}` may have at most {CAPS.max_stop} entries")
+        if any(isinstance(x, str) and len(x) > CAPS.max_stop_chars for x in items):
+            raise NativeError(f"Each of the `{name}` may have at most {CAPS.max_stop_chars} "
+                              "characters")
     req_id = body.get("req_id", str(uuid.uuid4()))
     body["req_id"] = str(req_id)
+    if len(body["req_id"]) > CAPS.max_request_id_chars:
+        raise NativeError(f"The `req_id` may have at most {CAPS.max_request_id_chars} "
+                          "characters")
     return {**DEFAULTS, **body}
 
 
@@ -139,19 +150,32 @@ def tokenize(body: dict, state: ServerState) -> list[int]:
         return list(body["input_ids"])
     has_template = bool(getattr(tokenizer, "chat_template", None))
     system = [{"role": "system", "content": body["system"]}] if "system" in body else []
-    if "messages" in body:
-        if not has_template:
-            raise NativeError("This model does not support chat_template.")
-        return apply_chat_template(tokenizer, system + list(body["messages"]))
-    if has_template:  # the seed wraps plain text as one user turn
-        return apply_chat_template(tokenizer, system + [{"role": "user",
-                                                         "content": body["text"]}])
+    try:
+        if "messages" in body:
+            if not has_template:
+                raise NativeError("This model does not support chat_template.")
+            return apply_chat_template(tokenizer, system + list(body["messages"]))
+        if has_template:  # the seed wraps plain text as one user turn
+            return apply_chat_template(tokenizer, system + [{"role": "user",
+                                                             "content": body["text"]}])
+    except ChatTemplateError as exc:
+        raise NativeError(str(exc)) from None
     return tokenizer.encode(body["text"])
 
 
-def build_request(body: dict, state: ServerState) -> NativeRequest:
+# Bodies longer than this are tokenized on a worker thread (the tokenizers release the GIL),
+# so one huge prompt does not stall every other request's stream.
+_OFF_LOOP_CHARS = 8192
+
+
+async def build_request(body: dict, state: ServerState) -> NativeRequest:
     body = validate(body, state)
-    ids = tokenize(body, state)
+    size = len(body.get("text", "")) + sum(len(str(m.get("content", "")))
+                                           for m in body.get("messages", []))
+    if size > _OFF_LOOP_CHARS:
+        ids = await asyncio.to_thread(tokenize, body, state)
+    else:
+        ids = tokenize(body, state)
     n_in = len(ids)
     if n_in == 0:
         raise NativeError("The input is empty after tokenization")
@@ -244,15 +268,17 @@ async def _messages(req: NativeRequest, state: ServerState,
             yield message
 
 
-def admit(body: dict, state: ServerState) -> NativeRequest:
+async def admit(body: dict, state: ServerState) -> NativeRequest:
     """The seed's admission order: shutting down / queue full first (before tokenizing),
     then validation, then the duplicate check. Raises NativeError."""
     if state.draining:
+        state.reject("not_ready")
         raise NativeError("The server is shutting down.", 503)
     if state.queue_full():
+        state.reject("queue_full")
         raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
                           f"limit ({state.max_waiting})", 503)
-    req = build_request(body, state)
+    req = await build_request(body, state)
     if state.engine.has_request(req.req_id):
         raise NativeError(f"The req_id {req.req_id} already exists in the current batch, "
                           "the current request will be ignored.", 409)
@@ -268,12 +294,15 @@ def stream_messages(req: NativeRequest, state: ServerState,
 async def handle(body: dict, request: Request, state: ServerState) -> Response:
     received = _now()
     req_id = body.get("req_id") if isinstance(body.get("req_id"), (str, int)) else None
+    if req_id is not None and len(str(req_id)) > CAPS.max_request_id_chars:
+        req_id = None  # never echo an oversized id back
     try:
-        req = admit(body, state)
+        req = await admit(body, state)
     except NativeError as exc:
         status = exc.status
+        headers = {"Retry-After": "1"} if status == 503 else None
         return JSONResponse({**error_body(req_id, exc.message, status), "result": ""},
-                            status_code=status)
+                            status_code=status, headers=headers)
     messages = _messages(req, state, received)
     if req.stream and not state.disable_streaming and not req.return_all_tokens:
         return StreamingResponse(_json_lines(messages), media_type="text/event-stream")

@@ -5,6 +5,7 @@ Streams are Server-Sent Events ending in `data: [DONE]`, sent after the last con
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -24,25 +25,39 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                409: "ConflictError", 413: "RequestTooLargeError", 500: "InternalServerError",
-                503: "ServiceUnavailableError", 504: "TimeoutError"}
+                408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError",
+                504: "TimeoutError"}
+RETRY_AFTER_S = "1"  # sent with every 503: overload and shutdown are short-lived here
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
+    """A request the server refuses; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.param = param
 
 
-def error_body(message: str, status: int) -> dict:
+def error_body(message: str, status: int, param: str | None = None) -> dict:
     """OpenAI's error object (what the `openai` SDK parses)."""
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
-                      "param": None, "code": status}}
+                      "param": param, "code": status}}
 
 
-def error_response(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse(error_body(message, status), status_code=status)
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse(error_body(message, status, param), status_code=status,
+                        headers=headers)
+
+
+def api_error(exc: Exception) -> JSONResponse:
+    """An `ApiError`, or a `ValueError` from validation (`param` when it names one)."""
+    status = getattr(exc, "status", 400)
+    message = getattr(exc, "message", None) or str(exc)
+    return error_response(message, status, getattr(exc, "param", None))
 
 
 def list_models(state: ServerState) -> dict:
@@ -52,12 +67,14 @@ def list_models(state: ServerState) -> dict:
         for name in state.served_model_names]}
 
 
-def _validation_message(exc: ValidationError) -> str:
-    parts = []
+def _validation_error(exc: ValidationError) -> ApiError:
+    """pydantic's errors as one sentence; `param` = the first offending field's path."""
+    parts, params = [], []
     for err in exc.errors():
         where = ".".join(str(x) for x in err["loc"]) or "body"
+        params.append(where)
         parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
+    return ApiError("; ".join(parts), 400, params[0] if params else None)
 
 
 def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
@@ -65,37 +82,49 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         req = model_cls.model_validate(body)
         req.check()
     except ValidationError as exc:
-        raise ApiError(_validation_message(exc)) from None
+        raise _validation_error(exc) from None
     except ValueError as exc:
-        raise ApiError(str(exc)) from None
+        raise ApiError(str(exc), 400, getattr(exc, "param", None)) from None
     if check_model and req.model is not None and req.model not in state.model_names:
-        raise ApiError(f"The model `{req.model}` does not exist.", 404)
-    if state.queue_full():
+        raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
+    if state.queue_full(req.slots()):  # before any tokenizing or templating
+        state.reject("queue_full")
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
                        503)
     return req
 
 
-def _check_ids(ids: list[int], state: ServerState) -> None:
+# Texts longer than this are tokenized / templated on a worker thread (the tokenizers
+# release the GIL), so one huge prompt does not stall every other request's stream.
+_OFF_LOOP_CHARS = 8192
+
+
+async def _off_loop_if_long(size: int, fn, *args, **kwargs):
+    if size > _OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _check_ids(ids: list[int], state: ServerState, what: str) -> None:
     vocab = len(state.tokenizer)
     if not ids:
-        raise ApiError("The prompt is empty.")
+        raise ApiError("The prompt is empty.", 400, what)
     if any(not 0 <= t < vocab for t in ids):
-        raise ApiError(f"Prompt token ids must be in [0, {vocab}).")
+        raise ApiError(f"Prompt token ids must be in [0, {vocab}).", 400, what)
 
 
 def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: int | None,
                 what: str) -> int:
     room = state.max_model_len - n_in
     if requested is not None and requested < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {requested}.")
+        raise ApiError(f"max_tokens must be at least 1, got {requested}.", 400, "max_tokens")
     want = requested if requested is not None else default
     if room < 1 or (want is not None and want > room):
         raise ApiError(
             f"This model's maximum context length is {state.max_model_len} tokens. However, "
             f"you requested {n_in + (want or 1)} tokens ({n_in} in the {what}, {want or 1} in "
             "the completion). Please reduce the length of the {what} or completion."
-            .replace("{what}", what))
+            .replace("{what}", what), 400, what if room < 1 else "max_tokens")
     return want if want is not None else room
 
 
@@ -268,18 +297,17 @@ async def create_completion(body: dict, request: Request, state: ServerState,
         jobs = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                ids, text = state.tokenizer.encode(prompt), prompt
+                ids = await _off_loop_if_long(len(prompt), state.tokenizer.encode, prompt)
+                text = prompt
             else:
                 ids, text = list(prompt), None
-            _check_ids(ids, state)
+            _check_ids(ids, state, "prompt")
             if text is None and req.echo:
                 text = state.tokenizer.decode(ids)
             max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
             jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs), text))
-    except ApiError as exc:
-        return error_response(exc.message, exc.status)
-    except ValueError as exc:  # SamplingParams validation
-        return error_response(str(exc), 400)
+    except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
+        return api_error(exc)
     return await _Responder(state, False, req, jobs, echo=req.echo).respond(request)
 
 
@@ -287,22 +315,20 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
                                  check_model: bool = True) -> Response:
     try:
         req = _parse(ChatCompletionRequest, body, state, check_model)
-        try:
-            ids = apply_chat_template(state.tokenizer, req.plain_messages(),
-                                      add_generation_prompt=req.add_generation_prompt)
-        except ValueError as exc:
-            raise ApiError(str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - template errors (jinja) are the caller's
-            raise ApiError(f"The messages do not fit the chat template: {exc}") from None
-        _check_ids(ids, state)
+        req.check_template(state.trust_request_chat_template)
+        messages = req.plain_messages()
+        size = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
+        ids = await _off_loop_if_long(size, apply_chat_template, state.tokenizer, messages,
+                                      add_generation_prompt=req.add_generation_prompt,
+                                      chat_template=req.chat_template,
+                                      **(req.chat_template_kwargs or {}))
+        _check_ids(ids, state, "messages")
         max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
                                  min(state.max_dec_len, state.max_model_len - len(ids)),
                                  "messages")
         top = req.top_logprobs or 0
         params = req.sampling_params(max_tokens, top if req.logprobs else None)
-    except ApiError as exc:
-        return error_response(exc.message, exc.status)
-    except ValueError as exc:
-        return error_response(str(exc), 400)
+    except (ApiError, ValueError) as exc:
+        return api_error(exc)
     responder = _Responder(state, True, req, [_Job(ids, params)], top_logprobs=top)
     return await responder.respond(request)

@@ -1,15 +1,35 @@
 """OpenAI request schemas (pydantic), with vLLM's extra sampling fields, mapped to
-SamplingParams. Unknown fields are ignored, as OpenAI-compatible servers do."""
+SamplingParams. Unknown fields are ignored, as OpenAI-compatible servers do. Every field that
+multiplies work (`n`, prompts, stop sequences, logprobs) is capped (`RequestCaps`), so one
+small request cannot ask for unbounded work."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import InvalidParameter, SamplingParams
 
-MAX_LOGPROBS = 20
+
+@dataclass(frozen=True)
+class RequestCaps:
+    """Per-request caps of the HTTP and gRPC APIs (documented in docs/reliability.md)."""
+
+    max_n: int = 16  # n and best_of
+    max_prompts: int = 32  # prompts in one completions request
+    max_sequences: int = 64  # prompts x n
+    max_stop: int = 16  # stop sequences; also bad_words and stop_token_ids entries
+    max_stop_chars: int = 256  # characters in one stop sequence or bad word
+    max_logprobs: int = 20  # logprobs / top_logprobs
+    max_request_id_chars: int = 256  # the native API's req_id
+
+
+CAPS = RequestCaps()
+# Keys a request may pass to the model's chat template; anything else (tokenize,
+# add_generation_prompt, ...) would let a request change how the server renders or parses.
+ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
 
 
 class StreamOptions(BaseModel):
@@ -42,6 +62,10 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    def slots(self) -> int:
+        """Engine sequences this request asks for (what admission control counts)."""
+        return self.n
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         # Unset knobs take the neutral values (the seed's models ship no generation config
         # that we read for sampling defaults).
@@ -61,15 +85,23 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output)
 
     def check(self) -> None:
-        """Checks pydantic's types cannot express; messages name the field."""
+        """Checks pydantic's types cannot express; errors name the field."""
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true.")
+            raise InvalidParameter("stream_options",
+                                   "stream_options is only allowed when stream is true.")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server.")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value is not None and not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+            raise InvalidParameter("logit_bias", "logit_bias is not supported by this server.")
+        if not 1 <= self.n <= CAPS.max_n:
+            raise InvalidParameter("n", f"n must be in [1, {CAPS.max_n}], got {self.n}.")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for name, items in (("stop", stops), ("bad_words", self.bad_words or []),
+                            ("stop_token_ids", self.stop_token_ids or [])):
+            if len(items) > CAPS.max_stop:
+                raise InvalidParameter(name, f"{name} may have at most {CAPS.max_stop} entries, "
+                                             f"got {len(items)}.")
+            if any(isinstance(x, str) and len(x) > CAPS.max_stop_chars for x in items):
+                raise InvalidParameter(name, f"each entry of {name} may have at most "
+                                             f"{CAPS.max_stop_chars} characters.")
 
 
 class CompletionRequest(_SamplingFields):
@@ -83,13 +115,25 @@ class CompletionRequest(_SamplingFields):
     def check(self) -> None:
         super().check()
         if self.suffix:
-            raise ValueError("suffix is not supported by this server.")
+            raise InvalidParameter("suffix", "suffix is not supported by this server.")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of different from n is not supported by this server.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+            raise InvalidParameter("best_of",
+                                   "best_of different from n is not supported by this server.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= CAPS.max_logprobs:
+            raise InvalidParameter("logprobs", f"logprobs must be in [0, {CAPS.max_logprobs}], "
+                                               f"got {self.logprobs}.")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty.")
+            raise InvalidParameter("prompt", "prompt must not be empty.")
+        num_prompts = len(self.prompts())
+        if num_prompts > CAPS.max_prompts:
+            raise InvalidParameter("prompt", f"at most {CAPS.max_prompts} prompts per request, "
+                                             f"got {num_prompts}.")
+        if num_prompts * self.n > CAPS.max_sequences:
+            raise InvalidParameter("n", f"prompts x n may be at most {CAPS.max_sequences}, got "
+                                        f"{num_prompts} x {self.n}.")
+
+    def slots(self) -> int:
+        return len(self.prompts()) * self.n
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""
@@ -115,6 +159,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -123,14 +169,23 @@ class ChatCompletionRequest(_SamplingFields):
         super().check()
         if self.top_logprobs is not None:
             if not self.logprobs:
-                raise ValueError("top_logprobs requires logprobs to be true.")
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                                 f"{self.top_logprobs}.")
+                raise InvalidParameter("top_logprobs",
+                                       "top_logprobs requires logprobs to be true.")
+            if not 0 <= self.top_logprobs <= CAPS.max_logprobs:
+                raise InvalidParameter("top_logprobs", "top_logprobs must be in "
+                                       f"[0, {CAPS.max_logprobs}], got {self.top_logprobs}.")
         if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported by this server.")
+            raise InvalidParameter("tools", "tools are not supported by this server.")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported yet.")
+            raise InvalidParameter("response_format",
+                                   "response_format other than text is not supported yet.")
+        check_template_kwargs(self.chat_template_kwargs)
+
+    def check_template(self, trust_request_template: bool) -> None:
+        if self.chat_template is not None and not trust_request_template:
+            raise InvalidParameter("chat_template", "A chat_template in the request is not "
+                                   "accepted unless the server runs with "
+                                   "--trust-request-chat-template.")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -146,7 +201,8 @@ class ChatCompletionRequest(_SamplingFields):
                 parts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise ValueError("Only text content parts are supported.")
+                        raise InvalidParameter("messages",
+                                               "Only text content parts are supported.")
                     parts.append(part["text"])
                 message["content"] = "".join(parts)
             elif content is None:
@@ -155,3 +211,15 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """Only allowlisted keys, with plain values, reach the chat template."""
+    for key, value in (kwargs or {}).items():
+        if key not in ALLOWED_TEMPLATE_KWARGS:
+            raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs key {key!r} "
+                                   "is not allowed; allowed: "
+                                   f"{', '.join(sorted(ALLOWED_TEMPLATE_KWARGS))}.")
+        if not isinstance(value, (str, bool, int, float, type(None))):
+            raise InvalidParameter("chat_template_kwargs",
+                                   f"chat_template_kwargs[{key!r}] must be a plain value.")

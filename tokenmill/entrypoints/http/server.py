@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.entrypoints.http import native_api, openai_api, triton_api
+from tokenmill.entrypoints.http.request_body import (
+    BodyError,
+    BodyLimitMiddleware,
+    parse_json_object,
+)
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.loader import load_tokenizer
 from tokenmill.metrics import Metrics
@@ -33,7 +38,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        max_model_len=max_len, max_dec_len=settings.max_dec_len,
                        max_seq_len=min(settings.max_seq_len or max_len - 1, max_len - 1),
                        max_waiting=settings.max_waiting,
-                       disable_streaming=settings.disable_streaming)
+                       disable_streaming=settings.disable_streaming,
+                       trust_request_chat_template=settings.trust_request_chat_template)
 
 
 def is_native(body: dict) -> bool:
@@ -44,12 +50,9 @@ def is_native(body: dict) -> bool:
 
 async def read_json(request: Request) -> dict | Response:
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return openai_api.error_response("The request body is not valid JSON.", 400)
-    if not isinstance(body, dict):
-        return openai_api.error_response("The request body must be a JSON object.", 400)
-    return body
+        return parse_json_object(await request.body())
+    except BodyError as exc:
+        return openai_api.error_response(str(exc), 400)
 
 
 def create_service_app(settings: ApiSettings, state: ServerState | None = None) -> FastAPI:
@@ -63,6 +66,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
             await app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     key = settings.api_key.encode() if settings.api_key else None
 
     async def check_api_key(request: Request) -> None:
@@ -81,6 +85,12 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
         return JSONResponse(openai_api.error_body("Unauthorized: a valid API key is required.",
                                                   401),
                             status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and methods answer in the same error shape as everything else.
+        return JSONResponse(openai_api.error_body(str(exc.detail), exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
@@ -102,9 +112,11 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None) 
         native = not seed_path and is_native(body)
         if server.draining or server.engine.dead is not None:
             message = "The server is not ready: it is shutting down or its engine stopped."
+            server.reject("not_ready")
             if native:
                 return JSONResponse({"req_id": body.get("req_id"), "error_msg": message,
-                                     "error_code": 503, "result": ""}, status_code=503)
+                                     "error_code": 503, "result": ""}, status_code=503,
+                                    headers={"Retry-After": openai_api.RETRY_AFTER_S})
             return openai_api.error_response(message, 503)
         if native:
             return await native_api.handle(body, request, server)

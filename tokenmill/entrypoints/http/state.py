@@ -24,6 +24,8 @@ class ApiSettings:
     disable_streaming: bool = False
     api_key: str | None = None
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
+    max_request_body_bytes: int = 2 * 1024 * 1024
+    trust_request_chat_template: bool = False
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ServerState:
     max_seq_len: int  # seed MAX_SEQ_LEN: cap on prompt tokens
     max_waiting: int  # seed MAX_CACHED_TASK_NUM: requests queued in the engine beyond running
     disable_streaming: bool = False
+    trust_request_chat_template: bool = False
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -54,6 +57,14 @@ class ServerState:
         own_waiting = self.engine.num_in_flight() - self.engine.client.info.max_num_seqs
         return max(self.engine.stats.num_waiting, own_waiting)
 
-    def queue_full(self) -> bool:
-        """The seed's MAX_CACHED_TASK_NUM admission check."""
-        return self.num_waiting() >= self.max_waiting
+    def queue_full(self, slots: int = 1) -> bool:
+        """The seed's MAX_CACHED_TASK_NUM admission check, all or nothing: a request of
+        `slots` engine sequences (prompts x n) is refused unless all of them fit."""
+        in_flight = self.engine.num_in_flight_sequences()
+        room = self.engine.client.info.max_num_seqs + self.max_waiting - in_flight
+        return self.engine.stats.num_waiting >= self.max_waiting or slots > room
+
+    def reject(self, reason: str) -> None:
+        """Counts a request refused before it reached the engine (metrics)."""
+        if self.engine.metrics is not None:
+            self.engine.metrics.rejected(reason)

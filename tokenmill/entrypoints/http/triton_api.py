@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+from tokenmill.entrypoints.http.request_body import BodyError, parse_json_object
 from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
 from tokenmill.sampling_params import SamplingParams
@@ -145,10 +146,10 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             return error("The server is not accepting requests now (overloaded, shutting "
                          "down, or its engine stopped).", 503)
         try:
-            body = json.loads(await request.body())
+            body = parse_json_object(await request.body())
             ids, params, options = parse(body, state)
-        except json.JSONDecodeError:
-            return error("The request body is not valid JSON.", 400)
+        except BodyError as exc:
+            return error(str(exc), 400)
         except TritonError as exc:
             return error(exc.message, exc.status)
         head = {"model_name": model, "model_version": "1"}

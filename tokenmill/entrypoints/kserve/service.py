@@ -232,7 +232,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                    400), True
             return
         try:
-            req = native_api.admit(body, state)
+            req = await native_api.admit(body, state)
         except native_api.NativeError as exc:
             if exc.status == 503:
                 raise GrpcError(grpc.StatusCode.UNAVAILABLE, exc.message) from None

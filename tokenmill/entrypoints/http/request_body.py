@@ -1,0 +1,122 @@
+"""Request bodies: size and time limits enforced before any handler parses a byte, and the
+one JSON parser every HTTP route uses.
+
+An ASGI middleware rather than a check in the handlers: a declared `Content-Length` over the
+limit is refused before the body is read, a chunked body is counted as it arrives and cut off
+at the limit, and a body that trickles in (slowloris) is refused when its time is up, so
+neither memory nor a handler is spent on it. Errors are JSON in the OpenAI shape, which the
+native API's clients also read (`error.message`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
+DEFAULT_BODY_TIMEOUT_S = 30.0
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyTimeout(Exception):
+    pass
+
+
+def error_json(message: str, status: int, param: str | None = None) -> bytes:
+    from tokenmill.entrypoints.http.openai_api import error_body
+
+    return json.dumps(error_body(message, status, param)).encode()
+
+
+async def send_json_error(send, status: int, message: str,
+                          headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = error_json(message, status)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_body_bytes` (declared or counted), 400 for a malformed
+    `Content-Length`, 408 when the body is not complete `body_timeout_s` after the request
+    started. After the body is complete, `receive` is passed through untouched (streaming
+    handlers wait on it for the client's disconnect)."""
+
+    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        lengths = [v for k, v in scope["headers"] if k == b"content-length"]
+        if lengths:
+            text = lengths[0].decode("latin-1").strip()
+            if len(set(lengths)) > 1 or not text.isdigit():
+                return await send_json_error(send, 400, "Invalid Content-Length header.")
+            if int(text) > self.max_body_bytes:
+                return await send_json_error(send, 413, self._too_large())
+        max_bytes, deadline = self.max_body_bytes, time.monotonic() + self.body_timeout_s
+        received, body_done, started = 0, False, False
+
+        async def limited_receive():
+            nonlocal received, body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(),
+                                                                0.001))
+            except TimeoutError:
+                raise _BodyTimeout from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > max_bytes:
+                    raise _BodyTooLarge
+                body_done = not message.get("more_body", False)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except (_BodyTooLarge, _BodyTimeout) as exc:
+            if started:  # cannot happen for our handlers (they read the body first)
+                raise
+            if isinstance(exc, _BodyTooLarge):
+                await send_json_error(send, 413, self._too_large())
+            else:
+                await send_json_error(send, 408, "The request body took too long to arrive.")
+
+    def _too_large(self) -> str:
+        return (f"The request body is larger than the limit of {self.max_body_bytes} bytes "
+                "(--max-request-body-bytes).")
+
+
+class BodyError(ValueError):
+    """The body is not a JSON object (each API words the error response its own way)."""
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """NaN / Infinity literals are refused (they are not JSON, and a NaN temperature would
+    pass every range check); so is nesting deeper than the parser's recursion limit."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
+        raise BodyError("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise BodyError("The request body must be a JSON object.")
+    return body
