@@ -4,7 +4,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ServerThread, free_port
+from tests.serving import ServerThread, free_port
 from tokenmill.entrypoints.http.server import create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings
 

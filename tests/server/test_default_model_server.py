@@ -8,7 +8,7 @@ import openai
 import pytest
 import requests
 
-from tests.server.test_serve_process import Served
+from tests.serving import Served
 
 QUESTION = "What is the capital of France?"
 

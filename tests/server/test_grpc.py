@@ -9,8 +9,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.server.conftest import wait_until
-from tests.server.test_serve_process import Served, metric
+from tests.serving import Served, metric, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.server.conftest import free_port
+from tests.serving import free_port
 from tokenmill.entrypoints.kserve import start_grpc_server
 
 

@@ -121,7 +121,7 @@ def test_duplicate_in_flight_req_id_is_409(server):
 
 
 def test_disable_streaming_sends_one_final_message(engine_address):
-    from tests.server.conftest import ServerThread, free_port
+    from tests.serving import ServerThread, free_port
     from tokenmill.entrypoints.http.server import create_service_app
     from tokenmill.entrypoints.http.state import ApiSettings
 
@@ -155,13 +155,13 @@ def test_timeout_between_messages_ends_the_request(server, server_thread):
     lines = stream_lines(server, body)
     assert lines[-1]["error_code"] == 504
     engine = server_thread.app.state.server.engine
-    from tests.server.conftest import wait_until
+    from tests.serving import wait_until
 
     assert wait_until(lambda: engine.num_in_flight() == 0 and engine.stats.num_running == 0)
 
 
 def test_internal_errors_are_500_without_details(engine_address):
-    from tests.server.conftest import ServerThread, free_port
+    from tests.serving import ServerThread, free_port
     from tokenmill.entrypoints.http.server import create_service_app
     from tokenmill.entrypoints.http.state import ApiSettings
 

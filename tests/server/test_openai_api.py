@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import wait_until
+from tests.serving import wait_until
 from tokenmill import SamplingParams
 
 

@@ -74,8 +74,10 @@ class AsyncLLM:
                 and time.monotonic() - self.last_heartbeat < self.dead_after_s)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, prompt: str | None = None,
+                       reservation: Any = None) -> AsyncIterator[RequestOutput]:
+        """`reservation`: the API's admission reservation (`consume(n)`), handed over once
+        the request counts as in flight here."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
@@ -87,6 +89,8 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._num_sequences += params.n
+        if reservation is not None:
+            reservation.consume(params.n)
         finished = False
         timer = _RequestTimer(self.metrics, len(prompt_token_ids))
         try:

@@ -25,7 +25,7 @@ from tokenmill.engine.async_engine import (
     EngineRequestError,
 )
 from tokenmill.entrypoints.http.openai_protocol import CAPS
-from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -61,6 +61,7 @@ class NativeRequest:
     return_all_tokens: bool
     benchmark: bool
     timeout: float
+    reservation: Reservation | None = None  # admission's, handed to the engine
 
 
 def _first_present(body: dict, *names: str) -> tuple[str, Any] | None:
@@ -233,7 +234,8 @@ async def _messages(req: NativeRequest, state: ServerState,
     """One message per engine step: the new text and ids since the previous message."""
     tracker = DeltaTracker(req.params.stop)
     started = time.monotonic()
-    stream = state.engine.generate(req.prompt_token_ids, req.params, request_id=req.req_id)
+    stream = state.engine.generate(req.prompt_token_ids, req.params, request_id=req.req_id,
+                                   reservation=req.reservation)
     async with contextlib.aclosing(stream):
         while True:
             try:
@@ -274,14 +276,19 @@ async def admit(body: dict, state: ServerState) -> NativeRequest:
     if state.draining:
         state.reject("not_ready")
         raise NativeError("The server is shutting down.", 503)
-    if state.queue_full():
-        state.reject("queue_full")
+    reservation = state.try_admit(1)
+    if reservation is None:
         raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
                           f"limit ({state.max_waiting})", 503)
-    req = await build_request(body, state)
-    if state.engine.has_request(req.req_id):
-        raise NativeError(f"The req_id {req.req_id} already exists in the current batch, "
-                          "the current request will be ignored.", 409)
+    try:
+        req = await build_request(body, state)
+        if state.engine.has_request(req.req_id):
+            raise NativeError(f"The req_id {req.req_id} already exists in the current batch, "
+                              "the current request will be ignored.", 409)
+    except BaseException:
+        reservation.cancel()
+        raise
+    req.reservation = reservation
     return req
 
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http.openai_protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ from tokenmill.tokenizer import apply_chat_template
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
+                431: "RequestHeaderFieldsTooLargeError",
                 500: "InternalServerError", 503: "ServiceUnavailableError",
                 504: "TimeoutError"}
 RETRY_AFTER_S = "1"  # sent with every 503: overload and shutdown are short-lived here
@@ -87,11 +88,11 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         raise ApiError(str(exc), 400, getattr(exc, "param", None)) from None
     if check_model and req.model is not None and req.model not in state.model_names:
         raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
-    if state.queue_full(req.slots()):  # before any tokenizing or templating
-        state.reject("queue_full")
+    reservation = state.try_admit(req.slots())  # before any tokenizing or templating
+    if reservation is None:
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
                        503)
-    return req
+    return req, reservation
 
 
 # Texts longer than this are tokenized / templated on a worker thread (the tokenizers
@@ -168,8 +169,9 @@ class _Responder:
     """Builds one OpenAI response (streamed or whole) over one or more engine jobs."""
 
     def __init__(self, state: ServerState, chat: bool, req, jobs: list[_Job],
-                 echo: bool = False, top_logprobs: int = 0) -> None:
+                 reservation: Reservation, echo: bool = False, top_logprobs: int = 0) -> None:
         self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
+        self.reservation = reservation
         self.echo, self.top_logprobs = echo, top_logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -177,7 +179,8 @@ class _Responder:
         self.n = req.n
 
     def _streams(self) -> list[AsyncIterator[RequestOutput]]:
-        return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}")
+        return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
+                                           reservation=self.reservation)
                 for i, job in enumerate(self.jobs)]
 
     def _usage(self, completion_tokens: int) -> dict:
@@ -292,8 +295,9 @@ class _Responder:
 
 async def create_completion(body: dict, request: Request, state: ServerState,
                             check_model: bool = True) -> Response:
+    reservation = None
     try:
-        req = _parse(CompletionRequest, body, state, check_model)
+        req, reservation = _parse(CompletionRequest, body, state, check_model)
         jobs = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
@@ -307,14 +311,18 @@ async def create_completion(body: dict, request: Request, state: ServerState,
             max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
             jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs), text))
     except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
+        if reservation is not None:
+            reservation.cancel()
         return api_error(exc)
-    return await _Responder(state, False, req, jobs, echo=req.echo).respond(request)
+    return await _Responder(state, False, req, jobs, reservation,
+                            echo=req.echo).respond(request)
 
 
 async def create_chat_completion(body: dict, request: Request, state: ServerState,
                                  check_model: bool = True) -> Response:
+    reservation = None
     try:
-        req = _parse(ChatCompletionRequest, body, state, check_model)
+        req, reservation = _parse(ChatCompletionRequest, body, state, check_model)
         req.check_template(state.trust_request_chat_template)
         messages = req.plain_messages()
         size = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
@@ -329,6 +337,9 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         top = req.top_logprobs or 0
         params = req.sampling_params(max_tokens, top if req.logprobs else None)
     except (ApiError, ValueError) as exc:
+        if reservation is not None:
+            reservation.cancel()
         return api_error(exc)
-    responder = _Responder(state, True, req, [_Job(ids, params)], top_logprobs=top)
+    responder = _Responder(state, True, req, [_Job(ids, params)], reservation,
+                           top_logprobs=top)
     return await responder.respond(request)

@@ -33,12 +33,15 @@ ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_e
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = True
     continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: "10" is not an integer and true is not a temperature (OpenAI refuses both)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -78,7 +81,7 @@ class _SamplingFields(BaseModel):
             else self.repetition_penalty,
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens),
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             bad_words=self.bad_words,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
@@ -146,7 +149,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

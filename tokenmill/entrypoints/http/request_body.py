@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
 DEFAULT_BODY_TIMEOUT_S = 30.0
+# Header bytes are capped by uvicorn's parser (h11: 16 KiB -> 400); their count by us.
+MAX_HEADERS = 100
 
 
 class _BodyTooLarge(Exception):
@@ -41,11 +44,11 @@ async def send_json_error(send, status: int, message: str,
     await send({"type": "http.response.body", "body": body})
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over `max_body_bytes` (declared or counted), 400 for a malformed
-    `Content-Length`, 408 when the body is not complete `body_timeout_s` after the request
-    started. After the body is complete, `receive` is passed through untouched (streaming
-    handlers wait on it for the client's disconnect)."""
+class RequestLimitMiddleware:
+    """431 for more than MAX_HEADERS headers, 413 for bodies over `max_body_bytes` (declared
+    or counted), 400 for a malformed `Content-Length`, 408 when the body is not complete
+    `body_timeout_s` after the request started. After the body is complete, `receive` is
+    passed through untouched (streaming handlers wait on it for the client's disconnect)."""
 
     def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
@@ -56,6 +59,8 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if len(scope["headers"]) > MAX_HEADERS:
+            return await send_json_error(send, 431, f"More than {MAX_HEADERS} request headers.")
         lengths = [v for k, v in scope["headers"] if k == b"content-length"]
         if lengths:
             text = lengths[0].decode("latin-1").strip()
@@ -106,6 +111,10 @@ class BodyError(ValueError):
     """The body is not a JSON object (each API words the error response its own way)."""
 
 
+# A lone surrogate (\ud800 without its pair) parses to a str no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -119,4 +128,10 @@ def parse_json_object(raw: bytes) -> dict:
         raise BodyError("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise BodyError("The request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: pay for the full check only then
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BodyError("The request body contains an unpaired UTF-16 surrogate "
+                            "escape (\\ud800-\\udfff); text must be valid Unicode.") from None
     return body

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -12,10 +11,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.entrypoints.auth import ApiKey
 from tokenmill.entrypoints.http import native_api, openai_api, triton_api
 from tokenmill.entrypoints.http.request_body import (
     BodyError,
-    BodyLimitMiddleware,
+    RequestLimitMiddleware,
     parse_json_object,
 )
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
@@ -32,7 +32,10 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                       eos_token_ids(tokenizer, settings.model_path),
                       dead_after_s=settings.dead_after_s, metrics=metrics)
     await engine.start()
-    max_len = engine.max_model_len
+    # A request that can never fit the KV cache is refused like an over-long one (400
+    # naming the field), not queued forever.
+    info = engine.client.info
+    max_len = min(engine.max_model_len, info.num_kv_blocks * info.block_size)
     return ServerState(engine=engine, tokenizer=tokenizer,
                        served_model_names=settings.served_model_names,
                        max_model_len=max_len, max_dec_len=settings.max_dec_len,
@@ -55,29 +58,27 @@ async def read_json(request: Request) -> dict | Response:
         return openai_api.error_response(str(exc), 400)
 
 
-def create_service_app(settings: ApiSettings, state: ServerState | None = None) -> FastAPI:
-    """`state` may be shared with a health app in the same process; else built at start-up."""
+def create_service_app(settings: ApiSettings, state: ServerState | None = None,
+                       metrics: Metrics | None = None) -> FastAPI:
+    """`state` may be shared with a health app in the same process; else built at start-up
+    (with `metrics`, if given)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.server = state or await build_state(settings)
+        app.state.server = state or await build_state(settings, metrics)
         yield
         if state is None:
             await app.state.server.engine.shutdown()
 
-    app = FastAPI(title="tokenmill", lifespan=lifespan)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
-    key = settings.api_key.encode() if settings.api_key else None
+    # No trailing-slash redirects: their Location is built from the client's Host header.
+    app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False)
+    app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    key = ApiKey(settings.api_key) if settings.api_key else None
 
     async def check_api_key(request: Request) -> None:
         """Inference routes need `Authorization: Bearer <key>` when a key is configured;
         compared in constant time. Health, model list and metrics stay open."""
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                   key)):
+        if key is not None and not key.accepts(request.headers.get("authorization")):
             raise _Unauthorized()
 
     @app.exception_handler(_Unauthorized)

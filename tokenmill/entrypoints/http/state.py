@@ -8,6 +8,27 @@ from typing import Any
 
 from tokenmill.engine.async_engine import AsyncLLM
 
+# A reservation not taken up by the engine within this time (its response was never
+# started, e.g. the client left first) stops counting.
+RESERVATION_TTL_S = 10.0
+
+
+class Reservation:
+    """Engine sequences promised to an admitted request until the engine has them: admission
+    happens before tokenizing, so many requests can pass it before any reaches the engine;
+    without this, a burst could all be admitted against the same free room."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.expires = time.monotonic() + RESERVATION_TTL_S
+
+    def consume(self, n: int) -> None:
+        """The engine registered `n` of the sequences (they count as in flight now)."""
+        self.slots = max(self.slots - n, 0)
+
+    def cancel(self) -> None:
+        self.slots = 0
+
 
 @dataclass
 class ApiSettings:
@@ -40,6 +61,7 @@ class ServerState:
     disable_streaming: bool = False
     trust_request_chat_template: bool = False
     draining: bool = False
+    _reservations: list[Reservation] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -59,10 +81,23 @@ class ServerState:
 
     def queue_full(self, slots: int = 1) -> bool:
         """The seed's MAX_CACHED_TASK_NUM admission check, all or nothing: a request of
-        `slots` engine sequences (prompts x n) is refused unless all of them fit."""
-        in_flight = self.engine.num_in_flight_sequences()
+        `slots` engine sequences (prompts x n) is refused unless all of them fit beside the
+        in-flight ones and those admitted but not yet in the engine."""
+        now = time.monotonic()
+        self._reservations = [r for r in self._reservations if r.slots and r.expires > now]
+        in_flight = self.engine.num_in_flight_sequences() + sum(
+            r.slots for r in self._reservations)
         room = self.engine.client.info.max_num_seqs + self.max_waiting - in_flight
         return self.engine.stats.num_waiting >= self.max_waiting or slots > room
+
+    def try_admit(self, slots: int) -> Reservation | None:
+        """Admission: a reservation of `slots` sequences, or None (queue full; counted)."""
+        if self.queue_full(slots):
+            self.reject("queue_full")
+            return None
+        reservation = Reservation(slots)
+        self._reservations.append(reservation)
+        return reservation
 
     def reject(self, reason: str) -> None:
         """Counts a request refused before it reached the engine (metrics)."""

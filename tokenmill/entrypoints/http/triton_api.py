@@ -142,18 +142,22 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
         state: ServerState = get_state(request)
         if not model_known(state, model):
             return error(f"Request for unknown model: '{model}' is not found", 404)
-        if state.draining or state.engine.dead is not None or state.queue_full():
+        if state.draining or state.engine.dead is not None:
+            state.reject("not_ready")
+            reservation = None
+        else:
+            reservation = state.try_admit(1)
+        if reservation is None:
             return error("The server is not accepting requests now (overloaded, shutting "
                          "down, or its engine stopped).", 503)
         try:
             body = parse_json_object(await request.body())
             ids, params, options = parse(body, state)
-        except BodyError as exc:
-            return error(str(exc), 400)
-        except TritonError as exc:
-            return error(exc.message, exc.status)
+        except (BodyError, TritonError) as exc:
+            reservation.cancel()
+            return error(getattr(exc, "message", str(exc)), getattr(exc, "status", 400))
         head = {"model_name": model, "model_version": "1"}
-        stream = state.engine.generate(ids, params)
+        stream = state.engine.generate(ids, params, reservation=reservation)
         if streaming:
             return StreamingResponse(_events(stream, params, options, head),
                                      media_type="text/event-stream")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 
 import grpc
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from tokenmill.entrypoints.auth import ApiKey
 from tokenmill.entrypoints.http.state import ServerState
 
 _GUARDED = ("/inference.GRPCInferenceService/ModelInfer",
@@ -22,7 +22,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     constant time; liveness/readiness stay open like the HTTP probes."""
 
     def __init__(self, api_key: str) -> None:
-        self.key = api_key.encode()
+        self.key = ApiKey(api_key)
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -39,9 +39,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method in _GUARDED:
             given = dict(details.invocation_metadata or ()).get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if not (scheme.lower() == "bearer"
-                    and hmac.compare_digest(token.strip().encode(), self.key)):
+            if not self.key.accepts(given):
                 return self.deny_stream if details.method.endswith("StreamInfer") \
                     else self.deny_unary
         return await continuation(details)

@@ -264,12 +264,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             ids, params, options = triton_api.parse_fields(fields, state)
         except (ValueError, triton_api.TritonError) as exc:
             raise GrpcError(_INVALID, getattr(exc, "message", str(exc))) from None
-        if state.queue_full():
+        reservation = state.try_admit(1)
+        if reservation is None:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, "The server is overloaded: too many "
                             "requests are waiting. Retry later.")
         stream_deltas = streaming and options["stream"]
         tracker = DeltaTracker(params.stop)
-        generate = state.engine.generate(ids, params)
+        generate = state.engine.generate(ids, params, reservation=reservation)
         async with contextlib.aclosing(generate):
             async for out in generate:
                 c = out.outputs[0]

@@ -1,0 +1,50 @@
+"""Assertions every reliability test shares: the one error shape (P4) and no leaks (S5)."""
+
+import json
+import re
+
+# Absolute paths, tracebacks and object addresses never belong in a response body.
+_LEAKS = re.compile(r"Traceback|File \"|/home/|/tmp/|/work/|/usr/|site-packages| at 0x")
+
+
+def assert_no_leak(text: str, *secrets: str) -> None:
+    assert not _LEAKS.search(text), text[:500]
+    for secret in secrets:
+        assert secret not in text
+
+
+def assert_openai_error(resp, status: int, param: str | None = "?") -> dict:
+    """`{"error": {"message": str, "type": str, "param": str|null, "code": str|int|null}}`
+    with the expected status (and `param`, unless "?"); returns the error object."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    assert error["param"] is None or isinstance(error["param"], str)
+    assert error["code"] is None or isinstance(error["code"], (str, int))
+    if param != "?":
+        assert error["param"] == param, error
+    assert_no_leak(resp.text)
+    if status == 503:
+        assert resp.headers.get("retry-after"), resp.headers
+    return error
+
+
+def sse_events(lines) -> tuple[list[dict], int]:
+    """Parses an SSE body strictly (every data line is JSON or [DONE]); returns the JSON
+    events and how many [DONE] markers came."""
+    events, done = [], 0
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done += 1
+            continue
+        assert done == 0, "event after [DONE]"
+        events.append(json.loads(data))
+    return events, done

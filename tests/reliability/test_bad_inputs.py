@@ -1,0 +1,281 @@
+"""Catalogue B2-B11: hostile or broken requests get a 400-class answer in the API's error
+shape, never a 500, and the server keeps serving everyone else."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.checks import assert_no_leak, assert_openai_error, sse_events
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_BODY = {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+
+
+def post(server, path, body=None, content=None, headers=None, timeout=30):
+    return httpx.post(server + path, json=body, content=content, headers=headers,
+                      timeout=timeout)
+
+
+def still_serving(server) -> None:
+    resp = post(server, COMPLETIONS, OK_BODY)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
+
+
+# B3 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw", [
+    b"{", b'""', b"[1]", b"42", b"null", b'"x"', b'{"prompt": "x"} trailing', b"",
+    b"[" * 1000 + b"]" * 1000, b'{"a":' * 1000 + b"1" + b"}" * 1000,
+    b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+    b'{"model": "tiny", "prompt": "x", "top_p": Infinity}',
+    b'{"model": "tiny", "prompt": "x", "max_tokens": -Infinity}',
+    b"\xff\xfe{}", b'{"prompt": "\xc3\x28"}', b"a=1&b=2",
+])
+def test_malformed_json_is_400(server, raw):
+    for path in (COMPLETIONS, CHAT):
+        resp = post(server, path, content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(resp, 400)
+
+
+def test_duplicate_keys_take_the_last_and_wrong_content_type_is_read_as_json(server):
+    # Documented leniency: the body must be a JSON object whatever Content-Type says (curl -d
+    # sends form-urlencoded); duplicate keys follow JSON parsers' last-wins rule.
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 50, "max_tokens": 2}'
+    resp = post(server, COMPLETIONS, content=body, headers={"content-type": "text/plain"})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+
+
+# B4 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,field,value", [
+    (CHAT, "messages", "str"), (COMPLETIONS, "max_tokens", "10"),
+    (COMPLETIONS, "temperature", True), (COMPLETIONS, "stop", 5), (COMPLETIONS, "n", 1.5),
+    (COMPLETIONS, "stream", "yes"), (COMPLETIONS, "prompt", {"a": 1}),
+    (COMPLETIONS, "seed", "x"), (CHAT, "logprobs", "yes"), (COMPLETIONS, "logit_bias", []),
+])
+def test_wrong_types_name_the_field(server, path, field, value):
+    body = {"model": "tiny", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                   if path == CHAT else {"prompt": "x"})}
+    body[field] = value
+    error = assert_openai_error(post(server, path, body), 400)
+    assert error["param"] is not None and error["param"].split(".")[0] == field, error
+
+
+# B5 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("top_p", 0), ("top_p", 1.1), ("top_k", -2), ("max_tokens", 0),
+    ("max_tokens", -1), ("max_tokens", 2**63), ("n", 0), ("n", 10**6),
+    ("frequency_penalty", 2.1), ("presence_penalty", -2.1), ("min_tokens", 5),
+    ("logprobs", 1000), ("min_p", 1.5), ("repetition_penalty", 0),
+])
+def test_out_of_range_params_are_400_naming_the_field(server, field, value):
+    body = {**OK_BODY, "max_tokens": 2, field: value}
+    start = time.monotonic()
+    error = assert_openai_error(post(server, COMPLETIONS, body), 400)
+    elapsed = time.monotonic() - start
+    assert error["param"] == field, error
+    assert elapsed < 2.0  # refused by validation, not by running anything
+
+
+def test_huge_n_allocates_nothing_and_other_streams_go_on(server, server_thread):
+    psutil = pytest.importorskip("psutil")
+    me = psutil.Process()
+    stream_done = threading.Event()
+    got = []
+
+    def stream():
+        with httpx.stream("POST", server + COMPLETIONS, timeout=60,
+                          json={**OK_BODY, "max_tokens": 40, "ignore_eos": True,
+                                "stream": True}) as resp:
+            got.extend(resp.iter_lines())
+        stream_done.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    before = me.memory_info().rss
+    for _ in range(20):
+        assert_openai_error(post(server, COMPLETIONS, {**OK_BODY, "n": 10**6}), 400, "n")
+    assert me.memory_info().rss - before < 5 * 2**20
+    worker.join(60)
+    events, done = sse_events(got)
+    assert done == 1 and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# B6 -----------------------------------------------------------------------------------------
+def test_context_limits_at_the_boundary(server, server_thread):
+    state = server_thread.app.state.server
+    max_len = state.max_model_len  # 512 in the fixture
+    ids = [5] * (max_len - 1)
+    ok = post(server, COMPLETIONS, {"model": "tiny", "prompt": ids, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    error = assert_openai_error(post(server, COMPLETIONS, {"model": "tiny", "prompt": [5] * max_len,
+                                                           "max_tokens": 1}), 400)
+    assert "maximum context length" in error["message"] and error["param"] == "prompt"
+    error = assert_openai_error(post(server, COMPLETIONS, {"model": "tiny", "prompt": ids,
+                                                           "max_tokens": 2}), 400)
+    assert "maximum context length" in error["message"] and error["param"] == "max_tokens"
+
+
+def test_huge_prompt_is_refused_without_blocking_the_event_loop(server):
+    text = "hello world " * 170_000  # ~2 MB, just under the body limit; ~340k tokens
+    result = {}
+
+    def send():
+        result["resp"] = post(server, COMPLETIONS, {"model": "tiny", "prompt": text,
+                                                    "max_tokens": 1}, timeout=120)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    probes = []
+    while sender.is_alive():  # /health is served by the same event loop
+        start = time.monotonic()
+        assert httpx.get(server + "/health", timeout=10).status_code == 200
+        probes.append(time.monotonic() - start)
+        time.sleep(0.02)
+    sender.join()
+    error = assert_openai_error(result["resp"], 400, "prompt")
+    assert "maximum context length" in error["message"]
+    assert probes and max(probes) < 0.5, probes  # the tokenizer ran on a worker thread
+
+
+# B7 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,extra,param", [
+    (COMPLETIONS, {"prompt": [-1]}, "prompt"), (COMPLETIONS, {"prompt": [10**7]}, "prompt"),
+    (COMPLETIONS, {"prompt": [[-1]]}, "prompt"), (COMPLETIONS, {"prompt": [[]]}, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"999999": 5}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_token_id_inputs(server, path, extra, param):
+    assert_openai_error(post(server, path, {"model": "tiny", "max_tokens": 2, **extra}), 400,
+                        param)
+    still_serving(server)
+
+
+def test_native_out_of_vocab_ids_are_refused_and_the_engine_survives(server):
+    resp = post(server, COMPLETIONS, {"input_ids": [10**7], "max_dec_len": 2})
+    assert resp.status_code == 400 and resp.json()["error_code"] == 400, resp.text
+    assert_no_leak(resp.text)
+    still_serving(server)
+
+
+# B8 -----------------------------------------------------------------------------------------
+def test_invalid_utf8_and_lone_surrogates_are_400(server):
+    resp = post(server, COMPLETIONS, content=b'{"model":"tiny","prompt":"\xff\xfe","max_tokens":2}',
+                headers={"content-type": "application/json"})
+    assert_openai_error(resp, 400)
+    resp = post(server, COMPLETIONS,
+                content=b'{"model":"tiny","prompt":"a\\ud800b","max_tokens":2}',
+                headers={"content-type": "application/json"})
+    assert "surrogate" in assert_openai_error(resp, 400)["message"]
+    paired = b'{"model":"tiny","prompt":"a\\ud83d\\ude00b","max_tokens":2}'  # a valid pair
+    assert post(server, COMPLETIONS, content=paired).status_code == 200
+    still_serving(server)
+
+
+def test_nul_is_handled_consistently(server):
+    body = {**OK_BODY, "prompt": "a\u0000b"}
+    first, second = post(server, COMPLETIONS, body), post(server, COMPLETIONS, body)
+    assert first.status_code == second.status_code == 200
+    assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+
+
+def test_streamed_deltas_are_whole_characters_equal_to_the_whole_text(server):
+    # Emoji and CJK in the prompt; a random model emits byte-level pieces that split
+    # characters across tokens: deltas must never carry a half character.
+    body = {"model": "tiny", "prompt": "😀 漢字 ok", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True}
+    whole = post(server, COMPLETIONS, body).json()["choices"][0]["text"]
+    with httpx.stream("POST", server + COMPLETIONS, json={**body, "stream": True},
+                      timeout=60) as resp:
+        raw = b"".join(resp.iter_bytes())
+    text = raw.decode("utf-8")  # the whole stream is valid UTF-8
+    events, done = sse_events(text.split("\n"))
+    deltas = [e["choices"][0]["text"] for e in events if e.get("choices")]
+    assert done == 1 and "".join(deltas) == whole
+    for delta in deltas[:-1]:  # only the final flush may carry an incomplete sequence
+        assert "\ufffd" not in delta or "\ufffd" in whole
+
+
+# B9 -----------------------------------------------------------------------------------------
+def test_req_id_reusable_after_completion_and_after_abort(server, server_thread):
+    from tests.serving import wait_until
+
+    state = server_thread.app.state.server
+    body = {"text": "hello", "req_id": "same-id", "max_dec_len": 3}
+    for _ in range(2):  # after completion
+        resp = post(server, CHAT, body)
+        assert resp.status_code == 200 and resp.json()["error_code"] == 0, resp.text
+    with httpx.stream("POST", server + CHAT, timeout=60,
+                      json={**body, "max_dec_len": 200, "stream": True}) as resp:
+        next(resp.iter_lines())  # started; leaving aborts it
+    assert wait_until(lambda: not state.engine.has_request("same-id"), 10)
+    resp = post(server, CHAT, body)
+    assert resp.status_code == 200 and resp.json()["error_code"] == 0, resp.text
+
+
+# B10 ----------------------------------------------------------------------------------------
+def test_unknown_model(server):
+    for path, body in ((COMPLETIONS, {"prompt": "x"}),
+                       (CHAT, {"messages": [{"role": "user", "content": "x"}]})):
+        assert_openai_error(post(server, path, {"model": "nope", "max_tokens": 2, **body}), 404,
+                            "model")
+    resp = post(server, "/v2/models/nope/generate", {"text_input": "x", "max_tokens": 2})
+    assert resp.status_code == 404 and "error" in resp.json()
+    assert httpx.get(server + "/v2/models/nope/ready", timeout=10).status_code in (400, 404)
+
+
+# B11 ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,body,param", [
+    (COMPLETIONS, {"prompt": ""}, "prompt"), (COMPLETIONS, {"prompt": []}, "prompt"),
+    (CHAT, {"messages": []}, "messages"), (CHAT, {"messages": [{}]}, "messages.0.role"),
+    (CHAT, {"messages": [{"content": "no role"}]}, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+])
+def test_empty_inputs(server, path, body, param):
+    assert_openai_error(post(server, path, {"model": "tiny", "max_tokens": 2, **body}), 400,
+                        param)
+
+
+def test_native_empty_inputs_use_the_seed_shape(server):
+    for body in ({"text": ""}, {"messages": []}, {"messages": [{}]}):
+        resp = post(server, CHAT, body)
+        assert resp.status_code == 400 and resp.json()["error_code"] == 400, resp.text
+
+
+# B2 -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw", [
+    b"GET\r\n\r\n", b"GET /\r\n\r\n", b"BREW /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET / HTTP/2.0\r\n\r\n", b"GET / HTTP/0.9\r\n\r\n", b"\x00\x01\x02\x03\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 2\n\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{}",
+    b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /%00%ff/../../etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+])
+def test_http_line_fuzz_keeps_the_server_live(server, raw):
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(raw)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    if reply:
+        assert reply.startswith(b"HTTP/1.1 "), reply[:100]
+        assert not reply.startswith(b"HTTP/1.1 5"), reply[:300]
+        assert_no_leak(reply.decode("latin-1"))
+    assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+def test_error_events_in_a_stream_are_one_event_then_done(server):
+    # Refused at validation: a plain JSON error (the stream never started).
+    resp = post(server, COMPLETIONS, {**OK_BODY, "stream": True, "n": 0})
+    assert_openai_error(resp, 400, "n")
+    assert json.loads(resp.text)["error"]["code"] == 400

@@ -1,0 +1,145 @@
+"""Shared by the server and reliability tests: loopback ports, polling, a service app in a
+thread, and `tokenmill serve` as a real process tree (`Served`) with its probes and metrics."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    def __init__(self, app, port: int) -> None:
+        self.port = port
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:  # uvicorn sets this once lifespan ran and it listens
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def wait_until(predicate, timeout=30.0):
+    """Poll a condition the server reaches asynchronously (bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample from the metrics port, parsed by prometheus_client's own parser."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+def metric_sum(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+class Served:
+    """Ports and environment for one server; `start()` runs `tokenmill serve`."""
+
+    def __init__(self, model: str, tmp_path, *flags: str) -> None:
+        self.ports = {name: free_port() for name in ("port", "health", "metrics", "grpc")}
+        self.env = {**os.environ, "INTER_PROC_PORT": str(free_port()),
+                    "SERVICE_HTTP_PORT": str(self.ports["port"]),
+                    "HEALTH_HTTP_PORT": str(self.ports["health"]),
+                    "METRICS_HTTP_PORT": str(self.ports["metrics"]),
+                    "SERVICE_GRPC_PORT": str(self.ports["grpc"])}
+        self.args = [model, "--host", "127.0.0.1", "--kv-cache-memory", "0.02",
+                     "--served-model-name", "tiny", *flags]
+        self.cwd = tmp_path
+        self.api = f"http://127.0.0.1:{self.ports['port']}"
+        self.health = f"http://127.0.0.1:{self.ports['health']}"
+        self.metrics = f"http://127.0.0.1:{self.ports['metrics']}"
+        self.process = None
+
+    def start(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *self.args],
+            env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True)  # its own process group, like a terminal job
+        return self
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.health + "/v2/health/ready", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait_ready(self, timeout=120.0):
+        assert wait_until(lambda: self.ready() or self.process.poll() is not None, timeout)
+        assert self.process.poll() is None, self.process.stdout.read().decode()[-3000:]
+
+    def ports_free(self) -> bool:
+        return all(port_free(p) for p in self.ports.values())
+
+    def stop(self):
+        """Graceful first; then nothing of the process group may survive the test."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(30)
