@@ -60,8 +60,7 @@ def test_wrong_types_name_the_field(server, path, field, value):
     body = {"model": "tiny", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]}
                                                    if path == CHAT else {"prompt": "x"})}
     body[field] = value
-    error = assert_openai_error(post(server, path, body), 400)
-    assert error["param"] is not None and error["param"].split(".")[0] == field, error
+    assert_openai_error(post(server, path, body), 400, field)
 
 
 # B5 -----------------------------------------------------------------------------------------
@@ -230,8 +229,8 @@ def test_unknown_model(server):
 # B11 ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,param", [
     (COMPLETIONS, {"prompt": ""}, "prompt"), (COMPLETIONS, {"prompt": []}, "prompt"),
-    (CHAT, {"messages": []}, "messages"), (CHAT, {"messages": [{}]}, "messages.0.role"),
-    (CHAT, {"messages": [{"content": "no role"}]}, "messages.0.role"),
+    (CHAT, {"messages": []}, "messages"), (CHAT, {"messages": [{}]}, "messages"),
+    (CHAT, {"messages": [{"content": "no role"}]}, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
 ])
 def test_empty_inputs(server, path, body, param):

@@ -69,11 +69,12 @@ def list_models(state: ServerState) -> dict:
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
-    """pydantic's errors as one sentence; `param` = the first offending field's path."""
+    """pydantic's errors as one sentence (with the full paths); `param` = the top-level field
+    of the first error, the one the client has to fix."""
     parts, params = [], []
     for err in exc.errors():
         where = ".".join(str(x) for x in err["loc"]) or "body"
-        params.append(where)
+        params.append(str(err["loc"][0]) if err["loc"] else None)
         parts.append(f"{where}: {err['msg']}")
     return ApiError("; ".join(parts), 400, params[0] if params else None)
 

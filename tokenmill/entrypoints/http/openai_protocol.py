@@ -6,7 +6,7 @@ small request cannot ask for unbounded work."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,8 @@ class RequestCaps:
 
 
 CAPS = RequestCaps()
+_StopText = Annotated[str, Field(min_length=1, max_length=CAPS.max_stop_chars)]
+_TokenId = Annotated[int, Field(ge=0)]
 # Keys a request may pass to the model's chat template; anything else (tokenize,
 # add_generation_prompt, ...) would let a request change how the server renders or parses.
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
@@ -43,21 +45,22 @@ class _SamplingFields(BaseModel):
     # strict: "10" is not an integer and true is not a temperature (OpenAI refuses both)
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    # Ranges and caps are part of the schema, so /openapi.json documents them.
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
+    n: int = Field(1, ge=1, le=CAPS.max_n)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    stop: _StopText | list[_StopText] | None = Field(None, max_length=CAPS.max_stop)
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=CAPS.max_stop)
+    bad_words: list[_StopText] | None = Field(None, max_length=CAPS.max_stop)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -109,10 +112,10 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
+    best_of: int | None = Field(None, ge=1, le=CAPS.max_n)
     suffix: str | None = None
 
     def check(self) -> None:
@@ -157,10 +160,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -226,3 +229,23 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
         if not isinstance(value, (str, bool, int, float, type(None))):
             raise InvalidParameter("chat_template_kwargs",
                                    f"chat_template_kwargs[{key!r}] must be a plain value.")
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict[str, Any]:
+    """The request body of a route, for `/openapi.json` (the handlers validate bodies
+    themselves, so their errors are OpenAI's 400s, not FastAPI's 422s). Pydantic's local
+    `$defs` references are inlined: they would not resolve inside the OpenAPI document."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": inline(schema)}}}}

@@ -13,6 +13,11 @@ from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.entrypoints.auth import ApiKey
 from tokenmill.entrypoints.http import native_api, openai_api, triton_api
+from tokenmill.entrypoints.http.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    openapi_body,
+)
 from tokenmill.entrypoints.http.request_body import (
     BodyError,
     RequestLimitMiddleware,
@@ -124,20 +129,25 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
         create = openai_api.create_chat_completion if chat else openai_api.create_completion
         return await create(body, request, server, check_model=not seed_path)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    chat_body = openapi_body(ChatCompletionRequest)
+    completion_body = openapi_body(CompletionRequest)
+
+    @app.post("/v1/chat/completions", dependencies=guarded, openapi_extra=chat_body)
     async def chat_completions(request: Request) -> Response:
         return await dispatch(request, chat=True)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions", dependencies=guarded, openapi_extra=completion_body)
     async def completions(request: Request) -> Response:
         return await dispatch(request, chat=False)
 
     # The seed documents base_url=http://host:port/v1/chat/completions for OpenAI SDKs.
-    @app.post("/v1/chat/completions/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions/chat/completions", dependencies=guarded,
+              openapi_extra=chat_body)
     async def seed_chat(request: Request) -> Response:
         return await dispatch(request, chat=True, seed_path=True)
 
-    @app.post("/v1/chat/completions/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions/completions", dependencies=guarded,
+              openapi_extra=completion_body)
     async def seed_completions(request: Request) -> Response:
         return await dispatch(request, chat=False, seed_path=True)
 

@@ -1,0 +1,27 @@
+"""Fault injection for the reliability tests (never installed; tests put this folder on
+PYTHONPATH, so every Python process of a test server runs it at start-up, the engine-core
+process included). TOKENMILL_TEST_FAULT=crash:N or hang:N: from the (N+1)-th forward step on,
+the model forward raises or sleeps forever, like vLLM's `evil_forward` tests."""
+
+import os
+
+_SPEC = os.environ.get("TOKENMILL_TEST_FAULT")
+
+if _SPEC:
+    import time
+
+    from tokenmill.worker import model_runner
+
+    _kind, _after = _SPEC.split(":")
+    _original = model_runner.ModelRunner.execute
+    _calls = [0]
+
+    def _faulty_execute(self, step):
+        _calls[0] += 1
+        if _calls[0] > int(_after):
+            if _kind == "crash":
+                raise RuntimeError("injected fault: the model forward failed")
+            time.sleep(3600)  # hang
+        return _original(self, step)
+
+    model_runner.ModelRunner.execute = _faulty_execute

@@ -1,0 +1,403 @@
+"""Catalogue F1-F3 and F8-F10 on service apps over engine-core processes (fast), F5-F7 and
+F11 on `tokenmill serve` process trees (crash, stall, drain, start-up failure), P2 along the
+way (liveness and readiness through the lifecycle)."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import struct
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.checks import assert_openai_error, sse_events
+from tests.serving import Served, ServerThread, alive, children, free_port, wait_until
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+FAULTS = str(pathlib.Path(__file__).parent / "faults")
+
+
+def long_body(i: int, tokens: int = 400, **extra) -> dict:
+    return {"model": "tiny", "prompt": f"story number {i}", "max_tokens": tokens,
+            "ignore_eos": True, "temperature": 0, **extra}
+
+
+class Stream(threading.Thread):
+    """One streaming completion in a thread; `leave_after` tokens then a graceful close
+    (`rst=True`: an abortive close, TCP RST)."""
+
+    def __init__(self, base: str, body: dict, leave_after: int | None = None,
+                 rst: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.base, self.body, self.leave_after, self.rst = base, body, leave_after, rst
+        self.lines: list[str] = []
+        self.started = threading.Event()
+        self.status = None
+
+    def run(self) -> None:
+        if self.rst:
+            return self._run_raw()
+        with httpx.stream("POST", self.base + COMPLETIONS, json={**self.body, "stream": True},
+                          timeout=120) as resp:
+            self.status = resp.status_code
+            for line in resp.iter_lines():
+                self.lines.append(line)
+                if line.startswith("data: {"):
+                    self.started.set()
+                tokens = sum(1 for x in self.lines if x.startswith("data: {"))
+                if self.leave_after is not None and tokens >= self.leave_after:
+                    return
+        self.started.set()
+
+    def _run_raw(self) -> None:
+        sock = open_raw_stream(self.base, self.body)
+        received = b""
+        while received.count(b"data: {") < (self.leave_after or 1):
+            received += sock.recv(65536)
+        self.started.set()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # RST
+
+    def text(self) -> str:
+        events, done = sse_events(self.lines)
+        assert done == 1
+        return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
+def open_raw_stream(base: str, body: dict) -> socket.socket:
+    """A streaming request on a plain socket (so the test controls exactly when it closes)."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def engine_app(tiny_models, tmp_path_factory, metrics=True, **engine):
+    """A service app over its own engine-core process (small limits for one test module)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.core_client import start_engine_core_process
+    from tokenmill.entrypoints.http.server import create_service_app
+    from tokenmill.entrypoints.http.state import ApiSettings
+    from tokenmill.metrics import Metrics
+
+    path = tiny_models("llama")[0]
+    max_waiting = engine.pop("max_waiting", 64)
+    config = EngineConfig(model=path, kv_cache_memory_gib=0.02, max_model_len=512, **engine)
+    process, address, _ = start_engine_core_process(config, path)
+    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
+                           served_model_names=["tiny"], max_dec_len=256, max_seq_len=None,
+                           max_waiting=max_waiting)
+    registry_metrics = Metrics("tiny", config.max_num_seqs) if metrics else None
+    app = create_service_app(settings, metrics=registry_metrics)
+    return process, ServerThread(app, free_port()), app, registry_metrics
+
+
+@pytest.fixture(scope="module")
+def small(tiny_models, tmp_path_factory):
+    """Two running slots and eight waiting ones (F2, F8)."""
+    process, thread, app, metrics = engine_app(tiny_models, tmp_path_factory,
+                                               max_num_seqs=2, max_waiting=8)
+    with thread:
+        thread.app, thread.metrics = app, metrics
+        thread.base = f"http://127.0.0.1:{thread.port}"
+        yield thread
+    process.kill()
+    process.join(10)
+
+
+def sample(metrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, {"model_name": "tiny", **labels})
+    return value or 0.0
+
+
+# F1 -----------------------------------------------------------------------------------------
+def test_disconnect_mid_stream_frees_everything(server, server_thread):
+    engine = server_thread.app.state.server.engine
+    aborted_before = engine.num_aborted
+    streams = [Stream(server, long_body(i, 60),
+                      leave_after=3 if i % 2 else None, rst=i % 4 == 1) for i in range(32)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.join(120)
+        assert not s.is_alive()
+    assert wait_until(lambda: engine.num_in_flight() == 0 and engine.stats.num_running == 0
+                      and engine.stats.kv_blocks_used == 0, 10)
+    assert engine.num_aborted - aborted_before == 16
+    # The survivors were not disturbed: each equals its run alone.
+    for s in streams[::2][:4]:
+        alone = httpx.post(server + COMPLETIONS, json=s.body, timeout=120).json()
+        assert s.text() == alone["choices"][0]["text"]
+
+
+# F3 -----------------------------------------------------------------------------------------
+def test_non_streaming_client_timeout_aborts_the_request(server, server_thread):
+    engine = server_thread.app.state.server.engine
+    aborted_before = engine.num_aborted
+    for i in range(3):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server + COMPLETIONS, json=long_body(i), timeout=0.5)
+    assert wait_until(lambda: engine.num_in_flight() == 0
+                      and engine.stats.kv_blocks_used == 0, 10)
+    assert engine.num_aborted - aborted_before == 3
+
+
+# F2 / F8 ------------------------------------------------------------------------------------
+def test_disconnect_while_queued_leaves_the_queue_at_once(small):
+    engine = small.app.state.server.engine
+    running = [Stream(small.base, long_body(i)) for i in range(2)]
+    for s in running:
+        s.start()
+    assert wait_until(lambda: engine.stats.num_running == 2, 30)
+    queued = [open_raw_stream(small.base, long_body(10 + i)) for i in range(4)]
+    assert wait_until(lambda: engine.stats.num_waiting == 4, 30)
+    prompt_tokens = engine.stats.prefix_queried_tokens
+    for sock in queued:
+        sock.close()
+    assert wait_until(lambda: engine.stats.num_waiting == 0, 2)
+    assert engine.stats.num_running == 2
+    # Never prefilled: no prompt of theirs was looked up in the prefix cache.
+    assert engine.stats.prefix_queried_tokens == prompt_tokens
+    for s in running:
+        s.join(120)
+        assert s.text()
+
+
+def test_queue_full_rejects_fast_all_or_nothing(small):
+    state = small.app.state.server
+    rejected_before = sample(small.metrics, "tokenmill:request_rejected_total",
+                             reason="queue_full")
+    results: list = [None] * 30
+    go = threading.Barrier(30)
+
+    def fire(i: int) -> None:
+        go.wait()
+        start = time.monotonic()
+        resp = httpx.post(small.base + COMPLETIONS, json=long_body(i, 300), timeout=120)
+        results[i] = (resp, time.monotonic() - start)
+
+    threads = [threading.Thread(target=fire, args=(i,)) for i in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    refused = [(r, dt) for r, dt in results if r.status_code == 503]
+    served = [r for r, _ in results if r.status_code == 200]
+    assert len(refused) == 20 and len(served) == 10  # 2 running + 8 waiting
+    for resp, seconds in refused:
+        assert_openai_error(resp, 503)
+        assert seconds < 2.0  # refused at once, not after queueing
+    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in served)
+    rejected = sample(small.metrics, "tokenmill:request_rejected_total", reason="queue_full")
+    assert rejected - rejected_before == 20
+    # n counts as n slots, all or nothing: 3 x (n=3) fit 9 of 10 slots, a 4th does not.
+    assert wait_until(lambda: state.engine.num_in_flight() == 0, 30)
+    streams = [Stream(small.base, {**long_body(i, 300), "n": 3}) for i in range(3)]
+    for s in streams:
+        s.start()
+    assert wait_until(lambda: state.engine.num_in_flight_sequences() == 9, 30)
+    resp = httpx.post(small.base + COMPLETIONS, json={**long_body(9, 5), "n": 3}, timeout=30)
+    assert_openai_error(resp, 503)
+    resp = httpx.post(small.base + COMPLETIONS, json=long_body(9, 5), timeout=60)
+    assert resp.status_code == 200  # one slot was still free
+    for s in streams:
+        s.join(120)
+
+
+# F9 / F10 -----------------------------------------------------------------------------------
+def test_kv_exhaustion_preempts_and_every_request_completes(tiny_models, tmp_path_factory):
+    process, thread, app, _ = engine_app(tiny_models, tmp_path_factory, metrics=False,
+                                         num_kv_blocks=16, block_size=16)
+    try:
+        with thread:
+            base = f"http://127.0.0.1:{thread.port}"
+            bodies = [long_body(i, 100) for i in range(4)]  # 4 x ~8 blocks > 16
+            out: dict = {}
+
+            def run(i):
+                out[i] = httpx.post(base + COMPLETIONS, json=bodies[i], timeout=300).json()
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            stats = app.state.server.engine.stats
+            assert stats.num_preemptions > 0
+            for i in range(4):  # identical to the same request alone
+                alone = httpx.post(base + COMPLETIONS, json=bodies[i], timeout=120).json()
+                assert out[i]["choices"][0]["text"] == alone["choices"][0]["text"]
+            # F10: more than the whole cache (256 tokens) is refused at once.
+            start = time.monotonic()
+            resp = httpx.post(base + COMPLETIONS, json=long_body(0, 300), timeout=30)
+            error = assert_openai_error(resp, 400, "max_tokens")
+            assert "maximum context length is 256" in error["message"]
+            assert time.monotonic() - start < 2.0
+    finally:
+        process.kill()
+        process.join(10)
+
+
+# Process-tree faults --------------------------------------------------------------------------
+@pytest.fixture
+def model(tiny_models):
+    return tiny_models("llama")[0]
+
+
+def faulty(model, tmp_path, fault: str, *flags: str) -> Served:
+    served = Served(model, tmp_path, *flags)
+    served.env["PYTHONPATH"] = os.pathsep.join(
+        [FAULTS, str(pathlib.Path(__file__).parents[2]), served.env.get("PYTHONPATH", "")])
+    served.env["TOKENMILL_TEST_FAULT"] = fault
+    return served
+
+
+def grpc_ready(served) -> tuple[bool, bool]:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports['grpc']}")
+    try:
+        return client.is_server_ready(), client.is_model_ready("tiny")
+    except Exception:  # noqa: BLE001 - gone is not ready
+        return False, False
+    finally:
+        client.close()
+
+
+def check_clean_exit(served, kids, code: int) -> None:
+    assert served.process.wait(30) == code
+    assert wait_until(lambda: not any(alive(pid) for pid in kids), 10)
+    assert wait_until(served.ports_free, 10)
+
+
+@pytest.mark.parametrize("fault", ["crash:40", "hang:40"])
+def test_engine_crash_or_stall_fails_requests_and_exits_nonzero(model, tmp_path, fault):
+    """F5 (exception in the forward) and F6 (the forward never returns; stall timeout 3 s):
+    in-flight requests get errors, readiness goes false everywhere, the server exits 1 and
+    leaves nothing behind (documented policy: a supervisor restarts it)."""
+    served = faulty(model, tmp_path, fault)
+    served.env["CHECK_HEALTH_INTERVAL"] = "3"
+    served.start()
+    try:
+        served.wait_ready()
+        assert grpc_ready(served) == (True, True)
+        kids = children(served.process.pid)
+        streams = [Stream(served.api, long_body(i)) for i in range(3)]
+        for s in streams:
+            s.start()
+        whole: dict = {}
+        waiter = threading.Thread(target=lambda: whole.setdefault(
+            "r", httpx.post(served.api + COMPLETIONS, json=long_body(7), timeout=60)))
+        waiter.start()
+        start = time.monotonic()
+        for s in streams:
+            s.join(30)
+        waiter.join(30)
+        took = time.monotonic() - start
+        assert took < (5 if fault.startswith("crash") else 3 + 5), took
+        for s in streams:
+            events, done = sse_events(s.lines)
+            assert done == 1 and "error" in events[-1], events[-1:]
+            assert events[-1]["error"]["code"] == 503
+        assert_openai_error(whole["r"], 503)
+        check_clean_exit(served, kids, 1)
+    finally:
+        served.stop()
+    output = served.process.stdout.read().decode()
+    assert "engine core died" in output or "stopped responding" in output, output[-2000:]
+
+
+def test_sigterm_with_zero_drain_timeout_ends_streams_and_exits_fast(model, tmp_path):
+    """F7 with --shutdown-timeout 0, and P2's draining state."""
+    served = Served(model, tmp_path, "--shutdown-timeout", "0").start()
+    try:
+        served.wait_ready()
+        kids = children(served.process.pid)
+        streams = [Stream(served.api, long_body(i)) for i in range(4)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.started.wait(60)
+        start = time.monotonic()
+        served.process.send_signal(signal.SIGTERM)
+        for s in streams:
+            s.join(10)
+        code = served.process.wait(10)
+        assert time.monotonic() - start < 4.0
+        assert code == 0
+        for s in streams:
+            events, done = sse_events(s.lines)
+            assert done == 1 and events[-1]["error"]["code"] == 503
+            assert "shut down" in events[-1]["error"]["message"]
+        check_clean_exit(served, kids, 0)
+    finally:
+        served.stop()
+
+
+def test_health_through_the_lifecycle_and_drain_with_timeout(model, tmp_path):
+    """P2: starting (live, not ready), ready, draining (live, not ready; KServe agrees;
+    new requests 503; in-flight ones complete), exit 0."""
+    served = Served(model, tmp_path, "--shutdown-timeout", "30").start()
+    try:
+        def probes():
+            try:
+                live = httpx.get(served.health + "/v2/health/live", timeout=2).status_code
+                ready = httpx.get(served.health + "/v2/health/ready", timeout=2).status_code
+                return live, ready
+            except httpx.TransportError:
+                return None, None
+
+        assert wait_until(lambda: probes()[0] == 200, 60)
+        # While the model loads: live, not ready (unless loading already finished).
+        assert probes() in ((200, 503), (200, 200))
+        served.wait_ready()
+        assert probes() == (200, 200) and grpc_ready(served) == (True, True)
+        kids = children(served.process.pid)
+        streams = [Stream(served.api, long_body(i, 200)) for i in range(4)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.started.wait(60)
+        served.process.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: probes() == (200, 503), 5)
+        assert grpc_ready(served) == (False, False)
+        refused = httpx.post(served.api + COMPLETIONS, json=long_body(9, 2), timeout=10)
+        assert_openai_error(refused, 503)
+        for s in streams:
+            s.join(120)
+            events, done = sse_events(s.lines)
+            assert done == 1 and events[-1]["choices"][0]["finish_reason"] == "length"
+        check_clean_exit(served, kids, 0)
+    finally:
+        served.stop()
+
+
+# F11 ----------------------------------------------------------------------------------------
+def test_startup_failures_exit_nonzero_with_a_clear_message(model, tmp_path):
+    bad = Served(str(tmp_path / "no-such-model"), tmp_path).start()
+    try:
+        assert bad.process.wait(60) != 0
+        output = bad.process.stdout.read().decode()
+        assert "no-such-model" in output
+        assert bad.ports_free()
+    finally:
+        bad.stop()
+    busy = Served(model, tmp_path)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", busy.ports["port"]))
+        blocker.listen(1)
+        start = time.monotonic()
+        busy.start()
+        try:
+            assert busy.process.wait(30) != 0
+            assert time.monotonic() - start < 10
+            output = busy.process.stdout.read().decode()
+            assert str(busy.ports["port"]) in output and "Traceback" not in output
+        finally:
+            busy.stop()
