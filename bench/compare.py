@@ -330,9 +330,9 @@ def _print(report: dict) -> None:
                 elif workload == "w3":
                     print(f"  {workload} {engine:13s} {cell['out_tps']:8.2f} out tok/s, "
                           f"{cell['request_throughput']:.3f} req/s, TTFT p50/p99 "
-                          f"{cell['ttft']['p50']:.2f}/{cell['ttft']['p99']:.2f} s, ITL "
-                          f"p50/p99 {cell['itl']['p50'] * 1e3:.0f}/"
-                          f"{cell['itl']['p99'] * 1e3:.0f} ms")
+                          f"{cell['ttft_ms']['p50'] / 1e3:.2f}/"
+                          f"{cell['ttft_ms']['p99'] / 1e3:.2f} s, ITL p50/p99 "
+                          f"{cell['itl_ms']['p50']:.0f}/{cell['itl_ms']['p99']:.0f} ms")
                 else:
                     print(f"  {workload} {engine:13s} {cell['decode_tps']:8.2f} decode tok/s, "
                           f"TTFT {cell['ttft']:.3f} s")

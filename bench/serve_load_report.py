@@ -75,9 +75,9 @@ def build_report(records: list[dict], elapsed: float, mode: str,
         "e2el_ms": summary_ms([r["e2el"] for r in ok]),
         "timeline": timeline(records, elapsed),
     }
-    for name in ("ttft", "tpot", "itl", "e2el"):  # in seconds: what `bench/compare.py` reads
-        report[name] = {k: None if v is None else v / 1e3
-                        for k, v in report[f"{name}_ms"].items()}
+    # How long refusals (503 on overload, ...) took: they must be fast to be useful.
+    report["failure_latency_ms"] = summary_ms([r["done"] - r["sent"] for r in records
+                                               if "error" in r])
     if memory is not None:
         report["server_memory"] = memory
     return report

@@ -137,7 +137,6 @@ def _check_latencies(result: dict) -> None:
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         s = result[metric]
         assert s["mean"] > 0 and 0 < s["p50"] <= s["p99"], (metric, s)
-        assert result[metric[:-3]]["p99"] == pytest.approx(s["p99"] / 1e3)  # seconds
     assert result["request_throughput"] > 0 and result["out_tps"] > 0
 
 
