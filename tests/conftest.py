@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="nightly mode: reliability soak and ramp run for minutes, not seconds")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """arch -> (path, HF model) for every supported architecture, built once per session."""

@@ -47,6 +47,10 @@ class Metrics:
         self.in_flight = Gauge("tokenmill:num_requests_in_flight",
                                "Requests the API processes are serving now", labels,
                                registry=r, multiprocess_mode="livesum")
+        for reason in ("queue_full", "not_ready"):  # exported at 0 before the first one
+            self._m(self.rejected_requests, reason=reason)
+        self._m(self.disconnects)
+        self._m(self.in_flight)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed",
                                      labels, registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated",

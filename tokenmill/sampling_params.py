@@ -15,6 +15,17 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+_INT64_MAX = 2**63 - 1
+_UINT64_MAX = 2**64 - 1
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; field names and defaults follow vLLM."""
@@ -63,7 +74,7 @@ class SamplingParams:
             raise bad("n", "an integer >= 1")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
-            if not math.isfinite(getattr(self, name)):
+            if not _finite(getattr(self, name)):
                 raise bad(name, "a finite number")
         if self.temperature < 0:
             raise bad("temperature", ">= 0")
@@ -100,6 +111,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise bad(name, "a non-negative integer or None")
+        # Integers travel to the engine core as msgpack ints and land in int64 tensors (top_k)
+        # or torch.Generator seeds: out of those ranges they would fail there, not here.
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > _INT64_MAX:
+                raise bad(name, f"at most {_INT64_MAX}")
+        if any(t > _INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"a list of integers in [0, {_INT64_MAX}]")
+        if self.seed is not None and not -2**63 <= self.seed <= _UINT64_MAX:  # torch's range
+            raise bad("seed", f"an integer in [{-2**63}, {_UINT64_MAX}]")
 
     @property
     def greedy(self) -> bool:

@@ -278,3 +278,14 @@ def test_error_events_in_a_stream_are_one_event_then_done(server):
     resp = post(server, COMPLETIONS, {**OK_BODY, "stream": True, "n": 0})
     assert_openai_error(resp, 400, "n")
     assert json.loads(resp.text)["error"]["code"] == 400
+
+
+def test_stream_lines_cannot_be_split_by_unicode_line_breaks():
+    """U+2028/U+2029/U+0085 in generated text: str.splitlines() (httpx's iter_lines) splits
+    on them, so the server escapes them (found by the soak: a garbled SSE line)."""
+    from tokenmill.entrypoints.http.streaming import json_line
+
+    text = "a\u2028b\u2029c\x85d\x1c\x1d\x1e漢😀\n\r"
+    line = json_line({"text": text})
+    assert line.splitlines() == [line] and json.loads(line)["text"] == text
+    assert "漢😀" in line  # everything else stays raw UTF-8

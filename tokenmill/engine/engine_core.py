@@ -59,6 +59,10 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
         params = request.sampling_params
+        # They index the logits row while min_tokens bans them: out of range would fail the
+        # whole engine step, not just this request.
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}).")
         longest = min(n_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
         if not self.kv_cache.can_ever_fit(longest):
             raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "

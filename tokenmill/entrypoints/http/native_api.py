@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +25,7 @@ from tokenmill.engine.async_engine import (
 )
 from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.state import Reservation, ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
+from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import ChatTemplateError, apply_chat_template
@@ -48,7 +47,14 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A JSON number that is also a float (an integer past 1.8e308 is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 @dataclass
@@ -121,7 +127,9 @@ def validate(body: dict, state: ServerState) -> dict:
     eos = body.get("eos_token_ids")
     if eos is not None:
         eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        if not all(_is_int(t) or (isinstance(t, str) and t.isdigit()) for t in eos):
+        # ASCII digits only: str.isdigit() is also true of "²", which int() refuses.
+        if not all(_is_int(t) or (isinstance(t, str) and t.isascii() and t.isdigit()
+                                  and len(t) <= 20) for t in eos):
             raise NativeError("The eos token id should be integer.")
         body["eos_token_ids"] = [int(t) for t in eos]
     stops = body.get("stop_sequences")
@@ -180,6 +188,9 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
     n_in = len(ids)
     if n_in == 0:
         raise NativeError("The input is empty after tokenization")
+    vocab = len(state.tokenizer)
+    if "input_ids" in body and any(not 0 <= t < vocab for t in ids):
+        raise NativeError(f"Prompt token ids must be in [0, {vocab}).")
     if n_in + body["min_dec_len"] >= state.max_model_len:
         raise NativeError(f"Input text is too long, input_ids_len ({n_in}) + min_dec_len "
                           f"({body['min_dec_len']}) >= max_seq_len ({state.max_model_len})")
@@ -320,7 +331,7 @@ async def handle(body: dict, request: Request, state: ServerState) -> Response:
 
 async def _json_lines(messages: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     async for message in _guard(messages):
-        yield (json.dumps(message, ensure_ascii=False) + "\n").encode()
+        yield (json_line(message) + "\n").encode()
 
 
 async def _guard(messages: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -348,7 +359,7 @@ async def _single_response(req: NativeRequest, messages: AsyncIterator[dict],
         return JSONResponse({**last, "result": ""}, status_code=last["error_code"])
     if as_stream_line:  # DISABLE_STREAMING or return_all_tokens: one final stream message
         last.update(token=last["tokens_all"], token_ids=last["tokens_all_ids"], send_idx=0)
-        return Response((json.dumps(last, ensure_ascii=False) + "\n").encode(),
+        return Response((json_line(last) + "\n").encode(),
                         media_type="text/event-stream")
     body = {"req_id": req.req_id, "result": last["tokens_all"],
             "tokens_all": last["tokens_all"], "error_msg": "", "error_code": 0}

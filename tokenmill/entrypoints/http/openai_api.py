@@ -6,7 +6,6 @@ Streams are Server-Sent Events ending in `data: [DONE]`, sent after the last con
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from pydantic import ValidationError
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.entrypoints.http.state import Reservation, ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker, merge, unless_disconnected
+from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template
@@ -280,7 +279,7 @@ class _Responder:
 
     @staticmethod
     def _sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        return f"data: {json_line(obj)}\n\n"
 
     async def respond(self, request: Request) -> Response:
         if self.req.stream:

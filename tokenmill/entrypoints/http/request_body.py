@@ -123,7 +123,10 @@ def parse_json_object(raw: bytes) -> dict:
     """NaN / Infinity literals are refused (they are not JSON, and a NaN temperature would
     pass every range check); so is nesting deeper than the parser's recursion limit."""
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        # Strict UTF-8 (RFC 8259 for JSON on the wire): json.loads(bytes) would decode with
+        # "surrogatepass", turning UTF-8-encoded surrogates (b"\xed\xa0\x80") into lone
+        # surrogates that no tokenizer can encode.
+        body = json.loads(raw.decode("utf-8-sig"), parse_constant=_no_constants)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
         raise BodyError("The request body is not valid JSON.") from None
     if not isinstance(body, dict):

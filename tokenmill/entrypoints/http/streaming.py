@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -13,6 +14,18 @@ from fastapi import Request
 from tokenmill.outputs import CompletionOutput
 
 T = TypeVar("T")
+
+
+# Characters str.splitlines() (and so httpx's iter_lines and many other clients) treats as
+# line ends, though SSE and JSON lines end only at CR / LF. JSON may escape them; we do.
+_LINE_BREAKERS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029",
+                                "\x85": "\\u0085"})
+
+
+def json_line(obj) -> str:
+    """One JSON document that no client can split: raw UTF-8 (as vLLM sends) except the
+    line-breaking characters above."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKERS)
 
 
 class DeltaTracker:

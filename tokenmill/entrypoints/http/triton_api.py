@@ -9,6 +9,7 @@ Errors are `{"error": message}` with Triton's status mapping (400 invalid, 404 u
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json_object
 from tokenmill.entrypoints.http.state import ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker, unless_disconnected
+from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
 from tokenmill.sampling_params import SamplingParams
 
 # Names a TensorRT-LLM deployment answers to, besides the served model names.
@@ -60,7 +61,11 @@ def _number(fields: dict, name: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or (kind is int and not float(value).is_integer()):
+    try:
+        ok = ok and (kind is float or float(value).is_integer()) and math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        ok = kind is int and isinstance(value, int)
+    if not ok:
         raise TritonError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
                           f"got {value!r}.")
     return kind(value)
@@ -221,7 +226,7 @@ async def _events(stream: AsyncIterator, params: SamplingParams, options: dict,
             event = {**head, "text_output": text}
             if options["log_probs"]:
                 event.update(logprob_fields(c, first))
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield f"data: {json_line(event)}\n\n"
     except EngineRequestError as exc:
         yield f"data: {json.dumps({'error': str(exc)})}\n\n"
     except EngineDeadError as exc:

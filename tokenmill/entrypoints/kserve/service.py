@@ -35,6 +35,10 @@ SEED_MODEL = "model"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
 class GrpcError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
@@ -216,9 +220,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise GrpcError(_INVALID, f"input 'IN' must be BYTES with shape [1], got {dtype} "
                                       f"{shape}")
         try:
-            tasks = json.loads(elements[0])
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            # As the HTTP APIs read bodies: strict UTF-8, no NaN/Infinity, bounded nesting
+            # (json.loads(bytes) would let UTF-8-encoded surrogates through).
+            tasks = json.loads(elements[0].decode("utf-8"), parse_constant=_no_constant)
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError included
             raise GrpcError(_INVALID, "input 'IN' is not valid JSON") from None
+        try:
+            json.dumps(tasks, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise GrpcError(_INVALID, "input 'IN' contains an unpaired UTF-16 surrogate "
+                                      "escape (\\ud800-\\udfff)") from None
         if not isinstance(tasks, list) or len(tasks) != 1 or not isinstance(tasks[0], dict):
             n = len(tasks) if isinstance(tasks, list) else 0
             yield self._seed_error(None, "request data should not be empty and query num "

@@ -50,6 +50,8 @@ def read_inputs(request: pb.ModelInferRequest) -> dict[str, tuple[str, list[int]
                           f"{len(request.inputs)} inputs")
     values = {}
     for i, tensor in enumerate(request.inputs):
+        if tensor.name in values:
+            raise TensorError(f"input '{tensor.name}' is given more than once")
         dtype, shape = tensor.datatype, list(tensor.shape)
         if dtype != "BYTES" and dtype not in _NUMPY:
             raise TensorError(f"input '{tensor.name}' has unsupported datatype '{dtype}'")
