@@ -201,3 +201,19 @@ def test_overload_is_unavailable_and_cancel_frees_kv(client, served):
                                      outcome="abort") >= 2 - len(completed)), completed
     # ...and none ran on to its length after the cancel (Python 3.11's wait_for dropped it).
     assert finished_by_length() == length_before + len(completed)
+
+
+def test_deadline_expiry_aborts_and_cancel_after_final_is_harmless(client, served):
+    """Catalogue F4: a client deadline that expires mid-generation aborts the request (KV
+    freed); cancelling a stream after its final response changes nothing; later RPCs work."""
+    long = {"text": "go", "max_dec_len": 1000, "min_dec_len": 1000, "temperature": 0,
+            "req_id": "deadline-1"}
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("model", [seed_input([long])], client_timeout=0.3)
+    assert "DEADLINE_EXCEEDED" in err.value.status()
+    assert wait_until(lambda: metric(served.metrics, "tokenmill:num_requests_running") == 0
+                      and metric(served.metrics, "tokenmill:kv_cache_blocks_used") == 0)
+    results, errors = stream(client, "model", [seed_input([{"text": "hi", "max_dec_len": 3,
+                                                            "req_id": "deadline-1"}])])
+    assert not errors and json.loads(results[-1].as_numpy("OUT")[0])[0]["is_end"] == 1
+    assert client.is_server_ready() and client.is_model_ready("model")
