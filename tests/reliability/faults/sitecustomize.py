@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests (never installed; tests put this folder on
 PYTHONPATH, so every Python process of a test server runs it at start-up, the engine-core
 process included). TOKENMILL_TEST_FAULT=crash:N or hang:N: from the (N+1)-th forward step on,
-the model forward raises or sleeps forever, like vLLM's `evil_forward` tests."""
+the model forward raises or sleeps forever, like vLLM's `evil_forward` tests;
+TOKENMILL_TEST_FAULT_STAMP=FILE records when the fault struck."""
 
 import os
 
@@ -19,6 +20,10 @@ if _SPEC:
     def _faulty_execute(self, step):
         _calls[0] += 1
         if _calls[0] > int(_after):
+            stamp = os.environ.get("TOKENMILL_TEST_FAULT_STAMP")
+            if stamp and _calls[0] == int(_after) + 1:  # when the fault struck (wall clock)
+                with open(stamp, "w") as f:
+                    f.write(repr(time.time()))
             if _kind == "crash":
                 raise RuntimeError("injected fault: the model forward failed")
             time.sleep(3600)  # hang
