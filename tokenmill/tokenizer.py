@@ -41,6 +41,20 @@ def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     return sequences
 
 
+# Texts longer than this are tokenized / templated on a worker thread by the API servers (the
+# tokenizers release the GIL), so one huge prompt does not stall every other request's stream.
+OFF_LOOP_CHARS = 8192
+
+
+async def off_loop_if_long(size: int, fn, *args: Any, **kwargs: Any):
+    """`fn(*args, **kwargs)`, on a worker thread when `size` (characters) is large."""
+    if size > OFF_LOOP_CHARS:
+        import asyncio
+
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered by the chat template (the caller's problem: 400)."""
 

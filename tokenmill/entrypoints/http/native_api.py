@@ -28,7 +28,7 @@ from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import ChatTemplateError, apply_chat_template
+from tokenmill.tokenizer import ChatTemplateError, apply_chat_template, off_loop_if_long
 
 # Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
 DEFAULTS = {"min_dec_len": 1, "topp": 0.7, "temperature": 0.95, "penalty_score": 1.0,
@@ -172,19 +172,11 @@ def tokenize(body: dict, state: ServerState) -> list[int]:
     return tokenizer.encode(body["text"])
 
 
-# Bodies longer than this are tokenized on a worker thread (the tokenizers release the GIL),
-# so one huge prompt does not stall every other request's stream.
-_OFF_LOOP_CHARS = 8192
-
-
 async def build_request(body: dict, state: ServerState) -> NativeRequest:
     body = validate(body, state)
     size = len(body.get("text", "")) + sum(len(str(m.get("content", "")))
                                            for m in body.get("messages", []))
-    if size > _OFF_LOOP_CHARS:
-        ids = await asyncio.to_thread(tokenize, body, state)
-    else:
-        ids = tokenize(body, state)
+    ids = await off_loop_if_long(size, tokenize, body, state)
     n_in = len(ids)
     if n_in == 0:
         raise NativeError("The input is empty after tokenization")

@@ -5,7 +5,6 @@ Streams are Server-Sent Events ending in `data: [DONE]`, sent after the last con
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import apply_chat_template
+from tokenmill.tokenizer import apply_chat_template, off_loop_if_long
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
@@ -95,15 +94,6 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
     return req, reservation
 
 
-# Texts longer than this are tokenized / templated on a worker thread (the tokenizers
-# release the GIL), so one huge prompt does not stall every other request's stream.
-_OFF_LOOP_CHARS = 8192
-
-
-async def _off_loop_if_long(size: int, fn, *args, **kwargs):
-    if size > _OFF_LOOP_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
 
 
 def _check_ids(ids: list[int], state: ServerState, what: str) -> None:
@@ -301,7 +291,7 @@ async def create_completion(body: dict, request: Request, state: ServerState,
         jobs = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                ids = await _off_loop_if_long(len(prompt), state.tokenizer.encode, prompt)
+                ids = await off_loop_if_long(len(prompt), state.tokenizer.encode, prompt)
                 text = prompt
             else:
                 ids, text = list(prompt), None
@@ -326,7 +316,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         req.check_template(state.trust_request_chat_template)
         messages = req.plain_messages()
         size = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
-        ids = await _off_loop_if_long(size, apply_chat_template, state.tokenizer, messages,
+        ids = await off_loop_if_long(size, apply_chat_template, state.tokenizer, messages,
                                       add_generation_prompt=req.add_generation_prompt,
                                       chat_template=req.chat_template,
                                       **(req.chat_template_kwargs or {}))
