@@ -122,6 +122,14 @@ class SamplingParams:
         if self.seed is not None and not -2**63 <= self.seed <= _UINT64_MAX:  # torch's range
             raise bad("seed", f"an integer in [{-2**63}, {_UINT64_MAX}]")
 
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of the `index`-th of `n` samples: with a seed, each its own (seed + index,
+        wrapped into the seed range), so seeded samples differ but reproduce."""
+        if self.seed is None or self.n == 1:
+            return self
+        seed = self.seed + index
+        return self.clone(seed=seed - 2**64 if seed > _UINT64_MAX else seed)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -289,3 +289,17 @@ def test_stream_lines_cannot_be_split_by_unicode_line_breaks():
     line = json_line({"text": text})
     assert line.splitlines() == [line] and json.loads(line)["text"] == text
     assert "漢😀" in line  # everything else stays raw UTF-8
+
+
+def test_largest_seed_with_several_samples(server):
+    """Each of n samples gets seed + i, wrapped into the seed range (was a 500 at 2**64 - 1)."""
+    body = {**OK_BODY, "temperature": 1.0, "seed": 2**64 - 1, "n": 2}
+    first, second = post(server, COMPLETIONS, body), post(server, COMPLETIONS, body)
+    assert first.status_code == 200, first.text
+    assert [c["text"] for c in first.json()["choices"]] == \
+        [c["text"] for c in second.json()["choices"]]
+
+
+def test_a_single_long_stop_string_is_within_the_cap(server):
+    assert post(server, COMPLETIONS, {**OK_BODY, "stop": "a" * 200}).status_code == 200
+    assert_openai_error(post(server, COMPLETIONS, {**OK_BODY, "stop": "a" * 257}), 400, "stop")

@@ -96,8 +96,7 @@ class AsyncLLM:
         try:
             child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
             for i, child_id in enumerate(child_ids):
-                child_params = params if params.seed is None or params.n == 1 else \
-                    params.clone(seed=params.seed + i)
+                child_params = params.for_child(i)
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic()))
             while True:

@@ -67,9 +67,7 @@ class LLMEngine:
         added: list[str] = []
         try:
             for i, child_id in enumerate(child_ids):
-                # n > 1: each child its own seed, so seeded samples differ but reproduce.
-                child_params = params if params.seed is None or params.n == 1 else \
-                    params.clone(seed=params.seed + i)
+                child_params = params.for_child(i)
                 self.client.add_request(EngineCoreRequest(child_id, prompt_ids, child_params,
                                                           time.monotonic()))
                 added.append(child_id)

@@ -56,7 +56,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     seed: int | None = None
-    stop: _StopText | list[_StopText] | None = Field(None, max_length=CAPS.max_stop)
+    stop: _StopText | Annotated[list[_StopText], Field(max_length=CAPS.max_stop)] | None = None
     stop_token_ids: list[_TokenId] | None = Field(None, max_length=CAPS.max_stop)
     bad_words: list[_StopText] | None = Field(None, max_length=CAPS.max_stop)
     ignore_eos: bool = False

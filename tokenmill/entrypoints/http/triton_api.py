@@ -185,16 +185,21 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             return error(str(exc), 503)
         return response if response is not None else Response(status_code=499)
 
+    # Every model has one version; the versioned paths accept any. Their OpenAPI entry
+    # declares `version` too (the handlers do not read it).
+    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        @router.post(prefix + "/generate", dependencies=guard)
+        extra = {"parameters": [version]} if "{version}" in prefix else None
+
+        @router.post(prefix + "/generate", dependencies=guard, openapi_extra=extra)
         async def generate_route(request: Request, model: str) -> Response:
             return await generate(request, model, streaming=False)
 
-        @router.post(prefix + "/generate_stream", dependencies=guard)
+        @router.post(prefix + "/generate_stream", dependencies=guard, openapi_extra=extra)
         async def generate_stream_route(request: Request, model: str) -> Response:
             return await generate(request, model, streaming=True)
 
-        @router.get(prefix)
+        @router.get(prefix, openapi_extra=extra)
         async def metadata(request: Request, model: str) -> Response:
             state = get_state(request)
             if not model_known(state, model):
@@ -205,7 +210,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
                            {"name": "max_tokens", "datatype": "INT32", "shape": [-1]}],
                 "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}]})
 
-        @router.get(prefix + "/ready")
+        @router.get(prefix + "/ready", openapi_extra=extra)
         async def model_ready(request: Request, model: str) -> Response:
             state = get_state(request)
             ok = model_known(state, model) and not state.draining and state.engine.is_alive()
