@@ -25,6 +25,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http import native_api, triton_api
+from tokenmill.entrypoints.http.request_body import BodyError, parse_json
 from tokenmill.entrypoints.http.server import readiness
 from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker
@@ -33,10 +34,6 @@ from tokenmill.entrypoints.kserve.ensemble import ensemble_fields, ensemble_meta
 
 SEED_MODEL = "model"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
 
 
 class GrpcError(Exception):
@@ -220,16 +217,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise GrpcError(_INVALID, f"input 'IN' must be BYTES with shape [1], got {dtype} "
                                       f"{shape}")
         try:
-            # As the HTTP APIs read bodies: strict UTF-8, no NaN/Infinity, bounded nesting
-            # (json.loads(bytes) would let UTF-8-encoded surrogates through).
-            tasks = json.loads(elements[0].decode("utf-8"), parse_constant=_no_constant)
-        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError included
-            raise GrpcError(_INVALID, "input 'IN' is not valid JSON") from None
-        try:
-            json.dumps(tasks, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise GrpcError(_INVALID, "input 'IN' contains an unpaired UTF-16 surrogate "
-                                      "escape (\\ud800-\\udfff)") from None
+            tasks = parse_json(elements[0])  # as strict as the HTTP APIs' bodies
+        except BodyError as exc:
+            raise GrpcError(_INVALID, f"input 'IN': {exc}") from None
         if not isinstance(tasks, list) or len(tasks) != 1 or not isinstance(tasks[0], dict):
             n = len(tasks) if isinstance(tasks, list) else 0
             yield self._seed_error(None, "request data should not be empty and query num "
