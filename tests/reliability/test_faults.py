@@ -203,6 +203,21 @@ def test_queue_full_rejects_fast_all_or_nothing(small):
     assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in served)
     rejected = sample(small.metrics, "tokenmill:request_rejected_total", reason="queue_full")
     assert rejected - rejected_before == 20
+    # What a refusal costs the server: one kept-alive client, the queue still full.
+    fillers = [open_raw_stream(small.base, long_body(i, 400)) for i in range(10)]
+    assert wait_until(lambda: state.engine.num_in_flight() == 10, 30)
+    with httpx.Client(timeout=10) as client:
+        times = []
+        for _ in range(100):
+            start = time.perf_counter()
+            assert client.post(small.base + COMPLETIONS, json=long_body(0, 4)).status_code == 503
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    print(f"refusal with the queue full: p50 {times[49]:.1f} ms, p99 {times[98]:.1f} ms")
+    assert times[98] < 100, times
+    for sock in fillers:  # leaving aborts them
+        sock.close()
+    assert wait_until(lambda: state.engine.num_in_flight() == 0, 30)
     # n counts as n slots, all or nothing: 3 x (n=3) fit 9 of 10 slots, a 4th does not.
     assert wait_until(lambda: state.engine.num_in_flight() == 0, 30)
     streams = [Stream(small.base, {**long_body(i, 300), "n": 3}) for i in range(3)]
