@@ -91,23 +91,12 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output)
 
     def check(self) -> None:
-        """Checks pydantic's types cannot express; errors name the field."""
+        """Checks the schema (types, ranges, caps) cannot express; errors name the field."""
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options",
                                    "stream_options is only allowed when stream is true.")
         if self.logit_bias:
             raise InvalidParameter("logit_bias", "logit_bias is not supported by this server.")
-        if not 1 <= self.n <= CAPS.max_n:
-            raise InvalidParameter("n", f"n must be in [1, {CAPS.max_n}], got {self.n}.")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        for name, items in (("stop", stops), ("bad_words", self.bad_words or []),
-                            ("stop_token_ids", self.stop_token_ids or [])):
-            if len(items) > CAPS.max_stop:
-                raise InvalidParameter(name, f"{name} may have at most {CAPS.max_stop} entries, "
-                                             f"got {len(items)}.")
-            if any(isinstance(x, str) and len(x) > CAPS.max_stop_chars for x in items):
-                raise InvalidParameter(name, f"each entry of {name} may have at most "
-                                             f"{CAPS.max_stop_chars} characters.")
 
 
 class CompletionRequest(_SamplingFields):
@@ -125,9 +114,6 @@ class CompletionRequest(_SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameter("best_of",
                                    "best_of different from n is not supported by this server.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= CAPS.max_logprobs:
-            raise InvalidParameter("logprobs", f"logprobs must be in [0, {CAPS.max_logprobs}], "
-                                               f"got {self.logprobs}.")
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidParameter("prompt", "prompt must not be empty.")
         num_prompts = len(self.prompts())
@@ -173,13 +159,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.top_logprobs is not None:
-            if not self.logprobs:
-                raise InvalidParameter("top_logprobs",
-                                       "top_logprobs requires logprobs to be true.")
-            if not 0 <= self.top_logprobs <= CAPS.max_logprobs:
-                raise InvalidParameter("top_logprobs", "top_logprobs must be in "
-                                       f"[0, {CAPS.max_logprobs}], got {self.top_logprobs}.")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true.")
         if self.tools and self.tool_choice != "none":
             raise InvalidParameter("tools", "tools are not supported by this server.")
         if self.response_format and self.response_format.get("type", "text") != "text":
