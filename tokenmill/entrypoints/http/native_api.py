@@ -23,6 +23,7 @@ from tokenmill.engine.async_engine import (
     EngineDeadError,
     EngineRequestError,
 )
+from tokenmill.entrypoints.http.openai_api import RETRY_AFTER_S
 from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
@@ -232,6 +233,17 @@ def error_body(req_id: str | None, message: str, status: int) -> dict:
     return {"req_id": req_id, "error_msg": message, "error_code": status}
 
 
+def error_response(body: dict, message: str, status: int) -> JSONResponse:
+    """A refused request in the seed's shape; its `req_id` is echoed unless oversized, and a
+    503 says when to retry."""
+    req_id = body.get("req_id") if isinstance(body.get("req_id"), (str, int)) else None
+    if req_id is not None and len(str(req_id)) > CAPS.max_request_id_chars:
+        req_id = None  # never echo an oversized id back
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse({**error_body(req_id, message, status), "result": ""},
+                        status_code=status, headers=headers)
+
+
 async def _messages(req: NativeRequest, state: ServerState,
                     received: str) -> AsyncIterator[dict]:
     """One message per engine step: the new text and ids since the previous message."""
@@ -303,16 +315,10 @@ def stream_messages(req: NativeRequest, state: ServerState,
 
 async def handle(body: dict, request: Request, state: ServerState) -> Response:
     received = _now()
-    req_id = body.get("req_id") if isinstance(body.get("req_id"), (str, int)) else None
-    if req_id is not None and len(str(req_id)) > CAPS.max_request_id_chars:
-        req_id = None  # never echo an oversized id back
     try:
         req = await admit(body, state)
     except NativeError as exc:
-        status = exc.status
-        headers = {"Retry-After": "1"} if status == 503 else None
-        return JSONResponse({**error_body(req_id, exc.message, status), "result": ""},
-                            status_code=status, headers=headers)
+        return error_response(body, exc.message, exc.status)
     messages = _messages(req, state, received)
     if req.stream and not state.disable_streaming and not req.return_all_tokens:
         return StreamingResponse(_json_lines(messages), media_type="text/event-stream")

@@ -120,9 +120,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
             message = "The server is not ready: it is shutting down or its engine stopped."
             server.reject("not_ready")
             if native:
-                return JSONResponse({"req_id": body.get("req_id"), "error_msg": message,
-                                     "error_code": 503, "result": ""}, status_code=503,
-                                    headers={"Retry-After": openai_api.RETRY_AFTER_S})
+                return native_api.error_response(body, message, 503)
             return openai_api.error_response(message, 503)
         if native:
             return await native_api.handle(body, request, server)
