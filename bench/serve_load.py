@@ -77,6 +77,17 @@ Lines = AsyncIterator[str]
 Reader = Callable[[Lines, list[float]], Awaitable[tuple[int | None, str | None]]]
 
 
+def _json_object(text: str) -> dict:
+    """One streamed event or line: a JSON object, else the stream is garbled."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise Failure("garbled") from None
+    if not isinstance(value, dict):
+        raise Failure("garbled")
+    return value
+
+
 def openai_body(model: str | None, prompt: str, output_len: int, req_id: str) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": output_len,
             "min_tokens": output_len, "temperature": 0.0, "stream": True,
@@ -95,12 +106,7 @@ async def read_openai(lines: Lines, chunk_times: list[float]) -> tuple[int | Non
         data = line[5:].strip()
         if data == "[DONE]":
             return usage_tokens, finish
-        try:
-            event = json.loads(data)
-        except ValueError:
-            raise Failure("garbled") from None
-        if not isinstance(event, dict):
-            raise Failure("garbled")
+        event = _json_object(data)
         if "error" in event:
             raise Failure("stream_error")
         if event.get("usage"):
@@ -124,12 +130,7 @@ async def read_native(lines: Lines, chunk_times: list[float]) -> tuple[int | Non
     async for line in lines:
         if not line.strip():
             continue
-        try:
-            message = json.loads(line)
-        except ValueError:
-            raise Failure("garbled") from None
-        if not isinstance(message, dict):
-            raise Failure("garbled")
+        message = _json_object(line)
         if message.get("error_code"):
             raise Failure("stream_error")
         if message.get("token"):
