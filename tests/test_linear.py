@@ -43,3 +43,28 @@ def test_choose_kernels_keeps_a_tied_embedding_and_skips_other_dtypes():
     hidden = torch.randn(3, 16)
     torch.testing.assert_close(model.head(hidden), hidden @ model.embed.weight.T,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_panel_gemv_reads_the_packed_weight_for_few_rows():
+    """Up to PANEL_MAX_ROWS rows the compiled GEMV reads oneDNN's packed copy (panels of 64
+    output channels); odd shapes exercise the zero padding of both dimensions. oneDNN packs
+    some shapes differently (130 rows: panels of 16; one row: not at all): the layout check
+    declines those and oneDNN keeps them."""
+    from tokenmill import csrc
+
+    if not csrc.available():
+        import pytest
+        pytest.skip("no compiled CPU kernels")
+    torch.manual_seed(1)
+    for n, k in [(63, 7), (64, 48), (65, 100), (200, 33), (960, 576), (1, 1), (130, 576)]:
+        dense = Linear(k, n, bias=True)
+        dense.weight.data.normal_()
+        dense.bias.data.normal_()
+        packed = Linear(k, n, bias=True)
+        packed.load_state_dict(dense.state_dict())
+        packed.use_kernel(CpuPackedKernel(packed))
+        # the layout check
+        assert (packed.kernel.panel_stride is None) == ((n, k) in [(1, 1), (130, 576)])
+        for rows in range(CpuPackedKernel.PANEL_MAX_ROWS + 2):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(packed(x), dense(x), atol=1e-4, rtol=1e-5)

@@ -352,13 +352,16 @@ def check_ports_free(config: ServerConfig) -> None:
 class CpuKernelSettings:
     """The compiled CPU kernels: TOKENMILL_CPU_KERNELS=0 turns them off (tests, debugging);
     TOKENMILL_CPU_INT_DOT=0 keeps int8/int4 weight layers' activations in float32 (exact
-    weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs; CC picks the
-    compiler; XDG_CACHE_HOME moves the build cache."""
+    weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs;
+    TOKENMILL_CPU_DECODE_STEP=0 runs decode steps layer by layer from Python instead of in one
+    compiled call (same kernels, same results; for comparisons); CC picks the compiler;
+    XDG_CACHE_HOME moves the build cache."""
 
     enabled: bool
     compiler: str
     cache_dir: str
     int_dot: bool = True
+    decode_step: bool = True
 
     @classmethod
     def from_env(cls, environ=None) -> CpuKernelSettings:
@@ -369,7 +372,8 @@ class CpuKernelSettings:
         return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
                    compiler=environ.get("CC", "cc"),
                    cache_dir=os.path.join(cache, "tokenmill", "kernels"),
-                   int_dot=environ.get("TOKENMILL_CPU_INT_DOT", "1") != "0")
+                   int_dot=environ.get("TOKENMILL_CPU_INT_DOT", "1") != "0",
+                   decode_step=environ.get("TOKENMILL_CPU_DECODE_STEP", "1") != "0")
 
 
 def share_metrics_dir(path: str) -> None:

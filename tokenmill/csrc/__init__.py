@@ -8,6 +8,8 @@ memory.
   must gather a padded copy of every sequence's K/V first.
 - `layer_ops.c`: RMSNorm with its residual add, rotary, SiLU-and-multiply, the K/V cache
   write, each one call instead of several torch ops (dispatch dominates at decode sizes).
+- `decode_step.c`: all decoder layers of a decode step in one call over the kernels above
+  (`kernels.h`), so the per-layer Python and ctypes work of the small kernels disappears.
 
 Plain C files need no torch headers (they build in about a second). Without a compiler, or
 without AVX2/FMA/F16C, `available()` is False and callers use their torch paths."""
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -30,8 +33,10 @@ from tokenmill.config import CpuKernelSettings
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("gemm.c", "paged_attention.c", "layer_ops.c")]
+_HERE = os.path.dirname(__file__)
+_SOURCES = [os.path.join(_HERE, name)
+            for name in ("gemm.c", "paged_attention.c", "layer_ops.c", "decode_step.c")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
@@ -51,7 +56,7 @@ def _cpu_has_avx2() -> bool:
 
 def _build(compiler: str, cache_dir: str) -> str:
     source = b""
-    for path in _SOURCES + [os.path.join(os.path.dirname(__file__), "simd.h")]:
+    for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             source += f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
@@ -101,11 +106,19 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_quantize_rows_q16.argtypes = [ptr] * 4 + [i64] * 2
     lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_int4_gemm_q16.argtypes = [ptr] * 8 + [i64] * 3
+    lib.tm_f32_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
     lib.tm_write_kv.argtypes = [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 4
+    lib.tm_decode_layers.argtypes = [ptr] * 3 + [i64] + [ptr] * 3 + [i64, ptr]
+    lib.tm_decode_layers.restype = i64
     return lib
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (call only when `available()`)."""
+    return _library()
 
 
 def available() -> bool:
@@ -172,6 +185,45 @@ def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     y = torch.empty(m, n, dtype=torch.float32)
     _library().tm_int4_gemm_q16(_ptr(xq), _ptr(xs), _ptr(xsum), _ptr(qweight), _ptr(scale),
                                 _ptr(mins), _ptr(bias), _ptr(y), m, n, k)
+    return y
+
+
+class LinearForm(NamedTuple):
+    """How the compiled decode step multiplies by one linear layer (decode_step.c's tm_linear):
+    which kernel, its integer parameter (F32_PANEL: the padded K; int8 / int4: the group) and
+    the addresses of the weight tensors, which the layer's kernel keeps alive."""
+
+    kind: int
+    param: int
+    weight: int
+    scale: int | None = None
+    min: int | None = None
+
+
+# decode_step.c's kernel kinds
+F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16 = range(5)
+
+
+def f32_panel_stride(packed: torch.Tensor, n: int, k: int) -> int | None:
+    """KP, the padded input length of a weight packed by `torch.ops.mkldnn._reorder_linear_weight`
+    if its bytes fit the [N/64][KP][64] panel layout (what oneDNN picks on AVX2), else None.
+    The byte count cannot prove the layout: callers compare one product with oneDNN's."""
+    panels = -(-n // 64)
+    floats = torch.ops.mkldnn._nbytes(packed) // 4
+    if floats % (panels * 64):
+        return None
+    kp = floats // (panels * 64)
+    return kp if k <= kp < k + 64 else None
+
+
+def f32_panel_gemm(x: torch.Tensor, packed: torch.Tensor, kp: int, n: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ the packed [N, K] weight (panel layout, see
+    `f32_panel_stride`) -> [M, N]."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_f32_panel_gemm(_ptr(x), torch.ops.mkldnn.data_ptr(packed), _ptr(bias),
+                                 _ptr(y), m, n, k, kp)
     return y
 
 

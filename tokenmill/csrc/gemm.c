@@ -313,3 +313,59 @@ void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, con
         }
     }
 }
+
+/* ---- fp32 weights in oneDNN's packed layout, few rows -----------------------------------
+ * fp32 linear layers keep their weight in the layout torch.ops.mkldnn._reorder_linear_weight
+ * gives (one copy, used by oneDNN for many rows). On AVX2 that layout is panels of 64 output
+ * channels, each [KP][64] with K zero-padded to KP ([N/64][KP][64]; csrc.f32_panel_stride
+ * derives KP and layers check this kernel against oneDNN once before using it). oneDNN's own
+ * single-row GEMV reads it at ~12 GB/s here; streaming each panel once with 8 accumulators
+ * per row reaches the machine's streaming rate. A thread takes whole panels; rows are done
+ * 1 per panel pass (8 accumulators) or, for 2..4 rows, 2 at a time per 32-column half panel
+ * walked in k-chunks that stay in L1 between the two halves. */
+#define KCHUNK 128
+
+INLINE void f32_panel_rows(const float *x, int64_t K, const float *panel, float *acc_out,
+                           int64_t k0, int64_t k1, int64_t col, const int mb, const int nv) {
+    __m256 acc[2][8];
+    for (int i = 0; i < mb; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = _mm256_loadu_ps(acc_out + i * 64 + col + 8 * v);
+    for (int64_t k = k0; k < k1; k++) {
+        const float *w = panel + k * 64 + col;
+        __m256 xb[2];
+        for (int i = 0; i < mb; i++) xb[i] = _mm256_broadcast_ss(x + i * K + k);
+        for (int v = 0; v < nv; v++) {
+            const __m256 wv = _mm256_loadu_ps(w + 8 * v);
+            for (int i = 0; i < mb; i++) acc[i][v] = _mm256_fmadd_ps(xb[i], wv, acc[i][v]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int v = 0; v < nv; v++) _mm256_storeu_ps(acc_out + i * 64 + col + 8 * v, acc[i][v]);
+}
+
+void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int64_t KP) {
+    const int64_t panels = (N + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = w + p * KP * 64;
+        const int64_t width = N - p * 64 < 64 ? N - p * 64 : 64;
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            float acc[2 * 64] __attribute__((aligned(32))) = {0};
+            const float *xm = x + m0 * K;
+            if (M - m0 == 1) {
+                f32_panel_rows(xm, K, panel, acc, 0, K, 0, 1, 8);
+            } else {
+                for (int64_t k0 = 0; k0 < K; k0 += KCHUNK) {
+                    const int64_t k1 = k0 + KCHUNK < K ? k0 + KCHUNK : K;
+                    f32_panel_rows(xm, K, panel, acc, k0, k1, 0, 2, 4);
+                    f32_panel_rows(xm, K, panel, acc, k0, k1, 32, 2, 4);
+                }
+            }
+            const int64_t rows = M - m0 < 2 ? M - m0 : 2;
+            for (int64_t i = 0; i < rows; i++)
+                for (int64_t j = 0; j < width; j++)
+                    y[(m0 + i) * N + p * 64 + j] = acc[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
+        }
+    }
+}

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import csrc
+
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -23,6 +25,11 @@ class DenseKernel:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 
+    def compiled_form(self) -> None:
+        """The compiled decode step's description of this kernel (csrc.LinearForm); None:
+        it has none, so the step runs layer by layer in Python."""
+        return None
+
 
 class CpuPackedKernel:
     """fp32 on CPU: the weight reordered once into oneDNN's blocked layout.
@@ -31,23 +38,57 @@ class CpuPackedKernel:
     decode step that costs more than the multiply (measured on the default model, all layers:
     2x faster at 32 rows, 2.5x at 7, equal at 1 row; see bench/NOTES.md). The packed copy
     replaces the weight, so memory is unchanged except for an LM head tied to the embedding
-    table, which keeps its rows for lookups."""
+    table, which keeps its rows for lookups. Up to `PANEL_MAX_ROWS` rows the compiled panel
+    GEMV (csrc/gemm.c) reads the same packed copy: oneDNN's single-row path streams it at
+    ~14 GB/s, the compiled one at ~20 (bench/NOTES.md)."""
 
     name = "cpu-packed"
     # Row count oneDNN tunes the layout for; any count works. 32 was best from 1 to 512 rows.
     BATCH_HINT = 32
+    # Rows up to which the compiled panel GEMV beats oneDNN (1.4x at 1 row, ~1.05x at 8).
+    PANEL_MAX_ROWS = 8
 
     def __init__(self, layer: Linear) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(),
-                                                               self.BATCH_HINT)
+        weight = layer.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.out_features, self.in_features = weight.shape
+        self.panel_stride = self._check_panel_layout()
+
+    def _check_panel_layout(self) -> int | None:
+        """The packed copy's padded K if the compiled panel GEMV can read it, else None. The
+        byte count must fit the panel layout, and one product must equal oneDNN's (a layout
+        read wrongly would permute the weights)."""
+        if not csrc.available():
+            return None
+        kp = csrc.f32_panel_stride(self.packed, self.out_features, self.in_features)
+        if kp is None:
+            return None
+        x = torch.randn(2, self.in_features, generator=torch.Generator().manual_seed(0))
+        ours = csrc.f32_panel_gemm(x, self.packed, kp, self.out_features, None)
+        theirs = self._onednn(x, None)
+        tolerance = 1e-4 * float(theirs.abs().max()) + 1e-30
+        return kp if float((ours - theirs).abs().max()) <= tolerance else None
 
     @staticmethod
     def supports(layer: Linear) -> bool:
         return (layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
                 and torch.backends.mkldnn.is_available())
 
+    def _onednn(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, layer.bias, "none", [], "")
+        if (self.panel_stride is not None and x.dim() == 2
+                and x.shape[0] <= self.PANEL_MAX_ROWS):
+            return csrc.f32_panel_gemm(x.contiguous(), self.packed, self.panel_stride,
+                                       self.out_features, layer.bias)
+        return self._onednn(x, layer.bias)
+
+    def compiled_form(self) -> csrc.LinearForm | None:
+        if self.panel_stride is None:
+            return None
+        return csrc.LinearForm(csrc.F32_PANEL, self.panel_stride,
+                               torch.ops.mkldnn.data_ptr(self.packed))
 
     def weight_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
@@ -56,6 +97,7 @@ class CpuPackedKernel:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         if bias:

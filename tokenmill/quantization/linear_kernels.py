@@ -45,6 +45,10 @@ class QuantizedKernel(ABC):
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def compiled_form(self) -> csrc.LinearForm | None:
+        """The compiled decode step's description of this kernel; None where it has none."""
+        return None
+
     def _on_fast_cpu(self) -> bool:
         first = next(iter(self.tensors.values()))
         return first.device.type == "cpu" and csrc.available()
@@ -102,6 +106,12 @@ class Int8Kernel(QuantizedKernel):
                                                         layer.bias, self.group)
         return self.reference(layer, x)
 
+    def compiled_form(self) -> csrc.LinearForm | None:
+        if not self.fast:
+            return None
+        return csrc.LinearForm(csrc.INT8_Q16 if self.int_dot else csrc.INT8, self.group,
+                               self.qweight.data_ptr(), self.scale.data_ptr())
+
 
 class Int4Kernel(QuantizedKernel):
     """Weight-only 4-bit, asymmetric per group of inputs (GGUF Q4_1's scheme and layout)."""
@@ -139,6 +149,13 @@ class Int4Kernel(QuantizedKernel):
             return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, self.mins,
                                                         layer.bias, self.group)
         return self.reference(layer, x)
+
+    def compiled_form(self) -> csrc.LinearForm | None:
+        if not self.fast:
+            return None
+        return csrc.LinearForm(csrc.INT4_Q16 if self.int_dot else csrc.INT4, self.group,
+                               self.qweight.data_ptr(), self.scale.data_ptr(),
+                               self.mins.data_ptr())
 
 
 class A8W8Kernel(QuantizedKernel):

@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
 from tokenmill.loader import load_model
+from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.worker import kv_cache
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class ModelRunner:
                                             self.device)
         for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
+        # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
+        self.decode_step = CpuDecodeStep.build(self.model, self.backend)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
 
@@ -122,7 +125,9 @@ class ModelRunner:
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare_inputs(scheduled)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self.decode_step(input_ids, positions, meta) if self.decode_step else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta)
 
         out = RunnerOutput()
         sample_rows = [i for i, s in enumerate(scheduled) if s.end == s.request.num_tokens]

@@ -1,0 +1,104 @@
+"""The compiled decode step (tokenmill/csrc/decode_step.c: every decoder layer in one call)
+against the same model run layer by layer from Python, and against transformers."""
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+from tokenmill import LLM, SamplingParams, csrc
+from tokenmill.attention.reference import ReferenceBackend
+from tokenmill.models.cpu_decode import CpuDecodeStep
+
+pytestmark = pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 50)), [7, 8], list(range(300, 333))]
+
+
+@pytest.fixture
+def step_calls(monkeypatch):
+    """Counts the steps the compiled decode step ran (returned hidden states for)."""
+    calls = {"ran": 0, "declined": 0}
+    original = CpuDecodeStep.__call__
+
+    def counting(self, *args):
+        hidden = original(self, *args)
+        calls["ran" if hidden is not None else "declined"] += 1
+        return hidden
+
+    monkeypatch.setattr(CpuDecodeStep, "__call__", counting)
+    return calls
+
+
+def generate(path, prompts, params, **engine_args):
+    llm = LLM(path, kv_cache_memory_gib=0.01, **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0] for o in outs]
+
+
+@pytest.mark.parametrize("arch,quantization,kv_cache_dtype", [
+    ("llama", None, "auto"), ("qwen2", None, "auto"), ("qwen3", None, "auto"),
+    ("llama3", None, "int8"), ("llama", "int8", "auto"), ("qwen2", "int4", "int8"),
+])
+def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_calls, arch,
+                                             quantization, kv_cache_dtype):
+    path, _ = tiny_models(arch)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    args = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    llm, fused = generate(path, PROMPTS, params, **args)
+    assert llm.engine.core.runner.decode_step is not None
+    assert step_calls["ran"] >= 9  # every decode step of the batch (4 rows)
+    monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
+    llm, layered = generate(path, PROMPTS, params, **args)
+    assert llm.engine.core.runner.decode_step is None
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            assert pa.keys() == pb.keys()
+            for token in pa:
+                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
+
+
+def test_batches_above_the_row_limit_fall_back_and_match_transformers(tiny_models,
+                                                                      step_calls):
+    """12 sequences finishing at different lengths: steps with more than MAX_ROWS decodes run
+    layer by layer, the rest compiled; every sequence equals transformers' greedy output."""
+    path, hf = tiny_models("llama")
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(12)]
+    lengths = [2 + i for i in range(12)]
+    llm = LLM(path, kv_cache_memory_gib=0.01)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                         for n in lengths], use_tqdm=False)
+    assert CpuDecodeStep.MAX_ROWS < 12
+    assert step_calls["ran"] > 0 and step_calls["declined"] > 0
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n)
+
+
+def test_build_declines_what_it_cannot_run(tiny_models, monkeypatch):
+    path, _ = tiny_models("llama")
+    llm = LLM(path, kv_cache_memory_gib=0.01)
+    model, runner = llm.engine.core.runner.model, llm.engine.core.runner
+    assert CpuDecodeStep.build(model, runner.backend) is not None
+    assert CpuDecodeStep.build(model, ReferenceBackend()) is None
+    monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
+    assert CpuDecodeStep.build(model, runner.backend) is None
+    monkeypatch.delenv("TOKENMILL_CPU_DECODE_STEP")
+    # a8w8 layers (fbgemm) have no compiled form: the whole step stays in Python
+    llm = LLM(path, kv_cache_memory_gib=0.01, quantization="a8w8")
+    assert llm.engine.core.runner.decode_step is None
+    # bf16 weights: the compiled kernels are float32 only
+    llm = LLM(path, kv_cache_memory_gib=0.01, dtype="bfloat16")
+    assert llm.engine.core.runner.decode_step is None
+
+
+def test_rebound_caches_are_not_written_through_stale_addresses(tiny_models, step_calls):
+    path, hf = tiny_models("llama")
+    llm = LLM(path, kv_cache_memory_gib=0.01)
+    runner = llm.engine.core.runner
+    for layer in runner.model.attention_layers():
+        layer.k_cache, layer.v_cache = layer.k_cache.clone(), layer.v_cache.clone()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    assert step_calls["ran"] == 0 and step_calls["declined"] > 0
+    assert out.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 6)

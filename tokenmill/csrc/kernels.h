@@ -1,0 +1,33 @@
+/* The kernels of this folder that other kernels call (decode_step.c runs whole decoder layers
+ * with them); the Python side declares the same signatures in csrc/__init__.py. */
+#pragma once
+#include <stdint.h>
+
+void tm_int8_gemm(const float *x, const int8_t *w, const float *scale, const float *bias,
+                  float *y, int64_t M, int64_t N, int64_t K, int64_t group);
+void tm_int4_gemm(const float *x, const uint8_t *w, const uint16_t *scale,
+                  const uint16_t *min, const float *bias, float *y, int64_t M, int64_t N,
+                  int64_t K, int64_t group);
+void tm_quantize_rows_q16(const float *x, int16_t *xq, float *xs, float *xsum, int64_t M,
+                          int64_t K);
+void tm_int8_gemm_q16(const int16_t *xq, const float *xs, const int8_t *w, const float *scale,
+                      const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                      int64_t group);
+void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *w,
+                      const uint16_t *scale, const uint16_t *min, const float *bias, float *y,
+                      int64_t M, int64_t N, int64_t K);
+void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int64_t KP);
+void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache, const int64_t *block_table,
+                               int64_t table_stride, const int64_t *seq_lens, float *out,
+                               int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                               int64_t block_size, float scale, int64_t kv_int8);
+void tm_add_rms_norm(float *x, float *residual, const float *weight, float *out, int64_t T,
+                     int64_t D, float eps);
+void tm_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t stride, const float *cos,
+               const float *signed_sin, const int64_t *positions);
+void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I);
+void tm_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride,
+                 void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
+                 int64_t D, int64_t kv_int8);

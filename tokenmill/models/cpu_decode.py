@@ -1,0 +1,164 @@
+"""The compiled decode step (csrc/decode_step.c): every decoder layer of a Llama-family model
+in one C call when a step is all decodes of a few sequences on the CPU.
+
+At batch 1 a decoder layer is ~12 kernel calls; from Python each costs module, dispatch and
+ctypes work, which added up to about as long as streaming the layer's weights (bench/NOTES.md).
+`CpuDecodeStep.build` describes the model's tensors to C once (weights, norms, KV caches,
+rotary tables, scratch rows); each eligible step then passes only its token rows and
+attention metadata. It runs the same kernels in the same order as the Python path, so outputs
+are the same; steps it does not take (prompts, more rows, other kernels) run layer by layer."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill import csrc
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.config import CpuKernelSettings
+from tokenmill.layers.linear import Linear
+from tokenmill.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("param", _i64), ("w", _ptr),
+                ("scale", _ptr), ("min", _ptr), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = ([(name, _i64) for name in ("num_layers", "hidden", "q_heads", "kv_heads",
+                                           "head_dim", "intermediate", "block_size", "kv_int8",
+                                           "max_rows")]
+                + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
+                + [(name, _ptr) for name in ("final_norm", "cos", "signed_sin", "residual",
+                                             "normed", "qkv", "attn", "gate_up", "act", "xs",
+                                             "xsum", "xq")])
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(layer: Linear) -> _Linear | None:
+    form = layer.kernel.compiled_form()
+    if form is None:
+        return None
+    n, k = layer.out_features, layer.in_features
+    return _Linear(form.kind, n, k, form.param, form.weight, form.scale, form.min,
+                   _address(layer.bias))
+
+
+class CpuDecodeStep:
+    # Decode rows up to which the step runs compiled (the panel GEMV's limit, see Linear).
+    MAX_ROWS = 8
+
+    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        config = model.config
+        rows, hidden = self.MAX_ROWS, config.hidden_size
+        inter = config.intermediate_size
+        width = attn.q_size + 2 * attn.kv_size
+        max_k = max(hidden, attn.q_size, inter)
+        self._embedding = inner.embed_tokens.weight
+        self._attention = [layer.self_attn for layer in inner.layers]
+        self._caches = [(a.k_cache, a.v_cache) for a in self._attention]
+        # Scratch rows the C step writes; kept for the model's lifetime.
+        self._scratch = {
+            "residual": torch.empty(rows, hidden), "normed": torch.empty(rows, hidden),
+            "qkv": torch.empty(rows, width), "attn": torch.empty(rows, attn.q_size),
+            "gate_up": torch.empty(rows, 2 * inter), "act": torch.empty(rows, inter),
+            "xs": torch.empty(rows, max_k // 32 + 1), "xsum": torch.empty(rows, max_k // 32 + 1),
+            "xq": torch.empty(rows, max_k, dtype=torch.int16)}
+        self._layers = (_Layer * len(layers))(*layers)
+        rotary = inner.rotary
+        self._model = _Model(
+            num_layers=len(layers), hidden=hidden, q_heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
+            block_size=0, kv_int8=int(attn.k_cache.dtype == torch.int8), max_rows=rows,
+            eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
+            final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
+            signed_sin=rotary.signed_sin.data_ptr(),
+            **{name: t.data_ptr() for name, t in self._scratch.items()})
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, backend: object) -> CpuDecodeStep | None:
+        """The compiled step for this model, or None where it cannot run (then every step goes
+        through the model's Python forward)."""
+        reason = cls._unsupported(model, backend)
+        if reason is None:
+            layers = [cls._describe(layer) for layer in model.model.layers]
+            if all(layers):
+                return cls(model, layers)
+            reason = "a linear layer's kernel has no compiled form"
+        logger.info("Decode steps run layer by layer: %s.", reason)
+        return None
+
+    @staticmethod
+    def _unsupported(model: torch.nn.Module, backend: object) -> str | None:
+        if not CpuKernelSettings.from_env().decode_step:
+            return "TOKENMILL_CPU_DECODE_STEP=0"
+        if not isinstance(model, LlamaForCausalLM):
+            return f"no compiled step for {type(model).__name__}"
+        embed = model.model.embed_tokens.weight
+        if not csrc.usable(embed):
+            return "the compiled kernels need float32 weights on a CPU with AVX2"
+        if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
+            return "the attention backend does not use the compiled decode kernel"
+        attn = model.model.layers[0].self_attn
+        if attn.head_dim % 8 or attn.k_cache.device.type != "cpu":
+            return "head size not a multiple of 8"
+        norms = [model.model.norm] + [n for layer in model.model.layers
+                                      for n in (layer.input_layernorm,
+                                                layer.post_attention_layernorm)]
+        if any(n.eps != model.model.norm.eps for n in norms):
+            return "the layers' RMSNorm epsilons differ"
+        return None
+
+    @staticmethod
+    def _describe(layer: torch.nn.Module) -> _Layer | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                        mlp.down_proj)]
+        if not all(linears):
+            return None
+        q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
+        k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
+        return _Layer(*linears, layer.input_layernorm.weight.data_ptr(),
+                      layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
+                      attn.k_cache.data_ptr(), attn.v_cache.data_ptr())
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final hidden states [T, H] of an all-decode step of at most MAX_ROWS tokens
+        (new K/V written to the caches); None for any other step."""
+        t = input_ids.shape[0]
+        if meta.num_decodes != meta.num_seqs or t > self.MAX_ROWS:
+            return None
+        if any(a.k_cache is not k or a.v_cache is not v
+               for a, (k, v) in zip(self._attention, self._caches)):
+            return None  # caches were rebound after build: the described addresses are stale
+        self._model.block_size = meta.block_size
+        hidden = F.embedding(input_ids, self._embedding)
+        out = torch.empty_like(hidden)
+        table = meta.block_table
+        assert table.stride(1) == 1 and positions.is_contiguous()
+        csrc.library().tm_decode_layers(
+            ctypes.byref(self._model), hidden.data_ptr(), out.data_ptr(), t,
+            positions.data_ptr(), meta.slot_mapping.data_ptr(), table.data_ptr(),
+            table.stride(0), meta.seq_lens.data_ptr())
+        return out
