@@ -45,7 +45,8 @@ def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_call
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     args = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     llm, fused = generate(path, PROMPTS, params, **args)
-    assert llm.engine.core.runner.decode_step is not None
+    step = llm.engine.core.runner.decode_step
+    assert step is not None and step.max_rows == (8 if quantization is None else 64)
     assert step_calls["ran"] >= 9  # every decode step of the batch (4 rows)
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
     llm, layered = generate(path, PROMPTS, params, **args)
@@ -60,7 +61,7 @@ def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_call
 
 def test_batches_above_the_row_limit_fall_back_and_match_transformers(tiny_models,
                                                                       step_calls):
-    """12 sequences finishing at different lengths: steps with more than MAX_ROWS decodes run
+    """12 sequences finishing at different lengths: fp32 steps with more than 8 decodes run
     layer by layer, the rest compiled; every sequence equals transformers' greedy output."""
     path, hf = tiny_models("llama")
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(12)]
@@ -69,10 +70,26 @@ def test_batches_above_the_row_limit_fall_back_and_match_transformers(tiny_model
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                          for n in lengths], use_tqdm=False)
-    assert CpuDecodeStep.MAX_ROWS < 12
+    assert llm.engine.core.runner.decode_step.max_rows == 8
     assert step_calls["ran"] > 0 and step_calls["declined"] > 0
     for prompt, n, out in zip(prompts, lengths, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, n)
+
+
+def test_quantized_batches_of_many_rows_run_compiled(tiny_models, monkeypatch, step_calls):
+    """int8 weights: steps of 20 decodes run compiled and equal the layer-by-layer run."""
+    path, _ = tiny_models("llama")
+    prompts = [[(5 * i + j) % 250 + 3 for j in range(4 + i)] for i in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    _, fused = generate(path, prompts, params, quantization="int8")
+    assert step_calls == {"ran": 4, "declined": 1}  # the one prompt step is not a decode
+    monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
+    _, layered = generate(path, prompts, params, quantization="int8")
+    for a, b in zip(fused, layered):
+        assert a.token_ids == b.token_ids
+        for pa, pb in zip(a.logprobs, b.logprobs):
+            for token in pa:
+                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
 
 
 def test_build_declines_what_it_cannot_run(tiny_models, monkeypatch):

@@ -190,11 +190,13 @@ def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 
 class LinearForm(NamedTuple):
     """How the compiled decode step multiplies by one linear layer (decode_step.c's tm_linear):
-    which kernel, its integer parameter (F32_PANEL: the padded K; int8 / int4: the group) and
-    the addresses of the weight tensors, which the layer's kernel keeps alive."""
+    which kernel, its integer parameter (F32_PANEL: the padded K; int8 / int4: the group),
+    the most rows it is the layer's fastest kernel for, and the addresses of the weight
+    tensors, which the layer's kernel keeps alive."""
 
     kind: int
     param: int
+    max_rows: int
     weight: int
     scale: int | None = None
     min: int | None = None

@@ -87,7 +87,7 @@ class CpuPackedKernel:
     def compiled_form(self) -> csrc.LinearForm | None:
         if self.panel_stride is None:
             return None
-        return csrc.LinearForm(csrc.F32_PANEL, self.panel_stride,
+        return csrc.LinearForm(csrc.F32_PANEL, self.panel_stride, self.PANEL_MAX_ROWS,
                                torch.ops.mkldnn.data_ptr(self.packed))
 
     def weight_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """The compiled decode step (csrc/decode_step.c): every decoder layer of a Llama-family model
-in one C call when a step is all decodes of a few sequences on the CPU.
+in one C call when a step is all decodes of up to `max_rows` sequences on the CPU (8 for fp32
+weights, 64 for int8 / int4).
 
 At batch 1 a decoder layer is ~12 kernel calls; from Python each costs module, dispatch and
 ctypes work, which added up to about as long as streaming the layer's weights (bench/NOTES.md).
@@ -53,24 +54,29 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(layer: Linear) -> _Linear | None:
+def _linear(layer: Linear) -> tuple[_Linear, int] | None:
+    """The layer for C and the most rows its compiled kernel is the fastest for."""
     form = layer.kernel.compiled_form()
     if form is None:
         return None
     n, k = layer.out_features, layer.in_features
     return _Linear(form.kind, n, k, form.param, form.weight, form.scale, form.min,
-                   _address(layer.bias))
+                   _address(layer.bias)), form.max_rows
 
 
 class CpuDecodeStep:
-    # Decode rows up to which the step runs compiled (the panel GEMV's limit, see Linear).
-    MAX_ROWS = 8
+    # Most decode rows a step takes, whatever the kernels allow: the layers' Python overhead
+    # matters less as rows grow, and the scratch rows are allocated for this many.
+    ROW_CAP = 64
 
-    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer]) -> None:
+    def __init__(self, model: LlamaForCausalLM, layers: list[_Layer], max_rows: int) -> None:
         inner = model.model
         attn = inner.layers[0].self_attn
         config = model.config
-        rows, hidden = self.MAX_ROWS, config.hidden_size
+        # Decode rows up to which steps run compiled: the smallest row limit of the layers'
+        # kernels (fp32: 8, where the panel GEMV stops beating oneDNN; int8 / int4: more).
+        self.max_rows = max_rows
+        rows, hidden = max_rows, config.hidden_size
         inter = config.intermediate_size
         width = attn.q_size + 2 * attn.kv_size
         max_k = max(hidden, attn.q_size, inter)
@@ -101,9 +107,11 @@ class CpuDecodeStep:
         through the model's Python forward)."""
         reason = cls._unsupported(model, backend)
         if reason is None:
-            layers = [cls._describe(layer) for layer in model.model.layers]
-            if all(layers):
-                return cls(model, layers)
+            described = [cls._describe(layer) for layer in model.model.layers]
+            if all(described):
+                layers = [layer for layer, _ in described]
+                max_rows = min([cls.ROW_CAP] + [rows for _, rows in described])
+                return cls(model, layers, max_rows)
             reason = "a linear layer's kernel has no compiled form"
         logger.info("Decode steps run layer by layer: %s.", reason)
         return None
@@ -130,24 +138,26 @@ class CpuDecodeStep:
         return None
 
     @staticmethod
-    def _describe(layer: torch.nn.Module) -> _Layer | None:
+    def _describe(layer: torch.nn.Module) -> tuple[_Layer, int] | None:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                        mlp.down_proj)]
-        if not all(linears):
+        forms = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                      mlp.down_proj)]
+        if not all(forms):
             return None
+        linears = [linear for linear, _ in forms]
         q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
         k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
         return _Layer(*linears, layer.input_layernorm.weight.data_ptr(),
                       layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
-                      attn.k_cache.data_ptr(), attn.v_cache.data_ptr())
+                      attn.k_cache.data_ptr(), attn.v_cache.data_ptr()), min(
+                          rows for _, rows in forms)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor | None:
-        """The final hidden states [T, H] of an all-decode step of at most MAX_ROWS tokens
+        """The final hidden states [T, H] of an all-decode step of at most `max_rows` tokens
         (new K/V written to the caches); None for any other step."""
         t = input_ids.shape[0]
-        if meta.num_decodes != meta.num_seqs or t > self.MAX_ROWS:
+        if meta.num_decodes != meta.num_seqs or t > self.max_rows:
             return None
         if any(a.k_cache is not k or a.v_cache is not v
                for a, (k, v) in zip(self._attention, self._caches)):

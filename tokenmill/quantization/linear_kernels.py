@@ -110,7 +110,7 @@ class Int8Kernel(QuantizedKernel):
         if not self.fast:
             return None
         return csrc.LinearForm(csrc.INT8_Q16 if self.int_dot else csrc.INT8, self.group,
-                               self.qweight.data_ptr(), self.scale.data_ptr())
+                               INT8_MAX_ROWS, self.qweight.data_ptr(), self.scale.data_ptr())
 
 
 class Int4Kernel(QuantizedKernel):
@@ -154,7 +154,7 @@ class Int4Kernel(QuantizedKernel):
         if not self.fast:
             return None
         return csrc.LinearForm(csrc.INT4_Q16 if self.int_dot else csrc.INT4, self.group,
-                               self.qweight.data_ptr(), self.scale.data_ptr(),
+                               INT4_MAX_ROWS, self.qweight.data_ptr(), self.scale.data_ptr(),
                                self.mins.data_ptr())
 
 
