@@ -132,6 +132,16 @@ class Served:
     def ports_free(self) -> bool:
         return all(port_free(p) for p in self.ports.values())
 
+    @contextlib.contextmanager
+    def running(self, timeout=120.0):
+        """Started and ready inside the block; stopped after it, whatever happened."""
+        self.start()
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            self.stop()
+
     def stop(self):
         """Graceful first; then nothing of the process group may survive the test."""
         if self.process is None:

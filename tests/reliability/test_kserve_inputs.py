@@ -25,12 +25,8 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
-    s = Served(tiny_models("llama")[0], tmp_path_factory.mktemp("kserve")).start()
-    try:
-        s.wait_ready()
+    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("kserve")).running() as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

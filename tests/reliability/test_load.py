@@ -58,13 +58,9 @@ def tree_fds(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def soaked(tiny_models, tmp_path_factory):
-    s = Served(tiny_models("llama")[0], tmp_path_factory.mktemp("soak"),
-               "--max-num-seqs", "64").start()
-    try:
-        s.wait_ready()
+    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("soak"),
+                "--max-num-seqs", "64").running() as s:
         yield s
-    finally:
-        s.stop()
 
 
 # S4 (runtime) -------------------------------------------------------------------------------

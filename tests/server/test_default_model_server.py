@@ -18,12 +18,8 @@ def default_server(tmp_path_factory):
     served = Served("", tmp_path_factory.mktemp("default"), "--max-model-len", "1024")
     served.args.remove("")  # no MODEL argument: the bundled default
     served.args[served.args.index("tiny")] = "smollm2"
-    served.start()
-    try:
-        served.wait_ready(300)
+    with served.running(timeout=300):
         yield served
-    finally:
-        served.stop()
 
 
 def test_seed_client_snippet_streams_the_answer(default_server):

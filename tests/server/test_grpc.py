@@ -15,13 +15,9 @@ from tests.serving import Served, metric, wait_until
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
     # One running slot and one waiting slot, so overload and cancellation are easy to reach.
-    s = Served(tiny_models("llama")[0], tmp_path_factory.mktemp("grpc"), "--max-num-seqs", "1",
-               "--max-cached-task-num", "1").start()
-    try:
-        s.wait_ready()
+    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("grpc"), "--max-num-seqs",
+                "1", "--max-cached-task-num", "1").running() as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture
