@@ -2,7 +2,6 @@
 against the same model run layer by layer from Python, and against transformers."""
 
 import pytest
-import torch
 from helpers import hf_greedy
 
 from tokenmill import LLM, SamplingParams, csrc

@@ -125,7 +125,8 @@ def available() -> bool:
     return _library() is not None
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's data address for the kernels (None stays a NULL pointer)."""
     return None if t is None else t.data_ptr()
 
 
@@ -135,7 +136,7 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_int8_gemm(_ptr(x), _ptr(qweight), _ptr(scale), _ptr(bias), _ptr(y),
+    _library().tm_int8_gemm(address(x), address(qweight), address(scale), address(bias), address(y),
                             m, n, k, group)
     return y
 
@@ -147,8 +148,8 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins:
     m, k = x.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_int4_gemm(_ptr(x), _ptr(qweight), _ptr(scale), _ptr(mins), _ptr(bias),
-                            _ptr(y), m, n, k, group)
+    _library().tm_int4_gemm(address(x), address(qweight), address(scale), address(mins),
+                            address(bias), address(y), m, n, k, group)
     return y
 
 
@@ -159,7 +160,7 @@ def quantize_rows_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     xq = torch.empty(m, k, dtype=torch.int16)
     xs = torch.empty(m, k // 32)
     xsum = torch.empty(m, k // 32)
-    _library().tm_quantize_rows_q16(_ptr(x), _ptr(xq), _ptr(xs), _ptr(xsum), m, k)
+    _library().tm_quantize_rows_q16(address(x), address(xq), address(xs), address(xsum), m, k)
     return xq, xs, xsum
 
 
@@ -171,8 +172,8 @@ def int8_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     n = qweight.shape[0]
     xq, xs, _ = quantize_rows_q16(x)
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_int8_gemm_q16(_ptr(xq), _ptr(xs), _ptr(qweight), _ptr(scale), _ptr(bias),
-                                _ptr(y), m, n, k, group)
+    _library().tm_int8_gemm_q16(address(xq), address(xs), address(qweight), address(scale),
+                                address(bias), address(y), m, n, k, group)
     return y
 
 
@@ -183,8 +184,9 @@ def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     n = qweight.shape[0]
     xq, xs, xsum = quantize_rows_q16(x)
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_int4_gemm_q16(_ptr(xq), _ptr(xs), _ptr(xsum), _ptr(qweight), _ptr(scale),
-                                _ptr(mins), _ptr(bias), _ptr(y), m, n, k)
+    _library().tm_int4_gemm_q16(address(xq), address(xs), address(xsum), address(qweight),
+                                address(scale), address(mins), address(bias), address(y),
+                                m, n, k)
     return y
 
 
@@ -224,8 +226,8 @@ def f32_panel_gemm(x: torch.Tensor, packed: torch.Tensor, kp: int, n: int,
     `f32_panel_stride`) -> [M, N]."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_f32_panel_gemm(_ptr(x), torch.ops.mkldnn.data_ptr(packed), _ptr(bias),
-                                 _ptr(y), m, n, k, kp)
+    _library().tm_f32_panel_gemm(address(x), torch.ops.mkldnn.data_ptr(packed), address(bias),
+                                 address(y), m, n, k, kp)
     return y
 
 
@@ -240,8 +242,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, hkv, _ = k_cache.shape
     assert heads_contiguous(q) and out.is_contiguous() and out.shape == q.shape
     _library().tm_paged_decode_attention(
-        _ptr(q), q.stride(0), _ptr(k_cache), _ptr(v_cache), _ptr(block_table),
-        block_table.stride(0), _ptr(seq_lens), _ptr(out), b, hq, hkv, d, block_size, scale,
+        address(q), q.stride(0), address(k_cache), address(v_cache), address(block_table),
+        block_table.stride(0), address(seq_lens), address(out), b, hq, hkv, d, block_size, scale,
         int(k_cache.dtype == torch.int8))
 
 
@@ -261,7 +263,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     residual [..., D] float32 contiguous. Returns the normalized tensor."""
     d = x.shape[-1]
     out = torch.empty_like(x)
-    _library().tm_add_rms_norm(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out),
+    _library().tm_add_rms_norm(address(x), address(residual), address(weight), address(out),
                                x.numel() // d, d, eps)
     return out
 
@@ -272,15 +274,15 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     [max_pos, D] tables at `positions` (int64 [T])."""
     t, h, d = x.shape
     assert heads_contiguous(x)
-    _library().tm_rotary(_ptr(x), t, h, d, x.stride(0), _ptr(cos), _ptr(signed_sin),
-                         _ptr(positions))
+    _library().tm_rotary(address(x), t, h, d, x.stride(0), address(cos), address(signed_sin),
+                         address(positions))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = gate | up [T, 2I] float32 contiguous -> [T, I]."""
     t, two_i = x.shape
     out = torch.empty(t, two_i // 2, dtype=x.dtype)
-    _library().tm_silu_and_mul(_ptr(x), _ptr(out), t, two_i // 2)
+    _library().tm_silu_and_mul(address(x), address(out), t, two_i // 2)
     return out
 
 
@@ -290,6 +292,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slots; int8 caches get each row quantized with its scale."""
     t, h, d = k.shape
     assert heads_contiguous(k) and heads_contiguous(v)
-    _library().tm_write_kv(_ptr(k), _ptr(v), k.stride(0), v.stride(0), _ptr(k_cache),
-                           _ptr(v_cache),
-                           _ptr(slot_mapping), t, h, d, int(k_cache.dtype == torch.int8))
+    _library().tm_write_kv(address(k), address(v), k.stride(0), v.stride(0), address(k_cache),
+                           address(v_cache),
+                           address(slot_mapping), t, h, d, int(k_cache.dtype == torch.int8))

@@ -50,10 +50,6 @@ class _Model(ctypes.Structure):
                                              "xsum", "xq")])
 
 
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _linear(layer: Linear) -> tuple[_Linear, int] | None:
     """The layer for C and the most rows its compiled kernel is the fastest for."""
     form = layer.kernel.compiled_form()
@@ -61,7 +57,7 @@ def _linear(layer: Linear) -> tuple[_Linear, int] | None:
         return None
     n, k = layer.out_features, layer.in_features
     return _Linear(form.kind, n, k, form.param, form.weight, form.scale, form.min,
-                   _address(layer.bias)), form.max_rows
+                   csrc.address(layer.bias)), form.max_rows
 
 
 class CpuDecodeStep:
@@ -95,7 +91,8 @@ class CpuDecodeStep:
         self._model = _Model(
             num_layers=len(layers), hidden=hidden, q_heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
-            block_size=0, kv_int8=int(attn.k_cache.dtype == torch.int8), max_rows=rows,
+            block_size=attn.k_cache.shape[1], kv_int8=int(attn.k_cache.dtype == torch.int8),
+            max_rows=rows,
             eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
             final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
             signed_sin=rotary.signed_sin.data_ptr(),
@@ -128,7 +125,7 @@ class CpuDecodeStep:
         if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
             return "the attention backend does not use the compiled decode kernel"
         attn = model.model.layers[0].self_attn
-        if attn.head_dim % 8 or attn.k_cache.device.type != "cpu":
+        if attn.head_dim % 8:
             return "head size not a multiple of 8"
         norms = [model.model.norm] + [n for layer in model.model.layers
                                       for n in (layer.input_layernorm,
@@ -162,7 +159,6 @@ class CpuDecodeStep:
         if any(a.k_cache is not k or a.v_cache is not v
                for a, (k, v) in zip(self._attention, self._caches)):
             return None  # caches were rebound after build: the described addresses are stale
-        self._model.block_size = meta.block_size
         hidden = F.embedding(input_ids, self._embedding)
         out = torch.empty_like(hidden)
         table = meta.block_table
