@@ -34,6 +34,16 @@ def generate(path, prompts, params, **engine_args):
     return llm, [o.outputs[0] for o in outs]
 
 
+def assert_same_outputs(fused, layered):
+    """Same tokens, same top-logprob tokens, logprobs within 1e-5."""
+    for a, b in zip(fused, layered, strict=True):
+        assert a.token_ids == b.token_ids
+        for pa, pb in zip(a.logprobs, b.logprobs, strict=True):
+            assert pa.keys() == pb.keys()
+            for token in pa:
+                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
+
+
 @pytest.mark.parametrize("arch,quantization,kv_cache_dtype", [
     ("llama", None, "auto"), ("qwen2", None, "auto"), ("qwen3", None, "auto"),
     ("llama3", None, "int8"), ("llama", "int8", "auto"), ("qwen2", "int4", "int8"),
@@ -50,12 +60,7 @@ def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_call
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
     llm, layered = generate(path, PROMPTS, params, **args)
     assert llm.engine.core.runner.decode_step is None
-    for a, b in zip(fused, layered):
-        assert a.token_ids == b.token_ids
-        for pa, pb in zip(a.logprobs, b.logprobs):
-            assert pa.keys() == pb.keys()
-            for token in pa:
-                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
+    assert_same_outputs(fused, layered)
 
 
 def test_batches_above_the_row_limit_fall_back_and_match_transformers(tiny_models,
@@ -84,11 +89,7 @@ def test_quantized_batches_of_many_rows_run_compiled(tiny_models, monkeypatch, s
     assert step_calls == {"ran": 4, "declined": 1}  # the one prompt step is not a decode
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
     _, layered = generate(path, prompts, params, quantization="int8")
-    for a, b in zip(fused, layered):
-        assert a.token_ids == b.token_ids
-        for pa, pb in zip(a.logprobs, b.logprobs):
-            for token in pa:
-                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
+    assert_same_outputs(fused, layered)
 
 
 def test_build_declines_what_it_cannot_run(tiny_models, monkeypatch):
