@@ -320,9 +320,10 @@ void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, con
  * channels, each [KP][64] with K zero-padded to KP ([N/64][KP][64]; csrc.f32_panel_stride
  * derives KP and layers check this kernel against oneDNN once before using it). oneDNN's own
  * single-row GEMV reads it at ~12 GB/s here; streaming each panel once with 8 accumulators
- * per row reaches the machine's streaming rate. A thread takes whole panels; rows are done
- * 1 per panel pass (8 accumulators) or, for 2..4 rows, 2 at a time per 32-column half panel
- * walked in k-chunks that stay in L1 between the two halves. */
+ * per row reaches the machine's streaming rate. A thread takes whole panels; a single row
+ * takes one pass over the panel (8 accumulators), more rows go 2 at a time per 32-column half
+ * panel, walked in k-chunks that stay in L1 between the two halves (callers stop at 8 rows,
+ * where oneDNN catches up). */
 #define KCHUNK 128
 
 INLINE void f32_panel_rows(const float *x, int64_t K, const float *panel, float *acc_out,
@@ -365,7 +366,8 @@ void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float 
             const int64_t rows = M - m0 < 2 ? M - m0 : 2;
             for (int64_t i = 0; i < rows; i++)
                 for (int64_t j = 0; j < width; j++)
-                    y[(m0 + i) * N + p * 64 + j] = acc[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
+                    y[(m0 + i) * N + p * 64 + j] =
+                        acc[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
         }
     }
 }
