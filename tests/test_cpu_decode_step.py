@@ -101,6 +101,10 @@ def test_build_declines_what_it_cannot_run(tiny_models, monkeypatch):
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
     assert CpuDecodeStep.build(model, runner.backend) is None
     monkeypatch.delenv("TOKENMILL_CPU_DECODE_STEP")
+    # one epsilon serves every norm in C: a q/k head norm with its own is declined
+    qwen3 = LLM(tiny_models("qwen3")[0], kv_cache_memory_gib=0.01).engine.core.runner
+    qwen3.model.model.layers[1].self_attn.k_norm.eps = 1e-3
+    assert CpuDecodeStep.build(qwen3.model, qwen3.backend) is None
     # a8w8 layers (fbgemm) have no compiled form: the whole step stays in Python
     llm = LLM(path, kv_cache_memory_gib=0.01, quantization="a8w8")
     assert llm.engine.core.runner.decode_step is None

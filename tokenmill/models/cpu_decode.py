@@ -127,9 +127,12 @@ class CpuDecodeStep:
         attn = model.model.layers[0].self_attn
         if attn.head_dim % 8:
             return "head size not a multiple of 8"
+        # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.
         norms = [model.model.norm] + [n for layer in model.model.layers
                                       for n in (layer.input_layernorm,
-                                                layer.post_attention_layernorm)]
+                                                layer.post_attention_layernorm,
+                                                layer.self_attn.q_norm, layer.self_attn.k_norm)
+                                      if n is not None]
         if any(n.eps != model.model.norm.eps for n in norms):
             return "the layers' RMSNorm epsilons differ"
         return None
