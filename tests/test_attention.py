@@ -13,12 +13,15 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.quantization.kv_cache import quantize_kv
 
 
-def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8):
-    """prefills: (context_len, query_len) pairs; decodes get random context lengths."""
+def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8,
+                decode_contexts=None, num_blocks=64):
+    """prefills: (context_len, query_len) pairs; decodes get random context lengths unless
+    decode_contexts gives them."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    seqs = [(rng.randrange(0, 30), 1) for _ in range(num_decodes)] + prefills
-    num_blocks = 64
+    contexts = decode_contexts or [rng.randrange(0, 30) for _ in range(num_decodes)]
+    num_decodes = len(contexts)
+    seqs = [(c, 1) for c in contexts] + prefills
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, slots, qsl = [], [], [0]
@@ -91,6 +94,30 @@ def test_decode_batch_head_shapes_and_int8_cache(compiled, kv_dtype, hq, hkv, d)
     out = TorchSDPABackend(compiled).forward(q, k, v, *(c.clone() for c in caches), meta,
                                              d ** -0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_long_decodes_split_into_chunks_match_reference_and_each_other(kv_dtype):
+    # The compiled kernel splits a sequence into 64-token chunks across threads and merges
+    # them; lengths around the chunk edges, and a sequence's result must not depend on what
+    # else is in the batch (the chunking depends only on its own length).
+    contexts = [0, 62, 63, 64, 127, 200, 300]
+    q, k, v, cache, meta = random_step(7, None, [], block_size=16, hq=9, hkv=3, d=64,
+                                       decode_contexts=contexts, num_blocks=160)
+    caches = [c if kv_dtype == torch.float32 else quantize_kv(c) for c in cache]
+    ref = ReferenceBackend().forward(q, k, v, *(c.clone() for c in caches), meta, 0.125)
+    out = TorchSDPABackend(True).forward(q, k, v, *(c.clone() for c in caches), meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for i in (0, 4, 6):  # the same sequence alone: bit-identical
+        alone = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[i:i + 1], query_start_loc=[0, 1],
+            context_lens=[contexts[i]], seq_lens=meta.seq_lens[i:i + 1],
+            block_table=meta.block_table[i:i + 1], num_decodes=1, block_size=16)
+        TorchSDPABackend().prepare(alone)
+        one = TorchSDPABackend(True).forward(q[i:i + 1], k[i:i + 1], v[i:i + 1],
+                                             *(c.clone() for c in caches), alone, 0.125)
+        assert torch.equal(one, out[i:i + 1])
 
 
 def test_compiled_decode_is_used_where_the_kernels_build():

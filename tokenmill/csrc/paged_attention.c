@@ -3,10 +3,10 @@
  * Each decode sequence has one query token; its keys and values sit in cache blocks listed by
  * its block-table row. torch ops would first gather every sequence's blocks into a padded
  * contiguous copy (for every layer of every step) and then read that copy again in SDPA; here
- * each (sequence, KV head) pair reads its rows straight from the blocks once for the scores
- * and once for the values. The query heads sharing a KV head (grouped-query attention) are
- * scored together, so a K or V row is loaded once per group.
- *
+ * each chunk of a sequence's tokens reads its rows straight from the blocks once for the scores
+ * and once for the values, and the chunks' partial softmax sums are merged at the end (as in
+ * flash-decoding). The query heads sharing a KV head (grouped-query attention) are scored
+ * together, so a K or V row is loaded once per group.
  * Layouts: q [B, Hq, D] float32 with its token rows q_stride floats apart (a view of the qkv
  * projection's output needs no copy), out [B, Hq, D] contiguous; caches [num_blocks, block_size, Hkv, row] with row = D
  * float32, or (int8 cache) D int8 followed by their float32 scale (quantization/kv_cache.py);
@@ -33,60 +33,68 @@ static inline float row_scale(const void *row, int64_t D, int kv_int8) {
     return s;
 }
 
-/* One work item: sequence b, KV heads [h0, h1) (all of a sequence's heads when there are enough
- * sequences to keep every thread busy, so each thread streams whole contiguous token rows). */
-static void attend_item(const float *q, const void *k_cache, const void *v_cache,
-                        const int64_t *table, int64_t L, float *out, int64_t Hq, int64_t Hkv,
-                        int64_t h0, int64_t h1, int64_t D, int64_t block_size, float scale,
-                        int kv_int8, float *scores, float *acc) {
-    const int64_t G = Hq / Hkv, H = (h1 - h0) * G; /* query heads of this item */
+/* Work is split into chunks of CHUNK tokens of one sequence, all heads at once: a thread then
+ * streams whole contiguous token rows, and a single long sequence still keeps every thread
+ * busy. The chunk boundaries depend only on the sequence's own length, so a sequence gets the
+ * same result whatever else is in the batch and however many threads run. */
+#define CHUNK 64
+
+/* Chunk [t0, t1) of one sequence, for all Hq query heads: the chunk's score maximum m[h], the
+ * sum of exp(s - m[h]) in l[h], and acc[h] = sum_t exp(s_t - m[h]) * v_t (unnormalized). */
+static void attend_chunk(const float *q, const void *k_cache, const void *v_cache,
+                         const int64_t *table, int64_t t0, int64_t t1, int64_t Hq, int64_t Hkv,
+                         int64_t D, int64_t block_size, float scale, int kv_int8, float *m,
+                         float *l, float *acc) {
+    const int64_t G = Hq / Hkv, n = t1 - t0;
     const int64_t row_bytes = kv_int8 ? D + 4 : D * 4;
     const int64_t token_bytes = Hkv * row_bytes;
-    const int64_t Lp = (L + 7) & ~(int64_t)7;
-    const float *qh = q + h0 * G * D;
+    float scores[Hq * CHUNK];
 #define TOKEN_ROW(cache, t) ((const char *)(cache) + \
-    (table[(t) / block_size] * block_size + (t) % block_size) * token_bytes + h0 * row_bytes)
+    (table[(t) / block_size] * block_size + (t) % block_size) * token_bytes)
     /* Scores: s[h, t] = scale * q_h . k_t (int8 rows: times the row's scale). */
-    for (int64_t t = 0; t < L; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const char *token = TOKEN_ROW(k_cache, t);
-        if (t + 2 < L) _mm_prefetch(TOKEN_ROW(k_cache, t + 2), _MM_HINT_T0);
-        for (int64_t kvh = 0; kvh < h1 - h0; kvh++) {
+        if (t + 4 < t1) {
+            const char *next = TOKEN_ROW(k_cache, t + 4);
+            for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        }
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             const char *row = token + kvh * row_bytes;
             const float rs = row_scale(row, D, kv_int8) * scale;
             for (int64_t g = 0; g < G; g++) {
-                const float *qg = qh + (kvh * G + g) * D;
+                const float *qg = q + (kvh * G + g) * D;
                 __m256 s = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8)
                     s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(row, d, kv_int8), s);
-                scores[(kvh * G + g) * Lp + t] = hsum8(s) * rs;
+                scores[(kvh * G + g) * CHUNK + t - t0] = hsum8(s) * rs;
             }
         }
     }
-    /* Softmax weights per query head (padding lanes set to -inf give 0). */
-    for (int64_t h = 0; h < H; h++) {
-        float *s = scores + h * Lp;
-        for (int64_t t = L; t < Lp; t++) s[t] = -INFINITY;
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < Lp; t += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(s + t));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    /* Per query head: the chunk's maximum, then the weights exp(s - m) and their sum. */
+    for (int64_t h = 0; h < Hq; h++) {
+        float *s = scores + h * CHUNK;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = n; t < (n + 7) / 8 * 8; t++) s[t] = -INFINITY; /* exp gives 0 */
+        const __m256 mv = _mm256_set1_ps(mx);
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < Lp; t += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + t), m));
-            _mm256_store_ps(s + t, e);
+        for (int64_t t = 0; t < n; t += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+            _mm256_storeu_ps(s + t, e);
             sum = _mm256_add_ps(sum, e);
         }
-        const float inv = 1.0f / hsum8(sum);
-        for (int64_t t = 0; t < L; t++) s[t] *= inv;
+        m[h] = mx;
+        l[h] = hsum8(sum);
     }
-    /* Values: out_h = sum_t p[h, t] * v_t. */
-    memset(acc, 0, H * D * sizeof(float));
-    for (int64_t t = 0; t < L; t++) {
+    /* Values: acc_h = sum_t p[h, t] * v_t. */
+    memset(acc, 0, Hq * D * sizeof(float));
+    for (int64_t t = t0; t < t1; t++) {
         const char *token = TOKEN_ROW(v_cache, t);
-        if (t + 2 < L) _mm_prefetch(TOKEN_ROW(v_cache, t + 2), _MM_HINT_T0);
-        for (int64_t kvh = 0; kvh < h1 - h0; kvh++) {
+        if (t + 4 < t1) {
+            const char *next = TOKEN_ROW(v_cache, t + 4);
+            for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+        }
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             const char *row = token + kvh * row_bytes;
             const float rs = row_scale(row, D, kv_int8);
             for (int64_t d = 0; d < D; d += 8) {
@@ -94,14 +102,13 @@ static void attend_item(const float *q, const void *k_cache, const void *v_cache
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t h = kvh * G + g;
                     __m256 a = _mm256_loadu_ps(acc + h * D + d);
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(scores[h * Lp + t] * rs), v, a);
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(scores[h * CHUNK + t - t0] * rs), v, a);
                     _mm256_storeu_ps(acc + h * D + d, a);
                 }
             }
         }
     }
 #undef TOKEN_ROW
-    memcpy(out + h0 * G * D, acc, H * D * sizeof(float));
 }
 
 void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
@@ -110,22 +117,55 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
                                const int64_t *seq_lens, float *out, int64_t B, int64_t Hq,
                                int64_t Hkv, int64_t D, int64_t block_size, float scale,
                                int64_t kv_int8) {
-    const int64_t split = B >= 2 * omp_get_max_threads() ? 1 : Hkv; /* items per sequence */
-    const int64_t heads_per_item = Hkv / split;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < B * split; item++) {
-        const int64_t b = item / split, h0 = item % split * heads_per_item;
-        const int64_t L = seq_lens[b];
-        if (L <= 0) {
-            memset(out + (b * Hq + h0 * (Hq / Hkv)) * D, 0,
-                   heads_per_item * (Hq / Hkv) * D * sizeof(float));
-            continue;
+    /* first[b] .. first[b + 1]: sequence b's chunks (none for an empty sequence) */
+    int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t));
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        first[b + 1] = first[b] + (seq_lens[b] > 0 ? (seq_lens[b] + CHUNK - 1) / CHUNK : 0);
+    const int64_t items = first[B], per_item = Hq * (D + 2);
+    float *part = malloc((size_t)(items > 0 ? items : 1) * per_item * sizeof(float));
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            int64_t lo = 0, hi = B; /* the sequence b with first[b] <= item < first[b + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first[mid] <= item) lo = mid; else hi = mid;
+            }
+            const int64_t t0 = (item - first[lo]) * CHUNK;
+            const int64_t t1 = t0 + CHUNK < seq_lens[lo] ? t0 + CHUNK : seq_lens[lo];
+            float *p = part + item * per_item;
+            attend_chunk(q + lo * q_stride, k_cache, v_cache, block_table + lo * table_stride,
+                         t0, t1, Hq, Hkv, D, block_size, scale, (int)kv_int8, p, p + Hq,
+                         p + 2 * Hq);
         }
-        const int64_t Lp = (L + 7) & ~(int64_t)7, H = heads_per_item * (Hq / Hkv);
-        float *scores = aligned_alloc(32, (size_t)(H * Lp + H * D) * sizeof(float));
-        attend_item(q + b * q_stride, k_cache, v_cache, block_table + b * table_stride, L,
-                    out + b * Hq * D, Hq, Hkv, h0, h0 + heads_per_item, D, block_size, scale,
-                    (int)kv_int8, scores, scores + H * Lp);
-        free(scores);
+        /* Merge each sequence's chunks: rescale to the largest maximum, then normalize. */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            float *o = out + b * Hq * D;
+            if (first[b + 1] == first[b]) {
+                memset(o, 0, Hq * D * sizeof(float));
+                continue;
+            }
+            for (int64_t h = 0; h < Hq; h++) {
+                float mx = -INFINITY, sum = 0.0f;
+                for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                    const float mc = part[c * per_item + h];
+                    mx = mc > mx ? mc : mx;
+                }
+                for (int64_t d = 0; d < D; d++) o[h * D + d] = 0.0f;
+                for (int64_t c = first[b]; c < first[b + 1]; c++) {
+                    const float *p = part + c * per_item;
+                    const float w = expf(p[h] - mx);
+                    sum += w * p[Hq + h];
+                    for (int64_t d = 0; d < D; d++) o[h * D + d] += w * p[2 * Hq + h * D + d];
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
+            }
+        }
     }
+    free(part);
+    free(first);
 }
