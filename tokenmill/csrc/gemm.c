@@ -17,6 +17,7 @@
  * same libgomp torch loaded, so there is one thread pool). */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -314,60 +315,119 @@ void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, con
     }
 }
 
-/* ---- fp32 weights in oneDNN's packed layout, few rows -----------------------------------
+/* ---- fp32 weights in oneDNN's packed layout, decode-sized row counts ------------------
  * fp32 linear layers keep their weight in the layout torch.ops.mkldnn._reorder_linear_weight
- * gives (one copy, used by oneDNN for many rows). On AVX2 that layout is panels of 64 output
+ * gives (one copy, used by oneDNN for prompts). On AVX2 that layout is panels of 64 output
  * channels, each [KP][64] with K zero-padded to KP ([N/64][KP][64]; csrc.f32_panel_stride
  * derives KP and layers check this kernel against oneDNN once before using it). oneDNN's own
- * single-row GEMV reads it at ~12 GB/s here; streaming each panel once with 8 accumulators
- * per row reaches the machine's streaming rate. A thread takes whole panels; a single row
- * takes one pass over the panel (8 accumulators), more rows go 2 at a time per 32-column half
- * panel, walked in k-chunks that stay in L1 between the two halves (callers stop at 8 rows,
- * where oneDNN catches up). */
-#define KCHUNK 128
+ * single-row GEMV reads it at ~12 GB/s here; one pass per panel with 8 accumulators reaches
+ * the machine's streaming rate. From 2 rows on, tiles of 6 (or 4) rows x 16 columns keep 12
+ * (8) accumulators in registers, walked over k-chunks of the panel that stay in L1 while every
+ * tile of the chunk uses them, with the next chunk prefetched in memory order (strips of 16
+ * columns read alone would stride through the panel and defeat the hardware prefetcher).
+ * Callers use it up to 64 rows, where it is 1.0-1.4x oneDNN (bench/NOTES.md). */
+#define TM_KC 64   /* panel rows per k-chunk (16 KB): the tiles of a chunk share it in L1 */
+#define TM_MAX_ROWS 32 /* rows per pass: their x chunk and the panel chunk share L1 */
 
-INLINE void f32_panel_rows(const float *x, int64_t K, const float *panel, float *acc_out,
-                           int64_t k0, int64_t k1, int64_t col, const int mb, const int nv) {
-    __m256 acc[2][8];
-    for (int i = 0; i < mb; i++)
-        for (int v = 0; v < nv; v++) acc[i][v] = _mm256_loadu_ps(acc_out + i * 64 + col + 8 * v);
+/* c[m0 .. m0+mr, col .. col+16) += x rows times panel rows [k0, k1): mr x 2 accumulators in
+ * registers, each product added in k order with one FMA (so a row's result does not depend
+ * on how many rows run with it, and equals the single-row pass below). `fetch` (or NULL)
+ * gets one cache line prefetched per k: the next chunk, in memory order. */
+INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_t k0,
+                           int64_t k1, float *c, int64_t col, const float *fetch,
+                           const int mr) {
+    __m256 acc[6][2];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mr; i++) {
+        acc[i][0] = _mm256_load_ps(c + i * 64 + col);
+        acc[i][1] = _mm256_load_ps(c + i * 64 + col + 8);
+    }
     for (int64_t k = k0; k < k1; k++) {
-        const float *w = panel + k * 64 + col;
-        __m256 xb[2];
-        for (int i = 0; i < mb; i++) xb[i] = _mm256_broadcast_ss(x + i * K + k);
-        for (int v = 0; v < nv; v++) {
-            const __m256 wv = _mm256_loadu_ps(w + 8 * v);
-            for (int i = 0; i < mb; i++) acc[i][v] = _mm256_fmadd_ps(xb[i], wv, acc[i][v]);
+        if (fetch) _mm_prefetch((const char *)(fetch + (k - k0) * 16), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(panel + k * 64 + col);
+        const __m256 w1 = _mm256_loadu_ps(panel + k * 64 + col + 8);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mr; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+            acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int v = 0; v < nv; v++) _mm256_storeu_ps(acc_out + i * 64 + col + 8 * v, acc[i][v]);
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mr; i++) {
+        _mm256_store_ps(c + i * 64 + col, acc[i][0]);
+        _mm256_store_ps(c + i * 64 + col + 8, acc[i][1]);
+    }
+}
+
+/* One row over a whole panel (64 columns, 8 accumulators): a single sequential pass, what a
+ * memory-bound GEMV wants. Same k-order FMA sums as the tiles. */
+static void f32_panel_row(const float *x, int64_t K, const float *panel, float *c) {
+    __m256 acc[8];
+    for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        for (int v = 0; v < 8; v++)
+            acc[v] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(panel + k * 64 + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < 8; v++) _mm256_store_ps(c + 8 * v, acc[v]);
+}
+
+/* Panel p for all M rows: k-chunk by k-chunk, every 16-column strip and every block of 6 rows
+ * (sums kept in c, [M][64], between chunks); the first row block of each strip prefetches a
+ * quarter of the next chunk, so the panel streams in order while the tiles compute. */
+static void f32_panel_rows(const float *x, int64_t M, int64_t K, const float *panel,
+                           float *c) {
+    memset(c, 0, M * 64 * sizeof(float));
+    for (int64_t k0 = 0; k0 < K; k0 += TM_KC) {
+        const int64_t k1 = k0 + TM_KC < K ? k0 + TM_KC : K;
+        const float *next = k1 < K ? panel + k1 * 64 : NULL;
+        for (int64_t col = 0; col < 64; col += 16) {
+            const float *fetch = next ? next + col / 16 * TM_KC * 16 : NULL;
+            /* blocks of 6 rows; a remainder of 1-3 rows shares the last 6 as 4 + 3..5, since
+             * fewer than 4 rows (8 accumulators) leave the FMA units waiting on latency */
+            const int64_t r = M % 6, full = M / 6 - (r && r < 4 && M >= 6);
+            int64_t m0 = 0;
+            for (; m0 < full * 6; m0 += 6, fetch = NULL)
+                f32_panel_tile(x + m0 * K, K, panel, k0, k1, c + m0 * 64, col, fetch, 6);
+            for (; m0 < M; fetch = NULL) {
+                const int64_t rows = M - m0 > 5 ? 4 : M - m0;
+                switch (rows) {
+#define TAIL(R) case R: f32_panel_tile(x + m0 * K, K, panel, k0, k1, c + m0 * 64, col, fetch, \
+                                       R); break;
+                    TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5)
+#undef TAIL
+                }
+                m0 += rows;
+            }
+        }
+    }
 }
 
 void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M,
                        int64_t N, int64_t K, int64_t KP) {
     const int64_t panels = (N + 63) / 64;
+    /* Work items: a panel for a group of rows. From 12 rows on, compute dominates and the
+     * rows are split in two groups, so that few panels (9 for a 576-wide layer) still divide
+     * evenly between threads; the second group finds the panel in cache. */
+    const int64_t groups = M >= 12 ? 2 : 1, group_rows = (M + groups - 1) / groups;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const float *panel = w + p * KP * 64;
+    for (int64_t item = 0; item < panels * groups; item++) {
+        float c[TM_MAX_ROWS * 64] __attribute__((aligned(32)));
+        const int64_t p = item / groups;
         const int64_t width = N - p * 64 < 64 ? N - p * 64 : 64;
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            float acc[2 * 64] __attribute__((aligned(32))) = {0};
-            const float *xm = x + m0 * K;
-            if (M - m0 == 1) {
-                f32_panel_rows(xm, K, panel, acc, 0, K, 0, 1, 8);
-            } else {
-                for (int64_t k0 = 0; k0 < K; k0 += KCHUNK) {
-                    const int64_t k1 = k0 + KCHUNK < K ? k0 + KCHUNK : K;
-                    f32_panel_rows(xm, K, panel, acc, k0, k1, 0, 2, 4);
-                    f32_panel_rows(xm, K, panel, acc, k0, k1, 32, 2, 4);
-                }
-            }
-            const int64_t rows = M - m0 < 2 ? M - m0 : 2;
+        const float *panel = w + p * KP * 64;
+        const int64_t g0 = item % groups * group_rows;
+        const int64_t g1 = g0 + group_rows < M ? g0 + group_rows : M;
+        for (int64_t m0 = g0; m0 < g1; m0 += TM_MAX_ROWS) {
+            const int64_t rows = g1 - m0 < TM_MAX_ROWS ? g1 - m0 : TM_MAX_ROWS;
+            if (rows == 1)
+                f32_panel_row(x + m0 * K, K, panel, c);
+            else
+                f32_panel_rows(x + m0 * K, rows, K, panel, c);
             for (int64_t i = 0; i < rows; i++)
                 for (int64_t j = 0; j < width; j++)
-                    y[(m0 + i) * N + p * 64 + j] =
-                        acc[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
+                    y[(m0 + i) * N + p * 64 + j] = c[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
         }
     }
 }

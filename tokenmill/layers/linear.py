@@ -39,14 +39,16 @@ class CpuPackedKernel:
     2x faster at 32 rows, 2.5x at 7, equal at 1 row; see bench/NOTES.md). The packed copy
     replaces the weight, so memory is unchanged except for an LM head tied to the embedding
     table, which keeps its rows for lookups. Up to `PANEL_MAX_ROWS` rows the compiled panel
-    GEMV (csrc/gemm.c) reads the same packed copy: oneDNN's single-row path streams it at
-    ~14 GB/s, the compiled one at ~20 (bench/NOTES.md)."""
+    kernel (csrc/gemm.c) reads the same packed copy: oneDNN's single-row path streams it at
+    ~14 GB/s, the compiled one at ~20, and from 2 to 64 rows the compiled tiles are 1.0-1.4x
+    faster than oneDNN (bench/NOTES.md)."""
 
     name = "cpu-packed"
     # Row count oneDNN tunes the layout for; any count works. 32 was best from 1 to 512 rows.
     BATCH_HINT = 32
-    # Rows up to which the compiled panel GEMV beats oneDNN (1.4x at 1 row, ~1.05x at 8).
-    PANEL_MAX_ROWS = 8
+    # Rows up to which the compiled panel kernel beats oneDNN (1.3x at 1 row, 1.3-1.4x at 2-8,
+    # 1.0-1.2x at 12-64; above, prompt-sized GEMMs are oneDNN's).
+    PANEL_MAX_ROWS = 64
 
     def __init__(self, layer: Linear) -> None:
         weight = layer.weight.detach()

@@ -1,6 +1,5 @@
 """The compiled decode step (csrc/decode_step.c): every decoder layer of a Llama-family model
-in one C call when a step is all decodes of up to `max_rows` sequences on the CPU (8 for fp32
-weights, 64 for int8 / int4).
+in one C call when a step is all decodes of up to `max_rows` (64) sequences on the CPU.
 
 At batch 1 a decoder layer is ~12 kernel calls; from Python each costs module, dispatch and
 ctypes work, which added up to about as long as streaming the layer's weights (bench/NOTES.md).
