@@ -375,7 +375,8 @@ static void f32_panel_row(const float *x, int64_t K, const float *panel, float *
 
 /* Panel p for all M rows: k-chunk by k-chunk, every 16-column strip and every block of 6 rows
  * (sums kept in c, [M][64], between chunks); the first row block of each strip prefetches a
- * quarter of the next chunk, so the panel streams in order while the tiles compute. */
+ * quarter of the next chunk, so the panel streams in order while the tiles compute (past the
+ * panel's end near the last chunk: a prefetch never faults). */
 static void f32_panel_rows(const float *x, int64_t M, int64_t K, const float *panel,
                            float *c) {
     memset(c, 0, M * 64 * sizeof(float));
@@ -425,9 +426,10 @@ void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float 
                 f32_panel_row(x + m0 * K, K, panel, c);
             else
                 f32_panel_rows(x + m0 * K, rows, K, panel, c);
+            float *out = y + m0 * N + p * 64;
             for (int64_t i = 0; i < rows; i++)
                 for (int64_t j = 0; j < width; j++)
-                    y[(m0 + i) * N + p * 64 + j] = c[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
+                    out[i * N + j] = c[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
         }
     }
 }

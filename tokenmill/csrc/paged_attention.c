@@ -8,13 +8,13 @@
  * flash-decoding). The query heads sharing a KV head (grouped-query attention) are scored
  * together, so a K or V row is loaded once per group.
  * Layouts: q [B, Hq, D] float32 with its token rows q_stride floats apart (a view of the qkv
- * projection's output needs no copy), out [B, Hq, D] contiguous; caches [num_blocks, block_size, Hkv, row] with row = D
- * float32, or (int8 cache) D int8 followed by their float32 scale (quantization/kv_cache.py);
- * block_table [num_seqs, table_stride] int64; seq_lens [B] int64. D must be a multiple of 8.
- * Softmax is exact (max-subtracted, two passes); exp uses a polynomial accurate to ~2 ulp. */
+ * projection's output needs no copy), out [B, Hq, D] contiguous; caches [num_blocks,
+ * block_size, Hkv, row] with row = D float32, or (int8 cache) D int8 followed by their float32
+ * scale (quantization/kv_cache.py); block_table [num_seqs, table_stride] int64; seq_lens [B]
+ * int64. D must be a multiple of 8. Softmax is exact: each chunk subtracts its own maximum and
+ * the merge rescales the chunks to the largest; exp uses a polynomial accurate to ~2 ulp. */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
