@@ -121,18 +121,33 @@ def small(tiny_models, tmp_path_factory):
     process.join(10)
 
 
+@pytest.fixture(scope="module")
+def roomy(tiny_models, tmp_path_factory):
+    """The default slots with room for 1000-token requests (F1): the requests whose clients
+    leave must still be generating when they leave, even where a step takes a millisecond."""
+    process, thread, app, metrics = engine_app(tiny_models, tmp_path_factory,
+                                               max_model_len=1024)
+    with thread:
+        thread.app = app
+        thread.base = f"http://127.0.0.1:{thread.port}"
+        yield thread
+    process.kill()
+    process.join(10)
+
+
 def sample(metrics, name: str, **labels) -> float:
     value = metrics.registry.get_sample_value(name, {"model_name": "tiny", **labels})
     return value or 0.0
 
 
 # F1 -----------------------------------------------------------------------------------------
-def test_disconnect_mid_stream_frees_everything(server, server_thread):
-    engine = server_thread.app.state.server.engine
+def test_disconnect_mid_stream_frees_everything(roomy):
+    engine, server = roomy.app.state.server.engine, roomy.base
     aborted_before = engine.num_aborted
-    # The 16 that leave ask for 480 tokens (so they cannot finish before the server sees
-    # them go, even on a fast machine); the 16 that stay, 60.
-    streams = [Stream(server, long_body(i, 480 if i % 2 else 60),
+    # The 16 that leave ask for 1000 tokens (so they cannot finish before the server sees
+    # them go, even on a fast machine: 480 did not always suffice once 32-sequence decode
+    # steps ran compiled); the 16 that stay, 60.
+    streams = [Stream(server, long_body(i, 1000 if i % 2 else 60),
                       leave_after=3 if i % 2 else None, rst=i % 4 == 1) for i in range(32)]
     for s in streams:
         s.start()
