@@ -340,6 +340,9 @@ def _infer_requests(draw, ensemble: bool = False):
     if len(expected) < len(built):
         expected = None  # a name given twice
     raw = raw or any(data is not None for _, data, _ in built)
+    # typed contents turned raw below are encoded by the type they were drawn as (a corrupted
+    # header type could not encode them: b"" as INT32)
+    drawn_as = {id(t): t.datatype for t, _, _ in built}
     for _ in range(draw(st.integers(0, 2)) if draw(st.booleans()) else 0):
         i = draw(st.integers(0, len(built) - 1)) if built else None
         if i is None:
@@ -356,9 +359,9 @@ def _infer_requests(draw, ensemble: bool = False):
         request.inputs.append(tensor)
         if raw:  # raw contents are all-or-nothing: typed ones become raw
             if data is None:
-                data = tensors.serialize_bytes(elements) if tensor.datatype == "BYTES" \
-                    else np.asarray(elements, dtype=_ELEMENTS.get(
-                        tensor.datatype, (0, np.int64))[1]).tobytes()
+                dtype = drawn_as[id(tensor)]
+                data = tensors.serialize_bytes(elements) if dtype == "BYTES" else np.asarray(
+                    elements, dtype=_ELEMENTS.get(dtype, (0, np.int64))[1]).tobytes()
                 tensor.ClearField("contents")
             request.raw_input_contents.append(data)
     if raw and built and draw(st.integers(0, 9)) == 0:  # one raw entry too few or too many
