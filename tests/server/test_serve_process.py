@@ -36,6 +36,10 @@ def stream_first_chunk(api: str, body: dict, chunks: list, opened: threading.Eve
 def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
     served = Served(model, tmp_path, "--max-num-seqs", "1", "--max-cached-task-num", "1")
     served.env["USE_WARMUP"] = "1"
+    # The overload check below needs the first 1000-token request still running while it
+    # polls the metrics: on the compiled kernels the tiny model decodes it in ~0.4 s, which
+    # a busy 2-core CI machine once missed; torch's kernels take ~1.8 s.
+    served.env["TOKENMILL_CPU_KERNELS"] = "0"
     served.start()
     try:
         served.wait_ready()
