@@ -106,13 +106,10 @@ def engine_app(tiny_models, tmp_path_factory, metrics=True, **engine):
     return process, ServerThread(app, free_port()), app, registry_metrics
 
 
-@pytest.fixture(scope="module")
-def small(tiny_models, tmp_path_factory):
-    """Two running slots and eight waiting ones (F2, F8); room for 1000-token requests, so
-    the running ones outlast the checks even on a fast machine."""
-    process, thread, app, metrics = engine_app(tiny_models, tmp_path_factory,
-                                               max_num_seqs=2, max_waiting=8,
-                                               max_model_len=1024)
+def serving(tiny_models, tmp_path_factory, **engine):
+    """A module's server over its own engine (`engine_app`): the running thread with its
+    app, metrics and base URL; the engine process is killed afterwards."""
+    process, thread, app, metrics = engine_app(tiny_models, tmp_path_factory, **engine)
     with thread:
         thread.app, thread.metrics = app, metrics
         thread.base = f"http://127.0.0.1:{thread.port}"
@@ -122,17 +119,18 @@ def small(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def small(tiny_models, tmp_path_factory):
+    """Two running slots and eight waiting ones (F2, F8); room for 1000-token requests, so
+    the running ones outlast the checks even on a fast machine."""
+    yield from serving(tiny_models, tmp_path_factory, max_num_seqs=2, max_waiting=8,
+                       max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
 def roomy(tiny_models, tmp_path_factory):
     """The default slots with room for 1000-token requests (F1): the requests whose clients
     leave must still be generating when they leave, even where a step takes a millisecond."""
-    process, thread, app, metrics = engine_app(tiny_models, tmp_path_factory,
-                                               max_model_len=1024)
-    with thread:
-        thread.app = app
-        thread.base = f"http://127.0.0.1:{thread.port}"
-        yield thread
-    process.kill()
-    process.join(10)
+    yield from serving(tiny_models, tmp_path_factory, max_model_len=1024)
 
 
 def sample(metrics, name: str, **labels) -> float:
