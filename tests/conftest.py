@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from tests.serving import ServerThread, free_port
+from tests.serving import HOLD_TOKENS, engine_process, service_thread
 
 sys.path.insert(0, os.path.dirname(__file__))
 # GPU kernels (Triton) run in Triton's interpreter on a machine without a GPU; set before
@@ -39,12 +39,8 @@ def tiny_models(tmp_path_factory):
 # reliability tests (tiny llama, max_model_len 512; served as "tiny").
 @pytest.fixture(scope="session")
 def engine_address(tiny_models):
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.core_client import start_engine_core_process
-
     path = tiny_models("llama")[0]
-    config = EngineConfig(model=path, kv_cache_memory_gib=0.02, max_model_len=512)
-    process, address, _ = start_engine_core_process(config, path)
+    process, address, _ = engine_process(path, max_model_len=512)
     yield path, address
     process.kill()
     process.join(10)
@@ -53,17 +49,24 @@ def engine_address(tiny_models):
 @pytest.fixture(scope="session")
 def server_thread(engine_address):
     """The running app (its `app.state.server` is the ServerState); served model 'tiny'."""
-    from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
-
     path, address = engine_address
-    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
-                           served_model_names=["tiny", "tiny-alias"], max_dec_len=256,
-                           max_seq_len=400, max_waiting=64)
-    app = create_service_app(settings)
-    with ServerThread(app, free_port()) as thread:
-        thread.app = app
+    with service_thread(path, address, served_model_names=["tiny", "tiny-alias"],
+                        max_dec_len=256, max_seq_len=400) as thread:
         yield thread
+
+
+@pytest.fixture(scope="session")
+def long_server(tiny_models):
+    """Like `server_thread`, over the tiny long-context model with room for HOLD_TOKENS:
+    for tests that need a request still running when they look (disconnects, timeouts)."""
+    path = tiny_models("llama_long")[0]
+    process, address, _ = engine_process(path)
+    try:
+        with service_thread(path, address, max_dec_len=HOLD_TOKENS) as thread:
+            yield thread
+    finally:
+        process.kill()
+        process.join(10)
 
 
 @pytest.fixture(scope="session")

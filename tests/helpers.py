@@ -41,6 +41,9 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                   initializer_range=0.2)
     configs = {
         "llama": lambda: tf.LlamaConfig(**common, tie_word_embeddings=False),
+        # the same weights with room for requests a test must still find running (HOLD_TOKENS)
+        "llama_long": lambda: tf.LlamaConfig(**{**common, "max_position_embeddings": 32768},
+                                             tie_word_embeddings=False),
         "llama3": lambda: tf.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
@@ -50,7 +53,8 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
     }
-    classes = {"llama": tf.LlamaForCausalLM, "llama3": tf.LlamaForCausalLM,
+    classes = {"llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
+               "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}
     config = configs[arch]()

@@ -14,6 +14,15 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+# A request a test must still find running when it looks: on the tiny long-context model
+# (`tiny_models("llama_long")`) 30,000 tokens take ~30 s of decoding, and the test ends the
+# request (cancel, disconnect, kill) once it has looked. Counts of a few hundred tokens were
+# outrun as the engine got faster (~0.35 ms a token on the tiny model).
+HOLD_TOKENS = 30_000
+# A request a test lets finish but needs in flight for a few seconds first (drain on
+# shutdown): ~1.5 s of decoding there, against the ~0.1 s its checks take.
+DRAIN_TOKENS = 3_000
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -50,6 +59,32 @@ def wait_until(predicate, timeout=30.0):
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def engine_process(path: str, **engine):
+    """One engine-core process over the model at `path`: (process, address, config)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.core_client import start_engine_core_process
+
+    config = EngineConfig(model=path, kv_cache_memory_gib=0.02, **engine)
+    process, address, _ = start_engine_core_process(config, path)
+    return process, address, config
+
+
+def service_thread(path: str, address: str, metrics=None, **settings) -> ServerThread:
+    """The service app over the engine at `address`, in a thread (served model 'tiny');
+    the thread carries its `app`, `metrics` and `base` URL."""
+    from tokenmill.entrypoints.http.server import create_service_app
+    from tokenmill.entrypoints.http.state import ApiSettings
+
+    settings = {"served_model_names": ["tiny"], "max_seq_len": None, "max_waiting": 64,
+                **settings}
+    app = create_service_app(ApiSettings(engine_address=address, tokenizer_path=path,
+                                         model_path=path, **settings), metrics=metrics)
+    thread = ServerThread(app, free_port())
+    thread.app, thread.metrics = app, metrics
+    thread.base = f"http://127.0.0.1:{thread.port}"
+    return thread
 
 
 def children(pid: int) -> list[int]:

@@ -199,17 +199,20 @@ def test_streamed_deltas_are_whole_characters_equal_to_the_whole_text(server):
 
 
 # B9 -----------------------------------------------------------------------------------------
-def test_req_id_reusable_after_completion_and_after_abort(server, server_thread):
-    from tests.serving import wait_until
+def test_req_id_reusable_after_completion_and_after_abort(long_server):
+    from tests.serving import HOLD_TOKENS, wait_until
 
-    state = server_thread.app.state.server
+    state, server = long_server.app.state.server, long_server.base
     body = {"text": "hello", "req_id": "same-id", "max_dec_len": 3}
     for _ in range(2):  # after completion
         resp = post(server, CHAT, body)
         assert resp.status_code == 200 and resp.json()["error_code"] == 0, resp.text
     with httpx.stream("POST", server + CHAT, timeout=60,
-                      json={**body, "max_dec_len": 200, "stream": True}) as resp:
-        next(resp.iter_lines())  # started; leaving aborts it
+                      json={**body, "max_dec_len": HOLD_TOKENS, "min_dec_len": HOLD_TOKENS,
+                            "stream": True}) as resp:
+        lines = resp.iter_lines()  # kept: a dropped line iterator closes the response
+        next(lines)  # started; leaving aborts it
+        assert state.engine.has_request("same-id")
     assert wait_until(lambda: not state.engine.has_request("same-id"), 10)
     resp = post(server, CHAT, body)
     assert resp.status_code == 200 and resp.json()["error_code"] == 0, resp.text

@@ -15,7 +15,16 @@ import httpx
 import pytest
 
 from tests.reliability.checks import assert_openai_error, sse_events
-from tests.serving import Served, ServerThread, alive, children, free_port, wait_until
+from tests.serving import (
+    DRAIN_TOKENS,
+    HOLD_TOKENS,
+    Served,
+    alive,
+    children,
+    engine_process,
+    service_thread,
+    wait_until,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 FAULTS = str(pathlib.Path(__file__).parent / "faults")
@@ -27,8 +36,8 @@ def long_body(i: int, tokens: int = 400, **extra) -> dict:
 
 
 class Stream(threading.Thread):
-    """One streaming completion in a thread; `leave_after` tokens then a graceful close
-    (`rst=True`: an abortive close, TCP RST)."""
+    """One streaming completion in a thread; `leave_after` tokens, or `leave.set()`, then a
+    graceful close (`rst=True`: an abortive close, TCP RST)."""
 
     def __init__(self, base: str, body: dict, leave_after: int | None = None,
                  rst: bool = False) -> None:
@@ -36,7 +45,10 @@ class Stream(threading.Thread):
         self.base, self.body, self.leave_after, self.rst = base, body, leave_after, rst
         self.lines: list[str] = []
         self.started = threading.Event()
-        self.status = None
+        self.leave = threading.Event()
+        self.status, self.headers = None, None
+        self.answered = threading.Event()  # the response's status line arrived
+        self.wait_s: float | None = None  # from sending the request to its status line
         self.ended_at: float | None = None  # wall clock, when the stream closed
 
     def run(self) -> None:
@@ -48,15 +60,20 @@ class Stream(threading.Thread):
     def _run(self) -> None:
         if self.rst:
             return self._run_raw()
+        sent = time.monotonic()
         with httpx.stream("POST", self.base + COMPLETIONS, json={**self.body, "stream": True},
                           timeout=120) as resp:
-            self.status = resp.status_code
+            self.status, self.wait_s = resp.status_code, time.monotonic() - sent
+            self.headers = resp.headers
+            self.answered.set()
+            tokens = 0
             for line in resp.iter_lines():
                 self.lines.append(line)
                 if line.startswith("data: {"):
                     self.started.set()
-                tokens = sum(1 for x in self.lines if x.startswith("data: {"))
-                if self.leave_after is not None and tokens >= self.leave_after:
+                    tokens += 1
+                if self.leave.is_set() or (self.leave_after is not None
+                                           and tokens >= self.leave_after):
                     return
         self.started.set()
 
@@ -68,6 +85,11 @@ class Stream(threading.Thread):
         self.started.set()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()  # RST
+
+    def response(self) -> httpx.Response:
+        """What came back, as one response (for a refusal's checks)."""
+        return httpx.Response(self.status, headers=self.headers,
+                              content="\n".join(self.lines).encode())
 
     def text(self) -> str:
         events, done = sse_events(self.lines)
@@ -85,52 +107,29 @@ def open_raw_stream(base: str, body: dict) -> socket.socket:
     return sock
 
 
-def engine_app(tiny_models, tmp_path_factory, metrics=True, **engine):
-    """A service app over its own engine-core process (small limits for one test module)."""
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.core_client import start_engine_core_process
-    from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
+def engine_app(tiny_models, metrics=True, arch="llama", **engine):
+    """A service app over its own engine-core process (limits for one test module):
+    (engine process, server thread not yet started)."""
     from tokenmill.metrics import Metrics
 
-    path = tiny_models("llama")[0]
+    path = tiny_models(arch)[0]
     max_waiting = engine.pop("max_waiting", 64)
-    engine.setdefault("max_model_len", 512)
-    config = EngineConfig(model=path, kv_cache_memory_gib=0.02, **engine)
-    process, address, _ = start_engine_core_process(config, path)
-    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
-                           served_model_names=["tiny"], max_dec_len=256, max_seq_len=None,
-                           max_waiting=max_waiting)
+    process, address, config = engine_process(path, **engine)
     registry_metrics = Metrics("tiny", config.max_num_seqs) if metrics else None
-    app = create_service_app(settings, metrics=registry_metrics)
-    return process, ServerThread(app, free_port()), app, registry_metrics
+    return process, service_thread(path, address, registry_metrics, max_dec_len=256,
+                                   max_waiting=max_waiting)
 
 
-def serving(tiny_models, tmp_path_factory, **engine):
-    """A module's server over its own engine (`engine_app`): the running thread with its
-    app, metrics and base URL; the engine process is killed afterwards."""
-    process, thread, app, metrics = engine_app(tiny_models, tmp_path_factory, **engine)
+@pytest.fixture(scope="module")
+def small(tiny_models):
+    """Two running slots and eight waiting ones (F2, F8), on the long-context model: room
+    for requests that are still running whenever the test looks (HOLD_TOKENS)."""
+    process, thread = engine_app(tiny_models, arch="llama_long", max_num_seqs=2,
+                                 max_waiting=8)
     with thread:
-        thread.app, thread.metrics = app, metrics
-        thread.base = f"http://127.0.0.1:{thread.port}"
         yield thread
     process.kill()
     process.join(10)
-
-
-@pytest.fixture(scope="module")
-def small(tiny_models, tmp_path_factory):
-    """Two running slots and eight waiting ones (F2, F8); room for 1000-token requests, so
-    the running ones outlast the checks even on a fast machine."""
-    yield from serving(tiny_models, tmp_path_factory, max_num_seqs=2, max_waiting=8,
-                       max_model_len=1024)
-
-
-@pytest.fixture(scope="module")
-def roomy(tiny_models, tmp_path_factory):
-    """The default slots with room for 1000-token requests (F1): the requests whose clients
-    leave must still be generating when they leave, even where a step takes a millisecond."""
-    yield from serving(tiny_models, tmp_path_factory, max_model_len=1024)
 
 
 def sample(metrics, name: str, **labels) -> float:
@@ -139,13 +138,12 @@ def sample(metrics, name: str, **labels) -> float:
 
 
 # F1 -----------------------------------------------------------------------------------------
-def test_disconnect_mid_stream_frees_everything(roomy):
-    engine, server = roomy.app.state.server.engine, roomy.base
+def test_disconnect_mid_stream_frees_everything(long_server):
+    engine, server = long_server.app.state.server.engine, long_server.base
     aborted_before = engine.num_aborted
-    # The 16 that leave ask for 1000 tokens (so they cannot finish before the server sees
-    # them go, even on a fast machine: 480 did not always suffice once 32-sequence decode
-    # steps ran compiled); the 16 that stay, 60.
-    streams = [Stream(server, long_body(i, 1000 if i % 2 else 60),
+    # The 16 that leave ask for HOLD_TOKENS (so they cannot finish before the server sees
+    # them go, however fast the engine); the 16 that stay, 60.
+    streams = [Stream(server, long_body(i, HOLD_TOKENS if i % 2 else 60),
                       leave_after=3 if i % 2 else None, rst=i % 4 == 1) for i in range(32)]
     for s in streams:
         s.start()
@@ -162,15 +160,14 @@ def test_disconnect_mid_stream_frees_everything(roomy):
 
 
 # F3 -----------------------------------------------------------------------------------------
-def test_non_streaming_client_timeout_aborts_the_request(server, server_thread):
-    engine = server_thread.app.state.server.engine
+def test_non_streaming_client_timeout_aborts_the_request(long_server):
+    engine = long_server.app.state.server.engine
     aborted_before = engine.num_aborted
-    # 32 prompts x 480 tokens: 480 engine steps at least, far longer than the client waits
-    # even on a fast machine (the tiny model decodes a step in about a millisecond).
-    body = {**long_body(0, 480), "prompt": [f"story {i}" for i in range(32)]}
+    # 32 prompts x HOLD_TOKENS: far longer than the client waits.
+    body = {**long_body(0, HOLD_TOKENS), "prompt": [f"story {i}" for i in range(32)]}
     for _ in range(3):
         with pytest.raises(httpx.TimeoutException):
-            httpx.post(server + COMPLETIONS, json=body, timeout=0.2)
+            httpx.post(long_server.base + COMPLETIONS, json=body, timeout=0.2)
     assert wait_until(lambda: engine.num_in_flight() == 0
                       and engine.stats.kv_blocks_used == 0, 10)
     assert engine.num_aborted - aborted_before == 3 * 32  # one engine request per prompt
@@ -179,7 +176,7 @@ def test_non_streaming_client_timeout_aborts_the_request(server, server_thread):
 # F2 / F8 ------------------------------------------------------------------------------------
 def test_disconnect_while_queued_leaves_the_queue_at_once(small):
     engine = small.app.state.server.engine
-    running = [Stream(small.base, long_body(i, 1000)) for i in range(2)]
+    running = [Stream(small.base, long_body(i, HOLD_TOKENS)) for i in range(2)]
     for s in running:
         s.start()
     assert wait_until(lambda: engine.stats.num_running == 2, 30)
@@ -192,36 +189,33 @@ def test_disconnect_while_queued_leaves_the_queue_at_once(small):
     assert engine.stats.num_running == 2
     # Never prefilled: no prompt of theirs was looked up in the prefix cache.
     assert engine.stats.prefix_queried_tokens == prompt_tokens
-    for s in running:
-        s.join(120)
-        assert s.text()
+    for s in running:  # undisturbed: still streaming tokens
+        seen = len(s.lines)
+        assert wait_until(lambda: len(s.lines) > seen + 10)  # noqa: B023 - used at once
+        s.leave.set()
+        s.join(60)
+        assert s.status == 200 and not any('"error"' in line for line in s.lines)
 
 
 def test_queue_full_rejects_fast_all_or_nothing(small):
     state = small.app.state.server
     rejected_before = sample(small.metrics, "tokenmill:request_rejected_total",
                              reason="queue_full")
-    results: list = [None] * 30
-    go = threading.Barrier(30)
-
-    def fire(i: int) -> None:
-        go.wait()
-        start = time.monotonic()
-        resp = httpx.post(small.base + COMPLETIONS, json=long_body(i, 1000), timeout=300)
-        results[i] = (resp, time.monotonic() - start)
-
-    threads = [threading.Thread(target=fire, args=(i,)) for i in range(30)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    refused = [(r, dt) for r, dt in results if r.status_code == 503]
-    served = [r for r, _ in results if r.status_code == 200]
-    assert len(refused) == 20 and len(served) == 10  # 2 running + 8 waiting
-    for resp, seconds in refused:
-        assert_openai_error(resp, 503)
-        assert seconds < 2.0  # refused at once, not after queueing
-    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in served)
+    # 30 at once, each running until the test lets go (HOLD_TOKENS): 2 run, 8 wait, and
+    # the other 20 are refused with 503 at once.
+    streams = [Stream(small.base, long_body(i, HOLD_TOKENS)) for i in range(30)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.answered.wait(60)
+    accepted = [s for s in streams if s.status == 200]
+    refused = [s for s in streams if s.status == 503]
+    assert len(accepted) == 10 and len(refused) == 20
+    for s in refused:
+        s.join(30)
+        assert_openai_error(s.response(), 503)
+        assert s.wait_s < 2.0  # refused at once, not after queueing
+    leave_all(accepted)
     rejected = sample(small.metrics, "tokenmill:request_rejected_total", reason="queue_full")
     assert rejected - rejected_before == 20
     # What a refusal costs the server: one kept-alive client, the queue held full (patched:
@@ -243,25 +237,35 @@ def test_queue_full_rejects_fast_all_or_nothing(small):
     assert times[98] < 100, times
     # n counts as n slots, all or nothing: 3 x (n=3) fit 9 of 10 slots, a 4th does not.
     assert wait_until(lambda: state.engine.num_in_flight() == 0, 30)
-    streams = [Stream(small.base, {**long_body(i, 300), "n": 3}) for i in range(3)]
+    streams = [Stream(small.base, {**long_body(i, HOLD_TOKENS), "n": 3}) for i in range(3)]
     for s in streams:
         s.start()
     assert wait_until(lambda: state.engine.num_in_flight_sequences() == 9, 30)
     resp = httpx.post(small.base + COMPLETIONS, json={**long_body(9, 5), "n": 3}, timeout=30)
     assert_openai_error(resp, 503)
-    resp = httpx.post(small.base + COMPLETIONS, json=long_body(9, 5), timeout=60)
-    assert resp.status_code == 200  # one slot was still free
+    one = Stream(small.base, long_body(9, HOLD_TOKENS))
+    one.start()
+    assert one.answered.wait(60) and one.status == 200  # one slot was still free
+    leave_all([*streams, one])
+
+
+def leave_all(streams: list[Stream]) -> None:
+    """The clients of accepted streams leave (waiting ones once they get their first
+    token); every request ends and frees its slot."""
     for s in streams:
-        s.join(120)
+        s.leave.set()
+    for s in streams:
+        s.join(60)
+        assert not s.is_alive() and s.status == 200
 
 
 # F9 / F10 -----------------------------------------------------------------------------------
-def test_kv_exhaustion_preempts_and_every_request_completes(tiny_models, tmp_path_factory):
-    process, thread, app, _ = engine_app(tiny_models, tmp_path_factory, metrics=False,
-                                         num_kv_blocks=16, block_size=16)
+def test_kv_exhaustion_preempts_and_every_request_completes(tiny_models):
+    process, thread = engine_app(tiny_models, metrics=False, max_model_len=512,
+                                 num_kv_blocks=16, block_size=16)
     try:
         with thread:
-            base = f"http://127.0.0.1:{thread.port}"
+            base, app = thread.base, thread.app
             bodies = [long_body(i, 100) for i in range(4)]  # 4 x ~8 blocks > 16
             out: dict = {}
 
@@ -292,7 +296,8 @@ def test_kv_exhaustion_preempts_and_every_request_completes(tiny_models, tmp_pat
 # Process-tree faults --------------------------------------------------------------------------
 @pytest.fixture
 def model(tiny_models):
-    return tiny_models("llama")[0]
+    """The long-context model: requests that outlast whatever the test does meanwhile."""
+    return tiny_models("llama_long")[0]
 
 
 def faulty(model, tmp_path, fault: str, *flags: str) -> Served:
@@ -370,7 +375,7 @@ def test_sigterm_with_zero_drain_timeout_ends_streams_and_exits_fast(model, tmp_
     try:
         served.wait_ready()
         kids = children(served.process.pid)
-        streams = [Stream(served.api, long_body(i)) for i in range(4)]
+        streams = [Stream(served.api, long_body(i, HOLD_TOKENS)) for i in range(4)]
         for s in streams:
             s.start()
         for s in streams:
@@ -411,7 +416,8 @@ def test_health_through_the_lifecycle_and_drain_with_timeout(model, tmp_path):
         served.wait_ready()
         assert probes() == (200, 200) and grpc_ready(served) == (True, True)
         kids = children(served.process.pid)
-        streams = [Stream(served.api, long_body(i, 200)) for i in range(4)]
+        # In flight for seconds (DRAIN_TOKENS), so the draining state is there to see.
+        streams = [Stream(served.api, long_body(i, DRAIN_TOKENS)) for i in range(4)]
         for s in streams:
             s.start()
         for s in streams:

@@ -9,14 +9,17 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.serving import Served, metric, wait_until
+from tests.serving import HOLD_TOKENS, Served, metric, wait_until
 
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
-    # One running slot and one waiting slot, so overload and cancellation are easy to reach.
-    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("grpc"), "--max-num-seqs",
-                "1", "--max-cached-task-num", "1").running() as s:
+    # One running slot and one waiting slot, so overload and cancellation are easy to reach;
+    # the long-context model with room for requests still running when a test looks.
+    flags = ["--max-num-seqs", "1", "--max-cached-task-num", "1",
+             "--max-dec-len", str(HOLD_TOKENS)]
+    with Served(tiny_models("llama_long")[0], tmp_path_factory.mktemp("grpc"),
+                *flags).running() as s:
         yield s
 
 
@@ -157,7 +160,7 @@ def test_wrong_shape_is_invalid(client):
 
 
 def test_overload_is_unavailable_and_cancel_frees_kv(client, served):
-    long = {"text": "go", "max_dec_len": 1000, "min_dec_len": 1000, "temperature": 0}
+    long = {"text": "go", "max_dec_len": HOLD_TOKENS, "min_dec_len": HOLD_TOKENS, "temperature": 0}
 
     def finished_by_length() -> float:
         try:
@@ -202,7 +205,7 @@ def test_overload_is_unavailable_and_cancel_frees_kv(client, served):
 def test_deadline_expiry_aborts_and_cancel_after_final_is_harmless(client, served):
     """Catalogue F4: a client deadline that expires mid-generation aborts the request (KV
     freed); cancelling a stream after its final response changes nothing; later RPCs work."""
-    long = {"text": "go", "max_dec_len": 1000, "min_dec_len": 1000, "temperature": 0,
+    long = {"text": "go", "max_dec_len": HOLD_TOKENS, "min_dec_len": HOLD_TOKENS, "temperature": 0,
             "req_id": "deadline-1"}
     with pytest.raises(InferenceServerException) as err:
         client.infer("model", [seed_input([long])], client_timeout=0.3)

@@ -5,6 +5,7 @@ import threading
 
 import requests
 
+from tests.serving import HOLD_TOKENS, wait_until
 from tokenmill import LLM, SamplingParams
 
 
@@ -96,28 +97,42 @@ def test_validation_errors_have_seed_texts_and_status(server):
             "[0, 1]", "")
 
 
-def test_duplicate_in_flight_req_id_is_409(server):
-    body = {"text": "block after block", "max_dec_len": 200, "min_dec_len": 200, "req_id": "dup",
-            "temperature": 0, "stream": True}
-    started = threading.Event()
+def test_duplicate_in_flight_req_id_is_409(long_server):
+    server, engine = long_server.base, long_server.app.state.server.engine
+    body = {"text": "block after block", "max_dec_len": HOLD_TOKENS, "min_dec_len": HOLD_TOKENS,
+            "req_id": "dup", "temperature": 0, "stream": True}
+    started, leave = threading.Event(), threading.Event()
     lines = []
 
-    def first():
+    def first():  # reads the stream until the test is done with it, then leaves
         with requests.post(server + "/v1/chat/completions", json=body, stream=True,
                            timeout=60) as resp:
             for line in resp.iter_lines():
                 if line:
                     lines.append(json.loads(line))
                     started.set()
+                if leave.is_set():
+                    return
 
     t = threading.Thread(target=first)
     t.start()
     assert started.wait(30)
     resp = requests.post(server + "/v1/chat/completions", json={**body, "stream": False},
                          timeout=30)
-    t.join(60)
     assert resp.status_code == 409 and "already exists" in resp.json()["error_msg"]
-    assert lines[-1]["is_end"] == 1  # the first request was not disturbed
+    # The first request was not disturbed: it goes on streaming tokens, no error among them.
+    seen = len(lines)
+    assert wait_until(lambda: len(lines) > seen + 10)
+    leave.set()
+    t.join(60)
+    assert all("error_code" not in m or m["error_code"] == 0 for m in lines), lines[-1]
+    assert lines[-1]["is_end"] == 0
+    # Once its client has left, the id is free again.
+    assert wait_until(lambda: engine.num_in_flight() == 0)
+    again = requests.post(server + "/v1/chat/completions",
+                          json={**body, "stream": False, "max_dec_len": 3, "min_dec_len": 3},
+                          timeout=30)
+    assert again.status_code == 200 and again.json()["req_id"] == "dup"
 
 
 def test_disable_streaming_sends_one_final_message(engine_address):
@@ -155,8 +170,6 @@ def test_timeout_between_messages_ends_the_request(server, server_thread):
     lines = stream_lines(server, body)
     assert lines[-1]["error_code"] == 504
     engine = server_thread.app.state.server.engine
-    from tests.serving import wait_until
-
     assert wait_until(lambda: engine.num_in_flight() == 0 and engine.stats.num_running == 0)
 
 

@@ -12,12 +12,22 @@ import time
 import httpx
 import pytest
 
-from tests.serving import Served, alive, children, metric, metric_sum, wait_until
+from tests.serving import (
+    DRAIN_TOKENS,
+    HOLD_TOKENS,
+    Served,
+    alive,
+    children,
+    metric,
+    metric_sum,
+    wait_until,
+)
 
 
 @pytest.fixture
 def model(tiny_models):
-    return tiny_models("llama")[0]
+    """The long-context model: requests that outlast whatever the test does meanwhile."""
+    return tiny_models("llama_long")[0]
 
 
 def stream_first_chunk(api: str, body: dict, chunks: list, opened: threading.Event,
@@ -36,10 +46,6 @@ def stream_first_chunk(api: str, body: dict, chunks: list, opened: threading.Eve
 def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
     served = Served(model, tmp_path, "--max-num-seqs", "1", "--max-cached-task-num", "1")
     served.env["USE_WARMUP"] = "1"
-    # The overload check below needs the first 1000-token request still running while it
-    # polls the metrics: on the compiled kernels the tiny model decodes it in ~0.4 s, which
-    # a busy 2-core CI machine once missed; torch's kernels take ~1.8 s.
-    served.env["TOKENMILL_CPU_KERNELS"] = "0"
     served.start()
     try:
         served.wait_ready()
@@ -52,7 +58,7 @@ def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
         assert metric(served.metrics, "inference_server_metrics", block_num="block_num") == \
             metric(served.metrics, "tokenmill:kv_cache_blocks_total")
         # One running, one waiting: the next request is refused with 503 (the seed's text).
-        body = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS, "ignore_eos": True}
         close = threading.Event()
         threads = []
         for _ in range(2):
@@ -76,24 +82,25 @@ def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
         assert wait_until(lambda: metric(served.metrics, "tokenmill:num_requests_running") == 0
                           and metric(served.metrics, "tokenmill:num_requests_waiting") == 0
                           and metric(served.metrics, "tokenmill:kv_cache_blocks_used") == 0)
-        assert metric(served.metrics, "tokenmill:generation_tokens_total") < 2000
+        assert metric(served.metrics, "tokenmill:generation_tokens_total") < HOLD_TOKENS
     finally:
         served.stop()
 
 
 def test_ctrl_c_drains_in_flight_requests_then_exits_cleanly(model, tmp_path):
-    served = Served(model, tmp_path, "--shutdown-timeout", "60", "--num-kv-blocks", "40",
+    served = Served(model, tmp_path, "--shutdown-timeout", "60", "--num-kv-blocks", "200",
                     "--block-size", "16").start()
     try:
         served.wait_ready()
-        # A prompt that can never fit the 640-token cache is refused, not queued forever.
+        # A prompt that can never fit the 3,200-token cache is refused, not queued forever.
         huge = httpx.post(served.api + "/v1/chat/completions",
-                          json={"input_ids": [7] * 700, "max_dec_len": 5}, timeout=30)
-        assert huge.status_code == 400 and "(640)" in huge.json()["error_msg"]
+                          json={"input_ids": [7] * 3300, "max_dec_len": 5}, timeout=30)
+        assert huge.status_code == 400 and "(3200)" in huge.json()["error_msg"]
         kids = children(served.process.pid)
         assert kids  # the engine-core process
         chunks, opened, close = [], threading.Event(), threading.Event()
-        body = {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True}
+        # In flight for seconds (DRAIN_TOKENS), so the draining state is there to see.
+        body = {"model": "tiny", "prompt": "go", "max_tokens": DRAIN_TOKENS, "ignore_eos": True}
         t = threading.Thread(target=stream_first_chunk,
                              args=(served.api, body, chunks, opened, close))
         t.start()
@@ -123,7 +130,7 @@ def test_engine_death_fails_requests_fast_and_exits_nonzero(model, tmp_path):
     try:
         served.wait_ready()
         chunks, opened, close = [], threading.Event(), threading.Event()
-        body = {"model": "tiny", "prompt": "go", "max_tokens": 1000, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS, "ignore_eos": True}
         t = threading.Thread(target=stream_first_chunk,
                              args=(served.api, body, chunks, opened, close))
         t.start()
@@ -152,7 +159,8 @@ def test_start_server_and_stop_server(model, tmp_path):
     try:
         assert wait_until(served.ready, 120)
         chunks, opened, close = [], threading.Event(), threading.Event()
-        body = {"model": "tiny", "prompt": "go", "max_tokens": 300, "ignore_eos": True}
+        # Still in flight when stop_server runs (DRAIN_TOKENS), so the drain is what ends it.
+        body = {"model": "tiny", "prompt": "go", "max_tokens": DRAIN_TOKENS, "ignore_eos": True}
         t = threading.Thread(target=stream_first_chunk,
                              args=(served.api, body, chunks, opened, close))
         t.start()
