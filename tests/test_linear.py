@@ -46,11 +46,11 @@ def test_choose_kernels_keeps_a_tied_embedding_and_skips_other_dtypes():
 
 
 def test_panel_gemv_reads_the_packed_weight_for_few_rows():
-    """Up to PANEL_MAX_ROWS rows the compiled kernel reads oneDNN's packed copy (panels of 64
-    output channels); odd shapes exercise the zero padding of both dimensions, row counts the
-    tiles of 6 / 4 / 2 rows, the two row groups and the 32-row passes. oneDNN packs
-    some shapes differently (130 rows: panels of 16; one row: not at all): the layout check
-    declines those and oneDNN keeps them."""
+    """The compiled kernel reads oneDNN's packed copy (panels of 64 output channels) for any
+    number of rows; odd shapes exercise the zero padding of both dimensions, row counts the
+    tiles of 1-6 rows, a panel's rows split between threads and the 32-row passes. oneDNN
+    packs some shapes differently (130 rows: panels of 16; one row: not at all): the layout
+    check declines those and oneDNN keeps them."""
     from tokenmill import csrc
 
     if not csrc.available():
@@ -66,11 +66,11 @@ def test_panel_gemv_reads_the_packed_weight_for_few_rows():
         packed.use_kernel(CpuPackedKernel(packed))
         # the layout check
         assert (packed.kernel.panel_stride is None) == ((n, k) in [(1, 1), (130, 576)])
-        for rows in list(range(10)) + [12, 13, 16, 17, 31, 32, 33, 63, 64, 65]:
+        for rows in list(range(10)) + [11, 12, 13, 16, 17, 31, 32, 33, 63, 64, 65, 100, 257]:
             x = torch.randn(rows, k)
             out = packed(x)
             torch.testing.assert_close(out, dense(x), atol=1e-4, rtol=1e-5)
-            if packed.kernel.panel_stride is not None and 1 <= rows <= 64:
+            if packed.kernel.panel_stride is not None and rows:
                 # each row is summed the same way whatever rows run with it
                 for i in {0, rows // 2, rows - 1}:
                     assert torch.equal(packed(x[i:i + 1]), out[i:i + 1])

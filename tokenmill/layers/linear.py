@@ -38,17 +38,17 @@ class CpuPackedKernel:
     decode step that costs more than the multiply (measured on the default model, all layers:
     2x faster at 32 rows, 2.5x at 7, equal at 1 row; see bench/NOTES.md). The packed copy
     replaces the weight, so memory is unchanged except for an LM head tied to the embedding
-    table, which keeps its rows for lookups. Up to `PANEL_MAX_ROWS` rows the compiled panel
-    kernel (csrc/gemm.c) reads the same packed copy: oneDNN's single-row path streams it at
-    ~14 GB/s, the compiled one at ~20, and from 2 to 64 rows the compiled tiles are 1.0-1.4x
-    faster than oneDNN (bench/NOTES.md)."""
+    table, which keeps its rows for lookups. The compiled panel kernel (csrc/gemm.c) reads the
+    same packed copy for any number of rows: oneDNN's single-row path streams it at ~14 GB/s,
+    the compiled one at ~20; from 2 to 128 rows its tiles are 1.1-1.4x faster than oneDNN, on
+    prompts of 256-2048 rows 1.0-1.08x (bench/NOTES.md). oneDNN keeps the layers whose packed
+    layout the kernel cannot read."""
 
     name = "cpu-packed"
     # Row count oneDNN tunes the layout for; any count works. 32 was best from 1 to 512 rows.
     BATCH_HINT = 32
-    # Rows up to which the compiled panel kernel beats oneDNN (1.3x at 1 row, 1.3-1.4x at 2-8,
-    # 1.0-1.2x at 12-64; above, prompt-sized GEMMs are oneDNN's).
-    PANEL_MAX_ROWS = 64
+    # The compiled panel kernel is the fastest at every row count (LinearForm.max_rows).
+    ANY_ROWS = 2**31 - 1
 
     def __init__(self, layer: Linear) -> None:
         weight = layer.weight.detach()
@@ -83,8 +83,7 @@ class CpuPackedKernel:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if (self.panel_stride is not None and x.dim() == 2
-                and x.shape[0] <= self.PANEL_MAX_ROWS):
+        if self.panel_stride is not None and x.dim() == 2:
             return csrc.f32_panel_gemm(x.contiguous(), self.packed, self.panel_stride,
                                        self.out_features, layer.bias)
         return self._onednn(x, layer.bias)
@@ -92,7 +91,7 @@ class CpuPackedKernel:
     def compiled_form(self) -> csrc.LinearForm | None:
         if self.panel_stride is None:
             return None
-        return csrc.LinearForm(csrc.F32_PANEL, self.panel_stride, self.PANEL_MAX_ROWS,
+        return csrc.LinearForm(csrc.F32_PANEL, self.panel_stride, self.ANY_ROWS,
                                torch.ops.mkldnn.data_ptr(self.packed))
 
     def weight_bytes(self) -> int:
