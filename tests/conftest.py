@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from tests.serving import HOLD_TOKENS, engine_process, service_thread
+from tests.serving import HOLD_TOKENS, engine_process, service_over_engine, service_thread
 
 sys.path.insert(0, os.path.dirname(__file__))
 # GPU kernels (Triton) run in Triton's interpreter on a machine without a GPU; set before
@@ -59,14 +59,8 @@ def server_thread(engine_address):
 def long_server(tiny_models):
     """Like `server_thread`, over the tiny long-context model with room for HOLD_TOKENS:
     for tests that need a request still running when they look (disconnects, timeouts)."""
-    path = tiny_models("llama_long")[0]
-    process, address, _ = engine_process(path)
-    try:
-        with service_thread(path, address, max_dec_len=HOLD_TOKENS) as thread:
-            yield thread
-    finally:
-        process.kill()
-        process.join(10)
+    with service_over_engine(tiny_models("llama_long")[0], max_dec_len=HOLD_TOKENS) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,19 @@ def service_thread(path: str, address: str, metrics=None, **settings) -> ServerT
     return thread
 
 
+@contextlib.contextmanager
+def service_over_engine(path: str, metrics=None, engine: dict | None = None, **settings):
+    """An engine-core process (`engine_process`, options `engine`) and the service app over it
+    in a thread (`service_thread`); both stop afterwards."""
+    process, address, _ = engine_process(path, **(engine or {}))
+    try:
+        with service_thread(path, address, metrics, **settings) as thread:
+            yield thread
+    finally:
+        process.kill()
+        process.join(10)
+
+
 def children(pid: int) -> list[int]:
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):

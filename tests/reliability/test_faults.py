@@ -2,6 +2,7 @@
 F11 on `tokenmill serve` process trees (crash, stall, drain, start-up failure), P2 along the
 way (liveness and readiness through the lifecycle)."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -21,8 +22,7 @@ from tests.serving import (
     Served,
     alive,
     children,
-    engine_process,
-    service_thread,
+    service_over_engine,
     wait_until,
 )
 
@@ -107,29 +107,27 @@ def open_raw_stream(base: str, body: dict) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
 def engine_app(tiny_models, metrics=True, arch="llama", **engine):
-    """A service app over its own engine-core process (limits for one test module):
-    (engine process, server thread not yet started)."""
+    """A running service app over its own engine-core process (limits for one test)."""
+    from tokenmill.config import EngineConfig
     from tokenmill.metrics import Metrics
 
     path = tiny_models(arch)[0]
     max_waiting = engine.pop("max_waiting", 64)
-    process, address, config = engine_process(path, **engine)
-    registry_metrics = Metrics("tiny", config.max_num_seqs) if metrics else None
-    return process, service_thread(path, address, registry_metrics, max_dec_len=256,
-                                   max_waiting=max_waiting)
+    registry = (Metrics("tiny", EngineConfig(model=path, **engine).max_num_seqs) if metrics
+                else None)
+    with service_over_engine(path, registry, engine, max_dec_len=256,
+                             max_waiting=max_waiting) as thread:
+        yield thread
 
 
 @pytest.fixture(scope="module")
 def small(tiny_models):
     """Two running slots and eight waiting ones (F2, F8), on the long-context model: room
     for requests that are still running whenever the test looks (HOLD_TOKENS)."""
-    process, thread = engine_app(tiny_models, arch="llama_long", max_num_seqs=2,
-                                 max_waiting=8)
-    with thread:
+    with engine_app(tiny_models, arch="llama_long", max_num_seqs=2, max_waiting=8) as thread:
         yield thread
-    process.kill()
-    process.join(10)
 
 
 def sample(metrics, name: str, **labels) -> float:
@@ -261,36 +259,31 @@ def leave_all(streams: list[Stream]) -> None:
 
 # F9 / F10 -----------------------------------------------------------------------------------
 def test_kv_exhaustion_preempts_and_every_request_completes(tiny_models):
-    process, thread = engine_app(tiny_models, metrics=False, max_model_len=512,
-                                 num_kv_blocks=16, block_size=16)
-    try:
-        with thread:
-            base, app = thread.base, thread.app
-            bodies = [long_body(i, 100) for i in range(4)]  # 4 x ~8 blocks > 16
-            out: dict = {}
+    with engine_app(tiny_models, metrics=False, max_model_len=512, num_kv_blocks=16,
+                    block_size=16) as thread:
+        base, app = thread.base, thread.app
+        bodies = [long_body(i, 100) for i in range(4)]  # 4 x ~8 blocks > 16
+        out: dict = {}
 
-            def run(i):
-                out[i] = httpx.post(base + COMPLETIONS, json=bodies[i], timeout=300).json()
+        def run(i):
+            out[i] = httpx.post(base + COMPLETIONS, json=bodies[i], timeout=300).json()
 
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-            stats = app.state.server.engine.stats
-            assert stats.num_preemptions > 0
-            for i in range(4):  # identical to the same request alone
-                alone = httpx.post(base + COMPLETIONS, json=bodies[i], timeout=120).json()
-                assert out[i]["choices"][0]["text"] == alone["choices"][0]["text"]
-            # F10: more than the whole cache (256 tokens) is refused at once.
-            start = time.monotonic()
-            resp = httpx.post(base + COMPLETIONS, json=long_body(0, 300), timeout=30)
-            error = assert_openai_error(resp, 400, "max_tokens")
-            assert "maximum context length is 256" in error["message"]
-            assert time.monotonic() - start < 2.0
-    finally:
-        process.kill()
-        process.join(10)
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = app.state.server.engine.stats
+        assert stats.num_preemptions > 0
+        for i in range(4):  # identical to the same request alone
+            alone = httpx.post(base + COMPLETIONS, json=bodies[i], timeout=120).json()
+            assert out[i]["choices"][0]["text"] == alone["choices"][0]["text"]
+        # F10: more than the whole cache (256 tokens) is refused at once.
+        start = time.monotonic()
+        resp = httpx.post(base + COMPLETIONS, json=long_body(0, 300), timeout=30)
+        error = assert_openai_error(resp, 400, "max_tokens")
+        assert "maximum context length is 256" in error["message"]
+        assert time.monotonic() - start < 2.0
 
 
 # Process-tree faults --------------------------------------------------------------------------
