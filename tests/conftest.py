@@ -40,7 +40,7 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine_address(tiny_models):
     path = tiny_models("llama")[0]
-    process, address, _ = engine_process(path, max_model_len=512)
+    process, address = engine_process(path, max_model_len=512)
     yield path, address
     process.kill()
     process.join(10)

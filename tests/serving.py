@@ -62,13 +62,13 @@ def wait_until(predicate, timeout=30.0):
 
 
 def engine_process(path: str, **engine):
-    """One engine-core process over the model at `path`: (process, address, config)."""
+    """One engine-core process over the model at `path`: (process, address)."""
     from tokenmill.config import EngineConfig
     from tokenmill.engine.core_client import start_engine_core_process
 
     config = EngineConfig(model=path, kv_cache_memory_gib=0.02, **engine)
     process, address, _ = start_engine_core_process(config, path)
-    return process, address, config
+    return process, address
 
 
 def service_thread(path: str, address: str, metrics=None, **settings) -> ServerThread:
@@ -91,7 +91,7 @@ def service_thread(path: str, address: str, metrics=None, **settings) -> ServerT
 def service_over_engine(path: str, metrics=None, engine: dict | None = None, **settings):
     """An engine-core process (`engine_process`, options `engine`) and the service app over it
     in a thread (`service_thread`); both stop afterwards."""
-    process, address, _ = engine_process(path, **(engine or {}))
+    process, address = engine_process(path, **(engine or {}))
     try:
         with service_thread(path, address, metrics, **settings) as thread:
             yield thread

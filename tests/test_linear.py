@@ -45,7 +45,7 @@ def test_choose_kernels_keeps_a_tied_embedding_and_skips_other_dtypes():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_panel_gemv_reads_the_packed_weight_for_few_rows():
+def test_panel_kernel_reads_the_packed_weight_at_any_row_count():
     """The compiled kernel reads oneDNN's packed copy (panels of 64 output channels) for any
     number of rows; odd shapes exercise the zero padding of both dimensions, row counts the
     tiles of 1-6 rows, a panel's rows split between threads and the 32-row passes. oneDNN

@@ -97,6 +97,16 @@ class Stream(threading.Thread):
         return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
 
 
+def leave_all(streams: list[Stream]) -> None:
+    """The clients of accepted streams leave (waiting ones once they get their first
+    token); every request ends and frees its slot."""
+    for s in streams:
+        s.leave.set()
+    for s in streams:
+        s.join(60)
+        assert not s.is_alive() and s.status == 200
+
+
 def open_raw_stream(base: str, body: dict) -> socket.socket:
     """A streaming request on a plain socket (so the test controls exactly when it closes)."""
     host, port = base.removeprefix("http://").split(":")
@@ -115,8 +125,8 @@ def engine_app(tiny_models, metrics=True, arch="llama", **engine):
 
     path = tiny_models(arch)[0]
     max_waiting = engine.pop("max_waiting", 64)
-    registry = (Metrics("tiny", EngineConfig(model=path, **engine).max_num_seqs) if metrics
-                else None)
+    max_num_seqs = engine.get("max_num_seqs", EngineConfig.max_num_seqs)  # the default
+    registry = Metrics("tiny", max_num_seqs) if metrics else None
     with service_over_engine(path, registry, engine, max_dec_len=256,
                              max_waiting=max_waiting) as thread:
         yield thread
@@ -246,15 +256,6 @@ def test_queue_full_rejects_fast_all_or_nothing(small):
     assert one.answered.wait(60) and one.status == 200  # one slot was still free
     leave_all([*streams, one])
 
-
-def leave_all(streams: list[Stream]) -> None:
-    """The clients of accepted streams leave (waiting ones once they get their first
-    token); every request ends and frees its slot."""
-    for s in streams:
-        s.leave.set()
-    for s in streams:
-        s.join(60)
-        assert not s.is_alive() and s.status == 200
 
 
 # F9 / F10 -----------------------------------------------------------------------------------
