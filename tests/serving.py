@@ -24,10 +24,25 @@ HOLD_TOKENS = 30_000
 DRAIN_TOKENS = 3_000
 
 
+# Ports for test servers come from below the kernel's ephemeral range (32768+ here), walked
+# once per process: asking the kernel for port 0 can hand out the same port twice in a row (a
+# CI run started a server whose metrics and gRPC ports were one port), and any client socket
+# may take an ephemeral port between the pick and the server's bind.
+_PORT_LOW, _PORT_HIGH = 20_000, 32_000
+_next_port = _PORT_LOW + (os.getpid() * 97) % (_PORT_HIGH - _PORT_LOW)
+_port_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port no other call in this process has returned, and free right now."""
+    global _next_port
+    with _port_lock:
+        for _ in range(_PORT_HIGH - _PORT_LOW):
+            port = _next_port
+            _next_port = _PORT_LOW + (port + 1 - _PORT_LOW) % (_PORT_HIGH - _PORT_LOW)
+            if port_free(port):
+                return port
+    raise RuntimeError("no free loopback port left for tests")
 
 
 class ServerThread:
