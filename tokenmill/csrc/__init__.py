@@ -4,6 +4,8 @@ memory.
 
 - `gemm.c`: int8 / int4 weight-only matmul. torch's own (`_weight_int8pack_mm`,
   `_weight_int4pack_mm_for_cpu`) are 2.6x / 5x slower than fp32 on AVX2 CPUs (bench/NOTES.md).
+- `f32_panel.c`: fp32 matmul over oneDNN's packed weight panels, any row count (AVX2 tiles, or
+  AVX-512 tiles where the CPU has it: the build is `-march=native`).
 - `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
   must gather a padded copy of every sequence's K/V first.
 - `layer_ops.c`: RMSNorm with its residual add, rotary, SiLU-and-multiply, the K/V cache
@@ -35,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
-            for name in ("gemm.c", "paged_attention.c", "layer_ops.c", "decode_step.c")]
+            for name in ("gemm.c", "f32_panel.c", "paged_attention.c", "layer_ops.c",
+                         "decode_step.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
@@ -43,15 +46,18 @@ _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=of
           "-shared", "-fPIC"]
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_flags() -> set[str]:
     if sys.platform != "linux":
-        return False
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return {"avx2", "fma", "f16c"} <= set(flags)
+        return set()
+
+
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
 
 
 def _build(compiler: str, cache_dir: str) -> str:
@@ -60,7 +66,11 @@ def _build(compiler: str, cache_dir: str) -> str:
         with open(path, "rb") as f:
             source += f.read()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    # -march=native builds for this CPU (AVX-512 where it has it): a cache shared by machines
+    # of another kind must not hand them this build, so the CPU's flags are part of the key.
+    cpu = " ".join(sorted(_cpu_flags()))
+    key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()
+                         + cpu.encode()).hexdigest()[:16]
     target = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
     if os.path.isfile(target):
         return target

@@ -1,0 +1,165 @@
+/* fp32 linear layers in oneDNN's packed layout: y[M, N] = x[M, K] @ W^T (+ bias).
+ *
+ * fp32 layers keep their weight in the layout torch.ops.mkldnn._reorder_linear_weight gives
+ * (one copy; oneDNN runs the layers this kernel cannot read): panels of 64 output channels,
+ * each [KP][64] with K zero-padded to KP ([N/64][KP][64]; csrc.f32_panel_stride derives KP and
+ * layers check this kernel against oneDNN once before using it). oneDNN's own single-row GEMV
+ * reads it at ~12 GB/s here; one pass per panel with 8 accumulators reaches the machine's
+ * streaming rate. From 2 rows on, register tiles of up to 6 rows walk k-chunks of the panel
+ * that stay in L1 while every tile of the chunk uses them, with the next chunk prefetched in
+ * memory order (strips read alone would stride through the panel and defeat the hardware
+ * prefetcher). On AVX2 a tile is 16 columns wide (12 sums in registers); with AVX-512 it spans
+ * the whole 64-column panel (24 of the 32 zmm registers), so each weight is loaded once per
+ * tile instead of being re-read, with fewer loads per FMA: on a Zen 4 that moved the 16-2048
+ * row range from 0.8-0.9x oneDNN's AVX-512 kernels to at least par (bench/NOTES.md).
+ * Every tile adds each product in k order with one FMA, in either ISA, so a row's result
+ * does not depend on how many rows run with it, and equals the single-row pass. */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define INLINE static inline __attribute__((always_inline))
+#define TM_KC 64   /* panel rows per k-chunk (16 KB): the tiles of a chunk share it in L1 */
+#define TM_MAX_ROWS 32 /* rows per pass: their x chunk and the panel chunk share L1 */
+
+#ifdef __AVX512F__
+/* c[0 .. mr, 0 .. 64) += x rows times panel rows [k0, k1): mr x 4 zmm sums. `fetch` (or NULL)
+ * gets the next chunk's 4 cache lines of each k prefetched, in memory order. */
+INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_t k0,
+                           int64_t k1, float *c, const float *fetch, const int mr) {
+    __m512 acc[6][4];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_load_ps(c + i * 64 + 16 * v);
+    for (int64_t k = k0; k < k1; k++) {
+        if (fetch)
+            for (int v = 0; v < 4; v++)
+                _mm_prefetch((const char *)(fetch + (k - k0) * 64 + 16 * v), _MM_HINT_T0);
+        __m512 w[4];
+        for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(panel + k * 64 + 16 * v);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mr; i++) {
+            const __m512 xb = _mm512_set1_ps(x[i * K + k]);
+            for (int v = 0; v < 4; v++) acc[i][v] = _mm512_fmadd_ps(xb, w[v], acc[i][v]);
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < 4; v++) _mm512_store_ps(c + i * 64 + 16 * v, acc[i][v]);
+}
+#define TM_STRIP 64 /* columns a tile covers */
+#else
+/* c[0 .. mr, col .. col+16) += x rows times panel rows [k0, k1): mr x 2 ymm sums. `fetch`
+ * (or NULL) gets one cache line prefetched per k: a quarter of the next chunk (the first
+ * tile of each of the 4 strips fetches one quarter). */
+INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_t k0,
+                           int64_t k1, float *c, const float *fetch, const int mr) {
+    __m256 acc[6][2];
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mr; i++) {
+        acc[i][0] = _mm256_load_ps(c + i * 64);
+        acc[i][1] = _mm256_load_ps(c + i * 64 + 8);
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        if (fetch) _mm_prefetch((const char *)(fetch + (k - k0) * 16), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(panel + k * 64);
+        const __m256 w1 = _mm256_loadu_ps(panel + k * 64 + 8);
+        _Pragma("GCC unroll 8")
+        for (int i = 0; i < mr; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+            acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+        }
+    }
+    _Pragma("GCC unroll 8")
+    for (int i = 0; i < mr; i++) {
+        _mm256_store_ps(c + i * 64, acc[i][0]);
+        _mm256_store_ps(c + i * 64 + 8, acc[i][1]);
+    }
+}
+#define TM_STRIP 16
+#endif
+
+/* One row over a whole panel (64 columns, 8 accumulators): a single sequential pass, what a
+ * memory-bound GEMV wants. Same k-order FMA sums as the tiles. */
+static void f32_panel_row(const float *x, int64_t K, const float *panel, float *c) {
+    __m256 acc[8];
+    for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        for (int v = 0; v < 8; v++)
+            acc[v] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(panel + k * 64 + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < 8; v++) _mm256_store_ps(c + 8 * v, acc[v]);
+}
+
+/* Panel p for all M rows: k-chunk by k-chunk, every strip of columns and every tile of rows
+ * (sums kept in c, [M][64], between chunks); the first tile of each strip prefetches its
+ * share of the next chunk, so the panel streams in order while the tiles compute (past the
+ * panel's end near the last chunk: a prefetch never faults). */
+static void f32_panel_rows(const float *x, int64_t M, int64_t K, const float *panel,
+                           float *c) {
+    memset(c, 0, M * 64 * sizeof(float));
+    /* as few tiles as 6-row tiles need, their rows as even as possible (32 rows:
+     * 6,6,5,5,5,5, not 6,6,6,6,4,4): a tile of r rows keeps 2r (AVX2) sums in flight, and
+     * fewer than ~10 leave the FMA units waiting on latency */
+    const int64_t tiles = (M + 5) / 6, base = M / tiles, extra = M % tiles;
+    for (int64_t k0 = 0; k0 < K; k0 += TM_KC) {
+        const int64_t k1 = k0 + TM_KC < K ? k0 + TM_KC : K;
+        const float *next = k1 < K ? panel + k1 * 64 : NULL;
+        for (int64_t col = 0; col < 64; col += TM_STRIP) {
+            const float *fetch = next ? next + col / TM_STRIP * TM_KC * TM_STRIP : NULL;
+            int64_t m0 = 0;
+            for (int64_t i = 0; i < tiles; i++, fetch = NULL) {
+                const int64_t rows = base + (i < extra);
+                switch (rows) {
+#define TILE(R) case R: f32_panel_tile(x + m0 * K, K, panel + col, k0, k1, c + m0 * 64 + col, \
+                                       fetch, R); break;
+                    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
+#undef TILE
+                }
+                m0 += rows;
+            }
+        }
+    }
+}
+
+void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int64_t KP) {
+    const int64_t panels = (N + 63) / 64;
+    /* Work: (panel, row) pairs in panel-major order, cut into one contiguous range per
+     * thread. Below 12 rows a pair is a whole panel's rows (memory-bound: a panel is read by
+     * one thread only). From 12 rows on, compute dominates: a thread may take part of a
+     * panel's rows, so that few panels (9 for a 576-wide layer) still divide evenly while
+     * most panels run whole, in 5-6-row tiles (two threads each taking half the rows of
+     * every panel ran 4-row tiles at 16 rows: 37.6 ms instead of 27.9 for the default
+     * model's 120 projections on AVX2). */
+    const int64_t unit = M >= 12 ? 1 : M, units = panels * M / unit;
+#pragma omp parallel
+    {
+        float c[TM_MAX_ROWS * 64] __attribute__((aligned(64)));
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t u1 = units * (t + 1) / threads * unit;
+        for (int64_t u = units * t / threads * unit; u < u1;) {
+            const int64_t p = u / M, r0 = u % M;
+            const int64_t r1 = M < r0 + (u1 - u) ? M : r0 + (u1 - u);
+            const int64_t width = N - p * 64 < 64 ? N - p * 64 : 64;
+            const float *panel = w + p * KP * 64;
+            for (int64_t m0 = r0; m0 < r1; m0 += TM_MAX_ROWS) {
+                const int64_t rows = r1 - m0 < TM_MAX_ROWS ? r1 - m0 : TM_MAX_ROWS;
+                if (rows == 1)
+                    f32_panel_row(x + m0 * K, K, panel, c);
+                else
+                    f32_panel_rows(x + m0 * K, rows, K, panel, c);
+                float *out = y + m0 * N + p * 64;
+                for (int64_t i = 0; i < rows; i++)
+                    for (int64_t j = 0; j < width; j++)
+                        out[i * N + j] = c[i * 64 + j] + (bias ? bias[p * 64 + j] : 0.0f);
+            }
+            u += r1 - r0;
+        }
+    }
+}
