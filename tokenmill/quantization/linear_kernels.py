@@ -18,8 +18,10 @@ from tokenmill.quantization import schemes
 
 # Rows above which the weight-only kernels dequantize the weight and run the fp32 GEMM
 # instead of the compiled kernel (which converts each weight once per 4 rows): measured
-# crossovers on the default model's shapes, bench/NOTES.md "quantized kernels".
-INT8_MAX_ROWS = 128
+# crossovers on the default model's shapes, bench/NOTES.md "quantized kernels" (int8: 128
+# until its Q8_0 loop went flat; then 1.9x faster than dequantize + fp32 at 256 rows, even at
+# 512, 0.6x at 2048).
+INT8_MAX_ROWS = 256
 INT4_MAX_ROWS = 64
 
 
