@@ -38,10 +38,11 @@ class CpuPackedKernel:
     decode step that costs more than the multiply (measured on the default model, all layers:
     2x faster at 32 rows, 2.5x at 7, equal at 1 row; see bench/NOTES.md). The packed copy
     replaces the weight, so memory is unchanged except for an LM head tied to the embedding
-    table, which keeps its rows for lookups. The compiled panel kernel (csrc/gemm.c) reads the
-    same packed copy for any number of rows: oneDNN's single-row path streams it at ~14 GB/s,
-    the compiled one at ~20; from 2 to 128 rows its tiles are 1.1-1.4x faster than oneDNN, on
-    prompts of 256-2048 rows 1.0-1.08x (bench/NOTES.md). oneDNN keeps the layers whose packed
+    table, which keeps its rows for lookups. The compiled panel kernel (csrc/f32_panel.c) reads
+    the same packed copy for any number of rows: oneDNN's single-row path streams it at ~14
+    GB/s, the compiled one at ~20; on AVX2 its tiles are 1.1-1.4x faster than oneDNN from 2 to
+    128 rows, 1.0-1.08x on prompts of 256-2048 rows; on AVX-512 (where oneDNN is faster) about
+    par from 16 rows, 1.1-1.5x below (bench/NOTES.md). oneDNN keeps the layers whose packed
     layout the kernel cannot read."""
 
     name = "cpu-packed"
