@@ -208,43 +208,29 @@ static inline __m256i dot_16(__m256i w_lo, __m256i w_hi, const int16_t *x) {
 INLINE void int8_q16_tile(const int16_t *xq, const float *xs, const int8_t *wn,
                           const float *sn, float *y, float bias, int64_t m0, int64_t n,
                           int64_t N, int64_t K, int64_t group, const int mb) {
-    const int64_t groups = K / group, blocks = K / 32, per_group = group / 32;
-    __m256 acc[QMB];
-    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
-    if (per_group == 1) {
-        /* GGUF Q8_0: one scale per block. The same sums as the general loop below, in one
-         * flat loop: the nested one kept its counters in vector registers and spent ~3x the
-         * instructions per block on them, and the batch-1 GEMV moved ~17 GB/s instead of
-         * the ~30 the memory gives. */
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m128i *wb = (const __m128i *)(wn + b * 32);
-            const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb));
-            const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb + 1));
-            const __m256 s = _mm256_set1_ps(sn[b]);
+    const int64_t blocks = K / 32, per_group = group / 32;
+    __m256 acc[QMB], part[QMB];
+    for (int i = 0; i < mb; i++) acc[i] = part[i] = _mm256_setzero_ps();
+    /* One flat loop over blocks; a group's partial sums join acc at its last block. Nested
+     * group and block loops kept their counters in vector registers and spent ~3x the
+     * instructions per block on them (GGUF Q8_0 has one block per group): the batch-1 GEMV
+     * moved ~17 GB/s instead of the ~30 the memory gives. */
+    for (int64_t b = 0, left = per_group, g = 0; b < blocks; b++) {
+        const __m128i *wb = (const __m128i *)(wn + b * 32);
+        const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb));
+        const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb + 1));
+        for (int i = 0; i < mb; i++)
+            part[i] = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(dot_16(w_lo, w_hi, xq + (m0 + i) * K + b * 32)),
+                _mm256_set1_ps(xs[(m0 + i) * blocks + b]), part[i]);
+        if (--left == 0) {
+            const __m256 s = _mm256_set1_ps(sn[g++]);
             for (int i = 0; i < mb; i++) {
-                const __m256 part = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(dot_16(w_lo, w_hi, xq + (m0 + i) * K + b * 32)),
-                    _mm256_set1_ps(xs[(m0 + i) * blocks + b]), _mm256_setzero_ps());
-                acc[i] = _mm256_fmadd_ps(part, s, acc[i]);
+                acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
+                part[i] = _mm256_setzero_ps();
             }
+            left = per_group;
         }
-        for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum8(acc[i]) + bias;
-        return;
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 part[QMB];
-        for (int i = 0; i < mb; i++) part[i] = _mm256_setzero_ps();
-        for (int64_t b = g * per_group; b < (g + 1) * per_group; b++) {
-            const __m128i *wb = (const __m128i *)(wn + b * 32);
-            const __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb));
-            const __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(wb + 1));
-            for (int i = 0; i < mb; i++)
-                part[i] = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(dot_16(w_lo, w_hi, xq + (m0 + i) * K + b * 32)),
-                    _mm256_set1_ps(xs[(m0 + i) * blocks + b]), part[i]);
-        }
-        const __m256 s = _mm256_set1_ps(sn[g]);
-        for (int i = 0; i < mb; i++) acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
     }
     for (int i = 0; i < mb; i++) y[(m0 + i) * N + n] = hsum8(acc[i]) + bias;
 }
