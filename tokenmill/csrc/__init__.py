@@ -46,14 +46,15 @@ _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=of
           "-shared", "-fPIC"]
 
 
-def _cpu_flags() -> set[str]:
+@lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     if sys.platform != "linux":
-        return set()
+        return frozenset()
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def _cpu_has_avx2() -> bool:

@@ -20,8 +20,8 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "simd.h"
 
-#define INLINE static inline __attribute__((always_inline))
 #define TM_MAX_ROWS 32 /* rows per pass: their x chunk and the panel chunk share L1 */
 
 #ifdef __AVX512F__

@@ -200,7 +200,6 @@ static inline __m256i dot_16(__m256i w_lo, __m256i w_hi, const int16_t *x) {
 }
 
 #define QMB 4 /* rows sharing each loaded weight block */
-#define INLINE static inline __attribute__((always_inline))
 
 /* The row count of a tile is a compile-time constant (1..QMB) in these bodies, so the
  * compiler unrolls the row loops and keeps every accumulator in a register; with a run-time

@@ -2,6 +2,9 @@
 #pragma once
 #include <immintrin.h>
 
+/* for kernel bodies whose loop counts must be compile-time constants to stay in registers */
+#define INLINE static inline __attribute__((always_inline))
+
 /* sum of the 8 lanes */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
