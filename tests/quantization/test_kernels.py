@@ -113,17 +113,51 @@ def test_int_dot_kernels_match_int16_activations_times_dequantized_weights(kerne
     x[0, :32] = 0  # an all-zero block (scale 0)
     x[-1, 40] = 200.0  # an outlier dominating its block
     expected = F.linear(schemes.fake_quantize_blocks(x), k.dequantize(), lin.bias)
-    out = k.apply(lin, x)
+
+    def int_dot(rows_of_x):  # the kernel itself: apply() takes it up to the layer's row limit
+        if kernel is Int8Kernel:
+            return csrc.int8_gemm_int_dot(rows_of_x.contiguous(), k.qweight, k.scale, lin.bias,
+                                          k.group)
+        return csrc.int4_gemm_int_dot(rows_of_x.contiguous(), k.qweight, k.scale, k.mins,
+                                      lin.bias)
+
+    out = int_dot(x)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    limit = (linear_kernels.INT8_MAX_ROWS if kernel is Int8Kernel
+             else linear_kernels.INT4_MAX_ROWS)
+    if rows <= limit:
+        assert torch.equal(k.apply(lin, x), out)
     for i in {0, rows // 2, rows - 1}:  # a row's sums do not depend on the rows beside it
-        assert torch.equal(k.apply(lin, x[i:i + 1]), out[i:i + 1])
+        assert torch.equal(int_dot(x[i:i + 1]), out[i:i + 1])
     # 16-bit activations cost almost nothing against float ones, even with the outlier
     # (int8 per 32 inputs, llama.cpp's rounding, is ~100x coarser: shown for contrast)
     exact = F.linear(x, k.dequantize(), lin.bias)
     int8_like = F.linear(schemes.fake_quantize_blocks(x, bits=8), k.dequantize(), lin.bias)
-    error = (k.apply(lin, x) - exact).abs().max()
+    error = (out - exact).abs().max()
     assert error < 1e-3 * exact.abs().max()
     assert error * 30 < (int8_like - exact).abs().max()
+
+
+@needs_csrc
+@pytest.mark.parametrize("kernel,kwargs", [(Int8Kernel, {}), (Int8Kernel, {"group": 32}),
+                                           (Int4Kernel, {"group": 32}),
+                                           (Int4Kernel, {"group": 64})])
+def test_prompt_rows_unpack_the_weights_into_fp32_panels_exactly(kernel, kwargs):
+    # Prompt-sized calls dequantize into the fp32 panel layout and run the fp32 panel kernel.
+    # Rows of the identity pick each weight out (1 * w + 0 is exact): every unpacked value
+    # equals dequantize()'s, the last panel's 34 channels (n = 98) included.
+    lin = layer(bias=False)
+    k = kernel.from_weight(lin.weight.detach(), **kwargs)
+    eye = torch.eye(128)
+    if kernel is Int8Kernel:
+        out = csrc.int8_panel_gemm(eye, k.qweight, k.scale, None, k.group)
+    else:
+        out = csrc.int4_panel_gemm(eye, k.qweight, k.scale, k.mins, None, k.group)
+    assert torch.equal(out, k.dequantize().T)
+    rows = max(linear_kernels.INT8_MAX_ROWS, linear_kernels.INT4_MAX_ROWS) + 5
+    x = torch.randn(rows, 128)
+    torch.testing.assert_close(k.apply(lin, x), F.linear(x, k.dequantize(), lin.bias),
+                               rtol=1e-4, atol=1e-4)
 
 
 @needs_csrc

@@ -6,6 +6,8 @@ memory.
   `_weight_int4pack_mm_for_cpu`) are 2.6x / 5x slower than fp32 on AVX2 CPUs (bench/NOTES.md).
 - `f32_panel.c`: fp32 matmul over oneDNN's packed weight panels, any row count (AVX2 tiles, or
   AVX-512 tiles where the CPU has it: the build is `-march=native`).
+- `dequant_panels.c`: int8 / int4 weights unpacked into those panels, so prompt-sized
+  matmuls of quantized layers run the fp32 panel kernel.
 - `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
   must gather a padded copy of every sequence's K/V first.
 - `layer_ops.c`: RMSNorm with its residual add, rotary, SiLU-and-multiply, the K/V cache
@@ -37,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
-            for name in ("gemm.c", "f32_panel.c", "paged_attention.c", "layer_ops.c",
-                         "decode_step.c")]
+            for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "paged_attention.c",
+                         "layer_ops.c", "decode_step.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
@@ -118,6 +120,8 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_int4_gemm_q16.argtypes = [ptr] * 8 + [i64] * 3
     lib.tm_f32_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
+    lib.tm_int8_to_panels.argtypes = [ptr] * 2 + [i64] * 3 + [ptr]
+    lib.tm_int4_to_panels.argtypes = [ptr] * 3 + [i64] * 3 + [ptr]
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
@@ -235,11 +239,43 @@ def f32_panel_gemm(x: torch.Tensor, packed: torch.Tensor, kp: int, n: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 contiguous @ the packed [N, K] weight (panel layout, see
     `f32_panel_stride`) -> [M, N]."""
+    return _panel_gemm(x, torch.ops.mkldnn.data_ptr(packed), kp, n, bias)
+
+
+def _panel_gemm(x: torch.Tensor, panels: int, kp: int, n: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_f32_panel_gemm(address(x), torch.ops.mkldnn.data_ptr(packed), address(bias),
-                                 address(y), m, n, k, kp)
+    _library().tm_f32_panel_gemm(address(x), panels, address(bias), address(y), m, n, k, kp)
     return y
+
+
+def _panel_buffer(n: int, k: int) -> torch.Tensor:
+    """Room for a dequantized [N/64][K][64] weight, for one call (a kept fp32 copy would undo
+    the quantization; below glibc's mmap threshold, which the model runner raises to 32 MB,
+    the heap hands the same memory back call after call)."""
+    return torch.empty(-(-n // 64) * 64 * k, dtype=torch.float32)
+
+
+def int8_panel_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """As `int8_gemm`, for many rows: the weight dequantized into fp32 panels, then the fp32
+    panel kernel (the same sums as dequantize() @ x in k order)."""
+    n, k = qweight.shape
+    panels = _panel_buffer(n, k)
+    _library().tm_int8_to_panels(address(qweight), address(scale), n, k, group,
+                                 address(panels))
+    return _panel_gemm(x, address(panels), k, n, bias)
+
+
+def int4_panel_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    mins: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """As `int4_gemm`, for many rows (see `int8_panel_gemm`)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    panels = _panel_buffer(n, k)
+    _library().tm_int4_to_panels(address(qweight), address(scale), address(mins), n, k, group,
+                                 address(panels))
+    return _panel_gemm(x, address(panels), k, n, bias)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

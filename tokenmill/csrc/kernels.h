@@ -18,6 +18,10 @@ void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, con
                       int64_t M, int64_t N, int64_t K);
 void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M,
                        int64_t N, int64_t K, int64_t KP);
+void tm_int8_to_panels(const int8_t *w, const float *scale, int64_t N, int64_t K,
+                       int64_t group, float *out);
+void tm_int4_to_panels(const uint8_t *w, const uint16_t *scale, const uint16_t *min,
+                       int64_t N, int64_t K, int64_t group, float *out);
 void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
                                const void *v_cache, const int64_t *block_table,
                                int64_t table_stride, const int64_t *seq_lens, float *out,

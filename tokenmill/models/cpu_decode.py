@@ -69,7 +69,8 @@ class CpuDecodeStep:
         attn = inner.layers[0].self_attn
         config = model.config
         # Decode rows up to which steps run compiled: the smallest row limit of the layers'
-        # kernels (fp32: 8, where the panel GEMV stops beating oneDNN; int8 / int4: more).
+        # kernels (fp32: any; int8 128 and int4 64 rows, above which the weights are unpacked
+        # into fp32 panels: quantization/linear_kernels.py); at most ROW_CAP.
         self.max_rows = max_rows
         rows, hidden = max_rows, config.hidden_size
         inter = config.intermediate_size

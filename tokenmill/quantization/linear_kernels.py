@@ -16,12 +16,15 @@ from tokenmill import csrc
 from tokenmill.config import CpuKernelSettings
 from tokenmill.quantization import schemes
 
-# Rows above which the weight-only kernels dequantize the weight and run the fp32 GEMM
-# instead of the compiled kernel (which converts each weight once per 4 rows): measured
-# crossovers on the default model's shapes, bench/NOTES.md "quantized kernels" (int8: 128
-# until its Q8_0 loop went flat; then 1.9x faster than dequantize + fp32 at 256 rows, even at
-# 512, 0.6x at 2048).
-INT8_MAX_ROWS = 256
+# Rows above which the weight-only kernels unpack the weight into fp32 panels and run the
+# fp32 panel kernel (csrc/dequant_panels.c) instead of the integer kernels (which convert each
+# weight once per 4 rows). The default model's 120 projections alone, Zen 4 (bench/NOTES.md):
+# int8 Q8_0 equal at 24-32 rows, the panels 1.2x faster at 48-96 and 1.5x at 128-512; int4
+# Q4_1 0.8x at 16 rows, 1.4x from 20. In a whole step the unpacking costs more than that (a
+# 32-row q8_0 decode step layer by layer through the panels: ~150 ms instead of ~95, the LM
+# head's 113 MB unpacked each step), so the limits stay where the integer kernels are still
+# clearly behind: prompts and large batches take the panels.
+INT8_MAX_ROWS = 128
 INT4_MAX_ROWS = 64
 
 
@@ -100,7 +103,10 @@ class Int8Kernel(QuantizedKernel):
         return schemes.dequantize_int8(self.qweight, self.scale)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.fast and x.shape[0] <= INT8_MAX_ROWS and x.dtype == torch.float32:
+        if self.fast and x.dim() == 2 and x.dtype == torch.float32:
+            if x.shape[0] > INT8_MAX_ROWS:
+                return csrc.int8_panel_gemm(x.contiguous(), self.qweight, self.scale,
+                                            layer.bias, self.group)
             gemm = csrc.int8_gemm_int_dot if self.int_dot else csrc.int8_gemm
             return gemm(x.contiguous(), self.qweight, self.scale, layer.bias, self.group)
         if self.triton:
@@ -141,7 +147,10 @@ class Int4Kernel(QuantizedKernel):
         return schemes.dequantize_int4(self.qweight, self.scale, self.mins)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.fast and x.shape[0] <= INT4_MAX_ROWS and x.dtype == torch.float32:
+        if self.fast and x.dim() == 2 and x.dtype == torch.float32:
+            if x.shape[0] > INT4_MAX_ROWS:
+                return csrc.int4_panel_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
+                                            layer.bias, self.group)
             if self.int_dot:
                 return csrc.int4_gemm_int_dot(x.contiguous(), self.qweight, self.scale, self.mins,
                                          layer.bias)
