@@ -170,19 +170,18 @@ def iter_gguf_weights(path: str, config: Any,
     """(HF name, float32 tensor) per weight; with `keep_quantized`, linear weights stored as
     Q8_0 / Q4_0 / Q4_1 come as `QuantizedShard`s (a tied LM head too, beside the float
     embedding table it shares)."""
-    from gguf.quants import dequantize
-
     reader = _reader(path)
     try:
-        yield from _weights(reader, config, keep_quantized, dequantize)
+        yield from _weights(reader, config, keep_quantized)
     finally:
         # A parsed reader holds ~500k Python objects (a numpy view per vocabulary entry): kept
         # alive, every full garbage collection walked them, ~4 % of a q8_0 W1 run.
         _reader.cache_clear()
 
 
-def _weights(reader: Any, config: Any, keep_quantized: bool,
-             dequantize: Any) -> Iterator[tuple[str, Any]]:
+def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+    from gguf.quants import dequantize
+
     arch = _architecture(reader)
     for tensor in reader.tensors:
         name = tensor.name

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 /* 8 rows x 8 inputs -> 8 inputs x 8 rows, stored at dst + i * 64 for input i */
 static inline void store_transposed(const __m256 r[8], float *dst) {
@@ -29,61 +30,66 @@ static inline void store_transposed(const __m256 r[8], float *dst) {
     }
 }
 
-/* Panels are filled 8 inputs x 8 channels at a time: each row's 8 weights are unpacked as one
- * vector and the 8 x 8 tile is transposed in registers, so the stores are whole rows of the
- * panel (writing one float per 256-byte panel row ran at ~1.4 GB/s). `group` is a multiple of
- * 8, so the 8 inputs share their group. */
-void tm_int8_to_panels(const int8_t *w, const float *scale, int64_t N, int64_t K,
-                       int64_t group, float *out) {
-    const int64_t panels = (N + 63) / 64, groups = K / group;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        for (int64_t k = 0; k < K; k += 8) {
-            const int64_t g = k / group;
-            for (int64_t j = 0; j < 64; j += 8) {
-                __m256 r[8];
-                for (int i = 0; i < 8; i++) {
-                    const int64_t n = p * 64 + j + i;
-                    r[i] = n < N ? _mm256_mul_ps(
-                                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                           (const __m128i *)(w + n * K + k)))),
-                                       _mm256_set1_ps(scale[n * groups + g]))
-                                 : _mm256_setzero_ps();
-                }
-                store_transposed(r, out + (p * K + k) * 64 + j);
-            }
-        }
-    }
+/* The quantized weight of either kind, as gemm.c lays it out. */
+typedef struct {
+    const void *w;
+    const void *scale; /* int8: float32; int4: float16 */
+    const uint16_t *min;
+    int64_t K, group, groups; /* groups = K / group */
+} quantized;
+
+/* weights [k, k + 8) of output channel n, in group g, as floats: q * scale (int8) */
+static inline __m256 int8_row8(const quantized *q, int64_t n, int64_t k, int64_t g) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)((const int8_t *)q->w + n * q->K + k));
+    const float s = ((const float *)q->scale)[n * q->groups + g];
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_set1_ps(s));
 }
 
-/* int4 in the Q4 layout (per 32 inputs 16 bytes, byte i holding input i in its low nibble and
- * i + 16 in its high one); group a multiple of 32. */
-void tm_int4_to_panels(const uint8_t *w, const uint16_t *scale, const uint16_t *min,
-                       int64_t N, int64_t K, int64_t group, float *out) {
-    const int64_t panels = (N + 63) / 64, groups = K / group;
+/* ... q * scale + min (int4, the Q4 layout: per 32 inputs 16 bytes, byte i holding input i
+ * in its low nibble and i + 16 in its high one) */
+static inline __m256 int4_row8(const quantized *q, int64_t n, int64_t k, int64_t g) {
+    const uint8_t *row = (const uint8_t *)q->w + n * (q->K / 2);
+    const __m256i b = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64((const __m128i *)(row + k / 32 * 16 + k % 16)));
+    const __m256i v = _mm256_and_si256(_mm256_srli_epi32(b, k % 32 < 16 ? 0 : 4),
+                                       _mm256_set1_epi32(15));
+    const int64_t i = n * q->groups + g;
+    return _mm256_add_ps(
+        _mm256_mul_ps(_mm256_cvtepi32_ps(v),
+                      _mm256_set1_ps(_cvtsh_ss(((const uint16_t *)q->scale)[i]))),
+        _mm256_set1_ps(_cvtsh_ss(q->min[i])));
+}
+
+/* Panels are filled 8 inputs x 8 channels at a time: each channel's 8 weights are unpacked
+ * as one vector and the 8 x 8 tile is transposed in registers, so the stores are whole rows
+ * of the panel (writing one float per 256-byte panel row ran at ~1.4 GB/s). `group` is a
+ * multiple of 8, so the 8 inputs share their group. */
+INLINE void to_panels(const quantized *q, int64_t N, float *out, const int int4) {
+    const int64_t panels = (N + 63) / 64, K = q->K;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t p = 0; p < panels; p++)
         for (int64_t k = 0; k < K; k += 8) {
-            const int64_t g = k / group, byte = k / 32 * 16 + k % 16, shift = k % 32 < 16 ? 0 : 4;
+            const int64_t g = k / q->group;
             for (int64_t j = 0; j < 64; j += 8) {
                 __m256 r[8];
                 for (int i = 0; i < 8; i++) {
                     const int64_t n = p * 64 + j + i;
-                    if (n >= N) {
-                        r[i] = _mm256_setzero_ps();
-                        continue;
-                    }
-                    const __m256i b = _mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(w + n * (K / 2) + byte)));
-                    const __m256i q = _mm256_and_si256(_mm256_srli_epi32(b, (int)shift),
-                                                       _mm256_set1_epi32(15));
-                    r[i] = _mm256_add_ps(
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(q),
-                                      _mm256_set1_ps(_cvtsh_ss(scale[n * groups + g]))),
-                        _mm256_set1_ps(_cvtsh_ss(min[n * groups + g])));
+                    r[i] = n >= N ? _mm256_setzero_ps()
+                           : int4 ? int4_row8(q, n, k, g) : int8_row8(q, n, k, g);
                 }
                 store_transposed(r, out + (p * K + k) * 64 + j);
             }
         }
-    }
+}
+
+void tm_int8_to_panels(const int8_t *w, const float *scale, int64_t N, int64_t K,
+                       int64_t group, float *out) {
+    const quantized q = {w, scale, NULL, K, group, K / group};
+    to_panels(&q, N, out, 0);
+}
+
+void tm_int4_to_panels(const uint8_t *w, const uint16_t *scale, const uint16_t *min,
+                       int64_t N, int64_t K, int64_t group, float *out) {
+    const quantized q = {w, scale, min, K, group, K / group};
+    to_panels(&q, N, out, 1);
 }
