@@ -45,12 +45,16 @@ def assert_same_outputs(fused, layered):
                 assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
 
 
-@pytest.mark.parametrize("arch,quantization,kv_cache_dtype", [
-    ("llama", None, "auto"), ("qwen2", None, "auto"), ("qwen3", None, "auto"),
-    ("llama3", None, "int8"), ("llama", "int8", "auto"), ("qwen2", "int4", "int8"),
+@pytest.mark.parametrize("arch,quantization,kv_cache_dtype,int8_vnni", [
+    ("llama", None, "auto", None), ("qwen2", None, "auto", None), ("qwen3", None, "auto", None),
+    ("llama3", None, "int8", None), ("qwen2", "int4", "int8", None),
+    # both int8 weight layouts, whichever this CPU picks (the VNNI one has a portable build)
+    ("llama", "int8", "auto", True), ("llama", "int8", "auto", False),
 ])
 def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_calls, arch,
-                                             quantization, kv_cache_dtype):
+                                             quantization, kv_cache_dtype, int8_vnni):
+    if int8_vnni is not None:
+        monkeypatch.setattr(csrc, "int8_vnni_native", lambda: int8_vnni)
     path, _ = tiny_models(arch)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     args = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)

@@ -26,6 +26,8 @@ from tokenmill.quantization import schemes
 # clearly behind: prompts and large batches take the panels.
 INT8_MAX_ROWS = 128
 INT4_MAX_ROWS = 64
+# int8_vnni.c has no such limit: it is the fastest int8 kernel at every row count.
+VNNI_MAX_ROWS = 1 << 20
 
 
 class QuantizedKernel(ABC):
@@ -80,19 +82,52 @@ def _triton_kernels():
 
 
 class Int8Kernel(QuantizedKernel):
-    """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores)."""
+    """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores).
+
+    On CPUs with AVX-512 VNNI the weight is kept only as csrc/int8_vnni.c's panels (16 output
+    channels, input pairs interleaved), which that kernel multiplies at every row count:
+    ~1.6x the fp32 panel kernel's rate at prompt sizes and ahead of gemm.c's kernels from one
+    row on (bench/NOTES.md). `qweight`, `scale` and `tensors` then unpack the panels."""
 
     method = "int8"
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
-        self.qweight, self.scale = tensors["qweight"], tensors["scale"].float()
-        self.group = self.qweight.shape[1] // self.scale.shape[1]
+        qweight, scale = tensors["qweight"], tensors["scale"].float()
+        self.out_features = qweight.shape[0]
+        self.group = qweight.shape[1] // scale.shape[1]
         self.fast = self._on_fast_cpu() and self.group % 8 == 0
-        self.int_dot = self.fast and self._int_dot(self.qweight.shape[1], self.group)
-        self.triton = self._on_triton_gpu(self.qweight.shape[1])
-        self.name = ("int8-cpu-intdot" if self.int_dot else "int8-cpu" if self.fast
-                     else "int8-triton" if self.triton else "int8-dequant")
+        self.int_dot = self.fast and self._int_dot(qweight.shape[1], self.group)
+        self.vnni = self.int_dot and csrc.int8_vnni_native()
+        self.triton = self._on_triton_gpu(qweight.shape[1])
+        self.name = ("int8-cpu-vnni" if self.vnni else "int8-cpu-intdot" if self.int_dot
+                     else "int8-cpu" if self.fast else "int8-triton" if self.triton
+                     else "int8-dequant")
+        if self.vnni:  # the panels replace the [N, K] weight: one copy in memory
+            self.panels, self.panel_scales = csrc.int8_to_vnni(qweight, scale, self.group)
+            self._tensors = None
+        else:
+            self._qweight, self._scale = qweight, scale
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            qweight, scale = csrc.int8_from_vnni(self.panels, self.panel_scales,
+                                                 self.out_features)
+            return {"qweight": qweight, "scale": scale}
+        return self._tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[str, torch.Tensor]) -> None:
+        self._tensors = value
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self.tensors["qweight"] if self.vnni else self._qweight
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.tensors["scale"] if self.vnni else self._scale
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int | None = None) -> Int8Kernel:
@@ -100,25 +135,37 @@ class Int8Kernel(QuantizedKernel):
         return cls({"qweight": q, "scale": scale})
 
     def dequantize(self) -> torch.Tensor:
-        return schemes.dequantize_int8(self.qweight, self.scale)
+        tensors = self.tensors
+        return schemes.dequantize_int8(tensors["qweight"], tensors["scale"])
+
+    def weight_bytes(self) -> int:
+        if self.vnni:
+            return sum(t.numel() * t.element_size() for t in (self.panels, self.panel_scales))
+        return super().weight_bytes()
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.dim() == 2 and x.dtype == torch.float32:
+            if self.vnni:
+                return csrc.int8_vnni_gemm(x.contiguous(), self.panels, self.panel_scales,
+                                           self.out_features, layer.bias, self.group)
             if x.shape[0] > INT8_MAX_ROWS:
-                return csrc.int8_panel_gemm(x.contiguous(), self.qweight, self.scale,
+                return csrc.int8_panel_gemm(x.contiguous(), self._qweight, self._scale,
                                             layer.bias, self.group)
             gemm = csrc.int8_gemm_int_dot if self.int_dot else csrc.int8_gemm
-            return gemm(x.contiguous(), self.qweight, self.scale, layer.bias, self.group)
+            return gemm(x.contiguous(), self._qweight, self._scale, layer.bias, self.group)
         if self.triton:
-            return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, None,
+            return _triton_kernels().weight_only_matmul(x, self._qweight, self._scale, None,
                                                         layer.bias, self.group)
         return self.reference(layer, x)
 
     def compiled_form(self) -> csrc.LinearForm | None:
+        if self.vnni:
+            return csrc.LinearForm(csrc.INT8_VNNI, self.group, VNNI_MAX_ROWS,
+                                   self.panels.data_ptr(), self.panel_scales.data_ptr())
         if not self.fast:
             return None
         return csrc.LinearForm(csrc.INT8_Q16 if self.int_dot else csrc.INT8, self.group,
-                               INT8_MAX_ROWS, self.qweight.data_ptr(), self.scale.data_ptr())
+                               INT8_MAX_ROWS, self._qweight.data_ptr(), self._scale.data_ptr())
 
 
 class Int4Kernel(QuantizedKernel):
