@@ -45,23 +45,26 @@ def assert_same_outputs(fused, layered):
                 assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
 
 
-@pytest.mark.parametrize("arch,quantization,kv_cache_dtype,int8_vnni", [
+@pytest.mark.parametrize("arch,quantization,kv_cache_dtype,vnni", [
     ("llama", None, "auto", None), ("qwen2", None, "auto", None), ("qwen3", None, "auto", None),
-    ("llama3", None, "int8", None), ("qwen2", "int4", "int8", None),
-    # both int8 weight layouts, whichever this CPU picks (the VNNI one has a portable build)
+    ("llama3", None, "int8", None),
+    # both weight layouts of int8 / int4, whichever this CPU picks (the VNNI panels have a
+    # portable build with the same results)
     ("llama", "int8", "auto", True), ("llama", "int8", "auto", False),
+    ("qwen2", "int4", "int8", True), ("qwen2", "int4", "int8", False),
 ])
 def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_calls, arch,
-                                             quantization, kv_cache_dtype, int8_vnni):
-    if int8_vnni is not None:
-        monkeypatch.setattr(csrc, "int8_vnni_native", lambda: int8_vnni)
+                                             quantization, kv_cache_dtype, vnni):
+    if vnni is not None:
+        monkeypatch.setattr(csrc, "vnni_native", lambda: vnni)
     path, _ = tiny_models(arch)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
     args = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     llm, fused = generate(path, PROMPTS, params, **args)
     step = llm.engine.core.runner.decode_step
     # the step takes as many rows as its layers' compiled kernels are the fastest for
-    limit = {None: 64, "int8": INT8_MAX_ROWS, "int4": INT4_MAX_ROWS}[quantization]
+    limit = 64 if vnni or quantization is None else {"int8": INT8_MAX_ROWS,
+                                                      "int4": INT4_MAX_ROWS}[quantization]
     assert step is not None and step.max_rows == min(64, limit)
     assert step_calls["ran"] >= 9  # every decode step of the batch (4 rows)
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")

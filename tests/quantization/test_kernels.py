@@ -108,7 +108,7 @@ def test_int_dot_kernels_match_int16_activations_times_dequantized_weights(kerne
     # K = 320: ten blocks of 32, so the int4 kernel's 8-block batches and its remainder both run
     lin = layer(k=320, bias=bias)
     k = kernel.from_weight(lin.weight.detach(), **kwargs)
-    assert k.int_dot and k.name.endswith("vnni" if getattr(k, "vnni", False) else "intdot")
+    assert k.int_dot and k.name.endswith("vnni" if k.vnni else "intdot")
     x = torch.randn(rows + 4, 320)[2:2 + rows] * 3
     x[0, :32] = 0  # an all-zero block (scale 0)
     x[-1, 40] = 200.0  # an outlier dominating its block
@@ -125,7 +125,7 @@ def test_int_dot_kernels_match_int16_activations_times_dequantized_weights(kerne
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     limit = (linear_kernels.INT8_MAX_ROWS if kernel is Int8Kernel
              else linear_kernels.INT4_MAX_ROWS)
-    if rows <= limit and not getattr(k, "vnni", False):
+    if rows <= limit and not k.vnni:
         assert torch.equal(k.apply(lin, x), out)
     for i in {0, rows // 2, rows - 1}:  # a row's sums do not depend on the rows beside it
         assert torch.equal(int_dot(x[i:i + 1]), out[i:i + 1])
@@ -156,59 +156,85 @@ def test_prompt_rows_unpack_the_weights_into_fp32_panels_exactly(kernel, kwargs)
     assert torch.equal(out, k.dequantize().T)
     rows = max(linear_kernels.INT8_MAX_ROWS, linear_kernels.INT4_MAX_ROWS) + 5
     x = torch.randn(rows, 128)
-    tol = 1e-3 if getattr(k, "vnni", False) else 1e-4  # the VNNI kernel: int16 activations
+    tol = 1e-3 if k.vnni else 1e-4  # the VNNI kernel: int16 activations
     torch.testing.assert_close(k.apply(lin, x), F.linear(x, k.dequantize(), lin.bias),
                                rtol=tol, atol=tol)
 
 
+def vnni_panels(kind, lin, group):
+    """kind's checkpoint tensors for lin's weight, its panels, and a matmul over them"""
+    if kind == "int8":
+        q, scale = schemes.quantize_int8(lin.weight.detach(), group)
+        tensors = {"qweight": q, "scale": scale}
+        g = q.shape[1] // scale.shape[1]
+        panels = csrc.int8_to_vnni(q, scale, g)
+        unpacked = dict(zip(tensors, csrc.int8_from_vnni(*panels, q.shape[0]), strict=True))
+        return tensors, panels, unpacked, lambda x: csrc.int8_vnni_gemm(
+            x.contiguous(), *panels, q.shape[0], lin.bias, g)
+    q, scale, mins = schemes.quantize_int4(lin.weight.detach(), group)
+    tensors = {"qweight": q, "scale": scale, "min": mins}
+    panels = csrc.int4_to_vnni(q, scale, mins, group)
+    unpacked = dict(zip(tensors, csrc.int4_from_vnni(*panels, q.shape[0]), strict=True))
+    return tensors, panels, unpacked, lambda x: csrc.int4_vnni_gemm(
+        x.contiguous(), *panels, q.shape[0], lin.bias, group)
+
+
 @needs_csrc
-@pytest.mark.parametrize("group", [None, 32, 64])
+@pytest.mark.parametrize("kind,group", [("int8", None), ("int8", 32), ("int8", 64),
+                                        ("int4", 32), ("int4", 64)])
 @pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 30])
 @pytest.mark.parametrize("bias", [True, False])
-def test_vnni_panels_match_int16_activations_times_dequantized_weights(group, rows, bias):
-    # int8_vnni.c (VNNI where the CPU has it, its vpmaddwd twin elsewhere: same results):
+def test_vnni_panels_match_int16_activations_times_dequantized_weights(kind, group, rows,
+                                                                        bias):
+    # vnni_panels.c (VNNI where the CPU has it, its vpmaddwd twin elsewhere: same results):
     # 98 channels leave a partial last panel of 16; 320 inputs, per-channel scales or groups
     # of 32 / 64 inputs; row tiles of 12 (6 without VNNI) and their remainders.
     lin = layer(k=320, bias=bias)
-    q, scale = schemes.quantize_int8(lin.weight.detach(), group)
-    g = 320 // scale.shape[1]
-    wp, sp = csrc.int8_to_vnni(q, scale, g)
-    assert wp.shape == (7, 160, 16, 2) and sp.shape == (7, 320 // g, 16)
-    qq, ss = csrc.int8_from_vnni(wp, sp, 98)
-    assert torch.equal(qq, q) and torch.equal(ss, scale)
-    assert not wp[6, :, 2:].any()  # channels past N are zero
+    tensors, panels, unpacked, matmul = vnni_panels(kind, lin, group)
+    assert panels[0].shape[:3] == (7, 160, 16)
+    for name, t in tensors.items():  # the layout is invertible
+        assert torch.equal(unpacked[name], t), name
+    assert not panels[0][6, :, 2:].any()  # channels past N are zero
     x = torch.randn(rows + 4, 320)[2:2 + rows] * 3
     x[0, :32] = 0  # an all-zero block (scale 0)
     x[-1, 40] = 200.0  # an outlier dominating its block
-    out = csrc.int8_vnni_gemm(x.contiguous(), wp, sp, 98, lin.bias, g)
-    expected = F.linear(schemes.fake_quantize_blocks(x), schemes.dequantize_int8(q, scale),
-                        lin.bias)
+    out = matmul(x)
+    kernel = linear_kernels.KERNELS[kind](tensors)
+    expected = F.linear(schemes.fake_quantize_blocks(x), kernel.dequantize(), lin.bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
-    # the same rounding as gemm.c's int16-activation kernel, up to float summation order
-    torch.testing.assert_close(out, csrc.int8_gemm_int_dot(x.contiguous(), q, scale, lin.bias,
-                                                           g), rtol=1e-5, atol=1e-5)
+    if kind == "int8" or group == 32:  # gemm.c's int16-activation kernels: the same rounding
+        xc = x.contiguous()
+        old = (csrc.int8_gemm_int_dot(xc, *tensors.values(), lin.bias, 320 // tensors[
+            "scale"].shape[1]) if kind == "int8" else csrc.int4_gemm_int_dot(
+            xc, *tensors.values(), lin.bias))
+        torch.testing.assert_close(out, old, rtol=1e-5, atol=1e-5)
     for i in {0, rows // 2, rows - 1}:  # a row's sums do not depend on the rows beside it
-        assert torch.equal(csrc.int8_vnni_gemm(x[i:i + 1].contiguous(), wp, sp, 98, lin.bias,
-                                               g), out[i:i + 1])
+        assert torch.equal(matmul(x[i:i + 1]), out[i:i + 1])
 
 
 @needs_csrc
+@pytest.mark.parametrize("kernel", [Int8Kernel, Int4Kernel])
 @pytest.mark.parametrize("vnni", [True, False])
-def test_int8_kernel_keeps_one_weight_layout(vnni, monkeypatch):
+def test_weight_only_kernels_keep_one_weight_layout(kernel, vnni, monkeypatch):
     # With VNNI (forced here where the CPU lacks it: the portable build gives the same
     # results) only the panels stay in memory; the checkpoint tensors unpack from them.
-    monkeypatch.setattr(csrc, "int8_vnni_native", lambda: vnni)
+    monkeypatch.setattr(csrc, "vnni_native", lambda: vnni)
     lin = layer()
-    q, scale = schemes.quantize_int8(lin.weight.detach(), 32)
-    k = Int8Kernel({"qweight": q, "scale": scale})
-    assert k.vnni is vnni and k.name == ("int8-cpu-vnni" if vnni else "int8-cpu-intdot")
-    assert torch.equal(k.tensors["qweight"], q) and torch.equal(k.tensors["scale"], scale)
-    assert k.weight_bytes() == (7 * 128 * 16 + 7 * 4 * 16 * 4 if vnni
-                                else q.numel() + scale.numel() * 4)
+    tensors, panels, _, matmul = vnni_panels(kernel.method, lin, 32)
+    k = kernel(tensors)
+    assert k.vnni is vnni
+    assert k.name == f"{kernel.method}-cpu-" + ("vnni" if vnni else "intdot")
+    for name, t in tensors.items():
+        assert torch.equal(k.tensors[name], t), name
+    layouts = panels if vnni else tensors.values()
+    assert k.weight_bytes() == sum(t.numel() * t.element_size() for t in layouts)
     for rows in (1, 40, linear_kernels.INT8_MAX_ROWS + 3):
         x = torch.randn(rows, 128)
         expected = F.linear(schemes.fake_quantize_blocks(x), k.dequantize(), lin.bias)
-        torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
+        out = k.apply(lin, x)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        if vnni:
+            assert torch.equal(out, matmul(x))
 
 
 @needs_csrc
@@ -278,9 +304,8 @@ def test_kernel_names_say_which_path_runs():
              for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}
     assert names["a8w8"] == "a8w8-cpu" and names["fp8"] == "fp8-dequant"
     if csrc.available():
-        assert names["int8"] == ("int8-cpu-vnni" if csrc.int8_vnni_native()
-                                 else "int8-cpu-intdot")
-        assert names["int4"] == "int4-cpu-intdot"
+        path = "vnni" if csrc.vnni_native() else "intdot"
+        assert names["int8"] == f"int8-cpu-{path}" and names["int4"] == f"int4-cpu-{path}"
 
 
 @pytest.mark.parametrize("per_channel", [True, False])

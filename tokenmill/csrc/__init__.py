@@ -8,8 +8,8 @@ memory.
   AVX-512 tiles where the CPU has it: the build is `-march=native`).
 - `dequant_panels.c`: int8 / int4 weights unpacked into those panels, so prompt-sized
   matmuls of quantized layers run the fp32 panel kernel.
-- `int8_vnni.c`: int8 weights in panels of 16 channels times int16 activations with
-  `vpdpwssd` (AVX-512 VNNI CPUs: the int8 kernel at every row count, ~1.6x the fp32 panels).
+- `vnni_panels.c`: int8 / int4 weights in panels of 16 channels times int16 activations with
+  `vpdpwssd` (AVX-512 VNNI CPUs: their kernel at every row count, ~1.6x the fp32 panels).
 - `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
   must gather a padded copy of every sequence's K/V first.
 - `layer_ops.c`: RMSNorm with its residual add, rotary, SiLU-and-multiply, the K/V cache
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
-            for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "int8_vnni.c",
+            for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "vnni_panels.c",
                          "paged_attention.c",
                          "layer_ops.c", "decode_step.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
@@ -126,8 +126,10 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_int8_to_panels.argtypes = [ptr] * 2 + [i64] * 3 + [ptr]
     lib.tm_int4_to_panels.argtypes = [ptr] * 3 + [i64] * 3 + [ptr]
     lib.tm_int8_to_vnni.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 2
-    lib.tm_int8_vnni_native.restype = i64
+    lib.tm_int4_to_vnni.argtypes = [ptr] * 3 + [i64] * 3 + [ptr] * 3
+    lib.tm_vnni_native.restype = i64
     lib.tm_int8_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 4
+    lib.tm_int4_vnni_gemm.argtypes = [ptr] * 8 + [i64] * 4
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
@@ -226,7 +228,7 @@ class LinearForm(NamedTuple):
 
 
 # decode_step.c's kernel kinds
-F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI = range(6)
+F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI = range(7)
 
 
 def f32_panel_stride(packed: torch.Tensor, n: int, k: int) -> int | None:
@@ -284,16 +286,16 @@ def int4_panel_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return _panel_gemm(x, address(panels), k, n, bias)
 
 
-def int8_vnni_native() -> bool:
-    """Whether this build runs int8_vnni.c with VNNI instructions (AVX-512 VNNI), where its
-    layout is the fastest int8 kernel at every row count; elsewhere it is a portable
-    equivalent that only the tests use."""
-    return bool(_library().tm_int8_vnni_native())
+def vnni_native() -> bool:
+    """Whether this build runs vnni_panels.c with VNNI instructions (AVX-512 VNNI), where its
+    layouts are the fastest int8 / int4 kernels at every row count; elsewhere it is a
+    portable equivalent that only the tests use."""
+    return bool(_library().tm_vnni_native())
 
 
 def int8_to_vnni(qweight: torch.Tensor, scale: torch.Tensor,
                  group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] weight and its float32 [N, K // group] scales -> int8_vnni.c's panels
+    """int8 [N, K] weight and its float32 [N, K // group] scales -> vnni_panels.c's panels
     ([ceil(N/16), K/2, 16, 2] int8) and panel scales ([ceil(N/16), K // group, 16])."""
     n, k = qweight.shape
     panels = -(-n // 16)
@@ -309,8 +311,39 @@ def int8_from_vnni(wp: torch.Tensor, sp: torch.Tensor,
     """The inverse of `int8_to_vnni`: the [N, K] weight and its [N, K // group] scales."""
     panels, half_k = wp.shape[:2]
     qweight = wp.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n].contiguous()
-    scale = sp.permute(0, 2, 1).reshape(panels * 16, sp.shape[1])[:n].contiguous()
-    return qweight, scale
+    return qweight, _from_panels(sp, n)
+
+
+def int4_to_vnni(qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 weight (uint8 [N, K/2], Q4 layout) and its float16 [N, K // group] scales and mins
+    -> panels ([ceil(N/16), K/2, 16] uint8: inputs 2j, 2j + 1 in the low, high nibble) and
+    panel scales and mins ([ceil(N/16), K // group, 16] float16)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    panels = -(-n // 16)
+    wp = torch.empty(panels, k // 2, 16, dtype=torch.uint8)
+    sp = torch.empty(panels, k // group, 16, dtype=torch.float16)
+    mp = torch.empty_like(sp)
+    _library().tm_int4_to_vnni(address(qweight), address(scale), address(mins), n, k, group,
+                               address(wp), address(sp), address(mp))
+    return wp, sp, mp
+
+
+def int4_from_vnni(wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
+                   n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_to_vnni`: the Q4-layout weight, its scales and mins."""
+    from tokenmill.quantization.schemes import pack_int4
+
+    panels, half_k = wp.shape[:2]
+    pairs = torch.stack([wp & 15, wp >> 4], dim=-1)  # [P, K/2, 16, 2]
+    q = pairs.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n]
+    return pack_int4(q), _from_panels(sp, n), _from_panels(mp, n)
+
+
+def _from_panels(per_panel: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, groups, 16] panel factors -> [N, groups]"""
+    panels, groups = per_panel.shape[:2]
+    return per_panel.permute(0, 2, 1).reshape(panels * 16, groups)[:n].contiguous()
 
 
 def int8_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, n: int,
@@ -322,6 +355,18 @@ def int8_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, n: int,
     y = torch.empty(m, n, dtype=torch.float32)
     _library().tm_int8_vnni_gemm(address(xq), address(xs), address(wp), address(sp),
                                  address(bias), address(y), m, n, k, group)
+    return y
+
+
+def int4_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
+                   n: int, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """As `int8_vnni_gemm`, for the weight `int4_to_vnni` laid out."""
+    m, k = x.shape
+    xq, xs, xsum = quantize_rows_q16(x)
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_int4_vnni_gemm(address(xq), address(xs), address(xsum), address(wp),
+                                 address(sp), address(mp), address(bias), address(y), m, n, k,
+                                 group)
     return y
 
 

@@ -21,12 +21,12 @@
 #include "kernels.h"
 
 enum { TM_F32_PANEL = 0, TM_INT8 = 1, TM_INT8_Q16 = 2, TM_INT4 = 3, TM_INT4_Q16 = 4,
-       TM_INT8_VNNI = 5 };
+       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6 };
 
 typedef struct {
     int64_t kind, n, k;
     int64_t param; /* TM_F32_PANEL: KP (padded K); int8 / int4: the quantization group */
-    const void *w, *scale, *min; /* TM_INT8_VNNI: int8_vnni.c's panels and panel scales */
+    const void *w, *scale, *min; /* *_VNNI: vnni_panels.c's panels */
     const float *bias;
 } tm_linear;
 
@@ -65,6 +65,11 @@ static void linear(const tm_model *m, const tm_linear *l, const float *x, float 
             tm_quantize_rows_q16(x, m->xq, m->xs, m->xsum, T, l->k);
             tm_int8_vnni_gemm(m->xq, m->xs, l->w, l->scale, l->bias, y, T, l->n, l->k,
                               l->param);
+            break;
+        case TM_INT4_VNNI:
+            tm_quantize_rows_q16(x, m->xq, m->xs, m->xsum, T, l->k);
+            tm_int4_vnni_gemm(m->xq, m->xs, m->xsum, l->w, l->scale, l->min, l->bias, y, T,
+                              l->n, l->k, l->param);
             break;
         case TM_INT4:
             tm_int4_gemm(x, l->w, l->scale, l->min, l->bias, y, T, l->n, l->k, l->param);

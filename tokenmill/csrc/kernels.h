@@ -24,10 +24,15 @@ void tm_int4_to_panels(const uint8_t *w, const uint16_t *scale, const uint16_t *
                        int64_t N, int64_t K, int64_t group, float *out);
 void tm_int8_to_vnni(const int8_t *w, const float *scale, int64_t N, int64_t K,
                      int64_t group, int8_t *wp, float *sp);
-int64_t tm_int8_vnni_native(void);
+void tm_int4_to_vnni(const uint8_t *w, const uint16_t *scale, const uint16_t *min, int64_t N,
+                     int64_t K, int64_t group, uint8_t *wp, uint16_t *sp, uint16_t *mp);
+int64_t tm_vnni_native(void);
 void tm_int8_vnni_gemm(const int16_t *xq, const float *xs, const int8_t *wp, const float *sp,
                        const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                        int64_t group);
+void tm_int4_vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *wp,
+                       const uint16_t *sp, const uint16_t *mp, const float *bias, float *y,
+                       int64_t M, int64_t N, int64_t K, int64_t group);
 void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
                                const void *v_cache, const int64_t *block_table,
                                int64_t table_stride, const int64_t *seq_lens, float *out,

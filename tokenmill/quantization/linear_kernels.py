@@ -26,7 +26,7 @@ from tokenmill.quantization import schemes
 # clearly behind: prompts and large batches take the panels.
 INT8_MAX_ROWS = 128
 INT4_MAX_ROWS = 64
-# int8_vnni.c has no such limit: it is the fastest int8 kernel at every row count.
+# vnni_panels.c has no such limit: on VNNI CPUs it is the fastest kernel at every row count.
 VNNI_MAX_ROWS = 1 << 20
 
 
@@ -81,53 +81,80 @@ def _triton_kernels():
     return triton_kernels
 
 
-class Int8Kernel(QuantizedKernel):
-    """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores).
+class _PanelKernel(QuantizedKernel):
+    """A weight-only kernel that, on CPUs with AVX-512 VNNI, keeps its weight only as
+    csrc/vnni_panels.c's panels (16 output channels, input pairs interleaved) and multiplies
+    them at every row count: ~1.6x the fp32 panel kernel's rate at prompt sizes, and ahead of
+    gemm.c's kernels from one row on (bench/NOTES.md). `tensors` (what a checkpoint stores)
+    is then unpacked from the panels on demand."""
 
-    On CPUs with AVX-512 VNNI the weight is kept only as csrc/int8_vnni.c's panels (16 output
-    channels, input pairs interleaved), which that kernel multiplies at every row count:
-    ~1.6x the fp32 panel kernel's rate at prompt sizes and ahead of gemm.c's kernels from one
-    row on (bench/NOTES.md). `qweight`, `scale` and `tensors` then unpack the panels."""
+    def _keep(self, tensors: dict[str, torch.Tensor], vnni: bool) -> None:
+        self.vnni = vnni
+        if vnni:  # the panels replace the checkpoint layout: one copy in memory
+            self.panels = self._to_panels(tensors)
+            self._tensors = None
+        else:
+            self._tensors = tensors
+
+    @abstractmethod
+    def _to_panels(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The checkpoint tensors in vnni_panels.c's layout."""
+
+    @abstractmethod
+    def _from_panels(self) -> dict[str, torch.Tensor]:
+        """The inverse of `_to_panels`."""
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self._from_panels() if self._tensors is None else self._tensors
+
+    @tensors.setter
+    def tensors(self, value: dict[str, torch.Tensor]) -> None:
+        self._tensors = value
+
+    def weight_bytes(self) -> int:
+        if self.vnni:
+            return sum(t.numel() * t.element_size() for t in self.panels)
+        return super().weight_bytes()
+
+    def _vnni_form(self, kind: int) -> csrc.LinearForm:
+        return csrc.LinearForm(kind, self.group, VNNI_MAX_ROWS,
+                               *(t.data_ptr() for t in self.panels))
+
+
+class Int8Kernel(_PanelKernel):
+    """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores).
+    With VNNI the weight lives in panels (see `_PanelKernel`)."""
 
     method = "int8"
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
         qweight, scale = tensors["qweight"], tensors["scale"].float()
-        self.out_features = qweight.shape[0]
-        self.group = qweight.shape[1] // scale.shape[1]
+        self.out_features, k = qweight.shape
+        self.group = k // scale.shape[1]
         self.fast = self._on_fast_cpu() and self.group % 8 == 0
-        self.int_dot = self.fast and self._int_dot(qweight.shape[1], self.group)
-        self.vnni = self.int_dot and csrc.int8_vnni_native()
-        self.triton = self._on_triton_gpu(qweight.shape[1])
+        self.int_dot = self.fast and self._int_dot(k, self.group)
+        self.triton = self._on_triton_gpu(k)
+        self._keep({"qweight": qweight, "scale": scale}, self.int_dot and csrc.vnni_native())
         self.name = ("int8-cpu-vnni" if self.vnni else "int8-cpu-intdot" if self.int_dot
                      else "int8-cpu" if self.fast else "int8-triton" if self.triton
                      else "int8-dequant")
-        if self.vnni:  # the panels replace the [N, K] weight: one copy in memory
-            self.panels, self.panel_scales = csrc.int8_to_vnni(qweight, scale, self.group)
-            self._tensors = None
-        else:
-            self._qweight, self._scale = qweight, scale
 
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        if self._tensors is None:
-            qweight, scale = csrc.int8_from_vnni(self.panels, self.panel_scales,
-                                                 self.out_features)
-            return {"qweight": qweight, "scale": scale}
-        return self._tensors
+    def _to_panels(self, tensors):
+        return csrc.int8_to_vnni(tensors["qweight"], tensors["scale"], self.group)
 
-    @tensors.setter
-    def tensors(self, value: dict[str, torch.Tensor]) -> None:
-        self._tensors = value
+    def _from_panels(self):
+        qweight, scale = csrc.int8_from_vnni(*self.panels, self.out_features)
+        return {"qweight": qweight, "scale": scale}
 
     @property
     def qweight(self) -> torch.Tensor:
-        return self.tensors["qweight"] if self.vnni else self._qweight
+        return self.tensors["qweight"]
 
     @property
     def scale(self) -> torch.Tensor:
-        return self.tensors["scale"] if self.vnni else self._scale
+        return self.tensors["scale"]
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int | None = None) -> Int8Kernel:
@@ -138,52 +165,71 @@ class Int8Kernel(QuantizedKernel):
         tensors = self.tensors
         return schemes.dequantize_int8(tensors["qweight"], tensors["scale"])
 
-    def weight_bytes(self) -> int:
-        if self.vnni:
-            return sum(t.numel() * t.element_size() for t in (self.panels, self.panel_scales))
-        return super().weight_bytes()
-
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.dim() == 2 and x.dtype == torch.float32:
             if self.vnni:
-                return csrc.int8_vnni_gemm(x.contiguous(), self.panels, self.panel_scales,
-                                           self.out_features, layer.bias, self.group)
+                return csrc.int8_vnni_gemm(x.contiguous(), *self.panels, self.out_features,
+                                           layer.bias, self.group)
             if x.shape[0] > INT8_MAX_ROWS:
-                return csrc.int8_panel_gemm(x.contiguous(), self._qweight, self._scale,
+                return csrc.int8_panel_gemm(x.contiguous(), self.qweight, self.scale,
                                             layer.bias, self.group)
             gemm = csrc.int8_gemm_int_dot if self.int_dot else csrc.int8_gemm
-            return gemm(x.contiguous(), self._qweight, self._scale, layer.bias, self.group)
+            return gemm(x.contiguous(), self.qweight, self.scale, layer.bias, self.group)
         if self.triton:
-            return _triton_kernels().weight_only_matmul(x, self._qweight, self._scale, None,
+            return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, None,
                                                         layer.bias, self.group)
         return self.reference(layer, x)
 
     def compiled_form(self) -> csrc.LinearForm | None:
         if self.vnni:
-            return csrc.LinearForm(csrc.INT8_VNNI, self.group, VNNI_MAX_ROWS,
-                                   self.panels.data_ptr(), self.panel_scales.data_ptr())
+            return self._vnni_form(csrc.INT8_VNNI)
         if not self.fast:
             return None
         return csrc.LinearForm(csrc.INT8_Q16 if self.int_dot else csrc.INT8, self.group,
-                               INT8_MAX_ROWS, self._qweight.data_ptr(), self._scale.data_ptr())
+                               INT8_MAX_ROWS, self.qweight.data_ptr(), self.scale.data_ptr())
 
 
-class Int4Kernel(QuantizedKernel):
-    """Weight-only 4-bit, asymmetric per group of inputs (GGUF Q4_1's scheme and layout)."""
+class Int4Kernel(_PanelKernel):
+    """Weight-only 4-bit, asymmetric per group of inputs (GGUF Q4_1's scheme and layout).
+    With VNNI the weight lives in panels (see `_PanelKernel`)."""
 
     method = "int4"
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
-        self.qweight = tensors["qweight"]
-        self.scale, self.mins = tensors["scale"].half(), tensors["min"].half()
-        self.group = self.qweight.shape[1] * 2 // self.scale.shape[1]
+        qweight = tensors["qweight"]
+        scale, mins = tensors["scale"].half(), tensors["min"].half()
+        self.out_features, k = qweight.shape[0], qweight.shape[1] * 2
+        self.group = k // scale.shape[1]
         self.fast = self._on_fast_cpu()
-        self.int_dot = self.fast and self._int_dot(self.qweight.shape[1] * 2, self.group,
-                                                   groups_of_32_only=True)
-        self.triton = self._on_triton_gpu(self.qweight.shape[1] * 2)
-        self.name = ("int4-cpu-intdot" if self.int_dot else "int4-cpu" if self.fast
-                     else "int4-triton" if self.triton else "int4-dequant")
+        self.int_dot = self.fast and self._int_dot(k, self.group, groups_of_32_only=True)
+        self.triton = self._on_triton_gpu(k)
+        # the panels take any group that is a multiple of 32 (gemm.c's int16 kernel: only 32)
+        self._keep({"qweight": qweight, "scale": scale, "min": mins},
+                   self.fast and self._int_dot(k, self.group) and csrc.vnni_native())
+        self.name = ("int4-cpu-vnni" if self.vnni else "int4-cpu-intdot" if self.int_dot
+                     else "int4-cpu" if self.fast else "int4-triton" if self.triton
+                     else "int4-dequant")
+
+    def _to_panels(self, tensors):
+        return csrc.int4_to_vnni(tensors["qweight"], tensors["scale"], tensors["min"],
+                                 self.group)
+
+    def _from_panels(self):
+        qweight, scale, mins = csrc.int4_from_vnni(*self.panels, self.out_features)
+        return {"qweight": qweight, "scale": scale, "min": mins}
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self.tensors["qweight"]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.tensors["scale"]
+
+    @property
+    def mins(self) -> torch.Tensor:
+        return self.tensors["min"]
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int = 32) -> Int4Kernel:
@@ -191,10 +237,14 @@ class Int4Kernel(QuantizedKernel):
         return cls({"qweight": packed, "scale": scale, "min": mins})
 
     def dequantize(self) -> torch.Tensor:
-        return schemes.dequantize_int4(self.qweight, self.scale, self.mins)
+        tensors = self.tensors
+        return schemes.dequantize_int4(tensors["qweight"], tensors["scale"], tensors["min"])
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.dim() == 2 and x.dtype == torch.float32:
+            if self.vnni:
+                return csrc.int4_vnni_gemm(x.contiguous(), *self.panels, self.out_features,
+                                           layer.bias, self.group)
             if x.shape[0] > INT4_MAX_ROWS:
                 return csrc.int4_panel_gemm(x.contiguous(), self.qweight, self.scale, self.mins,
                                             layer.bias, self.group)
@@ -209,6 +259,8 @@ class Int4Kernel(QuantizedKernel):
         return self.reference(layer, x)
 
     def compiled_form(self) -> csrc.LinearForm | None:
+        if self.vnni:
+            return self._vnni_form(csrc.INT4_VNNI)
         if not self.fast:
             return None
         return csrc.LinearForm(csrc.INT4_Q16 if self.int_dot else csrc.INT4, self.group,
