@@ -64,6 +64,13 @@ def model_path(models_dir: str, model: str, engine: str, precision: str = "f32")
     return os.path.join(base, "hf")
 
 
+def gguf_tokenizer(path: str) -> str | None:
+    """The HF folder beside a model's GGUF files, whose tokenizer tokenmill takes for them:
+    the Qwen-shaped model's GGUF vocabulary is a placeholder that only llama.cpp can load."""
+    hf_dir = os.path.join(os.path.dirname(path), "hf")
+    return hf_dir if path.endswith(".gguf") and os.path.isdir(hf_dir) else None
+
+
 def engine_env(engine: str) -> dict:
     env = dict(os.environ)
     cores = os.cpu_count() or 1
@@ -82,6 +89,8 @@ def run_one(engine: str, workload: str, path: str, args) -> dict:
            "--workload", workload, "--model", path, "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len),
            "--output-len", str(args.output_len if workload == "w1" else args.w2_output_len)]
+    if engine == "tokenmill" and gguf_tokenizer(path):
+        cmd += ["--engine-args", json.dumps({"tokenizer": gguf_tokenizer(path)})]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
@@ -108,7 +117,8 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
                 "--host", "127.0.0.1", "--port", str(port), "--health-port", str(_free_port()),
                 "--metrics-port", str(_free_port()), "--grpc-port", str(_free_port()),
                 "--dtype", "float32", "--max-model-len", context, "--kv-cache-memory", "2",
-                "--log-dir", log_dir]
+                "--log-dir", log_dir] + (["--tokenizer", gguf_tokenizer(path)]
+                                         if gguf_tokenizer(path) else [])
     if engine == "vllm":
         return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host",
                 "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
@@ -126,10 +136,10 @@ def run_serving(engine: str, path: str, args) -> dict:
     """W3: start the engine's server, wait until /v1/models answers, drive it, stop it."""
     import asyncio
 
-    from serve_load import make_text_prompts, run_load
+    from serve_load import make_prompts, run_load
 
     hf_dir = os.path.join(os.path.dirname(path), "hf")
-    prompts = make_text_prompts(hf_dir, args.w3_requests, args.input_len)
+    prompts = make_prompts(hf_dir, args.w3_requests, args.input_len)
     port = _free_port()
     log_dir = tempfile.mkdtemp(prefix=f"compare-{engine}-")
     start = time.perf_counter()

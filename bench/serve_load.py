@@ -67,6 +67,23 @@ def make_text_prompts(tokenizer_dir: str, n: int, length: int, seed: int = 0) ->
     return [" ".join(rng.choice(words) for _ in range(length)) for _ in range(n)]
 
 
+def make_prompts(tokenizer_dir: str, n: int, length: int,
+                 seed: int = 0) -> list[str] | list[list[int]]:
+    """Text prompts (`make_text_prompts`), or `length` random token ids each where the
+    tokenizer cannot encode them to about `length` tokens: the Qwen-shaped benchmark model
+    has a placeholder vocabulary ("t0", "t1", ...) that transformers reads as byte-level BPE
+    and encodes to nothing. The OpenAI completions API takes token ids as the prompt."""
+    from transformers import AutoTokenizer
+
+    texts = make_text_prompts(tokenizer_dir, n, length, seed)
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if len(tok(texts[0], add_special_tokens=False).input_ids) >= length // 2:
+        return texts
+    rng = random.Random(seed)
+    margin = len(tok) // 10  # clear of the special tokens at either end
+    return [[rng.randrange(margin, len(tok) - margin) for _ in range(length)] for _ in range(n)]
+
+
 class Failure(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
@@ -88,7 +105,8 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def openai_body(model: str | None, prompt: str, output_len: int, req_id: str) -> dict:
+def openai_body(model: str | None, prompt: str | list[int], output_len: int,
+                req_id: str) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": output_len,
             "min_tokens": output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}

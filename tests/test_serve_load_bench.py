@@ -221,3 +221,25 @@ def test_arrival_times():
     poisson = serve_load.arrival_times(5, 25, 2, True, random.Random(1))
     assert poisson == serve_load.arrival_times(5, 25, 2, True, random.Random(1))
     assert 10 < len(poisson) < 60 and poisson == sorted(poisson)
+
+
+def test_prompts_fall_back_to_token_ids_where_text_encodes_to_nothing(tmp_path, tiny_models):
+    """The Qwen-shaped benchmark model's placeholder vocabulary ("t0", "t1", ...) is read by
+    transformers as byte-level BPE that encodes nothing: its W3 prompts are token ids then.
+    Either way each prompt must come out about `length` tokens long."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+
+    placeholder = str(tmp_path / "placeholder")
+    Qwen2Config(vocab_size=3000).save_pretrained(placeholder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(3000)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(placeholder)
+    for folder in (tiny_models("llama")[0], placeholder):
+        prompts = serve_load.make_prompts(folder, 3, 40)
+        encoder = AutoTokenizer.from_pretrained(folder)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                assert len(encoder(prompt, add_special_tokens=False).input_ids) >= 20
+            else:
+                assert len(prompt) == 40 and all(0 <= i < len(encoder) for i in prompt)

@@ -16,9 +16,10 @@ from tokenmill import csrc
 from tokenmill.config import CpuKernelSettings
 from tokenmill.quantization import schemes
 
-# Rows above which the weight-only kernels unpack the weight into fp32 panels and run the
-# fp32 panel kernel (csrc/dequant_panels.c) instead of the integer kernels (which convert each
-# weight once per 4 rows). The default model's 120 projections alone, Zen 4 (bench/NOTES.md):
+# On CPUs without VNNI: rows above which the weight-only kernels unpack the weight into fp32
+# panels and run the fp32 panel kernel (csrc/dequant_panels.c) instead of the integer kernels
+# (which convert each weight once per 4 rows). The default model's 120 projections alone,
+# Zen 4 before the VNNI panels (bench/NOTES.md):
 # int8 Q8_0 equal at 24-32 rows, the panels 1.2x faster at 48-96 and 1.5x at 128-512; int4
 # Q4_1 0.8x at 16 rows, 1.4x from 20. In a whole step the unpacking costs more than that (a
 # 32-row q8_0 decode step layer by layer through the panels: ~150 ms instead of ~95, the LM
@@ -26,7 +27,7 @@ from tokenmill.quantization import schemes
 # clearly behind: prompts and large batches take the panels.
 INT8_MAX_ROWS = 128
 INT4_MAX_ROWS = 64
-# vnni_panels.c has no such limit: on VNNI CPUs it is the fastest kernel at every row count.
+# vnni_panels.c (VNNI CPUs) has no such limit: it is the fastest kernel at every row count.
 VNNI_MAX_ROWS = 1 << 20
 
 
