@@ -95,3 +95,44 @@ def test_sharded_safetensors_with_index(tmp_path):
                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                           use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 6)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatch,
+                                                         quantization):
+    """CPU prompt steps cut the MLP into row chunks where its gate|up output would be large
+    (glibc maps such buffers afresh on every use). The compiled kernels' sums for a row do
+    not depend on the rows beside it, so the outputs stay the same, and equal transformers'."""
+    if not csrc.available():
+        pytest.skip("no compiled CPU kernels")
+    from tokenmill.models import llama
+
+    path, hf = tiny_models("llama")
+    prompts = [list(range(10 + i, 300 + i)) for i in range(2)]  # 580 rows in one step
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+
+    def run():
+        llm = LLM(path, kv_cache_memory_gib=0.05, quantization=quantization)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    whole = run()
+    chunk_rows = []
+    real = llama._mlp_chunk_rows
+
+    def spy(x, width):
+        chunk_rows.append((x.shape[0], real(x, width)))
+        return chunk_rows[-1][1]
+
+    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(llama, "_mlp_chunk_rows", spy)
+    chunked = run()
+    assert (580, 194) in chunk_rows  # the prompt step ran in three chunks of 194 rows
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert pa.keys() == pb.keys()
+            for token in pa:
+                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
+        if quantization is None:
+            prompt = prompts[whole.index(a)]
+            assert a.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
