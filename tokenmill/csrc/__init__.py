@@ -286,90 +286,6 @@ def int4_panel_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return _panel_gemm(x, address(panels), k, n, bias)
 
 
-def vnni_native() -> bool:
-    """Whether this build runs vnni_panels.c with VNNI instructions (AVX-512 VNNI), where its
-    layouts are the fastest int8 / int4 kernels at every row count; elsewhere it is a
-    portable equivalent that only the tests use."""
-    return bool(_library().tm_vnni_native())
-
-
-def int8_to_vnni(qweight: torch.Tensor, scale: torch.Tensor,
-                 group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [N, K] weight and its float32 [N, K // group] scales -> vnni_panels.c's panels
-    ([ceil(N/16), K/2, 16, 2] int8) and panel scales ([ceil(N/16), K // group, 16])."""
-    n, k = qweight.shape
-    panels = -(-n // 16)
-    wp = torch.empty(panels, k // 2, 16, 2, dtype=torch.int8)
-    sp = torch.empty(panels, k // group, 16)
-    _library().tm_int8_to_vnni(address(qweight), address(scale), n, k, group, address(wp),
-                               address(sp))
-    return wp, sp
-
-
-def int8_from_vnni(wp: torch.Tensor, sp: torch.Tensor,
-                   n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `int8_to_vnni`: the [N, K] weight and its [N, K // group] scales."""
-    panels, half_k = wp.shape[:2]
-    qweight = wp.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n].contiguous()
-    return qweight, _from_panels(sp, n)
-
-
-def int4_to_vnni(qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
-                 group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4 weight (uint8 [N, K/2], Q4 layout) and its float16 [N, K // group] scales and mins
-    -> panels ([ceil(N/16), K/2, 16] uint8: inputs 2j, 2j + 1 in the low, high nibble) and
-    panel scales and mins ([ceil(N/16), K // group, 16] float16)."""
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    panels = -(-n // 16)
-    wp = torch.empty(panels, k // 2, 16, dtype=torch.uint8)
-    sp = torch.empty(panels, k // group, 16, dtype=torch.float16)
-    mp = torch.empty_like(sp)
-    _library().tm_int4_to_vnni(address(qweight), address(scale), address(mins), n, k, group,
-                               address(wp), address(sp), address(mp))
-    return wp, sp, mp
-
-
-def int4_from_vnni(wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
-                   n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `int4_to_vnni`: the Q4-layout weight, its scales and mins."""
-    from tokenmill.quantization.schemes import pack_int4
-
-    panels, half_k = wp.shape[:2]
-    pairs = torch.stack([wp & 15, wp >> 4], dim=-1)  # [P, K/2, 16, 2]
-    q = pairs.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n]
-    return pack_int4(q), _from_panels(sp, n), _from_panels(mp, n)
-
-
-def _from_panels(per_panel: torch.Tensor, n: int) -> torch.Tensor:
-    """[P, groups, 16] panel factors -> [N, groups]"""
-    panels, groups = per_panel.shape[:2]
-    return per_panel.permute(0, 2, 1).reshape(panels * 16, groups)[:n].contiguous()
-
-
-def int8_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, n: int,
-                   bias: torch.Tensor | None, group: int) -> torch.Tensor:
-    """x [M, K] float32 contiguous (K, group multiples of 32) @ the weight `int8_to_vnni`
-    laid out, with x rounded to int16 per 32 inputs -> [M, N]."""
-    m, k = x.shape
-    xq, xs, _ = quantize_rows_q16(x)
-    y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_int8_vnni_gemm(address(xq), address(xs), address(wp), address(sp),
-                                 address(bias), address(y), m, n, k, group)
-    return y
-
-
-def int4_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
-                   n: int, bias: torch.Tensor | None, group: int) -> torch.Tensor:
-    """As `int8_vnni_gemm`, for the weight `int4_to_vnni` laid out."""
-    m, k = x.shape
-    xq, xs, xsum = quantize_rows_q16(x)
-    y = torch.empty(m, n, dtype=torch.float32)
-    _library().tm_int4_vnni_gemm(address(xq), address(xs), address(xsum), address(wp),
-                                 address(sp), address(mp), address(bias), address(y), m, n, k,
-                                 group)
-    return y
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor) -> None:
@@ -434,3 +350,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _library().tm_write_kv(address(k), address(v), k.stride(0), v.stride(0), address(k_cache),
                            address(v_cache),
                            address(slot_mapping), t, h, d, int(k_cache.dtype == torch.int8))
+
+
+# vnni_panels.c's wrappers live in their own module; re-exported here (after the helpers
+# they use) so callers keep writing csrc.<name>.
+from tokenmill.csrc.vnni import *  # noqa: E402, F403

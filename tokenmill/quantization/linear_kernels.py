@@ -113,6 +113,14 @@ class _PanelKernel(QuantizedKernel):
     def tensors(self, value: dict[str, torch.Tensor]) -> None:
         self._tensors = value
 
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self.tensors["qweight"]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.tensors["scale"]
+
     def weight_bytes(self) -> int:
         if self.vnni:
             return sum(t.numel() * t.element_size() for t in self.panels)
@@ -148,14 +156,6 @@ class Int8Kernel(_PanelKernel):
     def _from_panels(self):
         qweight, scale = csrc.int8_from_vnni(*self.panels, self.out_features)
         return {"qweight": qweight, "scale": scale}
-
-    @property
-    def qweight(self) -> torch.Tensor:
-        return self.tensors["qweight"]
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.tensors["scale"]
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int | None = None) -> Int8Kernel:
@@ -219,14 +219,6 @@ class Int4Kernel(_PanelKernel):
     def _from_panels(self):
         qweight, scale, mins = csrc.int4_from_vnni(*self.panels, self.out_features)
         return {"qweight": qweight, "scale": scale, "min": mins}
-
-    @property
-    def qweight(self) -> torch.Tensor:
-        return self.tensors["qweight"]
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.tensors["scale"]
 
     @property
     def mins(self) -> torch.Tensor:
