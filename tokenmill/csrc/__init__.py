@@ -42,8 +42,7 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "vnni_panels.c",
-                         "paged_attention.c",
-                         "layer_ops.c", "decode_step.c")]
+                         "paged_attention.c", "layer_ops.c", "decode_step.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).

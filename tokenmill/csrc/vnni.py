@@ -36,9 +36,7 @@ def int8_to_vnni(qweight: torch.Tensor, scale: torch.Tensor,
 def int8_from_vnni(wp: torch.Tensor, sp: torch.Tensor,
                    n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `int8_to_vnni`: the [N, K] weight and its [N, K // group] scales."""
-    panels, half_k = wp.shape[:2]
-    qweight = wp.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n].contiguous()
-    return qweight, _from_panels(sp, n)
+    return _pairs_to_rows(wp, n).contiguous(), _from_panels(sp, n)
 
 
 def int4_to_vnni(qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
@@ -61,10 +59,14 @@ def int4_from_vnni(wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
     """The inverse of `int4_to_vnni`: the Q4-layout weight, its scales and mins."""
     from tokenmill.quantization.schemes import pack_int4
 
-    panels, half_k = wp.shape[:2]
-    pairs = torch.stack([wp & 15, wp >> 4], dim=-1)  # [P, K/2, 16, 2]
-    q = pairs.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n]
-    return pack_int4(q), _from_panels(sp, n), _from_panels(mp, n)
+    pairs = _pairs_to_rows(torch.stack([wp & 15, wp >> 4], dim=-1), n)
+    return pack_int4(pairs), _from_panels(sp, n), _from_panels(mp, n)
+
+
+def _pairs_to_rows(pairs: torch.Tensor, n: int) -> torch.Tensor:
+    """[P, K/2, 16, 2] input pairs of each panel's channels -> the [N, K] rows (a view)"""
+    panels, half_k = pairs.shape[:2]
+    return pairs.permute(0, 2, 1, 3).reshape(panels * 16, half_k * 2)[:n]
 
 
 def _from_panels(per_panel: torch.Tensor, n: int) -> torch.Tensor:
