@@ -210,16 +210,16 @@ def roofline(params: int, weight_bytes: int | None = None) -> dict:
 
 
 def tokenmill_matmul_gflops(x, w) -> float | None:
-    """x @ w.T through the packed-panel kernel of tokenmill's fp32 layers (None where it does
-    not run): it beats torch's matmul here (~215 vs ~180 GFLOP/s on a Zen 4)."""
-    from tokenmill.layers.linear import CpuPackedKernel, Linear
+    """x @ w.T through the kernel tokenmill's loader gives an fp32 layer (None if that is plain
+    torch): it beats torch's matmul here (~215 vs ~180 GFLOP/s on a Zen 4)."""
+    from tokenmill.layers.linear import DenseKernel, Linear, choose_linear_kernels
 
     layer = Linear(w.shape[1], w.shape[0])
     layer.weight.data.copy_(w)
-    kernel = CpuPackedKernel(layer) if CpuPackedKernel.supports(layer) else None
-    if kernel is None or kernel.panel_stride is None:
+    choose_linear_kernels(layer)
+    if isinstance(layer.kernel, DenseKernel):
         return None
-    seconds = min(_timed(lambda: kernel.apply(layer, x)) for _ in range(5))
+    seconds = min(_timed(lambda: layer(x)) for _ in range(5))
     return 2 * x.shape[0] * x.shape[1] * w.shape[0] / seconds / 1e9
 
 
