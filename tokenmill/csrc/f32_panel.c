@@ -24,21 +24,34 @@
 
 #define TM_MAX_ROWS 32 /* rows per pass: their x chunk and the panel chunk share L1 */
 
+/* A tile prefetches its share of the next chunk, lines [lo, hi), spread evenly over its n
+ * k-steps (16.16 fixed point, so no division in the loop). Every tile of a chunk takes an
+ * equal share: the weight streams at an even rate while the tiles compute. When the first
+ * tile fetched the whole next chunk in a burst, small row counts waited on memory (the
+ * default model's 120 projections streaming, AVX-512: 12-24 rows 1.15-1.24x faster spread,
+ * 48-2048 rows the same; bench/NOTES.md). */
+#define FETCH_PLAN(lo, hi, n) \
+    const int64_t fetch_step = ((hi) - (lo)) * 65536 / (n); \
+    int64_t fetch_due = (lo) * 65536
+#define FETCH_DUE(fetch, lo, hint) \
+    for (fetch_due += fetch_step; (lo) < fetch_due >> 16; (lo)++) \
+            _mm_prefetch((const char *)((fetch) + (lo) * 16), hint)
+
 #ifdef __AVX512F__
-/* c[0 .. mr, 0 .. 64) += x rows times panel rows [k0, k1): mr x 4 zmm sums. `fetch` (or NULL)
- * gets the next chunk's 4 cache lines of each k prefetched, in memory order, into L2: the
- * 32 KB chunk being used already fills L1, and an L1 hint evicted it (the default model's 120
- * projections streaming from memory: 16-64 rows 4-10 % faster with T1 than T0). */
+/* c[0 .. mr, 0 .. 64) += x rows times panel rows [k0, k1): mr x 4 zmm sums. Cache lines
+ * [lo, hi) of `fetch` (the next chunk) are prefetched evenly over the k loop, into
+ * L2: the 32 KB chunk being used already fills L1, and an L1 hint evicted it (the default
+ * model's 120 projections streaming from memory: 16-64 rows 4-10 % faster with T1 than T0). */
 INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_t k0,
-                           int64_t k1, float *c, const float *fetch, const int mr) {
+                           int64_t k1, float *c, const float *fetch, int64_t lo, int64_t hi,
+                           const int mr) {
     __m512 acc[6][4];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < 4; v++) acc[i][v] = _mm512_load_ps(c + i * 64 + 16 * v);
+    FETCH_PLAN(lo, hi, k1 - k0);
     for (int64_t k = k0; k < k1; k++) {
-        if (fetch)
-            for (int v = 0; v < 4; v++)
-                _mm_prefetch((const char *)(fetch + (k - k0) * 64 + 16 * v), _MM_HINT_T1);
+        FETCH_DUE(fetch, lo, _MM_HINT_T1);
         __m512 w[4];
         for (int v = 0; v < 4; v++) w[v] = _mm512_loadu_ps(panel + k * 64 + 16 * v);
         _Pragma("GCC unroll 8")
@@ -56,19 +69,20 @@ INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_
  * the sums per FMA as with 64 (Zen 4, interleaved A/B: 2-10 % faster from 16 to 2048 rows) */
 #define TM_KC 128
 #else
-/* c[0 .. mr, col .. col+16) += x rows times panel rows [k0, k1): mr x 2 ymm sums. `fetch`
- * (or NULL) gets one cache line prefetched per k: a quarter of the next chunk (the first
- * tile of each of the 4 strips fetches one quarter). */
+/* c[0 .. mr, col .. col+16) += x rows times panel rows [k0, k1): mr x 2 ymm sums. Cache lines
+ * [lo, hi) of `fetch` (the next chunk) are prefetched evenly over the k loop. */
 INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_t k0,
-                           int64_t k1, float *c, const float *fetch, const int mr) {
+                           int64_t k1, float *c, const float *fetch, int64_t lo, int64_t hi,
+                           const int mr) {
     __m256 acc[6][2];
     _Pragma("GCC unroll 8")
     for (int i = 0; i < mr; i++) {
         acc[i][0] = _mm256_load_ps(c + i * 64);
         acc[i][1] = _mm256_load_ps(c + i * 64 + 8);
     }
+    FETCH_PLAN(lo, hi, k1 - k0);
     for (int64_t k = k0; k < k1; k++) {
-        if (fetch) _mm_prefetch((const char *)(fetch + (k - k0) * 16), _MM_HINT_T0);
+        FETCH_DUE(fetch, lo, _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(panel + k * 64);
         const __m256 w1 = _mm256_loadu_ps(panel + k * 64 + 8);
         _Pragma("GCC unroll 8")
@@ -102,10 +116,10 @@ static void f32_panel_row(const float *x, int64_t K, const float *panel, float *
 }
 
 /* Panel p for all M rows: k-chunk by k-chunk, every strip of columns and every tile of rows
- * (sums kept in c, [M][64], between chunks); the first tile of each strip prefetches its
- * share of the next chunk, so the panel streams in order while the tiles compute; the last
- * chunk fetches the start of the next panel, which follows in memory (the thread's next one,
- * or past its range or the weight's end: a prefetch never faults). */
+ * (sums kept in c, [M][64], between chunks); the tiles of a chunk share out the prefetch of
+ * the next one, so the panel streams in order while they compute; the last chunk fetches the
+ * start of the next panel, which follows in memory (the thread's next one, or past its range
+ * or the weight's end: a prefetch never faults). */
 static void f32_panel_rows(const float *x, int64_t M, int64_t K, int64_t KP,
                            const float *panel, float *c) {
     memset(c, 0, M * 64 * sizeof(float));
@@ -113,17 +127,19 @@ static void f32_panel_rows(const float *x, int64_t M, int64_t K, int64_t KP,
      * 6,6,5,5,5,5, not 6,6,6,6,4,4): a tile of r rows keeps 2r (AVX2) sums in flight, and
      * fewer than ~10 leave the FMA units waiting on latency */
     const int64_t tiles = (M + 5) / 6, base = M / tiles, extra = M % tiles;
+    const int64_t runs = tiles * (64 / TM_STRIP), lines = TM_KC * 64 / 16;
     for (int64_t k0 = 0; k0 < K; k0 += TM_KC) {
         const int64_t k1 = k0 + TM_KC < K ? k0 + TM_KC : K;
         const float *next = panel + (k1 < K ? k1 : KP) * 64;
+        int64_t run = 0;
         for (int64_t col = 0; col < 64; col += TM_STRIP) {
-            const float *fetch = next + col / TM_STRIP * TM_KC * TM_STRIP;
             int64_t m0 = 0;
-            for (int64_t i = 0; i < tiles; i++, fetch = NULL) {
+            for (int64_t i = 0; i < tiles; i++, run++) {
                 const int64_t rows = base + (i < extra);
+                const int64_t lo = run * lines / runs, hi = (run + 1) * lines / runs;
                 switch (rows) {
 #define TILE(R) case R: f32_panel_tile(x + m0 * K, K, panel + col, k0, k1, c + m0 * 64 + col, \
-                                       fetch, R); break;
+                                       next, lo, hi, R); break;
                     TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #undef TILE
                 }
