@@ -40,7 +40,7 @@
 #ifdef __AVX512F__
 /* c[0 .. mr, 0 .. 64) += x rows times panel rows [k0, k1): mr x 4 zmm sums. Cache lines
  * [lo, hi) of `fetch` (the next chunk) are prefetched evenly over the k loop, into
- * L2: the 32 KB chunk being used already fills L1, and an L1 hint evicted it (the default
+ * L2: a 32 KB chunk being used already fills L1, and an L1 hint evicted it (the default
  * model's 120 projections streaming from memory: 16-64 rows 4-10 % faster with T1 than T0). */
 INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_t k0,
                            int64_t k1, float *c, const float *fetch, int64_t lo, int64_t hi,
@@ -65,9 +65,11 @@ INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_
         for (int v = 0; v < 4; v++) _mm512_store_ps(c + i * 64 + 16 * v, acc[i][v]);
 }
 #define TM_STRIP 64 /* columns a tile covers */
-/* panel rows per k-chunk (32 KB): each tile reads the chunk once, so half as many reloads of
- * the sums per FMA as with 64 (Zen 4, interleaved A/B: 2-10 % faster from 16 to 2048 rows) */
-#define TM_KC 128
+/* Panel rows per k-chunk for a product of M rows: 128 (32 KB) where many rows reuse the chunk,
+ * so each tile reloads its sums half as often as with 64 (2-10 % faster from 64 to 2048 rows
+ * on a Zen 4); 64 (16 KB) from 32 rows down, where a chunk's tiles finish sooner than its
+ * successor arrives from memory: 12-32 rows 1.04-1.08x (interleaved A/B, bench/NOTES.md). */
+#define TM_KC(M) ((M) <= 32 ? 64 : 128)
 #else
 /* c[0 .. mr, col .. col+16) += x rows times panel rows [k0, k1): mr x 2 ymm sums. Cache lines
  * [lo, hi) of `fetch` (the next chunk) are prefetched evenly over the k loop. */
@@ -99,7 +101,7 @@ INLINE void f32_panel_tile(const float *x, int64_t K, const float *panel, int64_
     }
 }
 #define TM_STRIP 16
-#define TM_KC 64 /* panel rows per k-chunk (16 KB): the 4 strips' tiles share it in L1 */
+#define TM_KC(M) 64 /* panel rows per k-chunk (16 KB): the 4 strips' tiles share it in L1 */
 #endif
 
 /* One row over a whole panel (64 columns, 8 accumulators): a single sequential pass, what a
@@ -121,15 +123,15 @@ static void f32_panel_row(const float *x, int64_t K, const float *panel, float *
  * start of the next panel, which follows in memory (the thread's next one, or past its range
  * or the weight's end: a prefetch never faults). */
 static void f32_panel_rows(const float *x, int64_t M, int64_t K, int64_t KP,
-                           const float *panel, float *c) {
+                           const float *panel, float *c, const int64_t kc) {
     memset(c, 0, M * 64 * sizeof(float));
     /* as few tiles as 6-row tiles need, their rows as even as possible (32 rows:
      * 6,6,5,5,5,5, not 6,6,6,6,4,4): a tile of r rows keeps 2r (AVX2) sums in flight, and
      * fewer than ~10 leave the FMA units waiting on latency */
     const int64_t tiles = (M + 5) / 6, base = M / tiles, extra = M % tiles;
-    const int64_t runs = tiles * (64 / TM_STRIP), lines = TM_KC * 64 / 16;
-    for (int64_t k0 = 0; k0 < K; k0 += TM_KC) {
-        const int64_t k1 = k0 + TM_KC < K ? k0 + TM_KC : K;
+    const int64_t runs = tiles * (64 / TM_STRIP), lines = kc * 64 / 16;
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t k1 = k0 + kc < K ? k0 + kc : K;
         const float *next = panel + (k1 < K ? k1 : KP) * 64;
         int64_t run = 0;
         for (int64_t col = 0; col < 64; col += TM_STRIP) {
@@ -175,7 +177,7 @@ void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float 
                 if (rows == 1)
                     f32_panel_row(x + m0 * K, K, panel, c);
                 else
-                    f32_panel_rows(x + m0 * K, rows, K, KP, panel, c);
+                    f32_panel_rows(x + m0 * K, rows, K, KP, panel, c, TM_KC(M));
                 float *out = y + m0 * N + p * 64;
                 for (int64_t i = 0; i < rows; i++)
                     for (int64_t j = 0; j < width; j++)
