@@ -122,3 +122,38 @@ def test_long_decodes_split_into_chunks_match_reference_and_each_other(kv_dtype)
 
 def test_compiled_decode_is_used_where_the_kernels_build():
     assert TorchSDPABackend().use_compiled_decode == csrc.available()
+
+
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (32, 2, 32)])
+def test_compiled_prompts_match_reference(monkeypatch, hq, hkv, d):
+    # Prompt attention in place over the paged cache: fresh prompts and chunks with cached
+    # context, query counts around the kernel's 16-token query blocks and 32-key blocks,
+    # 1-16 query heads per KV head, beside decodes in the same step.
+    calls = []
+    kernel = csrc.prompt_attention
+    monkeypatch.setattr(csrc, "prompt_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
+    prefills = [(0, 1), (0, 16), (0, 17), (0, 33), (31, 1), (32, 15), (40, 70), (100, 128)]
+    q, k, v, cache, meta = random_step(5, 2, prefills, block_size=16, hq=hq, hkv=hkv, d=d,
+                                       num_blocks=128)
+    q = torch.cat([q, torch.randn(q.shape[0], 2, d)], dim=1)[:, :hq]  # a view, as in a model
+    ref = ReferenceBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, 0.2)
+    out = TorchSDPABackend(True).forward(q, k, v, cache[0].clone(), cache[1].clone(), meta,
+                                         0.2)
+    assert calls == [True]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+def test_prompt_kernel_declines_head_sizes_it_does_not_take():
+    # head size 8 (not a multiple of 32) and int8 caches stay with SDPA: the same result as
+    # the torch path
+    for d, kv_dtype in ((8, torch.float32), (64, torch.int8)):
+        q, k, v, cache, meta = random_step(2, 1, [(0, 9), (5, 4)], block_size=16, d=d)
+        caches = [c if kv_dtype == torch.float32 else quantize_kv(c) for c in cache]
+        ref = TorchSDPABackend(False).forward(q, k, v, *(c.clone() for c in caches), meta, 0.3)
+        out = TorchSDPABackend(True).forward(q, k, v, *(c.clone() for c in caches), meta, 0.3)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    q, k, v, cache, meta = random_step(2, 0, [(0, 9)], block_size=16, d=8)
+    assert not csrc.prompt_attention(q, cache[0], cache[1], meta.block_table,
+                                     meta.backend_data.prompts, 0.3, torch.empty_like(q))

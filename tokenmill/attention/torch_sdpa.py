@@ -1,5 +1,5 @@
 """CPU attention: decodes read the paged cache in place (compiled kernel) or through one batched
-gather + SDPA; prompts go through SDPA, batched by length."""
+gather + SDPA; prompts too (compiled kernel, float32 caches), else SDPA batched by length."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ class _StepPlan:
 
     # (first seq, last seq + 1) runs of consecutive fresh prompts of equal length
     fresh_runs: list[tuple[int, int]]
+    # per prompt sequence: first token row (from the first prompt's), query tokens, context
+    prompts: torch.Tensor | None = None
     decode_gather: _DecodeGather | None = None  # built by the first layer that needs it
 
 
@@ -58,6 +60,11 @@ class TorchSDPABackend(AttentionBackend):
         return (self.use_compiled_decode and q.device.type == "cpu"
                 and q.dtype == torch.float32 and q.shape[-1] % 8 == 0)
 
+    def _compiled_prompts(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        # the same switch as decodes: the compiled kernels are one choice
+        return (self._compiled_decode(q) and k_cache.dtype == torch.float32
+                and csrc.heads_contiguous(q))
+
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
         runs: list[tuple[int, int]] = []
@@ -70,7 +77,11 @@ class TorchSDPABackend(AttentionBackend):
                 runs[-1] = (runs[-1][0], s + 1)
             else:
                 runs.append((s, s + 1))
-        meta.backend_data = _StepPlan(runs)
+        prompts = None
+        if meta.num_seqs > nd:
+            prompts = torch.tensor([[loc[s] - loc[nd], loc[s + 1] - loc[s], meta.context_lens[s]]
+                                    for s in range(nd, meta.num_seqs)], dtype=torch.int64)
+        meta.backend_data = _StepPlan(runs, prompts)
 
     @staticmethod
     def _decode_gather(meta: AttentionMetadata) -> _DecodeGather:
@@ -103,6 +114,11 @@ class TorchSDPABackend(AttentionBackend):
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, self._decode_gather(meta),
                                     num_kv_heads, scale)
+        if plan.prompts is not None and self._compiled_prompts(q, k_cache):
+            lo = loc[nd]
+            if csrc.prompt_attention(q[lo:], k_cache, v_cache, meta.block_table[nd:],
+                                     plan.prompts, scale, out[lo:]):
+                return out
         for first, end in plan.fresh_runs:
             # Fresh prompts: their K/V are exactly this step's k, v; no cache read needed.
             # Equal lengths go through SDPA as one batch.
