@@ -82,15 +82,8 @@ static void attend_chunk(const float *q, const void *k_cache, const void *v_cach
         float mx = -INFINITY;
         for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
         for (int64_t t = n; t < (n + 7) / 8 * 8; t++) s[t] = -INFINITY; /* exp gives 0 */
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; t += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-            _mm256_storeu_ps(s + t, e);
-            sum = _mm256_add_ps(sum, e);
-        }
         m[h] = mx;
-        l[h] = hsum8(sum);
+        l[h] = exp_minus_max(s, n, mx);
     }
     /* Values: acc_h = sum_t p[h, t] * v_t. */
     memset(acc, 0, Hq * D * sizeof(float));

@@ -144,14 +144,7 @@ static void prompt_item(const float *q, int64_t q_stride, const float *k_cache,
             for (int64_t j = 0; j < n; j++) mx = pr[j] > mx ? pr[j] : mx;
             for (int64_t j = n > 0 ? n : 0; j < KB; j++) pr[j] = -INFINITY;
             const float alpha = expf(m[r] - mx);
-            const __m256 mv = _mm256_set1_ps(mx);
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t j = 0; j < KB; j += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + j), mv));
-                _mm256_storeu_ps(pr + j, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            l[r] = l[r] * alpha + hsum8(sum);
+            l[r] = l[r] * alpha + exp_minus_max(pr, KB, mx);
             m[r] = mx;
             if (alpha != 1.0f)
                 for (int64_t d = 0; d < D; d++) o[r * D + d] *= alpha;

@@ -1,6 +1,7 @@
 /* AVX2 helpers shared by the kernels in this folder. */
 #pragma once
 #include <immintrin.h>
+#include <stdint.h>
 
 /* for kernel bodies whose loop counts must be compile-time constants to stay in registers */
 #define INLINE static inline __attribute__((always_inline))
@@ -33,4 +34,17 @@ static inline __m256 exp8(__m256 x) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
                                                          _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* s[0 .. n) = e^(s - mx) in place, 8 at a time (n rounded up to 8: pad with -inf, which
+ * gives 0); returns their sum. The weights of one softmax chunk. */
+static inline float exp_minus_max(float *s, int64_t n, float mx) {
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
 }
