@@ -35,7 +35,7 @@
     int64_t fetch_due = (lo) * 65536
 #define FETCH_DUE(fetch, lo, hint) \
     for (fetch_due += fetch_step; (lo) < fetch_due >> 16; (lo)++) \
-            _mm_prefetch((const char *)((fetch) + (lo) * 16), hint)
+        _mm_prefetch((const char *)((fetch) + (lo) * 16), hint)
 
 #ifdef __AVX512F__
 /* c[0 .. mr, 0 .. 64) += x rows times panel rows [k0, k1): mr x 4 zmm sums. Cache lines
@@ -239,12 +239,10 @@ void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float 
                 const int64_t left = (int64_t)(r >> 32) - (int64_t)(r & 0xffffffffu);
                 if (left > most) most = left, victim = v;
             }
-            if (victim < 0 || (taken = claim(&shares[victim], M, 1, &first)) == 0) {
-                if (victim < 0) break;
-                continue;
-            }
-            f32_panel_part(x, w, bias, y, M, N, K, KP, first / M, first % M,
-                           first % M + taken, c);
+            if (victim < 0) break; /* every share is empty */
+            if ((taken = claim(&shares[victim], M, 1, &first)) > 0) /* else: raced, look again */
+                f32_panel_part(x, w, bias, y, M, N, K, KP, first / M, first % M,
+                               first % M + taken, c);
         }
     }
 }
