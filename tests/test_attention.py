@@ -156,4 +156,5 @@ def test_prompt_kernel_declines_head_sizes_it_does_not_take():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     q, k, v, cache, meta = random_step(2, 0, [(0, 9)], block_size=16, d=8)
     assert not csrc.prompt_attention(q, cache[0], cache[1], meta.block_table,
-                                     meta.backend_data.prompts, 0.3, torch.empty_like(q))
+                                     TorchSDPABackend._prompt_rows(meta), 0.3,
+                                     torch.empty_like(q))

@@ -44,7 +44,8 @@ class _StepPlan:
 
     # (first seq, last seq + 1) runs of consecutive fresh prompts of equal length
     fresh_runs: list[tuple[int, int]]
-    # per prompt sequence: first token row (from the first prompt's), query tokens, context
+    # per prompt sequence: first token row (from the first prompt's), query tokens, context;
+    # built by the first layer that runs the compiled prompt kernel
     prompts: torch.Tensor | None = None
     decode_gather: _DecodeGather | None = None  # built by the first layer that needs it
 
@@ -77,11 +78,17 @@ class TorchSDPABackend(AttentionBackend):
                 runs[-1] = (runs[-1][0], s + 1)
             else:
                 runs.append((s, s + 1))
-        prompts = None
-        if meta.num_seqs > nd:
-            prompts = torch.tensor([[loc[s] - loc[nd], loc[s + 1] - loc[s], meta.context_lens[s]]
-                                    for s in range(nd, meta.num_seqs)], dtype=torch.int64)
-        meta.backend_data = _StepPlan(runs, prompts)
+        meta.backend_data = _StepPlan(runs)
+
+    @staticmethod
+    def _prompt_rows(meta: AttentionMetadata) -> torch.Tensor:
+        plan: _StepPlan = meta.backend_data
+        if plan.prompts is None:
+            nd, loc = meta.num_decodes, meta.query_start_loc
+            plan.prompts = torch.tensor(
+                [[loc[s] - loc[nd], loc[s + 1] - loc[s], meta.context_lens[s]]
+                 for s in range(nd, meta.num_seqs)], dtype=torch.int64)
+        return plan.prompts
 
     @staticmethod
     def _decode_gather(meta: AttentionMetadata) -> _DecodeGather:
@@ -114,10 +121,10 @@ class TorchSDPABackend(AttentionBackend):
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, self._decode_gather(meta),
                                     num_kv_heads, scale)
-        if plan.prompts is not None and self._compiled_prompts(q, k_cache):
+        if meta.num_seqs > nd and self._compiled_prompts(q, k_cache):
             lo = loc[nd]
             if csrc.prompt_attention(q[lo:], k_cache, v_cache, meta.block_table[nd:],
-                                     plan.prompts, scale, out[lo:]):
+                                     self._prompt_rows(meta), scale, out[lo:]):
                 return out
         for first, end in plan.fresh_runs:
             # Fresh prompts: their K/V are exactly this step's k, v; no cache read needed.

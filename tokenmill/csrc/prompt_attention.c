@@ -124,15 +124,13 @@ static void prompt_item(const float *q, int64_t q_stride, const float *k_cache,
                 for (int64_t d = 0; d < D; d++) kt[d * KB + jj] = jj < nk ? krow[jj][d] : 0.0f;
         }
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            float s[4 * KB];
-            const int64_t mr = R - r0 < 4 ? R - r0 : 4;
-            switch (mr) {
+            float *s = p + r0 * KB;
+            switch (R - r0 < 4 ? R - r0 : 4) {
                 case 1: score_tile(qrow + r0, kt, D, scale, s, 1); break;
                 case 2: score_tile(qrow + r0, kt, D, scale, s, 2); break;
                 case 3: score_tile(qrow + r0, kt, D, scale, s, 3); break;
                 default: score_tile(qrow + r0, kt, D, scale, s, 4); break;
             }
-            memcpy(p + r0 * KB, s, mr * KB * sizeof(float));
         }
         /* Online softmax: keys past a row's position (or the block) weigh 0. The first block
          * holds key 0, which every row sees, so m[r] is finite from then on. */
