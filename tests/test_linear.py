@@ -82,3 +82,47 @@ def test_panel_kernel_reads_the_packed_weight_at_any_row_count():
                 # each row is summed the same way whatever rows run with it
                 for i in {0, rows // 2, rows - 1}:
                     assert torch.equal(packed(x[i:i + 1]), out[i:i + 1])
+
+
+def test_fused_gate_up_activation_equals_the_product_then_silu():
+    """The panel kernel's gate|up pass with SiLU applied to its sums gives bitwise what the
+    merged product followed by the activation pass gives: any row count (tiles, 32-row passes,
+    rows split between threads), with and without bias, K not a multiple of 64; an
+    intermediate size that is not whole panels keeps the two-pass path."""
+    from tokenmill import csrc
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.models.llama import MLP
+
+    if not csrc.available():
+        import pytest
+        pytest.skip("no compiled CPU kernels")
+    torch.manual_seed(2)
+    act = SiluAndMul()
+    for inter, k, bias in [(64, 48, False), (128, 100, True), (192, 576, False), (96, 64, False)]:
+        layer = MergedLinear(k, [inter, inter], bias=bias)
+        layer.weight.data.normal_(std=0.3)
+        if bias:
+            layer.bias.data.normal_()
+        dense = (layer.weight.data.clone(), layer.bias.data.clone() if bias else None)
+        layer.use_kernel(CpuPackedKernel(layer))
+        assert layer.kernel.panel_stride is not None
+        for rows in (0, 1, 2, 5, 11, 12, 16, 33, 70):
+            x = torch.randn(rows, k)
+            fused = layer.kernel.apply_gated(layer, x)
+            if inter % 64:
+                assert fused is None
+                continue
+            assert torch.equal(fused, act(layer(x))), (inter, k, rows)
+            gate, up = torch.nn.functional.linear(x, *dense).chunk(2, dim=-1)
+            torch.testing.assert_close(fused, torch.nn.functional.silu(gate) * up,
+                                       atol=1e-4, rtol=1e-4)
+    # the model's MLP takes the fused pass and gives what the unfused layers give
+    config = type("Config", (), {"hidden_size": 48, "intermediate_size": 128})()
+    mlp = MLP(config)
+    for p in mlp.parameters():
+        p.data.normal_(std=0.3)
+    x = torch.randn(9, 48)
+    expected = mlp.down_proj(act(mlp.gate_up_proj(x)))
+    choose_linear_kernels(mlp)
+    assert mlp.gate_up_proj.kernel.apply_gated(mlp.gate_up_proj, x) is not None
+    torch.testing.assert_close(mlp(x), expected, atol=1e-4, rtol=1e-4)

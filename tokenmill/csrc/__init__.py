@@ -129,6 +129,8 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_int4_gemm_q16.argtypes = [ptr] * 8 + [i64] * 3
     lib.tm_f32_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
+    lib.tm_f32_panel_glu.argtypes = [ptr] * 4 + [i64] * 4
+    lib.tm_f32_panel_glu.restype = i64
     lib.tm_int8_to_panels.argtypes = [ptr] * 2 + [i64] * 3 + [ptr]
     lib.tm_int4_to_panels.argtypes = [ptr] * 3 + [i64] * 3 + [ptr]
     lib.tm_int8_to_vnni.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 2
@@ -262,6 +264,19 @@ def _panel_gemm(x: torch.Tensor, panels: int, kp: int, n: int,
     y = torch.empty(m, n, dtype=torch.float32)
     _library().tm_f32_panel_gemm(address(x), panels, address(bias), address(y), m, n, k, kp)
     return y
+
+
+def f32_panel_glu(x: torch.Tensor, packed: torch.Tensor, kp: int, inter: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) for x [M, K] float32 contiguous and a merged gate|up
+    weight of 2 * inter channels packed as for `f32_panel_gemm` (inter a multiple of 64):
+    bitwise `silu_and_mul(f32_panel_gemm(...))` without the [M, 2 * inter] product -> [M, inter]."""
+    m, k = x.shape
+    act = torch.empty(m, inter, dtype=torch.float32)
+    if _library().tm_f32_panel_glu(address(x), torch.ops.mkldnn.data_ptr(packed), address(bias),
+                                   address(act), m, inter, k, kp):
+        raise ValueError(f"intermediate size {inter} is not a multiple of 64")
+    return act
 
 
 def _panel_buffer(n: int, k: int) -> torch.Tensor:

@@ -114,8 +114,12 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
                                   m->block_size, m->scale, m->kv_int8);
         linear(m, &layer->o, m->attn, hidden, T);
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);
-        linear(m, &layer->gate_up, m->normed, m->gate_up, T);
-        tm_silu_and_mul(m->gate_up, m->act, T, m->intermediate);
+        if (layer->gate_up.kind != TM_F32_PANEL ||
+            tm_f32_panel_glu(m->normed, layer->gate_up.w, layer->gate_up.bias, m->act, T,
+                             m->intermediate, H, layer->gate_up.param) != 0) {
+            linear(m, &layer->gate_up, m->normed, m->gate_up, T);
+            tm_silu_and_mul(m->gate_up, m->act, T, m->intermediate);
+        }
         linear(m, &layer->down, m->act, hidden, T);
     }
     tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);

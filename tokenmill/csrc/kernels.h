@@ -18,6 +18,8 @@ void tm_int4_gemm_q16(const int16_t *xq, const float *xs, const float *xsum, con
                       int64_t M, int64_t N, int64_t K);
 void tm_f32_panel_gemm(const float *x, const float *w, const float *bias, float *y, int64_t M,
                        int64_t N, int64_t K, int64_t KP);
+int64_t tm_f32_panel_glu(const float *x, const float *w, const float *bias, float *act,
+                         int64_t M, int64_t I, int64_t K, int64_t KP);
 void tm_int8_to_panels(const int8_t *w, const float *scale, int64_t N, int64_t K,
                        int64_t group, float *out);
 void tm_int4_to_panels(const uint8_t *w, const uint16_t *scale, const uint16_t *min,

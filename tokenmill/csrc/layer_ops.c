@@ -65,13 +65,8 @@ void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
         const float *g = x + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         int64_t i = 0;
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; i + 8 <= I; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-        }
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }

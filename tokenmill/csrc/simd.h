@@ -36,6 +36,13 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+/* silu(g) * u = g / (1 + e^-g) * u on 8 lanes: the MLP's gated activation, whether run as its
+ * own pass (layer_ops.c) or on a GEMM's sums (f32_panel.c), with the same roundings. */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
 /* s[0 .. n) = e^(s - mx) in place, 8 at a time (n rounded up to 8: pad with -inf, which
  * gives 0); returns their sum. The weights of one softmax chunk. */
 static inline float exp_minus_max(float *s, int64_t n, float mx) {
