@@ -79,8 +79,7 @@ static void attend_chunk(const float *q, const void *k_cache, const void *v_cach
     /* Per query head: the chunk's maximum, then the weights exp(s - m) and their sum. */
     for (int64_t h = 0; h < Hq; h++) {
         float *s = scores + h * CHUNK;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        const float mx = max_of(s, n);
         for (int64_t t = n; t < (n + 7) / 8 * 8; t++) s[t] = -INFINITY; /* exp gives 0 */
         m[h] = mx;
         l[h] = exp_minus_max(s, n, mx);

@@ -138,8 +138,7 @@ static void prompt_item(const float *q, int64_t q_stride, const float *k_cache,
             float *pr = p + r * KB;
             const int64_t visible = ctx + i0 + r / G + 1 - j0; /* keys of this block it sees */
             const int64_t n = visible < nk ? visible : nk;
-            float mx = m[r];
-            for (int64_t j = 0; j < n; j++) mx = pr[j] > mx ? pr[j] : mx;
+            const float top = max_of(pr, n > 0 ? n : 0), mx = top > m[r] ? top : m[r];
             for (int64_t j = n > 0 ? n : 0; j < KB; j++) pr[j] = -INFINITY;
             const float alpha = expf(m[r] - mx);
             l[r] = l[r] * alpha + exp_minus_max(pr, KB, mx);

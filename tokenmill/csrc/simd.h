@@ -43,6 +43,20 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
+/* The largest of s[0 .. n) (-inf for none), 8 lanes at a time: the scalar loop a compiler
+ * keeps for a float maximum cost as much as the exponentials of a softmax chunk. */
+static inline float max_of(const float *s, int64_t n) {
+    __m256 mv = _mm256_set1_ps(-__builtin_inff());
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float mx = _mm_cvtss_f32(h);
+    for (; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    return mx;
+}
+
 /* s[0 .. n) = e^(s - mx) in place, 8 at a time (n rounded up to 8: pad with -inf, which
  * gives 0); returns their sum. The weights of one softmax chunk. */
 static inline float exp_minus_max(float *s, int64_t n, float mx) {
