@@ -208,3 +208,33 @@ def test_bad_words_are_never_generated(llm):
     assert out.token_ids != base.token_ids
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[""])
+
+
+def test_greedy_argmax_kernel_matches_torch():
+    """The compiled greedy argmax gives torch.argmax's answer: the first of tied maxima, the
+    first NaN when a row has one, rows of -inf / +inf, lengths around the 8-lane blocks, rows
+    of a wider matrix (a strided view)."""
+    from tokenmill import csrc
+
+    if not csrc.available():
+        pytest.skip("no compiled CPU kernels")
+    torch.manual_seed(3)
+    for rows, vocab in [(1, 1), (3, 7), (4, 8), (5, 9), (16, 1000), (2, 49152)]:
+        x = torch.randn(rows, vocab)
+        assert torch.equal(csrc.argmax_rows(x), x.argmax(dim=-1)), (rows, vocab)
+    x = torch.randn(8, 203)
+    x[0] = 1.5  # all tied: the first
+    x[1, [17, 130, 131]] = 9.0  # tied maxima in different 8-lane blocks
+    x[2, [4, 120]] = float("nan")  # NaN wins, the first one
+    x[3, 202] = float("nan")  # in the tail past the last full block
+    x[4] = float("-inf")
+    x[5, [50, 60]] = float("inf")
+    x[6, 201] = 99.0  # maximum in the tail
+    x[7, 0] = 99.0
+    assert torch.equal(csrc.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(6, 300)
+    view = wide[:, 40:240]
+    assert torch.equal(csrc.argmax_rows(view), view.argmax(dim=-1))
+    # the sampler's greedy rows take it
+    batch = SamplingBatch(temperature=torch.zeros(8))
+    assert torch.equal(sample(x, batch).token_ids, x.argmax(dim=-1))

@@ -141,6 +141,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
+    lib.tm_argmax_rows.argtypes = [ptr] + [i64] * 3 + [ptr]
     lib.tm_write_kv.argtypes = [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 4
     lib.tm_decode_layers.argtypes = [ptr] * 3 + [i64] + [ptr] * 3 + [i64, ptr]
     lib.tm_decode_layers.restype = i64
@@ -372,6 +373,16 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     assert heads_contiguous(x)
     _library().tm_rotary(address(x), t, h, d, x.stride(0), address(cos), address(signed_sin),
                          address(positions))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for x [N, V] float32 with contiguous rows: the first maximum
+    of each row (the first NaN where there is one) -> int64 [N]."""
+    rows, n = x.shape
+    assert x.stride(1) == 1 and n > 0
+    out = torch.empty(rows, dtype=torch.int64)
+    _library().tm_argmax_rows(address(x), rows, n, x.stride(0), address(out))
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
