@@ -45,6 +45,7 @@ static inline float row_scale(const void *row, int64_t D, int kv_int8) {
  * 14.5 ms with L1 hints 4 tokens ahead, 12.0 ms now; bench/NOTES.md). */
 #define AHEAD 8
 
+/* Token t's row of all KV heads in a paged cache (table, block_size, token_bytes in scope). */
 #define TOKEN_ROW(cache, t) ((const char *)(cache) + \
     (table[(t) / block_size] * block_size + (t) % block_size) * token_bytes)
 
