@@ -49,6 +49,14 @@ static inline float row_scale(const void *row, int64_t D, int kv_int8) {
 #define TOKEN_ROW(cache, t) ((const char *)(cache) + \
     (table[(t) / block_size] * block_size + (t) % block_size) * token_bytes)
 
+/* Token t + AHEAD's row, while it is still in the chunk [.., t1), prefetched into L2. */
+static inline void fetch_ahead(const void *cache, const int64_t *table, int64_t t, int64_t t1,
+                               int64_t block_size, int64_t token_bytes) {
+    if (t + AHEAD >= t1) return;
+    const char *next = TOKEN_ROW(cache, t + AHEAD);
+    for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T2);
+}
+
 /* acc[h] = sum over the chunk's tokens t of p[h, t] * v_t (p = scores, CHUNK apart per head),
  * for the G heads of each KV head: 8 dims at a time with the G sums in registers, tokens
  * inner (the first pass over the rows fetches them; the others find them in cache). From 4
@@ -65,11 +73,7 @@ INLINE void values(const void *v_cache, const int64_t *table, int64_t t0, int64_
             __m256 a[8];
             for (int g = 0; g < G; g++) a[g] = _mm256_setzero_ps();
             for (int64_t t = t0; t < t1; t++) {
-                if (kvh == 0 && d == 0 && t + AHEAD < t1) {
-                    const char *next = TOKEN_ROW(v_cache, t + AHEAD);
-                    for (int64_t b = 0; b < token_bytes; b += 64)
-                        _mm_prefetch(next + b, _MM_HINT_T2);
-                }
+                if (kvh == 0 && d == 0) fetch_ahead(v_cache, table, t, t1, block_size, token_bytes);
                 const char *row = TOKEN_ROW(v_cache, t) + kvh * row_bytes;
                 const float rs = row_scale(row, D, kv_int8);
                 const __m256 v = load8(row, d, kv_int8);
@@ -90,10 +94,7 @@ static void values_any(const void *v_cache, const int64_t *table, int64_t t0, in
     memset(acc, 0, Hq * D * sizeof(float));
     for (int64_t t = t0; t < t1; t++) {
         const char *token = TOKEN_ROW(v_cache, t);
-        if (t + AHEAD < t1) {
-            const char *next = TOKEN_ROW(v_cache, t + AHEAD);
-            for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T2);
-        }
+        fetch_ahead(v_cache, table, t, t1, block_size, token_bytes);
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             const char *row = token + kvh * row_bytes;
             const float rs = row_scale(row, D, kv_int8);
@@ -123,10 +124,7 @@ static void attend_chunk(const float *q, const void *k_cache, const void *v_cach
     /* Scores: s[h, t] = scale * q_h . k_t (int8 rows: times the row's scale). */
     for (int64_t t = t0; t < t1; t++) {
         const char *token = TOKEN_ROW(k_cache, t);
-        if (t + AHEAD < t1) {
-            const char *next = TOKEN_ROW(k_cache, t + AHEAD);
-            for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T2);
-        }
+        fetch_ahead(k_cache, table, t, t1, block_size, token_bytes);
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             const char *row = token + kvh * row_bytes;
             const float rs = row_scale(row, D, kv_int8) * scale;
