@@ -80,10 +80,13 @@ def test_decode_only_and_prefill_only(compiled):
 
 @pytest.mark.parametrize("compiled", BACKENDS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (8, 1, 16)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (8, 1, 16),
+                                      (12, 6, 80), (16, 1, 24)])
 def test_decode_batch_head_shapes_and_int8_cache(compiled, kv_dtype, hq, hkv, d):
     # Real model head layouts (SmolLM2 9/3, Qwen2.5 14/2), context lengths that are not
-    # multiples of 8 or of the block size, and int8 rows with their scales.
+    # multiples of 8 or of the block size, and int8 rows with their scales. The compiled
+    # kernel keeps 4 / 1 / 8 / 1 / 2 8-dim steps of value sums in registers for these; the last
+    # (16 query heads per KV head) keeps them in memory.
     q, k, v, cache, meta = random_step(3, 9, [], block_size=16, hq=hq, hkv=hkv, d=d)
     # q as the model passes it: a view of a wider qkv row (token stride > Hq * D)
     q = torch.cat([q, torch.randn(q.shape[0], 2, d)], dim=1)[:, :hq]
