@@ -167,7 +167,7 @@ static void attend_chunk(const float *q, const void *k_cache, const void *v_cach
     int nb = G <= 12 ? 12 / (int)G : 0;
     nb = nb >= 8 ? 8 : nb >= 4 ? 4 : nb >= 2 ? 2 : nb;
     while (nb > 1 && (D / 8) % nb) nb /= 2;
-    switch (nb ? G * 16 + nb : 0) {
+    switch (nb ? G * 16 + nb : 0) { /* one case per (G, NB) pair; 0: G above 12 */
 #define VALUES(g, n) \
     case g * 16 + n: \
         values(v_cache, table, t0, t1, Hkv, D, block_size, kv_int8, scores, acc, g, n); break;
