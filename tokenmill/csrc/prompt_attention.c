@@ -1,4 +1,5 @@
-/* Prompt attention over the paged KV cache, read in place (x86 AVX2 + FMA, float32 caches).
+/* Prompt attention over the paged KV cache, read in place (x86 AVX2 + FMA, AVX-512 score tiles
+ * where the CPU has them; float32 caches).
  *
  * A prompt step's queries attend causally over their sequence's keys: the cached context and
  * this step's own tokens, whose K/V were written to the cache first. torch's SDPA needs the
