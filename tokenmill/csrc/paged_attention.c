@@ -49,12 +49,17 @@ static inline float row_scale(const void *row, int64_t D, int kv_int8) {
 #define TOKEN_ROW(cache, t) ((const char *)(cache) + \
     (table[(t) / block_size] * block_size + (t) % block_size) * token_bytes)
 
+/* Token t's row prefetched into L2. */
+static inline void fetch_row(const void *cache, const int64_t *table, int64_t t,
+                             int64_t block_size, int64_t token_bytes) {
+    const char *row = TOKEN_ROW(cache, t);
+    for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T2);
+}
+
 /* Token t + AHEAD's row, while it is still in the chunk [.., t1), prefetched into L2. */
 static inline void fetch_ahead(const void *cache, const int64_t *table, int64_t t, int64_t t1,
                                int64_t block_size, int64_t token_bytes) {
-    if (t + AHEAD >= t1) return;
-    const char *next = TOKEN_ROW(cache, t + AHEAD);
-    for (int64_t b = 0; b < token_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T2);
+    if (t + AHEAD < t1) fetch_row(cache, table, t + AHEAD, block_size, token_bytes);
 }
 
 /* acc[h] = sum over the chunk's tokens t of p[h, t] * v_t (p = scores, CHUNK apart per head)
@@ -129,11 +134,8 @@ static void attend_chunk(const float *q, const void *k_cache, const void *v_cach
      * start was a string of misses (default model, 16 x 160 tokens, 30 layers from memory:
      * 6-10 % faster primed) */
     for (int64_t t = t0; t < t0 + AHEAD && t < t1; t++) {
-        const char *k_row = TOKEN_ROW(k_cache, t), *v_row = TOKEN_ROW(v_cache, t);
-        for (int64_t b = 0; b < token_bytes; b += 64) {
-            _mm_prefetch(k_row + b, _MM_HINT_T2);
-            _mm_prefetch(v_row + b, _MM_HINT_T2);
-        }
+        fetch_row(k_cache, table, t, block_size, token_bytes);
+        fetch_row(v_cache, table, t, block_size, token_bytes);
     }
     /* Scores: s[h, t] = scale * q_h . k_t (int8 rows: times the row's scale). */
     for (int64_t t = t0; t < t1; t++) {
