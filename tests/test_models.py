@@ -7,6 +7,7 @@ import torch
 from helpers import hf_greedy
 
 from tokenmill import LLM, SamplingParams, csrc
+from tokenmill.attention.backend import AttentionMetadata, KeptRows
 
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3"]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
@@ -136,3 +137,78 @@ def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatc
         if quantization is None:
             prompt = prompts[whole.index(a)]
             assert a.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+
+
+def _mixed_step(runner, seqs, seed=0):
+    """Token ids, positions and prepared metadata of one step over (context, new tokens)
+    sequences, decodes first, each on its own cache blocks."""
+    g = torch.Generator().manual_seed(seed)
+    bs, ids, pos, slots, tables, loc = runner.block_size, [], [], [], [], [0]
+    next_block = 1
+    for ctx, new in seqs:
+        n = -(-(ctx + new) // bs)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+        ids += torch.randint(3, runner.vocab_size, (new,), generator=g).tolist()
+        pos += list(range(ctx, ctx + new))
+        slots += [tables[-1][p // bs] * bs + p % bs for p in range(ctx, ctx + new)]
+        loc.append(loc[-1] + new)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=loc,
+        context_lens=[c for c, _ in seqs], seq_lens=torch.tensor([c + n for c, n in seqs]),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=sum(1 for _, n in seqs if n == 1), block_size=bs)
+    runner.backend.prepare(meta)
+    return torch.tensor(ids), torch.tensor(pos), meta
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_last_layer_runs_only_the_rows_sampled_from(tiny_models, arch, cpu_ops):
+    """A step's last layer takes only the rows it samples from past the K/V projection: their
+    hidden states equal the full forward's, and every row's K/V reaches the cache the same."""
+    llm = LLM(tiny_models(arch)[0], kv_cache_memory_gib=0.01, block_size=4)
+    runner = llm.engine.core.runner
+    model, caches = runner.model, [c for a in runner.model.attention_layers()
+                                   for c in (a.k_cache, a.v_cache)]
+    # two decodes, a whole prompt, and a prompt's chunk that does not end it (not sampled)
+    ids, pos, meta = _mixed_step(runner, [(5, 1), (9, 1), (0, 7), (4, 6)])
+    torch.manual_seed(0)
+    for c in caches:
+        c.normal_()  # the contexts' K/V
+    before = [c.clone() for c in caches]
+
+    def run(kept):
+        for c, saved in zip(caches, before):
+            c.copy_(saved)
+        with torch.inference_mode():
+            hidden = model(ids, pos, meta, kept)
+        return hidden, [c.clone() for c in caches]
+
+    full, full_caches = run(None)
+    for sampled in ([0, 1, 2], []):
+        kept = KeptRows.last_of(meta, sampled, runner.backend)
+        hidden, kept_caches = run(kept)
+        assert kept.rows.tolist() == [meta.query_start_loc[i + 1] - 1 for i in sampled]
+        assert hidden.shape == (len(sampled), full.shape[1])
+        torch.testing.assert_close(hidden, full[kept.rows], rtol=1e-4, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(kept_caches, full_caches))
+
+
+def test_prompt_steps_skip_the_last_layer_for_rows_not_sampled(tiny_models, monkeypatch):
+    """The runner hands the model its sampled rows: a prompt step's last MLP sees one row per
+    finished prompt, except for prompt logprobs, which score every row."""
+    path, hf = tiny_models("llama")
+    llm = LLM(path, kv_cache_memory_gib=0.01, enable_prefix_caching=False)
+    mlp = llm.engine.core.runner.model.model.layers[-1].mlp
+    rows, real = [], mlp.forward
+    monkeypatch.setattr(mlp, "forward", lambda x: rows.append(x.shape[0]) or real(x))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert rows[0] == 2  # 67 prompt rows in the step, two sampled
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 2)
+    rows.clear()
+    llm.generate({"prompt_token_ids": PROMPTS[1]},
+                 SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert rows == [len(PROMPTS[1])]

@@ -34,6 +34,41 @@ class AttentionMetadata:
         return len(self.context_lens)
 
 
+@dataclass
+class KeptRows:
+    """The rows of a step whose final hidden states are used: the last token of each sequence
+    that samples. Only these go past the last layer's K/V projection (a prompt of n tokens
+    samples from one row, so the other n - 1 skip its attention, output projection and MLP);
+    `meta` attends them as one-token queries over their sequences (the decode path)."""
+
+    rows: torch.Tensor  # [n] row indices into the step's tokens
+    meta: AttentionMetadata  # the n rows as n decodes
+
+    @property
+    def count(self) -> int:
+        return self.meta.num_seqs
+
+    @classmethod
+    def last_of(cls, meta: AttentionMetadata, seqs: list[int],
+                backend: AttentionBackend) -> KeptRows:
+        """The last rows of sequences `seqs` (indices into meta's sequences)."""
+        loc = meta.query_start_loc
+        dev = meta.seq_lens.device
+        rows = torch.tensor([loc[i + 1] - 1 for i in seqs], dtype=torch.int64, device=dev)
+        chosen = torch.tensor(seqs, dtype=torch.int64, device=dev)
+        kept = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows],
+            query_start_loc=list(range(len(seqs) + 1)),
+            context_lens=[meta.context_lens[i] + loc[i + 1] - loc[i] - 1 for i in seqs],
+            seq_lens=meta.seq_lens[chosen],
+            block_table=meta.block_table[chosen],
+            num_decodes=len(seqs),
+            block_size=meta.block_size,
+        )
+        backend.prepare(kept)
+        return cls(rows, kept)
+
+
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends each query over its sequence's cache.
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
 from tokenmill.layers.norm import RMSNorm
@@ -34,8 +34,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, rope: StepRotary, x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: StepRotary, x: torch.Tensor, meta: AttentionMetadata,
+                kept: KeptRows | None = None) -> torch.Tensor:
+        """Output rows for every token, or only for `kept`'s rows (all rows' K/V cached)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -48,6 +49,11 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
             q, k = rope(q), rope(k)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, -1)
+        if kept is not None:  # every row's K/V is cached; only the kept rows attend
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if not kept.count:
+                return x.new_empty(0, x.shape[1])
+            q, k, v, meta, t = q[kept.rows], k[kept.rows], v[kept.rows], kept.meta, kept.count
         out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -108,13 +114,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual, meta):
+    def forward(self, rope, hidden, residual, meta, kept: KeptRows | None = None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta, kept)
+        if kept is not None:
+            residual = residual[kept.rows]
+            if not kept.count:
+                return hidden, residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -133,12 +143,16 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, kept: KeptRows | None = None):
+        """Final hidden states of every token, or only of `kept`'s rows: no later layer reads
+        the last layer's outputs, so there only the kept rows go past the K/V projection
+        (most of a prompt's rows are not sampled from)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.for_step(positions, hidden.dtype)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, meta)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(rope, hidden, residual, meta, kept if i == last else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -160,8 +174,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+                meta: AttentionMetadata, kept: KeptRows | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kept)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import AttentionMetadata, KeptRows
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -125,15 +125,22 @@ class ModelRunner:
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare_inputs(scheduled)
+        sample_rows = [i for i, s in enumerate(scheduled) if s.end == s.request.num_tokens]
         hidden = self.decode_step(input_ids, positions, meta) if self.decode_step else None
+        kept = None
         if hidden is None:
-            hidden = self.model(input_ids, positions, meta)
+            # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
+            if len(sample_rows) < len(input_ids) and not any(
+                    s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
+                kept = KeptRows.last_of(meta, sample_rows, self.backend)
+            hidden = self.model(input_ids, positions, meta, kept)
 
         out = RunnerOutput()
-        sample_rows = [i for i, s in enumerate(scheduled) if s.end == s.request.num_tokens]
         if sample_rows:
             last_token = [meta.query_start_loc[i + 1] - 1 for i in sample_rows]
-            logits = self.model.compute_logits(hidden[last_token]).float()
+            # with `kept`, hidden holds exactly the sampled rows, in order
+            rows = hidden if kept is not None else hidden[last_token]
+            logits = self.model.compute_logits(rows).float()
             requests = [scheduled[i] for i in sample_rows]
             result = sample(logits, self._sampling_batch(requests), self.generator)
             for row, (s, token) in enumerate(zip(requests, result.token_ids.tolist())):
