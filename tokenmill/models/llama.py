@@ -50,6 +50,7 @@ class Attention(nn.Module):
             q, k = rope(q), rope(k)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, -1)
         if kept is not None:  # every row's K/V is cached; only the kept rows attend
+            # (the backend writes the kept rows' K/V once more: the same values, a row each)
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if not kept.count:
                 return x.new_empty(0, x.shape[1])
