@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import numpy as np
 import torch
@@ -136,3 +137,32 @@ def write_gguf(path, arch, state, config, qtype=None):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def paged_step(seqs, block_size: int, num_blocks: int, rng: random.Random,
+               num_decodes: int | None = None):
+    """Metadata of one step over (context, new tokens) sequences, decodes first (default: the
+    one-token sequences), their cache blocks drawn in random order; prepared by the CPU
+    backend, as the model runner does once per step."""
+    from tokenmill.attention.backend import AttentionMetadata
+    from tokenmill.attention.torch_sdpa import TorchSDPABackend
+
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, slots, qsl = [], [], [0]
+    for ctx, q in seqs:
+        table = [free.pop() for _ in range(-(-(ctx + q) // block_size))]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx, ctx + q)]
+        qsl.append(qsl[-1] + q)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=qsl,
+        context_lens=[c for c, _ in seqs],
+        seq_lens=torch.tensor([c + q for c, q in seqs]),
+        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=sum(1 for _, q in seqs if q == 1) if num_decodes is None else num_decodes,
+        block_size=block_size)
+    TorchSDPABackend().prepare(meta)
+    return meta

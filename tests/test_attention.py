@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from helpers import paged_step
 
 from tokenmill import csrc
 from tokenmill.attention.backend import AttentionMetadata
@@ -20,27 +21,9 @@ def random_step(seed, num_decodes, prefills, block_size=4, hq=6, hkv=2, d=8,
     rng = random.Random(seed)
     torch.manual_seed(seed)
     contexts = decode_contexts or [rng.randrange(0, 30) for _ in range(num_decodes)]
-    num_decodes = len(contexts)
     seqs = [(c, 1) for c in contexts] + prefills
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables, slots, qsl = [], [], [0]
-    for ctx, q in seqs:
-        n = -(-(ctx + q) // block_size)
-        table = [free.pop() for _ in range(n)]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(ctx, ctx + q)]
-        qsl.append(qsl[-1] + q)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=qsl,
-        context_lens=[c for c, _ in seqs],
-        seq_lens=torch.tensor([c + q for c, q in seqs]),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        num_decodes=num_decodes, block_size=block_size)
-    TorchSDPABackend().prepare(meta)  # once per step, as the model runner does
-    t = qsl[-1]
+    meta = paged_step(seqs, block_size, num_blocks, rng, num_decodes=len(contexts))
+    t = meta.query_start_loc[-1]
     q, k, v = torch.randn(t, hq, d), torch.randn(t, hkv, d), torch.randn(t, hkv, d)
     cache = torch.randn(2, num_blocks, block_size, hkv, d)  # context K/V already there
     return q, k, v, cache, meta

@@ -1,13 +1,14 @@
 """Greedy tokens and logprobs equal HF transformers on tiny random models of each family."""
 
 import copy
+import random
 
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import hf_greedy, paged_step
 
 from tokenmill import LLM, SamplingParams, csrc
-from tokenmill.attention.backend import AttentionMetadata, KeptRows
+from tokenmill.attention.backend import KeptRows
 
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3"]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
@@ -139,30 +140,6 @@ def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatc
             assert a.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
 
 
-def _mixed_step(runner, seqs, seed=0):
-    """Token ids, positions and prepared metadata of one step over (context, new tokens)
-    sequences, decodes first, each on its own cache blocks."""
-    g = torch.Generator().manual_seed(seed)
-    bs, ids, pos, slots, tables, loc = runner.block_size, [], [], [], [], [0]
-    next_block = 1
-    for ctx, new in seqs:
-        n = -(-(ctx + new) // bs)
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-        ids += torch.randint(3, runner.vocab_size, (new,), generator=g).tolist()
-        pos += list(range(ctx, ctx + new))
-        slots += [tables[-1][p // bs] * bs + p % bs for p in range(ctx, ctx + new)]
-        loc.append(loc[-1] + new)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=loc,
-        context_lens=[c for c, _ in seqs], seq_lens=torch.tensor([c + n for c, n in seqs]),
-        block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        num_decodes=sum(1 for _, n in seqs if n == 1), block_size=bs)
-    runner.backend.prepare(meta)
-    return torch.tensor(ids), torch.tensor(pos), meta
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_last_layer_runs_only_the_rows_sampled_from(tiny_models, arch, cpu_ops):
     """A step's last layer takes only the rows it samples from past the K/V projection: their
@@ -172,8 +149,11 @@ def test_last_layer_runs_only_the_rows_sampled_from(tiny_models, arch, cpu_ops):
     model, caches = runner.model, [c for a in runner.model.attention_layers()
                                    for c in (a.k_cache, a.v_cache)]
     # two decodes, a whole prompt, and a prompt's chunk that does not end it (not sampled)
-    ids, pos, meta = _mixed_step(runner, [(5, 1), (9, 1), (0, 7), (4, 6)])
+    seqs = [(5, 1), (9, 1), (0, 7), (4, 6)]
+    meta = paged_step(seqs, runner.block_size, runner.num_blocks, random.Random(0))
+    pos = torch.tensor([p for ctx, n in seqs for p in range(ctx, ctx + n)])
     torch.manual_seed(0)
+    ids = torch.randint(3, runner.vocab_size, pos.shape)
     for c in caches:
         c.normal_()  # the contexts' K/V
     before = [c.clone() for c in caches]
