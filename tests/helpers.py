@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from tokenmill import gguf_loader
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
 
 TINY_VOCAB = 512
 _TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
@@ -144,9 +146,6 @@ def paged_step(seqs, block_size: int, num_blocks: int, rng: random.Random,
     """Metadata of one step over (context, new tokens) sequences, decodes first (default: the
     one-token sequences), their cache blocks drawn in random order; prepared by the CPU
     backend, as the model runner does once per step."""
-    from tokenmill.attention.backend import AttentionMetadata
-    from tokenmill.attention.torch_sdpa import TorchSDPABackend
-
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, slots, qsl = [], [], [0]

@@ -137,9 +137,9 @@ class ModelRunner:
 
         out = RunnerOutput()
         if sample_rows:
-            last_token = [meta.query_start_loc[i + 1] - 1 for i in sample_rows]
-            # with `kept`, hidden holds exactly the sampled rows, in order
-            rows = hidden if kept is not None else hidden[last_token]
+            # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
+            rows = hidden if kept is not None else hidden[
+                [meta.query_start_loc[i + 1] - 1 for i in sample_rows]]
             logits = self.model.compute_logits(rows).float()
             requests = [scheduled[i] for i in sample_rows]
             result = sample(logits, self._sampling_batch(requests), self.generator)
