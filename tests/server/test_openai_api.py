@@ -154,7 +154,10 @@ def test_client_disconnect_frees_the_request(long_server):
     body = {"model": "tiny", "prompt": [f"long story {i}" for i in range(16)],
             "max_tokens": HOLD_TOKENS, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as resp:
-        for line in resp.iter_lines():
+        # Kept in a name: a line iterator dropped by `break` closes the response at once,
+        # and the server could see the client gone before the check below.
+        lines = resp.iter_lines()
+        for line in lines:
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
                 break
         assert state.engine.num_in_flight() > 0
