@@ -16,9 +16,10 @@ there are skipped and reported. Each (model, workload) runs every engine `--repe
 alternating the order, each run in a fresh process (`bench/peers/runner.py`); the best run
 counts. W3 starts each engine's OpenAI server on 127.0.0.1 and drives it with
 `bench/serve_load.py` (the same client for every engine; transformers has no server). Also
-measured in the same run: copy bandwidth and fp32 matmul rate, giving the batch-1 decode
-ceiling (weight bytes per token / bandwidth) and the throughput ceiling (2 x params FLOPs per
-token / matmul rate). Writes JSON (and a PNG if matplotlib is
+measured in the same run (`bench/roofline.py`): read and copy bandwidth, the fp32 matmul rate
+and FMA peak, giving the batch-1 decode ceiling (weight bytes per token / bandwidth), the
+throughput ceiling (2 x params FLOPs per token / matmul rate) and, for fp32, each workload's
+ceiling with the share of it every engine reached. Writes JSON (and a PNG if matplotlib is
 installed) to bench/results/."""
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from offline_throughput import cpu_model  # noqa: E402 - a sibling script, not a package
+from offline_throughput import cpu_model  # noqa: E402 - sibling scripts, not a package
+from roofline import ceilings, count_params, measure, model_shape  # noqa: E402
 
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
 PEER_VENVS = {"vllm": "vllm", "llamacpp": "llamacpp"}
@@ -179,72 +181,6 @@ def _wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> str | None
     return None
 
 
-def roofline(params: int, weight_bytes: int | None = None) -> dict:
-    """Read bandwidth (sum of 1 GiB), copy bandwidth (read + write bytes) and fp32 matmul
-    rate measured now; batch-1 decode reads every weight once per token (`weight_bytes`,
-    default 4 bytes per parameter)."""
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    a = torch.ones(256 * 1024 * 1024 // 4)  # touched pages: torch.empty would read the zero page
-    b = torch.empty_like(a)
-    b.copy_(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
-    copy_bandwidth = 2 * a.numel() * 4 / best
-    big = torch.ones(1024 * 1024 * 1024 // 4)
-    big.sum()
-    bandwidth = big.numel() * 4 / min(_timed(big.sum) for _ in range(5))
-    del big
-    n = 2048
-    x, y = torch.randn(n, n), torch.randn(n, n)
-    x @ y
-    gflops = 2 * n ** 3 / min(_timed(lambda: x @ y) for _ in range(5)) / 1e9
-    ours = tokenmill_matmul_gflops(x, y)
-    best = max(gflops, ours or 0.0)  # a ceiling below what an engine reaches says nothing
-    return {"bandwidth_gbs": round(bandwidth / 1e9, 1),
-            "copy_bandwidth_gbs": round(copy_bandwidth / 1e9, 1),
-            "matmul_gflops": round(gflops, 1),
-            "tokenmill_matmul_gflops": None if ours is None else round(ours, 1),
-            "decode_ceiling_tps": round(bandwidth / (weight_bytes or params * 4), 2),
-            "throughput_ceiling_tps": round(best * 1e9 / (2 * params), 1)}
-
-
-def tokenmill_matmul_gflops(x, w) -> float | None:
-    """x @ w.T through the kernel tokenmill's loader gives an fp32 layer (None if that is plain
-    torch): it beats torch's matmul here (~215 vs ~180 GFLOP/s on a Zen 4)."""
-    from tokenmill.layers.linear import DenseKernel, Linear, choose_linear_kernels
-
-    layer = Linear(w.shape[1], w.shape[0])
-    layer.weight.data.copy_(w)
-    choose_linear_kernels(layer)
-    if isinstance(layer.kernel, DenseKernel):
-        return None
-    seconds = min(_timed(lambda: layer(x)) for _ in range(5))
-    return 2 * x.shape[0] * x.shape[1] * w.shape[0] / seconds / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def count_params(hf_dir: str) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for name in os.listdir(hf_dir):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(hf_dir, name), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    shape = f.get_slice(key).get_shape()
-                    n = 1
-                    for d in shape:
-                        n *= d
-                    total += n
-    return total
-
-
 def score(result: dict) -> float | None:
     if "error" in result:
         return None
@@ -295,9 +231,12 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             weight_bytes = None if precision == "f32" else os.path.getsize(file)
             runs_on = [e for e in engines if precision == "f32" or e in GGUF_ENGINES]
+            roof = measure(params, weight_bytes)
             entry = {"params": params, "precision": precision,
                      "file": os.path.basename(file) if precision != "f32" else "hf / f32.gguf",
-                     "roofline": roofline(params, weight_bytes), "runs": []}
+                     "roofline": roof, "runs": []}
+            if precision == "f32":  # int8 / int4 arithmetic has other peaks: no ceilings
+                entry["ceilings"] = workload_ceilings(hf_dir, roof, args)
             for workload in [w for w in args.workloads.split(",") if w]:
                 for r in range(args.repeats):
                     for engine in runs_on if r % 2 == 0 else list(reversed(runs_on)):
@@ -318,6 +257,18 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(report, f, indent=2)
     _plot(report, out.replace(".json", ".png"))
     print(f"wrote {out}")
+
+
+def workload_ceilings(hf_dir: str, roof: dict, args) -> dict:
+    """Each workload's fastest run at this machine's FMA peak (the matmul rate without a C
+    compiler) and read bandwidth (`roofline.ceilings`)."""
+    rate = roof.get("fma_peak_gflops") or max(roof["matmul_gflops"],
+                                               roof["tokenmill_matmul_gflops"] or 0.0)
+    found = ceilings(model_shape(hf_dir), rate, roof["bandwidth_gbs"],
+                     num_prompts=args.num_prompts, input_len=args.input_len,
+                     output_len=args.output_len, w2_output_len=args.w2_output_len,
+                     w3_requests=args.w3_requests, w3_concurrency=args.w3_concurrency)
+    return {"gflops": rate, "bandwidth_gbs": roof["bandwidth_gbs"], **found}
 
 
 def _table(runs: list[dict], engines: list[str]) -> dict:
@@ -345,7 +296,8 @@ def _print(report: dict) -> None:
         roof = entry["roofline"]
         print(f"\n{model}: {entry['params'] / 1e6:.0f}M params; read bandwidth "
               f"{roof['bandwidth_gbs']} GB/s, matmul {roof['matmul_gflops']} GFLOP/s "
-              f"(tokenmill's kernel {roof.get('tokenmill_matmul_gflops')}) -> "
+              f"(tokenmill's kernel {roof.get('tokenmill_matmul_gflops')}, FMA peak "
+              f"{roof.get('fma_peak_gflops')}) -> "
               f"decode ceiling {roof['decode_ceiling_tps']} tok/s, throughput ceiling "
               f"{roof['throughput_ceiling_tps']} tok/s")
         for workload, cells in entry["table"].items():
@@ -366,6 +318,22 @@ def _print(report: dict) -> None:
                           f"TTFT {cell['ttft']:.3f} s")
             if ratio:
                 print(f"  {workload} tokenmill / best peer ({ratio['peer']}): {ratio['ratio']}")
+            if workload in entry.get("ceilings", {}):
+                print(f"  {workload} {_ceiling_line(entry['ceilings'], workload, cells)}")
+
+
+def _ceiling_line(ceil: dict, workload: str, cells: dict) -> str:
+    """The workload's ceiling and the share of it each engine reached."""
+    top = ceil[workload]
+    best = top["decode_tps"] if workload == "w2" else top["out_tps"]
+    shares = ", ".join(f"{e} {100 * score(c) / best:.0f} %" for e, c in cells.items()
+                       if not e.startswith("_"))
+    what = {"w1": f"{best} out tok/s",
+            "w2": f"{best} decode tok/s, TTFT {top.get('ttft_s')} s",
+            "w3": f"{best} out tok/s in waves ({top.get('any_schedule_out_tps')} any "
+                  f"schedule)"}[workload]
+    return (f"ceiling {what} at {ceil['gflops']:.0f} GFLOP/s and {ceil['bandwidth_gbs']} GB/s: "
+            f"{shares}")
 
 
 def _plot(report: dict, path: str) -> None:

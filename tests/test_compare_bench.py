@@ -1,14 +1,18 @@
-"""bench/compare.py's own arithmetic: the table's best runs and ratios, and the fp32 rate of
-tokenmill's kernel that the roofline's throughput ceiling takes when it beats torch's."""
+"""bench/compare.py's own arithmetic: the table's best runs and ratios, the fp32 rate of
+tokenmill's kernel that the roofline's throughput ceiling takes when it beats torch's, and the
+workload ceilings of bench/roofline.py against a token-by-token count."""
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import make_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
-import compare  # noqa: E402 - a script in bench/, not a package
+import compare  # noqa: E402 - scripts in bench/, not a package
+import roofline  # noqa: E402
 
 
 def _run(engine, workload, tps, repeat=0):
@@ -31,12 +35,118 @@ def test_table_keeps_each_engines_best_run_and_the_ratio_to_the_best_peer():
 
 def test_tokenmill_matmul_rate_is_measured_on_the_loaders_fp32_kernel(monkeypatch):
     calls = []
-    real = compare._timed
-    monkeypatch.setattr(compare, "_timed", lambda fn: calls.append(fn) or real(fn))
+    real = roofline._timed
+    monkeypatch.setattr(roofline, "_timed", lambda fn: calls.append(fn) or real(fn))
     x, w = torch.randn(96, 128), torch.randn(192, 128)
-    rate = compare.tokenmill_matmul_gflops(x, w)
+    rate = roofline.tokenmill_matmul_gflops(x, w)
     if rate is None:  # a torch without oneDNN: fp32 layers stay plain torch
         pytest.skip("no packed fp32 kernel here")
     assert rate > 0 and len(calls) == 5
     # what was timed is the product itself
     torch.testing.assert_close(calls[0](), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_model_shape_counts_what_the_hf_model_holds(tmp_path):
+    for arch in ("llama", "qwen3"):  # untied head; tied head with its own head_dim
+        model = make_model(str(tmp_path / arch), arch)
+        shape = roofline.model_shape(str(tmp_path / arch))
+        cfg = model.config
+        assert shape.layer_params == sum(p.numel() for p in model.model.layers.parameters())
+        assert shape.head_params == model.lm_head.weight.numel()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert shape.q_width == cfg.num_attention_heads * head_dim
+        assert shape.kv_width == cfg.num_key_value_heads * head_dim
+        assert shape.layers == cfg.num_hidden_layers
+
+
+def _counted_seconds(shape, rate, bandwidth, passes) -> float:
+    """Each pass (list of (new tokens, tokens already cached, samples?) per sequence) costed
+    token by token and key by key."""
+    seconds = 0.0
+    for seqs in passes:
+        flops, read = 0.0, (shape.layer_params + shape.head_params) * 4
+        for new, cached, samples in seqs:
+            for t in range(new):
+                keys = cached + t + 1
+                flops += 2 * shape.layer_params + keys * 4 * shape.q_width * shape.layers
+            flops += 2 * shape.head_params if samples else 0
+            kv = cached + new if cached else new  # decode reads its context; a prompt writes
+            read += kv * 2 * shape.kv_width * shape.layers * 4
+        seconds += max(flops / (rate * 1e9), read / (bandwidth * 1e9))
+    return seconds
+
+
+def _waves(requests, at_once, input_len, output_len):
+    passes = []
+    for start in range(0, requests, at_once):
+        rows = min(at_once, requests - start)
+        passes.append([(input_len, 0, True)] * rows)
+        passes += [[(1, input_len + i - 1, True)] * rows for i in range(1, output_len)]
+    return passes
+
+
+@pytest.mark.parametrize("rate, bandwidth", [(200.0, 30.0), (200.0, 0.5), (1.0, 1000.0)])
+def test_workload_ceilings_equal_a_token_by_token_count(rate, bandwidth):
+    shape = roofline.Shape(layer_params=1_000_000, head_params=300_000, layers=4, q_width=64,
+                           kv_width=32)
+    args = dict(num_prompts=6, input_len=10, output_len=5, w2_output_len=7, w3_requests=7,
+                w3_concurrency=3)
+    got = roofline.ceilings(shape, rate, bandwidth, **args)
+    w1 = _counted_seconds(shape, rate, bandwidth, _waves(6, 6, 10, 5))
+    assert got["w1"]["out_tps"] == pytest.approx(6 * 5 / w1, abs=0.06)
+    w2 = _waves(1, 1, 10, 7)
+    assert got["w2"]["ttft_s"] == pytest.approx(_counted_seconds(shape, rate, bandwidth, w2[:1]),
+                                                abs=1e-4)
+    decode = _counted_seconds(shape, rate, bandwidth, w2[1:])
+    assert got["w2"]["decode_tps"] == pytest.approx(6 / decode, abs=0.06)
+    w3 = _counted_seconds(shape, rate, bandwidth, _waves(7, 3, 10, 5))  # waves of 3, 3, 1
+    assert got["w3"]["out_tps"] == pytest.approx(7 * 5 / w3, abs=0.06)
+    # any schedule: no better than the FLOPs at the rate or 12 passes' weights at the bandwidth
+    assert got["w3"]["any_schedule_out_tps"] >= got["w3"]["out_tps"]
+    if bandwidth >= 1000:  # compute-bound everywhere: every schedule costs the same
+        assert got["w3"]["any_schedule_out_tps"] == pytest.approx(got["w3"]["out_tps"], abs=0.1)
+
+
+def test_ceiling_line_gives_each_engines_share():
+    ceil = {"gflops": 200.0, "bandwidth_gbs": 30.0,
+            "w3": {"out_tps": 200.0, "any_schedule_out_tps": 250.0}}
+    cells = {"tokenmill": {"workload": "w3", "out_tps": 150.0},
+             "vllm": {"workload": "w3", "out_tps": 100.0},
+             "_ratio_to_best_peer": {"peer": "vllm", "ratio": 1.5}}
+    line = compare._ceiling_line(ceil, "w3", cells)
+    assert "200.0 out tok/s in waves (250.0 any schedule)" in line
+    assert line.endswith("tokenmill 75 %, vllm 50 %")
+
+
+def test_fma_peak_counts_the_fmas_it_ran():
+    import ctypes
+
+    lib = roofline.fma_library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    sink, rounds, chains = ctypes.c_float(), 1000, 12
+    flops = lib.tm_fma_flops(rounds, ctypes.byref(sink))
+    lanes = flops / (2 * chains * rounds)  # vector lanes x threads that it says it ran
+    # each chain x -> 0.9999 x + 1e-4 from 1 + 0.01 j, summed over chains and those lanes
+    want = 0.0
+    for j in range(chains):
+        x = 1.0 + 0.01 * j
+        for _ in range(rounds):
+            x = x * 0.9999 + 1e-4
+        want += x
+    assert lanes == int(lanes) and lanes % 8 == 0
+    assert sink.value == pytest.approx(lanes * want, rel=1e-4)
+    assert roofline.fma_peak_gflops() > 0
+
+
+def test_compare_rates_the_ceilings_at_the_fma_peak_when_it_has_one(tmp_path):
+    make_model(str(tmp_path), "llama")
+    args = SimpleNamespace(num_prompts=4, input_len=16, output_len=8, w2_output_len=8,
+                           w3_requests=8, w3_concurrency=4)
+    roof = {"fma_peak_gflops": 300.0, "matmul_gflops": 100.0, "tokenmill_matmul_gflops": 150.0,
+            "bandwidth_gbs": 20.0}
+    for peak, rate in ((300.0, 300.0), (None, 150.0)):
+        got = compare.workload_ceilings(str(tmp_path), {**roof, "fma_peak_gflops": peak}, args)
+        want = roofline.ceilings(roofline.model_shape(str(tmp_path)), rate, 20.0,
+                                 **vars(args))
+        assert got == {"gflops": rate, "bandwidth_gbs": 20.0, **want}
