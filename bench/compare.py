@@ -40,7 +40,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_throughput import cpu_model  # noqa: E402 - sibling scripts, not a package
-from roofline import ceilings, count_params, measure, model_shape  # noqa: E402
+from roofline import ceilings, count_params, measure, model_shape, read_bandwidth  # noqa: E402
 
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
 PEER_VENVS = {"vllm": "vllm", "llamacpp": "llamacpp"}
@@ -235,8 +235,6 @@ def main(argv: list[str] | None = None) -> None:
             entry = {"params": params, "precision": precision,
                      "file": os.path.basename(file) if precision != "f32" else "hf / f32.gguf",
                      "roofline": roof, "runs": []}
-            if precision == "f32":  # int8 / int4 arithmetic has other peaks: no ceilings
-                entry["ceilings"] = workload_ceilings(hf_dir, roof, args)
             for workload in [w for w in args.workloads.split(",") if w]:
                 for r in range(args.repeats):
                     for engine in runs_on if r % 2 == 0 else list(reversed(runs_on)):
@@ -248,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
                         entry["runs"].append(result)
                         print(json.dumps({"model": key, **result}), flush=True)
             entry["table"] = _table(entry["runs"], runs_on)
+            if precision == "f32":  # int8 / int4 arithmetic has other peaks: no ceilings
+                # this VM's bandwidth drifts within minutes: the ceilings take the faster of
+                # the reads before and after the runs
+                roof["bandwidth_after_gbs"] = read_bandwidth()["bandwidth_gbs"]
+                entry["ceilings"] = workload_ceilings(hf_dir, roof, args)
             report["models"][key] = entry
     _print(report)
     out = args.out or os.path.join(HERE, "results",
@@ -261,14 +264,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def workload_ceilings(hf_dir: str, roof: dict, args) -> dict:
     """Each workload's fastest run at this machine's FMA peak (the matmul rate without a C
-    compiler) and read bandwidth (`roofline.ceilings`)."""
+    compiler) and read bandwidth, the faster of before and after the runs
+    (`roofline.ceilings`)."""
     rate = roof.get("fma_peak_gflops") or max(roof["matmul_gflops"],
                                                roof["tokenmill_matmul_gflops"] or 0.0)
-    found = ceilings(model_shape(hf_dir), rate, roof["bandwidth_gbs"],
+    bandwidth = max(roof["bandwidth_gbs"], roof.get("bandwidth_after_gbs") or 0.0)
+    found = ceilings(model_shape(hf_dir), rate, bandwidth,
                      num_prompts=args.num_prompts, input_len=args.input_len,
                      output_len=args.output_len, w2_output_len=args.w2_output_len,
                      w3_requests=args.w3_requests, w3_concurrency=args.w3_concurrency)
-    return {"gflops": rate, "bandwidth_gbs": roof["bandwidth_gbs"], **found}
+    return {"gflops": rate, "bandwidth_gbs": bandwidth, **found}
 
 
 def _table(runs: list[dict], engines: list[str]) -> dict:

@@ -26,9 +26,9 @@ FP32 = 4  # bytes per weight and per cached K/V value: the fp32 comparison
 
 
 def measure(params: int, weight_bytes: int | None = None) -> dict:
-    """Read bandwidth (sum of 1 GiB), copy bandwidth (read + write bytes) and fp32 matmul
-    rate measured now; batch-1 decode reads every weight once per token (`weight_bytes`,
-    default 4 bytes per parameter)."""
+    """Read bandwidth (the faster of torch's and `peaks.c`'s sum of 1 GiB), copy bandwidth
+    (read + write bytes), fp32 matmul rate and FMA peak measured now; batch-1 decode reads
+    every weight once per token (`weight_bytes`, default 4 bytes per parameter)."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -37,10 +37,7 @@ def measure(params: int, weight_bytes: int | None = None) -> dict:
     b.copy_(a)
     best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
     copy_bandwidth = 2 * a.numel() * 4 / best
-    big = torch.ones(1024 * 1024 * 1024 // 4)
-    big.sum()
-    bandwidth = big.numel() * 4 / min(_timed(big.sum) for _ in range(5))
-    del big
+    read = read_bandwidth()
     n = 2048
     x, y = torch.randn(n, n), torch.randn(n, n)
     x @ y
@@ -48,13 +45,26 @@ def measure(params: int, weight_bytes: int | None = None) -> dict:
     ours = tokenmill_matmul_gflops(x, y)
     best = max(gflops, ours or 0.0)  # a ceiling below what an engine reaches says nothing
     peak = fma_peak_gflops()
-    return {"bandwidth_gbs": round(bandwidth / 1e9, 1),
+    return {**read,
             "copy_bandwidth_gbs": round(copy_bandwidth / 1e9, 1),
             "matmul_gflops": round(gflops, 1),
             "tokenmill_matmul_gflops": None if ours is None else round(ours, 1),
             "fma_peak_gflops": None if peak is None else round(peak, 1),
-            "decode_ceiling_tps": round(bandwidth / (weight_bytes or params * 4), 2),
+            "decode_ceiling_tps": round(read["bandwidth_gbs"] * 1e9
+                                        / (weight_bytes or params * FP32), 2),
             "throughput_ceiling_tps": round(best * 1e9 / (2 * params), 1)}
+
+
+def read_bandwidth() -> dict:
+    """GB/s reading 1 GiB: torch's sum and `peaks.c`'s (the faster is `bandwidth_gbs`)."""
+    import torch
+
+    big = torch.ones(1024 * 1024 * 1024 // 4)  # touched pages: torch.empty reads the zero page
+    big.sum()
+    torch_read = big.numel() * 4 / min(_timed(big.sum) for _ in range(5)) / 1e9
+    ours = read_gbs(big)
+    return {"bandwidth_gbs": round(max(torch_read, ours or 0.0), 1),
+            "torch_sum_gbs": round(torch_read, 1)}
 
 
 def tokenmill_matmul_gflops(x, w) -> float | None:
@@ -72,32 +82,44 @@ def tokenmill_matmul_gflops(x, w) -> float | None:
 
 
 @functools.lru_cache(maxsize=1)
-def fma_library() -> ctypes.CDLL | None:
-    """`fma_peak.c` built now with the system C compiler (None without one)."""
+def peaks_library() -> ctypes.CDLL | None:
+    """`peaks.c` built now with the system C compiler (None without one)."""
     import torch  # noqa: F401 - first: the library's libgomp resolves to torch's (one pool)
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "fma_peak.so")
+        path = os.path.join(tmp, "peaks.so")
         try:
             subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
-                            os.path.join(os.path.dirname(__file__), "fma_peak.c"), "-o", path],
+                            os.path.join(os.path.dirname(__file__), "peaks.c"), "-o", path],
                            check=True, capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return None
         lib = ctypes.CDLL(path)  # mapped: the file may go
     lib.tm_fma_flops.restype = ctypes.c_double
     lib.tm_fma_flops.argtypes = [ctypes.c_int64, ctypes.c_void_p]
+    lib.tm_read_sum.restype = ctypes.c_float
+    lib.tm_read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     return lib
+
+
+def read_gbs(x) -> float | None:
+    """GB/s of `peaks.c` summing the float32 tensor x (best of 5)."""
+    lib = peaks_library()
+    if lib is None:
+        return None
+    n = x.numel() // 128 * 128
+    seconds = min(_timed(lambda: lib.tm_read_sum(x.data_ptr(), n)) for _ in range(5))
+    return n * 4 / seconds / 1e9
 
 
 def fma_peak_gflops() -> float | None:
     """fp32 FMAs on registers on every core: no kernel does more arithmetic than this."""
     import torch
 
-    lib = fma_library()
+    lib = peaks_library()
     if lib is None:
         return None
     torch.set_num_threads(os.cpu_count() or 1)

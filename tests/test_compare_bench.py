@@ -121,7 +121,7 @@ def test_ceiling_line_gives_each_engines_share():
 def test_fma_peak_counts_the_fmas_it_ran():
     import ctypes
 
-    lib = roofline.fma_library()
+    lib = roofline.peaks_library()
     if lib is None:
         pytest.skip("no C compiler")
     sink, rounds, chains = ctypes.c_float(), 1000, 12
@@ -145,8 +145,20 @@ def test_compare_rates_the_ceilings_at_the_fma_peak_when_it_has_one(tmp_path):
                            w3_requests=8, w3_concurrency=4)
     roof = {"fma_peak_gflops": 300.0, "matmul_gflops": 100.0, "tokenmill_matmul_gflops": 150.0,
             "bandwidth_gbs": 20.0}
-    for peak, rate in ((300.0, 300.0), (None, 150.0)):
-        got = compare.workload_ceilings(str(tmp_path), {**roof, "fma_peak_gflops": peak}, args)
-        want = roofline.ceilings(roofline.model_shape(str(tmp_path)), rate, 20.0,
+    for peak, rate, after, bandwidth in ((300.0, 300.0, None, 20.0), (None, 150.0, 25.0, 25.0),
+                                         (300.0, 300.0, 15.0, 20.0)):
+        got = compare.workload_ceilings(str(tmp_path), {**roof, "fma_peak_gflops": peak,
+                                                        "bandwidth_after_gbs": after}, args)
+        want = roofline.ceilings(roofline.model_shape(str(tmp_path)), rate, bandwidth,
                                  **vars(args))
-        assert got == {"gflops": rate, "bandwidth_gbs": 20.0, **want}
+        assert got == {"gflops": rate, "bandwidth_gbs": bandwidth, **want}
+
+
+def test_read_kernel_sums_every_element():
+    lib = roofline.peaks_library()
+    if lib is None:
+        pytest.skip("no C compiler")
+    x = torch.rand(128 * 1000, dtype=torch.float64).float()
+    assert lib.tm_read_sum(x.data_ptr(), x.numel()) == pytest.approx(x.double().sum().item(),
+                                                                     rel=1e-5)
+    assert roofline.read_gbs(x) > 0
