@@ -1,9 +1,10 @@
 """What this machine allows, measured in the same run as the engines it judges.
 
-`measure` times read bandwidth, copy bandwidth and the fp32 matmul rate. `ceilings` turns them
-into the fastest each workload could run at those rates, counting every pass the workload
-needs: a pass takes at least its FLOPs at the matmul rate and at least its bytes (all weights
-once, plus the K/V it reads) at the read bandwidth, whichever is longer. The FLOPs are 2 per
+`measure` times read and copy bandwidth, the fp32 matmul rate and the FMA peak. `ceilings`
+turns a rate (compare.py gives it the FMA peak) and a bandwidth into the fastest each workload
+could run, counting every pass the workload needs: a pass takes at least its FLOPs at the rate
+and at least its bytes (all weights once, plus the K/V it reads or writes) at the bandwidth,
+whichever is longer. The FLOPs are 2 per
 layer weight and token, 2 per LM-head weight and sampled row (a prompt samples its last row
 only), and 4 x heads x head_dim per layer for each (query, key) pair of causal attention.
 Norms, rotary, sampling and the engine's own work count as free, so no engine reaches a
@@ -35,8 +36,7 @@ def measure(params: int, weight_bytes: int | None = None) -> dict:
     a = torch.ones(256 * 1024 * 1024 // 4)  # touched pages: torch.empty would read the zero page
     b = torch.empty_like(a)
     b.copy_(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
-    copy_bandwidth = 2 * a.numel() * 4 / best
+    copy_bandwidth = 2 * a.numel() * 4 / min(_timed(lambda: b.copy_(a)) for _ in range(5))
     read = read_bandwidth()
     n = 2048
     x, y = torch.randn(n, n), torch.randn(n, n)
