@@ -115,12 +115,12 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
     context = str(args.input_len + args.output_len + 256)
     py = engine_python(engine)
     if engine == "tokenmill":
-        return [os.path.join(os.path.dirname(py), "tokenmill"), "serve", path,
+        return ([os.path.join(os.path.dirname(py), "tokenmill"), "serve", path,
                 "--host", "127.0.0.1", "--port", str(port), "--health-port", str(_free_port()),
                 "--metrics-port", str(_free_port()), "--grpc-port", str(_free_port()),
                 "--dtype", "float32", "--max-model-len", context, "--kv-cache-memory", "2",
-                "--log-dir", log_dir] + (["--tokenizer", gguf_tokenizer(path)]
-                                         if gguf_tokenizer(path) else [])
+                "--no-enable-prefix-caching", "--log-dir", log_dir]  # no caching, as vLLM
+                + (["--tokenizer", gguf_tokenizer(path)] if gguf_tokenizer(path) else []))
     if engine == "vllm":
         return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host",
                 "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
@@ -142,6 +142,7 @@ def run_serving(engine: str, path: str, args) -> dict:
 
     hf_dir = os.path.join(os.path.dirname(path), "hf")
     prompts = make_prompts(hf_dir, args.w3_requests, args.input_len)
+    warmup = make_prompts(hf_dir, 2, args.input_len, seed=1)  # never a measured prompt
     port = _free_port()
     log_dir = tempfile.mkdtemp(prefix=f"compare-{engine}-")
     start = time.perf_counter()
@@ -156,7 +157,7 @@ def run_serving(engine: str, path: str, args) -> dict:
             return {"engine": engine, "workload": "w3",
                     "error": f"server did not start; log in {log_dir}"}
         startup = time.perf_counter() - start
-        asyncio.run(run_load(base, model, prompts[:2], 2, 4))  # warm-up, not measured
+        asyncio.run(run_load(base, model, warmup, 2, 4))  # not measured
         result = asyncio.run(run_load(base, model, prompts, args.w3_concurrency,
                                       args.output_len))
         result.update(engine=engine, workload="w3", startup_s=round(startup, 1))

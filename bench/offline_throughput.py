@@ -20,7 +20,9 @@ import torch
 def tokenmill_run(args, prompts) -> float:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(args.model, kv_cache_memory_gib=args.kv_cache_memory, seed=0)
+    # no prefix caching: the warm-up's prompts are measured again, and transformers has none
+    llm = LLM(args.model, kv_cache_memory_gib=args.kv_cache_memory, seed=0,
+              enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
                  params.clone(max_tokens=4), use_tqdm=False)  # warm-up

@@ -171,3 +171,16 @@ def test_read_kernel_sums_every_element():
     assert lib.tm_read_sum(x.data_ptr(), x.numel()) == pytest.approx(x.double().sum().item(),
                                                                      rel=1e-5)
     assert roofline.read_gbs(x) > 0
+
+
+def test_no_engine_starts_its_timed_run_with_a_prompt_already_computed():
+    """The warm-ups never use a measured prompt, and both servers run without prefix caching
+    (a cached warm-up prompt once made tokenmill's W2 TTFT 4x faster than its FLOPs allow)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "peers"))
+    import runner
+
+    measured = {tuple(p) for p in runner.make_prompts(32, 128, 49152)}
+    assert not measured & {tuple(p) for p in runner.warmup_prompts(2, 128, 49152)}
+    args = SimpleNamespace(input_len=128, output_len=64)
+    for engine in ("tokenmill", "vllm"):
+        assert "--no-enable-prefix-caching" in compare.server_command(engine, "m", 1, args, "/d")

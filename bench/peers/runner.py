@@ -25,18 +25,24 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
+def warmup_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    """Prompts for the untimed warm-up: never the measured ones (seed 0), so that no engine's
+    cache can start the timed run with a prompt already computed."""
+    return make_prompts(n, length, vocab, seed=1)
+
+
 def measure_blocking(generate, vocab: int, args) -> dict:
     """For engines with only a blocking `generate(prompts, n)`: W1 times one batch. W2 times a
     full call; TTFT is when the first token came if `generate` returns that
     (`time.perf_counter()` value), else the time of a 1-token call."""
     if args.workload == "w1":
         prompts = make_prompts(args.num_prompts, args.input_len, vocab)
-        generate(prompts[:2], 2)
+        generate(warmup_prompts(2, args.input_len, vocab), 2)
         start = time.perf_counter()
         generate(prompts, args.output_len)
         return {"seconds": time.perf_counter() - start}
     prompt = make_prompts(1, args.input_len, vocab)
-    generate(prompt, 2)
+    generate(warmup_prompts(1, args.input_len, vocab), 2)
     start = time.perf_counter()
     first = generate(prompt, args.output_len)
     end = time.perf_counter()
@@ -53,8 +59,9 @@ def tokenmill(args):
     from tokenmill import LLM, SamplingParams
     from tokenmill.quantization.model import weight_bytes
 
+    # prefix caching off, as vLLM runs here: every prompt is computed in full
     engine_args = {"dtype": "float32", "kv_cache_memory_gib": 2.0, "seed": 0,
-                   **json.loads(args.engine_args)}
+                   "enable_prefix_caching": False, **json.loads(args.engine_args)}
     llm = LLM(args.model, **engine_args)
     vocab = llm.engine.core.hf_config.vocab_size
     runner = llm.engine.core.runner
@@ -62,8 +69,8 @@ def tokenmill(args):
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     if args.workload == "w1":
         prompts = make_prompts(args.num_prompts, args.input_len, vocab)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params.clone(max_tokens=2),
-                     use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in warmup_prompts(2, args.input_len, vocab)],
+                     params.clone(max_tokens=2), use_tqdm=False)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -71,7 +78,8 @@ def tokenmill(args):
         return {"seconds": elapsed, **memory}
     prompt = make_prompts(1, args.input_len, vocab)[0]
     engine = llm.engine
-    engine.add_request(None, {"prompt_token_ids": prompt}, params.clone(max_tokens=2))
+    engine.add_request(None, {"prompt_token_ids": warmup_prompts(1, args.input_len, vocab)[0]},
+                       params.clone(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
     start = time.perf_counter()
