@@ -79,10 +79,6 @@ def _counted(shape, rate, bandwidth, passes) -> tuple[float, float, float]:
     return seconds, total_flops, kv_bytes
 
 
-def _counted_seconds(shape, rate, bandwidth, passes) -> float:
-    return _counted(shape, rate, bandwidth, passes)[0]
-
-
 def _waves(requests, at_once, input_len, output_len):
     passes = []
     for start in range(0, requests, at_once):
@@ -99,12 +95,12 @@ def test_workload_ceilings_equal_a_token_by_token_count(rate, bandwidth):
     args = dict(num_prompts=6, input_len=10, output_len=5, w2_output_len=7, w3_requests=7,
                 w3_concurrency=3)
     got = roofline.ceilings(shape, rate, bandwidth, **args)
-    w1 = _counted_seconds(shape, rate, bandwidth, _waves(6, 6, 10, 5))
+    w1 = _counted(shape, rate, bandwidth, _waves(6, 6, 10, 5))[0]
     assert got["w1"]["out_tps"] == pytest.approx(6 * 5 / w1, abs=0.06)
     w2 = _waves(1, 1, 10, 7)
-    assert got["w2"]["ttft_s"] == pytest.approx(_counted_seconds(shape, rate, bandwidth, w2[:1]),
+    assert got["w2"]["ttft_s"] == pytest.approx(_counted(shape, rate, bandwidth, w2[:1])[0],
                                                 abs=1e-4)
-    decode = _counted_seconds(shape, rate, bandwidth, w2[1:])
+    decode = _counted(shape, rate, bandwidth, w2[1:])[0]
     assert got["w2"]["decode_tps"] == pytest.approx(6 / decode, abs=0.06)
     w3, flops, kv_bytes = _counted(shape, rate, bandwidth, _waves(7, 3, 10, 5))  # 3, 3, 1
     assert got["w3"]["out_tps"] == pytest.approx(7 * 5 / w3, abs=0.06)
