@@ -17,6 +17,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
+# Why a request was refused: HTTP 4xx statuses (and gRPC's matching codes) by name, and the
+# two 503s (full queue; draining or engine stopped).
+REJECT_STATUS = {400: "invalid", 401: "unauthorized", 404: "not_found", 405: "not_found",
+                 408: "body_timeout", 409: "duplicate_id", 413: "too_large",
+                 431: "headers_too_large"}
+REJECT_REASONS = ("queue_full", "not_ready", *dict.fromkeys(REJECT_STATUS.values()))
+
+
 class Metrics:
     """`engine_gauges=False`: an HTTP worker (the supervisor keeps the gauges);
     `request_metrics=False`: the supervisor of several HTTP workers."""
@@ -40,14 +48,14 @@ class Metrics:
                                 labels + ["outcome"], registry=r)
         self.rejected_requests = Counter(
             "tokenmill:request_rejected", "Requests refused before reaching the engine, by "
-            "reason (queue_full, not_ready)", labels + ["reason"], registry=r)
+            f"reason ({', '.join(REJECT_REASONS)})", labels + ["reason"], registry=r)
         self.disconnects = Counter("tokenmill:client_disconnects",
                                    "Requests abandoned by their client before finishing",
                                    labels, registry=r)
         self.in_flight = Gauge("tokenmill:num_requests_in_flight",
                                "Requests the API processes are serving now", labels,
                                registry=r, multiprocess_mode="livesum")
-        for reason in ("queue_full", "not_ready"):  # exported at 0 before the first one
+        for reason in REJECT_REASONS:  # exported at 0 before the first one
             self._m(self.rejected_requests, reason=reason)
         self._m(self.disconnects)
         self._m(self.in_flight)

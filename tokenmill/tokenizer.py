@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
+import weakref
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -32,27 +35,13 @@ def eos_token_ids(tokenizer: Any, model_path: str) -> list[int]:
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """Token sequences to forbid for each bad word: as written and with a leading space
     (mid-sentence form), as vLLM does."""
-    sequences: list[list[int]] = []
+    seen: dict[tuple[int, ...], None] = {}  # ordered and de-duplicated in linear time
     for word in words:
         for form in (word.strip(), " " + word.strip()):
-            ids = tokenizer.encode(form, add_special_tokens=False)
-            if ids and ids not in sequences:
-                sequences.append(ids)
-    return sequences
-
-
-# Texts longer than this are tokenized / templated on a worker thread by the API servers (the
-# tokenizers release the GIL), so one huge prompt does not stall every other request's stream.
-OFF_LOOP_CHARS = 8192
-
-
-async def off_loop_if_long(size: int, fn, *args: Any, **kwargs: Any):
-    """`fn(*args, **kwargs)`, on a worker thread when `size` (characters) is large."""
-    if size > OFF_LOOP_CHARS:
-        import asyncio
-
-        return await asyncio.to_thread(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
+            ids = tuple(tokenizer.encode(form, add_special_tokens=False))
+            if ids:
+                seen.setdefault(ids, None)
+    return [list(ids) for ids in seen]
 
 
 class ChatTemplateError(ValueError):
@@ -61,21 +50,108 @@ class ChatTemplateError(ValueError):
     param = "messages"
 
 
+class _ControlTokens:
+    """A tokenizer's special tokens (BOS/EOS, `<|im_start|>`, `[INST]`...): a pattern that finds
+    their text in a string, and an encoder that reads such text as plain characters. Built
+    once per tokenizer (the plain encoder is a copy of the fast tokenizer's backend with
+    special-token parsing off, so no shared flag is flipped while other threads encode)."""
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer: Any) -> None:
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        texts = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        texts |= set(getattr(tokenizer, "all_special_tokens", []) or [])
+        texts = sorted((t for t in texts if t), key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self.tokenizer = tokenizer
+        self._plain = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            from tokenizers import Tokenizer
+
+            self._plain = Tokenizer.from_str(backend.to_str())
+            self._plain.encode_special_tokens = True
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> _ControlTokens:
+        try:
+            found = cls._cache.get(tokenizer)
+        except TypeError:  # not weak-referenceable: build each time
+            return cls(tokenizer)
+        if found is None:
+            found = cls._cache[tokenizer] = cls(tokenizer)
+        return found
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` with any special-token text in it tokenized as ordinary characters."""
+        if self._plain is not None:
+            return self._plain.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+
+class _ContentGuard:
+    """Keeps request text from becoming control tokens when a chat template renders it.
+
+    Every string of the messages (content, role, name, ...) that contains the text of a
+    special token is swapped for a unique placeholder before rendering; the rendered text is
+    tokenized as usual around the placeholders (the template's own control tokens stay
+    control tokens), and each placeholder's original string is tokenized as plain text. A
+    conversation without such text renders and tokenizes exactly as before."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokens = _ControlTokens.of(tokenizer)
+        self.tokenizer = tokenizer
+        self.originals: dict[str, str] = {}
+        self._nonce = secrets.token_hex(8)
+
+    def protect(self, value: Any) -> Any:
+        """`value` (messages, kwargs: nested dicts, lists, strings) with risky strings swapped."""
+        if isinstance(value, str):
+            if self.tokens.pattern is None or not self.tokens.pattern.search(value):
+                return value
+            key = f"\ue000{self._nonce}:{len(self.originals)}\ue001"
+            self.originals[key] = value
+            return key
+        if isinstance(value, dict):
+            return {k: self.protect(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.protect(v) for v in value]
+        return value
+
+    def encode(self, rendered: str) -> list[int]:
+        if not self.originals:
+            return self.tokenizer.encode(rendered, add_special_tokens=False)
+        pieces = re.split(f"(\ue000{self._nonce}:\\d+\ue001)", rendered)
+        ids: list[int] = []
+        for piece in pieces:
+            if piece in self.originals:
+                ids += self.tokens.encode_plain(self.originals[piece])
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, chat_template: str | None = None,
                         **kwargs: Any) -> list[int]:
     """Renders in transformers' sandboxed Jinja environment (ImmutableSandboxedEnvironment):
     a template that reaches for Python internals fails with a SecurityError instead of
-    running, and message content is data, never template code."""
+    running, and message content is data, never template code. Text in the messages that
+    spells a special token (`<|im_end|>`, `<|im_start|>system`) is tokenized as plain text,
+    so a user cannot close their turn and forge another; the template's own control tokens
+    are unaffected."""
     import jinja2
     from jinja2.sandbox import SecurityError
 
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ChatTemplateError("This model has no chat template; send a plain prompt instead.")
+    guard = _ContentGuard(tokenizer)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(guard.protect(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, **kwargs)
+                                             chat_template=chat_template,
+                                             **guard.protect(kwargs))
     except SecurityError:
         logger.warning("the chat template attempted an unsafe operation; refused")
         raise ChatTemplateError("The chat template attempted an operation that is not "
@@ -84,7 +160,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
         # Templates reject conversations with raise_exception (e.g. roles not alternating).
         raise ChatTemplateError(f"The messages do not fit the chat template: {exc}") from None
     # The template already wrote BOS where the model wants it.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return guard.encode(text)
 
 
 class IncrementalDetokenizer:

@@ -15,11 +15,15 @@ def assert_no_leak(text: str, *secrets: str) -> None:
 
 def assert_openai_error(resp, status: int, param: str | None = "?") -> dict:
     """`{"error": {"message": str, "type": str, "param": str|null, "code": str|int|null}}`
-    with the expected status (and `param`, unless "?"); returns the error object."""
+    with the expected status (and `param`, unless "?"); returns the error object. An error
+    sent before the body was read (413, 408, 431) on a path the native API shares also
+    carries the native `error_msg` / `error_code`, equal to the OpenAI fields."""
     assert resp.status_code == status, (resp.status_code, resp.text[:500])
     body = resp.json()
-    assert set(body) == {"error"}, body
+    assert set(body) in ({"error"}, {"error", "error_msg", "error_code"}), body
     error = body["error"]
+    if "error_msg" in body:
+        assert (body["error_msg"], body["error_code"]) == (error["message"], status), body
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"]
     assert isinstance(error["type"], str)

@@ -161,7 +161,7 @@ BAD = [
         "temperature", "FP32", [1], fp32_contents=[float("nan")])), "temperature"),
     ("end-id-out-of-vocab", request("ensemble", TEXT, MAX_TOKENS, tensor(
         "end_id", "INT32", [1], int_contents=[100_000]), tensor(
-        "min_tokens", "INT32", [1], int_contents=[2])), "stop_token_ids"),
+        "min_tokens", "INT32", [1], int_contents=[2])), "end_id"),
     ("top-k-int64-max", request("ensemble", TEXT, MAX_TOKENS, tensor(
         "top_k", "UINT64", [1], uint64_contents=[2**64 - 1])), "top_k"),
 ]

@@ -25,6 +25,7 @@ from tokenmill.entrypoints.http.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from tokenmill.entrypoints.http.prompts import PromptEncoder
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json_object
 from tokenmill.entrypoints.http.streaming import DeltaTracker
 from tokenmill.entrypoints.kserve import tensors
@@ -245,7 +246,7 @@ def tokenizer(tiny_models):
 def test_native_build_request_raises_only_native_error(tokenizer, body):
     """validate + tokenize + limits + SamplingParams, as admission runs them."""
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, max_seq_len=63,
-                            max_dec_len=16)
+                            max_dec_len=16, prompts=PromptEncoder(tokenizer, 64))
     try:
         req = asyncio.run(native_api.build_request(body, state))
     except native_api.NativeError:
@@ -398,10 +399,11 @@ def test_read_inputs_raises_only_tensor_error(case):
 def test_ensemble_path_raises_only_its_errors(tokenizer, case):
     """gRPC `ensemble` inputs: tensors -> fields -> SamplingParams (as service._ensemble)."""
     request, _ = case
-    state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64)
+    state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64,
+                            prompts=PromptEncoder(tokenizer, 64))
     try:
         fields, shape = ensemble_fields(tensors.read_inputs(request))
-        ids, params, options = triton_api.parse_fields(fields, state)
+        ids, params, options = asyncio.run(triton_api.parse_fields(fields, state))
     except (ValueError, triton_api.TritonError):  # TensorError is a ValueError
         event("refused")
         return

@@ -193,7 +193,7 @@ def test_internal_errors_are_500_without_details(engine_address):
                            max_waiting=8)
     app = create_service_app(settings)
     with ServerThread(app, free_port()) as thread:
-        app.state.server.tokenizer = BrokenTokenizer()
+        app.state.server.tokenizer = app.state.server.prompts.tokenizer = BrokenTokenizer()
         url = f"http://127.0.0.1:{thread.port}"
         for path_, body in (("/v1/chat/completions", {"text": "hi"}),
                             ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):

@@ -96,7 +96,8 @@ class ServeProcess:
             tasks.append(asyncio.create_task(metrics_server.serve()))
             # gRPC lives here, on this process's engine client, whatever the HTTP workers.
             grpc_server = await start_grpc_server(lambda: self.state, config.host,
-                                                  config.grpc_port, config.api_key)
+                                                  config.grpc_port, config.api_key,
+                                                  config.max_request_body_bytes)
             await wait_started(servers, tasks)
             self.state = state
             logger.info("tokenmill serving %s on %s:%d (%d HTTP worker(s); gRPC %d, health %d,"

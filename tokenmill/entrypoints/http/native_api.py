@@ -25,11 +25,12 @@ from tokenmill.engine.async_engine import (
 )
 from tokenmill.entrypoints.http.openai_api import RETRY_AFTER_S
 from tokenmill.entrypoints.http.openai_protocol import CAPS
+from tokenmill.entrypoints.http.prompts import PromptTooLong
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import ChatTemplateError, apply_chat_template, off_loop_if_long
+from tokenmill.tokenizer import ChatTemplateError
 
 # Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
 DEFAULTS = {"min_dec_len": 1, "topp": 0.7, "temperature": 0.95, "penalty_score": 1.0,
@@ -93,12 +94,7 @@ def validate(body: dict, state: ServerState) -> dict:
                                     and all(_is_int(t) for t in body["input_ids"])):
         raise NativeError("The `input_ids` in input parameters must be a list")
     if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise NativeError("The `messages` in input parameters must be a non-empty list")
-        for item in messages:
-            if not isinstance(item, dict) or "content" not in item:
-                raise NativeError("The item in messages must include `content`")
+        _check_messages(body["messages"])
     if "system" in body and not isinstance(body["system"], str):
         raise NativeError("The `system` in input parameters must be a string")
     for name in ("max_dec_len", "seq_len", "max_tokens", "min_dec_len"):
@@ -146,38 +142,65 @@ def validate(body: dict, state: ServerState) -> dict:
         if any(isinstance(x, str) and len(x) > CAPS.max_stop_chars for x in items):
             raise NativeError(f"Each of the `{name}` may have at most {CAPS.max_stop_chars} "
                               "characters")
-    req_id = body.get("req_id", str(uuid.uuid4()))
-    body["req_id"] = str(req_id)
-    if len(body["req_id"]) > CAPS.max_request_id_chars:
-        raise NativeError(f"The `req_id` may have at most {CAPS.max_request_id_chars} "
-                          "characters")
+    body["req_id"] = request_id(body) or str(uuid.uuid4())
     return {**DEFAULTS, **body}
 
 
-def tokenize(body: dict, state: ServerState) -> list[int]:
-    tokenizer = state.tokenizer
+def request_id(body: dict) -> str | None:
+    """The request's `req_id`: a string (an integer is taken as its decimal text), or None
+    when absent, null or empty. Anything else is refused rather than echoed as a repr."""
+    value = body.get("req_id")
+    if value is None or value == "":
+        return None
+    if _is_int(value):
+        value = str(value)
+    if not isinstance(value, str):
+        raise NativeError("The `req_id` must be a string")
+    if len(value) > CAPS.max_request_id_chars:
+        raise NativeError(f"The `req_id` may have at most {CAPS.max_request_id_chars} "
+                          "characters")
+    return value
+
+
+def _check_messages(messages: Any) -> None:
+    """Chat turns: a list of objects with a string `role` and a string `content`, checked
+    before any templating so the error names the message and field."""
+    if not isinstance(messages, list) or not messages:
+        raise NativeError("The `messages` in input parameters must be a non-empty list")
+    if len(messages) > CAPS.max_messages:
+        raise NativeError(f"The `messages` may have at most {CAPS.max_messages} items")
+    for i, item in enumerate(messages):
+        if not isinstance(item, dict):
+            raise NativeError(f"The item in messages must be an object with `role` and "
+                              f"`content` (messages[{i}])")
+        if "content" not in item:
+            raise NativeError(f"The item in messages must include `content` (messages[{i}])")
+        for name in ("role", "content"):
+            if not isinstance(item.get(name), str):
+                raise NativeError(f"`messages[{i}].{name}` must be a string")
+
+
+async def tokenize(body: dict, state: ServerState) -> list[int]:
     if "input_ids" in body:
         return list(body["input_ids"])
-    has_template = bool(getattr(tokenizer, "chat_template", None))
+    has_template = bool(getattr(state.tokenizer, "chat_template", None))
     system = [{"role": "system", "content": body["system"]}] if "system" in body else []
     try:
         if "messages" in body:
             if not has_template:
                 raise NativeError("This model does not support chat_template.")
-            return apply_chat_template(tokenizer, system + list(body["messages"]))
+            return await state.prompts.render(system + list(body["messages"]))
         if has_template:  # the seed wraps plain text as one user turn
-            return apply_chat_template(tokenizer, system + [{"role": "user",
-                                                             "content": body["text"]}])
-    except ChatTemplateError as exc:
+            return await state.prompts.render(system + [{"role": "user",
+                                                         "content": body["text"]}], "text")
+        return await state.prompts.encode(body["text"], "text")
+    except (ChatTemplateError, PromptTooLong) as exc:
         raise NativeError(str(exc)) from None
-    return tokenizer.encode(body["text"])
 
 
 async def build_request(body: dict, state: ServerState) -> NativeRequest:
     body = validate(body, state)
-    size = len(body.get("text", "")) + sum(len(str(m.get("content", "")))
-                                           for m in body.get("messages", []))
-    ids = await off_loop_if_long(size, tokenize, body, state)
+    ids = await tokenize(body, state)
     n_in = len(ids)
     if n_in == 0:
         raise NativeError("The input is empty after tokenization")
@@ -233,13 +256,16 @@ def error_body(req_id: str | None, message: str, status: int) -> dict:
     return {"req_id": req_id, "error_msg": message, "error_code": status}
 
 
-def error_response(body: dict, message: str, status: int) -> JSONResponse:
-    """A refused request in the seed's shape; its `req_id` is echoed unless oversized, and a
-    503 says when to retry."""
-    req_id = body.get("req_id") if isinstance(body.get("req_id"), (str, int)) else None
-    if req_id is not None and len(str(req_id)) > CAPS.max_request_id_chars:
-        req_id = None  # never echo an oversized id back
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+def error_response(body: dict, message: str, status: int,
+                   headers: dict | None = None) -> JSONResponse:
+    """A refused request in the seed's shape; its `req_id` is echoed when it is a valid one,
+    and a 503 says when to retry."""
+    try:
+        req_id = request_id(body)
+    except NativeError:
+        req_id = None  # never echo an id that was refused
+    if status == 503:
+        headers = {**(headers or {}), "Retry-After": RETRY_AFTER_S}
     return JSONResponse({**error_body(req_id, message, status), "result": ""},
                         status_code=status, headers=headers)
 
@@ -268,21 +294,32 @@ async def _messages(req: NativeRequest, state: ServerState,
             c = out.outputs[0]
             ids = _visible_ids(out) if out.finished else list(c.token_ids)
             text, new_ids, first = tracker.update(c, out.finished, ids)
-            message = {"req_id": req.req_id, "token": text, "token_ids": new_ids,
-                       "is_end": int(out.finished), "send_idx": first, "error_msg": "",
-                       "error_code": 0}
-            if req.benchmark:
-                message.update(http_received_time=received, inference_current_step_time=_now(),
-                               inference_time_cost=round(time.monotonic() - started, 6))
-            if out.finished:
-                message.update(send_idx=len(ids), tokens_all=c.text, tokens_all_ids=ids,
-                               tokens_all_num=len(ids), finish_reason=c.finish_reason)
-                if req.return_usage:
-                    message["usage"] = {"prompt_tokens": len(req.prompt_token_ids),
-                                        "completion_tokens": len(c.token_ids),
-                                        "total_tokens": len(req.prompt_token_ids)
-                                        + len(c.token_ids)}
-            yield message
+
+            def message(text: str, new_ids: list[int], send_idx: int, end: bool) -> dict:
+                m = {"req_id": req.req_id, "token": text, "token_ids": new_ids,
+                     "is_end": int(end), "send_idx": send_idx, "error_msg": "",
+                     "error_code": 0}
+                if req.benchmark:
+                    m.update(http_received_time=received, inference_current_step_time=_now(),
+                             inference_time_cost=round(time.monotonic() - started, 6))
+                return m
+
+            if not out.finished:
+                yield message(text, new_ids, first, False)
+                continue
+            # The seed's ending: the last tokens on a line of their own, then a line with no
+            # token whose send_idx is the total, so send_idx always counts what came before.
+            if text or new_ids:
+                yield message(text, new_ids, first, False)
+            final = message("", [], len(ids), True)
+            final.update(tokens_all=c.text, tokens_all_ids=ids, tokens_all_num=len(ids),
+                         finish_reason=c.finish_reason)
+            if req.return_usage:
+                final["usage"] = {"prompt_tokens": len(req.prompt_token_ids),
+                                  "completion_tokens": len(c.token_ids),
+                                  "total_tokens": len(req.prompt_token_ids)
+                                  + len(c.token_ids)}
+            yield final
 
 
 async def admit(body: dict, state: ServerState) -> NativeRequest:

@@ -15,12 +15,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
-from tokenmill.entrypoints.http.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.http.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    refuse_unsupported,
+)
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import apply_chat_template, off_loop_if_long
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
@@ -79,6 +82,7 @@ def _validation_error(exc: ValidationError) -> ApiError:
 
 def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
     try:
+        refuse_unsupported(body)
         req = model_cls.model_validate(body)
         req.check()
     except ValidationError as exc:
@@ -106,17 +110,22 @@ def _check_ids(ids: list[int], state: ServerState, what: str) -> None:
 
 def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: int | None,
                 what: str) -> int:
-    room = state.max_model_len - n_in
+    """The completion's token budget: `requested`, else `default` (capped by the room left),
+    else all the room left. A prompt that leaves no room is refused for its own length."""
+    limit = state.max_model_len
+    room = limit - n_in
     if requested is not None and requested < 1:
         raise ApiError(f"max_tokens must be at least 1, got {requested}.", 400, "max_tokens")
-    want = requested if requested is not None else default
-    if room < 1 or (want is not None and want > room):
-        raise ApiError(
-            f"This model's maximum context length is {state.max_model_len} tokens. However, "
-            f"you requested {n_in + (want or 1)} tokens ({n_in} in the {what}, {want or 1} in "
-            "the completion). Please reduce the length of the {what} or completion."
-            .replace("{what}", what), 400, what if room < 1 else "max_tokens")
-    return want if want is not None else room
+    if room < 1:
+        raise ApiError(f"This model's maximum context length is {limit} tokens. However, your "
+                       f"{what} has {n_in} tokens, which leaves no room for a completion. "
+                       f"Please reduce the length of the {what}.", 400, what)
+    if requested is not None and requested > room:
+        raise ApiError(f"This model's maximum context length is {limit} tokens. However, you "
+                       f"requested {n_in + requested} tokens ({n_in} in the {what}, "
+                       f"{requested} in the completion). Please reduce the length of the "
+                       f"{what} or completion.", 400, "max_tokens")
+    return requested if requested is not None else min(default or room, room)
 
 
 @dataclass
@@ -291,7 +300,7 @@ async def create_completion(body: dict, request: Request, state: ServerState,
         jobs = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
-                ids = await off_loop_if_long(len(prompt), state.tokenizer.encode, prompt)
+                ids = await state.prompts.encode(prompt, "prompt")
                 text = prompt
             else:
                 ids, text = list(prompt), None
@@ -314,16 +323,13 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
     try:
         req, reservation = _parse(ChatCompletionRequest, body, state, check_model)
         req.check_template(state.trust_request_chat_template)
-        messages = req.plain_messages()
-        size = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
-        ids = await off_loop_if_long(size, apply_chat_template, state.tokenizer, messages,
-                                      add_generation_prompt=req.add_generation_prompt,
-                                      chat_template=req.chat_template,
-                                      **(req.chat_template_kwargs or {}))
+        ids = await state.prompts.render(req.plain_messages(), "messages",
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         chat_template=req.chat_template,
+                                         **(req.chat_template_kwargs or {}))
         _check_ids(ids, state, "messages")
         max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
-                                 min(state.max_dec_len, state.max_model_len - len(ids)),
-                                 "messages")
+                                 state.max_dec_len, "messages")
         top = req.top_logprobs or 0
         params = req.sampling_params(max_tokens, top if req.logprobs else None)
     except (ApiError, ValueError) as exc:

@@ -1,5 +1,6 @@
 """OpenAI request schemas (pydantic), with vLLM's extra sampling fields, mapped to
-SamplingParams. Unknown fields are ignored, as OpenAI-compatible servers do. Every field that
+SamplingParams. Unknown fields are ignored, as OpenAI-compatible servers do, except the known
+ones this server does not implement (`UNSUPPORTED_FIELDS`), which are refused. Every field that
 multiplies work (`n`, prompts, stop sequences, logprobs) is capped (`RequestCaps`), so one
 small request cannot ask for unbounded work."""
 
@@ -24,6 +25,8 @@ class RequestCaps:
     max_stop_chars: int = 256  # characters in one stop sequence or bad word
     max_logprobs: int = 20  # logprobs / top_logprobs
     max_request_id_chars: int = 256  # the native API's req_id
+    max_messages: int = 2048  # chat turns in one request
+    max_content_parts: int = 256  # content parts of one chat message
 
 
 CAPS = RequestCaps()
@@ -32,6 +35,40 @@ _TokenId = Annotated[int, Field(ge=0)]
 # Keys a request may pass to the model's chat template; anything else (tokenize,
 # add_generation_prompt, ...) would let a request change how the server renders or parses.
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
+
+
+# Fields other OpenAI-compatible servers (vLLM, OpenAI itself) accept that this server does
+# not implement. Ignoring them would return something the client did not ask for (output that
+# breaks its grammar, a beam it did not search), so a request that sets one is refused with
+# 400 naming it; null, false and empty values are accepted, as not asking.
+UNSUPPORTED_FIELDS = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "guided_whitespace_pattern",
+                     "structured_outputs"), "structured outputs are not supported yet"),
+    **dict.fromkeys(("use_beam_search", "length_penalty"), "beam search is not supported"),
+    **dict.fromkeys(("functions", "function_call"), "function calling is not supported"),
+    **dict.fromkeys(("audio", "modalities", "prompt_embeds", "mm_processor_kwargs"),
+                    "this server takes text only"),
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "logits_processors": "custom logits processors are not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported by the HTTP API yet",
+    "truncate_prompt_tokens": "prompt truncation is not supported",
+    "prediction": "predicted outputs are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "documents": "documents are not supported",
+    "kv_transfer_params": "KV transfer is not supported",
+    "vllm_xargs": "vllm_xargs is not supported",
+}
+
+
+def refuse_unsupported(body: dict) -> None:
+    """Raises InvalidParameter for the first field of UNSUPPORTED_FIELDS the body sets."""
+    for name, why in UNSUPPORTED_FIELDS.items():
+        value = body.get(name)
+        if value is not None and value is not False and value != [] and value != {} \
+                and value != "":
+            raise InvalidParameter(name, f"{name}: {why} by this server.")
 
 
 class StreamOptions(BaseModel):
@@ -141,16 +178,18 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]],
+                             Field(max_length=CAPS.max_content_parts)] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=CAPS.max_messages)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
     add_generation_prompt: bool = True
+    echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -159,6 +198,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         super().check()
+        if self.echo:
+            raise InvalidParameter("echo", "echo is not supported for chat completions.")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true.")
         if self.tools and self.tool_choice != "none":
@@ -196,7 +237,6 @@ class ChatCompletionRequest(_SamplingFields):
                 message["content"] = ""
             out.append(message)
         return out
-
 
 
 

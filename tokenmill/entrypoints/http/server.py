@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
@@ -21,11 +22,11 @@ from tokenmill.entrypoints.http.openai_protocol import (
 from tokenmill.entrypoints.http.request_body import (
     BodyError,
     RequestLimitMiddleware,
-    parse_json_object,
+    read_body,
 )
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.loader import load_tokenizer
-from tokenmill.metrics import Metrics
+from tokenmill.metrics import REJECT_STATUS, Metrics
 from tokenmill.tokenizer import eos_token_ids
 
 logger = logging.getLogger(__name__)
@@ -58,9 +59,41 @@ def is_native(body: dict) -> bool:
 
 async def read_json(request: Request) -> dict | Response:
     try:
-        return parse_json_object(await request.body())
+        return await read_body(request)
     except BodyError as exc:
         return openai_api.error_response(str(exc), 400)
+
+
+def _family_error(path: str, message: str, status: int, headers=None) -> JSONResponse:
+    """An error outside a handler, in the shape of the route family of `path`."""
+    if path.startswith("/v2/"):
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse(openai_api.error_body(message, status), status_code=status,
+                        headers=headers)
+
+
+class RejectionCounter:
+    """ASGI middleware: every 4xx answer counts in `tokenmill:request_rejected_total` by
+    reason (`metrics.REJECT_STATUS`), whichever layer sent it (body limits, auth, validation,
+    unknown routes). The 503s are counted where they are decided (queue full, not ready)."""
+
+    def __init__(self, app, get_metrics) -> None:
+        self.app = app
+        self.get_metrics = get_metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                reason = REJECT_STATUS.get(message["status"])
+                metrics = self.get_metrics()
+                if reason is not None and metrics is not None:
+                    metrics.rejected(reason)
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 def create_service_app(settings: ApiSettings, state: ServerState | None = None,
@@ -78,25 +111,33 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     # No trailing-slash redirects: their Location is built from the client's Host header.
     app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
     key = ApiKey(settings.api_key) if settings.api_key else None
+
+    def authorized(request: Request) -> bool:
+        return key is None or key.accepts(request.headers.get("authorization"))
 
     async def check_api_key(request: Request) -> None:
         """Inference routes need `Authorization: Bearer <key>` when a key is configured;
         compared in constant time. Health, model list and metrics stay open."""
-        if key is not None and not key.accepts(request.headers.get("authorization")):
+        if not authorized(request):
             raise _Unauthorized()
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, exc: Exception) -> Response:
-        return JSONResponse(openai_api.error_body("Unauthorized: a valid API key is required.",
-                                                  401),
-                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        # Unknown routes and methods answer in the same error shape as everything else.
-        return JSONResponse(openai_api.error_body(str(exc.detail), exc.status_code),
-                            status_code=exc.status_code, headers=exc.headers)
+        # Unknown routes and methods answer in their family's error shape too.
+        return _family_error(request.url.path, str(exc.detail), exc.status_code, exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: Exception) -> Response:
+        # The client left while its body was arriving: nobody reads this answer.
+        logger.info("client disconnected before its request body arrived (%s)",
+                    request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
@@ -113,9 +154,14 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
         (the seed's adapter ignored it)."""
         body = await read_json(request)
         if isinstance(body, Response):
-            return body
+            return body if authorized(request) else \
+                _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
         server: ServerState = request.app.state.server
         native = not seed_path and is_native(body)
+        if not authorized(request):  # checked here: the answer's shape depends on the body
+            if native:
+                return native_api.error_response(body, UNAUTHORIZED, 401, _CHALLENGE)
+            return _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
         if server.draining or server.engine.dead is not None:
             message = "The server is not ready: it is shutting down or its engine stopped."
             server.reject("not_ready")
@@ -130,22 +176,22 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     chat_body = openapi_body(ChatCompletionRequest)
     completion_body = openapi_body(CompletionRequest)
 
-    @app.post("/v1/chat/completions", dependencies=guarded, openapi_extra=chat_body)
+    # The native and OpenAI paths check the key in `dispatch`, once the body says which API
+    # the request speaks.
+    @app.post("/v1/chat/completions", openapi_extra=chat_body)
     async def chat_completions(request: Request) -> Response:
         return await dispatch(request, chat=True)
 
-    @app.post("/v1/completions", dependencies=guarded, openapi_extra=completion_body)
+    @app.post("/v1/completions", openapi_extra=completion_body)
     async def completions(request: Request) -> Response:
         return await dispatch(request, chat=False)
 
     # The seed documents base_url=http://host:port/v1/chat/completions for OpenAI SDKs.
-    @app.post("/v1/chat/completions/chat/completions", dependencies=guarded,
-              openapi_extra=chat_body)
+    @app.post("/v1/chat/completions/chat/completions", openapi_extra=chat_body)
     async def seed_chat(request: Request) -> Response:
         return await dispatch(request, chat=True, seed_path=True)
 
-    @app.post("/v1/chat/completions/completions", dependencies=guarded,
-              openapi_extra=completion_body)
+    @app.post("/v1/chat/completions/completions", openapi_extra=completion_body)
     async def seed_completions(request: Request) -> Response:
         return await dispatch(request, chat=False, seed_path=True)
 
@@ -175,6 +221,15 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
 
 class _Unauthorized(Exception):
     pass
+
+
+UNAUTHORIZED = "Unauthorized: a valid API key is required."
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def _metrics_of(app: FastAPI, metrics: Metrics | None) -> Metrics | None:
+    server = getattr(app.state, "server", None)
+    return server.engine.metrics if server is not None else metrics
 
 
 def readiness(state: ServerState | None) -> tuple[bool, str]:

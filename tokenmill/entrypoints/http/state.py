@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.entrypoints.http.prompts import PromptEncoder
 
 # A reservation not taken up by the engine within this time (its response was never
 # started, e.g. the client left first) stops counting.
@@ -63,6 +64,10 @@ class ServerState:
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
+    prompts: PromptEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
 
     @property
     def served_model_name(self) -> str:

@@ -17,7 +17,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
-from tokenmill.entrypoints.http.request_body import BodyError, parse_json_object
+from tokenmill.entrypoints.http.openai_protocol import CAPS
+from tokenmill.entrypoints.http.prompts import PromptTooLong
+from tokenmill.entrypoints.http.request_body import BodyError, read_body
 from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
 from tokenmill.sampling_params import SamplingParams
@@ -47,19 +49,44 @@ def model_known(state: ServerState, model: str) -> bool:
 
 
 def _words(value: Any, name: str) -> list[str]:
+    """A string or a list of strings, within the OpenAI routes' caps (entries and length)."""
     if value is None or value == "":
         return []
     if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return [v for v in value if v]
-    raise TritonError(f"{name} must be a string or a list of strings.")
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TritonError(f"{name} must be a string or a list of strings.")
+    if len(value) > CAPS.max_stop:
+        raise TritonError(f"{name} may have at most {CAPS.max_stop} entries, got {len(value)}.")
+    if any(len(v) > CAPS.max_stop_chars for v in value):
+        raise TritonError(f"each of {name} may have at most {CAPS.max_stop_chars} characters.")
+    return [v for v in value if v]
 
 
-def _number(fields: dict, name: str, kind: type, default: Any) -> Any:
-    value = fields.get(name, default)
+# Numeric inputs: (kind, lowest, highest) allowed; None = unbounded. Checked whether or not
+# the request ends up using them (a greedy request's temperature is still validated).
+_NUMBERS = {"max_tokens": (int, 1, None), "temperature": (float, 0.0, None),
+            "top_k": (int, 0, None), "top_p": (float, 0.0, 1.0),
+            "repetition_penalty": (float, None, None),
+            "presence_penalty": (float, -2.0, 2.0), "frequency_penalty": (float, -2.0, 2.0),
+            "min_tokens": (int, 0, None), "min_length": (int, 0, None),
+            "random_seed": (int, 0, 2**64 - 1), "seed": (int, 0, 2**64 - 1),
+            "end_id": (int, 0, None), "pad_id": (int, 0, None),
+            "beam_width": (int, 1, 1), "num_return_sequences": (int, 1, 1),
+            "length_penalty": (float, None, None)}
+_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
+             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+             "min_tokens": 0, "min_length": 0, "beam_width": 1, "num_return_sequences": 1}
+
+
+def _number(fields: dict, name: str, vocab_size: int) -> Any:
+    """The value of a numeric input (its default when absent), type- and range-checked."""
+    kind, low, high = _NUMBERS[name]
+    if name in ("end_id", "pad_id"):
+        high = vocab_size - 1
+    value = fields.get(name)
     if value is None:
-        return default
+        return _DEFAULTS.get(name)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     try:
         ok = ok and (kind is float or float(value).is_integer()) and math.isfinite(value)
@@ -67,64 +94,64 @@ def _number(fields: dict, name: str, kind: type, default: Any) -> Any:
         ok = kind is int and isinstance(value, int)
     if not ok:
         raise TritonError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
-                          f"got {value!r}.")
-    return kind(value)
+                          f"got {json.dumps(value)[:64]}.")
+    value = kind(value)
+    if name in ("beam_width", "num_return_sequences") and value != 1:
+        raise TritonError(f"{name} other than 1 is not supported by this server.")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = (f"in [{low}, {high}]" if high is not None else f"at least {low}")
+        raise TritonError(f"{name} must be {bounds}, got {value}.")
+    return value
 
 
-def parse(body: Any, state: ServerState) -> tuple[list[int], SamplingParams, dict]:
+def parse(body: Any) -> dict:
     """An HTTP generate body: inputs at the top level or inside `parameters`."""
     if not isinstance(body, dict):
         raise TritonError("The request body must be a JSON object.")
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise TritonError("parameters must be a JSON object.")
-    return parse_fields({**{k: v for k, v in body.items() if k != "parameters"}, **params},
-                        state)
+    return {**{k: v for k, v in body.items() if k != "parameters"}, **params}
 
 
-def parse_fields(fields: dict, state: ServerState) -> tuple[list[int], SamplingParams, dict]:
+async def parse_fields(fields: dict, state: ServerState
+                       ) -> tuple[list[int], SamplingParams, dict]:
     """TensorRT-LLM ensemble inputs (HTTP generate or gRPC tensors, as Python values) ->
-    prompt ids, sampling params and options (stream, log probs, echo)."""
+    prompt ids, sampling params and options (stream, log probs, echo). Every input is
+    checked before the prompt is tokenized (off the event loop when long)."""
     unknown = sorted(set(fields) - set(INPUTS))
     if unknown:
-        raise TritonError(f"unexpected inference input(s) {unknown}; accepted: "
+        raise TritonError(f"unexpected inference input(s) {unknown[:8]}; accepted: "
                           f"{', '.join(INPUTS)}.")
     text = fields.get("text_input")
     if not isinstance(text, str) or not text:
         raise TritonError("text_input is required and must be a non-empty string.")
-    if _number(fields, "beam_width", int, 1) != 1:
-        raise TritonError("beam_width other than 1 is not supported by this server.")
-    if _number(fields, "num_return_sequences", int, 1) != 1:
-        raise TritonError("num_return_sequences other than 1 is not supported by this server.")
     for flag in ("stream", "return_log_probs", "exclude_input_in_output"):
         if not isinstance(fields.get(flag, False), bool):
             raise TritonError(f"{flag} must be a boolean.")
-    ids = state.tokenizer.encode(text)
-    max_tokens = _number(fields, "max_tokens", int, 16)
-    if max_tokens < 1:
-        raise TritonError(f"max_tokens must be at least 1, got {max_tokens}.")
+    vocab = len(state.tokenizer)
+    num = {name: _number(fields, name, vocab) for name in _NUMBERS}
+    stop = _words(fields.get("stop_words"), "stop_words")
+    bad = _words(fields.get("bad_words"), "bad_words")
+    try:
+        ids = await state.prompts.encode(text, "text_input")
+    except PromptTooLong as exc:
+        raise TritonError(str(exc)) from None
+    max_tokens = num["max_tokens"]
     if len(ids) + max_tokens > state.max_model_len:
         raise TritonError(f"The prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
                           f"exceeds the model's context length ({state.max_model_len}).")
-    top_k = _number(fields, "top_k", int, 0)
-    top_p = _number(fields, "top_p", float, 0.0)
-    greedy = top_k in (0, 1) and top_p == 0.0  # TensorRT-LLM: no top-k/top-p means greedy
-    end_id = fields.get("end_id")
-    seed = fields.get("random_seed", fields.get("seed"))
+    greedy = num["top_k"] in (0, 1) and num["top_p"] == 0.0  # TensorRT-LLM: greedy then
+    seed = num["random_seed"] if num["random_seed"] is not None else num["seed"]
     try:
         sampling = SamplingParams(
-            temperature=0.0 if greedy else _number(fields, "temperature", float, 1.0),
-            top_k=top_k, top_p=top_p or 1.0, max_tokens=max_tokens,
-            min_tokens=min(_number(fields, "min_tokens", int, 0)
-                           or _number(fields, "min_length", int, 0), max_tokens),
-            repetition_penalty=_number(fields, "repetition_penalty", float, 1.0),
-            presence_penalty=_number(fields, "presence_penalty", float, 0.0),
-            frequency_penalty=_number(fields, "frequency_penalty", float, 0.0),
-            stop=_words(fields.get("stop_words"), "stop_words"),
-            bad_words=_words(fields.get("bad_words"), "bad_words"),
-            stop_token_ids=None if end_id is None else [_number(fields, "end_id", int, 0)],
-            seed=None if seed is None else _number(fields, "random_seed" if "random_seed"
-                                                   in fields else "seed", int, 0),
+            temperature=0.0 if greedy else num["temperature"],
+            top_k=num["top_k"], top_p=num["top_p"] or 1.0, max_tokens=max_tokens,
+            min_tokens=min(num["min_tokens"] or num["min_length"], max_tokens),
+            repetition_penalty=num["repetition_penalty"],
+            presence_penalty=num["presence_penalty"],
+            frequency_penalty=num["frequency_penalty"], stop=stop, bad_words=bad,
+            stop_token_ids=None if num["end_id"] is None else [num["end_id"]], seed=seed,
             logprobs=0 if fields.get("return_log_probs") else None)
     except ValueError as exc:
         raise TritonError(str(exc)) from None
@@ -156,11 +183,14 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             return error("The server is not accepting requests now (overloaded, shutting "
                          "down, or its engine stopped).", 503)
         try:
-            body = parse_json_object(await request.body())
-            ids, params, options = parse(body, state)
+            body = await read_body(request)
+            ids, params, options = await parse_fields(parse(body), state)
         except (BodyError, TritonError) as exc:
             reservation.cancel()
             return error(getattr(exc, "message", str(exc)), getattr(exc, "status", 400))
+        except BaseException:
+            reservation.cancel()
+            raise
         head = {"model_name": model, "model_version": "1"}
         stream = state.engine.generate(ids, params, reservation=reservation)
         if streaming:

@@ -31,9 +31,12 @@ from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker
 from tokenmill.entrypoints.kserve import tensors
 from tokenmill.entrypoints.kserve.ensemble import ensemble_fields, ensemble_metadata
+from tokenmill.metrics import REJECT_STATUS
 
 SEED_MODEL = "model"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
+# Refusals counted in the rejection metric (UNAVAILABLE is counted where it is decided).
+_REJECT_REASONS = {_INVALID: "invalid", grpc.StatusCode.NOT_FOUND: "not_found"}
 
 
 class GrpcError(Exception):
@@ -177,13 +180,26 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _run(self, request: pb.ModelInferRequest,
                    streaming: bool) -> AsyncIterator[pb.ModelInferResponse]:
+        """The responses of one request; a refusal is counted in the rejection metric."""
         state = self.get_state()
+        try:
+            async for response in self._responses(request, streaming, state):
+                yield response
+        except GrpcError as exc:
+            reason = _REJECT_REASONS.get(exc.code)
+            if state is not None and reason is not None:
+                state.reject(reason)
+            raise
+
+    async def _responses(self, request: pb.ModelInferRequest, streaming: bool,
+                         state: ServerState | None) -> AsyncIterator[pb.ModelInferResponse]:
         if state is None:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, "The server is not ready yet.")
         if not self._known(request.model_name):
             raise GrpcError(grpc.StatusCode.NOT_FOUND,
                             f"Request for unknown model: '{request.model_name}' is not found")
         if state.draining or state.engine.dead is not None:
+            state.reject("not_ready")
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, "The server is shutting down or its "
                             "engine stopped.")
         empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
@@ -222,29 +238,33 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise GrpcError(_INVALID, f"input 'IN': {exc}") from None
         if not isinstance(tasks, list) or len(tasks) != 1 or not isinstance(tasks[0], dict):
             n = len(tasks) if isinstance(tasks, list) else 0
-            yield self._seed_error(None, "request data should not be empty and query num "
-                                         f"{n} should be 1", 400), True
+            yield self._seed_error(state, None, "request data should not be empty and query "
+                                   f"num {n} should be 1", 400), True
             return
         body = tasks[0]
         if body.get("req_id") in (None, "") and request.id:
             body["req_id"] = request.id
         if body.get("req_id") in (None, ""):
-            yield self._seed_error(None, "The input parameters should contain `req_id`.",
-                                   400), True
+            yield self._seed_error(state, None, "The input parameters should contain "
+                                   "`req_id`.", 400), True
             return
         try:
             req = await native_api.admit(body, state)
         except native_api.NativeError as exc:
             if exc.status == 503:
                 raise GrpcError(grpc.StatusCode.UNAVAILABLE, exc.message) from None
-            yield self._seed_error(body.get("req_id"), exc.message, exc.status), True
+            try:
+                req_id = native_api.request_id(body)
+            except native_api.NativeError:
+                req_id = None  # never echo an id that was refused
+            yield self._seed_error(state, req_id, exc.message, exc.status), True
             return
         only_final = req.return_all_tokens or not streaming
         async with contextlib.aclosing(native_api.stream_messages(req, state)) as messages:
             async for message in messages:
                 last = bool(message.get("is_end") or message.get("error_code"))
                 if message.get("error_code"):
-                    yield self._seed_error(req.req_id, message["error_msg"],
+                    yield self._seed_error(state, req.req_id, message["error_msg"],
                                            message["error_code"]), True
                     return
                 if only_final and not last:
@@ -253,7 +273,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 yield [tensors.bytes_output("OUT", [payload], [1])], last
 
     @staticmethod
-    def _seed_error(req_id, message: str, code: int):
+    def _seed_error(state: ServerState, req_id, message: str, code: int):
+        if code in REJECT_STATUS:
+            state.reject(REJECT_STATUS[code])
         payload = json.dumps({"req_id": req_id, "error_msg": message, "error_code": code},
                              ensure_ascii=False).encode()
         return [tensors.bytes_output("OUT", [payload], [1])]
@@ -262,7 +284,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """Yields (outputs, is_last) for the TensorRT-LLM-style models."""
         try:
             fields, out_shape = ensemble_fields(inputs)
-            ids, params, options = triton_api.parse_fields(fields, state)
+            ids, params, options = await triton_api.parse_fields(fields, state)
         except (ValueError, triton_api.TritonError) as exc:
             raise GrpcError(_INVALID, getattr(exc, "message", str(exc))) from None
         reservation = state.try_admit(1)
