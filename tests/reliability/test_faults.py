@@ -453,3 +453,42 @@ def test_startup_failures_exit_nonzero_with_a_clear_message(model, tmp_path):
             assert str(busy.ports["port"]) in output and "Traceback" not in output
         finally:
             busy.stop()
+
+
+def test_a_slow_engine_step_is_not_taken_for_a_stall(model, tmp_path):
+    """A step far longer than CHECK_HEALTH_INTERVAL that is making progress is not a stall:
+    every forward is slowed in proportion to its tokens (5 ms a token, as a busy CPU slows
+    it), so a 600-token prompt's step runs >= 3 s against a 1 s interval. The request
+    completes, readiness stays true throughout, and SIGTERM still ends the server with 0.
+    (Before the heartbeat thread, the supervisor took that step for a dead engine.)"""
+    served = faulty(model, tmp_path, "slow:5")
+    served.env["CHECK_HEALTH_INTERVAL"] = "1"
+    with served.running():
+        warm = httpx.post(served.api + COMPLETIONS, json=long_body(0, 4), timeout=60)
+        assert warm.status_code == 200, warm.text
+        probes: list[int] = []
+        done = threading.Event()
+
+        def probe() -> None:
+            while not done.is_set() and len(probes) < 10_000:
+                probes.append(httpx.get(served.health + "/v2/health/ready",
+                                        timeout=30).status_code)
+                done.wait(0.1)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        start = time.monotonic()
+        body = {"model": "tiny", "prompt": [10 + i % 300 for i in range(600)], "max_tokens": 4,
+                "ignore_eos": True, "temperature": 0}
+        resp = httpx.post(served.api + COMPLETIONS, json=body, timeout=120)
+        took = time.monotonic() - start
+        done.set()
+        prober.join(60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 4
+        assert took >= 3.0  # the slow step really outlasted the interval three times
+        assert probes and set(probes) == {200}, probes
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(60) == 0
+    output = served.process.stdout.read().decode()
+    assert "declared dead" not in output and "engine core died" not in output, output[-2000:]

@@ -10,7 +10,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.metrics import Metrics
@@ -49,11 +52,11 @@ class AsyncLLM:
         self.eos_token_ids = eos_token_ids
         self.processor = OutputProcessor(tokenizer)
         self.stats = SchedulerStats()
-        self.last_heartbeat = time.monotonic()
-        self.dead_after_s = dead_after_s
+        self.liveness = Liveness(dead_after_s)
         self._queues: dict[str, asyncio.Queue] = {}
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
+        self._heartbeat_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self._num_sequences = 0  # engine sequences (n per request) of in-flight requests
         self.num_aborted = 0  # requests left before they finished (client gone, cancelled)
@@ -67,11 +70,20 @@ class AsyncLLM:
         self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
         if self.metrics is not None:  # every gauge has a value before the first heartbeat
             self.metrics.observe_stats(self.stats)
+        self.liveness.seen()
         self._loop_task = asyncio.create_task(self._output_loop())
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
 
     def is_alive(self) -> bool:
-        return (self.dead is None
-                and time.monotonic() - self.last_heartbeat < self.dead_after_s)
+        """Not dead, heard from lately, and no step past its stall limit."""
+        return self.dead is None and self.liveness.problem() is None
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                self.liveness.beat(await self.client.get_heartbeat())
+            except msgspec.DecodeError:  # not a heartbeat: ignore it
+                continue
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, prompt: str | None = None,
@@ -139,7 +151,7 @@ class AsyncLLM:
         try:
             while True:
                 batch = await self.client.get_output()
-                self.last_heartbeat = time.monotonic()
+                self.liveness.seen()
                 if batch.stats is not None:
                     self.stats = batch.stats
                     if self.metrics is not None:
@@ -185,18 +197,22 @@ class AsyncLLM:
             queue.put_nowait(error)
 
     async def check_health(self) -> None:
-        """Marks the engine dead when its heartbeat stopped; in-flight requests get the error."""
-        if self.dead is None and not self.is_alive():
+        """Marks the engine dead when its heartbeats stopped or a step stalled (see
+        `engine/liveness.py`); in-flight requests get the error."""
+        problem = self.liveness.problem() if self.dead is None else None
+        if problem is not None:
+            logger.error("engine core declared dead: %s", problem)
             self.fail_all(EngineDeadError("The engine core stopped responding."))
 
     async def shutdown(self, stop_core: bool = False) -> None:
         if stop_core and self.dead is None:
             with contextlib.suppress(Exception):
                 await self.client.shutdown_core()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        for task in (self._loop_task, self._heartbeat_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.client.close()
 
 

@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.engine_core_proc import INFO, OUTPUTS, run_engine_core
+from tokenmill.engine.engine_core_proc import INFO, OUTPUTS, heartbeat_address, run_engine_core
+from tokenmill.engine.liveness import EngineHeartbeat
 from tokenmill.engine.protocol import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -80,8 +81,14 @@ class AsyncMPClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTING_ID, f"client-{uuid.uuid4().hex}".encode())
         self.socket.connect(address)
+        self.heartbeats = self.context.socket(zmq.SUB)
+        self.heartbeats.setsockopt(zmq.LINGER, 0)
+        self.heartbeats.setsockopt(zmq.SUBSCRIBE, b"")
+        self.heartbeats.setsockopt(zmq.RCVHWM, 4)  # only the latest few matter
+        self.heartbeats.connect(heartbeat_address(address))
         self.encoder = msgspec.msgpack.Encoder()
         self.decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+        self.decode_heartbeat = msgspec.msgpack.Decoder(EngineHeartbeat).decode
         self.info: EngineCoreInfo | None = None
 
     async def connect(self) -> EngineCoreInfo:
@@ -112,9 +119,13 @@ class AsyncMPClient:
             if kind == OUTPUTS:
                 return self.decode_outputs(payload)
 
+    async def get_heartbeat(self) -> EngineHeartbeat:
+        return self.decode_heartbeat(await self.heartbeats.recv())
+
     async def shutdown_core(self) -> None:
         await self._send(RequestType.SHUTDOWN, b"")
 
     def close(self) -> None:
+        self.heartbeats.close(0)
         self.socket.close(0)
         self.context.term()

@@ -6,6 +6,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loader import load_hf_config
 
@@ -47,6 +48,7 @@ class EngineCore:
                             max_model_len=self.max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache)
+        self.clock = StepClock()  # step timings for the engine's heartbeat
 
     def add_request(self, request: EngineCoreRequest) -> None:
         n_prompt = len(request.prompt_token_ids)
@@ -91,7 +93,11 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         step = self.scheduler.schedule()
-        result = self.runner.execute(step)
+        self.clock.start(step.num_batched_tokens)
+        try:
+            result = self.runner.execute(step)
+        finally:
+            self.clock.stop()
         updated = self.scheduler.update_from_output(step, result.sampled)
         outputs = []
         for request in updated:

@@ -2,13 +2,16 @@
 
 API processes connect DEALER sockets (one per HTTP worker); every message is msgspec-encoded,
 never pickled. The core remembers which client owns each request and sends each client only
-its outputs, plus a stats heartbeat while idle so clients can tell a live loop from a dead one."""
+its outputs, plus its stats while idle. A thread of its own publishes an `EngineHeartbeat`
+every HEARTBEAT_S on a second socket (PUB), however long a step runs, so clients can tell a
+busy engine from a dead or stalled one (`engine/liveness.py`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -18,6 +21,7 @@ import zmq
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import FinishReason
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.liveness import HEARTBEAT_S
 from tokenmill.engine.protocol import (
     EngineCoreInfo,
     EngineCoreOutput,
@@ -28,8 +32,15 @@ from tokenmill.engine.protocol import (
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 0.5
 OUTPUTS, INFO = b"O", b"I"  # first frame of core -> client messages
+
+
+def heartbeat_address(address: str) -> str:
+    """Where the heartbeats of the engine core at `address` are published."""
+    if address.startswith("ipc://"):
+        return address.rsplit("/", 1)[0] + "/heartbeat.sock"
+    host, port = address.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
 
 
 class EngineCoreProc:
@@ -49,6 +60,25 @@ class EngineCoreProc:
                                    vocab_size=core.hf_config.vocab_size,
                                    max_num_seqs=core.config.max_num_seqs)
         self._last_sent = 0.0
+        self._beating = threading.Event()
+        self._beater = threading.Thread(target=self._beat, args=(heartbeat_address(address),),
+                                        name="tokenmill-heartbeat", daemon=True)
+        self._beater.start()
+
+    def _beat(self, address: str) -> None:
+        """The heartbeat thread: its own PUB socket (ZMQ sockets are not shared across
+        threads); it only reads the step clock's current tuple."""
+        socket = zmq.Context.instance().socket(zmq.PUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(address)
+        encode = msgspec.msgpack.Encoder().encode
+        while not self._beating.wait(HEARTBEAT_S):
+            socket.send(encode(self.core.clock.heartbeat()))
+        socket.close(0)
+
+    def stop_heartbeat(self) -> None:
+        self._beating.set()
+        self._beater.join(2 * HEARTBEAT_S)
 
     def run(self) -> None:
         parent = os.getppid()
@@ -136,4 +166,7 @@ def run_engine_core(config: EngineConfig, model_path: str, address: str,
         raise SystemExit(1) from None
     ready.send(("ready", msgspec.msgpack.encode(proc.info)))
     ready.close()
-    proc.run()
+    try:
+        proc.run()
+    finally:
+        proc.stop_heartbeat()

@@ -2,7 +2,9 @@
 PYTHONPATH, so every Python process of a test server runs it at start-up, the engine-core
 process included). TOKENMILL_TEST_FAULT=crash:N or hang:N: from the (N+1)-th forward step on,
 the model forward raises or sleeps forever, like vLLM's `evil_forward` tests;
-TOKENMILL_TEST_FAULT_STAMP=FILE records when the fault struck."""
+TOKENMILL_TEST_FAULT_STAMP=FILE records when the fault struck. slow:MS: every forward step
+takes MS milliseconds longer per token it computes (an engine slowed down, as a busy CPU
+slows it, but making progress)."""
 
 import os
 
@@ -18,6 +20,9 @@ if _SPEC:
     _calls = [0]
 
     def _faulty_execute(self, step):
+        if _kind == "slow":
+            time.sleep(step.num_batched_tokens * float(_after) / 1000)
+            return _original(self, step)
         _calls[0] += 1
         if _calls[0] > int(_after):
             stamp = os.environ.get("TOKENMILL_TEST_FAULT_STAMP")
