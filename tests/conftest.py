@@ -59,7 +59,10 @@ def server_thread(engine_address):
 def long_server(tiny_models):
     """Like `server_thread`, over the tiny long-context model with room for HOLD_TOKENS:
     for tests that need a request still running when they look (disconnects, timeouts)."""
-    with service_over_engine(tiny_models("llama_long")[0], max_dec_len=HOLD_TOKENS) as thread:
+    from tokenmill.metrics import Metrics
+
+    with service_over_engine(tiny_models("llama_long")[0], metrics=Metrics("tiny", 256),
+                             max_dec_len=HOLD_TOKENS) as thread:
         yield thread
 
 

@@ -164,6 +164,17 @@ BAD = [
         "min_tokens", "INT32", [1], int_contents=[2])), "end_id"),
     ("top-k-int64-max", request("ensemble", TEXT, MAX_TOKENS, tensor(
         "top_k", "UINT64", [1], uint64_contents=[2**64 - 1])), "top_k"),
+    # caps and ranges the HTTP routes apply too
+    ("bad-words-40000", request("ensemble", TEXT, MAX_TOKENS, tensor(
+        "bad_words", "BYTES", [40_000], bytes_contents=[b"w%d" % i for i in range(40_000)])),
+     "bad_words may have at most 16 entries"),
+    ("greedy-negative-temperature", request("ensemble", TEXT, MAX_TOKENS, tensor(
+        "temperature", "FP32", [1], fp32_contents=[-1.0])), "temperature"),
+    ("seed-message-role-int", seed_in(json.dumps([{"messages": [{"role": 3, "content": "x"}],
+                                                   "req_id": "m"}]).encode()),
+     "`messages[0].role` must be a string"),
+    ("seed-req-id-object", seed_in(json.dumps([{"text": "x", "req_id": {"a": 1}}]).encode()),
+     "`req_id` must be a string"),
 ]
 
 
@@ -286,3 +297,14 @@ def test_repeated_bad_requests_leak_nothing_and_server_stays_healthy(served, stu
     assert httpx.get(served.health + "/v2/health/ready", timeout=10).status_code == 200
     code, _ = unary_status(stub, seed_in(GOOD_SEED))
     assert code == grpc.StatusCode.OK
+
+
+def test_a_message_over_the_size_limit_is_refused_by_grpc_itself(served, stub, client):
+    """10 MB of text_input: gRPC refuses the message (RESOURCE_EXHAUSTED) before any of our
+    code reads it; the server is as ready as before."""
+    huge = request("ensemble", tensor("text_input", "BYTES", [1],
+                                      bytes_contents=[b"a" * (10 << 20)]), MAX_TOKENS)
+    code, _ = unary_status(stub, huge)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, code
+    assert client.is_server_ready()
+    assert unary_status(stub, seed_in(GOOD_SEED))[0] == grpc.StatusCode.OK

@@ -20,7 +20,11 @@ def test_streamed_text_equals_non_streamed_and_offline(server, engine_address):
     body = {"text": "The quick brown fox", "temperature": 0, "max_dec_len": 12,
             "req_id": "s-1"}
     lines = stream_lines(server, body)
-    assert [m["send_idx"] for m in lines[:-1]] == list(range(len(lines) - 1))
+    # send_idx counts the tokens of the lines before it, on every line; the seed's last line
+    # carries no token, so its send_idx is the total.
+    before = [sum(len(m["token_ids"]) for m in lines[:i]) for i in range(len(lines))]
+    assert [m["send_idx"] for m in lines] == before
+    assert lines[-1]["token"] == "" and lines[-1]["token_ids"] == []
     assert all(m["is_end"] == 0 and m["error_code"] == 0 and m["error_msg"] == ""
                for m in lines[:-1])
     last = lines[-1]
