@@ -157,13 +157,14 @@ def _parse_len(text: str) -> int:
     return int(t)
 
 
-def make_serve_parser():
+def make_serve_parser(prog: str = "tokenmill serve", description: str | None = None):
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="tokenmill serve",
-        description="Serve a model over the native, OpenAI and Triton-generate HTTP APIs. "
-                    "Flags override the seed's environment variables, which override defaults.")
+        prog=prog,
+        description=description or "Serve a model over the native, OpenAI and Triton-generate "
+                    "HTTP APIs and KServe gRPC. Flags override the seed's environment "
+                    "variables, which override defaults.")
     a = p.add_argument
     a("model", nargs="?", default=None,
       help="HF directory or .gguf file (env MODEL_DIR; default: bundled SmolLM2-135M)")
@@ -258,13 +259,14 @@ class _Env:
         return found[1] == "1"
 
 
-def build_server_config(argv: list[str], environ=None) -> ServerConfig:
-    """Defaults, then the seed's environment variables, then flags; validated."""
+def build_server_config(argv: list[str], environ=None, **parser_text: str) -> ServerConfig:
+    """Defaults, then the seed's environment variables, then flags; validated. `parser_text`:
+    the `prog` and `description` of the --help text."""
     import math
     import os
 
     environ = os.environ if environ is None else environ
-    args = make_serve_parser().parse_args(argv)
+    args = make_serve_parser(**parser_text).parse_args(argv)
     env = _Env(environ)
 
     def pick(flag, env_value, default=None):

@@ -30,8 +30,10 @@ def resolve_model_path(model: str | None) -> str:
         from tokenmill.gguf_loader import default_model_path
         return default_model_path()
     if not os.path.exists(model):
-        raise FileNotFoundError(f"Model path {model!r} does not exist (give a local HF "
-                                "directory or a .gguf file; `tokenmill download` fetches one).")
+        raise FileNotFoundError(f"Model path {model!r} does not exist: give a local Hugging "
+                                "Face model directory (config.json, *.safetensors, tokenizer "
+                                "files) or a .gguf file, e.g. one fetched with "
+                                "`huggingface-cli download ORG/NAME --local-dir DIR`.")
     if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
         if len(ggufs) == 1:

@@ -54,13 +54,18 @@ async def drain(state: ServerState, timeout_s: float) -> None:
     Those still running at the deadline end with an error response (503 / a stream's error
     event), and their handlers get a moment to send it before the servers close."""
     state.draining = True
-    await _until_idle(state, time.monotonic() + timeout_s)
+    started = time.monotonic()
+    logger.info("draining: %d in-flight request(s), waiting up to %g s",
+                state.engine.num_in_flight(), timeout_s)
+    await _until_idle(state, started + timeout_s)
     if state.engine.num_in_flight():
         logger.warning("shutdown timeout: ending %d in-flight request(s)",
                        state.engine.num_in_flight())
         state.engine.end_all(ShutdownError("The server shut down before the request "
                                            "finished."))
         await _until_idle(state, time.monotonic() + 2.0)
+    else:
+        logger.info("drained in %.1f s", time.monotonic() - started)
 
 
 async def _until_idle(state: ServerState, deadline: float) -> None:

@@ -8,6 +8,7 @@ SIGKILL whatever is left of its process group; no name-matching kills."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -27,7 +28,11 @@ def _pid_path(log_dir: str) -> str:
 def start_server_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        config = build_server_config(argv)
+        config = build_server_config(
+            argv, prog="start_server",
+            description="Start `tokenmill serve` in the background (its own process group; "
+                        "logs in LOG_DIR/server.log, PID in LOG_DIR/server.pid) with the same "
+                        "flags and environment variables. Stop it with stop_server.")
         check_ports_free(config)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"{exc}\n")
@@ -43,7 +48,8 @@ def start_server_main(argv: list[str] | None = None) -> int:
         f.write(str(process.pid))
     sys.stdout.write(f"tokenmill server starting (pid {process.pid}); logs: {log_path}; "
                      f"service port {config.port}, health port {config.health_port}, "
-                     f"metrics port {config.metrics_port}. Stop it with stop_server.\n")
+                     f"metrics port {config.metrics_port}, gRPC port {config.grpc_port}. "
+                     "Stop it with stop_server.\n")
     return 0
 
 
@@ -63,10 +69,22 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _stop_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stop_server",
+        description="Stop the server start_server started (PID in LOG_DIR/server.pid): SIGTERM "
+                    "(it drains in-flight requests), then after TIMEOUT seconds SIGKILL "
+                    "whatever is left of its process group.")
+    parser.add_argument("timeout", nargs="?", type=float, default=300.0,
+                        help="seconds to wait for the drain before killing (default 300)")
+    return parser
+
+
 def stop_server_main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    args = _stop_parser().parse_args(argv)  # --help and a bad TIMEOUT exit here (0 / 2)
+    timeout = args.timeout
     try:
-        timeout = float(argv[0]) if argv else 300.0
         log_dir = build_server_config([]).log_dir
     except ValueError as exc:
         sys.stderr.write(f"stop_server: {exc}\n")

@@ -59,6 +59,8 @@ class ServeProcess:
                              config.health_port)
         servers, tasks = [health], [asyncio.create_task(health.serve())]
         model_path = resolve_model_path(config.engine.model)
+        logger.info("loading %s (health port %d answers meanwhile)", model_path,
+                    config.health_port)
         start = loop.run_in_executor(None, start_engine_core_process, config.engine, model_path)
         stop_wait = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([start, stop_wait], return_when=asyncio.FIRST_COMPLETED)
@@ -107,6 +109,8 @@ class ServeProcess:
             watchdog = asyncio.create_task(self._watch(process, state))
             await self.stop.wait()
             watchdog.cancel()
+            if self.exit_code == 0:
+                logger.info("shutting down: readiness is false, new requests get 503")
             await self._drain(state)
         finally:
             if grpc_server is not None:
@@ -208,4 +212,6 @@ def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_ports_free(config)
-    return asyncio.run(ServeProcess(config).run())
+    code = asyncio.run(ServeProcess(config).run())
+    logger.info("tokenmill stopped (exit code %d)", code)
+    return code

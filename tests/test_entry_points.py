@@ -1,0 +1,38 @@
+"""Every command a newcomer may type answers `--help` (exit 0, a usage line), and a bad
+argument is a usage error, not a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+_CLI = [sys.executable, "-m", "tokenmill.entrypoints.cli"]
+_LAUNCHER = [sys.executable, "-c", "import sys; from tokenmill.entrypoints.launcher import "
+             "{}; sys.exit({}(sys.argv[1:]))"]
+
+
+def launcher(name: str) -> list[str]:
+    return [*_LAUNCHER[:2], _LAUNCHER[2].format(name, name)]
+
+
+@pytest.mark.parametrize("command,usage", [
+    (_CLI, "usage: tokenmill"), ([*_CLI, "serve"], "usage: tokenmill serve"),
+    ([*_CLI, "generate"], "usage: tokenmill generate"),
+    ([*_CLI, "quantize"], "usage: tokenmill quantize"),
+    ([*_CLI, "bench", "offline"], "usage: offline_throughput.py"),
+    ([*_CLI, "bench", "serve"], "usage: serve_load.py"),
+    (launcher("start_server_main"), "usage: start_server"),
+    (launcher("stop_server_main"), "usage: stop_server"),
+], ids=["tokenmill", "serve", "generate", "quantize", "bench-offline", "bench-serve",
+        "start_server", "stop_server"])
+def test_every_entry_point_answers_help(command, usage):
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(usage), done.stdout[:200]
+
+
+def test_stop_server_with_a_bad_timeout_is_a_usage_error(tmp_path):
+    done = subprocess.run([*launcher("stop_server_main"), "soon"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "invalid float value: 'soon'" in done.stderr
+    assert "Traceback" not in done.stderr
