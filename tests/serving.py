@@ -27,8 +27,23 @@ DRAIN_TOKENS = 3_000
 # Ports for test servers come from below the kernel's ephemeral range (32768+ here), walked
 # once per process: asking the kernel for port 0 can hand out the same port twice in a row (a
 # CI run started a server whose metrics and gRPC ports were one port), and any client socket
-# may take an ephemeral port between the pick and the server's bind.
-_PORT_LOW, _PORT_HIGH = 20_000, 32_000
+# may take an ephemeral port between the pick and the server's bind. TOKENMILL_TEST_PORTS=LOW-HIGH
+# moves the range (services of yours live there, or two suites run at once).
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise ValueError(f"TOKENMILL_TEST_PORTS must be LOW-HIGH, e.g. 20000-32000, got "
+                         f"{text!r}") from None
+    if not 1024 <= low < high <= 65536 or high - low < 64:
+        raise ValueError(f"TOKENMILL_TEST_PORTS {text!r}: need 1024 <= LOW, LOW + 64 <= HIGH "
+                         "<= 65536")
+    return low, high
+
+
+_PORT_LOW, _PORT_HIGH = _port_range(os.environ.get("TOKENMILL_TEST_PORTS") or "20000-32000")
 _next_port = _PORT_LOW + (os.getpid() * 97) % (_PORT_HIGH - _PORT_LOW)
 _port_lock = threading.Lock()
 
