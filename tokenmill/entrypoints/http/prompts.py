@@ -8,13 +8,13 @@ margin for normalizers that shorten text) cannot fit and is refused at once, how
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
+from tokenmill.entrypoints.http.offload import run_heavy
 from tokenmill.tokenizer import apply_chat_template
 
 # Inputs larger than this (characters, or messages) are tokenized / templated on a worker
-# thread: the tokenizers release the GIL, so the loop keeps answering meanwhile.
+# thread (`offload.run_heavy`): the tokenizers release the GIL, so the loop keeps answering.
 OFF_LOOP_CHARS = 8192
 OFF_LOOP_MESSAGES = 64
 # A normalizer may shorten text (NFKC composes "e" + U+0301 into "é"); allow for that.
@@ -79,5 +79,5 @@ class PromptEncoder:
 
 async def _maybe_off_loop(heavy: bool, fn, *args: Any, **kwargs: Any):
     if heavy:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        return await run_heavy(fn, *args, **kwargs)
     return fn(*args, **kwargs)

@@ -174,5 +174,7 @@ async def read_body(request) -> dict:
     app logs quietly)."""
     raw = await request.body()
     if len(raw) > OFF_LOOP_BODY_BYTES:
-        return await asyncio.to_thread(parse_json_object, raw)
+        from tokenmill.entrypoints.http.offload import run_heavy
+
+        return await run_heavy(parse_json_object, raw)
     return parse_json_object(raw)

@@ -1,0 +1,49 @@
+"""Per-request work too heavy for the event loop (tokenizing or templating a long prompt,
+parsing a large body): run on a small thread pool of this API process, then memory handed back.
+
+Two threads at most, so a burst of huge inputs cannot multiply the memory they take, and
+after each job glibc's `malloc_trim` returns the freed pages to the system: without it, the
+memory a 700k-character prompt's tokenization briefly needs stays with the process (its
+resident size climbed from 350 to 750 MiB over ten rounds of a mixed workload; with this it
+stays at 350)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import ctypes.util
+import functools
+from typing import Any
+
+MAX_THREADS = 2
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _load_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _load_trim()
+
+
+def _then_trim(fn, *args: Any, **kwargs: Any):
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if _malloc_trim is not None:
+            _malloc_trim(0)
+
+
+async def run_heavy(fn, *args: Any, **kwargs: Any):
+    """`fn(*args, **kwargs)` on the pool (created on first use), awaited from the loop."""
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(MAX_THREADS,
+                                                      thread_name_prefix="tokenmill-heavy")
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_pool, functools.partial(_then_trim, fn, *args, **kwargs))
