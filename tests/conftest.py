@@ -73,6 +73,18 @@ def server(server_thread):
 
 
 @pytest.fixture(scope="session")
+def served_llama(tiny_models, tmp_path_factory):
+    """One `tokenmill serve` process tree over the tiny llama (64 sequences), shared by the
+    test modules that only talk to it (each process start costs seconds, minutes on a busy
+    machine); tests that stop, kill or reconfigure a server start their own."""
+    from tests.serving import Served
+
+    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("served"),
+                "--max-num-seqs", "64").running() as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
 def offline_llm(engine_address):
     from tokenmill import LLM
 

@@ -203,7 +203,9 @@ class Served:
         except httpx.TransportError:
             return False
 
-    def wait_ready(self, timeout=120.0):
+    # Start-up bounds only guard against a hang: a busy shared machine may take minutes to
+    # import torch and load the model in a fresh process.
+    def wait_ready(self, timeout=300.0):
         assert wait_until(lambda: self.ready() or self.process.poll() is not None, timeout)
         assert self.process.poll() is None, self.process.stdout.read().decode()[-3000:]
 
@@ -211,7 +213,7 @@ class Served:
         return all(port_free(p) for p in self.ports.values())
 
     @contextlib.contextmanager
-    def running(self, timeout=120.0):
+    def running(self, timeout=300.0):
         """Started and ready inside the block; stopped after it, whatever happened."""
         self.start()
         try:

@@ -1,7 +1,9 @@
 """Assertions every reliability test shares: the one error shape (P4) and no leaks (S5)."""
 
+import contextlib
 import json
 import re
+import threading
 
 # Absolute paths, tracebacks and object addresses never belong in a response body.
 _LEAKS = re.compile(r"Traceback|File \"|/home/|/tmp/|/work/|/usr/|site-packages| at 0x")
@@ -52,3 +54,54 @@ def sse_events(lines) -> tuple[list[dict], int]:
         assert done == 0, "event after [DONE]"
         events.append(json.loads(data))
     return events, done
+
+
+@contextlib.contextmanager
+def engine_calls(server_thread):
+    """Records every request a service app (in this process) hands its engine: a refusal
+    "before any work" is one that leaves this list empty, however slow the machine."""
+    engine = server_thread.app.state.server.engine
+    calls: list = []
+    original = engine.generate
+
+    def recording(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    engine.generate = recording
+    try:
+        yield calls
+    finally:
+        del engine.generate  # the class's method again
+
+
+class BlockingTokenizer:
+    """Delegates to the real tokenizer; a long encode waits until the test releases it."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text, *args, **kwargs):
+        if len(text) > 8192:
+            self.entered.set()
+            self.release.wait(60)
+        return self.real.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __len__(self):
+        return len(self.real)
+
+
+@contextlib.contextmanager
+def blocking_tokenizer(server_thread):
+    prompts = server_thread.app.state.server.prompts
+    real = prompts.tokenizer
+    prompts.tokenizer = blocking = BlockingTokenizer(real)
+    try:
+        yield blocking
+    finally:
+        blocking.release.set()
+        prompts.tokenizer = real

@@ -4,7 +4,6 @@ every Triton input type- and range-checked, each route family's own error shape 
 fields refused, and tokenizing / templating kept off the event loop the health answers share
 (shown by a tokenizer that blocks until the test has had its health answer)."""
 
-import contextlib
 import logging
 import socket
 import threading
@@ -12,7 +11,7 @@ import threading
 import httpx
 import pytest
 
-from tests.reliability.checks import assert_no_leak, assert_openai_error
+from tests.reliability.checks import assert_no_leak, assert_openai_error, blocking_tokenizer
 from tests.serving import ServerThread, free_port, wait_until
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -192,38 +191,6 @@ def test_known_unsupported_fields_are_refused_by_name(server, field, value):
 
 
 # Off the event loop -------------------------------------------------------------------------------
-class BlockingTokenizer:
-    """Delegates to the real tokenizer; a long encode waits until the test releases it."""
-
-    def __init__(self, real) -> None:
-        self.real = real
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def encode(self, text, *args, **kwargs):
-        if len(text) > 8192:
-            self.entered.set()
-            self.release.wait(60)
-        return self.real.encode(text, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-    def __len__(self):
-        return len(self.real)
-
-
-@contextlib.contextmanager
-def blocking_tokenizer(server_thread):
-    prompts = server_thread.app.state.server.prompts
-    real = prompts.tokenizer
-    prompts.tokenizer = blocking = BlockingTokenizer(real)
-    try:
-        yield blocking
-    finally:
-        blocking.release.set()
-        prompts.tokenizer = real
-
-
 @pytest.mark.parametrize("route", ["openai", "chat", "native", "native-messages", "triton"])
 def test_long_inputs_are_tokenized_while_the_loop_answers(server, server_thread, route):
     text = "hello world " * 1000  # 12,000 characters: a worker thread's job

@@ -18,15 +18,13 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.reliability.checks import assert_no_leak
-from tests.serving import Served
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.fixture(scope="module")
-def served(tiny_models, tmp_path_factory):
-    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("kserve")).running() as s:
-        yield s
+def served(served_llama):
+    return served_llama
 
 
 @pytest.fixture(scope="module")

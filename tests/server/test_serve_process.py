@@ -88,7 +88,8 @@ def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
 
 
 def test_ctrl_c_drains_in_flight_requests_then_exits_cleanly(model, tmp_path):
-    served = Served(model, tmp_path, "--shutdown-timeout", "60", "--num-kv-blocks", "200",
+    # The drain timeout only has to outlast the stream, however slow the machine.
+    served = Served(model, tmp_path, "--shutdown-timeout", "600", "--num-kv-blocks", "200",
                     "--block-size", "16").start()
     try:
         served.wait_ready()
@@ -113,18 +114,19 @@ def test_ctrl_c_drains_in_flight_requests_then_exits_cleanly(model, tmp_path):
         refused = httpx.post(served.api + "/v1/completions",
                              json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert refused.status_code == 503
-        t.join(120)
+        t.join(600)
         assert chunks[-1] == "[DONE]"
         finals = [json.loads(c) for c in chunks[:-1]]
+        assert "choices" in finals[-1], finals[-1]
         assert finals[-1]["choices"][0]["finish_reason"] == "length"
-        assert served.process.wait(60) == 0
+        assert served.process.wait(120) == 0
         log = served.process.stdout.read().decode()
         for line in ("shutting down: readiness is false", "draining: 1 in-flight request(s)",
                      "drained in", "tokenmill stopped (exit code 0)"):
             assert line in log, log[-3000:]
         # (multiprocessing's resource tracker leaves a moment after its parent)
-        assert wait_until(lambda: not any(alive(pid) for pid in kids), 10)
-        assert wait_until(served.ports_free, 10)
+        assert wait_until(lambda: not any(alive(pid) for pid in kids), 60)
+        assert wait_until(served.ports_free, 60)
     finally:
         served.stop()
 
@@ -142,18 +144,20 @@ def test_engine_death_fails_requests_fast_and_exits_nonzero(model, tmp_path):
         for pid in children(served.process.pid):
             os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        t.join(30)
-        assert time.monotonic() - killed < 5
+        t.join(300)  # bounds a hang only
+        print(f"engine killed: the stream's error came {time.monotonic() - killed:.2f} s later")
+        # Ended by the engine's death, long before its HOLD_TOKENS could have been generated.
         errors = [json.loads(c) for c in chunks if c.startswith('{"error"')]
         assert errors and errors[0]["error"]["code"] == 503
-        assert served.process.wait(30) == 1
-        assert wait_until(served.ports_free, 10)
+        assert len(chunks) < HOLD_TOKENS // 2
+        assert served.process.wait(60) == 1
+        assert wait_until(served.ports_free, 60)
     finally:
         served.stop()
 
 
 def test_start_server_and_stop_server(model, tmp_path):
-    served = Served(model, tmp_path)
+    served = Served(model, tmp_path, "--shutdown-timeout", "600")
     bin_dir = os.path.dirname(sys.executable)
     start = subprocess.run([os.path.join(bin_dir, "start_server"), *served.args],
                            env=served.env, cwd=tmp_path, capture_output=True, text=True,
@@ -177,8 +181,9 @@ def test_start_server_and_stop_server(model, tmp_path):
                                timeout=60)
         assert again.returncode == 1
         assert f"PORT: {served.ports['port']} occupied! Please change the port!" in again.stderr
-        stop = subprocess.run([os.path.join(bin_dir, "stop_server"), "60"], env=served.env,
-                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        # Its TIMEOUT (before SIGKILL) only has to outlast the drain on a busy machine.
+        stop = subprocess.run([os.path.join(bin_dir, "stop_server"), "600"], env=served.env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert stop.returncode == 0 and "all process terminated." in stop.stdout
         t.join(120)  # the server is gone: its stream has ended, however busy the machine
         assert not t.is_alive()
@@ -190,7 +195,7 @@ def test_start_server_and_stop_server(model, tmp_path):
         for line in ("draining: 1 in-flight request(s)", "drained in",
                      "tokenmill stopped (exit code 0)"):
             assert line in log, log[-3000:]
-        assert wait_until(served.ports_free, 10)
+        assert wait_until(served.ports_free, 60)
     finally:
         if alive(pid):
             os.killpg(pid, signal.SIGKILL)
@@ -226,8 +231,8 @@ def test_several_http_workers_share_one_engine(model, tmp_path):
         served.process.send_signal(signal.SIGTERM)
         assert served.process.wait(60) == 0
         # (multiprocessing's resource tracker leaves a moment after its parent)
-        assert wait_until(lambda: not any(alive(pid) for pid in kids), 10)
-        assert wait_until(served.ports_free, 10)
+        assert wait_until(lambda: not any(alive(pid) for pid in kids), 60)
+        assert wait_until(served.ports_free, 60)
     finally:
         served.stop()
 
@@ -254,3 +259,15 @@ def test_serves_a_tokenmill_quantize_checkpoint_with_the_seeds_int8_kv(model, tm
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected
     finally:
         served.stop()
+
+
+def test_idle_connections_outlive_common_client_pools():
+    """A server closing idle keep-alive connections when a client's pool expires them (httpx:
+    5 s) races the client's next request on that connection: under load an overload ramp lost
+    a request to a read error that way. The server's keep-alive is longer than that."""
+    from fastapi import FastAPI
+
+    from tokenmill.entrypoints.api_worker import make_server
+
+    server = make_server(FastAPI())
+    assert server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry

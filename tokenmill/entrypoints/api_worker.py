@@ -37,9 +37,17 @@ class QuietServer(uvicorn.Server):
         pass
 
 
+# Idle keep-alive connections are closed after this long. Longer than the pool expiry of
+# common clients (httpx: 5 s): were it equal, the server would close a connection just as a
+# client reuses it (its timer starts when the response is sent, the client's when it has
+# been read), and that request would fail with a read error.
+KEEP_ALIVE_S = 30
+
+
 def make_server(app, host: str = "127.0.0.1", port: int = 0) -> QuietServer:
     return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                      access_log=False, timeout_graceful_shutdown=5))
+                                      access_log=False, timeout_graceful_shutdown=5,
+                                      timeout_keep_alive=KEEP_ALIVE_S))
 
 
 async def wait_started(servers: list[QuietServer], tasks: list[asyncio.Task]) -> None:
