@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tokenmill.core.request import FinishReason
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreOutput
-from tokenmill.entrypoints.http import native_api, triton_api
+from tokenmill.entrypoints.http import native_protocol, triton_api
 from tokenmill.entrypoints.http.openai_protocol import (
     CAPS,
     ChatCompletionRequest,
@@ -225,8 +225,8 @@ _NATIVE_BODIES = st.tuples(_NATIVE_BASES, st.lists(
 @given(body=_NATIVE_BODIES | st.dictionaries(st.text(max_size=6), JSON))
 def test_native_validate_raises_only_native_error(body):
     try:
-        out = native_api.validate(body, SimpleNamespace())
-    except native_api.NativeError as exc:
+        out = native_protocol.validate(body, SimpleNamespace())
+    except native_protocol.NativeError as exc:
         assert isinstance(exc.message, str) and exc.message
         event("refused")
         return
@@ -248,8 +248,8 @@ def test_native_build_request_raises_only_native_error(tokenizer, body):
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, max_seq_len=63,
                             max_dec_len=16, prompts=PromptEncoder(tokenizer, 64))
     try:
-        req = asyncio.run(native_api.build_request(body, state))
-    except native_api.NativeError:
+        req = asyncio.run(native_protocol.build_request(body, state))
+    except native_protocol.NativeError:
         event("refused")
         return
     event("accepted")

@@ -1,4 +1,5 @@
-"""The seed's native API: `text`/`input_ids`/`messages` in, JSON lines (or one JSON) out.
+"""The seed's native API: `text`/`input_ids`/`messages` in, JSON lines (or one JSON) out
+(requests are validated and built by `native_protocol.py`).
 
 Field names, defaults and error texts follow the seed (spec §1.4.1-1.4.4), with its bugs
 fixed: tokens stream one message per step (not buffered to the end), `error_msg` is a plain
@@ -10,10 +11,7 @@ import asyncio
 import contextlib
 import datetime
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,220 +21,16 @@ from tokenmill.engine.async_engine import (
     EngineDeadError,
     EngineRequestError,
 )
+from tokenmill.entrypoints.http.native_protocol import (
+    NativeError,
+    NativeRequest,
+    build_request,
+    request_id,
+)
 from tokenmill.entrypoints.http.openai_api import RETRY_AFTER_S
-from tokenmill.entrypoints.http.openai_protocol import CAPS
-from tokenmill.entrypoints.http.prompts import PromptTooLong
-from tokenmill.entrypoints.http.state import Reservation, ServerState
+from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.tokenizer import ChatTemplateError
-
-# Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
-DEFAULTS = {"min_dec_len": 1, "topp": 0.7, "temperature": 0.95, "penalty_score": 1.0,
-            "frequency_score": 0.0, "presence_score": 0.0, "timeout": 300}
-
-
-class NativeError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    """A JSON number that is also a float (an integer past 1.8e308 is not)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        float(value)
-    except OverflowError:
-        return False
-    return True
-
-
-@dataclass
-class NativeRequest:
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    return_usage: bool
-    return_all_tokens: bool
-    benchmark: bool
-    timeout: float
-    reservation: Reservation | None = None  # admission's, handed to the engine
-
-
-def _first_present(body: dict, *names: str) -> tuple[str, Any] | None:
-    for name in names:
-        if body.get(name) is not None:
-            return name, body[name]
-    return None
-
-
-def validate(body: dict, state: ServerState) -> dict:
-    """Type and range checks with the seed's texts; returns the body with defaults filled."""
-    body = {k: v for k, v in body.items() if v is not None}
-    if not any(k in body for k in ("text", "input_ids", "messages")):
-        raise NativeError("The input parameters should contain either `text`, `input_ids` "
-                          "or `messages`")
-    if "text" in body:
-        if not isinstance(body["text"], str):
-            raise NativeError("The `text` in input parameters must be a string")
-        if not body["text"]:
-            raise NativeError("The `text` in input parameters cannot be empty")
-    if "input_ids" in body and not (isinstance(body["input_ids"], list)
-                                    and all(_is_int(t) for t in body["input_ids"])):
-        raise NativeError("The `input_ids` in input parameters must be a list")
-    if "messages" in body:
-        _check_messages(body["messages"])
-    if "system" in body and not isinstance(body["system"], str):
-        raise NativeError("The `system` in input parameters must be a string")
-    for name in ("max_dec_len", "seq_len", "max_tokens", "min_dec_len"):
-        if name in body and (not _is_int(body[name]) or body[name] < 1):
-            raise NativeError(f"The `{name}` must be an integer and greater than 0")
-    if "topp" in body and "top_p" in body:
-        raise NativeError("Only one of ('topp', 'top_p') should be set")
-    if "seed" in body and "infer_seed" in body:
-        raise NativeError("Only one of ('infer_seed', 'seed') should be set")
-    for name in ("topp", "top_p"):
-        if name in body and (not _is_number(body[name]) or not 0 <= body[name] <= 1):
-            raise NativeError(f"The `{name}` must be in [0, 1]")
-    if "temperature" in body and (not _is_number(body["temperature"])
-                                  or body["temperature"] < 0):
-        raise NativeError("The `temperature` must be >= 0")
-    for name in ("penalty_score", "frequency_score", "presence_score", "timeout"):
-        if name in body and not _is_number(body[name]):
-            raise NativeError(f"The `{name}` must be a number")
-    if "timeout" in body and body["timeout"] <= 0:
-        raise NativeError("The `timeout` must be a positive number of seconds")
-    for name in ("seed", "infer_seed"):
-        if name in body and not _is_int(body[name]):
-            raise NativeError(f"The `{name}` must be an integer")
-    for name in ("stream", "return_usage", "return_all_tokens", "benchmark"):
-        if name in body and not isinstance(body[name], bool):
-            raise NativeError(f"The `{name}` must be a boolean")
-    eos = body.get("eos_token_ids")
-    if eos is not None:
-        eos = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        # ASCII digits only: str.isdigit() is also true of "²", which int() refuses.
-        if not all(_is_int(t) or (isinstance(t, str) and t.isascii() and t.isdigit()
-                                  and len(t) <= 20) for t in eos):
-            raise NativeError("The eos token id should be integer.")
-        body["eos_token_ids"] = [int(t) for t in eos]
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        stops = [stops] if isinstance(stops, str) else stops
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise NativeError("The `stop_sequences` must be a list of non-empty strings")
-        body["stop_sequences"] = stops
-    for name in ("stop_sequences", "eos_token_ids"):
-        items = body.get(name) or []
-        if len(items) > CAPS.max_stop:
-            raise NativeError(f"The `{name}` may have at most {CAPS.max_stop} entries")
-        if any(isinstance(x, str) and len(x) > CAPS.max_stop_chars for x in items):
-            raise NativeError(f"Each of the `{name}` may have at most {CAPS.max_stop_chars} "
-                              "characters")
-    body["req_id"] = request_id(body) or str(uuid.uuid4())
-    return {**DEFAULTS, **body}
-
-
-def request_id(body: dict) -> str | None:
-    """The request's `req_id`: a string (an integer is taken as its decimal text), or None
-    when absent, null or empty. Anything else is refused rather than echoed as a repr."""
-    value = body.get("req_id")
-    if value is None or value == "":
-        return None
-    if _is_int(value):
-        value = str(value)
-    if not isinstance(value, str):
-        raise NativeError("The `req_id` must be a string")
-    if len(value) > CAPS.max_request_id_chars:
-        raise NativeError(f"The `req_id` may have at most {CAPS.max_request_id_chars} "
-                          "characters")
-    return value
-
-
-def _check_messages(messages: Any) -> None:
-    """Chat turns: a list of objects with a string `role` and a string `content`, checked
-    before any templating so the error names the message and field."""
-    if not isinstance(messages, list) or not messages:
-        raise NativeError("The `messages` in input parameters must be a non-empty list")
-    if len(messages) > CAPS.max_messages:
-        raise NativeError(f"The `messages` may have at most {CAPS.max_messages} items")
-    for i, item in enumerate(messages):
-        if not isinstance(item, dict):
-            raise NativeError(f"The item in messages must be an object with `role` and "
-                              f"`content` (messages[{i}])")
-        if "content" not in item:
-            raise NativeError(f"The item in messages must include `content` (messages[{i}])")
-        for name in ("role", "content"):
-            if not isinstance(item.get(name), str):
-                raise NativeError(f"`messages[{i}].{name}` must be a string")
-
-
-async def tokenize(body: dict, state: ServerState) -> list[int]:
-    if "input_ids" in body:
-        return list(body["input_ids"])
-    has_template = bool(getattr(state.tokenizer, "chat_template", None))
-    system = [{"role": "system", "content": body["system"]}] if "system" in body else []
-    try:
-        if "messages" in body:
-            if not has_template:
-                raise NativeError("This model does not support chat_template.")
-            return await state.prompts.render(system + list(body["messages"]))
-        if has_template:  # the seed wraps plain text as one user turn
-            return await state.prompts.render(system + [{"role": "user",
-                                                         "content": body["text"]}], "text")
-        return await state.prompts.encode(body["text"], "text")
-    except (ChatTemplateError, PromptTooLong) as exc:
-        raise NativeError(str(exc)) from None
-
-
-async def build_request(body: dict, state: ServerState) -> NativeRequest:
-    body = validate(body, state)
-    ids = await tokenize(body, state)
-    n_in = len(ids)
-    if n_in == 0:
-        raise NativeError("The input is empty after tokenization")
-    vocab = len(state.tokenizer)
-    if "input_ids" in body and any(not 0 <= t < vocab for t in ids):
-        raise NativeError(f"Prompt token ids must be in [0, {vocab}).")
-    if n_in + body["min_dec_len"] >= state.max_model_len:
-        raise NativeError(f"Input text is too long, input_ids_len ({n_in}) + min_dec_len "
-                          f"({body['min_dec_len']}) >= max_seq_len ({state.max_model_len})")
-    if n_in > state.max_seq_len:
-        raise NativeError(f"Length of input token({n_in}) exceeds the limit "
-                          f"MAX_SEQ_LEN({state.max_seq_len}).")
-    given = _first_present(body, "max_dec_len", "seq_len", "max_tokens")
-    if given is not None and given[1] > state.max_dec_len:
-        raise NativeError(f"The parameter max_dec_len({given[1]}) exceeds the limit "
-                          f"MAX_DEC_LEN({state.max_dec_len}).")
-    room = state.max_model_len - n_in
-    max_tokens = min(given[1] if given else state.max_dec_len, room)
-    top_p = body.get("topp", body.get("top_p"))
-    seed = body.get("seed", body.get("infer_seed"))
-    greedy = body["temperature"] == 0 or top_p == 0
-    try:
-        params = SamplingParams(
-            temperature=0.0 if greedy else float(body["temperature"]),
-            top_p=1.0 if greedy else float(top_p), max_tokens=max_tokens,
-            min_tokens=min(body["min_dec_len"], max_tokens),
-            repetition_penalty=float(body["penalty_score"]),
-            frequency_penalty=float(body["frequency_score"]),
-            presence_penalty=float(body["presence_score"]),
-            stop=body.get("stop_sequences"), stop_token_ids=body.get("eos_token_ids"),
-            seed=seed)
-    except ValueError as exc:
-        raise NativeError(str(exc)) from None
-    return NativeRequest(body["req_id"], ids, params, body.get("stream", False),
-                         body.get("return_usage", False), body.get("return_all_tokens", False),
-                         body.get("benchmark", False), float(body["timeout"]))
 
 
 def _now() -> str:

@@ -24,7 +24,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
-from tokenmill.entrypoints.http import native_api, triton_api
+from tokenmill.entrypoints.http import native_api, native_protocol, triton_api
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json
 from tokenmill.entrypoints.http.server import readiness
 from tokenmill.entrypoints.http.state import ServerState
@@ -250,12 +250,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             return
         try:
             req = await native_api.admit(body, state)
-        except native_api.NativeError as exc:
+        except native_protocol.NativeError as exc:
             if exc.status == 503:
                 raise GrpcError(grpc.StatusCode.UNAVAILABLE, exc.message) from None
             try:
-                req_id = native_api.request_id(body)
-            except native_api.NativeError:
+                req_id = native_protocol.request_id(body)
+            except native_protocol.NativeError:
                 req_id = None  # never echo an id that was refused
             yield self._seed_error(state, req_id, exc.message, exc.status), True
             return
