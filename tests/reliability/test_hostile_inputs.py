@@ -264,3 +264,22 @@ def test_refusals_are_counted_by_reason(long_server):
         again = httpx.post(base + CHAT, json={"text": "x", "req_id": "dup"}, timeout=30)
         assert again.status_code == 409
     assert {r: count(r) - before[r] for r in reasons} == dict.fromkeys(reasons, 1.0)
+
+
+def test_the_size_bound_never_refuses_a_text_that_fits(tiny_models):
+    """The characters a text of n tokens can have never exceed `max_prompt_chars(n)`, even
+    for texts made of the vocabulary's longest tokens or of characters a normalizer folds."""
+    from tokenmill.entrypoints.http.prompts import max_prompt_chars
+    from tokenmill.gguf_loader import default_model_path, load_gguf_tokenizer
+    from tokenmill.loader import load_tokenizer
+
+    for tok in (load_tokenizer(tiny_models("llama")[0]),
+                load_gguf_tokenizer(default_model_path())):
+        vocab = tok.get_vocab()
+        longest = sorted(vocab, key=len)[-50:]
+        texts = [tok.decode([vocab[t] for t in longest] * 20),
+                 "e\u0301" * 3000, "\ufb01" * 3000, " " * 5000, "\U0001F600" * 2000,
+                 "The quick brown fox jumps over the lazy dog. " * 200]
+        for text in texts:
+            n = len(tok.encode(text, add_special_tokens=False))
+            assert len(text) <= max_prompt_chars(tok, n), (n, len(text), text[:40])
