@@ -204,10 +204,13 @@ def test_a_slow_engine_step_is_not_taken_for_a_stall(model, tmp_path):
         probes: list[int] = []
         done = threading.Event()
 
+        steps: list[float] = []
+
         def probe() -> None:
             while not done.is_set() and len(probes) < 10_000:
-                probes.append(httpx.get(served.health + "/v2/health/ready",
-                                        timeout=30).status_code)
+                resp = httpx.get(served.health + "/v2/health/ready", timeout=30)
+                probes.append(resp.status_code)
+                steps.append(resp.json().get("engine_step_running_s", 0.0))
                 done.wait(0.1)
 
         prober = threading.Thread(target=probe, daemon=True)
@@ -223,6 +226,7 @@ def test_a_slow_engine_step_is_not_taken_for_a_stall(model, tmp_path):
         assert resp.json()["usage"]["completion_tokens"] == 4
         assert took >= 3.0  # the slow step really outlasted the interval three times
         assert probes and set(probes) == {200}, probes
+        assert max(steps) > 1.0  # readiness showed the long step running, past the interval
         served.process.send_signal(signal.SIGTERM)
         assert served.process.wait(60) == 0
     output = served.process.stdout.read().decode()

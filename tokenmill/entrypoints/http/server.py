@@ -253,8 +253,12 @@ def create_health_app(get_state) -> FastAPI:
 
     @app.get("/v2/health/ready")
     async def ready() -> JSONResponse:
-        ok, reason = readiness(get_state())
-        return JSONResponse({"status": "ready" if ok else "not ready", "reason": reason},
-                            status_code=200 if ok else 503)
+        state = get_state()
+        ok, reason = readiness(state)
+        body = {"status": "ready" if ok else "not ready", "reason": reason}
+        step_s = state.engine.liveness.step_running_s() if state is not None else None
+        if step_s is not None:  # a long step is visible here before it could count as a stall
+            body["engine_step_running_s"] = round(step_s, 3)
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     return app
