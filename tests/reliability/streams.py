@@ -99,3 +99,13 @@ def open_raw_stream(base: str, body: dict) -> socket.socket:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
     return sock
+
+
+def streaming(base: str, bodies: list[dict]) -> list[Stream]:
+    """One Stream per body, each started and streaming when this returns."""
+    streams = [Stream(base, body) for body in bodies]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.started.wait(60)
+    return streams

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.reliability.checks import assert_openai_error, sse_events
-from tests.reliability.streams import COMPLETIONS, Stream, long_body
+from tests.reliability.streams import COMPLETIONS, Stream, long_body, streaming
 from tests.serving import DRAIN_TOKENS, HOLD_TOKENS, Served, alive, children, wait_until
 
 FAULTS = str(pathlib.Path(__file__).parent / "faults")
@@ -100,11 +100,7 @@ def test_sigterm_with_zero_drain_timeout_ends_streams_and_exits_fast(model, tmp_
     try:
         served.wait_ready()
         kids = children(served.process.pid)
-        streams = [Stream(served.api, long_body(i, HOLD_TOKENS)) for i in range(4)]
-        for s in streams:
-            s.start()
-        for s in streams:
-            assert s.started.wait(60)
+        streams = streaming(served.api, [long_body(i, HOLD_TOKENS) for i in range(4)])
         start = time.monotonic()
         served.process.send_signal(signal.SIGTERM)
         for s in streams:
@@ -145,11 +141,7 @@ def test_health_through_the_lifecycle_and_drain_with_timeout(model, tmp_path):
         assert probes() == (200, 200) and grpc_ready(served) == (True, True)
         kids = children(served.process.pid)
         # In flight for seconds (DRAIN_TOKENS), so the draining state is there to see.
-        streams = [Stream(served.api, long_body(i, DRAIN_TOKENS)) for i in range(4)]
-        for s in streams:
-            s.start()
-        for s in streams:
-            assert s.started.wait(60)
+        streams = streaming(served.api, [long_body(i, DRAIN_TOKENS) for i in range(4)])
         served.process.send_signal(signal.SIGTERM)
         assert wait_until(lambda: probes() == (200, 503), 60)
         assert grpc_ready(served) == (False, False)
