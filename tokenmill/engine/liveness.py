@@ -28,7 +28,6 @@ _WINDOW = 64  # recent steps the expected duration is taken from
 
 
 class EngineHeartbeat(msgspec.Struct, array_like=True):
-    sent: float  # the engine's time.time() when sent
     step_running: bool = False
     step_elapsed_s: float = 0.0
     step_tokens: int = 0
@@ -61,9 +60,9 @@ class StepClock:
     def heartbeat(self) -> EngineHeartbeat:
         current = self._current
         if current is None:
-            return EngineHeartbeat(time.time())
+            return EngineHeartbeat()
         started, tokens, expected = current
-        return EngineHeartbeat(time.time(), True, time.monotonic() - started, tokens, expected)
+        return EngineHeartbeat(True, time.monotonic() - started, tokens, expected)
 
 
 class Liveness:

@@ -14,6 +14,8 @@ import json
 import re
 import time
 
+from tokenmill.entrypoints.http.offload import run_heavy
+
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
 DEFAULT_BODY_TIMEOUT_S = 30.0
 # Header count and bytes (names and values, as docs/reliability.md promises): uvicorn's
@@ -174,7 +176,5 @@ async def read_body(request) -> dict:
     app logs quietly)."""
     raw = await request.body()
     if len(raw) > OFF_LOOP_BODY_BYTES:
-        from tokenmill.entrypoints.http.offload import run_heavy
-
         return await run_heavy(parse_json_object, raw)
     return parse_json_object(raw)
