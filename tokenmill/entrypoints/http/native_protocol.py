@@ -118,12 +118,9 @@ def validate(body: dict, state: ServerState) -> dict:
             raise NativeError("The `stop_sequences` must be a list of non-empty strings")
         body["stop_sequences"] = stops
     for name in ("stop_sequences", "eos_token_ids"):
-        items = body.get(name) or []
-        if len(items) > CAPS.max_stop:
-            raise NativeError(f"The `{name}` may have at most {CAPS.max_stop} entries")
-        if any(isinstance(x, str) and len(x) > CAPS.max_stop_chars for x in items):
-            raise NativeError(f"Each of the `{name}` may have at most {CAPS.max_stop_chars} "
-                              "characters")
+        problem = CAPS.word_list_problem(body.get(name) or [])
+        if problem is not None:
+            raise NativeError(f"The `{name}` {problem}")
     body["req_id"] = request_id(body) or str(uuid.uuid4())
     return {**DEFAULTS, **body}
 

@@ -28,6 +28,16 @@ class RequestCaps:
     max_messages: int = 2048  # chat turns in one request
     max_content_parts: int = 256  # content parts of one chat message
 
+    def word_list_problem(self, items: list) -> str | None:
+        """What breaks the stop / bad-word caps in `items` (a phrase to follow the field's
+        name), or None: for the routes that check their lists by hand (native, Triton); the
+        OpenAI schema states the same caps."""
+        if len(items) > self.max_stop:
+            return f"may have at most {self.max_stop} entries, got {len(items)}"
+        if any(isinstance(x, str) and len(x) > self.max_stop_chars for x in items):
+            return f"may have at most {self.max_stop_chars} characters each"
+        return None
+
 
 CAPS = RequestCaps()
 _StopText = Annotated[str, Field(min_length=1, max_length=CAPS.max_stop_chars)]

@@ -56,10 +56,9 @@ def _words(value: Any, name: str) -> list[str]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TritonError(f"{name} must be a string or a list of strings.")
-    if len(value) > CAPS.max_stop:
-        raise TritonError(f"{name} may have at most {CAPS.max_stop} entries, got {len(value)}.")
-    if any(len(v) > CAPS.max_stop_chars for v in value):
-        raise TritonError(f"each of {name} may have at most {CAPS.max_stop_chars} characters.")
+    problem = CAPS.word_list_problem(value)
+    if problem is not None:
+        raise TritonError(f"{name} {problem}.")
     return [v for v in value if v]
 
 
