@@ -53,8 +53,9 @@ class ChatTemplateError(ValueError):
 class _ControlTokens:
     """A tokenizer's special tokens (BOS/EOS, `<|im_start|>`, `[INST]`...): a pattern that finds
     their text in a string, and an encoder that reads such text as plain characters. Built
-    once per tokenizer (the plain encoder is a copy of the fast tokenizer's backend with
-    special-token parsing off, so no shared flag is flipped while other threads encode)."""
+    once per tokenizer; the plain encoder (a copy of the fast tokenizer's backend with
+    special-token parsing off, so no shared flag is flipped while other threads encode) only
+    when first needed: copying a large vocabulary takes ~0.2 s."""
 
     _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -66,12 +67,6 @@ class _ControlTokens:
         self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
         self.tokenizer = tokenizer
         self._plain = None
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            from tokenizers import Tokenizer
-
-            self._plain = Tokenizer.from_str(backend.to_str())
-            self._plain.encode_special_tokens = True
 
     @classmethod
     def of(cls, tokenizer: Any) -> _ControlTokens:
@@ -85,9 +80,17 @@ class _ControlTokens:
 
     def encode_plain(self, text: str) -> list[int]:
         """`text` with any special-token text in it tokenized as ordinary characters."""
-        if self._plain is not None:
-            return self._plain.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer.encode(text, add_special_tokens=False,
+                                         split_special_tokens=True)
+        if self._plain is None:  # a race here only builds the same copy twice
+            from tokenizers import Tokenizer
+
+            plain = Tokenizer.from_str(backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
 
 class _ContentGuard:
