@@ -71,7 +71,7 @@ _NUMBERS = {"max_tokens": (int, 1, None), "temperature": (float, 0.0, None),
             "min_tokens": (int, 0, None), "min_length": (int, 0, None),
             "random_seed": (int, 0, 2**64 - 1), "seed": (int, 0, 2**64 - 1),
             "end_id": (int, 0, None), "pad_id": (int, 0, None),
-            "beam_width": (int, 1, 1), "num_return_sequences": (int, 1, 1),
+            "beam_width": (int, None, None), "num_return_sequences": (int, None, None),
             "length_penalty": (float, None, None)}
 _DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
              "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,

@@ -8,6 +8,7 @@ import grpc
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tokenmill.entrypoints.auth import ApiKey
+from tokenmill.entrypoints.http.request_body import DEFAULT_MAX_BODY_BYTES
 from tokenmill.entrypoints.http.state import ServerState
 
 _GUARDED = ("/inference.GRPCInferenceService/ModelInfer",
@@ -55,7 +56,7 @@ _MESSAGE_OVERHEAD = 64 * 1024
 
 async def start_grpc_server(get_state: Callable[[], ServerState | None], host: str,
                             port: int, api_key: str | None = None,
-                            max_request_bytes: int = 2 * 1024 * 1024) -> grpc.aio.Server:
+                            max_request_bytes: int = DEFAULT_MAX_BODY_BYTES) -> grpc.aio.Server:
     """Serve on host:port in the running event loop (sharing the engine client of the HTTP
     API in this process). `get_state()` is None until the server is ready. Messages larger
     than `max_request_bytes` (the HTTP body limit) are refused by gRPC itself

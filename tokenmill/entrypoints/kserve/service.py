@@ -36,7 +36,7 @@ from tokenmill.metrics import REJECT_STATUS
 SEED_MODEL = "model"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 # Refusals counted in the rejection metric (UNAVAILABLE is counted where it is decided).
-_REJECT_REASONS = {_INVALID: "invalid", grpc.StatusCode.NOT_FOUND: "not_found"}
+_REJECT_REASONS = {_INVALID: REJECT_STATUS[400], grpc.StatusCode.NOT_FOUND: REJECT_STATUS[404]}
 
 
 class GrpcError(Exception):
