@@ -39,6 +39,14 @@ def _then_trim(fn, *args: Any, **kwargs: Any):
             _malloc_trim(0)
 
 
+async def off_loop_if(heavy: bool, fn, *args: Any, **kwargs: Any):
+    """`fn(*args, **kwargs)`: on the pool when `heavy`, else right here on the loop (small
+    inputs are cheaper to handle than to hand over)."""
+    if heavy:
+        return await run_heavy(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 async def run_heavy(fn, *args: Any, **kwargs: Any):
     """`fn(*args, **kwargs)` on the pool (created on first use), awaited from the loop."""
     global _pool

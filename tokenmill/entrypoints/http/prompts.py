@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.http.offload import run_heavy
+from tokenmill.entrypoints.http.offload import off_loop_if
 from tokenmill.tokenizer import apply_chat_template
 
 # Inputs larger than this (characters, or messages) are tokenized / templated on a worker
-# thread (`offload.run_heavy`): the tokenizers release the GIL, so the loop keeps answering.
+# thread (`offload.off_loop_if`): the tokenizers release the GIL, so the loop keeps answering.
 OFF_LOOP_CHARS = 8192
 OFF_LOOP_MESSAGES = 64
 # A normalizer may shorten text (NFKC composes "e" + U+0301 into "é"); allow for that.
@@ -64,7 +64,7 @@ class PromptEncoder:
         """A raw prompt: special-token text in it is read as control tokens (the caller wrote
         the whole prompt, template included)."""
         self.check_size(len(text), what)
-        return await _maybe_off_loop(len(text) > OFF_LOOP_CHARS, self.tokenizer.encode, text)
+        return await off_loop_if(len(text) > OFF_LOOP_CHARS, self.tokenizer.encode, text)
 
     async def render(self, messages: list[dict[str, Any]], what: str = "messages",
                      **kwargs: Any) -> list[int]:
@@ -73,11 +73,5 @@ class PromptEncoder:
         chars = text_chars(messages)
         self.check_size(chars, what)
         heavy = chars > OFF_LOOP_CHARS or len(messages) > OFF_LOOP_MESSAGES
-        return await _maybe_off_loop(heavy, apply_chat_template, self.tokenizer, messages,
-                                     **kwargs)
-
-
-async def _maybe_off_loop(heavy: bool, fn, *args: Any, **kwargs: Any):
-    if heavy:
-        return await run_heavy(fn, *args, **kwargs)
-    return fn(*args, **kwargs)
+        return await off_loop_if(heavy, apply_chat_template, self.tokenizer, messages,
+                                 **kwargs)

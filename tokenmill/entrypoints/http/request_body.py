@@ -14,7 +14,7 @@ import json
 import re
 import time
 
-from tokenmill.entrypoints.http.offload import run_heavy
+from tokenmill.entrypoints.http.offload import off_loop_if
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -175,6 +175,4 @@ async def read_body(request) -> dict:
     its body is still arriving raises starlette's ClientDisconnect (an ordinary event the
     app logs quietly)."""
     raw = await request.body()
-    if len(raw) > OFF_LOOP_BODY_BYTES:
-        return await run_heavy(parse_json_object, raw)
-    return parse_json_object(raw)
+    return await off_loop_if(len(raw) > OFF_LOOP_BODY_BYTES, parse_json_object, raw)
