@@ -25,7 +25,7 @@ from tokenmill.entrypoints.http.native_protocol import (
     NativeError,
     NativeRequest,
     build_request,
-    request_id,
+    echoed_request_id,
 )
 from tokenmill.entrypoints.http.openai_api import RETRY_AFTER_S
 from tokenmill.entrypoints.http.state import ServerState
@@ -54,10 +54,7 @@ def error_response(body: dict, message: str, status: int,
                    headers: dict | None = None) -> JSONResponse:
     """A refused request in the seed's shape; its `req_id` is echoed when it is a valid one,
     and a 503 says when to retry."""
-    try:
-        req_id = request_id(body)
-    except NativeError:
-        req_id = None  # never echo an id that was refused
+    req_id = echoed_request_id(body)
     if status == 503:
         headers = {**(headers or {}), "Retry-After": RETRY_AFTER_S}
     return JSONResponse({**error_body(req_id, message, status), "result": ""},

@@ -141,6 +141,15 @@ def request_id(body: dict) -> str | None:
     return value
 
 
+def echoed_request_id(body: dict) -> str | None:
+    """The `req_id` an error answer may echo: the request's own when valid, else None (an
+    id that was refused is never sent back)."""
+    try:
+        return request_id(body)
+    except NativeError:
+        return None
+
+
 def _check_messages(messages: Any) -> None:
     """Chat turns: a list of objects with a string `role` and a string `content`, checked
     before any templating so the error names the message and field."""

@@ -253,11 +253,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except native_protocol.NativeError as exc:
             if exc.status == 503:
                 raise GrpcError(grpc.StatusCode.UNAVAILABLE, exc.message) from None
-            try:
-                req_id = native_protocol.request_id(body)
-            except native_protocol.NativeError:
-                req_id = None  # never echo an id that was refused
-            yield self._seed_error(state, req_id, exc.message, exc.status), True
+            yield self._seed_error(state, native_protocol.echoed_request_id(body), exc.message,
+                                   exc.status), True
             return
         only_final = req.return_all_tokens or not streaming
         async with contextlib.aclosing(native_api.stream_messages(req, state)) as messages:
