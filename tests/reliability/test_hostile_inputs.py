@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.reliability.checks import assert_no_leak, assert_openai_error, blocking_tokenizer
-from tests.serving import ServerThread, free_port, wait_until
+from tests.serving import service_thread, wait_until
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GENERATE = "/v2/models/ensemble/generate"
@@ -72,15 +72,10 @@ def test_triton_inputs_are_type_and_range_checked(server, field, value):
 # Error shapes -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def keyed(engine_address):
-    from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
-
     path, address = engine_address
-    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
-                           served_model_names=["tiny"], max_dec_len=64, max_seq_len=None,
-                           max_waiting=8, api_key="sesame", max_request_body_bytes=4096)
-    with ServerThread(create_service_app(settings), free_port()) as thread:
-        yield f"http://127.0.0.1:{thread.port}"
+    with service_thread(path, address, max_dec_len=64, api_key="sesame",
+                        max_request_body_bytes=4096) as thread:
+        yield thread.base
 
 
 def test_each_route_family_answers_401_and_413_in_its_own_shape(keyed):
