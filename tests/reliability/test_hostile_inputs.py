@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.reliability.checks import assert_no_leak, assert_openai_error, blocking_tokenizer
-from tests.serving import service_thread, wait_until
+from tests.serving import HOLD_TOKENS, service_thread, wait_until
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 GENERATE = "/v2/models/ensemble/generate"
@@ -253,7 +253,8 @@ def test_refusals_are_counted_by_reason(long_server):
     httpx.post(base + COMPLETIONS, content=b"x" * (3 << 20), timeout=30)
     httpx.get(base + "/health", headers={"x-big": "v" * 20_000}, timeout=30)
     with httpx.stream("POST", base + CHAT, timeout=60, json={
-            "text": "hold", "req_id": "dup", "stream": True, "max_dec_len": 30_000}) as first:
+            "text": "hold", "req_id": "dup", "stream": True, "max_dec_len": HOLD_TOKENS,
+            "min_dec_len": HOLD_TOKENS}) as first:  # no early EOS: still running below
         lines = first.iter_lines()
         next(lines)  # running now
         again = httpx.post(base + CHAT, json={"text": "x", "req_id": "dup"}, timeout=30)
