@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.distributed.parallel_state import divide, get_tp_group
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -111,6 +112,8 @@ class CpuPackedKernel:
 
 
 class Linear(nn.Module):
+    """A linear layer every tensor-parallel rank holds whole (replicated)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -134,13 +137,73 @@ class Linear(nn.Module):
         self.weight = None
 
 
+def _narrowed(dim: int, start: int, size: int):
+    """A weight loader that keeps `size` entries of the checkpoint tensor from `start` along
+    `dim` (this rank's shard) and zero-fills what lies past the tensor's end (padding)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.dim() <= dim:
+            default_weight_loader(param, loaded)  # let the shape check name the mismatch
+            return
+        kept = max(0, min(size, loaded.shape[dim] - start))
+        if kept < size:
+            param.data.zero_()
+        default_weight_loader(param.data.narrow(dim, 0, kept), loaded.narrow(dim, start, kept))
+    return load
+
+
+class ColumnParallelLinear(Linear):
+    """Output channels split across the tensor-parallel ranks: rank r computes channels
+    [r * out / tp, (r + 1) * out / tp); no communication. `padded_out` (>= out, a multiple of
+    tp) lets an LM head split a vocabulary tp does not divide: the padding rows are zeros."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 padded_out: int | None = None) -> None:
+        self.tp = get_tp_group()
+        local = divide(padded_out or out_features, self.tp.size, "output size")
+        super().__init__(in_features, local, bias)
+        loader = _narrowed(0, self.tp.rank * local, local)
+        self.weight.weight_loader = loader
+        if bias:
+            self.bias.weight_loader = loader
+
+
+class RowParallelLinear(Linear):
+    """Input channels split across the ranks (the input is the column-parallel layer's
+    output, already split): each rank's partial products summed by one all-reduce. The bias
+    is added once, by rank 0 (the others hold zeros)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = get_tp_group()
+        local = divide(in_features, self.tp.size, "input size")
+        super().__init__(local, out_features, bias)
+        self.weight.weight_loader = _narrowed(1, self.tp.rank * local, local)
+        if bias and not self.tp.is_first:
+            self.bias.weight_loader = lambda param, loaded: param.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.kernel.apply(self, x))
+
+
 class MergedLinear(Linear):
     """Several projections of the same input stored as one matrix (q|k|v, gate|up), so one GEMM
-    does the work of several. Checkpoint shards load into their row slice by shard index."""
+    does the work of several; column-parallel, each projection split on its own. Checkpoint
+    shards load into their row slice by shard index.
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
+    `shards`: per projection, (first row, rows) of the full projection this rank keeps;
+    default: an equal split of each."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 shards: list[tuple[int, int]] | None = None) -> None:
+        self.tp = get_tp_group()
+        if shards is None:
+            shards = []
+            for size in output_sizes:
+                local = divide(size, self.tp.size, "projection size")
+                shards.append((self.tp.rank * local, local))
+        super().__init__(in_features, sum(rows for _, rows in shards), bias)
+        self.full_sizes = output_sizes
+        self.shards = shards
+        self.output_sizes = [rows for _, rows in shards]  # this rank's, in order
         self.weight.weight_loader = self._load_shard
         if bias:
             self.bias.weight_loader = self._load_shard
@@ -148,10 +211,40 @@ class MergedLinear(Linear):
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard: int | None = None) -> None:
         if shard is None:  # the merged tensor itself (a checkpoint `tokenmill quantize` wrote)
-            default_weight_loader(param, loaded)
+            if loaded.shape[0] != sum(self.full_sizes):
+                default_weight_loader(param, loaded)  # the shape check names the mismatch
+            for i, part in enumerate(loaded.split(self.full_sizes)):
+                self._load_shard(param, part, i)
             return
-        start = sum(self.output_sizes[:shard])
-        default_weight_loader(param.data.narrow(0, start, self.output_sizes[shard]), loaded)
+        start, rows = self.shards[shard]
+        offset = sum(self.output_sizes[:shard])
+        default_weight_loader(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows))
+
+
+class QKVLinear(MergedLinear):
+    """q|k|v of an attention layer, split by heads: each rank keeps heads / tp query heads and
+    kv_heads / tp key/value heads, or, with fewer key/value heads than ranks, one key/value
+    head shared by tp / kv_heads ranks (replicated)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp = get_tp_group()
+        self.num_heads = divide(num_heads, tp.size, "attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "key/value heads")
+            kv_first = tp.rank * self.num_kv_heads
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"tensor parallel size {tp.size} (--tensor-parallel-size / "
+                                 f"MP_NUM) must divide the model's {num_kv_heads} key/value "
+                                 "heads or be a multiple of them.")
+            replicas = tp.size // num_kv_heads
+            self.num_kv_heads, kv_first = 1, tp.rank // replicas
+        kv = (kv_first * head_dim, self.num_kv_heads * head_dim)
+        super().__init__(hidden, [num_heads * head_dim, num_kv_heads * head_dim,
+                                  num_kv_heads * head_dim], bias,
+                         shards=[(tp.rank * self.num_heads * head_dim,
+                                  self.num_heads * head_dim), kv, kv])
 
 
 def choose_linear_kernels(model: nn.Module) -> dict[str, int]:

@@ -119,6 +119,8 @@ class CpuDecodeStep:
             return "TOKENMILL_CPU_DECODE_STEP=0"
         if not isinstance(model, LlamaForCausalLM):
             return f"no compiled step for {type(model).__name__}"
+        if model.model.embed_tokens.tp.size > 1:
+            return "tensor-parallel ranks run them layer by layer (no all-reduce in C yet)"
         embed = model.model.embed_tokens.weight
         if not csrc.usable(embed):
             return "the compiled kernels need float32 weights on a CPU with AVX2"

@@ -10,23 +10,28 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
 from tokenmill.layers.activation import SiluAndMul
-from tokenmill.layers.linear import Linear, MergedLinear, default_weight_loader
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, StepRotary, rope_parameters
 
 
 class Attention(nn.Module):
+    """Self-attention over this tensor-parallel rank's heads (all of them with one rank)."""
+
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // heads
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, heads, kv_heads, qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = MergedLinear(hidden, [self.q_size, self.kv_size, self.kv_size], qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden, getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden,
+                                        getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         # Bound by the model runner once the KV cache is allocated.
@@ -66,7 +71,7 @@ class MLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _mlp_chunk_rows(x, self.gate_up_proj.out_features)
@@ -137,9 +142,7 @@ class LlamaModel(nn.Module):
                     or config.hidden_size // config.num_attention_heads)
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
                                  config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -170,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -178,8 +181,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, kept: KeptRows | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, meta, kept)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the vocabulary on tensor-parallel rank 0; None on the others."""
+        return self.lm_head.logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

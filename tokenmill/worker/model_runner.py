@@ -12,10 +12,12 @@ from tokenmill.attention.backend import AttentionMetadata, KeptRows
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.worker import kv_cache
+from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
                  max_model_len: int) -> None:
         self.config = config
+        self.tp = get_tp_group()  # joined before the model is built (distributed/executor.py)
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
@@ -91,7 +94,8 @@ class ModelRunner:
         self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype)
-        self.num_blocks = self._decide_num_blocks()
+        # Every rank the same block count: the scheduler's block ids index each rank's cache.
+        self.num_blocks = self.tp.all_reduce_min(self._decide_num_blocks())
         caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
                                             attn.num_kv_heads, attn.head_dim, self.kv_dtype,
                                             self.device)
@@ -118,64 +122,90 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Rank 0 (the engine core's runner): the step's inputs to every rank, one forward
+        with them, then sampling here."""
         for request_id in step.finished_ids:
             self._request_generators.pop(request_id, None)
         if step.empty:
             return RunnerOutput()
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta = self._prepare_inputs(scheduled)
-        sample_rows = [i for i, s in enumerate(scheduled) if s.end == s.request.num_tokens]
-        hidden = self.decode_step(input_ids, positions, meta) if self.decode_step else None
-        kept = None
-        if hidden is None:
-            # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
-            if len(sample_rows) < len(input_ids) and not any(
-                    s.request.sampling_params.prompt_logprobs is not None for s in scheduled):
-                kept = KeptRows.last_of(meta, sample_rows, self.backend)
-            hidden = self.model(input_ids, positions, meta, kept)
-
+        inputs = StepInputs.of(scheduled)
+        if self.tp.size > 1:
+            self.tp.broadcast_bytes(inputs.encode())
+        logits, prompt_logits = self.run(inputs)
         out = RunnerOutput()
-        if sample_rows:
-            # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
-            rows = hidden if kept is not None else hidden[
-                [meta.query_start_loc[i + 1] - 1 for i in sample_rows]]
-            logits = self.model.compute_logits(rows).float()
-            requests = [scheduled[i] for i in sample_rows]
-            result = sample(logits, self._sampling_batch(requests), self.generator)
+        if logits is not None:
+            requests = [scheduled[i] for i in inputs.sample_seqs]
+            result = sample(logits.float(), self._sampling_batch(requests), self.generator)
             for row, (s, token) in enumerate(zip(requests, result.token_ids.tolist())):
                 out.sampled[s.request.request_id] = token
                 if row in result.logprobs:
                     out.logprobs[s.request.request_id] = result.logprobs[row]
-        for i, s in enumerate(scheduled):
-            if s.request.sampling_params.prompt_logprobs is not None:
-                self._score_prompt(s, hidden, meta.query_start_loc[i], out)
+        for i, scored in zip(inputs.prompt_seqs, prompt_logits):
+            self._score_prompt(scheduled[i], scored.float(), out)
         return out
 
-    def _prepare_inputs(self, scheduled: list[ScheduledRequest]):
-        ids: list[int] = []
+    def run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, list]:
+        """The forward every rank runs: logits of the sampled rows and of each prompt-logprob
+        range, on rank 0 (the other ranks get Nones)."""
+        input_ids, positions, meta = self._prepare_inputs(inputs)
+        sample_rows = inputs.sample_seqs
+        hidden = self.decode_step(input_ids, positions, meta) if self.decode_step else None
+        kept = None
+        if hidden is None:
+            # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
+            if len(sample_rows) < len(input_ids) and not inputs.prompt_seqs:
+                kept = KeptRows.last_of(meta, sample_rows, self.backend)
+            hidden = self.model(input_ids, positions, meta, kept)
+        logits = None
+        if sample_rows:
+            # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
+            rows = hidden if kept is not None else hidden[
+                [meta.query_start_loc[i + 1] - 1 for i in sample_rows]]
+            logits = self.model.compute_logits(rows)
+        prompt_logits = [self.model.compute_logits(hidden[first:first + n])
+                         for first, n in inputs.prompt_rows]
+        return logits, prompt_logits
+
+    def serve_steps(self) -> None:
+        """Ranks other than 0: run each step rank 0 broadcasts, until it sends the stop."""
+        with torch.inference_mode():
+            while True:
+                data = self.tp.broadcast_bytes(None)
+                if not data:
+                    return
+                self.run(StepInputs.decode(data))
+
+    def stop_workers(self) -> None:
+        """Rank 0: tell the other ranks' `serve_steps` to return."""
+        if self.tp.size > 1 and self.tp.is_first:
+            self.tp.broadcast_bytes(b"")
+
+    def _prepare_inputs(self, inputs: StepInputs):
+        ids = inputs.token_ids
         pos: list[int] = []
         query_start_loc = [0]
-        for s in scheduled:
-            ids.extend(s.request.token_ids(s.start, s.end))
-            pos.extend(range(s.start, s.end))
-            query_start_loc.append(len(ids))
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled]
+        for start, end in zip(inputs.starts, inputs.ends):
+            pos.extend(range(start, end))
+            query_start_loc.append(len(pos))
+        max_blocks = max(len(b) for b in inputs.block_ids)
+        table = [b + [0] * (max_blocks - len(b)) for b in inputs.block_ids]
         dev = self.device
         block_table = torch.tensor(table, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        counts = torch.tensor([s.num_new_tokens for s in scheduled], device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled), device=dev), counts)
+        new_tokens = [end - start for start, end in zip(inputs.starts, inputs.ends)]
+        counts = torch.tensor(new_tokens, device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(new_tokens), device=dev), counts)
         bs = self.block_size
         slot_mapping = block_table[seq_index, positions // bs] * bs + positions % bs
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
-            context_lens=[s.start for s in scheduled],
-            seq_lens=torch.tensor([s.end for s in scheduled], dtype=torch.int64, device=dev),
+            context_lens=list(inputs.starts),
+            seq_lens=torch.tensor(inputs.ends, dtype=torch.int64, device=dev),
             block_table=block_table,
-            num_decodes=sum(1 for s in scheduled if s.num_new_tokens == 1),
+            num_decodes=sum(1 for n in new_tokens if n == 1),
             block_size=bs,
         )
         self.backend.prepare(meta)
@@ -229,16 +259,12 @@ class ModelRunner:
                 batch.generators[row] = gen
         return batch
 
-    def _score_prompt(self, s: ScheduledRequest, hidden: torch.Tensor, offset: int,
+    def _score_prompt(self, s: ScheduledRequest, logits: torch.Tensor,
                       out: RunnerOutput) -> None:
         """Logprobs of prompt tokens start+1 .. end (those this chunk's logits predict)."""
         request = s.request
-        last = min(s.end, request.num_prompt_tokens - 1)
-        if s.start >= last:
-            return
-        logits = self.model.compute_logits(hidden[offset:offset + last - s.start]).float()
         logprobs = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(request.prompt_token_ids[s.start + 1:last + 1],
+        targets = torch.tensor(request.prompt_token_ids[s.start + 1:s.start + 1 + len(logits)],
                                device=self.device)
         k = request.sampling_params.prompt_logprobs
         scored = top_logprobs(logprobs, targets, [k] * len(targets))

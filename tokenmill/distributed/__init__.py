@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups, collectives and the executors that start ranks."""

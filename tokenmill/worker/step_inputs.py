@@ -1,0 +1,49 @@
+"""What every tensor-parallel rank needs to run one step's forward, as plain lists: built by
+rank 0 from the scheduler's output and broadcast once per step as msgpack bytes (no pickles)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.core.scheduler import ScheduledRequest
+
+
+class StepInputs(msgspec.Struct, array_like=True, frozen=True):
+    token_ids: list[int]  # the step's new tokens, sequence after sequence
+    starts: list[int]  # per sequence: its first position computed in this step
+    ends: list[int]  # per sequence: one past its last position (its KV length after the step)
+    block_ids: list[list[int]]  # per sequence: its KV blocks
+    sample_seqs: list[int]  # sequences whose last row is sampled from
+    prompt_seqs: list[int]  # sequences whose prompt tokens are scored (prompt logprobs)
+    prompt_rows: list[tuple[int, int]]  # per prompt_seqs entry: (first row, row count)
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest]) -> StepInputs:
+        token_ids: list[int] = []
+        sample_seqs, prompt_seqs, prompt_rows = [], [], []
+        for i, s in enumerate(scheduled):
+            request = s.request
+            first = len(token_ids)
+            token_ids.extend(request.token_ids(s.start, s.end))
+            if s.end == request.num_tokens:
+                sample_seqs.append(i)
+            if request.sampling_params.prompt_logprobs is not None:
+                # rows start .. last-1 predict prompt tokens start+1 .. last
+                last = min(s.end, request.num_prompt_tokens - 1)
+                if s.start < last:
+                    prompt_seqs.append(i)
+                    prompt_rows.append((first, last - s.start))
+        return cls(token_ids, [s.start for s in scheduled], [s.end for s in scheduled],
+                   [list(s.block_ids) for s in scheduled], sample_seqs, prompt_seqs,
+                   prompt_rows)
+
+    def encode(self) -> bytes:
+        return _ENCODER.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> StepInputs:
+        return _DECODER.decode(data)
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(StepInputs)
