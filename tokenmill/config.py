@@ -30,6 +30,11 @@ class EngineConfig:
     # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 K/V with per-head scales
+    # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
+    # processes on this node; start-up waits this long for every rank to join.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -68,6 +73,12 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in METHODS:
             raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or "
                              f"{', '.join(sorted(ALIASES))}), got {self.quantization!r}.")
+        positive_int("tensor_parallel_size")
+        if self.distributed_executor_backend != "mp":
+            raise ValueError("distributed_executor_backend must be 'mp', got "
+                             f"{self.distributed_executor_backend!r}.")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}.")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'int8', got "
                              f"{self.kv_cache_dtype!r}.")
@@ -194,7 +205,12 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="CPU memory for KV blocks in GiB (default 4)")
     a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    a("--tensor-parallel-size", "-tp", type=int, default=None, help="env MP_NUM; only 1 so far")
+    a("--tensor-parallel-size", "-tp", type=int, default=None,
+      help="ranks that split every layer (env MP_NUM; default 1)")
+    a("--distributed-executor-backend", default=None, choices=["mp"],
+      help="mp: tensor-parallel ranks as processes on this node")
+    a("--distributed-timeout", type=float, default=None, metavar="S",
+      help="seconds start-up waits for every rank to join (default 120)")
     a("--seed", type=int, default=None)
     a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
     a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
@@ -274,9 +290,9 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
 
     kv_int8 = env.flag("USE_CACHE_KV_INT8")
     tp = pick(args.tensor_parallel_size, env.integer("MP_NUM"), 1)
-    if tp != 1:
-        raise ValueError(f"tensor parallel size {tp} (MP_NUM / --tensor-parallel-size): only 1 "
-                         "is supported so far.")
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor parallel size (MP_NUM / --tensor-parallel-size) must be a "
+                         f"positive integer, got {tp}.")
     block_ratio = env.number("BLOCK_RATIO")
     if block_ratio is not None and not 0 < block_ratio <= 1:
         raise ValueError(f"BLOCK_RATIO must be in (0, 1], got {block_ratio}.")
@@ -308,6 +324,9 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "seed": pick(args.seed, None, 0),
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
+        "tensor_parallel_size": tp,
+        "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
+        "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
     }
     engine = EngineConfig(**engine_kwargs)
     ports = {}

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.layers.linear import choose_linear_kernels
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config
@@ -94,6 +95,11 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     from tokenmill.quantization import model as qmodel
 
     quant = _quant_config(path, hf_config, quantization)
+    tp = get_tp_group()
+    if tp.size > 1 and checkpoint_quant_config(hf_config) is not None:
+        raise ValueError(f"Checkpoint {path!r} is stored quantized; tensor parallel serves "
+                         "float checkpoints only so far: serve the original weights with "
+                         f"--quantization {quant.method}.")
     if float_weights and quant is not None:
         raise ValueError(f"Checkpoint {path!r} is already quantized ({quant.method}); "
                          "quantize the original weights.")
@@ -101,8 +107,9 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
+    # (With tensor parallel they are dequantized: the shards split float weights.)
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
-                 and dtype == torch.float32 and csrc.available())
+                 and dtype == torch.float32 and csrc.available() and tp.size == 1)
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
     weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,8 @@ class TensorParallelGroup:
         length = torch.tensor([len(data) if self.is_first else 0], dtype=torch.int64,
                               device=self.device)
         dist.broadcast(length, src=self._global(0), group=self.group)
+        if not length.item():
+            return b""
         if self.is_first:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         else:
@@ -83,22 +87,54 @@ def get_tp_group() -> TensorParallelGroup:
 _CPU = torch.device("cpu")
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, timeout_s: float,
+# Collectives wait this long: a worker rank idles in its wait for the next step for as long as
+# the server idles. A rank that stalls is caught by the engine's liveness rule, and one that
+# dies by its peers' closed connections, not by this timeout.
+_OP_TIMEOUT = datetime.timedelta(days=3650)
+
+
+def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float,
                          device: torch.device = _CPU) -> TensorParallelGroup:
-    """Join the `size`-rank group at `init_method` (tcp://host:port) as `rank`; blocks until
-    every rank has joined or `timeout_s` passes. Once per process."""
+    """Join the `size`-rank group as `rank`, meeting at `rendezvous`: file:///path (ranks on
+    one node: no socket, and gloo kept on the loopback interface) or tcp://host:port (node
+    0's store). Blocks until every rank has joined; past `timeout_s`, fails naming the ranks
+    that did not. Once per process."""
     global _GROUP
     if _GROUP.size > 1 or dist.is_initialized():
         raise RuntimeError("This process already belongs to a tensor-parallel group.")
     if size == 1:
         return _GROUP
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rendezvous.startswith("file://"):
+        store = dist.FileStore(rendezvous.removeprefix("file://"), size)
+        store.set_timeout(timeout)
+        interface = _loopback_interface()
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    else:
+        host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+    store.set(f"joined/{rank}", "1")
+    keys = [f"joined/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise TimeoutError(f"tensor-parallel rank(s) {missing} did not join within "
+                           f"{timeout_s:g} s (--distributed-timeout).") from None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=_OP_TIMEOUT)
     _GROUP = TensorParallelGroup(rank, size, dist.group.WORLD,
                                  device if backend == "nccl" else _CPU)
     logger.info("Tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
     return _GROUP
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def destroy_tensor_parallel() -> None:

@@ -28,13 +28,27 @@ def _queue_time(request: Request) -> float | None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str,
+                 exit_on_worker_death: bool = False) -> None:
+        """`exit_on_worker_death`: a tensor-parallel worker's death ends this process (the
+        engine-core process; the server then applies its engine-death policy)."""
+        from tokenmill.distributed.executor import WorkerGroup
         from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
 
         self.config = config
         self.hf_config = load_hf_config(model_path)
         self.max_model_len = derive_max_model_len(config, self.hf_config)
-        self.runner = ModelRunner(config, model_path, self.hf_config, self.max_model_len)
+        # Tensor parallel: this process is rank 0 (it alone schedules and samples).
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(config, model_path, self.max_model_len,
+                                       exit_on_worker_death)
+            self.workers.join(config)
+        try:
+            self.runner = ModelRunner(config, model_path, self.hf_config, self.max_model_len)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         budget = config.max_num_batched_tokens
@@ -49,6 +63,21 @@ class EngineCore:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        workers, self.workers = self.workers, None
+        if workers is None:
+            return
+        from tokenmill.distributed.parallel_state import destroy_tensor_parallel
+
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.stop_workers()
+            workers.stop()
+        else:
+            workers.kill()
+        destroy_tensor_parallel()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         n_prompt = len(request.prompt_token_ids)

@@ -159,7 +159,7 @@ def run_engine_core(config: EngineConfig, model_path: str, address: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        proc = EngineCoreProc(EngineCore(config, model_path), address)
+        proc = EngineCoreProc(EngineCore(config, model_path, exit_on_worker_death=True), address)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is reported, then we exit
         logger.exception("engine core failed to start")
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -170,3 +170,4 @@ def run_engine_core(config: EngineConfig, model_path: str, address: str,
         proc.run()
     finally:
         proc.stop_heartbeat()
+        proc.core.shutdown()

@@ -19,6 +19,22 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any; also on `del` and on leaving a
+        `with LLM(...) as llm:` block."""
+        engine = getattr(self, "engine", None)  # absent when __init__ failed
+        if engine is not None:
+            engine.core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -176,7 +176,16 @@ class RowParallelLinear(Linear):
         self.tp = get_tp_group()
         local = divide(in_features, self.tp.size, "input size")
         super().__init__(local, out_features, bias)
-        self.weight.weight_loader = _narrowed(1, self.tp.rank * local, local)
+        narrowed = _narrowed(1, self.tp.rank * local, local)
+        # The whole rows' absolute maxima: quantized per output channel, every rank's slice
+        # gets the scales of the unsplit layer (tensor-parallel results = one rank's).
+        self.row_absmax: torch.Tensor | None = None
+
+        def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+            narrowed(param, loaded)
+            if self.tp.size > 1:
+                self.row_absmax = loaded.abs().amax(1).float()
+        self.weight.weight_loader = load
         if bias and not self.tp.is_first:
             self.bias.weight_loader = lambda param, loaded: param.data.zero_()
 

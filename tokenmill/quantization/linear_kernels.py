@@ -158,8 +158,9 @@ class Int8Kernel(_PanelKernel):
         return {"qweight": qweight, "scale": scale}
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, group: int | None = None) -> Int8Kernel:
-        q, scale = schemes.quantize_int8(weight, group)
+    def from_weight(cls, weight: torch.Tensor, group: int | None = None,
+                    row_absmax: torch.Tensor | None = None) -> Int8Kernel:
+        q, scale = schemes.quantize_int8(weight, group, row_absmax)
         return cls({"qweight": q, "scale": scale})
 
     def dequantize(self) -> torch.Tensor:
@@ -291,10 +292,11 @@ class A8W8Kernel(QuantizedKernel):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, smooth: torch.Tensor | None = None,
-                    act_range: torch.Tensor | None = None) -> A8W8Kernel:
+                    act_range: torch.Tensor | None = None,
+                    row_absmax: torch.Tensor | None = None) -> A8W8Kernel:
         if smooth is not None:
             weight = weight.float() * smooth[None, :]
-        q, scale = schemes.quantize_int8(weight)
+        q, scale = schemes.quantize_int8(weight, row_absmax=row_absmax)
         tensors = {"qweight": q, "scale": scale.reshape(-1)}
         if smooth is not None:
             tensors["smooth"] = smooth.float()
@@ -360,8 +362,9 @@ class Fp8Kernel(QuantizedKernel):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, per_channel: bool = True,
-                    act_absmax: torch.Tensor | None = None) -> Fp8Kernel:
-        q, scale = schemes.quantize_fp8(weight, per_channel)
+                    act_absmax: torch.Tensor | None = None,
+                    row_absmax: torch.Tensor | None = None) -> Fp8Kernel:
+        q, scale = schemes.quantize_fp8(weight, per_channel, row_absmax)
         tensors = {"qweight": q, "scale": scale}
         if act_absmax is not None:
             tensors["act_scale"] = (act_absmax.float().clamp(min=1e-12)

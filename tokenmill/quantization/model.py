@@ -47,12 +47,14 @@ def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str
 
 
 def make_kernel(weight: torch.Tensor, config: QuantConfig,
-                stats: ActivationStats | None = None, method: str | None = None
-                ) -> QuantizedKernel:
+                stats: ActivationStats | None = None, method: str | None = None,
+                row_absmax: torch.Tensor | None = None) -> QuantizedKernel:
+    """`row_absmax`: the whole rows' absolute maxima where `weight` is a tensor-parallel
+    rank's slice of the inputs, so per-channel scales are those of the unsplit layer."""
     method = method or config.method
     if method == "int8":
         return Int8Kernel.from_weight(weight, None if config.method == "int4"
-                                      else config.group_size)
+                                      else config.group_size, row_absmax)
     if method == "int4":
         return Int4Kernel.from_weight(weight, config.group_size)
     if method == "a8w8":
@@ -64,11 +66,13 @@ def make_kernel(weight: torch.Tensor, config: QuantConfig,
                 raise ValueError("a8w8 with static activations needs calibration data.")
             s = torch.ones_like(stats.low) if smooth is None else smooth
             act_range = torch.stack([(stats.low / s).min(), (stats.high / s).max()])
-        return A8W8Kernel.from_weight(weight, smooth, act_range)
+        return A8W8Kernel.from_weight(weight, smooth, act_range,
+                                      None if smooth is not None else row_absmax)
     if config.activation == "static" and stats is None:
         raise ValueError("fp8 with static activations needs calibration data.")
     return Fp8Kernel.from_weight(weight, config.fp8_per_channel,
-                                 None if config.activation == "dynamic" else stats.absmax.max())
+                                 None if config.activation == "dynamic" else stats.absmax.max(),
+                                 row_absmax)
 
 
 def quantize_linears(model: nn.Module, config: QuantConfig,
@@ -80,7 +84,8 @@ def quantize_linears(model: nn.Module, config: QuantConfig,
     for name, module in tqdm(layers, desc=f"quantizing ({config.method})", disable=not progress):
         try:
             kernel = make_kernel(module.weight.detach(), config, (stats or {}).get(name),
-                                 config.layer_method(name))
+                                 config.layer_method(name),
+                                 getattr(module, "row_absmax", None))
         except ValueError as exc:
             raise ValueError(f"Cannot quantize {name} with {config.method}: {exc}") from None
         module.use_kernel(kernel)

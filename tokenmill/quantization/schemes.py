@@ -18,12 +18,18 @@ def _grouped(w: torch.Tensor, group: int) -> torch.Tensor:
     return w.reshape(n, k // group, group)
 
 
-def quantize_int8(w: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, group: int | None = None,
+                  row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel (group None) or per `group` inputs.
-    Returns q int8 [N, K] and scale float32 [N, K // group]."""
+    Returns q int8 [N, K] and scale float32 [N, K // group]. `row_absmax` [N]: per-channel
+    scales from the whole rows' absolute maxima, where `w` is one tensor-parallel rank's
+    slice of the inputs (every rank then uses the scales one rank would)."""
     group = group or w.shape[1]
     wg = _grouped(w.float(), group)
-    scale = wg.abs().amax(-1).clamp(min=_TINY) / 127
+    absmax = wg.abs().amax(-1)
+    if row_absmax is not None and group == w.shape[1]:
+        absmax = row_absmax.float().reshape(absmax.shape)
+    scale = absmax.clamp(min=_TINY) / 127
     q = torch.round(wg / scale[..., None]).clamp(-127, 127).to(torch.int8)
     return q.reshape(w.shape), scale
 
@@ -80,10 +86,13 @@ def fake_quantize_blocks(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
     return (torch.round(blocks * inverse) * (amax / top)).reshape(x.shape)
 
 
-def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 with a float32 scale per output channel ([N]) or per tensor ([1])."""
+def quantize_fp8(w: torch.Tensor, per_channel: bool = True,
+                 row_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 with a float32 scale per output channel ([N]) or per tensor ([1]);
+    `row_absmax` as for `quantize_int8`."""
     w = w.float()
-    absmax = w.abs().amax(1) if per_channel else w.abs().amax().reshape(1)
+    rows = w.abs().amax(1) if row_absmax is None else row_absmax.float()
+    absmax = rows if per_channel else rows.amax().reshape(1)
     scale = absmax.clamp(min=_TINY) / FP8_MAX
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale

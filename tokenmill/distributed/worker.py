@@ -1,0 +1,78 @@
+"""A tensor-parallel worker rank (ranks 1 .. tp-1): `python -m tokenmill.distributed.worker`,
+its spec as one JSON line on stdin. It joins the group, loads its shard of the model, then
+runs every step rank 0 broadcasts until rank 0 says stop, or exits when rank 0's process
+(its parent, on this node) is gone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import msgspec
+
+from tokenmill.config import EngineConfig
+
+logger = logging.getLogger("tokenmill.distributed.worker")
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    config: EngineConfig
+    model_path: str
+    max_model_len: int
+    rank: int
+    size: int
+    init_method: str  # tcp://host:port of the rendezvous
+    threads: int  # torch threads of this rank
+    parent_pid: int | None = None  # exit when this process (rank 0's, here) is gone
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Rank 0 may die without a word (kill -9): nothing would end this process's wait for the
+    next step, so watch the parent and leave with it."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        logger.error("rank 0's process is gone: exiting")
+        os._exit(1)
+    threading.Thread(target=watch, name="tokenmill-parent-watch", daemon=True).start()
+
+
+def run(spec: WorkerSpec) -> None:
+    import torch
+
+    from tokenmill.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from tokenmill.loader import load_hf_config
+    from tokenmill.worker.model_runner import ModelRunner, resolve_device
+
+    torch.set_num_threads(spec.threads)
+    device = resolve_device(spec.config.device)
+    init_tensor_parallel(spec.rank, spec.size, spec.init_method,
+                         spec.config.distributed_timeout, device)
+    runner = ModelRunner(spec.config, spec.model_path, load_hf_config(spec.model_path),
+                         spec.max_model_len)
+    runner.serve_steps()
+    destroy_tensor_parallel()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                                                   "%(message)s")
+    # Ctrl-C and `stop_server` reach the whole process group; rank 0 stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=WorkerSpec)
+    sys.stdin.close()
+    if spec.parent_pid is not None:
+        _exit_with_parent(spec.parent_pid)
+    try:
+        run(spec)
+    except Exception:  # noqa: BLE001 - logged with its traceback, then a non-zero exit
+        logger.exception("tensor-parallel rank %d failed", spec.rank)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
