@@ -67,17 +67,18 @@ class WorkerGroup:
                                  config.distributed_timeout, resolve_device(config.device))
         except Exception as exc:
             self.kill()
-            exits = self._exits()
+            exits = self.exits()
             raise RuntimeError(f"Tensor-parallel start-up failed: {exc}"
                                + (f" ({exits})" if exits else "")) from None
 
-    def _exits(self) -> str:
+    def exits(self) -> str:
+        """Which workers have exited, and how ('' while all run)."""
         return ", ".join(f"rank {rank} exited with code {p.returncode}"
                          for rank, p in enumerate(self.procs, 1) if p.poll() is not None)
 
     def _watch(self) -> None:
         while not self._stopping:
-            dead = self._exits()
+            dead = self.exits()
             if dead:
                 if self._stopping:
                     return

@@ -72,8 +72,11 @@ class EngineCore:
         from tokenmill.distributed.parallel_state import destroy_tensor_parallel
 
         runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.stop_workers()
+        if runner is not None and not workers.exits():
+            try:
+                runner.stop_workers()
+            except RuntimeError:  # a worker died meanwhile: gloo saw its connection close
+                workers.kill()
             workers.stop()
         else:
             workers.kill()
@@ -125,6 +128,11 @@ class EngineCore:
         self.clock.start(step.num_batched_tokens)
         try:
             result = self.runner.execute(step)
+        except RuntimeError as exc:
+            exits = self.workers.exits() if self.workers is not None else ""
+            if exits:  # gloo's own message names a socket; say which rank is gone
+                raise RuntimeError(f"A tensor-parallel worker died: {exits}.") from exc
+            raise
         finally:
             self.clock.stop()
         updated = self.scheduler.update_from_output(step, result.sampled)

@@ -1,0 +1,127 @@
+"""Tensor parallel on the CPU (gloo, ranks as processes on loopback): two ranks give the
+tokens one rank and transformers give, logprobs within 1e-4, for every architecture and
+through chunked prefill, prefix hits, preemption and quantization; failures are named."""
+
+import os
+import signal
+
+import psutil
+import pytest
+import torch
+from helpers import hf_greedy, make_model
+
+from tests.serving import alive, wait_until
+from tokenmill import LLM, SamplingParams
+from tokenmill.distributed.parallel_state import get_tp_group, init_tensor_parallel
+from tokenmill.distributed.worker import __name__ as WORKER_MODULE
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
+MAX_TOKENS = 10
+
+
+def generate(path, prompts, params, **engine):
+    with LLM(path, kv_cache_memory_gib=0.01, **engine) as llm:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def worker_pids() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if WORKER_MODULE in " ".join(p.cmdline())]
+
+
+def chosen_logprobs(out) -> list[float]:
+    c = out.outputs[0]
+    return [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+
+
+def prompt_logprobs(out) -> list[float]:
+    return [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:],
+                                                out.prompt_token_ids[1:])]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral", "qwen2", "qwen3"])
+def test_two_ranks_match_one_rank_and_transformers(tiny_models, arch):
+    path, hf = tiny_models(arch)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=2, prompt_logprobs=1)
+    one = generate(path, PROMPTS, params)
+    two = generate(path, PROMPTS, params, tensor_parallel_size=2)
+    for prompt, a, b in zip(PROMPTS, one, two):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+        assert max(abs(x - y) for x, y in zip(chosen_logprobs(a), chosen_logprobs(b))) < 1e-4
+        assert max(abs(x - y) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))) < 1e-4
+    assert not worker_pids()  # the `with` block stopped them
+
+
+def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path):
+    path = str(tmp_path / "mqa")
+    hf = make_model(path, "llama", num_key_value_heads=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = generate(path, PROMPTS[:2], params, tensor_parallel_size=2)
+    for prompt, out in zip(PROMPTS[:2], outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+
+
+def test_chunked_prefill_prefix_hits_and_preemption_match_one_rank(tiny_models):
+    path, _ = tiny_models("llama")
+    shared = list(range(20, 84))  # four full blocks every prompt shares
+    prompts = [shared + [i, i + 1, i + 2] for i in range(100, 112)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 16-token chunks; 16 blocks cannot hold 12 sequences of 3 blocks of their own each
+    # beside the 4 they share: preemption.
+    engine = {"max_num_batched_tokens": 16, "num_kv_blocks": 16}
+    one = generate(path, prompts, params, **engine)
+    with LLM(path, tensor_parallel_size=2, **engine) as llm:
+        two = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_two_ranks_match_quantized_one_rank(tiny_models, method):
+    path, _ = tiny_models("llama")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    one = generate(path, PROMPTS, params, quantization=method)
+    two = generate(path, PROMPTS, params, quantization=method, tensor_parallel_size=2)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_a_size_that_does_not_divide_the_heads_is_named(tiny_models):
+    path, _ = tiny_models("llama")  # 4 attention heads
+    with pytest.raises(ValueError, match=r"tensor parallel size 3 \(--tensor-parallel-size / "
+                                         r"MP_NUM\) must divide the model's attention heads"):
+        LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=3)
+    assert not worker_pids()
+
+
+def test_ranks_listen_on_loopback_only(tiny_models):
+    path, _ = tiny_models("llama")
+    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2):
+        pids = [os.getpid(), *worker_pids()]
+        assert len(pids) == 2
+        listening = [c.laddr.ip for pid in pids
+                     for c in psutil.Process(pid).net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN]
+    assert listening and all(ip == "127.0.0.1" for ip in listening), listening
+
+
+def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tiny_models):
+    path, _ = tiny_models("llama")
+    llm = LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2)
+    try:
+        (pid,) = worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not alive(pid), 30)  # (not reaped: rank 0 reads its code)
+        with pytest.raises(RuntimeError, match=r"worker died: rank 1 exited with code -9"):
+            llm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not worker_pids()
+
+
+def test_a_rank_that_never_joins_is_named_after_the_timeout(tmp_path):
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not join within 0.5 s"):
+        init_tensor_parallel(0, 2, f"file://{tmp_path}/rendezvous", 0.5)
+    assert get_tp_group().size == 1 and not torch.distributed.is_initialized()

@@ -1,0 +1,80 @@
+"""`tokenmill serve` with two tensor-parallel ranks (MP_NUM=2, the seed's variable): it
+answers as one rank does, and a worker rank's death takes the server down cleanly."""
+
+import json
+import os
+import signal
+import threading
+
+import httpx
+import psutil
+
+from tests.serving import HOLD_TOKENS, Served, alive, engine_process, wait_until
+from tokenmill import LLM, SamplingParams
+from tokenmill.distributed.worker import __name__ as WORKER_MODULE
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_served_with_two_ranks_answers_like_one_and_dies_with_a_worker(tiny_models, tmp_path):
+    path = tiny_models("llama_long")[0]
+    prompt = [5, 17, 99, 200, 3, 45, 67]
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        (expected,) = llm.generate({"prompt_token_ids": prompt},
+                                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                   use_tqdm=False)
+    served = Served(path, tmp_path)
+    served.env["MP_NUM"] = "2"
+    served.start()
+    try:
+        served.wait_ready()
+        answer = httpx.post(served.api + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}).json()
+        text = answer["choices"][0]["text"]
+        assert text == expected.outputs[0].text
+        everything = tree(served.process.pid)
+        workers = [p for p in everything if WORKER_MODULE in " ".join(p.cmdline())]
+        assert len(workers) == 1
+
+        # A stream in flight when the worker rank is killed ends with the engine-death error.
+        events: list[str] = []
+        opened = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", served.api + "/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS,
+                    "ignore_eos": True, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        opened.set()
+            opened.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert opened.wait(120)
+        os.kill(workers[0].pid, signal.SIGKILL)
+        client.join(300)  # bounds a hang only
+        errors = [json.loads(e) for e in events if e.startswith('{"error"')]
+        assert errors and errors[0]["error"]["code"] == 503, events[-3:]
+        assert len(events) < HOLD_TOKENS // 2
+        assert served.process.wait(120) == 1
+        assert wait_until(lambda: not any(alive(p.pid) for p in everything), 60)
+        assert wait_until(served.ports_free, 60)
+    finally:
+        served.stop()
+
+
+def test_a_killed_engine_core_takes_its_worker_ranks_along(tiny_models):
+    process, _ = engine_process(tiny_models("llama")[0], tensor_parallel_size=2)
+    try:
+        workers = [p for p in tree(process.pid) if WORKER_MODULE in " ".join(p.cmdline())]
+        assert len(workers) == 1
+        process.kill()  # rank 0 gone without a word (no stop message)
+        assert wait_until(lambda: not alive(workers[0].pid), 60)
+    finally:
+        process.kill()
+        process.join(10)
