@@ -18,6 +18,8 @@ memory.
 - `layer_ops.c`: RMSNorm with its residual add, rotary, SiLU-and-multiply, the K/V cache
   write, the greedy argmax, each one call instead of several torch ops (dispatch dominates at
   decode sizes).
+- `shm_allreduce.c`: the sum over tensor-parallel ranks of one node through shared memory
+  (gloo's TCP all-reduce took ~1.5 ms per call here, even for one row).
 - `decode_step.c`: all decoder layers of a decode step in one call over the kernels above
   (`kernels.h`), so the per-layer Python and ctypes work of the small kernels disappears.
 
@@ -50,7 +52,7 @@ _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "vnni_panels.c",
                          "paged_attention.c", "prompt_attention.c", "layer_ops.c",
-                         "decode_step.c")]
+                         "decode_step.c", "shm_allreduce.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
@@ -149,6 +151,8 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_write_kv.argtypes = [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 4
     lib.tm_decode_layers.argtypes = [ptr] * 3 + [i64] + [ptr] * 3 + [i64, ptr]
     lib.tm_decode_layers.restype = i64
+    lib.tm_shm_allreduce.argtypes = [ptr] + [i64] * 3 + [ptr, ptr, i64]
+    lib.tm_shm_allreduce.restype = i64
     return lib
 
 

@@ -4,6 +4,7 @@ this node (`--distributed-executor-backend mp`), each running `tokenmill.distrib
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -16,6 +17,8 @@ import time
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.distributed.shm_allreduce import create_segment
 from tokenmill.distributed.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -41,11 +44,12 @@ class WorkerGroup:
         self._dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
         self.init_method = f"file://{self._dir}/rendezvous"
         self.threads = threads_per_rank(size)
+        self.shm_path = create_segment(size) if config.device in ("auto", "cpu") else None
         self.procs: list[subprocess.Popen] = []
         self._stopping = False
         for rank in range(1, size):
             spec = WorkerSpec(config, model_path, max_model_len, rank, size, self.init_method,
-                              self.threads, parent_pid=os.getpid())
+                              self.threads, parent_pid=os.getpid(), shm_path=self.shm_path)
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"],
                                     stdin=subprocess.PIPE)
             proc.stdin.write(msgspec.json.encode(spec) + b"\n")
@@ -64,7 +68,8 @@ class WorkerGroup:
         torch.set_num_threads(self.threads)
         try:
             init_tensor_parallel(0, config.tensor_parallel_size, self.init_method,
-                                 config.distributed_timeout, resolve_device(config.device))
+                                 config.distributed_timeout, resolve_device(config.device),
+                                 self.shm_path)
         except Exception as exc:
             self.kill()
             exits = self.exits()
@@ -85,6 +90,9 @@ class WorkerGroup:
                 logger.error("tensor-parallel worker died: %s", dead)
                 if self._exit_on_death:
                     os._exit(1)
+                shm = get_tp_group().shm
+                if shm is not None:  # rank 0 may be waiting for the dead rank's sum
+                    shm.abort()
                 return
             time.sleep(0.2)
 
@@ -97,7 +105,7 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._remove_files()
 
     def kill(self) -> None:
         self._stopping = True
@@ -105,4 +113,10 @@ class WorkerGroup:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+        self._remove_files()
+
+    def _remove_files(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self.shm_path is not None:  # (rank 0 unlinks it once every rank has mapped it)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)

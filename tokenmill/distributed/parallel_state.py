@@ -7,6 +7,7 @@ never joins one is rank 0 of a group of one, where every collective is the ident
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -26,6 +27,7 @@ class TensorParallelGroup:
     size: int = 1
     group: Any = None  # the torch.distributed process group (None: a group of one)
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - where collectives' tensors live
+    shm: Any = None  # ShmAllReduce of ranks on one node (CPU float32 sums), else gloo/NCCL
 
     @property
     def is_first(self) -> bool:
@@ -34,8 +36,11 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place (gloo's ring order is fixed, so the same inputs
         give the same bits on every run)."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.shm is not None and self.shm.supports(x):
+            return self.shm(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_reduce_min(self, value: int) -> int:
@@ -94,11 +99,13 @@ _OP_TIMEOUT = datetime.timedelta(days=3650)
 
 
 def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float,
-                         device: torch.device = _CPU) -> TensorParallelGroup:
+                         device: torch.device = _CPU,
+                         shm_path: str | None = None) -> TensorParallelGroup:
     """Join the `size`-rank group as `rank`, meeting at `rendezvous`: file:///path (ranks on
     one node: no socket, and gloo kept on the loopback interface) or tcp://host:port (node
     0's store). Blocks until every rank has joined; past `timeout_s`, fails naming the ranks
-    that did not. Once per process."""
+    that did not. `shm_path`: the shared-memory all-reduce segment rank 0 made (ranks on one
+    node). Once per process."""
     global _GROUP
     if _GROUP.size > 1 or dist.is_initialized():
         raise RuntimeError("This process already belongs to a tensor-parallel group.")
@@ -128,8 +135,28 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float
                             timeout=_OP_TIMEOUT)
     _GROUP = TensorParallelGroup(rank, size, dist.group.WORLD,
                                  device if backend == "nccl" else _CPU)
-    logger.info("Tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
+    shm = _attach_shm(shm_path, rank, size) if backend == "gloo" else None
+    if shm is not None:
+        _GROUP = dataclasses.replace(_GROUP, shm=shm)
+    logger.info("Tensor-parallel rank %d of %d joined (%s%s)", rank, size, backend,
+                " + shared-memory all-reduce" if shm is not None else "")
     return _GROUP
+
+
+def _attach_shm(path: str | None, rank: int, size: int):
+    """Every rank maps the segment, or none uses it; then rank 0 unlinks its name."""
+    from tokenmill.distributed.shm_allreduce import ShmAllReduce
+
+    shm = None
+    if path is not None:
+        try:
+            shm = ShmAllReduce(path, rank, size)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("rank %d cannot map the shared-memory all-reduce (%s)", rank, exc)
+    everyone = _GROUP.all_reduce_min(int(shm is not None))
+    if rank == 0 and path is not None:
+        os.unlink(path)
+    return shm if everyone else None
 
 
 def _loopback_interface() -> str | None:

@@ -28,6 +28,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     init_method: str  # tcp://host:port of the rendezvous
     threads: int  # torch threads of this rank
     parent_pid: int | None = None  # exit when this process (rank 0's, here) is gone
+    shm_path: str | None = None  # the shared-memory all-reduce segment (ranks on one node)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -51,7 +52,7 @@ def run(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
     device = resolve_device(spec.config.device)
     init_tensor_parallel(spec.rank, spec.size, spec.init_method,
-                         spec.config.distributed_timeout, device)
+                         spec.config.distributed_timeout, device, spec.shm_path)
     runner = ModelRunner(spec.config, spec.model_path, load_hf_config(spec.model_path),
                          spec.max_model_len)
     runner.serve_steps()
