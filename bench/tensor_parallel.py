@@ -40,6 +40,7 @@ def child_w1(args) -> dict:
     from tokenmill import LLM, SamplingParams
     from tokenmill.distributed import parallel_state
     from tokenmill.loader import load_hf_config
+    from tokenmill.quantization.model import weight_bytes
 
     spent = {"s": 0.0, "calls": 0}
     plain = parallel_state.TensorParallelGroup.all_reduce
@@ -57,7 +58,7 @@ def child_w1(args) -> dict:
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]}
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    with LLM(args.model_dir, tensor_parallel_size=args.child, kv_cache_memory_gib=1.0,
+    with LLM(args.model_dir, tensor_parallel_size=args.child, kv_cache_memory_gib=0.25,
              enable_prefix_caching=False) as llm:
         llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
         spent.update(s=0.0, calls=0)
@@ -74,6 +75,7 @@ def child_w1(args) -> dict:
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         workers = [p.pid for p in psutil.Process().children(recursive=True)]
+        weights = weight_bytes(llm.engine.core.runner.model) / 2**20
         rss = [peak_rss_mib(os.getpid())] + [peak_rss_mib(pid) for pid in workers]
         threads = torch.get_num_threads()
     return {"tp": args.child, "seconds": round(elapsed, 2),
@@ -82,50 +84,62 @@ def child_w1(args) -> dict:
             "all_reduce_s": round(spent["s"], 3), "all_reduce_calls": spent["calls"],
             "all_reduce_share": round(spent["s"] / elapsed, 4),
             "all_reduce_ms_per_step": round(1000 * spent["s"] / max(1, steps["n"]), 3),
+            "rank0_weights_mib": round(weights, 1),
             "peak_rss_mib_per_rank": [round(r, 1) for r in rss]}
 
 
-def _allreduce_rank(rank: int, path: str, shapes: list, repeats: int, out) -> None:
+def _allreduce_rank(rank: int, path: str, shm_path: str, shapes: list, repeats: int,
+                    out) -> None:
     import datetime as dt
 
     import torch
     import torch.distributed as dist
 
+    from tokenmill.distributed.shm_allreduce import ShmAllReduce
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2,
                             timeout=dt.timedelta(seconds=120))
-    result = {}
-    for rows, hidden in shapes:
-        x = torch.randn(rows, hidden)
-        for _ in range(3):
-            dist.all_reduce(x)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(x)
-        result[f"{rows}x{hidden}"] = round(1e6 * (time.perf_counter() - start) / repeats, 1)
+    shm = ShmAllReduce(shm_path, rank, 2)
+    result = {"gloo": {}, "shm": {}}
+    for name, reduce in (("gloo", dist.all_reduce), ("shm", shm)):
+        for rows, hidden in shapes:
+            x = torch.randn(rows, hidden)
+            for _ in range(3):
+                reduce(x)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                reduce(x)
+            result[name][f"{rows}x{hidden}"] = round(
+                1e6 * (time.perf_counter() - start) / repeats, 1)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
 
 
 def allreduce_micro(hidden: int, repeats: int) -> dict:
-    """Microseconds per gloo all-reduce of [rows, hidden] fp32 between two 1-thread ranks."""
+    """Microseconds per all-reduce of [rows, hidden] fp32 between two 1-thread ranks: gloo's
+    and the shared-memory one."""
     import tempfile
 
     import torch.multiprocessing as mp
 
+    from tokenmill.distributed.shm_allreduce import create_segment
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     path = os.path.join(tempfile.mkdtemp(prefix="tm-ar-"), "store")
+    shm_path = create_segment(2)
     shapes = [(1, hidden), (32, hidden), (256, hidden), (2048, hidden)]
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, path, shapes, repeats, out))
-             for r in range(2)]
+    procs = [ctx.Process(target=_allreduce_rank,
+                         args=(r, path, shm_path, shapes, repeats, out)) for r in range(2)]
     for p in procs:
         p.start()
     result = out.get(timeout=600)
     for p in procs:
         p.join(60)
+    os.unlink(shm_path)
     return result
 
 
@@ -169,12 +183,13 @@ def main(argv: list[str] | None = None) -> None:
     micro = allreduce_micro(load_hf_config(args.model_dir).hidden_size, args.repeats)
     base = runs[0]["out_tok_s"]
     print(f"{'tp':>3}{'out tok/s':>11}{'vs tp=1':>9}{'steps':>7}{'AR ms/step':>12}"
-          f"{'AR share':>10}  peak RSS MiB per rank")
+          f"{'AR share':>10}{'weights MiB':>13}  peak RSS MiB per rank")
     for r in runs:
         print(f"{r['tp']:>3}{r['out_tok_s']:>11.2f}{r['out_tok_s'] / base:>8.2f}x{r['steps']:>7}"
-              f"{r['all_reduce_ms_per_step']:>12.2f}{100 * r['all_reduce_share']:>9.1f}%  "
+              f"{r['all_reduce_ms_per_step']:>12.2f}{100 * r['all_reduce_share']:>9.1f}%"
+              f"{r['rank0_weights_mib']:>13.1f}  "
               f"{r['peak_rss_mib_per_rank']}")
-    print("gloo all-reduce, 2 ranks, us:", micro)
+    print("all-reduce of [rows, hidden] fp32, 2 ranks of 1 thread, us:", micro)
     from offline_throughput import cpu_model
 
     record = {"command": "python bench/tensor_parallel.py " + " ".join(
@@ -184,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                           "cpus": os.cpu_count()},
               "model": "Qwen2.5-0.5B-shaped random fp32", "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
-              "runs": runs, "gloo_all_reduce_us": micro}
+              "runs": runs, "all_reduce_us": micro}
     path = args.json or os.path.join(HERE, "results",
                                      f"tensor_parallel-{datetime.date.today().isoformat()}.json")
     with open(path, "w") as f:

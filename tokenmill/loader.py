@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenmill import csrc
 from tokenmill.distributed.parallel_state import get_tp_group
-from tokenmill.layers.linear import choose_linear_kernels
+from tokenmill.layers.linear import CheckpointSlice, choose_linear_kernels
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config
 
@@ -51,7 +51,8 @@ def load_hf_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs; `lazy`: `CheckpointSlice`s that read only what a loader keeps."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -64,17 +65,18 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)
 
 
-def iter_weights(path: str, hf_config: Any,
-                 keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+def iter_weights(path: str, hf_config: Any, keep_quantized: bool = False,
+                 lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, tensor) pairs; from GGUF with `keep_quantized`, Q8_0/Q4_0/Q4_1 linear weights
-    come as `QuantizedShard`s instead of float tensors."""
+    come as `QuantizedShard`s instead of float tensors; from safetensors with `lazy`,
+    `CheckpointSlice`s (a tensor-parallel rank reads its shard only)."""
     if is_gguf(path):
         from tokenmill.gguf_loader import iter_gguf_weights
         return iter_gguf_weights(path, hf_config, keep_quantized)
-    return iter_safetensors(path)
+    return iter_safetensors(path, lazy)
 
 
 def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig | None:
@@ -112,7 +114,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
                  and dtype == torch.float32 and csrc.available() and tp.size == 1)
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
-    weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf),
+    weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf, tp.size > 1),
                                       model.checkpoint_target, stored, shards)
     loaded = model.load_weights(weights)
     if stored:

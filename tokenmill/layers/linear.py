@@ -11,7 +11,30 @@ from tokenmill import csrc
 from tokenmill.distributed.parallel_state import divide, get_tp_group
 
 
+class CheckpointSlice:
+    """A safetensors tensor not read yet: a tensor-parallel rank reads only the rows or
+    columns it keeps (`narrow`), so its peak memory is its shard's, not the checkpoint's."""
+
+    def __init__(self, lazy) -> None:  # safetensors' PySafeSlice
+        self._lazy = lazy
+        self.shape = torch.Size(lazy.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._lazy[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def read(self) -> torch.Tensor:
+        return self._lazy[:]
+
+
+def whole(loaded: torch.Tensor | CheckpointSlice) -> torch.Tensor:
+    return loaded.read() if isinstance(loaded, CheckpointSlice) else loaded
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    loaded = whole(loaded)
     if param.shape != loaded.shape:
         raise ValueError(f"Checkpoint tensor has shape {tuple(loaded.shape)}, "
                          f"expected {tuple(param.shape)}.")
@@ -183,8 +206,8 @@ class RowParallelLinear(Linear):
 
         def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
             narrowed(param, loaded)
-            if self.tp.size > 1:
-                self.row_absmax = loaded.abs().amax(1).float()
+            if self.tp.size > 1:  # (reads the whole tensor: one layer's, for a moment)
+                self.row_absmax = whole(loaded).abs().amax(1).float()
         self.weight.weight_loader = load
         if bias and not self.tp.is_first:
             self.bias.weight_loader = lambda param, loaded: param.data.zero_()
@@ -220,6 +243,7 @@ class MergedLinear(Linear):
     def _load_shard(self, param: nn.Parameter, loaded: torch.Tensor,
                     shard: int | None = None) -> None:
         if shard is None:  # the merged tensor itself (a checkpoint `tokenmill quantize` wrote)
+            loaded = whole(loaded)
             if loaded.shape[0] != sum(self.full_sizes):
                 default_weight_loader(param, loaded)  # the shape check names the mismatch
             for i, part in enumerate(loaded.split(self.full_sizes)):
