@@ -5,7 +5,7 @@ gloo all-reduce micro-benchmark, and each rank's peak resident memory.
 Model: random weights shaped like Qwen2.5-0.5B (bench/peers/prepare_models.py), fp32, made
 once into --model-dir. Every configuration runs in a fresh process (its own threads and peak
 memory). W1: --num-prompts prompts of --input-len random ids -> exactly --output-len new
-tokens, greedy.
+tokens, greedy; W2: the first of them alone -> --w2-output-len tokens (batch-1 decode).
 
   python bench/tensor_parallel.py [--sizes 1,2] [--json PATH]"""
 
@@ -45,7 +45,9 @@ def child_w1(args) -> dict:
     spent = {"s": 0.0, "calls": 0}
     plain = parallel_state.TensorParallelGroup.all_reduce
 
-    def timed(self, x):  # rank 0's wall time in all-reduce, waiting for the other ranks included
+    # Rank 0's wall time in all-reduces called from Python (prompt steps, embeddings), waiting
+    # for the other ranks included; the compiled decode step's all-reduces run inside C.
+    def timed(self, x):
         start = time.perf_counter()
         out = plain(self, x)
         spent["s"] += time.perf_counter() - start
@@ -74,16 +76,24 @@ def child_w1(args) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+        w1_spent = dict(spent)
+        # W2: one request decoding alone (batch 1), the weights streamed once per token.
+        spent.update(s=0.0, calls=0)
+        start = time.perf_counter()
+        llm.generate(prompts[:1], params.clone(max_tokens=args.w2_output_len), use_tqdm=False)
+        w2 = time.perf_counter() - start
         workers = [p.pid for p in psutil.Process().children(recursive=True)]
         weights = weight_bytes(llm.engine.core.runner.model) / 2**20
         rss = [peak_rss_mib(os.getpid())] + [peak_rss_mib(pid) for pid in workers]
         threads = torch.get_num_threads()
+    w1_steps = steps["n"] - args.w2_output_len
     return {"tp": args.child, "seconds": round(elapsed, 2),
             "out_tok_s": round(args.num_prompts * args.output_len / elapsed, 2),
-            "steps": steps["n"], "threads_per_rank": threads,
-            "all_reduce_s": round(spent["s"], 3), "all_reduce_calls": spent["calls"],
-            "all_reduce_share": round(spent["s"] / elapsed, 4),
-            "all_reduce_ms_per_step": round(1000 * spent["s"] / max(1, steps["n"]), 3),
+            "steps": w1_steps, "threads_per_rank": threads,
+            "all_reduce_s": round(w1_spent["s"], 3), "all_reduce_calls": w1_spent["calls"],
+            "all_reduce_share": round(w1_spent["s"] / elapsed, 4),
+            "all_reduce_ms_per_step": round(1000 * w1_spent["s"] / max(1, w1_steps), 3),
+            "w2_tok_s": round(args.w2_output_len / w2, 2),
             "rank0_weights_mib": round(weights, 1),
             "peak_rss_mib_per_rank": [round(r, 1) for r in rss]}
 
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--w2-output-len", type=int, default=128, help="batch-1 decode tokens")
     p.add_argument("--repeats", type=int, default=200, help="micro-benchmark repeats")
     p.add_argument("--json", default=None)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
@@ -173,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", str(size),
                "--model-dir", args.model_dir, "--num-prompts", str(args.num_prompts),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+               "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+               "--w2-output-len", str(args.w2_output_len)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"tp={size} failed:\n{proc.stderr[-3000:]}")
@@ -182,10 +194,12 @@ def main(argv: list[str] | None = None) -> None:
 
     micro = allreduce_micro(load_hf_config(args.model_dir).hidden_size, args.repeats)
     base = runs[0]["out_tok_s"]
-    print(f"{'tp':>3}{'out tok/s':>11}{'vs tp=1':>9}{'steps':>7}{'AR ms/step':>12}"
+    print(f"{'tp':>3}{'W1 tok/s':>10}{'vs tp=1':>9}{'W2 tok/s':>10}{'vs tp=1':>9}"
+          f"{'steps':>7}{'AR ms/step':>12}"
           f"{'AR share':>10}{'weights MiB':>13}  peak RSS MiB per rank")
     for r in runs:
-        print(f"{r['tp']:>3}{r['out_tok_s']:>11.2f}{r['out_tok_s'] / base:>8.2f}x{r['steps']:>7}"
+        print(f"{r['tp']:>3}{r['out_tok_s']:>10.2f}{r['out_tok_s'] / base:>8.2f}x"
+              f"{r['w2_tok_s']:>10.2f}{r['w2_tok_s'] / runs[0]['w2_tok_s']:>8.2f}x{r['steps']:>7}"
               f"{r['all_reduce_ms_per_step']:>12.2f}{100 * r['all_reduce_share']:>9.1f}%"
               f"{r['rank0_weights_mib']:>13.1f}  "
               f"{r['peak_rss_mib_per_rank']}")

@@ -11,7 +11,7 @@ import torch
 from helpers import hf_greedy, make_model
 
 from tests.serving import alive, wait_until
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.distributed.parallel_state import get_tp_group, init_tensor_parallel
 from tokenmill.distributed.worker import __name__ as WORKER_MODULE
 
@@ -52,6 +52,24 @@ def test_two_ranks_match_one_rank_and_transformers(tiny_models, arch):
         assert max(abs(x - y) for x, y in zip(chosen_logprobs(a), chosen_logprobs(b))) < 1e-4
         assert max(abs(x - y) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))) < 1e-4
     assert not worker_pids()  # the `with` block stopped them
+
+
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+@pytest.mark.parametrize("compiled_step", [True, False])
+def test_decode_steps_compiled_or_layer_by_layer_match_one_rank(tiny_models, monkeypatch,
+                                                                compiled_step):
+    """Decode steps of two ranks run the compiled step (its all-reduces in C) or the Python
+    layers; both give one rank's tokens."""
+    if not compiled_step:
+        monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")  # read by the workers' config too
+    path, hf = tiny_models("qwen3")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2) as llm:
+        assert (llm.engine.core.runner.decode_step is not None) == compiled_step
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
 
 
 def test_fewer_kv_heads_than_ranks_replicates_them(tmp_path):

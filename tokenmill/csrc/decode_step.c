@@ -14,7 +14,11 @@
  *   write k, v to the cache; attn = paged attention of q over the cache
  *   hidden = attn @ Wo; normed = rms_norm(hidden + residual)
  *   hidden = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
- * and at the end out = rms_norm(hidden + residual) with the final norm's weight. */
+ * and at the end out = rms_norm(hidden + residual) with the final norm's weight.
+ *
+ * Under tensor parallel each rank holds its heads and its share of the MLP: the outputs of
+ * Wo and Wdown are partial sums, added up across the ranks of this node by the shared-memory
+ * all-reduce (shm_allreduce.c) right there, as the Python path's RowParallelLinear does. */
 #include <stdint.h>
 #include <string.h>
 
@@ -45,7 +49,17 @@ typedef struct {
     /* scratch for max_rows tokens */
     float *residual, *normed, *qkv, *attn, *gate_up, *act, *xs, *xsum;
     int16_t *xq;
+    /* tensor parallel (tp_size 1: none): shm_allreduce.c's segment and sequence counter */
+    int64_t tp_rank, tp_size, slot_floats;
+    char *shm_base;
+    int64_t *shm_seq;
 } tm_model;
+
+static int reduce(const tm_model *m, float *x, int64_t n) {
+    if (m->tp_size == 1) return 0;
+    return (int)tm_shm_allreduce(m->shm_base, m->tp_rank, m->tp_size, m->slot_floats,
+                                 m->shm_seq, x, n);
+}
 
 static void linear(const tm_model *m, const tm_linear *l, const float *x, float *y,
                    int64_t T) {
@@ -82,7 +96,8 @@ static void linear(const tm_model *m, const tm_linear *l, const float *x, float 
     }
 }
 
-/* Returns 0, or -1 when T is outside 1..max_rows (nothing is touched then). */
+/* Returns 0, -1 when T is outside 1..max_rows (nothing is touched then), or -2 when a
+ * tensor-parallel all-reduce was aborted (a rank died). */
 int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T,
                          const int64_t *positions, const int64_t *slots,
                          const int64_t *block_table, int64_t table_stride,
@@ -113,6 +128,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
                                   table_stride, seq_lens, m->attn, T, hq, hkv, D,
                                   m->block_size, m->scale, m->kv_int8);
         linear(m, &layer->o, m->attn, hidden, T);
+        if (reduce(m, hidden, T * H)) return -2;
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);
         if (layer->gate_up.kind != TM_F32_PANEL ||
             tm_f32_panel_glu(m->normed, layer->gate_up.w, layer->gate_up.bias, m->act, T,
@@ -121,6 +137,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
             tm_silu_and_mul(m->gate_up, m->act, T, m->intermediate);
         }
         linear(m, &layer->down, m->act, hidden, T);
+        if (reduce(m, hidden, T * H)) return -2;
     }
     tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);
     return 0;

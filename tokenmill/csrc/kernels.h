@@ -48,3 +48,5 @@ void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I);
 void tm_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride,
                  void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
                  int64_t D, int64_t kv_int8);
+int64_t tm_shm_allreduce(char *base, int64_t rank, int64_t size, int64_t slot_floats,
+                         int64_t *seq, float *x, int64_t n);

@@ -14,12 +14,12 @@ import ctypes
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill import csrc
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import CpuKernelSettings
+from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import LlamaForCausalLM
 
@@ -46,7 +46,9 @@ class _Model(ctypes.Structure):
                 + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
                 + [(name, _ptr) for name in ("final_norm", "cos", "signed_sin", "residual",
                                              "normed", "qkv", "attn", "gate_up", "act", "xs",
-                                             "xsum", "xq")])
+                                             "xsum", "xq")]
+                + [(name, _i64) for name in ("tp_rank", "tp_size", "slot_floats")]
+                + [("shm_base", _ptr), ("shm_seq", _ptr)])
 
 
 def _linear(layer: Linear) -> tuple[_Linear, int] | None:
@@ -73,10 +75,10 @@ class CpuDecodeStep:
         # into fp32 panels: quantization/linear_kernels.py); at most ROW_CAP.
         self.max_rows = max_rows
         rows, hidden = max_rows, config.hidden_size
-        inter = config.intermediate_size
+        inter = inner.layers[0].mlp.down_proj.in_features  # this rank's share
         width = attn.q_size + 2 * attn.kv_size
         max_k = max(hidden, attn.q_size, inter)
-        self._embedding = inner.embed_tokens.weight
+        self._embed = inner.embed_tokens  # (vocab-parallel: its own all-reduce)
         self._attention = [layer.self_attn for layer in inner.layers]
         self._caches = [(a.k_cache, a.v_cache) for a in self._attention]
         # Scratch rows the C step writes; kept for the model's lifetime.
@@ -96,7 +98,15 @@ class CpuDecodeStep:
             eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
             final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
             signed_sin=rotary.signed_sin.data_ptr(),
-            **{name: t.data_ptr() for name, t in self._scratch.items()})
+            **{name: t.data_ptr() for name, t in self._scratch.items()},
+            **self._tensor_parallel(inner.embed_tokens.tp))
+
+    @staticmethod
+    def _tensor_parallel(tp) -> dict:
+        if tp.size == 1:
+            return {"tp_rank": 0, "tp_size": 1, "slot_floats": 0}
+        return {"tp_rank": tp.rank, "tp_size": tp.size, "slot_floats": SLOT_FLOATS,
+                "shm_base": tp.shm.base, "shm_seq": ctypes.addressof(tp.shm.seq)}
 
     @classmethod
     def build(cls, model: torch.nn.Module, backend: object) -> CpuDecodeStep | None:
@@ -119,8 +129,9 @@ class CpuDecodeStep:
             return "TOKENMILL_CPU_DECODE_STEP=0"
         if not isinstance(model, LlamaForCausalLM):
             return f"no compiled step for {type(model).__name__}"
-        if model.model.embed_tokens.tp.size > 1:
-            return "tensor-parallel ranks run them layer by layer (no all-reduce in C yet)"
+        tp = model.model.embed_tokens.tp
+        if tp.size > 1 and tp.shm is None:
+            return "tensor-parallel ranks without the shared-memory all-reduce"
         embed = model.model.embed_tokens.weight
         if not csrc.usable(embed):
             return "the compiled kernels need float32 weights on a CPU with AVX2"
@@ -164,12 +175,14 @@ class CpuDecodeStep:
         if any(a.k_cache is not k or a.v_cache is not v
                for a, (k, v) in zip(self._attention, self._caches)):
             return None  # caches were rebound after build: the described addresses are stale
-        hidden = F.embedding(input_ids, self._embedding)
+        hidden = self._embed(input_ids)
         out = torch.empty_like(hidden)
         table = meta.block_table
         assert table.stride(1) == 1 and positions.is_contiguous()
-        csrc.library().tm_decode_layers(
+        status = csrc.library().tm_decode_layers(
             ctypes.byref(self._model), hidden.data_ptr(), out.data_ptr(), t,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), table.data_ptr(),
             table.stride(0), meta.seq_lens.data_ptr())
+        if status == -2:
+            raise RuntimeError("A tensor-parallel rank died during an all-reduce.")
         return out

@@ -103,6 +103,12 @@ class ModelRunner:
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
+        # Tensor-parallel ranks must take the same path every step (their collectives pair up).
+        rows = self.tp.all_reduce_min(self.decode_step.max_rows if self.decode_step else 0)
+        if rows == 0:
+            self.decode_step = None
+        else:
+            self.decode_step.max_rows = rows
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
 
