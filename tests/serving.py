@@ -175,6 +175,9 @@ def metric_sum(url: str, name: str) -> float:
 class Served:
     """Ports and environment for one server; `start()` runs `tokenmill serve`."""
 
+    # the command before the flags: `tokenmill serve`, or an alias of it
+    entry = ("-m", "tokenmill.entrypoints.cli", "serve")
+
     def __init__(self, model: str, tmp_path, *flags: str) -> None:
         self.ports = {name: free_port() for name in ("port", "health", "metrics", "grpc")}
         self.env = {**os.environ, "INTER_PROC_PORT": str(free_port()),
@@ -192,7 +195,7 @@ class Served:
 
     def start(self):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *self.args],
+            [sys.executable, *self.entry, *self.args],
             env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)  # its own process group, like a terminal job
         return self

@@ -77,6 +77,7 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     ([], {"MP_NUM": "0"}, "MP_NUM / --tensor-parallel-size) must be a positive integer"),
     ([], {"MP_NUM": "two"}, "MP_NUM must be an integer"),
     (["--distributed-timeout", "0"], {}, "distributed_timeout must be > 0"),
+    (["--pipeline-parallel-size", "2"], {}, "pipeline parallel is not built yet"),
     ([], {"BLOCK_RATIO": "1.5"}, "BLOCK_RATIO must be in (0, 1]"),
     (["--port", "8110"], {}, "both set to port 8110"),
     (["--port", "70000"], {}, "must be a TCP port"),
@@ -99,3 +100,16 @@ def test_occupied_port_is_named():
         config = build_server_config(["--host", "127.0.0.1", "--metrics-port", str(port)], {})
         with pytest.raises(OSError, match=f"PORT: {port} occupied! Please change the port!"):
             check_ports_free(config)
+
+
+def test_a_model_that_needs_its_own_code_is_refused_by_name(tmp_path):
+    import json
+
+    from tokenmill.loader import load_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "my_custom_lm", "architectures": ["MyCustomLM"],
+        "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    with pytest.raises(ValueError, match="needs its own Python code .* which tokenmill never "
+                                         "runs, --trust-remote-code or not"):
+        load_hf_config(str(tmp_path))

@@ -25,7 +25,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + KV
     num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
     seed: int = 0
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # accepted (vLLM's name); checkpoint code never runs
     # Weights: int8 | int4 | a8w8 | fp8 (aliases: weight_only_int8, wint4, ...), quantized at
     # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
     quantization: str | None = None
@@ -118,6 +118,8 @@ class ServerConfig:
     check_health_interval: float = 10.0  # engine silent this long => not ready, requests fail
     max_request_body_bytes: int = 2 * 1024 * 1024  # larger bodies get 413 before parsing
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
+    # vLLM flags given that have no effect here: (flag, why), logged once at start-up
+    ignored_flags: tuple[tuple[str, str], ...] = ()
 
     @property
     def model_names(self) -> list[str]:
@@ -211,6 +213,16 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="mp: tensor-parallel ranks as processes on this node")
     a("--distributed-timeout", type=float, default=None, metavar="S",
       help="seconds start-up waits for every rank to join (default 120)")
+    a("--pipeline-parallel-size", "-pp", type=int, default=None,
+      help="only 1 so far (pipeline parallel is not built yet)")
+    # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
+    a("--num-scheduler-steps", type=int, default=None, help="accepted, no effect (vLLM)")
+    a("--trust-remote-code", action="store_true", default=None,
+      help="accepted; tokenmill never runs a checkpoint's own code")
+    a("--enforce-eager", action="store_true", default=None,
+      help="accepted, no effect: no CUDA graphs are captured yet")
+    a("--disable-async-output-proc", action="store_true", default=None,
+      help="accepted, no effect (vLLM)")
     a("--seed", type=int, default=None)
     a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
     a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
@@ -290,6 +302,9 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
 
     kv_int8 = env.flag("USE_CACHE_KV_INT8")
     tp = pick(args.tensor_parallel_size, env.integer("MP_NUM"), 1)
+    if args.pipeline_parallel_size not in (None, 1):
+        raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline "
+                         "parallel is not built yet; only 1 is accepted.")
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor parallel size (MP_NUM / --tensor-parallel-size) must be a "
                          f"positive integer, got {tp}.")
@@ -350,9 +365,24 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         check_health_interval=pick(None, env.number("CHECK_HEALTH_INTERVAL"), 10.0),
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
+        ignored_flags=_ignored_flags(args),
         **ports)
     config.validate()
     return config
+
+
+_IGNORED = {
+    "num_scheduler_steps": ("--num-scheduler-steps", "every step is scheduled anew"),
+    "trust_remote_code": ("--trust-remote-code", "tokenmill never runs a checkpoint's own "
+                          "code; it serves the architectures it implements"),
+    "enforce_eager": ("--enforce-eager", "no CUDA graphs are captured yet"),
+    "disable_async_output_proc": ("--disable-async-output-proc",
+                                  "outputs are processed in the API process already"),
+}
+
+
+def _ignored_flags(args) -> tuple[tuple[str, str], ...]:
+    return tuple(_IGNORED[name] for name in _IGNORED if getattr(args, name) is not None)
 
 
 def check_ports_free(config: ServerConfig) -> None:

@@ -48,7 +48,17 @@ def load_hf_config(path: str) -> Any:
         from tokenmill.gguf_loader import load_gguf_config
         return load_gguf_config(path)
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except ValueError:
+        with open(os.path.join(path, "config.json")) as f:
+            needs_code = "auto_map" in json.load(f)
+        if not needs_code:
+            raise
+        from tokenmill.models.registry import SUPPORTED_ARCHITECTURES
+        raise ValueError(f"Model {path!r} needs its own Python code (config.json `auto_map`), "
+                         "which tokenmill never runs, --trust-remote-code or not; supported "
+                         f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
 
 
 def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
@@ -138,9 +148,10 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     return model
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+def load_tokenizer(path: str) -> Any:
+    """The model's tokenizer; a checkpoint's own Python code is never run."""
     if is_gguf(path):
         from tokenmill.gguf_loader import load_gguf_tokenizer
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)

@@ -78,3 +78,25 @@ def test_a_killed_engine_core_takes_its_worker_ranks_along(tiny_models):
     finally:
         process.kill()
         process.join(10)
+
+
+def test_vllm_deployment_command_line_runs_unchanged(tiny_models, tmp_path):
+    """The vLLM-on-Ascend guide's command line, module path aside: every flag accepted, the
+    ones with no effect here logged once, the OpenAI API answering."""
+    path = tiny_models("llama_long")[0]
+    guide = ("--max-num-seqs=256 --max-model-len=4096 --max-num-batched-tokens=4096 "
+             "--tensor-parallel-size=1 --pipeline-parallel-size=1 --block-size=128 "
+             "--gpu-memory-utilization=0.9 --num-scheduler-steps=8 "
+             "--distributed-executor-backend mp --trust-remote-code --enforce-eager "
+             "--disable-async-output-proc")
+    served = Served(path, tmp_path, *guide.split(" "))
+    served.entry = ("-m", "tokenmill.entrypoints.openai.api_server")
+    served.args[0:1] = ["--model", path]
+    with served.running():
+        answer = httpx.post(served.api + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "The quick", "max_tokens": 4}).json()
+        assert answer["usage"]["completion_tokens"] == 4
+    log = served.process.stdout.read().decode()
+    for flag in ("--num-scheduler-steps", "--trust-remote-code", "--enforce-eager",
+                 "--disable-async-output-proc"):
+        assert f"{flag}: accepted, no effect here" in log, log[-2000:]

@@ -24,8 +24,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model_path(config.model)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path,
-                                        config.trust_remote_code)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path)
         self.core = EngineCore(config, self.model_path)
         self.client = InprocClient(self.core)

@@ -59,11 +59,11 @@ def _run_bench_script(name: str, argv: list[str]) -> int:
     return 0
 
 
-def cmd_serve(argv: list[str]) -> int:
+def cmd_serve(argv: list[str], prog: str = "tokenmill serve") -> int:
     from tokenmill.config import build_server_config
 
     try:
-        config = build_server_config(argv)
+        config = build_server_config(argv, prog=prog)
         from tokenmill.entrypoints.serve import run_server
         return run_server(config)
     except (ValueError, OSError, RuntimeError) as exc:

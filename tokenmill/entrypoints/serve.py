@@ -212,6 +212,8 @@ def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_ports_free(config)
+    for flag, why in config.ignored_flags:
+        logger.info("%s: accepted, no effect here (%s)", flag, why)
     code = asyncio.run(ServeProcess(config).run())
     logger.info("tokenmill stopped (exit code %d)", code)
     return code
