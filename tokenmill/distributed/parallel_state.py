@@ -1,9 +1,13 @@
 """The tensor-parallel group of this process: its rank and size, and the collectives the
-parallel layers and the step broadcast use (torch.distributed: gloo on CPU, NCCL on CUDA).
+parallel layers and the step broadcast use (torch.distributed's gloo on CPU, NCCL on CUDA).
 
 A process joins at most one group, once, before it builds a model (`init_tensor_parallel`);
 layers read it when they are constructed (to size their shards) and keep it. A process that
-never joins one is rank 0 of a group of one, where every collective is the identity."""
+never joins one is rank 0 of a group of one, where every collective is the identity.
+
+The gloo backend is built directly (not through `init_process_group`) so that it listens on
+the address this rank was given: 127.0.0.1 for ranks of one machine, the node's own address
+across nodes; never on every interface."""
 
 from __future__ import annotations
 
@@ -25,29 +29,32 @@ logger = logging.getLogger(__name__)
 class TensorParallelGroup:
     rank: int = 0
     size: int = 1
-    group: Any = None  # the torch.distributed process group (None: a group of one)
+    backend: Any = None  # a torch.distributed ProcessGroupGloo / NCCL (None: a group of one)
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - where collectives' tensors live
-    shm: Any = None  # ShmAllReduce of ranks on one node (CPU float32 sums), else gloo/NCCL
+    shm: Any = None  # ShmAllReduce of ranks on one node (CPU float32 sums), else the backend's
+    store: Any = None  # the rendezvous store (kept alive: rank 0's serves the others)
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place (gloo's ring order is fixed, so the same inputs
-        give the same bits on every run)."""
+        """Sum of `x` over the ranks, in place (the same inputs give the same bits on every
+        run: gloo's ring and the shared-memory sum both add in a fixed order)."""
         if self.size == 1:
             return x
         if self.shm is not None and self.shm.supports(x):
             return self.shm(x)
-        dist.all_reduce(x, group=self.group)
+        self.backend.allreduce([x]).wait()
         return x
 
     def all_reduce_min(self, value: int) -> int:
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.backend.allreduce([t], opts).wait()
         return int(t.item())
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -56,8 +63,10 @@ class TensorParallelGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
-        dist.gather(x, parts, dst=self._global(0), group=self.group)
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self.backend.gather([parts] if self.is_first else [], [x], opts).wait()
         return torch.cat(parts, dim=-1) if self.is_first else None
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
@@ -68,60 +77,45 @@ class TensorParallelGroup:
             return data
         length = torch.tensor([len(data) if self.is_first else 0], dtype=torch.int64,
                               device=self.device)
-        dist.broadcast(length, src=self._global(0), group=self.group)
+        self.backend.broadcast(length, 0).wait()
         if not length.item():
             return b""
         if self.is_first:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         else:
             buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        dist.broadcast(buffer, src=self._global(0), group=self.group)
+        self.backend.broadcast(buffer, 0).wait()
         return data if self.is_first else buffer.cpu().numpy().tobytes()
-
-    def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
 
 _GROUP = TensorParallelGroup()
-
-
-def get_tp_group() -> TensorParallelGroup:
-    return _GROUP
-
-
 _CPU = torch.device("cpu")
-
-
 # Collectives wait this long: a worker rank idles in its wait for the next step for as long as
 # the server idles. A rank that stalls is caught by the engine's liveness rule, and one that
 # dies by its peers' closed connections, not by this timeout.
 _OP_TIMEOUT = datetime.timedelta(days=3650)
 
 
+def get_tp_group() -> TensorParallelGroup:
+    return _GROUP
+
+
 def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float,
-                         device: torch.device = _CPU,
-                         shm_path: str | None = None) -> TensorParallelGroup:
-    """Join the `size`-rank group as `rank`, meeting at `rendezvous`: file:///path (ranks on
-    one node: no socket, and gloo kept on the loopback interface) or tcp://host:port (node
-    0's store). Blocks until every rank has joined; past `timeout_s`, fails naming the ranks
-    that did not. `shm_path`: the shared-memory all-reduce segment rank 0 made (ranks on one
-    node). Once per process."""
+                         device: torch.device = _CPU, shm_path: str | None = None,
+                         host: str = "127.0.0.1") -> TensorParallelGroup:
+    """Join the `size`-rank group as `rank`, meeting at `rendezvous`: file:///path (ranks of
+    one machine: no socket) or tcp://addr:port (rank 0 serves the store there, listening on
+    that address only). `host`: the address this rank's gloo connections listen on. Blocks
+    until every rank has joined; past `timeout_s`, fails naming the ranks that did not.
+    `shm_path`: the shared-memory all-reduce segment rank 0 made (ranks of one machine).
+    Once per process."""
     global _GROUP
-    if _GROUP.size > 1 or dist.is_initialized():
+    if _GROUP.size > 1:
         raise RuntimeError("This process already belongs to a tensor-parallel group.")
     if size == 1:
         return _GROUP
     timeout = datetime.timedelta(seconds=timeout_s)
-    if rendezvous.startswith("file://"):
-        store = dist.FileStore(rendezvous.removeprefix("file://"), size)
-        store.set_timeout(timeout)
-        interface = _loopback_interface()
-        if interface is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    else:
-        host, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
-        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+    store = _store(rendezvous, rank, size, timeout)
     store.set(f"joined/{rank}", "1")
     keys = [f"joined/{r}" for r in range(size)]
     try:
@@ -130,17 +124,46 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise TimeoutError(f"tensor-parallel rank(s) {missing} did not join within "
                            f"{timeout_s:g} s (--distributed-timeout).") from None
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=_OP_TIMEOUT)
-    _GROUP = TensorParallelGroup(rank, size, dist.group.WORLD,
-                                 device if backend == "nccl" else _CPU)
-    shm = _attach_shm(shm_path, rank, size) if backend == "gloo" else None
+    prefixed = dist.PrefixStore("tp", store)
+    if device.type == "cuda":
+        backend = dist.ProcessGroupNCCL(prefixed, rank, size)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        opts._timeout = _OP_TIMEOUT
+        backend = dist.ProcessGroupGloo(prefixed, rank, size, opts)
+        device = _CPU
+    _GROUP = TensorParallelGroup(rank, size, backend, device, store=store)
+    shm = _attach_shm(shm_path, rank, size) if device.type == "cpu" else None
     if shm is not None:
         _GROUP = dataclasses.replace(_GROUP, shm=shm)
-    logger.info("Tensor-parallel rank %d of %d joined (%s%s)", rank, size, backend,
+    logger.info("Tensor-parallel rank %d of %d joined (%s%s)", rank, size,
+                "nccl" if device.type == "cuda" else f"gloo on {host}",
                 " + shared-memory all-reduce" if shm is not None else "")
     return _GROUP
+
+
+def _store(rendezvous: str, rank: int, size: int, timeout: datetime.timedelta):
+    if rendezvous.startswith("file://"):
+        store = dist.FileStore(rendezvous.removeprefix("file://"), size)
+        store.set_timeout(timeout)
+        return store
+    addr, _, port = rendezvous.removeprefix("tcp://").rpartition(":")
+    if rank != 0:
+        return dist.TCPStore(addr, int(port), None, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((addr, int(port)))
+    except OSError as exc:
+        listener.close()
+        raise OSError(f"PORT: {port} occupied! Please change the port! (the tensor-parallel "
+                      f"rendezvous on {addr}, --master-port: {exc.strerror})") from None
+    listener.listen(128)
+    store = dist.TCPStore(addr, int(port), size, is_master=True, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=listener.fileno())
+    listener.detach()  # the store owns the socket now
+    return store
 
 
 def _attach_shm(path: str | None, rank: int, size: int):
@@ -159,15 +182,8 @@ def _attach_shm(path: str | None, rank: int, size: int):
     return shm if everyone else None
 
 
-def _loopback_interface() -> str | None:
-    names = {name for _, name in socket.if_nameindex()}
-    return next((n for n in ("lo", "lo0") if n in names), None)
-
-
 def destroy_tensor_parallel() -> None:
     global _GROUP
-    if dist.is_initialized():
-        dist.destroy_process_group()
     _GROUP = TensorParallelGroup()
 
 
