@@ -113,3 +113,36 @@ def test_a_model_that_needs_its_own_code_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="needs its own Python code .* which tokenmill never "
                                          "runs, --trust-remote-code or not"):
         load_hf_config(str(tmp_path))
+
+
+SEED_NODES = {"MP_NUM": "4", "MP_NNODE": "2", "POD_IPS": "10.0.0.1,10.0.0.2",
+              "POD_0_IP": "10.0.0.1"}
+
+
+def test_seed_node_variables_map_onto_nodes_and_ranks():
+    c = build_server_config([], {**SEED_NODES, "HOST_IP": "10.0.0.2"}).engine
+    assert (c.tensor_parallel_size, c.nnodes, c.node_rank, c.ranks_per_node) == (4, 2, 1, 2)
+    assert (c.master_addr, c.master_port, c.node_addr) == ("10.0.0.1", 29500, "10.0.0.2")
+    # an MPI launcher's rank, and flags, win over the address's place in POD_IPS
+    mpi = build_server_config([], {**SEED_NODES, "HOST_IP": "10.0.0.1",
+                                   "OMPI_COMM_WORLD_RANK": "1"}).engine
+    assert mpi.node_rank == 1
+    flags = build_server_config(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0",
+                                 "--master-port", "4000", "-tp", "2"], {}).engine
+    assert (flags.nnodes, flags.node_rank, flags.master_addr, flags.master_port) == \
+        (2, 1, "h0", 4000)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"MP_NUM": "3"}, "(3) must be divisible by MP_NNODE / --nnodes (2)"),
+    ({"POD_0_IP": "10.0.0.2", "HOST_IP": "10.0.0.1"}, "POD_0_IP 10.0.0.2 must be POD_IPS' first"),
+    ({"HOST_IP": "10.0.0.9"}, "HOST_IP 10.0.0.9 is not in POD_IPS (10.0.0.1, 10.0.0.2)"),
+    ({"POD_IPS": "10.0.0.1", "HOST_IP": "10.0.0.1"}, "POD_IPS lists 1 address(es) for "
+                                                     "MP_NNODE=2"),
+    ({}, "Cannot tell which POD_IPS address is this node's (none is local): set HOST_IP"),
+    ({"POD_IPS": "", "POD_0_IP": ""}, "give --node-rank"),
+])
+def test_bad_node_variables_are_named(env, message):
+    with pytest.raises(ValueError) as err:
+        build_server_config([], {**SEED_NODES, **env})
+    assert message in str(err.value)

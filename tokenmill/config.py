@@ -35,6 +35,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     distributed_timeout: float = 120.0
+    # Several nodes (torchrun-style flags, or the seed's MP_NNODE / POD_IPS): node n holds
+    # ranks n * tp / nnodes ..; node 0 (rank 0, the API) serves the rendezvous at
+    # master_addr:master_port; node_addr is where this node's ranks listen (None: 127.0.0.1
+    # on one node, else the local address that reaches master_addr).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    node_addr: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -79,6 +92,15 @@ class EngineConfig:
                              f"{self.distributed_executor_backend!r}.")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}.")
+        positive_int("nnodes")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"MP_NUM / --tensor-parallel-size ({self.tensor_parallel_size}) "
+                             f"must be divisible by MP_NNODE / --nnodes ({self.nnodes}).")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank (--node-rank) must be in [0, {self.nnodes}), got "
+                             f"{self.node_rank}.")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port, got {self.master_port}.")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'int8', got "
                              f"{self.kv_cache_dtype!r}.")
@@ -213,6 +235,13 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="mp: tensor-parallel ranks as processes on this node")
     a("--distributed-timeout", type=float, default=None, metavar="S",
       help="seconds start-up waits for every rank to join (default 120)")
+    a("--nnodes", type=int, default=None, help="nodes sharing the ranks (env MP_NNODE)")
+    a("--node-rank", type=int, default=None,
+      help="this node's index (default: from POD_IPS, OMPI_COMM_WORLD_RANK or PMI_RANK)")
+    a("--master-addr", default=None,
+      help="node 0's address: its rendezvous (env MASTER_ADDR, else POD_0_IP)")
+    a("--master-port", type=int, default=None,
+      help="node 0's rendezvous port (env MASTER_PORT; default 29500)")
     a("--pipeline-parallel-size", "-pp", type=int, default=None,
       help="only 1 so far (pipeline parallel is not built yet)")
     # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
@@ -340,6 +369,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
         "tensor_parallel_size": tp,
+        **_nodes(args, env, tp),
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
     }
@@ -371,6 +401,68 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
     return config
 
 
+def _nodes(args, env: _Env, tp: int) -> dict:
+    """Where this node stands among several: torchrun-style flags, else the seed's MP_NNODE /
+    POD_IPS / POD_0_IP / HOST_IP (this node's index = its address's place in POD_IPS) or an
+    MPI launcher's rank (`mpirun start_server`)."""
+    nnodes = args.nnodes if args.nnodes is not None else env.integer("MP_NNODE") or 1
+    out = {"nnodes": nnodes,
+           "master_port": pick_first(args.master_port, env.integer("MASTER_PORT"), 29500)}
+    if nnodes == 1:
+        return out
+    if not isinstance(nnodes, int) or nnodes < 1 or tp % nnodes:
+        raise ValueError(f"MP_NUM / --tensor-parallel-size ({tp}) must be divisible by "
+                         f"MP_NNODE / --nnodes ({nnodes}).")
+    mpi_rank = env.integer("OMPI_COMM_WORLD_RANK", "PMI_RANK")
+    pod_ips = [a.strip() for a in (env.text("POD_IPS") or "").split(",") if a.strip()]
+    host_ip, node_rank = env.text("HOST_IP"), None
+    if pod_ips:
+        if len(pod_ips) != nnodes:
+            raise ValueError(f"POD_IPS lists {len(pod_ips)} address(es) for MP_NNODE={nnodes} "
+                             "nodes.")
+        pod0 = env.text("POD_0_IP") or pod_ips[0]
+        if pod0 != pod_ips[0]:
+            raise ValueError(f"POD_0_IP {pod0} must be POD_IPS' first address ({pod_ips[0]}): "
+                             "node 0 is the one listed first.")
+        if host_ip is None:
+            local = [a for a in pod_ips if _is_local(a)]
+            if len(local) != 1:
+                raise ValueError(f"Cannot tell which POD_IPS address is this node's "
+                                 f"({', '.join(local) or 'none is local'}): set HOST_IP.")
+            host_ip = local[0]
+        if host_ip not in pod_ips:
+            raise ValueError(f"HOST_IP {host_ip} is not in POD_IPS ({', '.join(pod_ips)}).")
+        node_rank = pod_ips.index(host_ip)
+        out["master_addr"] = pod0
+    node_rank = pick_first(args.node_rank, mpi_rank, node_rank)
+    if node_rank is None:
+        raise ValueError(f"--nnodes {nnodes}: give --node-rank (or POD_IPS, or run under "
+                         "mpirun).")
+    master = pick_first(args.master_addr, env.text("MASTER_ADDR"), out.get("master_addr"))
+    if master is None:
+        raise ValueError(f"--nnodes {nnodes}: give --master-addr (node 0's address) or "
+                         "POD_IPS / POD_0_IP.")
+    out.update(node_rank=node_rank, master_addr=master, node_addr=host_ip)
+    return out
+
+
+def pick_first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _is_local(address: str) -> bool:
+    """Whether an address belongs to this machine (binding to it works)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET,
+                           socket.SOCK_DGRAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
 _IGNORED = {
     "num_scheduler_steps": ("--num-scheduler-steps", "every step is scheduled anew"),
     "trust_remote_code": ("--trust-remote-code", "tokenmill never runs a checkpoint's own "
@@ -386,15 +478,24 @@ def _ignored_flags(args) -> tuple[tuple[str, str], ...]:
 
 
 def check_ports_free(config: ServerConfig) -> None:
-    """Fail fast, naming the port, when something already listens on one of ours."""
+    """Fail fast, naming the port, when something already listens on one of ours (a node
+    other than 0 runs ranks only: it listens on none of them)."""
     import socket
 
-    for name, _, _ in _PORT_ENV:
-        port = getattr(config, name)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    if config.engine.node_rank > 0:
+        return
+
+    checks = [(config.host if name != "inter_proc_port" else "127.0.0.1", getattr(config, name))
+              for name, _, _ in _PORT_ENV]
+    engine = config.engine
+    if engine.nnodes > 1 and engine.node_rank == 0:  # node 0 serves the ranks' rendezvous
+        checks.append((engine.master_addr, engine.master_port))
+    for host, port in checks:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((config.host if name != "inter_proc_port" else "127.0.0.1", port))
+                s.bind((host, port))
             except OSError:
                 raise OSError(f"PORT: {port} occupied! Please change the port!") from None
 

@@ -1,6 +1,8 @@
 """Starting the tensor-parallel ranks of one engine: rank 0 is the engine core's own process
-(it schedules, broadcasts each step and samples); ranks 1 .. tp-1 are worker processes on
-this node (`--distributed-executor-backend mp`), each running `tokenmill.distributed.worker`."""
+(it schedules, broadcasts each step and samples); the other ranks of its node are worker
+processes (`--distributed-executor-backend mp`), each running `tokenmill.distributed.worker`.
+On other nodes `tokenmill serve --node-rank N` starts that node's ranks and waits for them
+(`serve_other_node`)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import contextlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +20,7 @@ import time
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.distributed.parallel_state import RanksMissing, get_tp_group
 from tokenmill.distributed.shm_allreduce import create_segment
 from tokenmill.distributed.worker import WorkerSpec
 
@@ -30,8 +33,17 @@ def threads_per_rank(size: int) -> int:
     return max(1, (cores or 1) // size)
 
 
+def local_address_towards(addr: str) -> str:
+    """This machine's address on the route to `addr` (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET,
+                       socket.SOCK_DGRAM) as s:
+        s.connect((addr, 9))
+        return s.getsockname()[0]
+
+
 class WorkerGroup:
-    """Worker ranks 1 .. tp-1 as child processes; `join` makes this process rank 0.
+    """This node's worker ranks as child processes: ranks 1 .. of node 0, where `join` makes
+    this process rank 0, or all ranks of another node.
 
     A worker that dies is noticed by a watcher thread: in the engine-core process
     (`exit_on_death`) that ends this process too, so the server's engine-death policy takes
@@ -39,17 +51,27 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, model_path: str, max_model_len: int,
                  exit_on_death: bool) -> None:
-        size = config.tensor_parallel_size
-        # Ranks on this node meet through a file in a private directory: no socket to bind.
+        size, per_node = config.tensor_parallel_size, config.ranks_per_node
+        first = config.node_rank * per_node
         self._dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
-        self.init_method = f"file://{self._dir}/rendezvous"
-        self.threads = threads_per_rank(size)
-        self.shm_path = create_segment(size) if config.device in ("auto", "cpu") else None
+        if config.nnodes == 1:
+            # Ranks of one machine meet through a file in a private directory (no socket) and
+            # add their partial sums in shared memory.
+            self.init_method = f"file://{self._dir}/rendezvous"
+            self.host = "127.0.0.1"
+            self.shm_path = create_segment(size) if config.device in ("auto", "cpu") else None
+        else:
+            self.init_method = f"tcp://{config.master_addr}:{config.master_port}"
+            self.host = config.node_addr or local_address_towards(config.master_addr)
+            self.shm_path = None
+        self.threads = threads_per_rank(per_node)
         self.procs: list[subprocess.Popen] = []
+        self.ranks = [r for r in range(first, first + per_node) if r != 0]
         self._stopping = False
-        for rank in range(1, size):
+        for rank in self.ranks:
             spec = WorkerSpec(config, model_path, max_model_len, rank, size, self.init_method,
-                              self.threads, parent_pid=os.getpid(), shm_path=self.shm_path)
+                              self.threads, parent_pid=os.getpid(), shm_path=self.shm_path,
+                              host=self.host)
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"],
                                     stdin=subprocess.PIPE)
             proc.stdin.write(msgspec.json.encode(spec) + b"\n")
@@ -69,7 +91,14 @@ class WorkerGroup:
         try:
             init_tensor_parallel(0, config.tensor_parallel_size, self.init_method,
                                  config.distributed_timeout, resolve_device(config.device),
-                                 self.shm_path)
+                                 self.shm_path, self.host)
+        except RanksMissing as exc:
+            self.kill()
+            nodes = sorted({r // config.ranks_per_node for r in exc.missing})
+            exits = self.exits()
+            raise RuntimeError(f"Tensor-parallel start-up failed: {exc}"
+                               + (f" Node(s) {nodes} never joined." if config.nnodes > 1
+                                  else "") + (f" ({exits})" if exits else "")) from None
         except Exception as exc:
             self.kill()
             exits = self.exits()
@@ -79,11 +108,12 @@ class WorkerGroup:
     def exits(self) -> str:
         """Which workers have exited, and how ('' while all run)."""
         return ", ".join(f"rank {rank} exited with code {p.returncode}"
-                         for rank, p in enumerate(self.procs, 1) if p.poll() is not None)
+                         for rank, p in zip(self.ranks, self.procs) if p.poll() is not None)
 
     def _watch(self) -> None:
         while not self._stopping:
-            dead = self.exits()
+            # (code 0: rank 0 told it to stop; that is no death)
+            dead = self.exits() if any(p.poll() not in (None, 0) for p in self.procs) else ""
             if dead:
                 if self._stopping:
                     return
@@ -120,3 +150,36 @@ class WorkerGroup:
         if self.shm_path is not None:  # (rank 0 unlinks it once every rank has mapped it)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.shm_path)
+
+
+def serve_other_node(config: EngineConfig, model_path: str) -> int:
+    """A node other than 0 (`tokenmill serve` there, same flags): start this node's ranks and
+    wait. Returns 0 when they all end cleanly (node 0 told them to stop), 1 when one fails or
+    node 0 goes away (its ranks' connections close): the others are then stopped too.
+    SIGTERM / SIGINT stop them at once."""
+    import signal
+
+    from tokenmill.engine.engine_core import derive_max_model_len
+    from tokenmill.loader import load_hf_config
+
+    max_model_len = derive_max_model_len(config, load_hf_config(model_path))
+    group = WorkerGroup(config, model_path, max_model_len, exit_on_death=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("node %d of %d: ranks %s, rendezvous with node 0 at %s:%d", config.node_rank,
+                config.nnodes, group.ranks, config.master_addr, config.master_port)
+    while not stop.is_set():
+        codes = [p.poll() for p in group.procs]
+        if any(c not in (None, 0) for c in codes):
+            logger.error("node %d: %s; stopping its other ranks", config.node_rank,
+                         group.exits())
+            group.kill()
+            return 1
+        if all(c == 0 for c in codes):
+            group.stop()
+            logger.info("node %d: every rank stopped", config.node_rank)
+            return 0
+        stop.wait(0.5)
+    group.kill()
+    return 1

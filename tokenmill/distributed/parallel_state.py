@@ -88,6 +88,12 @@ class TensorParallelGroup:
         return data if self.is_first else buffer.cpu().numpy().tobytes()
 
 
+class RanksMissing(TimeoutError):
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 _GROUP = TensorParallelGroup()
 _CPU = torch.device("cpu")
 # Collectives wait this long: a worker rank idles in its wait for the next step for as long as
@@ -122,8 +128,8 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float
         store.wait(keys, timeout)
     except RuntimeError:
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise TimeoutError(f"tensor-parallel rank(s) {missing} did not join within "
-                           f"{timeout_s:g} s (--distributed-timeout).") from None
+        raise RanksMissing(f"tensor-parallel rank(s) {missing} did not join within "
+                           f"{timeout_s:g} s (--distributed-timeout).", missing) from None
     prefixed = dist.PrefixStore("tp", store)
     if device.type == "cuda":
         backend = dist.ProcessGroupNCCL(prefixed, rank, size)

@@ -29,6 +29,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     threads: int  # torch threads of this rank
     parent_pid: int | None = None  # exit when this process (rank 0's, here) is gone
     shm_path: str | None = None  # the shared-memory all-reduce segment (ranks on one node)
+    host: str = "127.0.0.1"  # the address this rank's connections listen on
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -52,7 +53,7 @@ def run(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
     device = resolve_device(spec.config.device)
     init_tensor_parallel(spec.rank, spec.size, spec.init_method,
-                         spec.config.distributed_timeout, device, spec.shm_path)
+                         spec.config.distributed_timeout, device, spec.shm_path, spec.host)
     runner = ModelRunner(spec.config, spec.model_path, load_hf_config(spec.model_path),
                          spec.max_model_len)
     runner.serve_steps()

@@ -46,10 +46,14 @@ def start_server_main(argv: list[str] | None = None) -> int:
             start_new_session=True)  # its own process group: stop_server signals all of it
     with open(_pid_path(config.log_dir), "w") as f:
         f.write(str(process.pid))
+    if config.engine.node_rank > 0:
+        ports = (f"node {config.engine.node_rank} of {config.engine.nnodes}: tensor-parallel "
+                 "ranks only, node 0 serves the ports")
+    else:
+        ports = (f"service port {config.port}, health port {config.health_port}, metrics "
+                 f"port {config.metrics_port}, gRPC port {config.grpc_port}")
     sys.stdout.write(f"tokenmill server starting (pid {process.pid}); logs: {log_path}; "
-                     f"service port {config.port}, health port {config.health_port}, "
-                     f"metrics port {config.metrics_port}, gRPC port {config.grpc_port}. "
-                     "Stop it with stop_server.\n")
+                     f"{ports}. Stop it with stop_server.\n")
     return 0
 
 

@@ -211,9 +211,12 @@ class ServeProcess:
 def run_server(config: ServerConfig) -> int:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_ports_free(config)
     for flag, why in config.ignored_flags:
         logger.info("%s: accepted, no effect here (%s)", flag, why)
+    if config.engine.node_rank > 0:  # ranks only: node 0 serves every port
+        from tokenmill.distributed.executor import serve_other_node
+        return serve_other_node(config.engine, resolve_model_path(config.engine.model))
+    check_ports_free(config)
     code = asyncio.run(ServeProcess(config).run())
     logger.info("tokenmill stopped (exit code %d)", code)
     return code

@@ -1,0 +1,153 @@
+"""Two nodes on loopback addresses (127.0.0.2 and 127.0.0.3 of this machine), each with one
+rank: started with `start_server` and the seed's variables, or with torchrun-style flags; the
+API answers on node 0 as one rank does; a node's death ends the other cleanly; a node that
+never joins is named."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import psutil
+import pytest
+
+from tests.serving import HOLD_TOKENS, Served, alive, free_port, wait_until
+from tokenmill import LLM, SamplingParams
+
+NODES = ("127.0.0.2", "127.0.0.3")
+PROMPT = [5, 17, 99, 200, 3, 45, 67]
+
+
+def _loopback_aliases_work() -> bool:
+    import socket
+
+    try:
+        for address in NODES:
+            with socket.socket() as s:
+                s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _loopback_aliases_work(),
+                                reason="127.0.0.2/3 are not local addresses here")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    path = tiny_models("llama_long")[0]
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        (out,) = llm.generate({"prompt_token_ids": PROMPT},
+                              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)
+    return out.outputs[0].text
+
+
+def seed_env(port: int, host_ip: str) -> dict:
+    return {"MP_NUM": "2", "MP_NNODE": "2", "POD_IPS": ",".join(NODES), "POD_0_IP": NODES[0],
+            "HOST_IP": host_ip, "MASTER_PORT": str(port)}
+
+
+def complete(served: Served) -> str:
+    answer = httpx.post(served.api + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True}).json()
+    return answer["choices"][0]["text"]
+
+
+def tree_of(pid: int) -> list[int]:
+    return [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def test_seed_variables_and_start_server_on_two_nodes(tiny_models, tmp_path, expected):
+    path = tiny_models("llama_long")[0]
+    port = free_port()
+    node1_dir = tmp_path / "node1"
+    node1_dir.mkdir()
+    bin_dir = os.path.dirname(sys.executable)
+    started = subprocess.run([os.path.join(bin_dir, "start_server"), path], cwd=node1_dir,
+                             env={**os.environ, **seed_env(port, NODES[1])},
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    assert "node 1 of 2: tensor-parallel ranks only" in started.stdout
+    node1 = int((node1_dir / "log" / "server.pid").read_text())
+    served = Served(path, tmp_path)
+    served.env.update(seed_env(port, NODES[0]))
+    try:
+        with served.running():
+            assert complete(served) == expected
+            node1_tree = tree_of(node1)
+            assert len(node1_tree) == 2  # node 1's agent and its rank
+        # node 0 stopped (SIGTERM): node 1's rank was told to stop, and node 1 ended with it
+        assert served.process.returncode == 0
+        assert wait_until(lambda: not any(alive(pid) for pid in node1_tree), 60)
+        log = (node1_dir / "log" / "server.log").read_text()
+        assert "node 1: every rank stopped" in log, log[-2000:]
+    finally:
+        for pid in tree_of(node1) if alive(node1) else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def node_flags(rank: int, port: int) -> list[str]:
+    return ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", NODES[0], "--master-port", str(port)]
+
+
+def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expected):
+    path = tiny_models("llama_long")[0]
+    port = free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
+                              *node_flags(1, port)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    served = Served(path, tmp_path, *node_flags(0, port))
+    served.start()
+    try:
+        served.wait_ready()
+        assert complete(served) == expected
+        events: list[str] = []
+        opened = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", served.api + "/v1/completions", timeout=120, json={
+                    "model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS,
+                    "ignore_eos": True, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        opened.set()
+            opened.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert opened.wait(120)
+        node1_tree = tree_of(node1.pid)
+        os.killpg(node1.pid, signal.SIGKILL)  # the whole node goes
+        client.join(300)  # bounds a hang only
+        errors = [json.loads(e) for e in events if e.startswith('{"error"')]
+        assert errors and errors[0]["error"]["code"] == 503, events[-3:]
+        assert served.process.wait(120) == 1
+        assert wait_until(lambda: not any(alive(pid) for pid in node1_tree), 60)
+        assert wait_until(served.ports_free, 60)
+    finally:
+        served.stop()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait(30)
+
+
+def test_a_node_that_never_joins_is_named(tiny_models, tmp_path):
+    path = tiny_models("llama")[0]
+    served = Served(path, tmp_path, *node_flags(0, free_port()), "--distributed-timeout", "2")
+    served.start()
+    try:
+        assert served.process.wait(300) != 0
+        log = served.process.stdout.read().decode()
+        assert "rank(s) [1] did not join within 2 s (--distributed-timeout)" in log, log[-2000:]
+        assert "Node(s) [1] never joined" in log
+    finally:
+        served.stop()
