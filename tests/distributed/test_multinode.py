@@ -151,3 +151,27 @@ def test_a_node_that_never_joins_is_named(tiny_models, tmp_path):
         assert "Node(s) [1] never joined" in log
     finally:
         served.stop()
+
+
+def test_a_node_dying_while_idle_is_noticed(tiny_models, tmp_path):
+    """No step runs, so no collective fails: node 0 notices the silence of node 1's agent."""
+    path = tiny_models("llama")[0]
+    port = free_port()
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
+                              *node_flags(1, port)], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    served = Served(path, tmp_path, *node_flags(0, port))
+    served.start()
+    try:
+        served.wait_ready()
+        os.killpg(node1.pid, signal.SIGKILL)
+        assert served.process.wait(120) == 1  # (bounds a hang only; ~15 s of silence)
+        log = served.process.stdout.read().decode()
+        assert "node 1 has not been heard from for 15 s" in log, log[-2000:]
+        assert wait_until(served.ports_free, 60)
+    finally:
+        served.stop()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait(30)

@@ -25,6 +25,8 @@ from tokenmill.distributed.shm_allreduce import create_segment
 from tokenmill.distributed.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
+# A node other than 0 silent this long counts as dead (its agent beats every second).
+NODE_SILENCE_S = 15.0
 
 
 def threads_per_rank(size: int) -> int:
@@ -104,6 +106,9 @@ class WorkerGroup:
             exits = self.exits()
             raise RuntimeError(f"Tensor-parallel start-up failed: {exc}"
                                + (f" ({exits})" if exits else "")) from None
+        if config.nnodes > 1:
+            threading.Thread(target=self._watch_nodes, args=(config.nnodes,),
+                             name="tokenmill-node-watch", daemon=True).start()
 
     def exits(self) -> str:
         """Which workers have exited, and how ('' while all run)."""
@@ -115,16 +120,38 @@ class WorkerGroup:
             # (code 0: rank 0 told it to stop; that is no death)
             dead = self.exits() if any(p.poll() not in (None, 0) for p in self.procs) else ""
             if dead:
-                if self._stopping:
-                    return
-                logger.error("tensor-parallel worker died: %s", dead)
-                if self._exit_on_death:
-                    os._exit(1)
-                shm = get_tp_group().shm
-                if shm is not None:  # rank 0 may be waiting for the dead rank's sum
-                    shm.abort()
+                self._died(f"tensor-parallel worker died: {dead}")
                 return
             time.sleep(0.2)
+
+    def _watch_nodes(self, nnodes: int) -> None:
+        """Node 0: every other node's agent bumps its counter in the rendezvous store each
+        second (`_beat`); one that stops for NODE_SILENCE_S is dead, even while no step runs
+        (a step would fail on its closed connections anyway)."""
+        store = get_tp_group().store
+        seen = {node: (-1, time.monotonic()) for node in range(1, nnodes)}
+        while not self._stopping:
+            for node, (count, since) in seen.items():
+                try:
+                    now_count = store.add(f"beat/{node}", 0)
+                except RuntimeError:
+                    return  # the store is gone: this process is stopping
+                if now_count != count:
+                    seen[node] = (now_count, time.monotonic())
+                elif time.monotonic() - since > NODE_SILENCE_S:
+                    self._died(f"node {node} has not been heard from for {NODE_SILENCE_S:g} s")
+                    return
+            time.sleep(1.0)
+
+    def _died(self, what: str) -> None:
+        if self._stopping:
+            return
+        logger.error("%s", what)
+        if self._exit_on_death:
+            os._exit(1)
+        shm = get_tp_group().shm
+        if shm is not None:  # rank 0 may be waiting for the dead rank's sum
+            shm.abort()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """After rank 0 told them to stop (ModelRunner.stop_workers): wait, then kill."""
@@ -164,13 +191,27 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
 
     max_model_len = derive_max_model_len(config, load_hf_config(model_path))
     group = WorkerGroup(config, model_path, max_model_len, exit_on_death=False)
-    stop = threading.Event()
+    stop, lost = threading.Event(), threading.Event()
+    threading.Thread(target=_beat, args=(config, stop, lost), name="tokenmill-node-beat",
+                     daemon=True).start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logger.info("node %d of %d: ranks %s, rendezvous with node 0 at %s:%d", config.node_rank,
                 config.nnodes, group.ranks, config.master_addr, config.master_port)
     while not stop.is_set():
         codes = [p.poll() for p in group.procs]
+        if lost.is_set() and any(c is None for c in codes):
+            # Node 0 is gone: stopping cleanly (its stop message is on its way to our ranks)
+            # or dead (our ranks' connections fail). Either way they end soon; wait a while.
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and any(p.poll() is None for p in group.procs):
+                time.sleep(0.1)
+            if all(p.poll() == 0 for p in group.procs):
+                continue
+            logger.error("node %d: node 0 is gone (%s); stopping this node's ranks",
+                         config.node_rank, group.exits() or "ranks still running")
+            group.kill()
+            return 1
         if any(c not in (None, 0) for c in codes):
             logger.error("node %d: %s; stopping its other ranks", config.node_rank,
                          group.exits())
@@ -183,3 +224,19 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
         stop.wait(0.5)
     group.kill()
     return 1
+
+
+def _beat(config: EngineConfig, stop: threading.Event, lost: threading.Event) -> None:
+    """Bump this node's counter in node 0's store every second (node 0 watches it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(config.master_addr, config.master_port, None, is_master=False,
+                              timeout=datetime.timedelta(seconds=config.distributed_timeout))
+        while not stop.is_set():
+            store.add(f"beat/{config.node_rank}", 1)
+            stop.wait(1.0)
+    except RuntimeError:  # (connecting timed out, or node 0 went away)
+        lost.set()
