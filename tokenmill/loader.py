@@ -119,9 +119,8 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
-    # (With tensor parallel they are dequantized: the shards split float weights.)
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
-                 and dtype == torch.float32 and csrc.available() and tp.size == 1)
+                 and dtype == torch.float32 and csrc.available())
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
     weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf, tp.size > 1),

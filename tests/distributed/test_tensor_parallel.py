@@ -143,3 +143,35 @@ def test_a_rank_that_never_joins_is_named_after_the_timeout(tmp_path):
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not join within 0.5 s"):
         init_tensor_parallel(0, 2, f"file://{tmp_path}/rendezvous", 0.5)
     assert get_tp_group().size == 1 and not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_split_across_ranks_as_they_are(tiny_models, tmp_path, qtype):
+    """Each rank keeps its rows or whole blocks of the GGUF weights (no float copy): the
+    same tokens as one rank, half the weight bytes per rank."""
+    from gguf import GGMLQuantizationType
+    from helpers import write_gguf
+
+    from tokenmill import gguf_loader
+    from tokenmill.quantization.model import weight_bytes
+
+    hf_path, hf = tiny_models("llama")
+    path = str(tmp_path / f"{qtype}.gguf")
+    write_gguf(path, "llama", hf.state_dict(), hf.config, GGMLQuantizationType[qtype])
+    gguf_loader._reader.cache_clear()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results, sizes = {}, {}
+    for tp in (1, 2):
+        with LLM(path, tokenizer=hf_path, kv_cache_memory_gib=0.01,
+                 tensor_parallel_size=tp) as llm:
+            model = llm.engine.core.runner.model
+            kernels = {m.kernel.name.split("-")[0] for m in model.modules()
+                       if hasattr(m, "kernel") and m is not model.lm_head}
+            assert kernels == {"int8" if qtype == "Q8_0" else "int4"}
+            layer = model.model.layers[0]
+            sizes[tp] = sum(weight_bytes(m) for m in (layer.self_attn, layer.mlp))
+            results[tp] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert results[2] == results[1]
+    assert sizes[2] * 2 == sizes[1]

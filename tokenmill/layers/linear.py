@@ -159,6 +159,11 @@ class Linear(nn.Module):
         self.kernel = kernel
         self.weight = None
 
+    def checkpoint_slice(self, shard: int | None = None) -> tuple[int, int, int] | None:
+        """The part of checkpoint weight `shard` this rank keeps: (dim, start, size), or None
+        for all of it (read by loaders of tensors kept quantized, such as GGUF blocks)."""
+        return None
+
 
 def _narrowed(dim: int, start: int, size: int):
     """A weight loader that keeps `size` entries of the checkpoint tensor from `start` along
@@ -184,10 +189,16 @@ class ColumnParallelLinear(Linear):
         self.tp = get_tp_group()
         local = divide(padded_out or out_features, self.tp.size, "output size")
         super().__init__(in_features, local, bias)
+        self.full_out = out_features
         loader = _narrowed(0, self.tp.rank * local, local)
         self.weight.weight_loader = loader
         if bias:
             self.bias.weight_loader = loader
+
+    def checkpoint_slice(self, shard: int | None = None) -> tuple[int, int, int] | None:
+        # (rows past the checkpoint's are padding: a loader of quantized blocks cannot pad)
+        return None if self.tp.size == 1 else (0, self.tp.rank * self.out_features,
+                                               self.out_features)
 
 
 class RowParallelLinear(Linear):
@@ -214,6 +225,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.kernel.apply(self, x))
+
+    def checkpoint_slice(self, shard: int | None = None) -> tuple[int, int, int] | None:
+        return None if self.tp.size == 1 else (1, self.tp.rank * self.in_features,
+                                               self.in_features)
 
 
 class MergedLinear(Linear):
@@ -252,6 +267,11 @@ class MergedLinear(Linear):
         start, rows = self.shards[shard]
         offset = sum(self.output_sizes[:shard])
         default_weight_loader(param.data.narrow(0, offset, rows), loaded.narrow(0, start, rows))
+
+    def checkpoint_slice(self, shard: int | None = None) -> tuple[int, int, int] | None:
+        if shard is None or self.tp.size == 1:
+            return None
+        return (0, *self.shards[shard])
 
 
 class QKVLinear(MergedLinear):

@@ -108,26 +108,61 @@ def load_kernels(model: nn.Module, config: QuantConfig,
     return replaced
 
 
+def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
+                 rows: int) -> QuantizedShard | None:
+    """A tensor-parallel rank's part (dim, start, size) of a weight kept quantized: output
+    rows slice every tensor alike; input columns slice whole quantization groups (None when
+    the part splits a group or runs past the weight's `rows`: dequantize instead)."""
+    if part is None:
+        return shard
+    dim, start, size = part
+    if dim == 0:
+        if start + size > rows:
+            return None
+        return QuantizedShard(shard.method, {leaf: t.narrow(0, start, size)
+                                             for leaf, t in shard.tensors.items()})
+    qweight = shard.tensors["qweight"]
+    k = qweight.shape[1] * (2 if shard.method == "int4" else 1)  # int4: two inputs a byte
+    group = k // shard.tensors["scale"].shape[1]
+    if start % group or size % group:
+        return None
+    return QuantizedShard(shard.method, {
+        leaf: t.narrow(1, start * t.shape[1] // k, size * t.shape[1] // k).contiguous()
+        for leaf, t in shard.tensors.items()})
+
+
 def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) -> set[str]:
-    """GGUF weights kept quantized: shards of one layer (q|k|v, gate|up) are concatenated by
-    rows when they share a format; a layer whose shards differ is dequantized instead."""
+    """GGUF weights kept quantized: each shard cut to this tensor-parallel rank's part, the
+    shards of one layer (q|k|v, gate|up) concatenated by rows when they share a format; a
+    layer whose shards differ, or whose part splits a block, is dequantized instead."""
     modules = dict(model.named_modules())
     replaced = set()
     for name, by_index in shards.items():
         module = modules[name]
-        parts = [by_index[i] for i in sorted(by_index)]
-        kernel_cls = KERNELS[parts[0].method]
-        same = all(p.method == parts[0].method and p.tensors["scale"].shape[1:]
-                   == parts[0].tensors["scale"].shape[1:] for p in parts)
+        merged = len(by_index) > 1 or hasattr(module, "shards")
+        indices = sorted(by_index)
+        parts = [narrow_shard(by_index[i], module.checkpoint_slice(i if merged else None),
+                              _shard_rows(by_index[i])) for i in indices]
+        same = all(p is not None for p in parts) and all(
+            p.method == parts[0].method and p.tensors["scale"].shape[1:]
+            == parts[0].tensors["scale"].shape[1:] for p in parts)
         if same:
             joined = {leaf: torch.cat([p.tensors[leaf] for p in parts])
                       for leaf in parts[0].tensors}
-            module.use_kernel(kernel_cls(joined))
-        else:
-            weight = torch.cat([KERNELS[p.method](p.tensors).dequantize() for p in parts])
-            module.weight.data.copy_(weight)
+            module.use_kernel(KERNELS[parts[0].method](joined))
+        else:  # float, through the layer's own loaders (they cut this rank's part)
+            for i in indices:
+                weight = KERNELS[by_index[i].method](by_index[i].tensors).dequantize()
+                if merged:
+                    module.weight.weight_loader(module.weight, weight, i)
+                else:
+                    module.weight.weight_loader(module.weight, weight)
         replaced.add(f"{name}.weight")
     return replaced
+
+
+def _shard_rows(shard: QuantizedShard) -> int:
+    return shard.tensors["qweight"].shape[0]
 
 
 def split_checkpoint(weights: Iterable[tuple[str, object]], target_of,
