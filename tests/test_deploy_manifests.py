@@ -12,8 +12,8 @@ import yaml
 from tokenmill.config import build_server_config
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy")
-CONFIG_SOURCE = open(os.path.join(os.path.dirname(__file__), "..", "tokenmill",
-                                  "config.py")).read()
+with open(os.path.join(os.path.dirname(__file__), "..", "tokenmill", "config.py")) as _f:
+    CONFIG_SOURCE = _f.read()
 # What a LeaderWorkerSet gives each pod of a group of 2 (the worker: index 1).
 LWS = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "tokenmill-0.tokenmill",
        "LWS_WORKER_INDEX": "1"}

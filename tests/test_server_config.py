@@ -77,7 +77,8 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     ([], {"MP_NUM": "0"}, "MP_NUM / --tensor-parallel-size) must be a positive integer"),
     ([], {"MP_NUM": "two"}, "MP_NUM must be an integer"),
     (["--distributed-timeout", "0"], {}, "distributed_timeout must be > 0"),
-    (["--pipeline-parallel-size", "2"], {}, "pipeline parallel is not built yet"),
+    (["--pipeline-parallel-size", "2"], {"MP_NUM": "3"}, "MP_NUM (3) must be divisible by "
+                                                         "--pipeline-parallel-size (2)"),
     ([], {"BLOCK_RATIO": "1.5"}, "BLOCK_RATIO must be in (0, 1]"),
     (["--port", "8110"], {}, "both set to port 8110"),
     (["--port", "70000"], {}, "must be a TCP port"),

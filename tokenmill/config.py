@@ -33,6 +33,7 @@ class EngineConfig:
     # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
     # processes on this node; start-up waits this long for every rank to join.
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages the layers are split into (ranks: tp x pp)
     distributed_executor_backend: str = "mp"
     distributed_timeout: float = 120.0
     # Several nodes (torchrun-style flags, or the seed's MP_NNODE / POD_IPS): node n holds
@@ -46,8 +47,12 @@ class EngineConfig:
     node_addr: str | None = None
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -87,14 +92,15 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or "
                              f"{', '.join(sorted(ALIASES))}), got {self.quantization!r}.")
         positive_int("tensor_parallel_size")
+        positive_int("pipeline_parallel_size")
         if self.distributed_executor_backend != "mp":
             raise ValueError("distributed_executor_backend must be 'mp', got "
                              f"{self.distributed_executor_backend!r}.")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}.")
         positive_int("nnodes")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"MP_NUM / --tensor-parallel-size ({self.tensor_parallel_size}) "
+        if self.world_size % self.nnodes:
+            raise ValueError(f"MP_NUM / tensor x pipeline parallel size ({self.world_size}) "
                              f"must be divisible by MP_NNODE / --nnodes ({self.nnodes}).")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node rank (--node-rank) must be in [0, {self.nnodes}), got "
@@ -243,7 +249,7 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--master-port", type=int, default=None,
       help="node 0's rendezvous port (env MASTER_PORT; default 29500)")
     a("--pipeline-parallel-size", "-pp", type=int, default=None,
-      help="only 1 so far (pipeline parallel is not built yet)")
+      help="stages the layers are split into (MP_NUM then counts tp x pp ranks)")
     # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
     a("--num-scheduler-steps", type=int, default=None, help="accepted, no effect (vLLM)")
     a("--trust-remote-code", action="store_true", default=None,
@@ -330,10 +336,15 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         return flag if flag is not None else env_value if env_value is not None else default
 
     kv_int8 = env.flag("USE_CACHE_KV_INT8")
-    tp = pick(args.tensor_parallel_size, env.integer("MP_NUM"), 1)
-    if args.pipeline_parallel_size not in (None, 1):
-        raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline "
-                         "parallel is not built yet; only 1 is accepted.")
+    # MP_NUM counts every rank (tensor x pipeline parallel), as the seed's launcher does.
+    pp = pick(args.pipeline_parallel_size, None, 1)
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"--pipeline-parallel-size must be a positive integer, got {pp}.")
+    ranks = env.integer("MP_NUM")
+    if ranks is not None and args.tensor_parallel_size is None and ranks % pp:
+        raise ValueError(f"MP_NUM ({ranks}) must be divisible by --pipeline-parallel-size "
+                         f"({pp}).")
+    tp = pick(args.tensor_parallel_size, None if ranks is None else ranks // pp, 1)
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor parallel size (MP_NUM / --tensor-parallel-size) must be a "
                          f"positive integer, got {tp}.")
@@ -369,7 +380,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
         "tensor_parallel_size": tp,
-        **_nodes(args, env, tp),
+        "pipeline_parallel_size": pp,
+        **_nodes(args, env, tp * pp),
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
     }
@@ -401,7 +413,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
     return config
 
 
-def _nodes(args, env: _Env, tp: int) -> dict:
+def _nodes(args, env: _Env, ranks: int) -> dict:
     """Where this node stands among several: torchrun-style flags, else the seed's MP_NNODE /
     POD_IPS / POD_0_IP / HOST_IP (this node's index = its address's place in POD_IPS) or an
     MPI launcher's rank (`mpirun start_server`)."""
@@ -410,9 +422,9 @@ def _nodes(args, env: _Env, tp: int) -> dict:
            "master_port": pick_first(args.master_port, env.integer("MASTER_PORT"), 29500)}
     if nnodes == 1:
         return out
-    if not isinstance(nnodes, int) or nnodes < 1 or tp % nnodes:
-        raise ValueError(f"MP_NUM / --tensor-parallel-size ({tp}) must be divisible by "
-                         f"MP_NNODE / --nnodes ({nnodes}).")
+    if not isinstance(nnodes, int) or nnodes < 1 or ranks % nnodes:
+        raise ValueError(f"MP_NUM / tensor x pipeline parallel size ({ranks}) must be "
+                         f"divisible by MP_NNODE / --nnodes ({nnodes}).")
     mpi_rank = env.integer("OMPI_COMM_WORLD_RANK", "PMI_RANK")
     pod_ips = [a.strip() for a in (env.text("POD_IPS") or "").split(",") if a.strip()]
     host_ip, node_rank = env.text("HOST_IP"), None

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import csrc
-from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import CheckpointSlice, choose_linear_kernels
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config
@@ -123,8 +123,11 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
                  and dtype == torch.float32 and csrc.available())
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
-    weights = qmodel.split_checkpoint(iter_weights(path, hf_config, keep_gguf, tp.size > 1),
-                                      model.checkpoint_target, stored, shards)
+    # (a pipeline stage reads only its own layers' tensors)
+    lazy = get_world().size > 1
+    ours = ((name, t) for name, t in iter_weights(path, hf_config, keep_gguf, lazy)
+            if model.holds(name))
+    weights = qmodel.split_checkpoint(ours, model.checkpoint_target, stored, shards)
     loaded = model.load_weights(weights)
     if stored:
         if checkpoint_quant_config(hf_config) is None:

@@ -22,11 +22,12 @@ def inputs(rank: int) -> list[torch.Tensor]:
 
 
 def rank_main(rank: int, size: int, rendezvous: str, shm_path: str, out) -> None:
-    from tokenmill.distributed.parallel_state import get_tp_group, init_tensor_parallel
+    from tokenmill.distributed.parallel_state import get_tp_group, init_parallel
 
     torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, size, rendezvous, 60, shm_path=shm_path)
-    assert tp.shm is not None and get_tp_group() is tp
+    init_parallel(rank, size, rendezvous, 60, shm_paths=[shm_path])
+    tp = get_tp_group()
+    assert tp.shm is not None
     results = []
     for x in inputs(rank):
         ours = tp.all_reduce(x.clone())  # twice: the parity of the slots alternates

@@ -12,7 +12,7 @@ from helpers import hf_greedy, make_model
 
 from tests.serving import alive, wait_until
 from tokenmill import LLM, SamplingParams, csrc
-from tokenmill.distributed.parallel_state import get_tp_group, init_tensor_parallel
+from tokenmill.distributed.parallel_state import get_world, init_parallel
 from tokenmill.distributed.worker import __name__ as WORKER_MODULE
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
@@ -141,8 +141,8 @@ def test_a_dead_worker_fails_the_next_step_instead_of_hanging(tiny_models):
 
 def test_a_rank_that_never_joins_is_named_after_the_timeout(tmp_path):
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not join within 0.5 s"):
-        init_tensor_parallel(0, 2, f"file://{tmp_path}/rendezvous", 0.5)
-    assert get_tp_group().size == 1 and not torch.distributed.is_initialized()
+        init_parallel(0, 2, f"file://{tmp_path}/rendezvous", 0.5)
+    assert get_world().size == 1 and not torch.distributed.is_initialized()
 
 
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")

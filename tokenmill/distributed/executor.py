@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.parallel_state import RanksMissing, get_tp_group
+from tokenmill.distributed.parallel_state import RanksMissing, get_tp_group, get_world
 from tokenmill.distributed.shm_allreduce import create_segment
 from tokenmill.distributed.worker import WorkerSpec
 
@@ -53,7 +53,7 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, model_path: str, max_model_len: int,
                  exit_on_death: bool) -> None:
-        size, per_node = config.tensor_parallel_size, config.ranks_per_node
+        per_node = config.ranks_per_node
         first = config.node_rank * per_node
         self._dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
         if config.nnodes == 1:
@@ -61,18 +61,23 @@ class WorkerGroup:
             # add their partial sums in shared memory.
             self.init_method = f"file://{self._dir}/rendezvous"
             self.host = "127.0.0.1"
-            self.shm_path = create_segment(size) if config.device in ("auto", "cpu") else None
+            tp, cpu = config.tensor_parallel_size, config.device in ("auto", "cpu")
+            made = [create_segment(tp) for _ in range(config.pipeline_parallel_size)]
+            self.shm_paths = made if cpu and tp > 1 and all(made) else None
+            for path in made if self.shm_paths is None else []:
+                if path is not None:
+                    os.unlink(path)
         else:
             self.init_method = f"tcp://{config.master_addr}:{config.master_port}"
             self.host = config.node_addr or local_address_towards(config.master_addr)
-            self.shm_path = None
+            self.shm_paths = None
         self.threads = threads_per_rank(per_node)
         self.procs: list[subprocess.Popen] = []
         self.ranks = [r for r in range(first, first + per_node) if r != 0]
         self._stopping = False
         for rank in self.ranks:
-            spec = WorkerSpec(config, model_path, max_model_len, rank, size, self.init_method,
-                              self.threads, parent_pid=os.getpid(), shm_path=self.shm_path,
+            spec = WorkerSpec(config, model_path, max_model_len, rank, self.init_method,
+                              self.threads, parent_pid=os.getpid(), shm_paths=self.shm_paths,
                               host=self.host)
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"],
                                     stdin=subprocess.PIPE)
@@ -86,14 +91,14 @@ class WorkerGroup:
         """Join the group as rank 0 (blocks until every worker has joined)."""
         import torch
 
-        from tokenmill.distributed.parallel_state import init_tensor_parallel
+        from tokenmill.distributed.parallel_state import init_parallel
         from tokenmill.worker.model_runner import resolve_device
 
         torch.set_num_threads(self.threads)
         try:
-            init_tensor_parallel(0, config.tensor_parallel_size, self.init_method,
-                                 config.distributed_timeout, resolve_device(config.device),
-                                 self.shm_path, self.host)
+            init_parallel(0, config.tensor_parallel_size, self.init_method,
+                          config.distributed_timeout, resolve_device(config.device),
+                          self.shm_paths, self.host, config.pipeline_parallel_size)
         except RanksMissing as exc:
             self.kill()
             nodes = sorted({r // config.ranks_per_node for r in exc.missing})
@@ -128,7 +133,7 @@ class WorkerGroup:
         """Node 0: every other node's agent bumps its counter in the rendezvous store each
         second (`_beat`); one that stops for NODE_SILENCE_S is dead, even while no step runs
         (a step would fail on its closed connections anyway)."""
-        store = get_tp_group().store
+        store = get_world().store
         seen = {node: (-1, time.monotonic()) for node in range(1, nnodes)}
         while not self._stopping:
             for node, (count, since) in seen.items():
@@ -174,9 +179,9 @@ class WorkerGroup:
 
     def _remove_files(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
-        if self.shm_path is not None:  # (rank 0 unlinks it once every rank has mapped it)
+        for path in self.shm_paths or []:  # (each stage's rank 0 unlinks its own once mapped)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shm_path)
+                os.unlink(path)
 
 
 def serve_other_node(config: EngineConfig, model_path: str) -> int:

@@ -1,9 +1,10 @@
-"""The tensor-parallel group of this process: its rank and size, and the collectives the
-parallel layers and the step broadcast use (torch.distributed's gloo on CPU, NCCL on CUDA).
+"""The parallel groups of this process (torch.distributed's gloo on CPU, NCCL on CUDA): the
+`World` of every rank of the engine (step broadcast, pipeline hand-offs) and the
+`TensorParallelGroup` of this rank's pipeline stage (the parallel layers' sums and gathers).
 
-A process joins at most one group, once, before it builds a model (`init_tensor_parallel`);
-layers read it when they are constructed (to size their shards) and keep it. A process that
-never joins one is rank 0 of a group of one, where every collective is the identity.
+A process joins once, before it builds a model (`init_parallel`); layers read the groups when
+they are constructed (to size their shards) and keep them. A process that never joins is rank
+0 of a world of one, where every collective is the identity.
 
 The gloo backend is built directly (not through `init_process_group`) so that it listens on
 the address this rank was given: 127.0.0.1 for ranks of one machine, the node's own address
@@ -32,7 +33,6 @@ class TensorParallelGroup:
     backend: Any = None  # a torch.distributed ProcessGroupGloo / NCCL (None: a group of one)
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - where collectives' tensors live
     shm: Any = None  # ShmAllReduce of ranks on one node (CPU float32 sums), else the backend's
-    store: Any = None  # the rendezvous store (kept alive: rank 0's serves the others)
 
     @property
     def is_first(self) -> bool:
@@ -49,13 +49,7 @@ class TensorParallelGroup:
         return x
 
     def all_reduce_min(self, value: int) -> int:
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self.backend.allreduce([t], opts).wait()
-        return int(t.item())
+        return _all_reduce_min(self.backend, self.size, value, self.device)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` side by side along the last dimension, on rank 0 only (None on the
@@ -69,23 +63,89 @@ class TensorParallelGroup:
         self.backend.gather([parts] if self.is_first else [], [x], opts).wait()
         return torch.cat(parts, dim=-1) if self.is_first else None
 
+
+@dataclass(frozen=True)
+class World:
+    """Every rank of the engine, tensor-parallel size x pipeline stages: rank = stage x
+    tp_size + tp_rank. Rank 0 (stage 0) schedules, sends each step's inputs to all, and
+    samples; stage s hands its hidden states to stage s + 1 (same tp rank); the last stage's
+    logits come back to rank 0."""
+
+    rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    backend: Any = None  # every rank's (None: a world of one)
+    store: Any = None  # the rendezvous store (kept alive: rank 0's serves the others)
+    device: torch.device = torch.device("cpu")  # noqa: RUF009
+
+    @property
+    def size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp_size - 1
+
+    def peer(self, stage: int) -> int:
+        """The rank of `stage` with this rank's tensor-parallel index."""
+        return stage * self.tp_size + self.rank % self.tp_size
+
+    def layers(self, num_layers: int) -> range:
+        """This stage's decoder layers: equal shares, the first stages one more."""
+        if num_layers < self.pp_size:
+            raise ValueError(f"--pipeline-parallel-size {self.pp_size} exceeds the model's "
+                             f"{num_layers} layers.")
+        base, extra = divmod(num_layers, self.pp_size)
+        start = self.stage * base + min(self.stage, extra)
+        return range(start, start + base + (self.stage < extra))
+
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's `data` on every rank (others pass None): one small length message, then
         the bytes. Only bytes travel, never pickles: the receiver decodes them with msgspec."""
         if self.size == 1:
             assert data is not None
             return data
-        length = torch.tensor([len(data) if self.is_first else 0], dtype=torch.int64,
+        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64,
                               device=self.device)
         self.backend.broadcast(length, 0).wait()
         if not length.item():
             return b""
-        if self.is_first:
+        if self.rank == 0:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         else:
             buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.backend.broadcast(buffer, 0).wait()
-        return data if self.is_first else buffer.cpu().numpy().tobytes()
+        return data if self.rank == 0 else buffer.cpu().numpy().tobytes()
+
+    def all_reduce_min(self, value: int) -> int:
+        return _all_reduce_min(self.backend, self.size, value, self.device)
+
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        for t in tensors:
+            self.backend.send([t.contiguous()], dst, 0).wait()
+
+    def recv(self, tensors: list[torch.Tensor], src: int) -> list[torch.Tensor]:
+        for t in tensors:
+            self.backend.recv([t], src, 0).wait()
+        return tensors
+
+
+def _all_reduce_min(backend: Any, size: int, value: int, device: torch.device) -> int:
+    if size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    backend.allreduce([t], opts).wait()
+    return int(t.item())
 
 
 class RanksMissing(TimeoutError):
@@ -95,6 +155,7 @@ class RanksMissing(TimeoutError):
 
 
 _GROUP = TensorParallelGroup()
+_WORLD = World()
 _CPU = torch.device("cpu")
 # Collectives wait this long: a worker rank idles in its wait for the next step for as long as
 # the server idles. A rank that stalls is caught by the engine's liveness rule, and one that
@@ -106,20 +167,25 @@ def get_tp_group() -> TensorParallelGroup:
     return _GROUP
 
 
-def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float,
-                         device: torch.device = _CPU, shm_path: str | None = None,
-                         host: str = "127.0.0.1") -> TensorParallelGroup:
-    """Join the `size`-rank group as `rank`, meeting at `rendezvous`: file:///path (ranks of
-    one machine: no socket) or tcp://addr:port (rank 0 serves the store there, listening on
-    that address only). `host`: the address this rank's gloo connections listen on. Blocks
-    until every rank has joined; past `timeout_s`, fails naming the ranks that did not.
-    `shm_path`: the shared-memory all-reduce segment rank 0 made (ranks of one machine).
-    Once per process."""
-    global _GROUP
-    if _GROUP.size > 1:
+def get_world() -> World:
+    return _WORLD
+
+
+def init_parallel(rank: int, tp_size: int, rendezvous: str, timeout_s: float,
+                  device: torch.device = _CPU, shm_paths: list[str] | None = None,
+                  host: str = "127.0.0.1", pp_size: int = 1) -> World:
+    """Join the engine's tp_size x pp_size ranks as `rank`, meeting at `rendezvous`:
+    file:///path (ranks of one machine: no socket) or tcp://addr:port (rank 0 serves the
+    store there, listening on that address only). `host`: the address this rank's gloo
+    connections listen on. Blocks until every rank has joined; past `timeout_s`, fails
+    naming the ranks that did not. `shm_paths`: per stage, the shared-memory all-reduce
+    segment rank 0 made (ranks of one machine). Once per process."""
+    global _GROUP, _WORLD
+    if _WORLD.size > 1:
         raise RuntimeError("This process already belongs to a tensor-parallel group.")
+    size = tp_size * pp_size
     if size == 1:
-        return _GROUP
+        return _WORLD
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _store(rendezvous, rank, size, timeout)
     store.set(f"joined/{rank}", "1")
@@ -130,23 +196,32 @@ def init_tensor_parallel(rank: int, size: int, rendezvous: str, timeout_s: float
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise RanksMissing(f"tensor-parallel rank(s) {missing} did not join within "
                            f"{timeout_s:g} s (--distributed-timeout).", missing) from None
-    prefixed = dist.PrefixStore("tp", store)
-    if device.type == "cuda":
-        backend = dist.ProcessGroupNCCL(prefixed, rank, size)
-    else:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        opts._timeout = _OP_TIMEOUT
-        backend = dist.ProcessGroupGloo(prefixed, rank, size, opts)
-        device = _CPU
-    _GROUP = TensorParallelGroup(rank, size, backend, device, store=store)
-    shm = _attach_shm(shm_path, rank, size) if device.type == "cpu" else None
+    cuda = device.type == "cuda"
+    device = device if cuda else _CPU
+    world = _backend(dist.PrefixStore("world", store), rank, size, cuda, host)
+    _WORLD = World(rank, tp_size, pp_size, world, store, device)
+    stage, tp_rank = divmod(rank, tp_size)
+    tp = world if pp_size == 1 else _backend(dist.PrefixStore(f"tp{stage}", store), tp_rank,
+                                             tp_size, cuda, host)
+    _GROUP = TensorParallelGroup(tp_rank, tp_size, tp, device)
+    path = shm_paths[stage] if shm_paths else None
+    shm = _attach_shm(path, tp_rank, tp_size) if tp_size > 1 and not cuda else None
     if shm is not None:
         _GROUP = dataclasses.replace(_GROUP, shm=shm)
-    logger.info("Tensor-parallel rank %d of %d joined (%s%s)", rank, size,
-                "nccl" if device.type == "cuda" else f"gloo on {host}",
+    logger.info("Rank %d of %d joined: stage %d of %d, tensor-parallel rank %d of %d (%s%s)",
+                rank, size, stage, pp_size, tp_rank, tp_size,
+                "nccl" if cuda else f"gloo on {host}",
                 " + shared-memory all-reduce" if shm is not None else "")
-    return _GROUP
+    return _WORLD
+
+
+def _backend(store: Any, rank: int, size: int, cuda: bool, host: str) -> Any:
+    if cuda:
+        return dist.ProcessGroupNCCL(store, rank, size)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = _OP_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def _store(rendezvous: str, rank: int, size: int, timeout: datetime.timedelta):
@@ -188,9 +263,9 @@ def _attach_shm(path: str | None, rank: int, size: int):
     return shm if everyone else None
 
 
-def destroy_tensor_parallel() -> None:
-    global _GROUP
-    _GROUP = TensorParallelGroup()
+def destroy_parallel() -> None:
+    global _GROUP, _WORLD
+    _GROUP, _WORLD = TensorParallelGroup(), World()
 
 
 def divide(total: int, parts: int, what: str) -> int:

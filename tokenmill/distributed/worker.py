@@ -23,12 +23,11 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     config: EngineConfig
     model_path: str
     max_model_len: int
-    rank: int
-    size: int
+    rank: int  # in the world of tensor_parallel_size x pipeline_parallel_size ranks
     init_method: str  # tcp://host:port of the rendezvous
     threads: int  # torch threads of this rank
     parent_pid: int | None = None  # exit when this process (rank 0's, here) is gone
-    shm_path: str | None = None  # the shared-memory all-reduce segment (ranks on one node)
+    shm_paths: list[str] | None = None  # per stage: its shared-memory all-reduce segment
     host: str = "127.0.0.1"  # the address this rank's connections listen on
 
 
@@ -46,18 +45,19 @@ def _exit_with_parent(parent: int) -> None:
 def run(spec: WorkerSpec) -> None:
     import torch
 
-    from tokenmill.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from tokenmill.distributed.parallel_state import destroy_parallel, init_parallel
     from tokenmill.loader import load_hf_config
     from tokenmill.worker.model_runner import ModelRunner, resolve_device
 
     torch.set_num_threads(spec.threads)
     device = resolve_device(spec.config.device)
-    init_tensor_parallel(spec.rank, spec.size, spec.init_method,
-                         spec.config.distributed_timeout, device, spec.shm_path, spec.host)
+    init_parallel(spec.rank, spec.config.tensor_parallel_size, spec.init_method,
+                  spec.config.distributed_timeout, device, spec.shm_paths, spec.host,
+                  spec.config.pipeline_parallel_size)
     runner = ModelRunner(spec.config, spec.model_path, load_hf_config(spec.model_path),
                          spec.max_model_len)
     runner.serve_steps()
-    destroy_tensor_parallel()
+    destroy_parallel()
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ class EngineCore:
         self.max_model_len = derive_max_model_len(config, self.hf_config)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
         self.workers = None
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             self.workers = WorkerGroup(config, model_path, self.max_model_len,
                                        exit_on_worker_death)
             self.workers.join(config)
@@ -69,7 +69,7 @@ class EngineCore:
         workers, self.workers = self.workers, None
         if workers is None:
             return
-        from tokenmill.distributed.parallel_state import destroy_tensor_parallel
+        from tokenmill.distributed.parallel_state import destroy_parallel
 
         runner = getattr(self, "runner", None)
         if runner is not None and not workers.exits():
@@ -80,7 +80,7 @@ class EngineCore:
             workers.stop()
         else:
             workers.kill()
-        destroy_tensor_parallel()
+        destroy_parallel()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         n_prompt = len(request.prompt_token_ids)

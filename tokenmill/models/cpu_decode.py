@@ -129,6 +129,9 @@ class CpuDecodeStep:
             return "TOKENMILL_CPU_DECODE_STEP=0"
         if not isinstance(model, LlamaForCausalLM):
             return f"no compiled step for {type(model).__name__}"
+        if not model.model.is_last_stage or len(model.model.stage_layers) != len(
+                model.model.layers):
+            return "pipeline stages run them layer by layer"
         tp = model.model.embed_tokens.tp
         if tp.size > 1 and tp.shm is None:
             return "tensor-parallel ranks without the shared-memory all-reduce"

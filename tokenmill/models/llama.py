@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
+from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
@@ -135,30 +136,52 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class OtherStageLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights here."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder; under pipeline parallel only this rank's stage of its layers (`forward`
+    then takes the previous stage's hidden states and residual, and hands its own on)."""
+
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int) -> None:
         super().__init__()
+        world = get_world()
+        self.stage_layers = world.layers(config.num_hidden_layers)
+        self.is_last_stage = world.is_last_stage
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
                                  config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qkv_bias, qk_norm)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, qkv_bias, qk_norm) if i in self.stage_layers
+            else OtherStageLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta, kept: KeptRows | None = None):
+    def forward(self, input_ids, positions, meta, kept: KeptRows | None = None,
+                carried: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Final hidden states of every token, or only of `kept`'s rows: no later layer reads
         the last layer's outputs, so there only the kept rows go past the K/V projection
-        (most of a prompt's rows are not sampled from)."""
-        hidden = self.embed_tokens(input_ids)
+        (most of a prompt's rows are not sampled from). A stage before the last returns its
+        (hidden, residual) instead; a stage after the first starts from `carried`."""
+        hidden, residual = (self.embed_tokens(input_ids), None) if carried is None else carried
         rope = self.rotary.for_step(positions, hidden.dtype)
-        residual = None
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(rope, hidden, residual, meta, kept if i == last else None)
+        for i in self.stage_layers:
+            hidden, residual = self.layers[i](rope, hidden, residual, meta,
+                                              kept if i == last else None)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this stage (layers of other stages
+        are not read)."""
+        if not name.startswith("model.layers."):
+            return True
+        return int(name.split(".", 3)[2]) in self.stage_layers
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,15 +201,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kept: KeptRows | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kept)
+                meta: AttentionMetadata, kept: KeptRows | None = None,
+                carried: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, positions, meta, kept, carried)
+
+    def holds(self, name: str) -> bool:
+        return self.model.holds(name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on tensor-parallel rank 0; None on the others."""
         return self.lm_head.logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """This stage's attention layers (all of them without pipeline parallel)."""
+        return [self.model.layers[i].self_attn for i in self.model.stage_layers]
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         """Checkpoint tensor name -> (our parameter name, shard index in a merged layer)."""

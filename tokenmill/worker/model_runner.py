@@ -12,7 +12,7 @@ from tokenmill.attention.backend import AttentionMetadata, KeptRows
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
-from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
@@ -73,13 +73,15 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
                  max_model_len: int) -> None:
         self.config = config
-        self.tp = get_tp_group()  # joined before the model is built (distributed/executor.py)
+        # joined before the model is built (distributed/executor.py)
+        self.tp, self.world = get_tp_group(), get_world()
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
+        self.hidden_size = hf_config.hidden_size
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
                                 config.quantization)
         # The seed's 3.0 checkpoints mark an int8 KV cache in config.json; it wins over "auto".
@@ -95,7 +97,7 @@ class ModelRunner:
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype)
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
-        self.num_blocks = self.tp.all_reduce_min(self._decide_num_blocks())
+        self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks())
         caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
                                             attn.num_kv_heads, attn.head_dim, self.kv_dtype,
                                             self.device)
@@ -137,8 +139,8 @@ class ModelRunner:
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs = StepInputs.of(scheduled)
-        if self.tp.size > 1:
-            self.tp.broadcast_bytes(inputs.encode())
+        if self.world.size > 1:
+            self.world.broadcast_bytes(inputs.encode())
         logits, prompt_logits = self.run(inputs)
         out = RunnerOutput()
         if logits is not None:
@@ -154,16 +156,26 @@ class ModelRunner:
 
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, list]:
         """The forward every rank runs: logits of the sampled rows and of each prompt-logprob
-        range, on rank 0 (the other ranks get Nones)."""
+        range, on rank 0 (the other ranks get Nones). Pipeline stages after the first start
+        from the previous stage's hidden states; the last stage's logits go to rank 0."""
         input_ids, positions, meta = self._prepare_inputs(inputs)
         sample_rows = inputs.sample_seqs
+        world = self.world
         hidden = self.decode_step(input_ids, positions, meta) if self.decode_step else None
         kept = None
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
             if len(sample_rows) < len(input_ids) and not inputs.prompt_seqs:
                 kept = KeptRows.last_of(meta, sample_rows, self.backend)
-            hidden = self.model(input_ids, positions, meta, kept)
+            carried = None
+            if not world.is_first_stage:
+                rows = torch.empty(len(input_ids), self.hidden_size, dtype=self.dtype,
+                                   device=self.device)
+                carried = world.recv([rows, torch.empty_like(rows)], world.peer(world.stage - 1))
+            hidden = self.model(input_ids, positions, meta, kept, carried)
+            if not world.is_last_stage:
+                world.send(list(hidden), world.peer(world.stage + 1))
+                return self._logits_of_last_stage(inputs) if world.rank == 0 else (None, [])
         logits = None
         if sample_rows:
             # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
@@ -172,21 +184,34 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
         prompt_logits = [self.model.compute_logits(hidden[first:first + n])
                          for first, n in inputs.prompt_rows]
+        if world.pp_size > 1 and self.tp.is_first:  # the last stage's logits to rank 0
+            world.send(([logits] if logits is not None else []) + prompt_logits, 0)
+            return None, []
         return logits, prompt_logits
+
+    def _logits_of_last_stage(self, inputs: StepInputs) -> tuple[torch.Tensor | None, list]:
+        """Rank 0 under pipeline parallel: the logits the last stage computed for this step."""
+        def empty(rows: int) -> torch.Tensor:
+            return torch.empty(rows, self.vocab_size, dtype=self.dtype, device=self.device)
+
+        wanted = ([empty(len(inputs.sample_seqs))] if inputs.sample_seqs else []) + [
+            empty(n) for _, n in inputs.prompt_rows]
+        got = self.world.recv(wanted, (self.world.pp_size - 1) * self.world.tp_size)
+        return (got[0], got[1:]) if inputs.sample_seqs else (None, got)
 
     def serve_steps(self) -> None:
         """Ranks other than 0: run each step rank 0 broadcasts, until it sends the stop."""
         with torch.inference_mode():
             while True:
-                data = self.tp.broadcast_bytes(None)
+                data = self.world.broadcast_bytes(None)
                 if not data:
                     return
                 self.run(StepInputs.decode(data))
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' `serve_steps` to return."""
-        if self.tp.size > 1 and self.tp.is_first:
-            self.tp.broadcast_bytes(b"")
+        if self.world.size > 1 and self.world.rank == 0:
+            self.world.broadcast_bytes(b"")
 
     def _prepare_inputs(self, inputs: StepInputs):
         ids = inputs.token_ids

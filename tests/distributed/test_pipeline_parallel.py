@@ -1,0 +1,65 @@
+"""Pipeline parallel on the CPU (stages as processes; each hands its hidden states and residual
+to the next, the last stage's logits come back to rank 0): the tokens of one rank and of
+transformers, logprobs within 1e-4, alone and times tensor parallel."""
+
+import pytest
+from helpers import hf_greedy
+
+from tests.distributed.test_tensor_parallel import (
+    MAX_TOKENS,
+    PROMPTS,
+    chosen_logprobs,
+    generate,
+    prompt_logprobs,
+    worker_pids,
+)
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import build_server_config
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("llama", 2),
+                                     ("qwen3", 2)])
+def test_stages_match_one_rank_and_transformers(tiny_models, arch, tp):
+    path, hf = tiny_models(arch)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=2, prompt_logprobs=1)
+    one = generate(path, PROMPTS, params)
+    staged = generate(path, PROMPTS, params, tensor_parallel_size=tp, pipeline_parallel_size=2)
+    for prompt, a, b in zip(PROMPTS, one, staged):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+        assert max(abs(x - y) for x, y in zip(chosen_logprobs(a), chosen_logprobs(b))) < 1e-4
+        assert max(abs(x - y) for x, y in zip(prompt_logprobs(a), prompt_logprobs(b))) < 1e-4
+    assert not worker_pids()
+
+
+def test_stages_hold_their_layers_only_and_match_under_preemption(tiny_models):
+    path, _ = tiny_models("llama")
+    shared = list(range(20, 84))
+    prompts = [shared + [i, i + 1, i + 2] for i in range(100, 112)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine = {"max_num_batched_tokens": 16, "num_kv_blocks": 16}
+    one = generate(path, prompts, params, **engine)
+    with LLM(path, pipeline_parallel_size=2, **engine) as llm:
+        model = llm.engine.core.runner.model
+        assert len(model.attention_layers()) == 1  # of the tiny model's 2 layers
+        assert {n.split(".")[2] for n, _ in model.named_parameters()
+                if n.startswith("model.layers.")} == {"0"}
+        staged = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                              use_tqdm=False)
+        stats = llm.engine.core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert [o.outputs[0].token_ids for o in staged] == [o.outputs[0].token_ids for o in one]
+
+
+def test_more_stages_than_layers_is_named(tiny_models):
+    path, _ = tiny_models("llama")  # 2 layers
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 3 exceeds the model's 2 "
+                                         "layers"):
+        LLM(path, kv_cache_memory_gib=0.01, pipeline_parallel_size=3)
+    assert not worker_pids()
+
+
+def test_mp_num_counts_every_rank():
+    engine = build_server_config(["--pipeline-parallel-size", "2"], {"MP_NUM": "4"}).engine
+    assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 2)
