@@ -1,5 +1,5 @@
-"""Tensor parallel on this machine's CPU: W1 offline throughput with one rank (all cores)
-against two or more ranks (the cores shared out), the all-reduce time inside those steps, a
+"""Tensor and pipeline parallel on this machine's CPU: W1 offline throughput with one rank
+(all cores) against several ranks (the cores shared out), the all-reduce time inside those steps, a
 gloo all-reduce micro-benchmark, and each rank's peak resident memory.
 
 Model: random weights shaped like Qwen2.5-0.5B (bench/peers/prepare_models.py), fp32, made
@@ -7,7 +7,7 @@ once into --model-dir. Every configuration runs in a fresh process (its own thre
 memory). W1: --num-prompts prompts of --input-len random ids -> exactly --output-len new
 tokens, greedy; W2: the first of them alone -> --w2-output-len tokens (batch-1 decode).
 
-  python bench/tensor_parallel.py [--sizes 1,2] [--json PATH]"""
+  python bench/tensor_parallel.py [--configs 1x1,2x1,1x2] [--json PATH]"""
 
 from __future__ import annotations
 
@@ -60,7 +60,9 @@ def child_w1(args) -> dict:
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]}
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    with LLM(args.model_dir, tensor_parallel_size=args.child, kv_cache_memory_gib=0.25,
+    tp, pp = (int(x) for x in args.child.split("x"))
+    with LLM(args.model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             kv_cache_memory_gib=0.25,
              enable_prefix_caching=False) as llm:
         llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
         spent.update(s=0.0, calls=0)
@@ -87,7 +89,7 @@ def child_w1(args) -> dict:
         rss = [peak_rss_mib(os.getpid())] + [peak_rss_mib(pid) for pid in workers]
         threads = torch.get_num_threads()
     w1_steps = steps["n"] - args.w2_output_len
-    return {"tp": args.child, "seconds": round(elapsed, 2),
+    return {"config": args.child, "seconds": round(elapsed, 2),
             "out_tok_s": round(args.num_prompts * args.output_len / elapsed, 2),
             "steps": w1_steps, "threads_per_rank": threads,
             "all_reduce_s": round(w1_spent["s"], 3), "all_reduce_calls": w1_spent["calls"],
@@ -167,38 +169,39 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=os.path.join(
         os.environ.get("TMPDIR", "/tmp"), "tokenmill-bench", "qwen0.5b"))
-    p.add_argument("--sizes", default="1,2", help="tensor-parallel sizes to run")
+    p.add_argument("--configs", default="1x1,2x1,1x2",
+                   help="tensor x pipeline parallel sizes to run, the first is the baseline")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--w2-output-len", type=int, default=128, help="batch-1 decode tokens")
     p.add_argument("--repeats", type=int, default=200, help="micro-benchmark repeats")
     p.add_argument("--json", default=None)
-    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
         print(json.dumps(child_w1(args)))
         return
     ensure_model(args.model_dir)
     runs = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", str(size),
+    for size in args.configs.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", size,
                "--model-dir", args.model_dir, "--num-prompts", str(args.num_prompts),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--w2-output-len", str(args.w2_output_len)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
-            raise SystemExit(f"tp={size} failed:\n{proc.stderr[-3000:]}")
+            raise SystemExit(f"{size} failed:\n{proc.stderr[-3000:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     from tokenmill.loader import load_hf_config
 
     micro = allreduce_micro(load_hf_config(args.model_dir).hidden_size, args.repeats)
     base = runs[0]["out_tok_s"]
-    print(f"{'tp':>3}{'W1 tok/s':>10}{'vs tp=1':>9}{'W2 tok/s':>10}{'vs tp=1':>9}"
+    print(f"{'tp x pp':>7}{'W1 tok/s':>10}{'vs base':>9}{'W2 tok/s':>10}{'vs base':>9}"
           f"{'steps':>7}{'AR ms/step':>12}"
           f"{'AR share':>10}{'weights MiB':>13}  peak RSS MiB per rank")
     for r in runs:
-        print(f"{r['tp']:>3}{r['out_tok_s']:>10.2f}{r['out_tok_s'] / base:>8.2f}x"
+        print(f"{r['config']:>7}{r['out_tok_s']:>10.2f}{r['out_tok_s'] / base:>8.2f}x"
               f"{r['w2_tok_s']:>10.2f}{r['w2_tok_s'] / runs[0]['w2_tok_s']:>8.2f}x{r['steps']:>7}"
               f"{r['all_reduce_ms_per_step']:>12.2f}{100 * r['all_reduce_share']:>9.1f}%"
               f"{r['rank0_weights_mib']:>13.1f}  "

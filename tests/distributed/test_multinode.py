@@ -3,17 +3,17 @@ rank: started with `start_server` and the seed's variables, or with torchrun-sty
 API answers on node 0 as one rank does; a node's death ends the other cleanly; a node that
 never joins is named."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import psutil
 import pytest
 
+from tests.distributed.test_tp_server import assert_ended_by_engine_death
+from tests.reliability.streams import Stream, long_body
 from tests.serving import HOLD_TOKENS, Served, alive, free_port, wait_until
 from tokenmill import LLM, SamplingParams
 
@@ -97,39 +97,29 @@ def node_flags(rank: int, port: int) -> list[str]:
             "--master-addr", NODES[0], "--master-port", str(port)]
 
 
+def start_node1(path: str, port: int, cwd) -> subprocess.Popen:
+    """Node 1 with torchrun-style flags, in its own process group (killed as a whole)."""
+    return subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
+                             *node_flags(1, port)], cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expected):
     path = tiny_models("llama_long")[0]
     port = free_port()
-    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
-                              *node_flags(1, port)], cwd=tmp_path,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    node1 = start_node1(path, port, tmp_path)
     served = Served(path, tmp_path, *node_flags(0, port))
     served.start()
     try:
         served.wait_ready()
         assert complete(served) == expected
-        events: list[str] = []
-        opened = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", served.api + "/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS,
-                    "ignore_eos": True, "stream": True}) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        opened.set()
-            opened.set()
-
-        client = threading.Thread(target=stream)
-        client.start()
-        assert opened.wait(120)
+        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
+        stream.start()
+        assert stream.started.wait(120)
         node1_tree = tree_of(node1.pid)
         os.killpg(node1.pid, signal.SIGKILL)  # the whole node goes
-        client.join(300)  # bounds a hang only
-        errors = [json.loads(e) for e in events if e.startswith('{"error"')]
-        assert errors and errors[0]["error"]["code"] == 503, events[-3:]
+        stream.join(300)  # bounds a hang only
+        assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not any(alive(pid) for pid in node1_tree), 60)
         assert wait_until(served.ports_free, 60)
@@ -157,10 +147,7 @@ def test_a_node_dying_while_idle_is_noticed(tiny_models, tmp_path):
     """No step runs, so no collective fails: node 0 notices the silence of node 1's agent."""
     path = tiny_models("llama")[0]
     port = free_port()
-    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
-                              *node_flags(1, port)], cwd=tmp_path,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+    node1 = start_node1(path, port, tmp_path)
     served = Served(path, tmp_path, *node_flags(0, port))
     served.start()
     try:

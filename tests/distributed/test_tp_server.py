@@ -4,14 +4,22 @@ answers as one rank does, and a worker rank's death takes the server down cleanl
 import json
 import os
 import signal
-import threading
 
 import httpx
 import psutil
 
+from tests.reliability.streams import Stream, long_body
 from tests.serving import HOLD_TOKENS, Served, alive, engine_process, wait_until
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed.worker import __name__ as WORKER_MODULE
+
+
+def assert_ended_by_engine_death(stream: Stream) -> None:
+    """The stream's last event is the engine-death error, long before its tokens ran out."""
+    events = [line[6:] for line in stream.lines if line.startswith("data: ")]
+    errors = [json.loads(e) for e in events if e.startswith('{"error"')]
+    assert errors and errors[0]["error"]["code"] == 503, events[-3:]
+    assert len(events) < HOLD_TOKENS // 2
 
 
 def tree(pid: int) -> list[psutil.Process]:
@@ -40,27 +48,12 @@ def test_served_with_two_ranks_answers_like_one_and_dies_with_a_worker(tiny_mode
         assert len(workers) == 1
 
         # A stream in flight when the worker rank is killed ends with the engine-death error.
-        events: list[str] = []
-        opened = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", served.api + "/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS,
-                    "ignore_eos": True, "stream": True}) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        opened.set()
-            opened.set()
-
-        client = threading.Thread(target=stream)
-        client.start()
-        assert opened.wait(120)
+        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
+        stream.start()
+        assert stream.started.wait(120)
         os.kill(workers[0].pid, signal.SIGKILL)
-        client.join(300)  # bounds a hang only
-        errors = [json.loads(e) for e in events if e.startswith('{"error"')]
-        assert errors and errors[0]["error"]["code"] == 503, events[-3:]
-        assert len(events) < HOLD_TOKENS // 2
+        stream.join(300)  # bounds a hang only
+        assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not any(alive(p.pid) for p in everything), 60)
         assert wait_until(served.ports_free, 60)
