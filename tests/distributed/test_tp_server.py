@@ -93,3 +93,26 @@ def test_vllm_deployment_command_line_runs_unchanged(tiny_models, tmp_path):
     for flag in ("--num-scheduler-steps", "--trust-remote-code", "--enforce-eager",
                  "--disable-async-output-proc"):
         assert f"{flag}: accepted, no effect here" in log, log[-2000:]
+
+
+def test_a_stalled_worker_rank_is_an_engine_death_with_no_orphan(tiny_models, tmp_path):
+    """A worker rank stopped mid-step (SIGSTOP: alive, silent) stalls rank 0 in its
+    all-reduce: past the stall limit the server fails the stream and exits 1, and the stopped
+    worker is killed with its engine core (nothing is left to resume)."""
+    served = Served(tiny_models("llama_long")[0], tmp_path)
+    served.env.update(MP_NUM="2", CHECK_HEALTH_INTERVAL="2")
+    served.start()
+    try:
+        served.wait_ready()
+        (worker,) = [p for p in tree(served.process.pid)
+                     if WORKER_MODULE in " ".join(p.cmdline())]
+        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
+        stream.start()
+        assert stream.started.wait(120)
+        os.kill(worker.pid, signal.SIGSTOP)
+        stream.join(300)  # bounds a hang only
+        assert_ended_by_engine_death(stream)
+        assert served.process.wait(120) == 1
+        assert wait_until(lambda: not alive(worker.pid), 60)
+    finally:
+        served.stop()

@@ -5,6 +5,8 @@ runs every step rank 0 broadcasts until rank 0 says stop, or exits when rank 0's
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -33,7 +35,13 @@ class WorkerSpec(msgspec.Struct, frozen=True):
 
 def _exit_with_parent(parent: int) -> None:
     """Rank 0 may die without a word (kill -9): nothing would end this process's wait for the
-    next step, so watch the parent and leave with it."""
+    next step. The kernel kills this process when its parent ends (PR_SET_PDEATHSIG), even
+    one stopped in a stall; a thread watching the parent covers systems without prctl."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # gone before the kernel was asked to tell us
+        os._exit(1)
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
