@@ -40,6 +40,9 @@ class EngineConfig:
     # ranks n * tp / nnodes ..; node 0 (rank 0, the API) serves the rendezvous at
     # master_addr:master_port; node_addr is where this node's ranks listen (None: 127.0.0.1
     # on one node, else the local address that reaches master_addr).
+    # Data parallel (server only): this many engine cores, each with its own ranks, behind
+    # the API processes; the machine's cores are shared out among all their ranks.
+    data_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -93,6 +96,10 @@ class EngineConfig:
                              f"{', '.join(sorted(ALIASES))}), got {self.quantization!r}.")
         positive_int("tensor_parallel_size")
         positive_int("pipeline_parallel_size")
+        positive_int("data_parallel_size")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("--data-parallel-size with several nodes is not built yet: run "
+                             "one multi-node server per replica.")
         if self.distributed_executor_backend != "mp":
             raise ValueError("distributed_executor_backend must be 'mp', got "
                              f"{self.distributed_executor_backend!r}.")
@@ -241,6 +248,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="mp: tensor-parallel ranks as processes on this node")
     a("--distributed-timeout", type=float, default=None, metavar="S",
       help="seconds start-up waits for every rank to join (default 120)")
+    a("--data-parallel-size", "-dp", type=int, default=None,
+      help="engine replicas behind the API (each with its own tensor/pipeline ranks)")
     a("--nnodes", type=int, default=None, help="nodes sharing the ranks (env MP_NNODE)")
     a("--node-rank", type=int, default=None,
       help="this node's index (default: from POD_IPS, OMPI_COMM_WORLD_RANK or PMI_RANK)")
@@ -381,6 +390,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "data_parallel_size": pick(args.data_parallel_size, None, 1),
         **_nodes(args, env, tp * pp),
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),

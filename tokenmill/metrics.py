@@ -40,8 +40,8 @@ class Metrics:
         labels = ["model_name"]
         if request_metrics:
             self._request_families(labels, self.registry)
-        if engine_gauges:
-            self._engine_families(labels, self.registry)
+        if engine_gauges:  # one series per engine replica ("0" with one)
+            self._engine_families(labels + ["engine"], self.registry)
 
     def _request_families(self, labels: list[str], r: CollectorRegistry | None) -> None:
         self.requests = Counter("tokenmill:request_success", "Finished requests by outcome",
@@ -105,17 +105,25 @@ class Metrics:
     def _m(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
 
-    def observe_stats(self, stats: SchedulerStats) -> None:
+    def observe_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """One engine replica's gauges (label `engine`)."""
         if not self.engine_gauges:
             return
-        self._m(self.running).set(stats.num_running)
-        self._m(self.waiting).set(stats.num_waiting)
-        self._m(self.kv_used).set(stats.kv_blocks_used)
-        self._m(self.kv_total).set(stats.kv_blocks_total)
-        self._m(self.kv_usage).set(stats.kv_usage)
+        e = str(engine)
+        self._m(self.running, engine=e).set(stats.num_running)
+        self._m(self.waiting, engine=e).set(stats.num_waiting)
+        self._m(self.kv_used, engine=e).set(stats.kv_blocks_used)
+        self._m(self.kv_total, engine=e).set(stats.kv_blocks_total)
+        self._m(self.kv_usage, engine=e).set(stats.kv_usage)
         queried = stats.prefix_queried_tokens
-        self._m(self.prefix_hit_rate).set(stats.prefix_hit_tokens / queried if queried else 0)
-        self._m(self.preemptions).set(stats.num_preemptions)
+        self._m(self.prefix_hit_rate, engine=e).set(stats.prefix_hit_tokens / queried
+                                                    if queried else 0)
+        self._m(self.preemptions, engine=e).set(stats.num_preemptions)
+
+    def observe_totals(self, stats: SchedulerStats) -> None:
+        """Every replica together: the seed's gauges."""
+        if not self.engine_gauges:
+            return
         free = stats.kv_blocks_total - stats.kv_blocks_used
         values = {"batch_size": stats.num_running, "block_num": free,
                   "max_batch_size": self.max_num_seqs, "max_block_num": stats.kv_blocks_total,

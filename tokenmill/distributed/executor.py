@@ -29,10 +29,11 @@ logger = logging.getLogger(__name__)
 NODE_SILENCE_S = 15.0
 
 
-def threads_per_rank(size: int) -> int:
-    """This node's cores shared out: one rank's threads never compete with another's."""
+def threads_per_rank(config: EngineConfig) -> int:
+    """This node's cores shared out among its ranks of every data-parallel replica: one
+    rank's threads never compete with another's."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // size)
+    return max(1, (cores or 1) // (config.ranks_per_node * config.data_parallel_size))
 
 
 def local_address_towards(addr: str) -> str:
@@ -71,7 +72,7 @@ class WorkerGroup:
             self.init_method = f"tcp://{config.master_addr}:{config.master_port}"
             self.host = config.node_addr or local_address_towards(config.master_addr)
             self.shm_paths = None
-        self.threads = threads_per_rank(per_node)
+        self.threads = threads_per_rank(config)
         self.procs: list[subprocess.Popen] = []
         self.ranks = [r for r in range(first, first + per_node) if r != 0]
         self._stopping = False

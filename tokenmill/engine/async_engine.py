@@ -41,8 +41,9 @@ class ShutdownError(EngineDeadError):
 
 
 class AsyncLLM:
-    """Owns one client of the engine core. `generate` yields cumulative `RequestOutput`s;
-    leaving the iterator early (client gone, task cancelled) aborts the request in the core."""
+    """Owns one client of the engine core (or of several data-parallel replicas, each watched
+    on its own). `generate` yields cumulative `RequestOutput`s; leaving the iterator early
+    (client gone, task cancelled) aborts the request in the core."""
 
     def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
                  dead_after_s: float = 10.0, metrics: Metrics | None = None) -> None:
@@ -51,8 +52,9 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.processor = OutputProcessor(tokenizer)
-        self.stats = SchedulerStats()
-        self.liveness = Liveness(dead_after_s)
+        self.stats = SchedulerStats()  # over every replica
+        self.replica_stats = [SchedulerStats() for _ in range(client.num_replicas)]
+        self.liveness = [Liveness(dead_after_s) for _ in range(client.num_replicas)]
         self._queues: dict[str, asyncio.Queue] = {}
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
@@ -68,20 +70,38 @@ class AsyncLLM:
     async def start(self) -> None:
         info = await self.client.connect()
         self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
+        share = info.num_kv_blocks // len(self.replica_stats)
+        self.replica_stats = [SchedulerStats(kv_blocks_total=share) for _ in self.replica_stats]
         if self.metrics is not None:  # every gauge has a value before the first heartbeat
-            self.metrics.observe_stats(self.stats)
-        self.liveness.seen()
+            for i, stats in enumerate(self.replica_stats):
+                self.metrics.observe_stats(stats, i)
+            self.metrics.observe_totals(self.stats)
+        for liveness in self.liveness:
+            liveness.seen()
         self._loop_task = asyncio.create_task(self._output_loop())
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
 
     def is_alive(self) -> bool:
-        """Not dead, heard from lately, and no step past its stall limit."""
-        return self.dead is None and self.liveness.problem() is None
+        """Not dead, every replica heard from lately, and no step past its stall limit."""
+        return self.dead is None and self._problem() is None
+
+    def _problem(self) -> str | None:
+        for i, liveness in enumerate(self.liveness):
+            problem = liveness.problem()
+            if problem is not None:
+                return problem if len(self.liveness) == 1 else f"replica {i}: {problem}"
+        return None
+
+    def step_running_s(self) -> float | None:
+        """How long the longest-running engine step has run (None when every one is idle)."""
+        running = [s for s in (lv.step_running_s() for lv in self.liveness) if s is not None]
+        return max(running, default=None)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
-                self.liveness.beat(await self.client.get_heartbeat())
+                replica, heartbeat = await self.client.get_heartbeat()
+                self.liveness[replica].beat(heartbeat)
             except msgspec.DecodeError:  # not a heartbeat: ignore it
                 continue
 
@@ -150,12 +170,14 @@ class AsyncLLM:
     async def _output_loop(self) -> None:
         try:
             while True:
-                batch = await self.client.get_output()
-                self.liveness.seen()
+                replica, batch = await self.client.get_output()
+                self.liveness[replica].seen()
                 if batch.stats is not None:
-                    self.stats = batch.stats
+                    self.replica_stats[replica] = batch.stats
+                    self.stats = sum_stats(self.replica_stats)
                     if self.metrics is not None:
-                        self.metrics.observe_stats(batch.stats)
+                        self.metrics.observe_stats(batch.stats, replica)
+                        self.metrics.observe_totals(self.stats)
                 if self.metrics is not None:
                     for out in batch.outputs:
                         if out.queue_time is not None:
@@ -199,7 +221,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Marks the engine dead when its heartbeats stopped or a step stalled (see
         `engine/liveness.py`); in-flight requests get the error."""
-        problem = self.liveness.problem() if self.dead is None else None
+        problem = self._problem() if self.dead is None else None
         if problem is not None:
             logger.error("engine core declared dead: %s", problem)
             self.fail_all(EngineDeadError("The engine core stopped responding."))
@@ -253,3 +275,11 @@ class _RequestTimer:
         self.done = True
         self.metrics.request_finished(outcome, self.num_prompt_tokens, self.num_tokens,
                                       time.monotonic() - self.start)
+
+
+def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
+    """One view of several replicas: every gauge and counter added up."""
+    if len(parts) == 1:
+        return parts[0]
+    return SchedulerStats(*(sum(getattr(p, f) for p in parts)
+                            for f in SchedulerStats.__struct_fields__))

@@ -73,7 +73,11 @@ def start_engine_core_process(config: EngineConfig, model_path: str,
 
 
 class AsyncMPClient:
-    """asyncio client of an engine-core process (one per API process)."""
+    """asyncio client of an engine-core process (one per API process). Outputs and
+    heartbeats come tagged with the replica they are from (always 0 here; several replicas:
+    distributed/dp_client.py)."""
+
+    num_replicas = 1
 
     def __init__(self, address: str) -> None:
         self.context = zmq.asyncio.Context()
@@ -113,14 +117,14 @@ class AsyncMPClient:
         if request_ids:
             await self._send(RequestType.FINISH, self.encoder.encode(request_ids))
 
-    async def get_output(self) -> EngineCoreOutputs:
+    async def get_output(self) -> tuple[int, EngineCoreOutputs]:
         while True:
             kind, payload = await self.socket.recv_multipart()
             if kind == OUTPUTS:
-                return self.decode_outputs(payload)
+                return 0, self.decode_outputs(payload)
 
-    async def get_heartbeat(self) -> EngineHeartbeat:
-        return self.decode_heartbeat(await self.heartbeats.recv())
+    async def get_heartbeat(self) -> tuple[int, EngineHeartbeat]:
+        return 0, self.decode_heartbeat(await self.heartbeats.recv())
 
     async def shutdown_core(self) -> None:
         await self._send(RequestType.SHUTDOWN, b"")

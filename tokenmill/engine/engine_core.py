@@ -40,6 +40,11 @@ class EngineCore:
         self.max_model_len = derive_max_model_len(config, self.hf_config)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
         self.workers = None
+        if config.data_parallel_size > 1 and config.world_size == 1:  # one replica's share
+            import torch
+
+            from tokenmill.distributed.executor import threads_per_rank
+            torch.set_num_threads(threads_per_rank(config))
         if config.world_size > 1:
             self.workers = WorkerGroup(config, model_path, self.max_model_len,
                                        exit_on_worker_death)

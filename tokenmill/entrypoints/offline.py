@@ -17,7 +17,12 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is served by `tokenmill serve "
+                             "--data-parallel-size` only so far; offline, run one LLM per "
+                             "replica.")
+        self.engine = LLMEngine(config)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes, if any; also on `del` and on leaving a

@@ -61,19 +61,23 @@ class ServeProcess:
         model_path = resolve_model_path(config.engine.model)
         logger.info("loading %s (health port %d answers meanwhile)", model_path,
                     config.health_port)
-        start = loop.run_in_executor(None, start_engine_core_process, config.engine, model_path)
+        start = asyncio.ensure_future(self._start_engines(model_path))
         stop_wait = asyncio.create_task(self.stop.wait())
         done, _ = await asyncio.wait([start, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         if start not in done:  # asked to stop while loading
             await self._close(servers, tasks)
-            (await start)[0].kill()
+            for process, _ in await start:
+                process.kill()
             return 0
         stop_wait.cancel()
-        process, address, _ = start.result()
+        engines = start.result()
+        processes = [process for process, _ in engines]
         state = grpc_server = None
         try:
             settings = ApiSettings(
-                engine_address=address, tokenizer_path=config.engine.tokenizer or model_path,
+                engine_address=engines[0][1],
+                more_engine_addresses=tuple(address for _, address in engines[1:]),
+                tokenizer_path=config.engine.tokenizer or model_path,
                 model_path=model_path, served_model_names=config.model_names,
                 max_dec_len=config.max_dec_len, max_seq_len=config.max_seq_len,
                 max_waiting=config.max_cached_task_num,
@@ -106,7 +110,7 @@ class ServeProcess:
                         " metrics %d)", config.model_names[0], config.host, config.port,
                         config.http_workers, config.grpc_port, config.health_port,
                         config.metrics_port)
-            watchdog = asyncio.create_task(self._watch(process, state))
+            watchdog = asyncio.create_task(self._watch(processes, state))
             await self.stop.wait()
             watchdog.cancel()
             if self.exit_code == 0:
@@ -119,13 +123,30 @@ class ServeProcess:
             self._stop_workers(signal.SIGKILL)
             if state is not None:
                 await state.engine.shutdown(stop_core=True)
-            process.join(5)
-            if process.is_alive():
-                process.kill()
+            for process in processes:
                 process.join(5)
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
             if self.metrics_dir:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return self.exit_code
+
+    async def _start_engines(self, model_path: str) -> list:
+        """Every data-parallel replica's engine-core process, started side by side:
+        [(process, address)]. If one fails to start, the others are stopped."""
+        loop = asyncio.get_running_loop()
+        starts = [loop.run_in_executor(None, start_engine_core_process, self.config.engine,
+                                       model_path)
+                  for _ in range(self.config.engine.data_parallel_size)]
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    r[0].kill()
+            raise failed[0]
+        return [(process, address) for process, address, _ in results]
 
     def _metrics(self):
         config = self.config
@@ -174,14 +195,16 @@ class ServeProcess:
         async for _ in state.engine.generate([1] * 8, params, request_id="warmup"):
             pass
 
-    async def _watch(self, process, state: ServerState) -> None:
-        """Engine death: fail in-flight requests now (here and in the workers), exit 1.
-        An API process that died: exit 1 too."""
+    async def _watch(self, processes, state: ServerState) -> None:
+        """Engine death (any replica's): fail in-flight requests now (here and in the
+        workers), exit 1. An API process that died: exit 1 too."""
         while True:
             await asyncio.sleep(0.5)
             await state.engine.check_health()
-            if not process.is_alive() or state.engine.dead is not None:
-                logger.error("engine core died (exit code %s)", process.exitcode)
+            dead = [p for p in processes if not p.is_alive()]
+            if dead or state.engine.dead is not None:
+                logger.error("engine core died (exit code %s)",
+                             dead[0].exitcode if dead else None)
                 state.engine.fail_all(EngineDeadError("The engine core died."))
                 self._stop_workers(signal.SIGUSR1)
                 break

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tokenmill.distributed.dp_client import DataParallelClient
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.entrypoints.auth import ApiKey
@@ -34,14 +35,18 @@ logger = logging.getLogger(__name__)
 
 async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> ServerState:
     tokenizer = load_tokenizer(settings.tokenizer_path)
-    engine = AsyncLLM(AsyncMPClient(settings.engine_address), tokenizer,
-                      eos_token_ids(tokenizer, settings.model_path),
+    if settings.more_engine_addresses:
+        client = DataParallelClient([settings.engine_address, *settings.more_engine_addresses])
+    else:
+        client = AsyncMPClient(settings.engine_address)
+    engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
                       dead_after_s=settings.dead_after_s, metrics=metrics)
     await engine.start()
-    # A request that can never fit the KV cache is refused like an over-long one (400
-    # naming the field), not queued forever.
+    # A request that can never fit the KV cache (of one replica) is refused like an
+    # over-long one (400 naming the field), not queued forever.
     info = engine.client.info
-    max_len = min(engine.max_model_len, info.num_kv_blocks * info.block_size)
+    blocks = info.num_kv_blocks // client.num_replicas
+    max_len = min(engine.max_model_len, blocks * info.block_size)
     return ServerState(engine=engine, tokenizer=tokenizer,
                        served_model_names=settings.served_model_names,
                        max_model_len=max_len, max_dec_len=settings.max_dec_len,
@@ -256,7 +261,7 @@ def create_health_app(get_state) -> FastAPI:
         state = get_state()
         ok, reason = readiness(state)
         body = {"status": "ready" if ok else "not ready", "reason": reason}
-        step_s = state.engine.liveness.step_running_s() if state is not None else None
+        step_s = state.engine.step_running_s() if state is not None else None
         if step_s is not None:  # a long step is visible here before it could count as a stall
             body["engine_step_running_s"] = round(step_s, 3)
         return JSONResponse(body, status_code=200 if ok else 503)

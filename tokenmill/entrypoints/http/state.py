@@ -48,6 +48,8 @@ class ApiSettings:
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
     max_request_body_bytes: int = 2 * 1024 * 1024
     trust_request_chat_template: bool = False
+    # data-parallel replicas beyond the first (engine_address): requests are routed among all
+    more_engine_addresses: tuple[str, ...] = ()
 
 
 @dataclass

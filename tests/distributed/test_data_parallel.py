@@ -1,0 +1,67 @@
+"""Data parallel: replicas behind one API. Requests sharing a prompt prefix go to the replica
+that holds it even when it is busier; others go to the least loaded; a replica's crash takes
+the server down cleanly."""
+
+import os
+import signal
+
+import psutil
+
+from tests.distributed.test_tp_server import assert_ended_by_engine_death
+from tests.reliability.streams import Stream
+from tests.serving import HOLD_TOKENS, Served, alive, metric, wait_until
+from tokenmill.distributed.dp_client import PrefixRouter
+
+PREFIX = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+def test_router_prefers_the_cached_prefix_then_the_least_loaded():
+    router = PrefixRouter(2, block_size=4)
+    shared = list(range(100, 120))
+    assert router.choose(shared + [1]) == 0  # a tie: the lowest index
+    assert router.choose([7, 8, 9, 10, 11]) == 1  # no prefix anywhere: the idle one
+    assert router.choose([1, 2, 3, 4]) == 0  # no prefix, a tie on load: the lowest index
+    assert router.choose(shared + [2]) == 0  # the prefix wins over load (2 vs 1)
+    assert router.in_flight == [3, 1]
+    assert router.choose([50, 51, 52, 53]) == 1  # least loaded
+    for _ in range(3):
+        router.done(0)
+    assert router.choose(shared[:3]) == 0  # shorter than a block: no prefix, least loaded
+
+
+def hold(served: Served, prompt: str) -> Stream:
+    stream = Stream(served.api, {"model": "tiny", "prompt": prompt, "max_tokens": HOLD_TOKENS,
+                                 "ignore_eos": True, "temperature": 0})
+    stream.start()
+    assert stream.started.wait(120)
+    return stream
+
+
+def running(served: Served, engine: str) -> float:
+    return metric(served.metrics, "tokenmill:num_requests_running", engine=engine)
+
+
+def test_two_replicas_route_by_prefix_then_load_and_die_together(tiny_models, tmp_path):
+    served = Served(tiny_models("llama_long")[0], tmp_path, "--data-parallel-size", "2")
+    served.start()
+    try:
+        served.wait_ready()
+        engines = [p for p in psutil.Process(served.process.pid).children()
+                   if "spawn_main" in " ".join(p.cmdline())]
+        assert len(engines) == 2
+        first = hold(served, PREFIX + "first")
+        second = hold(served, PREFIX + "second")  # shares the first's prefix: same replica
+        other = hold(served, "Paris is the capital of France, and Tokens flow")  # the idle one
+        assert wait_until(lambda: (running(served, "0"), running(served, "1")) == (2, 1), 60)
+        assert metric(served.metrics, "tokenmill:kv_cache_blocks_total", engine="1") > 0
+        # One replica crashes: every stream ends with the engine-death error, the server
+        # exits 1 and no engine process is left.
+        os.kill(engines[1].pid, signal.SIGKILL)
+        for stream in (first, second, other):
+            stream.join(300)  # bounds a hang only
+            assert_ended_by_engine_death(stream)
+        assert served.process.wait(120) == 1
+        assert wait_until(lambda: not any(alive(p.pid) for p in engines), 60)
+        assert wait_until(served.ports_free, 60)
+    finally:
+        served.stop()
