@@ -77,7 +77,9 @@ class EngineCore:
         from tokenmill.distributed.parallel_state import destroy_parallel
 
         runner = getattr(self, "runner", None)
-        if runner is not None and not workers.exits():
+        # A step cut short (an exception, Ctrl-C) left the other ranks inside a collective:
+        # a stop message would pair with the wrong one, so they are killed instead.
+        if runner is not None and not runner.in_step and not workers.exits():
             try:
                 runner.stop_workers()
             except RuntimeError:  # a worker died meanwhile: gloo saw its connection close

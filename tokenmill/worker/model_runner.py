@@ -75,6 +75,7 @@ class ModelRunner:
         self.config = config
         # joined before the model is built (distributed/executor.py)
         self.tp, self.world = get_tp_group(), get_world()
+        self.in_step = False  # a step was cut short (e.g. Ctrl-C) while this is still True
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
@@ -139,9 +140,11 @@ class ModelRunner:
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs = StepInputs.of(scheduled)
+        self.in_step = True  # (cleared only when every rank's part of the step is done)
         if self.world.size > 1:
             self.world.broadcast_bytes(inputs.encode())
         logits, prompt_logits = self.run(inputs)
+        self.in_step = False
         out = RunnerOutput()
         if logits is not None:
             requests = [scheduled[i] for i in inputs.sample_seqs]
