@@ -35,6 +35,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages the layers are split into (ranks: tp x pp)
     distributed_executor_backend: str = "mp"
+    ray_address: str | None = None  # HOST:PORT of the Ray cluster (None: the local one)
     distributed_timeout: float = 120.0
     # Several nodes (torchrun-style flags, or the seed's MP_NNODE / POD_IPS): node n holds
     # ranks n * tp / nnodes ..; node 0 (rank 0, the API) serves the rendezvous at
@@ -100,9 +101,12 @@ class EngineConfig:
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("--data-parallel-size with several nodes is not built yet: run "
                              "one multi-node server per replica.")
-        if self.distributed_executor_backend != "mp":
-            raise ValueError("distributed_executor_backend must be 'mp', got "
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
                              f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("--distributed-executor-backend ray places the ranks on the Ray "
+                             "cluster's nodes itself: drop --nnodes / MP_NNODE.")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}.")
         positive_int("nnodes")
@@ -244,8 +248,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     a("--tensor-parallel-size", "-tp", type=int, default=None,
       help="ranks that split every layer (env MP_NUM; default 1)")
-    a("--distributed-executor-backend", default=None, choices=["mp"],
-      help="mp: tensor-parallel ranks as processes on this node")
+    a("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+      help="mp: the ranks as processes on this node (and --nnodes); ray: as actors on the "
+           "Ray cluster (RAY_ADDRESS, or the local one)")
     a("--distributed-timeout", type=float, default=None, metavar="S",
       help="seconds start-up waits for every rank to join (default 120)")
     a("--data-parallel-size", "-dp", type=int, default=None,
@@ -391,6 +396,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "data_parallel_size": pick(args.data_parallel_size, None, 1),
+        "ray_address": env.text("RAY_ADDRESS"),
         **_nodes(args, env, tp * pp),
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
@@ -510,8 +516,11 @@ def check_ports_free(config: ServerConfig) -> None:
     checks = [(config.host if name != "inter_proc_port" else "127.0.0.1", getattr(config, name))
               for name, _, _ in _PORT_ENV]
     engine = config.engine
-    if engine.nnodes > 1 and engine.node_rank == 0:  # node 0 serves the ranks' rendezvous
-        checks.append((engine.master_addr, engine.master_port))
+    if engine.world_size > 1 and engine.node_rank == 0 and (
+            engine.nnodes > 1 or engine.distributed_executor_backend == "ray"):
+        # node 0 serves the ranks' rendezvous
+        ray = engine.distributed_executor_backend == "ray"  # (on the node's Ray address)
+        checks.append(("0.0.0.0" if ray else engine.master_addr, engine.master_port))
     for host, port in checks:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                            socket.SOCK_STREAM) as s:

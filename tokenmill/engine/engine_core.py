@@ -33,6 +33,7 @@ class EngineCore:
         """`exit_on_worker_death`: a tensor-parallel worker's death ends this process (the
         engine-core process; the server then applies its engine-death policy)."""
         from tokenmill.distributed.executor import WorkerGroup
+        from tokenmill.distributed.ray_executor import RayWorkerGroup
         from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
 
         self.config = config
@@ -46,8 +47,8 @@ class EngineCore:
             from tokenmill.distributed.executor import threads_per_rank
             torch.set_num_threads(threads_per_rank(config))
         if config.world_size > 1:
-            self.workers = WorkerGroup(config, model_path, self.max_model_len,
-                                       exit_on_worker_death)
+            group = RayWorkerGroup if config.distributed_executor_backend == "ray" else WorkerGroup
+            self.workers = group(config, model_path, self.max_model_len, exit_on_worker_death)
             self.workers.join(config)
         try:
             self.runner = ModelRunner(config, model_path, self.hf_config, self.max_model_len)
