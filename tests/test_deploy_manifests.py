@@ -12,8 +12,10 @@ import yaml
 from tokenmill.config import build_server_config
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy")
-with open(os.path.join(os.path.dirname(__file__), "..", "tokenmill", "config.py")) as _f:
-    CONFIG_SOURCE = _f.read()
+CONFIG_SOURCE = ""
+for _name in ("config.py", "parallel_config.py"):  # where environment variables are named
+    with open(os.path.join(os.path.dirname(__file__), "..", "tokenmill", _name)) as _f:
+        CONFIG_SOURCE += _f.read()
 # What a LeaderWorkerSet gives each pod of a group of 2 (the worker: index 1).
 LWS = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "tokenmill-0.tokenmill",
        "LWS_WORKER_INDEX": "1"}
@@ -55,7 +57,7 @@ def test_pod_config_ports_probes_and_scrape(name, role, template):
     (container,) = template["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container.get("env", [])}
     for variable in env:  # a typo would be silently ignored by the server
-        assert f'"{variable}"' in CONFIG_SOURCE, f"{name}: {variable} is not read by config.py"
+        assert f'"{variable}"' in CONFIG_SOURCE, f"{name}: {variable} is read nowhere"
     config = build_server_config(serve_argv(container), env)
     assert config.engine.model == env["MODEL_DIR"]
     assert config.engine.tensor_parallel_size == int(env["MP_NUM"])

@@ -1,0 +1,124 @@
+"""The engine's typed configuration: every knob in one dataclass, validated once at start-up
+(built by `LLM(...)` from keyword arguments, or by config.py from flags and environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                  "half": "float16"}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory, .gguf file, or None for the bundled default model
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit type on GPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) if unchunked
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_gib: float = 4.0  # CPU: bytes set aside for K/V blocks
+    gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + KV
+    num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
+    seed: int = 0
+    trust_remote_code: bool = False  # accepted (vLLM's name); checkpoint code never runs
+    # Weights: int8 | int4 | a8w8 | fp8 (aliases: weight_only_int8, wint4, ...), quantized at
+    # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 K/V with per-head scales
+    # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
+    # processes on this node; start-up waits this long for every rank to join.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages the layers are split into (ranks: tp x pp)
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None  # HOST:PORT of the Ray cluster (None: the local one)
+    distributed_timeout: float = 120.0
+    # Several nodes (torchrun-style flags, or the seed's MP_NNODE / POD_IPS): node n holds
+    # ranks n * tp / nnodes ..; node 0 (rank 0, the API) serves the rendezvous at
+    # master_addr:master_port; node_addr is where this node's ranks listen (None: 127.0.0.1
+    # on one node, else the local address that reaches master_addr).
+    # Data parallel (server only): this many engine cores, each with its own ranks, behind
+    # the API processes; the machine's cores are shared out among all their ranks.
+    data_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    node_addr: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        from tokenmill.quantization import parse_method
+        self.quantization = parse_method(self.quantization)
+        self.validate()
+
+    def validate(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}.")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}.")
+        positive_int("max_num_seqs")
+        positive_int("block_size")
+        positive_int("max_model_len", allow_none=True)
+        positive_int("max_num_batched_tokens", allow_none=True)
+        positive_int("num_kv_blocks", allow_none=True)
+        if self.block_size > 256:
+            raise ValueError(f"block_size must be <= 256, got {self.block_size}.")
+        if not self.kv_cache_memory_gib > 0:
+            raise ValueError(
+                f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}.")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        from tokenmill.quantization import ALIASES, METHODS
+        if self.quantization is not None and self.quantization not in METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or "
+                             f"{', '.join(sorted(ALIASES))}), got {self.quantization!r}.")
+        positive_int("tensor_parallel_size")
+        positive_int("pipeline_parallel_size")
+        positive_int("data_parallel_size")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("--data-parallel-size with several nodes is not built yet: run "
+                             "one multi-node server per replica.")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("--distributed-executor-backend ray places the ranks on the Ray "
+                             "cluster's nodes itself: drop --nnodes / MP_NNODE.")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}.")
+        positive_int("nnodes")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"MP_NUM / tensor x pipeline parallel size ({self.world_size}) "
+                             f"must be divisible by MP_NNODE / --nnodes ({self.nnodes}).")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank (--node-rank) must be in [0, {self.nnodes}), got "
+                             f"{self.node_rank}.")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port, got {self.master_port}.")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError("kv_cache_dtype must be 'auto' or 'int8', got "
+                             f"{self.kv_cache_dtype!r}.")
