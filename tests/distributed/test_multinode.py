@@ -3,6 +3,7 @@ rank: started with `start_server` and the seed's variables, or with torchrun-sty
 API answers on node 0 as one rank does; a node's death ends the other cleanly; a node that
 never joins is named."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -97,21 +98,28 @@ def node_flags(rank: int, port: int) -> list[str]:
             "--master-addr", NODES[0], "--master-port", str(port)]
 
 
-def start_node1(path: str, port: int, cwd) -> subprocess.Popen:
-    """Node 1 with torchrun-style flags, in its own process group (killed as a whole)."""
-    return subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
-                             *node_flags(1, port)], cwd=cwd, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expected):
-    path = tiny_models("llama_long")[0]
+@contextlib.contextmanager
+def two_nodes(path: str, cwd):
+    """Node 1 (its own process group, killed as a whole) and node 0 started with
+    torchrun-style flags, node 0 ready; both stopped afterwards, whatever happened."""
     port = free_port()
-    node1 = start_node1(path, port, tmp_path)
-    served = Served(path, tmp_path, *node_flags(0, port))
+    node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
+                              *node_flags(1, port)], cwd=cwd, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    served = Served(path, cwd, *node_flags(0, port))
     served.start()
     try:
         served.wait_ready()
+        yield served, node1
+    finally:
+        served.stop()
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait(30)
+
+
+def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expected):
+    with two_nodes(tiny_models("llama_long")[0], tmp_path) as (served, node1):
         assert complete(served) == expected
         stream = Stream(served.api, long_body(0, HOLD_TOKENS))
         stream.start()
@@ -123,11 +131,6 @@ def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expec
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not any(alive(pid) for pid in node1_tree), 60)
         assert wait_until(served.ports_free, 60)
-    finally:
-        served.stop()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-        node1.wait(30)
 
 
 def test_a_node_that_never_joins_is_named(tiny_models, tmp_path):
@@ -145,20 +148,9 @@ def test_a_node_that_never_joins_is_named(tiny_models, tmp_path):
 
 def test_a_node_dying_while_idle_is_noticed(tiny_models, tmp_path):
     """No step runs, so no collective fails: node 0 notices the silence of node 1's agent."""
-    path = tiny_models("llama")[0]
-    port = free_port()
-    node1 = start_node1(path, port, tmp_path)
-    served = Served(path, tmp_path, *node_flags(0, port))
-    served.start()
-    try:
-        served.wait_ready()
+    with two_nodes(tiny_models("llama")[0], tmp_path) as (served, node1):
         os.killpg(node1.pid, signal.SIGKILL)
         assert served.process.wait(120) == 1  # (bounds a hang only; ~15 s of silence)
         log = served.process.stdout.read().decode()
         assert "node 1 has not been heard from for 15 s" in log, log[-2000:]
         assert wait_until(served.ports_free, 60)
-    finally:
-        served.stop()
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-        node1.wait(30)
