@@ -6,6 +6,7 @@ import os
 import signal
 
 import psutil
+import pytest
 
 from tests.distributed.test_tp_server import assert_ended_by_engine_death
 from tests.reliability.streams import Stream
@@ -65,3 +66,25 @@ def test_two_replicas_route_by_prefix_then_load_and_die_together(tiny_models, tm
         assert wait_until(served.ports_free, 60)
     finally:
         served.stop()
+
+
+def test_offline_replicas_answer_as_one_engine_and_refuse_alike(tiny_models):
+    from tests.distributed.test_tensor_parallel import MAX_TOKENS, PROMPTS, generate
+    from tokenmill import LLM, SamplingParams
+
+    path, _ = tiny_models("llama")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    one = generate(path, PROMPTS, params)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(path, kv_cache_memory_gib=0.01, data_parallel_size=2) as llm:
+        replicas = list(llm.engine.client.processes)
+        two = llm.generate(prompts, params, use_tqdm=False)
+        router = llm.engine.client.router
+        assert router.in_flight == [0, 0]  # every request left the books
+        assert router.blocks[1]  # the second replica got the long prompts (least loaded)
+        with pytest.raises(ValueError, match="leaves no room to generate"):
+            llm.generate({"prompt_token_ids": [5] * 2000}, params, use_tqdm=False)
+        again = llm.generate(prompts, params, use_tqdm=False)  # the engine is still fine
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in one]
+    assert len(replicas) == 2 and not any(p.is_alive() for p in replicas)

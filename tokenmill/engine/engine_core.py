@@ -21,6 +21,28 @@ def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     return config.max_model_len
 
 
+def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
+                  num_blocks: int, block_size: int) -> None:
+    """Admission checks of an engine core (ValueError: refused, with the reason)."""
+    n_prompt = len(request.prompt_token_ids)
+    if n_prompt == 0:
+        raise ValueError("The prompt is empty.")
+    if n_prompt >= max_model_len:
+        raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
+                         f"generate within max_model_len ({max_model_len}).")
+    if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+        raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
+    params = request.sampling_params
+    # They index the logits row while min_tokens bans them: out of range would fail the
+    # whole engine step, not just this request.
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab}).")
+    longest = min(n_prompt + (params.max_tokens or max_model_len), max_model_len)
+    if -(-longest // block_size) > num_blocks:
+        raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
+                         f"the whole cache holds ({num_blocks} blocks of {block_size}).")
+
+
 def _queue_time(request: Request) -> float | None:
     if request.num_output_tokens != 1 or request.first_scheduled_time is None:
         return None
@@ -91,27 +113,11 @@ class EngineCore:
         destroy_parallel()
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        n_prompt = len(request.prompt_token_ids)
-        if n_prompt == 0:
-            raise ValueError("The prompt is empty.")
-        if n_prompt >= self.max_model_len:
-            raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
-                             f"generate within max_model_len ({self.max_model_len}).")
-        vocab = self.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
-        params = request.sampling_params
-        # They index the logits row while min_tokens bans them: out of range would fail the
-        # whole engine step, not just this request.
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}).")
-        longest = min(n_prompt + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if not self.kv_cache.can_ever_fit(longest):
-            raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
-                             f"the whole cache holds ({self.kv_cache.num_blocks} blocks of "
-                             f"{self.config.block_size}).")
+        check_request(request, self.max_model_len, self.hf_config.vocab_size,
+                      self.kv_cache.num_blocks, self.config.block_size)
         self.scheduler.add_request(Request(request.request_id, list(request.prompt_token_ids),
-                                           params, arrival_time=request.arrival_time))
+                                           request.sampling_params,
+                                           arrival_time=request.arrival_time))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -26,14 +26,26 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path)
-        self.core = EngineCore(config, self.model_path)
-        self.client = InprocClient(self.core)
+        if config.data_parallel_size > 1:  # engine cores in processes of their own
+            from tokenmill.distributed.dp_offline import ReplicaClient
+            self.core = None
+            self.client = ReplicaClient(config, self.model_path)
+        else:
+            self.core = EngineCore(config, self.model_path)
+            self.client = InprocClient(self.core)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.core.max_model_len if self.core is not None else self.client.max_model_len
+
+    def shutdown(self) -> None:
+        """Stop what runs beside this process: tensor-parallel workers, replicas."""
+        if self.core is not None:
+            self.core.shutdown()
+        else:
+            self.client.close()
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -17,19 +17,14 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        config = EngineConfig(model=model, **engine_args)
-        if config.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is served by `tokenmill serve "
-                             "--data-parallel-size` only so far; offline, run one LLM per "
-                             "replica.")
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes, if any; also on `del` and on leaving a
-        `with LLM(...) as llm:` block."""
+        """Stop the tensor-parallel workers and data-parallel replicas, if any; also on `del`
+        and on leaving a `with LLM(...) as llm:` block."""
         engine = getattr(self, "engine", None)  # absent when __init__ failed
         if engine is not None:
-            engine.core.shutdown()
+            engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
