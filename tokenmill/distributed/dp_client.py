@@ -22,13 +22,15 @@ class PrefixRouter:
     """Picks a replica per request: most full prompt blocks this router sent to it before
     (its cache is likely to still hold them: chained hashes, as the engine's prefix cache
     keys them), then fewest requests in flight, then the lowest index. Each replica's
-    remembered blocks are bounded (least recently sent forgotten first)."""
+    remembered blocks are bounded (least recently sent forgotten first). Keeps the books of
+    which replica holds each request in flight (`assign`, `release`, `finished`)."""
 
     def __init__(self, replicas: int, block_size: int, remembered: int = 1 << 16) -> None:
         self.block_size = block_size
         self.remembered = remembered
         self.blocks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]
         self.in_flight = [0] * replicas
+        self.owner: dict[str, int] = {}  # request id -> replica, while in flight
 
     def _hashes(self, prompt: Sequence[int]) -> list[bytes]:
         hashes, parent = [], None
@@ -60,13 +62,33 @@ class PrefixRouter:
     def done(self, replica: int) -> None:
         self.in_flight[replica] -= 1
 
+    def assign(self, request_id: str, prompt: Sequence[int]) -> int:
+        replica = self.owner[request_id] = self.choose(prompt)
+        return replica
+
+    def release(self, request_ids: list[str]) -> dict[int, list[str]]:
+        """Requests aborted or stopped here, by replica; they leave the books."""
+        groups: dict[int, list[str]] = {}
+        for rid in request_ids:
+            replica = self.owner.pop(rid, None)
+            if replica is not None:
+                groups.setdefault(replica, []).append(rid)
+                self.done(replica)
+        return groups
+
+    def finished(self, request_id: str) -> bool:
+        """A request's last output arrived: off the books (False: it was not on them)."""
+        replica = self.owner.pop(request_id, None)
+        if replica is not None:
+            self.done(replica)
+        return replica is not None
+
 
 class DataParallelClient:
     def __init__(self, addresses: list[str]) -> None:
         self.replicas = [AsyncMPClient(address) for address in addresses]
         self.info: EngineCoreInfo | None = None
         self.router: PrefixRouter | None = None
-        self.owner: dict[str, int] = {}  # request id -> replica, while in flight
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._heartbeats: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
@@ -103,26 +125,15 @@ class DataParallelClient:
             queue.put_nowait((index, item))
 
     async def add_request(self, request: EngineCoreRequest) -> None:
-        replica = self.router.choose(request.prompt_token_ids)
-        self.owner[request.request_id] = replica
+        replica = self.router.assign(request.request_id, request.prompt_token_ids)
         await self.replicas[replica].add_request(request)
 
-    def _by_replica(self, request_ids: list[str]) -> dict[int, list[str]]:
-        """The requests by replica; they leave the routing books (aborted or stopped)."""
-        groups: dict[int, list[str]] = {}
-        for rid in request_ids:
-            replica = self.owner.pop(rid, None)
-            if replica is not None:
-                groups.setdefault(replica, []).append(rid)
-                self.router.done(replica)
-        return groups
-
     async def abort_requests(self, request_ids: list[str]) -> None:
-        for replica, ids in self._by_replica(request_ids).items():
+        for replica, ids in self.router.release(request_ids).items():
             await self.replicas[replica].abort_requests(ids)
 
     async def finish_requests(self, request_ids: list[str]) -> None:
-        for replica, ids in self._by_replica(request_ids).items():
+        for replica, ids in self.router.release(request_ids).items():
             await self.replicas[replica].finish_requests(ids)
 
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:
@@ -130,8 +141,8 @@ class DataParallelClient:
         if isinstance(batch, Exception):
             raise batch
         for out in batch.outputs:
-            if out.finish_reason is not None and self.owner.pop(out.request_id, None) is not None:
-                self.router.done(replica)
+            if out.finish_reason is not None:
+                self.router.finished(out.request_id)
         return replica, batch
 
     async def get_heartbeat(self):

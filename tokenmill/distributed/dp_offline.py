@@ -41,7 +41,6 @@ class ReplicaClient:
             raise
         self.info: EngineCoreInfo = info
         self.router = PrefixRouter(len(self.sockets), info.block_size)
-        self.owner: dict[str, int] = {}  # request id -> replica, while unfinished
         self.poller = zmq.Poller()
         for sock in self.sockets:
             self.poller.register(sock, zmq.POLLIN)
@@ -68,18 +67,11 @@ class ReplicaClient:
         info = self.info
         check_request(request, info.max_model_len, info.vocab_size, info.num_kv_blocks,
                       info.block_size)  # ValueError here: refused
-        replica = self.router.choose(request.prompt_token_ids)
-        self.owner[request.request_id] = replica
+        replica = self.router.assign(request.request_id, request.prompt_token_ids)
         self._send(self.sockets[replica], RequestType.ADD, self.encoder.encode(request))
 
     def _leave(self, kind: RequestType, request_ids: list[str]) -> None:
-        by_replica: dict[int, list[str]] = {}
-        for rid in request_ids:
-            replica = self.owner.pop(rid, None)
-            if replica is not None:
-                by_replica.setdefault(replica, []).append(rid)
-                self.router.done(replica)
-        for replica, ids in by_replica.items():
+        for replica, ids in self.router.release(request_ids).items():
             self._send(self.sockets[replica], kind, self.encoder.encode(ids))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -89,7 +81,7 @@ class ReplicaClient:
         self._leave(RequestType.FINISH, request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.owner)
+        return bool(self.router.owner)
 
     def get_output(self) -> list[EngineCoreOutput]:
         """The outputs the replicas have sent, waiting for at least one (a replica that dies
@@ -113,14 +105,13 @@ class ReplicaClient:
     def _arrived(self, replica: int, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
         kept = []
         for out in outputs:
-            if out.request_id not in self.owner:
+            if out.request_id not in self.router.owner:
                 continue  # aborted or stopped here already
             if out.error is not None:  # (checked here first: only a replica's own surprise)
                 raise RuntimeError(f"Data-parallel replica {replica} refused request "
                                    f"{out.request_id}: {out.error}")
             if out.finish_reason is not None:
-                del self.owner[out.request_id]
-                self.router.done(replica)
+                self.router.finished(out.request_id)
             kept.append(out)
         return kept
 
