@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenmill import csrc
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
-from tokenmill.layers.linear import CheckpointSlice, choose_linear_kernels
+from tokenmill.layers.linear import CheckpointSlice, RowParallelLinear, choose_linear_kernels
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config
 
@@ -118,6 +118,10 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     with torch.device(device):
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
+    if quant is not None and tp.size > 1:  # quantized at load: whole-row scales for slices
+        for module in model.modules():
+            if isinstance(module, RowParallelLinear):
+                module.wants_row_absmax = True
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())

@@ -211,13 +211,15 @@ class RowParallelLinear(Linear):
         local = divide(in_features, self.tp.size, "input size")
         super().__init__(local, out_features, bias)
         narrowed = _narrowed(1, self.tp.rank * local, local)
-        # The whole rows' absolute maxima: quantized per output channel, every rank's slice
-        # gets the scales of the unsplit layer (tensor-parallel results = one rank's).
+        # The whole rows' absolute maxima, kept only when the loader will quantize this split
+        # layer per output channel: every rank's slice then gets the scales of the unsplit
+        # layer (tensor-parallel results = one rank's). Reading them reads the whole tensor.
+        self.wants_row_absmax = False
         self.row_absmax: torch.Tensor | None = None
 
         def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
             narrowed(param, loaded)
-            if self.tp.size > 1:  # (reads the whole tensor: one layer's, for a moment)
+            if self.wants_row_absmax and self.tp.size > 1:
                 self.row_absmax = whole(loaded).abs().amax(1).float()
         self.weight.weight_loader = load
         if bias and not self.tp.is_first:
