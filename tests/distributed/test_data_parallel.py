@@ -8,9 +8,8 @@ import signal
 import psutil
 import pytest
 
-from tests.distributed.test_tp_server import assert_ended_by_engine_death
-from tests.reliability.streams import Stream
-from tests.serving import HOLD_TOKENS, Served, alive, metric, wait_until
+from tests.distributed.checks import assert_ended_by_engine_death, held_stream
+from tests.serving import Served, alive, metric, wait_until
 from tokenmill.distributed.dp_client import PrefixRouter
 
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 6
@@ -30,14 +29,6 @@ def test_router_prefers_the_cached_prefix_then_the_least_loaded():
     assert router.choose(shared[:3]) == 0  # shorter than a block: no prefix, least loaded
 
 
-def hold(served: Served, prompt: str) -> Stream:
-    stream = Stream(served.api, {"model": "tiny", "prompt": prompt, "max_tokens": HOLD_TOKENS,
-                                 "ignore_eos": True, "temperature": 0})
-    stream.start()
-    assert stream.started.wait(120)
-    return stream
-
-
 def running(served: Served, engine: str) -> float:
     return metric(served.metrics, "tokenmill:num_requests_running", engine=engine)
 
@@ -50,16 +41,15 @@ def test_two_replicas_route_by_prefix_then_load_and_die_together(tiny_models, tm
         engines = [p for p in psutil.Process(served.process.pid).children()
                    if "spawn_main" in " ".join(p.cmdline())]
         assert len(engines) == 2
-        first = hold(served, PREFIX + "first")
-        second = hold(served, PREFIX + "second")  # shares the first's prefix: same replica
-        other = hold(served, "Paris is the capital of France, and Tokens flow")  # the idle one
+        first = held_stream(served.api, PREFIX + "first")
+        second = held_stream(served.api, PREFIX + "second")  # the first's prefix: same replica
+        other = held_stream(served.api, "Paris is the capital of France, and Tokens flow")
         assert wait_until(lambda: (running(served, "0"), running(served, "1")) == (2, 1), 60)
         assert metric(served.metrics, "tokenmill:kv_cache_blocks_total", engine="1") > 0
         # One replica crashes: every stream ends with the engine-death error, the server
         # exits 1 and no engine process is left.
         os.kill(engines[1].pid, signal.SIGKILL)
         for stream in (first, second, other):
-            stream.join(300)  # bounds a hang only
             assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not any(alive(p.pid) for p in engines), 60)

@@ -10,12 +10,10 @@ import subprocess
 import sys
 
 import httpx
-import psutil
 import pytest
 
-from tests.distributed.test_tp_server import assert_ended_by_engine_death
-from tests.reliability.streams import Stream, long_body
-from tests.serving import HOLD_TOKENS, Served, alive, free_port, wait_until
+from tests.distributed.checks import assert_ended_by_engine_death, held_stream, tree
+from tests.serving import Served, alive, free_port, wait_until
 from tokenmill import LLM, SamplingParams
 
 NODES = ("127.0.0.2", "127.0.0.3")
@@ -61,7 +59,7 @@ def complete(served: Served) -> str:
 
 
 def tree_of(pid: int) -> list[int]:
-    return [pid] + [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    return [pid] + [p.pid for p in tree(pid)]
 
 
 def test_seed_variables_and_start_server_on_two_nodes(tiny_models, tmp_path, expected):
@@ -121,12 +119,9 @@ def two_nodes(path: str, cwd):
 def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expected):
     with two_nodes(tiny_models("llama_long")[0], tmp_path) as (served, node1):
         assert complete(served) == expected
-        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
-        stream.start()
-        assert stream.started.wait(120)
+        stream = held_stream(served.api)
         node1_tree = tree_of(node1.pid)
         os.killpg(node1.pid, signal.SIGKILL)  # the whole node goes
-        stream.join(300)  # bounds a hang only
         assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not any(alive(pid) for pid in node1_tree), 60)

@@ -11,10 +11,9 @@ import tempfile
 import psutil
 import pytest
 
+from tests.distributed.checks import assert_ended_by_engine_death, held_stream
 from tests.distributed.test_multinode import NODES, PROMPT, _loopback_aliases_work, complete
-from tests.distributed.test_tp_server import assert_ended_by_engine_death
-from tests.reliability.streams import Stream, long_body
-from tests.serving import HOLD_TOKENS, Served, alive, free_port, wait_until
+from tests.serving import Served, alive, free_port, wait_until
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not _loopback_aliases_work(),
@@ -67,11 +66,8 @@ def test_a_rank_on_another_ray_node_answers_and_its_death_ends_the_server(
         served.wait_ready()
         assert complete(served) == expected.outputs[0].text
         (actor,) = actor_processes()
-        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
-        stream.start()
-        assert stream.started.wait(120)
+        stream = held_stream(served.api)
         actor.kill()
-        stream.join(300)  # bounds a hang only
         assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         log = served.process.stdout.read().decode()

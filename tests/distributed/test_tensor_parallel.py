@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import hf_greedy, make_model
 
+from tests.distributed.checks import worker_ranks
 from tests.serving import alive, wait_until
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.distributed.parallel_state import get_world, init_parallel
-from tokenmill.distributed.worker import __name__ as WORKER_MODULE
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 10
@@ -25,8 +25,7 @@ def generate(path, prompts, params, **engine):
 
 
 def worker_pids() -> list[int]:
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if WORKER_MODULE in " ".join(p.cmdline())]
+    return [p.pid for p in worker_ranks()]
 
 
 def chosen_logprobs(out) -> list[float]:

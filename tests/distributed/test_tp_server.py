@@ -1,29 +1,14 @@
 """`tokenmill serve` with two tensor-parallel ranks (MP_NUM=2, the seed's variable): it
 answers as one rank does, and a worker rank's death takes the server down cleanly."""
 
-import json
 import os
 import signal
 
 import httpx
-import psutil
 
-from tests.reliability.streams import Stream, long_body
-from tests.serving import HOLD_TOKENS, Served, alive, engine_process, wait_until
+from tests.distributed.checks import assert_ended_by_engine_death, held_stream, tree, worker_ranks
+from tests.serving import Served, alive, engine_process, wait_until
 from tokenmill import LLM, SamplingParams
-from tokenmill.distributed.worker import __name__ as WORKER_MODULE
-
-
-def assert_ended_by_engine_death(stream: Stream) -> None:
-    """The stream's last event is the engine-death error, long before its tokens ran out."""
-    events = [line[6:] for line in stream.lines if line.startswith("data: ")]
-    errors = [json.loads(e) for e in events if e.startswith('{"error"')]
-    assert errors and errors[0]["error"]["code"] == 503, events[-3:]
-    assert len(events) < HOLD_TOKENS // 2
-
-
-def tree(pid: int) -> list[psutil.Process]:
-    return psutil.Process(pid).children(recursive=True)
 
 
 def test_served_with_two_ranks_answers_like_one_and_dies_with_a_worker(tiny_models, tmp_path):
@@ -44,15 +29,12 @@ def test_served_with_two_ranks_answers_like_one_and_dies_with_a_worker(tiny_mode
         text = answer["choices"][0]["text"]
         assert text == expected.outputs[0].text
         everything = tree(served.process.pid)
-        workers = [p for p in everything if WORKER_MODULE in " ".join(p.cmdline())]
+        workers = worker_ranks(served.process.pid)
         assert len(workers) == 1
 
         # A stream in flight when the worker rank is killed ends with the engine-death error.
-        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
-        stream.start()
-        assert stream.started.wait(120)
+        stream = held_stream(served.api)
         os.kill(workers[0].pid, signal.SIGKILL)
-        stream.join(300)  # bounds a hang only
         assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not any(alive(p.pid) for p in everything), 60)
@@ -64,7 +46,7 @@ def test_served_with_two_ranks_answers_like_one_and_dies_with_a_worker(tiny_mode
 def test_a_killed_engine_core_takes_its_worker_ranks_along(tiny_models):
     process, _ = engine_process(tiny_models("llama")[0], tensor_parallel_size=2)
     try:
-        workers = [p for p in tree(process.pid) if WORKER_MODULE in " ".join(p.cmdline())]
+        workers = worker_ranks(process.pid)
         assert len(workers) == 1
         process.kill()  # rank 0 gone without a word (no stop message)
         assert wait_until(lambda: not alive(workers[0].pid), 60)
@@ -104,13 +86,9 @@ def test_a_stalled_worker_rank_is_an_engine_death_with_no_orphan(tiny_models, tm
     served.start()
     try:
         served.wait_ready()
-        (worker,) = [p for p in tree(served.process.pid)
-                     if WORKER_MODULE in " ".join(p.cmdline())]
-        stream = Stream(served.api, long_body(0, HOLD_TOKENS))
-        stream.start()
-        assert stream.started.wait(120)
+        (worker,) = worker_ranks(served.process.pid)
+        stream = held_stream(served.api)
         os.kill(worker.pid, signal.SIGSTOP)
-        stream.join(300)  # bounds a hang only
         assert_ended_by_engine_death(stream)
         assert served.process.wait(120) == 1
         assert wait_until(lambda: not alive(worker.pid), 60)
