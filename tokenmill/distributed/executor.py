@@ -36,6 +36,29 @@ def threads_per_rank(config: EngineConfig) -> int:
     return max(1, (cores or 1) // (config.ranks_per_node * config.data_parallel_size))
 
 
+def join_as_rank0(group, config: EngineConfig, shm_paths: list[str] | None = None) -> None:
+    """Make this process rank 0 of `group`'s ranks (a WorkerGroup or RayWorkerGroup: its
+    init_method, host, kill, exits); blocks until every rank has joined. On failure the
+    group's workers are killed and the error names the missing ranks (and nodes) and how
+    workers exited."""
+    from tokenmill.distributed.parallel_state import init_parallel
+    from tokenmill.worker.model_runner import resolve_device
+
+    try:
+        init_parallel(0, config.tensor_parallel_size, group.init_method,
+                      config.distributed_timeout, resolve_device(config.device), shm_paths,
+                      group.host, config.pipeline_parallel_size)
+    except Exception as exc:
+        group.kill()
+        nodes = ""
+        if isinstance(exc, RanksMissing) and config.nnodes > 1:
+            nodes = f" Node(s) {sorted({r // config.ranks_per_node for r in exc.missing})} " \
+                    "never joined."
+        exits = group.exits()
+        raise RuntimeError(f"Tensor-parallel start-up failed: {exc}{nodes}"
+                           + (f" ({exits})" if exits else "")) from None
+
+
 def local_address_towards(addr: str) -> str:
     """This machine's address on the route to `addr` (a UDP connect sends nothing)."""
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET,
@@ -92,26 +115,8 @@ class WorkerGroup:
         """Join the group as rank 0 (blocks until every worker has joined)."""
         import torch
 
-        from tokenmill.distributed.parallel_state import init_parallel
-        from tokenmill.worker.model_runner import resolve_device
-
         torch.set_num_threads(self.threads)
-        try:
-            init_parallel(0, config.tensor_parallel_size, self.init_method,
-                          config.distributed_timeout, resolve_device(config.device),
-                          self.shm_paths, self.host, config.pipeline_parallel_size)
-        except RanksMissing as exc:
-            self.kill()
-            nodes = sorted({r // config.ranks_per_node for r in exc.missing})
-            exits = self.exits()
-            raise RuntimeError(f"Tensor-parallel start-up failed: {exc}"
-                               + (f" Node(s) {nodes} never joined." if config.nnodes > 1
-                                  else "") + (f" ({exits})" if exits else "")) from None
-        except Exception as exc:
-            self.kill()
-            exits = self.exits()
-            raise RuntimeError(f"Tensor-parallel start-up failed: {exc}"
-                               + (f" ({exits})" if exits else "")) from None
+        join_as_rank0(self, config, self.shm_paths)
         if config.nnodes > 1:
             threading.Thread(target=self._watch_nodes, args=(config.nnodes,),
                              name="tokenmill-node-watch", daemon=True).start()

@@ -17,6 +17,7 @@ import threading
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.executor import join_as_rank0
 from tokenmill.distributed.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -88,17 +89,7 @@ class RayWorkerGroup:
 
     def join(self, config: EngineConfig) -> None:
         """Join the group as rank 0 (blocks until every actor's rank has joined)."""
-        from tokenmill.distributed.parallel_state import init_parallel
-        from tokenmill.worker.model_runner import resolve_device
-
-        try:
-            init_parallel(0, config.tensor_parallel_size, self.init_method,
-                          config.distributed_timeout, resolve_device(config.device), None,
-                          self.host, config.pipeline_parallel_size)
-        except Exception as exc:
-            self.kill()
-            raise RuntimeError(f"Tensor-parallel start-up failed: {exc}"
-                               + (f" ({self.exits()})" if self.exits() else "")) from None
+        join_as_rank0(self, config)
 
     def exits(self) -> str:
         """Which ranks' actors ended, and how ('' while all run)."""
