@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -165,3 +166,12 @@ def paged_step(seqs, block_size: int, num_blocks: int, rng: random.Random,
         block_size=block_size)
     TorchSDPABackend().prepare(meta)
     return meta
+
+
+def write_calibration(tmp_path) -> str:
+    """A small calibration file for `tokenmill quantize --calib-data`."""
+    path = tmp_path / "calib.jsonl"
+    lines = [{"text": "Tokens flow through the mill, batch after batch. " * 8},
+             "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 6]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return str(path)

@@ -108,10 +108,6 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
 
     quant = _quant_config(path, hf_config, quantization)
     tp = get_tp_group()
-    if tp.size > 1 and checkpoint_quant_config(hf_config) is not None:
-        raise ValueError(f"Checkpoint {path!r} is stored quantized; tensor parallel serves "
-                         "float checkpoints only so far: serve the original weights with "
-                         f"--quantization {quant.method}.")
     if float_weights and quant is not None:
         raise ValueError(f"Checkpoint {path!r} is already quantized ({quant.method}); "
                          "quantize the original weights.")

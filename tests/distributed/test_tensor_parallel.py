@@ -8,12 +8,13 @@ import signal
 import psutil
 import pytest
 import torch
-from helpers import hf_greedy, make_model
+from helpers import hf_greedy, make_model, write_calibration
 
 from tests.distributed.checks import worker_ranks
 from tests.serving import alive, wait_until
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.distributed.parallel_state import get_world, init_parallel
+from tokenmill.entrypoints.cli import main as cli
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 10
@@ -103,6 +104,52 @@ def test_quantized_two_ranks_match_quantized_one_rank(tiny_models, method):
     one = generate(path, PROMPTS, params, quantization=method)
     two = generate(path, PROMPTS, params, quantization=method, tensor_parallel_size=2)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("int8", []), ("int8", ["--group-size", "32"]), ("int4", []),
+    ("int4", ["--group-size", "64"]),  # o_proj: each rank's 32 inputs inside one group
+    ("a8w8", ["--activation", "static", "--calib-data", "CALIB"]),
+    ("fp8", ["--per-tensor", "--activation", "static", "--calib-data", "CALIB"])])
+def test_a_stored_quantized_checkpoint_splits_across_ranks(tiny_models, tmp_path, method,
+                                                           extra):
+    """A `tokenmill quantize` checkpoint: each rank cuts its rows, columns and whole groups
+    from the stored tensors (merged q|k|v and gate|up per projection): one rank's tokens.
+    (Activations quantized per call see a rank's inputs only, so a8w8 / fp8 are compared
+    with calibrated scales, which every rank shares.)"""
+    path, _ = tiny_models("qwen2")  # q|k|v biases
+    out = str(tmp_path / method)
+    extra = [write_calibration(tmp_path) if a == "CALIB" else a for a in extra]
+    assert cli(["quantize", "--model", path, "--out", out, "--method", method, *extra]) == 0
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    one = generate(out, PROMPTS, params)
+    two = generate(out, PROMPTS, params, tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        # (the int8 kernels that quantize activations do it over a rank's inputs)
+        assert max(abs(x - y) for x, y in zip(chosen_logprobs(a), chosen_logprobs(b))) < 1e-3
+
+
+def test_rank_part_cuts_whole_groups_and_names_a_split_one():
+    """Stored int4 tensors of a row-parallel layer (K = 192, groups of 32 or 96) cut for
+    rank 1 of 2 equal dequantizing the whole weight and cutting that; groups of 64 would
+    split at input 96: named."""
+    from tokenmill.quantization.linear_kernels import Int4Kernel
+    from tokenmill.quantization.model import rank_part
+
+    class Rank1:  # a row-parallel layer's view of the checkpoint: inputs [96, 192)
+        in_features, tp = 96, type("TP", (), {"size": 2})()
+
+        def checkpoint_slice(self, shard=None):
+            return (1, 96, 96)
+
+    weight = torch.randn(8, 192, generator=torch.Generator().manual_seed(0))
+    for group in (32, 96):
+        whole = Int4Kernel.from_weight(weight, group)
+        part = rank_part(Rank1(), dict(whole.tensors))
+        assert torch.equal(Int4Kernel(part).dequantize(), whole.dequantize()[:, 96:])
+    with pytest.raises(ValueError, match="groups of 64 inputs do not split into 2 parts of 96"):
+        rank_part(Rank1(), dict(Int4Kernel.from_weight(weight, 64).tensors))
 
 
 def test_a_size_that_does_not_divide_the_heads_is_named(tiny_models):

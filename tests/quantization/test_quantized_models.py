@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import write_calibration
 
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.entrypoints.cli import main as cli
@@ -199,14 +200,6 @@ def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, 
     _, fp_tokens, fp_logprobs = run(path, tokenizer=hf_path)
     assert tokens == fp_tokens
     assert max_logprob_gap(logprobs, fp_logprobs) < 1e-3
-
-
-def write_calibration(tmp_path):
-    path = tmp_path / "calib.jsonl"
-    lines = [{"text": "Tokens flow through the mill, batch after batch. " * 8},
-             "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 6]
-    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    return str(path)
 
 
 @pytest.mark.parametrize("method,extra", [

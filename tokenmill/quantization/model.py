@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tokenmill.layers.linear import DenseKernel, Linear
+from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, whole
 from tokenmill.quantization import QuantConfig
 from tokenmill.quantization.calibration import ActivationStats
 from tokenmill.quantization.linear_kernels import (
@@ -95,7 +95,8 @@ def quantize_linears(model: nn.Module, config: QuantConfig,
 def load_kernels(model: nn.Module, config: QuantConfig,
                  tensors: dict[str, dict[str, torch.Tensor]]) -> set[str]:
     """Give each layer named in `tensors` (layer -> leaf -> tensor, as a checkpoint stores
-    them) its quantized kernel. Returns the float weights this replaces."""
+    them) its quantized kernel, cut to this tensor-parallel rank's part. Returns the float
+    weights this replaces."""
     modules = dict(model.named_modules())
     replaced = set()
     for name, leaves in tensors.items():
@@ -103,32 +104,90 @@ def load_kernels(model: nn.Module, config: QuantConfig,
         if not isinstance(module, Linear):
             raise ValueError(f"Checkpoint has quantized tensors for {name!r}, which is not a "
                              "linear layer of this model.")
-        module.use_kernel(KERNELS[config.layer_method(name)](leaves))
+        try:
+            part = rank_part(module, leaves)
+        except ValueError as exc:
+            raise ValueError(f"Cannot split {name} across tensor-parallel ranks: {exc}") from None
+        module.use_kernel(KERNELS[config.layer_method(name)](part))
         replaced.add(f"{name}.weight")
     return replaced
 
 
+# Leaves that run along a layer's inputs only (SmoothQuant's factors), and the scalars every
+# rank keeps whole (static activation ranges and scales).
+_INPUT_LEAVES = frozenset({"smooth"})
+_WHOLE_LEAVES = frozenset({"act_range", "act_scale"})
+
+
+def rank_part(layer: Linear, leaves: dict[str, object]) -> dict[str, torch.Tensor]:
+    """This tensor-parallel rank's part of the tensors `tokenmill quantize` stored for the
+    whole `layer` (`CheckpointSlice`s read only that part). Output channels: every tensor
+    with a row per channel (merged layers: each projection's rows); input channels: the
+    weight's columns and whole quantization groups, a group never split across ranks."""
+    rows = [layer.checkpoint_slice()] if not isinstance(layer, MergedLinear) else [
+        layer.checkpoint_slice(i) for i in range(len(layer.full_sizes))]
+    if all(part is None for part in rows):
+        return {leaf: whole(t) for leaf, t in leaves.items()}
+    if rows[0][0] == 1:  # row-parallel: a slice of the inputs
+        _, start, size = rows[0]
+        k = layer.in_features * layer.tp.size
+        return {leaf: _input_part(leaf, t, start, size, k) for leaf, t in leaves.items()}
+    full = layer.full_sizes if isinstance(layer, MergedLinear) else [layer.full_out]
+    offsets = [sum(full[:i]) for i in range(len(full))]
+    spans = [(offset + start, size) for offset, (_, start, size) in zip(offsets, rows)]
+    return {leaf: _output_part(t, spans, sum(full)) for leaf, t in leaves.items()}
+
+
+def _output_part(tensor, spans: list[tuple[int, int]], out: int) -> torch.Tensor:
+    if tensor.dim() == 0 or tensor.shape[0] != out:  # per tensor, or along the inputs
+        return whole(tensor)
+    pieces = []
+    for start, size in spans:
+        kept = max(0, min(size, out - start))  # rows past the end: an LM head's zero padding
+        piece = tensor.narrow(0, start, kept)
+        if kept < size:
+            pad = torch.zeros((size - kept, *piece.shape[1:]), dtype=piece.dtype)
+            piece = torch.cat([piece, pad])
+        pieces.append(piece)
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+
+
+def _input_part(leaf: str, tensor, start: int, size: int, k: int) -> torch.Tensor:
+    if leaf in _WHOLE_LEAVES:
+        return whole(tensor)
+    if leaf in _INPUT_LEAVES:
+        return tensor.narrow(0, start, size).contiguous()
+    if tensor.dim() < 2 or (leaf != "qweight" and tensor.shape[1] == 1):
+        return whole(tensor)  # one scale per output channel (of the whole row)
+    columns = tensor.shape[1]  # the weight's (int4: two inputs a byte), or groups a row
+    if leaf == "qweight":
+        return tensor.narrow(1, start * columns // k, size * columns // k).contiguous()
+    group = k // columns
+    if start % group == 0 and size % group == 0:  # whole groups
+        return tensor.narrow(1, start // group, size // group).contiguous()
+    if group % size == 0 and size % 32 == 0:  # the rank's inputs lie inside one group
+        return tensor.narrow(1, start // group, 1).contiguous()
+    raise ValueError(f"its quantization groups of {group} inputs do not split into "
+                     f"{k // size} parts of {size} inputs: quantize with a --group-size "
+                     "that divides them, or serve with another tensor-parallel size.")
+
+
 def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
                  rows: int) -> QuantizedShard | None:
-    """A tensor-parallel rank's part (dim, start, size) of a weight kept quantized: output
-    rows slice every tensor alike; input columns slice whole quantization groups (None when
-    the part splits a group or runs past the weight's `rows`: dequantize instead)."""
+    """A tensor-parallel rank's part (dim, start, size) of a weight kept quantized, cut as
+    `rank_part` cuts a stored layer (None where the part would split a group: dequantize)."""
     if part is None:
         return shard
     dim, start, size = part
     if dim == 0:
-        if start + size > rows:
-            return None
-        return QuantizedShard(shard.method, {leaf: t.narrow(0, start, size)
+        return QuantizedShard(shard.method, {leaf: _output_part(t, [(start, size)], rows)
                                              for leaf, t in shard.tensors.items()})
-    qweight = shard.tensors["qweight"]
-    k = qweight.shape[1] * (2 if shard.method == "int4" else 1)  # int4: two inputs a byte
-    group = k // shard.tensors["scale"].shape[1]
-    if start % group or size % group:
+    k = shard.tensors["qweight"].shape[1] * (2 if shard.method == "int4" else 1)
+    try:
+        return QuantizedShard(shard.method, {leaf: _input_part(leaf, t, start, size, k)
+                                             for leaf, t in shard.tensors.items()})
+    except ValueError:
         return None
-    return QuantizedShard(shard.method, {
-        leaf: t.narrow(1, start * t.shape[1] // k, size * t.shape[1] // k).contiguous()
-        for leaf, t in shard.tensors.items()})
 
 
 def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) -> set[str]:
