@@ -7,7 +7,11 @@ once into --model-dir. Every configuration runs in a fresh process (its own thre
 memory). W1: --num-prompts prompts of --input-len random ids -> exactly --output-len new
 tokens, greedy; W2: the first of them alone -> --w2-output-len tokens (batch-1 decode).
 
-  python bench/tensor_parallel.py [--configs 1x1,2x1,1x2] [--json PATH]"""
+Configurations are TPxPP; a "-serial" suffix (1x2-serial) keeps one pipeline micro-batch in
+flight instead of one per stage. W1's prompt phase (until every request has its first token)
+and decode phase are timed apart.
+
+  python bench/tensor_parallel.py [--configs 1x1,2x1,1x2,1x2-serial] [--json PATH]"""
 
 from __future__ import annotations
 
@@ -60,20 +64,30 @@ def child_w1(args) -> dict:
     prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.input_len)]}
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    tp, pp = (int(x) for x in args.child.split("x"))
+    # "1x2-serial": pipeline stages with one micro-batch in flight instead of one per stage
+    layout, _, mode = args.child.partition("-")
+    tp, pp = (int(x) for x in layout.split("x"))
     with LLM(args.model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             kv_cache_memory_gib=0.25,
+             kv_cache_memory_gib=0.25, max_num_batched_tokens=args.max_num_batched_tokens,
              enable_prefix_caching=False) as llm:
+        if mode == "serial":
+            llm.engine.core.max_in_flight = 1
         llm.generate(prompts[:2], params.clone(max_tokens=4), use_tqdm=False)  # warm-up
         spent.update(s=0.0, calls=0)
-        steps = {"n": 0}
-        step = llm.engine.core.step
+        steps = {"n": 0, "prefill_s": None}
+        core = llm.engine.core
+        step = core.step
 
         def counted():
             steps["n"] += 1
-            return step()
+            out = step()
+            # the prompt phase ends when every request has its first token
+            if steps["prefill_s"] is None and not core.scheduler.waiting and all(
+                    r.output_token_ids for r in core.scheduler.requests.values()):
+                steps["prefill_s"] = time.perf_counter() - start
+            return out
 
-        llm.engine.core.step = counted
+        core.step = counted
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -90,6 +104,8 @@ def child_w1(args) -> dict:
         threads = torch.get_num_threads()
     w1_steps = steps["n"] - args.w2_output_len
     return {"config": args.child, "seconds": round(elapsed, 2),
+            "prefill_s": round(steps["prefill_s"], 2),
+            "decode_s": round(elapsed - steps["prefill_s"], 2),
             "out_tok_s": round(args.num_prompts * args.output_len / elapsed, 2),
             "steps": w1_steps, "threads_per_rank": threads,
             "all_reduce_s": round(w1_spent["s"], 3), "all_reduce_calls": w1_spent["calls"],
@@ -175,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--w2-output-len", type=int, default=128, help="batch-1 decode tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the engine's token budget per step (micro-batch)")
     p.add_argument("--repeats", type=int, default=200, help="micro-benchmark repeats")
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -189,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                "--model-dir", args.model_dir, "--num-prompts", str(args.num_prompts),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                "--w2-output-len", str(args.w2_output_len)]
+        if args.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{size} failed:\n{proc.stderr[-3000:]}")
@@ -197,11 +217,12 @@ def main(argv: list[str] | None = None) -> None:
 
     micro = allreduce_micro(load_hf_config(args.model_dir).hidden_size, args.repeats)
     base = runs[0]["out_tok_s"]
-    print(f"{'tp x pp':>7}{'W1 tok/s':>10}{'vs base':>9}{'W2 tok/s':>10}{'vs base':>9}"
-          f"{'steps':>7}{'AR ms/step':>12}"
+    print(f"{'tp x pp':>11}{'W1 tok/s':>10}{'vs base':>9}{'prompts s':>11}{'decode s':>10}"
+          f"{'W2 tok/s':>10}{'vs base':>9}{'steps':>7}{'AR ms/step':>12}"
           f"{'AR share':>10}{'weights MiB':>13}  peak RSS MiB per rank")
     for r in runs:
-        print(f"{r['config']:>7}{r['out_tok_s']:>10.2f}{r['out_tok_s'] / base:>8.2f}x"
+        print(f"{r['config']:>11}{r['out_tok_s']:>10.2f}{r['out_tok_s'] / base:>8.2f}x"
+              f"{r['prefill_s']:>11.2f}{r['decode_s']:>10.2f}"
               f"{r['w2_tok_s']:>10.2f}{r['w2_tok_s'] / runs[0]['w2_tok_s']:>8.2f}x{r['steps']:>7}"
               f"{r['all_reduce_ms_per_step']:>12.2f}{100 * r['all_reduce_share']:>9.1f}%"
               f"{r['rank0_weights_mib']:>13.1f}  "
@@ -216,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
                           "cpus": os.cpu_count()},
               "model": "Qwen2.5-0.5B-shaped random fp32", "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
               "runs": runs, "all_reduce_us": micro}
     path = args.json or os.path.join(HERE, "results",
                                      f"tensor_parallel-{datetime.date.today().isoformat()}.json")

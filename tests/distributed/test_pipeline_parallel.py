@@ -41,15 +41,61 @@ def test_stages_hold_their_layers_only_and_match_under_preemption(tiny_models):
     engine = {"max_num_batched_tokens": 16, "num_kv_blocks": 16}
     one = generate(path, prompts, params, **engine)
     with LLM(path, pipeline_parallel_size=2, **engine) as llm:
-        model = llm.engine.core.runner.model
+        core = llm.engine.core
+        model = core.runner.model
         assert len(model.attention_layers()) == 1  # of the tiny model's 2 layers
         assert {n.split(".")[2] for n, _ in model.named_parameters()
                 if n.startswith("model.layers.")} == {"0"}
+        in_flight, victims_in_flight = watch_micro_batches(core)
         staged = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                               use_tqdm=False)
-        stats = llm.engine.core.stats()
+        stats = core.stats()
+        assert not core.runner.in_step and not core.batch_queue
     assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    # two micro-batches were in flight, and requests were preempted while theirs was
+    assert max(in_flight) == 2 and victims_in_flight
     assert [o.outputs[0].token_ids for o in staged] == [o.outputs[0].token_ids for o in one]
+
+
+def watch_micro_batches(core):
+    """Record the micro-batches in flight after each launch, and the preempted requests
+    whose micro-batch was still in flight (nothing left to compute until it lands)."""
+    in_flight, victims = [0], []
+    launch, preempt = core.runner.launch, core.scheduler._preempt
+
+    def launched(step):
+        result = launch(step)
+        in_flight.append(core.runner.in_flight)
+        return result
+
+    def preempted(request):
+        if request.num_computed_tokens == request.num_tokens:
+            victims.append(request.request_id)
+        preempt(request)
+    core.runner.launch, core.scheduler._preempt = launched, preempted
+    return in_flight, victims
+
+
+def test_micro_batches_keep_seeded_sampling_stops_and_aborts(tiny_models):
+    """Per-request seeds, n > 1, stop tokens and a request aborted while its micro-batch is
+    in flight: the same results as one rank."""
+    path, _ = tiny_models("qwen3")
+    prompts = [[5, 17, 99, 200, 3, 45, 67 + i] for i in range(6)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12, n=2,
+                             stop_token_ids=[7]) for i in range(6)]
+    one = generate(path, prompts, params)
+    with LLM(path, kv_cache_memory_gib=0.01, pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        doomed = engine.add_request(None, {"prompt_token_ids": list(range(40, 80))},
+                                    SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()  # launched: in flight
+        assert engine.core.runner.in_flight == 1
+        engine.abort_request([doomed])
+        staged = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                              use_tqdm=False)
+        assert not engine.has_unfinished_requests() and not engine.core.runner.in_step
+    got = [[c.token_ids for c in o.outputs] for o in staged]
+    assert got == [[c.token_ids for c in o.outputs] for o in one]
 
 
 def test_more_stages_than_layers_is_named(tiny_models):

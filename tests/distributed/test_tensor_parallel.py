@@ -56,15 +56,17 @@ def test_two_ranks_match_one_rank_and_transformers(tiny_models, arch):
 
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
 @pytest.mark.parametrize("compiled_step", [True, False])
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_decode_steps_compiled_or_layer_by_layer_match_one_rank(tiny_models, monkeypatch,
-                                                                compiled_step):
-    """Decode steps of two ranks run the compiled step (its all-reduces in C) or the Python
-    layers; both give one rank's tokens."""
+                                                                compiled_step, layout):
+    """Decode steps of two ranks run the compiled step (its all-reduces in C; a pipeline
+    stage's from and to the hidden states and residual it hands on) or the Python layers;
+    both give one rank's tokens."""
     if not compiled_step:
         monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")  # read by the workers' config too
     path, hf = tiny_models("qwen3")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2) as llm:
+    with LLM(path, kv_cache_memory_gib=0.01, **{layout: 2}) as llm:
         assert (llm.engine.core.runner.decode_step is not None) == compiled_step
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                             use_tqdm=False)

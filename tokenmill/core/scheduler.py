@@ -25,6 +25,9 @@ class ScheduledRequest:
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_new_tokens: int
     block_ids: list[int] = field(default_factory=list)  # the request's whole block table
+    # the request's preemption count when scheduled: a result that comes back after the
+    # request was preempted (a pipeline micro-batch still in flight then) is dropped
+    preemptions: int = 0
 
     @property
     def end(self) -> int:
@@ -111,8 +114,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """`max_seqs`: at most this many sequences in the step (a pipeline micro-batch's
+        share). A running request whose last step is still in flight (its next token not
+        sampled yet) has nothing to compute and is left out."""
         budget = self.config.max_num_batched_tokens
+        max_seqs = max_seqs or self.config.max_num_seqs
         scheduled: list[ScheduledRequest] = []
         preempted = False
 
@@ -120,6 +127,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0 or len(scheduled) >= max_seqs:
+                i += 1
+                continue
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -134,7 +144,7 @@ class Scheduler:
             break  # the request preempted itself: nothing after it is left to run
 
         # Admitting new work right after preempting would only thrash the cache.
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and self.waiting and budget > 0 and len(scheduled) < max_seqs
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             hits, num_cached = self.kv_cache.get_computed_blocks(request)
@@ -157,6 +167,7 @@ class Scheduler:
 
         for s in scheduled:
             s.request.num_computed_tokens = s.end
+            s.preemptions = s.request.num_preemptions
             s.block_ids = self.kv_cache.block_ids(s.request.request_id)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
@@ -172,7 +183,8 @@ class Scheduler:
         for s in output.scheduled:
             request = s.request
             token = sampled.get(request.request_id)
-            if token is None or request.status != RequestStatus.RUNNING:
+            if (token is None or request.status != RequestStatus.RUNNING
+                    or request.num_preemptions != s.preemptions):
                 continue  # a prompt chunk that is not the last one, or aborted meanwhile
             request.output_token_ids.append(token)
             status = self._check_stop(request, token)

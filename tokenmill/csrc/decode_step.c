@@ -14,7 +14,8 @@
  *   write k, v to the cache; attn = paged attention of q over the cache
  *   hidden = attn @ Wo; normed = rms_norm(hidden + residual)
  *   hidden = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
- * and at the end out = rms_norm(hidden + residual) with the final norm's weight.
+ * and at the end out = rms_norm(hidden + residual) with the final norm's weight (a pipeline
+ * stage holds some of the layers: see tm_model's first_stage / last_stage).
  *
  * Under tensor parallel each rank holds its heads and its share of the MLP: the outputs of
  * Wo and Wdown are partial sums, added up across the ranks of this node by the shared-memory
@@ -53,6 +54,10 @@ typedef struct {
     int64_t tp_rank, tp_size, slot_floats;
     char *shm_base;
     int64_t *shm_seq;
+    /* pipeline parallel: a stage after the first starts from the previous stage's hidden
+     * rows with its residual already in `residual`; a stage before the last ends without the
+     * final norm, leaving its hidden rows in `hidden` and their residual in `residual` */
+    int64_t first_stage, last_stage;
 } tm_model;
 
 static int reduce(const tm_model *m, float *x, int64_t n) {
@@ -107,7 +112,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
     const int64_t q_size = hq * D, kv_size = hkv * D, width = q_size + 2 * kv_size;
     for (int64_t i = 0; i < m->num_layers; i++) {
         const tm_layer *layer = m->layers + i;
-        if (i == 0) {
+        if (i == 0 && m->first_stage) {
             memcpy(m->residual, hidden, T * H * sizeof(float));
             tm_add_rms_norm(hidden, NULL, layer->input_norm, m->normed, T, H, m->eps);
         } else {
@@ -139,6 +144,6 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
         linear(m, &layer->down, m->act, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
     }
-    tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);
+    if (m->last_stage) tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);
     return 0;
 }

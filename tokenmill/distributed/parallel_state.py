@@ -51,6 +51,25 @@ class TensorParallelGroup:
     def all_reduce_min(self, value: int) -> int:
         return _all_reduce_min(self.backend, self.size, value, self.device)
 
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's `data` on every rank of the group (others pass None): one small length
+        message, then the bytes. Only bytes travel, never pickles: the receiver decodes them
+        with msgspec."""
+        if self.size == 1:
+            assert data is not None
+            return data
+        length = torch.tensor([len(data) if self.is_first else 0], dtype=torch.int64,
+                              device=self.device)
+        self.backend.broadcast(length, 0).wait()
+        if not length.item():
+            return b""
+        if self.is_first:
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self.backend.broadcast(buffer, 0).wait()
+        return data if self.is_first else buffer.cpu().numpy().tobytes()
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` side by side along the last dimension, on rank 0 only (None on the
         others): the vocabulary shards of the logits meet once, where the sampler runs."""
@@ -67,9 +86,9 @@ class TensorParallelGroup:
 @dataclass(frozen=True)
 class World:
     """Every rank of the engine, tensor-parallel size x pipeline stages: rank = stage x
-    tp_size + tp_rank. Rank 0 (stage 0) schedules, sends each step's inputs to all, and
-    samples; stage s hands its hidden states to stage s + 1 (same tp rank); the last stage's
-    logits come back to rank 0."""
+    tp_size + tp_rank. Rank 0 (stage 0) schedules and samples; it broadcasts each step's
+    inputs to its stage, and stage s hands them on with its hidden states to stage s + 1
+    (same tp rank); the last stage's logits come back to rank 0 (distributed/pipeline.py)."""
 
     rank: int = 0
     tp_size: int = 1
@@ -98,43 +117,36 @@ class World:
         """The rank of `stage` with this rank's tensor-parallel index."""
         return stage * self.tp_size + self.rank % self.tp_size
 
-    def layers(self, num_layers: int) -> range:
-        """This stage's decoder layers: equal shares, the first stages one more."""
+    def layers(self, num_layers: int, head_cost: float = 0.0) -> range:
+        """This stage's decoder layers: shares of equal work, where the last stage's LM head
+        costs `head_cost` layers (the slowest stage sets a pipeline's pace); every stage at
+        least one layer."""
         if num_layers < self.pp_size:
             raise ValueError(f"--pipeline-parallel-size {self.pp_size} exceeds the model's "
                              f"{num_layers} layers.")
-        base, extra = divmod(num_layers, self.pp_size)
-        start = self.stage * base + min(self.stage, extra)
-        return range(start, start + base + (self.stage < extra))
-
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        """Rank 0's `data` on every rank (others pass None): one small length message, then
-        the bytes. Only bytes travel, never pickles: the receiver decodes them with msgspec."""
-        if self.size == 1:
-            assert data is not None
-            return data
-        length = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64,
-                              device=self.device)
-        self.backend.broadcast(length, 0).wait()
-        if not length.item():
-            return b""
-        if self.rank == 0:
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        else:
-            buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self.backend.broadcast(buffer, 0).wait()
-        return data if self.rank == 0 else buffer.cpu().numpy().tobytes()
+        share = (num_layers + head_cost) / self.pp_size
+        bounds = [0]
+        for stage in range(1, self.pp_size):
+            end = round(stage * share)
+            bounds.append(min(max(end, bounds[-1] + 1), num_layers - (self.pp_size - stage)))
+        bounds.append(num_layers)
+        return range(bounds[self.stage], bounds[self.stage + 1])
 
     def all_reduce_min(self, value: int) -> int:
         return _all_reduce_min(self.backend, self.size, value, self.device)
 
-    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
-        for t in tensors:
-            self.backend.send([t.contiguous()], dst, 0).wait()
+    def isend(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> list[Any]:
+        """Start sending `tensors` (contiguous; kept alive by the caller until the returned
+        works are waited on) to rank `dst`, in order."""
+        return [self.backend.send([t], dst, tag) for t in tensors]
 
-    def recv(self, tensors: list[torch.Tensor], src: int) -> list[torch.Tensor]:
-        for t in tensors:
-            self.backend.recv([t], src, 0).wait()
+    def irecv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> list[Any]:
+        """Start receiving into `tensors` from rank `src`, in order."""
+        return [self.backend.recv([t], src, tag) for t in tensors]
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> list[torch.Tensor]:
+        for work in self.irecv(tensors, src, tag):
+            work.wait()
         return tensors
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loader import load_hf_config
@@ -63,6 +65,7 @@ class EngineCore:
         self.max_model_len = derive_max_model_len(config, self.hf_config)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
         self.workers = None
+        self.batch_queue = None
         if config.data_parallel_size > 1 and config.world_size == 1:  # one replica's share
             import torch
 
@@ -91,6 +94,10 @@ class EngineCore:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
+        # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
+        # (bench/tensor_parallel.py sets 1 to measure one at a time)
+        self.batch_queue = collections.deque() if self.runner.world.pp_size > 1 else None
+        self.max_in_flight = self.runner.world.pp_size
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -100,6 +107,11 @@ class EngineCore:
         from tokenmill.distributed.parallel_state import destroy_parallel
 
         runner = getattr(self, "runner", None)
+        while self.batch_queue and not workers.exits():  # let micro-batches in flight land
+            try:
+                runner.complete(self.batch_queue.popleft()[1])
+            except RuntimeError:
+                break
         # A step cut short (an exception, Ctrl-C) left the other ranks inside a collective:
         # a stop message would pair with the wrong one, so they are killed instead.
         if runner is not None and not runner.in_step and not workers.exits():
@@ -127,7 +139,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
@@ -138,10 +150,34 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions)
 
     def step(self) -> list[EngineCoreOutput]:
-        step = self.scheduler.schedule()
-        self.clock.start(step.num_batched_tokens)
+        """Schedule, run and sample one step. Under pipeline parallel up to one micro-batch
+        per stage is in flight: a call launches one more while requests are left to schedule
+        and a stage is free (returning nothing yet), else completes the oldest."""
+        queue = self.batch_queue
+        if queue is None:
+            step = self.scheduler.schedule()
+            return self._outputs(step, self._timed(self.runner.execute, step,
+                                                   step.num_batched_tokens))
+        if len(queue) < self.max_in_flight:
+            # each micro-batch takes its share of the requests, so the next has some too
+            share = -(-(self.scheduler.num_running + self.scheduler.num_waiting)
+                      // self.max_in_flight)
+            step = self.scheduler.schedule(max_seqs=max(1, share))
+            launched = self._timed(self.runner.launch, step, step.num_batched_tokens)
+            if launched is not None:
+                queue.append((step, launched))
+                if len(queue) < self.max_in_flight:
+                    return []
+        if not queue:
+            return []
+        step, launched = queue.popleft()
+        return self._outputs(step, self._timed(self.runner.complete, launched,
+                                               len(launched.inputs.token_ids)))
+
+    def _timed(self, run, arg, tokens: int):
+        self.clock.start(tokens)
         try:
-            result = self.runner.execute(step)
+            return run(arg)
         except RuntimeError as exc:
             exits = self.workers.exits() if self.workers is not None else ""
             if exits:  # gloo's own message names a socket; say which rank is gone
@@ -149,6 +185,11 @@ class EngineCore:
             raise
         finally:
             self.clock.stop()
+
+    def _outputs(self, step: SchedulerOutput, result) -> list[EngineCoreOutput]:
+        # (a micro-batch's requests may have been aborted or preempted while it ran)
+        stale = {s.request.request_id for s in step.scheduled
+                 if s.request.status.finished or s.request.num_preemptions != s.preemptions}
         updated = self.scheduler.update_from_output(step, result.sampled)
         outputs = []
         for request in updated:
@@ -160,13 +201,13 @@ class EngineCore:
                 finish_reason=None if finish is None else int(finish),
                 stop_reason=request.stop_reason,
                 new_logprobs=None if lp is None else [lp],
-                prompt_logprobs=result.prompt_logprobs.get(rid),
+                prompt_logprobs=None if rid in stale else result.prompt_logprobs.get(rid),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queue_time=_queue_time(request)))
         # Prompt logprobs of chunks that sampled nothing travel on an empty output.
         sent = {o.request_id for o in outputs}
         for rid, scored in result.prompt_logprobs.items():
-            if rid not in sent:
+            if rid not in sent and rid not in stale:
                 outputs.append(EngineCoreOutput(request_id=rid, new_token_ids=[],
                                                 prompt_logprobs=scored))
         return outputs

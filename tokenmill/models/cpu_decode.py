@@ -48,7 +48,8 @@ class _Model(ctypes.Structure):
                                              "normed", "qkv", "attn", "gate_up", "act", "xs",
                                              "xsum", "xq")]
                 + [(name, _i64) for name in ("tp_rank", "tp_size", "slot_floats")]
-                + [("shm_base", _ptr), ("shm_seq", _ptr)])
+                + [("shm_base", _ptr), ("shm_seq", _ptr), ("first_stage", _i64),
+                   ("last_stage", _i64)])
 
 
 def _linear(layer: Linear) -> tuple[_Linear, int] | None:
@@ -68,18 +69,20 @@ class CpuDecodeStep:
 
     def __init__(self, model: LlamaForCausalLM, layers: list[_Layer], max_rows: int) -> None:
         inner = model.model
-        attn = inner.layers[0].self_attn
+        stage = [inner.layers[i] for i in inner.stage_layers]  # (pipeline parallel: ours)
+        attn = stage[0].self_attn
         config = model.config
         # Decode rows up to which steps run compiled: the smallest row limit of the layers'
         # kernels (fp32: any; int8 128 and int4 64 rows, above which the weights are unpacked
         # into fp32 panels: quantization/linear_kernels.py); at most ROW_CAP.
         self.max_rows = max_rows
         rows, hidden = max_rows, config.hidden_size
-        inter = inner.layers[0].mlp.down_proj.in_features  # this rank's share
+        inter = stage[0].mlp.down_proj.in_features  # this rank's share
         width = attn.q_size + 2 * attn.kv_size
         max_k = max(hidden, attn.q_size, inter)
         self._embed = inner.embed_tokens  # (vocab-parallel: its own all-reduce)
-        self._attention = [layer.self_attn for layer in inner.layers]
+        self._attention = [layer.self_attn for layer in stage]
+        self._first_stage, self._last_stage = inner.stage_layers[0] == 0, inner.is_last_stage
         self._caches = [(a.k_cache, a.v_cache) for a in self._attention]
         # Scratch rows the C step writes; kept for the model's lifetime.
         self._scratch = {
@@ -99,7 +102,8 @@ class CpuDecodeStep:
             final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
             signed_sin=rotary.signed_sin.data_ptr(),
             **{name: t.data_ptr() for name, t in self._scratch.items()},
-            **self._tensor_parallel(inner.embed_tokens.tp))
+            **self._tensor_parallel(inner.embed_tokens.tp),
+            first_stage=int(self._first_stage), last_stage=int(self._last_stage))
 
     @staticmethod
     def _tensor_parallel(tp) -> dict:
@@ -114,7 +118,8 @@ class CpuDecodeStep:
         through the model's Python forward)."""
         reason = cls._unsupported(model, backend)
         if reason is None:
-            described = [cls._describe(layer) for layer in model.model.layers]
+            described = [cls._describe(model.model.layers[i])
+                         for i in model.model.stage_layers]
             if all(described):
                 layers = [layer for layer, _ in described]
                 max_rows = min([cls.ROW_CAP] + [rows for _, rows in described])
@@ -129,9 +134,6 @@ class CpuDecodeStep:
             return "TOKENMILL_CPU_DECODE_STEP=0"
         if not isinstance(model, LlamaForCausalLM):
             return f"no compiled step for {type(model).__name__}"
-        if not model.model.is_last_stage or len(model.model.stage_layers) != len(
-                model.model.layers):
-            return "pipeline stages run them layer by layer"
         tp = model.model.embed_tokens.tp
         if tp.size > 1 and tp.shm is None:
             return "tensor-parallel ranks without the shared-memory all-reduce"
@@ -140,11 +142,11 @@ class CpuDecodeStep:
             return "the compiled kernels need float32 weights on a CPU with AVX2"
         if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
             return "the attention backend does not use the compiled decode kernel"
-        attn = model.model.layers[0].self_attn
-        if attn.head_dim % 8:
+        stage = [model.model.layers[i] for i in model.model.stage_layers]
+        if stage[0].self_attn.head_dim % 8:
             return "head size not a multiple of 8"
         # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.
-        norms = [model.model.norm] + [n for layer in model.model.layers
+        norms = [model.model.norm] + [n for layer in stage
                                       for n in (layer.input_layernorm,
                                                 layer.post_attention_layernorm,
                                                 layer.self_attn.q_norm, layer.self_attn.k_norm)
@@ -169,16 +171,24 @@ class CpuDecodeStep:
                           rows for _, rows in forms)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor | None:
+                 meta: AttentionMetadata,
+                 carried: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The final hidden states [T, H] of an all-decode step of at most `max_rows` tokens
-        (new K/V written to the caches); None for any other step."""
+        (new K/V written to the caches); None for any other step. A pipeline stage after the
+        first starts from the previous one's `carried` (hidden, residual); one before the
+        last returns its own (hidden, residual), as the model's forward does."""
         t = input_ids.shape[0]
         if meta.num_decodes != meta.num_seqs or t > self.max_rows:
             return None
         if any(a.k_cache is not k or a.v_cache is not v
                for a, (k, v) in zip(self._attention, self._caches)):
             return None  # caches were rebound after build: the described addresses are stale
-        hidden = self._embed(input_ids)
+        residual = self._scratch["residual"][:t]
+        if carried is None:
+            hidden = self._embed(input_ids)
+        else:
+            hidden = carried[0].contiguous()
+            residual.copy_(carried[1])
         out = torch.empty_like(hidden)
         table = meta.block_table
         assert table.stride(1) == 1 and positions.is_contiguous()
@@ -188,4 +198,4 @@ class CpuDecodeStep:
             table.stride(0), meta.seq_lens.data_ptr())
         if status == -2:
             raise RuntimeError("A tensor-parallel rank died during an all-reduce.")
-        return out
+        return out if self._last_stage else (hidden, residual.clone())

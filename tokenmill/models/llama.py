@@ -140,6 +140,15 @@ class OtherStageLayer(nn.Module):
     """A decoder layer another pipeline stage holds: no weights here."""
 
 
+def _head_cost(config: Any, head_dim: int) -> float:
+    """The LM head's weights in decoder layers' worth (a pipeline's last stage holds it)."""
+    hidden = config.hidden_size
+    attention = hidden * head_dim * (2 * config.num_attention_heads
+                                     + 2 * config.num_key_value_heads)
+    layer = attention + 3 * hidden * config.intermediate_size
+    return config.vocab_size * hidden / layer
+
+
 class LlamaModel(nn.Module):
     """The decoder; under pipeline parallel only this rank's stage of its layers (`forward`
     then takes the previous stage's hidden states and residual, and hands its own on)."""
@@ -147,10 +156,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int) -> None:
         super().__init__()
         world = get_world()
-        self.stage_layers = world.layers(config.num_hidden_layers)
-        self.is_last_stage = world.is_last_stage
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
+        self.stage_layers = world.layers(config.num_hidden_layers, _head_cost(config, head_dim))
+        self.is_last_stage = world.is_last_stage
         self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
                                  config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)

@@ -13,6 +13,7 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
+from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
@@ -23,6 +24,17 @@ logger = logging.getLogger(__name__)
 
 # (top ids, top logprobs, chosen logprob, chosen rank) of one position
 PositionLogprobs = tuple[list[int], list[float], float, int]
+
+
+@dataclass
+class Launched:
+    """A step whose forward has started: its logits here, or on their way (`pending`)."""
+
+    scheduled: list[ScheduledRequest]
+    inputs: StepInputs
+    logits: torch.Tensor | None = None
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)
+    pending: PendingLogits | None = None
 
 
 @dataclass
@@ -75,8 +87,10 @@ class ModelRunner:
         self.config = config
         # joined before the model is built (distributed/executor.py)
         self.tp, self.world = get_tp_group(), get_world()
-        self.in_step = False  # a step was cut short (e.g. Ctrl-C) while this is still True
+        self.in_flight = 0  # steps launched and not completed
         self.device = resolve_device(config.device)
+        # pipeline parallel: the hand-offs between stages
+        self.link = StageLink(self.world, self.device) if self.world.pp_size > 1 else None
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
@@ -129,22 +143,45 @@ class ModelRunner:
         return num_blocks
 
     # ---- one step ---------------------------------------------------------------------
-    @torch.inference_mode()
+    @property
+    def in_step(self) -> bool:
+        """A step is in flight, or was cut short (e.g. Ctrl-C): the other ranks may be inside
+        a collective, so a stop message would pair with the wrong one."""
+        return self.in_flight > 0
+
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
-        """Rank 0 (the engine core's runner): the step's inputs to every rank, one forward
-        with them, then sampling here."""
+        launched = self.launch(step)
+        return RunnerOutput() if launched is None else self.complete(launched)
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> Launched | None:
+        """Rank 0 (the engine core's runner): the step's inputs to every rank, and its forward
+        started; under pipeline parallel this returns once stage 0's part is done, the logits
+        still to come (`complete` waits for them). None: nothing to run."""
         for request_id in step.finished_ids:
             self._request_generators.pop(request_id, None)
         if step.empty:
-            return RunnerOutput()
+            return None
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs = StepInputs.of(scheduled)
-        self.in_step = True  # (cleared only when every rank's part of the step is done)
-        if self.world.size > 1:
-            self.world.broadcast_bytes(inputs.encode())
-        logits, prompt_logits = self.run(inputs)
-        self.in_step = False
+        data = inputs.encode() if self.world.size > 1 else b""
+        self.in_flight += 1  # (taken back only when every rank's part of the step is done)
+        self.tp.broadcast_bytes(data)
+        result = self.run(inputs, data)
+        if isinstance(result, PendingLogits):
+            return Launched(scheduled, inputs, pending=result)
+        return Launched(scheduled, inputs, *result)
+
+    @torch.inference_mode()
+    def complete(self, launched: Launched) -> RunnerOutput:
+        """Sample a launched step (its logits awaited first under pipeline parallel)."""
+        inputs, scheduled = launched.inputs, launched.scheduled
+        logits, prompt_logits = launched.logits, launched.prompt_logits
+        if launched.pending is not None:
+            got = launched.pending.wait()
+            logits, prompt_logits = (got[0], got[1:]) if inputs.sample_seqs else (None, got)
+        self.in_flight -= 1
         out = RunnerOutput()
         if logits is not None:
             requests = [scheduled[i] for i in inputs.sample_seqs]
@@ -157,28 +194,34 @@ class ModelRunner:
             self._score_prompt(scheduled[i], scored.float(), out)
         return out
 
-    def run(self, inputs: StepInputs) -> tuple[torch.Tensor | None, list]:
-        """The forward every rank runs: logits of the sampled rows and of each prompt-logprob
-        range, on rank 0 (the other ranks get Nones). Pipeline stages after the first start
-        from the previous stage's hidden states; the last stage's logits go to rank 0."""
+    def run(self, inputs: StepInputs, data: bytes
+            ) -> tuple[torch.Tensor | None, list] | PendingLogits | None:
+        """The forward every rank runs (`data`: the inputs' bytes, handed on to the next
+        pipeline stage): on rank 0 the logits of the sampled rows and of each prompt-logprob
+        range, or under pipeline parallel their pending receive from the last stage; None
+        (or Nones) on the other ranks."""
         input_ids, positions, meta = self._prepare_inputs(inputs)
         sample_rows = inputs.sample_seqs
-        world = self.world
-        hidden = self.decode_step(input_ids, positions, meta) if self.decode_step else None
+        world, link = self.world, self.link
+        tag = link.next_tag() if link is not None else 0
+        carried = None if world.is_first_stage else link.carried(
+            len(input_ids), self.hidden_size, self.dtype)
+        hidden = self.decode_step(input_ids, positions, meta, carried) \
+            if self.decode_step else None
         kept = None
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
             if len(sample_rows) < len(input_ids) and not inputs.prompt_seqs:
                 kept = KeptRows.last_of(meta, sample_rows, self.backend)
-            carried = None
-            if not world.is_first_stage:
-                rows = torch.empty(len(input_ids), self.hidden_size, dtype=self.dtype,
-                                   device=self.device)
-                carried = world.recv([rows, torch.empty_like(rows)], world.peer(world.stage - 1))
             hidden = self.model(input_ids, positions, meta, kept, carried)
-            if not world.is_last_stage:
-                world.send(list(hidden), world.peer(world.stage + 1))
-                return self._logits_of_last_stage(inputs) if world.rank == 0 else (None, [])
+        if not world.is_last_stage:
+            pending = None
+            if world.rank == 0:  # posted first: the last stage never waits for it
+                shapes = [(len(sample_rows), self.vocab_size)] if sample_rows else []
+                shapes += [(n, self.vocab_size) for _, n in inputs.prompt_rows]
+                pending = link.expect_logits(shapes, self.dtype, tag)
+            link.to_next(data, *hidden)
+            return pending
         logits = None
         if sample_rows:
             # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
@@ -187,34 +230,33 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
         prompt_logits = [self.model.compute_logits(hidden[first:first + n])
                          for first, n in inputs.prompt_rows]
-        if world.pp_size > 1 and self.tp.is_first:  # the last stage's logits to rank 0
-            world.send(([logits] if logits is not None else []) + prompt_logits, 0)
-            return None, []
+        if link is not None:  # the last stage's logits to rank 0
+            if self.tp.is_first:
+                link.logits_to_first(([logits] if logits is not None else []) + prompt_logits,
+                                     tag)
+            return None
         return logits, prompt_logits
 
-    def _logits_of_last_stage(self, inputs: StepInputs) -> tuple[torch.Tensor | None, list]:
-        """Rank 0 under pipeline parallel: the logits the last stage computed for this step."""
-        def empty(rows: int) -> torch.Tensor:
-            return torch.empty(rows, self.vocab_size, dtype=self.dtype, device=self.device)
-
-        wanted = ([empty(len(inputs.sample_seqs))] if inputs.sample_seqs else []) + [
-            empty(n) for _, n in inputs.prompt_rows]
-        got = self.world.recv(wanted, (self.world.pp_size - 1) * self.world.tp_size)
-        return (got[0], got[1:]) if inputs.sample_seqs else (None, got)
-
     def serve_steps(self) -> None:
-        """Ranks other than 0: run each step rank 0 broadcasts, until it sends the stop."""
+        """Ranks other than 0: run each step rank 0 sends, until it sends the stop."""
         with torch.inference_mode():
             while True:
-                data = self.world.broadcast_bytes(None)
+                if self.world.is_first_stage:
+                    data = self.tp.broadcast_bytes(None)
+                else:
+                    data = self.link.from_prev()
                 if not data:
+                    if self.link is not None:
+                        self.link.stop_next()
                     return
-                self.run(StepInputs.decode(data))
+                self.run(StepInputs.decode(data), data)
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' `serve_steps` to return."""
         if self.world.size > 1 and self.world.rank == 0:
-            self.world.broadcast_bytes(b"")
+            self.tp.broadcast_bytes(b"")
+            if self.link is not None:
+                self.link.stop_next()
 
     def _prepare_inputs(self, inputs: StepInputs):
         ids = inputs.token_ids
@@ -285,7 +327,8 @@ class ModelRunner:
                 banned = banned_by_bad_words(s.request.output_token_ids, p.bad_words_token_ids)
                 if banned:
                     batch.banned.append((row, banned))
-            if p.seed is not None and p.temperature > 0:
+            # (a request finished while its micro-batch was in flight: its token is dropped)
+            if p.seed is not None and p.temperature > 0 and not s.request.status.finished:
                 gen = self._request_generators.get(s.request.request_id)
                 if gen is None:
                     gen = torch.Generator(dev).manual_seed(p.seed)
