@@ -17,7 +17,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import build_server_config
 
 
-@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen2", 1), ("qwen3", 1), ("llama", 2),
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama3", 1), ("llama_linear", 1),
+                                     ("mistral", 1), ("qwen2", 1), ("qwen3", 1), ("llama", 2),
                                      ("qwen3", 2)])
 def test_stages_match_one_rank_and_transformers(tiny_models, arch, tp):
     path, hf = tiny_models(arch)
