@@ -101,7 +101,8 @@ def head_dim(config) -> int:
 
 def write_gguf(path, arch, state, config, qtype=None):
     """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
-    GGMLQuantizationType) stores 2-D weights in that block format."""
+    GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
+    2-D weights in that block format."""
     import gguf
     from gguf.quants import quantize
 
@@ -132,8 +133,9 @@ def write_gguf(path, arch, state, config, qtype=None):
                 w = llama_cpp_permute(w, config.num_attention_heads)
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
                 w = llama_cpp_permute(w, config.num_key_value_heads)
-        if qtype is not None and w.ndim == 2:
-            writer.add_tensor(gname, quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+        kind = qtype(gname) if callable(qtype) else qtype
+        if kind is not None and w.ndim == 2:
+            writer.add_tensor(gname, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(w))
     writer.write_header_to_file()

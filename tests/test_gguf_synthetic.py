@@ -43,3 +43,22 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="Unsupported GGUF architecture 'mamba'"):
         gguf_loader.load_gguf_config(str(path))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(128, 896), (4864, 896), (896, 4864)])
+def test_blocks_kept_quantized_match_ggufs_dequantizer_at_real_sizes(qtype, shape):
+    """Blocks served as they are (int8 / int4 kernel tensors) hold the weights `gguf`'s own
+    dequantizer gives, at Qwen2.5-0.5B's projection shapes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from tokenmill.quantization.linear_kernels import KERNELS
+
+    kind = GGMLQuantizationType[qtype]
+    blocks = quantize(np.random.default_rng(0).standard_normal(shape, dtype=np.float32), kind)
+    shard = gguf_loader._quantized_shard(blocks, qtype, list(shape))
+    ours = KERNELS[shard.method](shard.tensors).dequantize()
+    assert ours.shape == shape
+    torch.testing.assert_close(ours, torch.from_numpy(dequantize(blocks, kind)),
+                               rtol=1e-6, atol=1e-6)

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import write_calibration
+from gguf.quants import dequantize, quantize
+from helpers import hf_greedy, write_calibration
 
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.entrypoints.cli import main as cli
@@ -200,6 +201,43 @@ def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, 
     _, fp_tokens, fp_logprobs = run(path, tokenizer=hf_path)
     assert tokens == fp_tokens
     assert max_logprob_gap(logprobs, fp_logprobs) < 1e-3
+
+
+@pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
+    """q and k stored as Q5_0 (expanded to float), v as Q8_0 (readable as it is), as a Qwen2
+    Q4_K_M file stores them: the merged q|k|v layer is served in float, not as v's rows
+    alone (which made the K projection come out a fraction of its width)."""
+    from gguf import GGMLQuantizationType as Q
+    from helpers import write_gguf
+
+    from tokenmill import gguf_loader
+
+    hf_path, hf = tiny_models("qwen2")
+    path = str(tmp_path / "mixed.gguf")
+    kinds = {"attn_q.weight": Q.Q5_0, "attn_k.weight": Q.Q5_0, "attn_v.weight": Q.Q8_0,
+             "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1}
+    write_gguf(path, "qwen2", hf.state_dict(), hf.config,
+               lambda name: kinds.get(name.split(".", 2)[-1]))
+    gguf_loader._reader.cache_clear()
+    llm, tokens, logprobs = run(path, tokenizer=hf_path)
+    layer = llm.engine.core.runner.model.model.layers[0]
+    assert not layer.self_attn.qkv_proj.kernel.name.startswith("int")
+    assert layer.mlp.gate_up_proj.kernel.name.startswith("int4")
+    expanded = copy.deepcopy(hf)  # the same rounded weights, in float
+    with torch.no_grad():
+        for name, param in expanded.named_parameters():
+            leaf = gguf_leaf(name)
+            if leaf in kinds:
+                param.copy_(torch.from_numpy(dequantize(quantize(param.numpy(), kinds[leaf]),
+                                                        kinds[leaf])))
+    assert tokens == [hf_greedy(expanded, p, PARAMS.max_tokens) for p in PROMPTS]
+
+
+def gguf_leaf(hf_name: str) -> str:
+    from helpers import LAYER_MAP
+
+    return LAYER_MAP.get(hf_name.split(".", 3)[-1], "")
 
 
 @pytest.mark.parametrize("method,extra", [

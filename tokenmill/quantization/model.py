@@ -193,7 +193,8 @@ def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
 def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) -> set[str]:
     """GGUF weights kept quantized: each shard cut to this tensor-parallel rank's part, the
     shards of one layer (q|k|v, gate|up) concatenated by rows when they share a format; a
-    layer whose shards differ, or whose part splits a block, is dequantized instead."""
+    layer whose shards differ, whose part splits a block, or whose other shards came as
+    float (a file may store q and k as Q5_0, v as Q8_0) is dequantized instead."""
     modules = dict(model.named_modules())
     replaced = set()
     for name, by_index in shards.items():
@@ -202,7 +203,8 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) 
         indices = sorted(by_index)
         parts = [narrow_shard(by_index[i], module.checkpoint_slice(i if merged else None),
                               _shard_rows(by_index[i])) for i in indices]
-        same = all(p is not None for p in parts) and all(
+        every = not isinstance(module, MergedLinear) or len(parts) == len(module.full_sizes)
+        same = every and all(p is not None for p in parts) and all(
             p.method == parts[0].method and p.tensors["scale"].shape[1:]
             == parts[0].tensors["scale"].shape[1:] for p in parts)
         if same:
