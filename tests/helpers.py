@@ -99,6 +99,28 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def llama3_rope_factors(config, rope) -> np.ndarray:
+    """llama.cpp's `rope_freqs`: each rotary frequency's divisor under Llama-3 scaling."""
+    import math
+
+    dim = head_dim(config)
+    freqs = 1.0 / (getattr(config, "rope_theta", None) or 10000.0) ** (
+        np.arange(0, dim, 2, dtype=np.float32) / dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf(path, arch, state, config, qtype=None):
     """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
     GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
@@ -138,6 +160,9 @@ def write_gguf(path, arch, state, config, qtype=None):
             writer.add_tensor(gname, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(w))
+    rope = getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter stores Llama 3.1 scaling
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

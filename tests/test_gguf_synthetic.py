@@ -62,3 +62,23 @@ def test_blocks_kept_quantized_match_ggufs_dequantizer_at_real_sizes(qtype, shap
     assert ours.shape == shape
     torch.testing.assert_close(ours, torch.from_numpy(dequantize(blocks, kind)),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_llama31_rope_freqs_are_read(tmp_path, tiny_models):
+    """A Llama 3.1-style file (llama.cpp stores its rope scaling as `rope_freqs`, one divisor
+    per rotary frequency) gives transformers' tokens past the original context length."""
+    from helpers import hf_greedy
+
+    from tokenmill import LLM, SamplingParams
+
+    hf_path, hf = tiny_models("llama3")  # original_max_position_embeddings 64, factor 8
+    path = str(tmp_path / "llama31.gguf")
+    write_gguf(path, "llama", hf.state_dict(), hf.config)
+    gguf_loader._reader.cache_clear()
+    config = gguf_loader.load_gguf_config(path)
+    assert len(config.rope_parameters["freq_factors"]) == head_dim(hf.config) // 2
+    prompt = list(range(3, 103))  # positions past 64, where the scaling matters
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, tokenizer=hf_path, kv_cache_memory_gib=0.01) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)

@@ -89,10 +89,6 @@ def load_gguf_config(path: str) -> Any:
     reader = _reader(path)
     arch = _architecture(reader)
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ValueError("This GGUF uses per-dimension rope frequency factors (Llama 3.1-style "
-                         "scaling), which tokenmill does not read from GGUF yet; load the HF "
-                         "checkpoint instead.")
     hf_arch, config_class = _ARCHITECTURES[arch]
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -120,6 +116,10 @@ def load_gguf_config(path: str) -> Any:
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         rope = {**rope, "rope_type": "linear",
                 "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    # Llama 3.1-style scaling: llama.cpp's converter stores each rotary frequency's divisor
+    if "rope_freqs.weight" in tensor_names:
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        rope["freq_factors"] = [float(x) for x in np.asarray(factors.data, dtype=np.float32)]
     config = getattr(transformers, config_class)(**kwargs)
     # transformers >= 5 keeps rope settings in `rope_parameters` (and `rope_scaling` is an
     # alias of it there); older versions use `rope_theta` + `rope_scaling`.

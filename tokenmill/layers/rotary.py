@@ -1,4 +1,5 @@
-"""Rotary position embedding (default, linear and Llama-3 scaling) with a cos/sin table."""
+"""Rotary position embedding (default, linear and Llama-3 scaling, or a GGUF's per-frequency
+factors) with a cos/sin table."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any],
+                        max_position_embeddings: int) -> torch.Tensor:
+    inv_freq = _scaled_frequencies(head_dim, params, max_position_embeddings)
+    factors = params.get("freq_factors")  # a GGUF's rope_freqs: per frequency, its divisor
+    if factors is not None:
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"rope_freqs has {len(factors)} factors; the heads' {head_dim} "
+                             f"dimensions rotate {head_dim // 2} frequencies.")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled_frequencies(head_dim: int, params: dict[str, Any],
                         max_position_embeddings: int) -> torch.Tensor:
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
