@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from helpers import hf_greedy, paged_step
+from helpers import hf_greedy, make_model, paged_step
 
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.attention.backend import KeptRows
@@ -192,3 +192,23 @@ def test_prompt_steps_skip_the_last_layer_for_rows_not_sampled(tiny_models, monk
     llm.generate({"prompt_token_ids": PROMPTS[1]},
                  SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
     assert rows == [len(PROMPTS[1])]
+
+
+def test_a_sliding_window_caps_the_model_length_until_it_is_applied(tmp_path):
+    """Mistral v0.1-style window: sequences are kept inside it (where full attention is the
+    same computation) rather than silently attending past it; a longer max_model_len is
+    refused by name."""
+    path = str(tmp_path / "swa")
+    hf = make_model(path, "mistral", sliding_window=32)
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        assert llm.engine.core.max_model_len == 32
+        prompt = list(range(5, 25))
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    tokens = out.outputs[0].token_ids
+    assert len(prompt) + len(tokens) == 32 and tokens == hf_greedy(hf, prompt, len(tokens))
+    with pytest.raises(ValueError, match=r"max_model_len \(64\) is larger than the model's "
+                                         r"sliding window \(32 tokens\)"):
+        LLM(path, kv_cache_memory_gib=0.01, max_model_len=64)

@@ -111,6 +111,9 @@ def load_gguf_config(path: str) -> Any:
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         dtype="float32",
     )
+    if arch == "mistral":  # (transformers' MistralConfig would assume a 4096-token window)
+        window = _field(reader, f"{arch}.attention.sliding_window")
+        kwargs["sliding_window"] = None if window is None else int(window)
     rope = {"rope_type": "default",
             "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":

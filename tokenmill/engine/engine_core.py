@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -12,9 +13,33 @@ from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loader import load_hf_config
 
+logger = logging.getLogger(__name__)
+
+
+def sliding_window(hf_config) -> int | None:
+    """The attention window of a model that limits one (Mistral v0.1's 4096; Qwen2 with
+    `use_sliding_window`), else None."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # Attention is not limited to a window yet: within the window, full attention is the
+    # same computation, so sequences are kept inside it (never silently past it).
+    window = sliding_window(hf_config)
+    if window is not None and window < model_max:
+        if config.max_model_len is not None and config.max_model_len > window:
+            raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the "
+                             f"model's sliding window ({window} tokens), which tokenmill does "
+                             f"not apply yet: use --max-model-len {window} or less.")
+        if config.max_model_len is None:
+            logger.warning("The model attends within a sliding window of %d tokens, which "
+                           "tokenmill does not apply yet: max_model_len capped to %d.",
+                           window, window)
+        model_max = window
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
