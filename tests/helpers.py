@@ -56,17 +56,30 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
         "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4,
+                                            num_experts_per_tok=2, sliding_window=None,
+                                            tie_word_embeddings=False),
+        # layer 0 sparse (4 experts and a gated shared expert), layer 1 a dense MLP
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                               moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=64,
+                                               mlp_only_layers=[1], tie_word_embeddings=False),
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=32, num_experts=8,
+                                               num_experts_per_tok=2, moe_intermediate_size=64,
+                                               norm_topk_prob=True, tie_word_embeddings=False),
     }
     classes = {"llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
                "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}
+               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+               "mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM,
+               "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(0)
     model = classes[arch](config).to(dtype).eval()
-    if arch == "qwen2":  # random init leaves biases at zero; make them matter
+    if arch in ("qwen2", "qwen2_moe"):  # random init leaves biases at zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,

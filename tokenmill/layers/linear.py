@@ -204,10 +204,14 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """Input channels split across the ranks (the input is the column-parallel layer's
     output, already split): each rank's partial products summed by one all-reduce. The bias
-    is added once, by rank 0 (the others hold zeros)."""
+    is added once, by rank 0 (the others hold zeros). `reduce=False`: the partial products
+    are returned, for a caller that sums several layers' before one all-reduce (the experts
+    of a mixture-of-experts layer)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce: bool = True) -> None:
         self.tp = get_tp_group()
+        self.reduce = reduce
         local = divide(in_features, self.tp.size, "input size")
         super().__init__(local, out_features, bias)
         narrowed = _narrowed(1, self.tp.rank * local, local)
@@ -226,7 +230,8 @@ class RowParallelLinear(Linear):
             self.bias.weight_loader = lambda param, loaded: param.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.kernel.apply(self, x))
+        out = self.kernel.apply(self, x)
+        return self.tp.all_reduce(out) if self.reduce else out
 
     def checkpoint_slice(self, shard: int | None = None) -> tuple[int, int, int] | None:
         return None if self.tp.size == 1 else (1, self.tp.rank * self.in_features,

@@ -21,7 +21,7 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import CpuKernelSettings
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.linear import Linear
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama import MLP, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,8 @@ class CpuDecodeStep:
         if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
             return "the attention backend does not use the compiled decode kernel"
         stage = [model.model.layers[i] for i in model.model.stage_layers]
+        if not all(isinstance(layer.mlp, MLP) for layer in stage):
+            return "mixture-of-experts layers run in Python"
         if stage[0].self_attn.head_dim % 8:
             return "head size not a multiple of 8"
         # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.

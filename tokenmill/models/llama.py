@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -66,13 +66,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """down(silu(gate(x)) * up(x)), the intermediate size split across tensor-parallel ranks
+    (`reduce=False`: this rank's partial sums, for a caller that adds them up)."""
+
+    def __init__(self, config: Any, size: int | None = None, reduce: bool = True) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _mlp_chunk_rows(x, self.gate_up_proj.out_features)
@@ -114,10 +117,10 @@ def _mlp_chunk_rows(x: torch.Tensor, gate_up_width: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, qkv_bias, qk_norm)
-        self.mlp = MLP(config)
+        self.mlp = mlp  # MLP, or a mixture of experts (layers/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,8 +156,10 @@ class LlamaModel(nn.Module):
     """The decoder; under pipeline parallel only this rank's stage of its layers (`forward`
     then takes the previous stage's hidden states and residual, and hands its own on)."""
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int,
+                 make_mlp: Callable[[Any, int], nn.Module] | None = None) -> None:
         super().__init__()
+        make_mlp = make_mlp or (lambda config, layer: MLP(config))
         world = get_world()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
@@ -164,7 +169,8 @@ class LlamaModel(nn.Module):
                                  config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm) if i in self.stage_layers
+            DecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i))
+            if i in self.stage_layers
             else OtherStageLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -200,10 +206,12 @@ class LlamaForCausalLM(nn.Module):
                       ("gate_up_proj", "up_proj", 1)]
 
     def __init__(self, config: Any, max_positions: int, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False,
+                 make_mlp: Callable[[Any, int], nn.Module] | None = None) -> None:
+        """`make_mlp(config, layer index)`: each layer's feed-forward block (default MLP)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions)
+        self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions, make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 
 # architecture -> (class, extra constructor arguments derived from the HF config)
 _MODELS = {
@@ -17,6 +18,13 @@ _MODELS = {
     "Qwen3ForCausalLM": (LlamaForCausalLM,
                          lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
                                     "qk_norm": True}),
+    "MixtralForCausalLM": (MixtralForCausalLM, lambda c: {}),
+    "Qwen2MoeForCausalLM": (LlamaForCausalLM,
+                            lambda c: {"qkv_bias": bool(getattr(c, "qkv_bias", True)),
+                                       "make_mlp": qwen_moe_mlp}),
+    "Qwen3MoeForCausalLM": (LlamaForCausalLM,
+                            lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
+                                       "qk_norm": True, "make_mlp": qwen_moe_mlp}),
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)

@@ -43,7 +43,8 @@ class QuantizedShard:
 def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str, Linear]]:
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, Linear) and isinstance(module.kernel, DenseKernel)
-            and (config.lm_head or name != "lm_head")]
+            and (config.lm_head or name != "lm_head")
+            and not getattr(module, "keep_float", False)]  # (a MoE router)
 
 
 def make_kernel(weight: torch.Tensor, config: QuantConfig,

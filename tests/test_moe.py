@@ -1,0 +1,90 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): routing and the grouped expert
+run against a slow per-token reference, then whole models against transformers and against
+one rank through chunked prefill, prefix hits, preemption, tensor / pipeline parallel and
+quantization."""
+
+import pytest
+import torch
+from helpers import hf_greedy
+from torch import nn
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.moe import grouped_experts, softmax_top_k
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
+
+
+def reference_moe(x, logits, experts, top_k, renormalize):
+    """Token by token: softmax over the experts, the k largest (lowest index first on ties),
+    each expert's output times its weight, summed."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(logits[t].double(), dim=-1)
+        chosen = sorted(range(len(probs)), key=lambda e: (-float(probs[e]), e))[:top_k]
+        total = sum(float(probs[e]) for e in chosen) if renormalize else 1.0
+        for e in chosen:
+            out[t] += float(probs[e]) / total * experts[e](x[t:t + 1])[0]
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_experts_match_a_per_token_reference_with_ties(renormalize):
+    torch.manual_seed(0)
+    experts = nn.ModuleList(nn.Sequential(nn.Linear(16, 24), nn.SiLU(), nn.Linear(24, 16))
+                            for _ in range(6))
+    x = torch.randn(40, 16)
+    logits = torch.randn(40, 6)
+    logits[::5] = 0.5  # every expert tied
+    logits[1::5, 2:4] = 3.0  # two tied at the top
+    with torch.no_grad():
+        weights, ids = softmax_top_k(logits, 2, renormalize)
+        ours = grouped_experts(x, weights, ids, experts)
+        theirs = reference_moe(x, logits, experts, 2, renormalize)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert ids[1].tolist() == [2, 3] and ids[0].tolist() == [0, 1]  # ties: lowest index
+
+
+def generate(path, prompts, params, **engine):
+    with LLM(path, kv_cache_memory_gib=0.01, **engine) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        stats = llm.engine.core.stats()
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tiny_models, arch):
+    path, hf = tiny_models(arch)
+    shared = list(range(20, 84))
+    prompts = [shared + [i, i + 1, i + 2] for i in range(100, 112)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    tokens, stats = generate(path, prompts, params, max_num_batched_tokens=16,
+                             num_kv_blocks=16)
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    assert tokens == [hf_greedy(hf, p, 30) for p in prompts]
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_experts_split_across_ranks_match_one_rank(tiny_models, layout):
+    """Qwen2-MoE (a gated shared expert, then a dense layer): each rank holds its share of
+    every expert; one rank's tokens."""
+    path, _ = tiny_models("qwen2_moe")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    one, _ = generate(path, PROMPTS, params)
+    split, _ = generate(path, PROMPTS, params, **layout)
+    assert split == one
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_experts_are_quantized_and_the_router_is_not(tiny_models, method):
+    path, _ = tiny_models("qwen3_moe")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01, quantization=method) as llm:
+        moe = llm.engine.core.runner.model.model.layers[0].mlp
+        assert moe.experts[0].gate_up_proj.kernel.name.startswith(method)
+        assert moe.experts[3].down_proj.kernel.name.startswith(method)
+        assert not moe.gate.kernel.name.startswith(("int", "fp8", "a8w8"))
+        one = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    two, _ = generate(path, PROMPTS, params, quantization=method, tensor_parallel_size=2)
+    assert two == one

@@ -1,0 +1,80 @@
+"""Mixture-of-experts feed-forward block: a router picks each token's top-k experts; tokens are
+grouped by expert and each active expert runs once over its tokens, its weighted outputs added
+back in place. Experts are ordinary MLPs of linear layers, so every kernel and quantization a
+`Linear` has serves them, and a decode step reads only the active experts' weights. Under
+tensor parallel each expert's intermediate size is split as an MLP's is; the experts' (and
+the shared expert's) partial sums meet in one all-reduce for the block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.layers.linear import Linear
+
+
+def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert ids) [T, k]: the k most probable experts of each token under a
+    softmax over all of them (float32), their weights summing to 1 with `renormalize`; on
+    ties the lower expert index first (a stable sort: torch.topk leaves tie order open)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: nn.ModuleList) -> torch.Tensor:
+    """sum over each token's experts of weight x expert(token): the assignments sorted by
+    expert (tokens in order within one), each active expert run once over its rows, in
+    expert order (as transformers adds them up)."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    rows = order // top_k
+    scale = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            mine = rows[start:start + count]
+            out.index_add_(0, mine, experts[expert](x[mine]) * scale[start:start + count])
+            start += count
+    return out
+
+
+class SparseMoE(nn.Module):
+    """`make_expert()`: one expert, an MLP returning this rank's partial sums (the block adds
+    them up once). `shared_expert` (same kind) runs on every token, scaled by
+    sigmoid(`shared_expert_gate`) when `gated_shared` (Qwen2-MoE)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
+                 make_expert: Callable[[], nn.Module], shared_expert: nn.Module | None = None,
+                 gated_shared: bool = False) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.tp = get_tp_group()
+        self.gate = Linear(hidden, num_experts)  # the router: every rank whole, never quantized
+        self.gate.keep_float = True
+        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(hidden, 1) if gated_shared else None
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.keep_float = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = softmax_top_k(self.gate(x), self.top_k, self.renormalize)
+        out = grouped_experts(x, weights, ids, self.experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return self.tp.all_reduce(out)

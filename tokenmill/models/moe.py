@@ -1,0 +1,47 @@
+"""Llama-family decoders whose feed-forward blocks are mixtures of experts (layers/moe.py):
+Mixtral (every layer; experts `w1`/`w3`/`w2` in its checkpoints), Qwen2-MoE (q|k|v bias, a
+gated shared expert, `decoder_sparse_step` and `mlp_only_layers` choosing the sparse layers)
+and Qwen3-MoE (q/k norm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tokenmill.layers.moe import SparseMoE
+from tokenmill.models.llama import MLP, LlamaForCausalLM
+
+
+def mixtral_mlp(config: Any, layer: int) -> nn.Module:
+    return SparseMoE(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+                     True, lambda: MLP(config, config.intermediate_size, reduce=False))
+
+
+def qwen_moe_mlp(config: Any, layer: int) -> nn.Module:
+    sparse = (layer not in (getattr(config, "mlp_only_layers", None) or [])
+              and config.num_experts > 0
+              and (layer + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+    if not sparse:
+        return MLP(config)
+    shared_size = getattr(config, "shared_expert_intermediate_size", 0)
+    shared = MLP(config, shared_size, reduce=False) if shared_size else None
+    return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                     bool(getattr(config, "norm_topk_prob", False)),
+                     lambda: MLP(config, config.moe_intermediate_size, reduce=False),
+                     shared, gated_shared=shared is not None)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: Any, max_positions: int) -> None:
+        super().__init__(config, max_positions, make_mlp=mixtral_mlp)
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        """Mixtral's `block_sparse_moe` is our `mlp`; its experts' w1 = gate, w3 = up, w2 =
+        down."""
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for ours, theirs, shard in (("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1),
+                                    ("down_proj", "w2", None)):
+            if f".{theirs}." in name:
+                return name.replace(f".{theirs}.", f".{ours}."), shard
+        return super().checkpoint_target(name)
