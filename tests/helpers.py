@@ -56,6 +56,13 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
         "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        "phi3": lambda: tf.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False),
+        # LongRoPE: its short factors within the original 256 positions
+        "phi3_longrope": lambda: tf.Phi3Config(
+            **common, pad_token_id=0, tie_word_embeddings=False,
+            original_max_position_embeddings=256, rope_scaling={
+                "rope_type": "longrope", "long_factor": [float(i) for i in range(1, 9)],
+                "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.6, 3.2]}),
         "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4,
                                             num_experts_per_tok=2, sliding_window=None,
                                             tie_word_embeddings=False),
@@ -72,6 +79,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
+               "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
                "mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM,
                "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()

@@ -10,8 +10,8 @@ from helpers import hf_greedy, make_model, paged_step
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.attention.backend import KeptRows
 
-ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-         "qwen3_moe"]
+ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
+         "mixtral", "qwen2_moe", "qwen3_moe"]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 12
 
@@ -211,5 +211,17 @@ def test_a_sliding_window_caps_the_model_length_until_it_is_applied(tmp_path):
     tokens = out.outputs[0].token_ids
     assert len(prompt) + len(tokens) == 32 and tokens == hf_greedy(hf, prompt, len(tokens))
     with pytest.raises(ValueError, match=r"max_model_len \(64\) is larger than the model's "
-                                         r"sliding window \(32 tokens\)"):
+                                         r"sliding attention window \(32 tokens\)"):
         LLM(path, kv_cache_memory_gib=0.01, max_model_len=64)
+
+
+def test_longrope_keeps_to_its_short_factors_context(tiny_models):
+    """Past `original_max_position_embeddings` transformers switches to LongRoPE's long
+    factors, which tokenmill does not apply yet: the model length stops there."""
+    path, _ = tiny_models("phi3_longrope")  # original 256 of 1024 positions
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        assert llm.engine.core.max_model_len == 256
+    with pytest.raises(ValueError, match=r"LongRoPE's original context \(its long factors\) "
+                                         r"\(256 tokens\)"):
+        LLM(path, kv_cache_memory_gib=0.01, max_model_len=512)
+

@@ -39,7 +39,8 @@ def prompt_logprobs(out) -> list[float]:
                                                 out.prompt_token_ids[1:])]
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3",
+                                  "phi3", "mixtral"])
 def test_two_ranks_match_one_rank_and_transformers(tiny_models, arch):
     path, hf = tiny_models(arch)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,

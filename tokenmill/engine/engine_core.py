@@ -16,30 +16,36 @@ from tokenmill.loader import load_hf_config
 logger = logging.getLogger(__name__)
 
 
-def sliding_window(hf_config) -> int | None:
-    """The attention window of a model that limits one (Mistral v0.1's 4096; Qwen2 with
-    `use_sliding_window`), else None."""
+def length_limit(hf_config) -> tuple[int, str] | None:
+    """(tokens, what) for a model whose computation past some length tokenmill does not
+    reproduce yet: a sliding attention window (Mistral v0.1's 4096; Qwen2 with
+    `use_sliding_window`; Phi-3's), or LongRoPE's switch to its long factors."""
+    from tokenmill.layers.rotary import longrope_length, rope_parameters  # (imports torch)
+
     window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+    if window and getattr(hf_config, "use_sliding_window", True) is not False:
+        return int(window), "sliding attention window"
+    longrope = longrope_length(rope_parameters(hf_config))
+    if longrope is not None:
+        return longrope, "LongRoPE's original context (its long factors)"
+    return None
 
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # Attention is not limited to a window yet: within the window, full attention is the
-    # same computation, so sequences are kept inside it (never silently past it).
-    window = sliding_window(hf_config)
-    if window is not None and window < model_max:
-        if config.max_model_len is not None and config.max_model_len > window:
+    # Within the limit the model computes what transformers does, so sequences are kept
+    # inside it (never silently past it).
+    limit = length_limit(hf_config)
+    if limit is not None and limit[0] < model_max:
+        tokens, what = limit
+        if config.max_model_len is not None and config.max_model_len > tokens:
             raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the "
-                             f"model's sliding window ({window} tokens), which tokenmill does "
-                             f"not apply yet: use --max-model-len {window} or less.")
+                             f"model's {what} ({tokens} tokens), which tokenmill does not "
+                             f"apply yet: use --max-model-len {tokens} or less.")
         if config.max_model_len is None:
-            logger.warning("The model attends within a sliding window of %d tokens, which "
-                           "tokenmill does not apply yet: max_model_len capped to %d.",
-                           window, window)
-        model_max = window
+            logger.warning("The model's %s (%d tokens) is not applied yet: max_model_len "
+                           "capped to %d.", what, tokens, tokens)
+        model_max = tokens
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:

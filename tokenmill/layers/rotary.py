@@ -1,5 +1,5 @@
-"""Rotary position embedding (default, linear and Llama-3 scaling, or a GGUF's per-frequency
-factors) with a cos/sin table."""
+"""Rotary position embedding (default, linear, Llama-3 and LongRoPE scaling, or a GGUF's
+per-frequency factors) with a cos/sin table."""
 
 from __future__ import annotations
 
@@ -20,7 +20,37 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params = {**scaling, **params}
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "su":  # Phi-3's first name for LongRoPE
+        params["rope_type"] = "longrope"
+    if params.get("original_max_position_embeddings") is None:
+        original = getattr(config, "original_max_position_embeddings", None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} (rotary embedding on part of each "
+                         "head) is not supported yet.")
     return params
+
+
+def longrope_length(params: dict[str, Any]) -> int | None:
+    """The context LongRoPE's short factors serve (transformers switches to the long ones,
+    which tokenmill does not apply, past it); None for other rope types."""
+    if params["rope_type"] != "longrope":
+        return None
+    return int(params["original_max_position_embeddings"])
+
+
+def attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    """What cos and sin are scaled by: LongRoPE's sqrt(1 + ln(factor) / ln(original
+    context)), factor = max_position_embeddings / original; 1 for the other types."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any],
@@ -45,6 +75,8 @@ def _scaled_frequencies(head_dim: int, params: dict[str, Any],
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
+    if rope_type == "longrope":  # the short factors (see longrope_length)
+        return inv_freq / torch.tensor(params["short_factor"], dtype=torch.float32)
     if rope_type == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
@@ -58,7 +90,7 @@ def _scaled_frequencies(head_dim: int, params: dict[str, Any],
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, blended, scaled)
     raise ValueError(f"Unsupported rope scaling type {rope_type!r}; supported: default, linear, "
-                     "llama3.")
+                     "llama3, longrope.")
 
 
 class RotaryEmbedding(nn.Module):
@@ -74,9 +106,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, params, max_position_embeddings)
         freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
+        scale = attention_factor(params, max_position_embeddings)
+        sin = emb.sin() * scale
         sin[:, : head_dim // 2].neg_()
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("signed_sin", sin, persistent=False)
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:

@@ -18,6 +18,8 @@ _MODELS = {
     "Qwen3ForCausalLM": (LlamaForCausalLM,
                          lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
                                     "qk_norm": True}),
+    # fused qkv_proj / gate_up_proj tensors load as they are (our merged layers' names)
+    "Phi3ForCausalLM": (LlamaForCausalLM, lambda c: {}),
     "MixtralForCausalLM": (MixtralForCausalLM, lambda c: {}),
     "Qwen2MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "qkv_bias", True)),
