@@ -161,9 +161,24 @@ def write_gguf(path, arch, state, config, qtype=None):
     writer.add_vocab_size(config.vocab_size)
     writer.add_key_length(head_dim(config))
     writer.add_value_length(head_dim(config))
+    if getattr(config, "num_experts", 0):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    state = dict(state)
+    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
+        gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]
+        state[name.replace("gate_up_proj", "gate_exps")] = gate
+        state[name.replace("gate_up_proj", "up_exps")] = up
+    for name in [n for n in state if n.endswith("mlp.experts.down_proj")]:
+        state[name.replace("down_proj", "down_exps")] = state.pop(name)
     for name, tensor in state.items():
         w = tensor.numpy().astype(np.float32)
-        if name == "model.embed_tokens.weight":
+        if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
+            gname = f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight"
+        elif name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
@@ -177,7 +192,7 @@ def write_gguf(path, arch, state, config, qtype=None):
             elif arch == "llama" and rest.startswith("self_attn.k_proj"):
                 w = llama_cpp_permute(w, config.num_key_value_heads)
         kind = qtype(gname) if callable(qtype) else qtype
-        if kind is not None and w.ndim == 2:
+        if kind is not None and w.ndim >= 2:
             writer.add_tensor(gname, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(w))

@@ -88,3 +88,39 @@ def test_experts_are_quantized_and_the_router_is_not(tiny_models, method):
             [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
     two, _ = generate(path, PROMPTS, params, quantization=method, tensor_parallel_size=2)
     assert two == one
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen2_moe", None), ("qwen3_moe", None),
+                                        ("qwen3_moe", "Q8_0"), ("qwen2_moe", "Q4_1")])
+def test_gguf_mixture_of_experts_files(tiny_models, tmp_path, monkeypatch, arch, qtype):
+    """llama.cpp's qwen2moe / qwen3moe files (every expert of a layer in one tensor, a
+    dense layer without a router): transformers' tokens in float; Q8_0 / Q4_1 experts kept
+    as blocks give the tokens of the same file expanded to float."""
+    from gguf import GGMLQuantizationType
+    from helpers import write_gguf
+
+    from tokenmill import csrc, gguf_loader
+
+    hf_path, hf = tiny_models(arch)
+    path = str(tmp_path / f"{arch}.gguf")
+    kind = None if qtype is None else GGMLQuantizationType[qtype]
+    write_gguf(path, arch.replace("_", ""), hf.state_dict(), hf.config,
+               lambda name: kind if "_exps" in name else None)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run():
+        gguf_loader._reader.cache_clear()
+        with LLM(path, tokenizer=hf_path, kv_cache_memory_gib=0.01) as llm:
+            expert = llm.engine.core.runner.model.model.layers[0].mlp.experts[0]
+            return expert.down_proj.kernel.name, [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+
+    kernel, tokens = run()
+    if qtype is None:
+        assert tokens == [hf_greedy(hf, p, 10) for p in PROMPTS]
+        return
+    if not csrc.available():
+        pytest.skip("no compiled CPU kernels: blocks are expanded")
+    assert kernel.startswith("int8" if qtype == "Q8_0" else "int4")
+    monkeypatch.setattr(csrc, "available", lambda: False)  # every block expanded to float
+    assert run()[1] == tokens

@@ -23,6 +23,8 @@ _ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "MistralConfig"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
 }
 # llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
 _PERMUTED_QK = {"llama", "mistral"}
@@ -42,6 +44,17 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+# Every expert's weights in one [experts, rows, columns] tensor: one HF tensor per expert.
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -114,6 +127,7 @@ def load_gguf_config(path: str) -> Any:
     if arch == "mistral":  # (transformers' MistralConfig would assume a 4096-token window)
         window = _field(reader, f"{arch}.attention.sliding_window")
         kwargs["sliding_window"] = None if window is None else int(window)
+    kwargs.update(_moe_config(reader, arch, tensor_names, kwargs["num_hidden_layers"]))
     rope = {"rope_type": "default",
             "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
@@ -132,6 +146,27 @@ def load_gguf_config(path: str) -> Any:
         config.rope_theta = rope["rope_theta"]
         config.rope_scaling = None if rope["rope_type"] == "default" else rope
     return config
+
+
+def _moe_config(reader: Any, arch: str, tensor_names: set[str], layers: int) -> dict:
+    """A mixture of experts' settings from llama.cpp's keys; layers without a router are
+    dense (`mlp_only_layers`)."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if not experts:
+        return {}
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(shared or 0),
+        # llama.cpp normalizes Qwen3-MoE's top-k weights, not Qwen2-MoE's
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm",
+                                      arch == "qwen3moe")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers)
+                            if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
 
 
 def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -192,6 +227,10 @@ def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[s
             hf_name = _GLOBAL_NAMES[name]
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
+            if rest in _EXPERT_NAMES:
+                yield from _expert_weights(tensor, f"model.layers.{int(layer)}."
+                                           + _EXPERT_NAMES[rest], keep_quantized)
+                continue
             if rest not in _LAYER_NAMES:
                 raise ValueError(f"Unexpected GGUF tensor {name!r}.")
             hf_name = f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
@@ -220,6 +259,27 @@ def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[s
             weight = _unpermute_qk(weight, config.num_key_value_heads)
         # Copy: F32 tensors are read-only views of the memory-mapped file.
         yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
+
+
+def _expert_weights(tensor: Any, pattern: str, keep_quantized: bool
+                    ) -> Iterator[tuple[str, Any]]:
+    """One [experts, rows, columns] tensor as each expert's weight (`pattern` names it),
+    kept as blocks where the kernels read them."""
+    from gguf.quants import dequantize
+
+    experts, rows, columns = (int(d) for d in reversed(tensor.shape))
+    if keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED:
+        from tokenmill.quantization.model import QuantizedShard
+
+        shard = _quantized_shard(tensor.data, tensor.tensor_type.name, [experts * rows, columns])
+        for e in range(experts):
+            yield pattern.format(e), QuantizedShard(shard.method, {
+                leaf: t[e * rows:(e + 1) * rows] for leaf, t in shard.tensors.items()})
+        return
+    weight = dequantize(tensor.data, tensor.tensor_type).reshape(experts, rows, columns)
+    for e in range(experts):
+        yield pattern.format(e), torch.from_numpy(np.array(weight[e], dtype=np.float32,
+                                                           order="C"))
 
 
 def load_gguf_tokenizer(path: str) -> Any:
