@@ -63,6 +63,13 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             original_max_position_embeddings=256, rope_scaling={
                 "rope_type": "longrope", "long_factor": [float(i) for i in range(1, 9)],
                 "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.6, 3.2]}),
+        # MLA (q through a low-rank q_a|q_b), layer 0 dense, layer 1 8 experts in 2 groups
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
+            kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
+            first_k_dense_replace=1, tie_word_embeddings=False),
         "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4,
                                             num_experts_per_tok=2, sliding_window=None,
                                             tie_word_embeddings=False),
@@ -80,13 +87,17 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
                "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
-               "mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM,
-               "qwen3_moe": tf.Qwen3MoeForCausalLM}
+               "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
+               "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(0)
     model = classes[arch](config).to(dtype).eval()
+    if arch == "deepseek_v3":  # routing biases start at zero; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers[config.first_k_dense_replace:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
     if arch in ("qwen2", "qwen2_moe"):  # random init leaves biases at zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers:

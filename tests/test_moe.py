@@ -9,7 +9,7 @@ from helpers import hf_greedy
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.moe import grouped_experts, softmax_top_k
+from tokenmill.layers.moe import grouped_experts, grouped_top_k, softmax_top_k
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 
@@ -44,6 +44,36 @@ def test_grouped_experts_match_a_per_token_reference_with_ties(renormalize):
     assert ids[1].tolist() == [2, 3] and ids[0].tolist() == [0, 1]  # ties: lowest index
 
 
+def reference_grouped(logits, bias, top_k, n_group, topk_group, scaling):
+    """Token by token, DeepSeek-V3's rule as its paper states it (lowest index on ties)."""
+    experts = logits.shape[1]
+    size = experts // n_group
+    weights, ids = [], []
+    for scores in torch.sigmoid(logits.double()):
+        biased = [float(scores[e] + bias[e]) for e in range(experts)]
+        group_score = [sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2])
+                       for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        allowed = [e for e in range(experts) if e // size in groups]
+        chosen = sorted(allowed, key=lambda e: (-biased[e], e))[:top_k]
+        total = sum(float(scores[e]) for e in chosen)
+        weights.append([float(scores[e]) / total * scaling for e in chosen])
+        ids.append(chosen)
+    return torch.tensor(weights, dtype=torch.float64), torch.tensor(ids)
+
+
+def test_grouped_routing_matches_a_per_token_reference_with_ties():
+    torch.manual_seed(1)
+    logits, bias = torch.randn(30, 16), torch.randn(16) * 0.3
+    logits[::6] = 0.0  # every expert's score tied (bias decides)
+    bias[4:8] = 0.0
+    logits[3, 4:8] = 1.0  # tied inside a group
+    weights, ids = grouped_top_k(logits, 3, 4, 2, bias, True, 2.5)
+    ref_weights, ref_ids = reference_grouped(logits, bias, 3, 4, 2, 2.5)
+    assert ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
+
+
 def generate(path, prompts, params, **engine):
     with LLM(path, kv_cache_memory_gib=0.01, **engine) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
@@ -52,7 +82,7 @@ def generate(path, prompts, params, **engine):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tiny_models, arch):
     path, hf = tiny_models(arch)
     shared = list(range(20, 84))

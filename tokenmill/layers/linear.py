@@ -313,7 +313,8 @@ def choose_linear_kernels(model: nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
-            if isinstance(module.kernel, DenseKernel) and CpuPackedKernel.supports(module):
+            if (isinstance(module.kernel, DenseKernel) and CpuPackedKernel.supports(module)
+                    and not getattr(module, "keep_float", False)):  # (routers: as transformers)
                 module.use_kernel(CpuPackedKernel(module))
             counts[module.kernel.name] = counts.get(module.kernel.name, 0) + 1
     return counts

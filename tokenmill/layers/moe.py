@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_group
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, default_weight_loader
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool
@@ -27,6 +27,30 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                  correction_bias: torch.Tensor | None, renormalize: bool,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing: sigmoid scores (float32); the experts split into `n_group`
+    groups, each scored by the sum of its two best (scores + `correction_bias`); the k best
+    experts of the `topk_group` best groups chosen by those biased scores, weighted by their
+    unbiased ones (renormalized), times `scaling`. Ties go to the lower index."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    t, experts = choice.shape
+    per_group = choice.view(t, n_group, experts // n_group)
+    group_scores = torch.sort(per_group, dim=-1, descending=True, stable=True)[0][..., :2].sum(-1)
+    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
+    keep = torch.zeros(t, n_group, dtype=torch.bool, device=logits.device)
+    keep.scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(t, experts)
+    choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -53,16 +77,23 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 class SparseMoE(nn.Module):
     """`make_expert()`: one expert, an MLP returning this rank's partial sums (the block adds
     them up once). `shared_expert` (same kind) runs on every token, scaled by
-    sigmoid(`shared_expert_gate`) when `gated_shared` (Qwen2-MoE)."""
+    sigmoid(`shared_expert_gate`) when `gated_shared` (Qwen2-MoE). `grouped`: DeepSeek-V3's
+    routing (`grouped_top_k`: n_group, topk_group, routed_scaling_factor; the router holds
+    `e_score_correction_bias`), else softmax top-k."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
                  make_expert: Callable[[], nn.Module], shared_expert: nn.Module | None = None,
-                 gated_shared: bool = False) -> None:
+                 gated_shared: bool = False,
+                 grouped: tuple[int, int, float] | None = None) -> None:
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
+        self.top_k, self.renormalize, self.grouped = top_k, renormalize, grouped
         self.tp = get_tp_group()
         self.gate = Linear(hidden, num_experts)  # the router: every rank whole, never quantized
         self.gate.keep_float = True
+        if grouped is not None:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts),
+                                                             requires_grad=False)
+            self.gate.e_score_correction_bias.weight_loader = default_weight_loader
         self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1) if gated_shared else None
@@ -70,7 +101,14 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate.keep_float = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = softmax_top_k(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)
+        if self.grouped is None:
+            weights, ids = softmax_top_k(logits, self.top_k, self.renormalize)
+        else:
+            n_group, topk_group, scaling = self.grouped
+            weights, ids = grouped_top_k(logits, self.top_k, n_group, topk_group,
+                                         self.gate.e_score_correction_bias, self.renormalize,
+                                         scaling)
         out = grouped_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -21,7 +21,7 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import CpuKernelSettings
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.linear import Linear
-from tokenmill.models.llama import MLP, LlamaForCausalLM
+from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ class CpuDecodeStep:
         stage = [model.model.layers[i] for i in model.model.stage_layers]
         if not all(isinstance(layer.mlp, MLP) for layer in stage):
             return "mixture-of-experts layers run in Python"
+        if not all(isinstance(layer.self_attn, Attention) for layer in stage):
+            return "latent attention runs in Python"
         if stage[0].self_attn.head_dim % 8:
             return "head size not a multiple of 8"
         # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.

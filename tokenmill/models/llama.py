@@ -117,9 +117,9 @@ def _mlp_chunk_rows(x: torch.Tensor, gate_up_width: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(config, qkv_bias, qk_norm)
+        self.self_attn = attention  # Attention, or DeepSeek's latent attention
         self.mlp = mlp  # MLP, or a mixture of experts (layers/moe.py)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -157,9 +157,12 @@ class LlamaModel(nn.Module):
     then takes the previous stage's hidden states and residual, and hands its own on)."""
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int,
-                 make_mlp: Callable[[Any, int], nn.Module] | None = None) -> None:
+                 make_mlp: Callable[[Any, int], nn.Module] | None = None,
+                 make_attention: Callable[[Any, int], nn.Module] | None = None) -> None:
         super().__init__()
         make_mlp = make_mlp or (lambda config, layer: MLP(config))
+        make_attention = make_attention or (
+            lambda config, layer: Attention(config, qkv_bias, qk_norm))
         world = get_world()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
@@ -169,7 +172,7 @@ class LlamaModel(nn.Module):
                                  config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i))
+            DecoderLayer(config, make_attention(config, i), make_mlp(config, i))
             if i in self.stage_layers
             else OtherStageLayer() for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -207,11 +210,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, max_positions: int, qkv_bias: bool = False,
                  qk_norm: bool = False,
-                 make_mlp: Callable[[Any, int], nn.Module] | None = None) -> None:
-        """`make_mlp(config, layer index)`: each layer's feed-forward block (default MLP)."""
+                 make_mlp: Callable[[Any, int], nn.Module] | None = None,
+                 make_attention: Callable[[Any, int], nn.Module] | None = None) -> None:
+        """`make_mlp(config, layer index)` / `make_attention(...)`: each layer's feed-forward
+        and attention blocks (default MLP and Attention)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions, make_mlp)
+        self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions, make_mlp,
+                                make_attention)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from tokenmill.models.deepseek import DeepseekV3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 
@@ -24,6 +25,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "qkv_bias", True)),
                                        "make_mlp": qwen_moe_mlp}),
+    "DeepseekV3ForCausalLM": (DeepseekV3ForCausalLM, lambda c: {}),
     "Qwen3MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
                                        "qk_norm": True, "make_mlp": qwen_moe_mlp}),

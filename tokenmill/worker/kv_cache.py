@@ -9,8 +9,10 @@ from tokenmill.quantization.kv_cache import SCALE_BYTES, row_bytes
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * row_bytes(head_dim, dtype)  # K and V
+                    dtype: torch.dtype, values: bool = True) -> int:
+    """`values=False`: one cache a layer (DeepSeek's latent rows), not K and V."""
+    caches = 2 if values else 1
+    return caches * num_layers * block_size * num_kv_heads * row_bytes(head_dim, dtype)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -27,11 +29,12 @@ def gpu_kv_budget_bytes(device: torch.device, utilization: float) -> int:
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      head_dim: int, dtype: torch.dtype, device: torch.device,
+                      values: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeroed, not empty: padded decode reads of unused slots are masked out of the softmax,
     # but garbage NaNs in V would still poison `probs @ V`.
     row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
     shape = (num_blocks, block_size, num_kv_heads, row)
     return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+             torch.zeros(shape if values else (0,), dtype=dtype, device=device))
+            for _ in range(num_layers)]

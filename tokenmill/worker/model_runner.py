@@ -108,14 +108,18 @@ class ModelRunner:
         self._request_generators: dict[str, torch.Generator] = {}
         attn = self.model.attention_layers()[0]
         self.num_layers = len(self.model.attention_layers())
+        values = getattr(attn, "stores_values", True)  # (MLA: one latent row, no V)
+        if not values and self.kv_dtype == torch.int8:
+            raise ValueError("An int8 KV cache is not built for DeepSeek's latent attention: "
+                             "drop --kv-cache-dtype int8.")
         self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
                                                     attn.num_kv_heads, attn.head_dim,
-                                                    self.kv_dtype)
+                                                    self.kv_dtype, values)
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
         self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks())
         caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
                                             attn.num_kv_heads, attn.head_dim, self.kv_dtype,
-                                            self.device)
+                                            self.device, values)
         for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.

@@ -1,0 +1,68 @@
+"""DeepSeek's multi-head latent attention: the paged cache holds one latent + rotary row per
+token and layer; the absorbed computation equals expanding the latents into per-head K/V;
+whole models match transformers (q through q_a|q_b or one q_proj) and one rank."""
+
+import random
+
+import pytest
+import torch
+from helpers import hf_greedy, make_model, paged_step
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.deepseek import mla_attention, mla_reference
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
+
+
+def test_the_cache_holds_one_latent_row_per_token_and_layer(tiny_models):
+    path, hf = tiny_models("deepseek_v3")
+    config = hf.config
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        runner = llm.engine.core.runner
+        attn = runner.model.attention_layers()[0]
+        per_token_layer = runner.block_bytes / (runner.block_size * runner.num_layers)
+        assert attn.k_cache.shape[1:] == (runner.block_size, 1,
+                                          config.kv_lora_rank + config.qk_rope_head_dim)
+        assert attn.v_cache.numel() == 0
+    assert per_token_layer == (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+
+
+def test_absorbed_attention_equals_the_expanded_reference(tiny_models):
+    """Random latents in the cache, mixed decodes and prompt chunks with cached context."""
+    path, _ = tiny_models("deepseek_v3")
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        layer = llm.engine.core.runner.model.attention_layers()[0]
+        rng = random.Random(0)
+        meta = paged_step([(9, 1), (30, 1), (0, 7), (12, 5)], 16, 20, rng)
+        layer.k_cache.normal_()
+        t = meta.query_start_loc[-1]
+        q = torch.randn(t, layer.num_heads, layer.nope)
+        q_pe = torch.randn(t, layer.num_heads, layer.rope_dim)
+        w_uk, w_uv = layer.absorbed()
+        absorbed = torch.einsum("thr,hvr->thv", mla_attention(
+            torch.einsum("thn,hnr->thr", q, w_uk), q_pe, layer.k_cache, meta, layer.rank,
+            layer.scale), w_uv)
+        torch.testing.assert_close(absorbed, mla_reference(layer, q, q_pe, meta),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_one_q_projection_and_two_ranks(tmp_path, tiny_models):
+    """q_lora_rank None (DeepSeek-V2-Lite's single q_proj) matches transformers; heads split
+    over two ranks (the latent cache whole on each) match one rank."""
+    path = str(tmp_path / "q_proj")
+    hf = make_model(path, "deepseek_v3", q_lora_rank=None)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        one = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert one == [hf_greedy(hf, p, 10) for p in PROMPTS]
+    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2) as llm:
+        two = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert two == one
+
+
+def test_an_int8_kv_cache_is_refused_by_name(tiny_models):
+    path, _ = tiny_models("deepseek_v3")
+    with pytest.raises(ValueError, match="int8 KV cache is not built for DeepSeek"):
+        LLM(path, kv_cache_memory_gib=0.01, kv_cache_dtype="int8")
