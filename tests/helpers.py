@@ -70,6 +70,18 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
             qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
             first_k_dense_replace=1, tie_word_embeddings=False),
+        # DeepSeek-V3's YaRN: factor 4 over an original 64 positions, mscale on both
+        "deepseek_v3_yarn": lambda: tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            n_shared_experts=1, n_routed_experts=8, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+                          "mscale": 1.0, "mscale_all_dim": 0.707,
+                          "original_max_position_embeddings": 64}),
+        # Qwen2.5's long-context YaRN (no mscale keys)
+        "qwen2_yarn": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
         "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4,
                                             num_experts_per_tok=2, sliding_window=None,
                                             tie_word_embeddings=False),
@@ -88,13 +100,14 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
                "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
                "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
+               "deepseek_v3_yarn": tf.DeepseekV3ForCausalLM, "qwen2_yarn": tf.Qwen2ForCausalLM,
                "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(0)
     model = classes[arch](config).to(dtype).eval()
-    if arch == "deepseek_v3":  # routing biases start at zero; make them matter
+    if arch.startswith("deepseek_v3"):  # routing biases start at zero; make them matter
         with torch.no_grad():
             for layer in model.model.layers[config.first_k_dense_replace:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)

@@ -1,4 +1,4 @@
-"""Rotary position embedding (default, linear, Llama-3 and LongRoPE scaling, or a GGUF's
+"""Rotary position embedding (default, linear, Llama-3, LongRoPE and YaRN scaling, or a GGUF's
 per-frequency factors) with a cos/sin table."""
 
 from __future__ import annotations
@@ -41,13 +41,24 @@ def longrope_length(params: dict[str, Any]) -> int | None:
     return int(params["original_max_position_embeddings"])
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
     """What cos and sin are scaled by: LongRoPE's sqrt(1 + ln(factor) / ln(original
-    context)), factor = max_position_embeddings / original; 1 for the other types."""
-    if params["rope_type"] != "longrope":
+    context)), factor = max_position_embeddings / original; YaRN's mscale (DeepSeek's:
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim)); 1 for the other types."""
+    if params["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
+    if params["rope_type"] == "yarn":
+        factor = _yarn_factor(params, max_position_embeddings)
+        mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and all_dim:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+        return yarn_mscale(factor)
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -77,6 +88,8 @@ def _scaled_frequencies(head_dim: int, params: dict[str, Any],
         return inv_freq / float(params["factor"])
     if rope_type == "longrope":  # the short factors (see longrope_length)
         return inv_freq / torch.tensor(params["short_factor"], dtype=torch.float32)
+    if rope_type == "yarn":
+        return _yarn_frequencies(head_dim, params, max_position_embeddings, inv_freq)
     if rope_type == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
@@ -90,7 +103,36 @@ def _scaled_frequencies(head_dim: int, params: dict[str, Any],
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, blended, scaled)
     raise ValueError(f"Unsupported rope scaling type {rope_type!r}; supported: default, linear, "
-                     "llama3, longrope.")
+                     "llama3, longrope, yarn.")
+
+
+def _yarn_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    if params.get("factor") is not None:
+        return float(params["factor"])
+    return max_position_embeddings / params["original_max_position_embeddings"]
+
+
+def _yarn_frequencies(head_dim: int, params: dict[str, Any], max_position_embeddings: int,
+                      extrapolated: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context
+    are interpolated (divided by the factor), those turning more than `beta_fast` times kept,
+    a linear ramp between."""
+    base, factor = float(params["rope_theta"]), _yarn_factor(params, max_position_embeddings)
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it is
+    return extrapolated / factor * (1 - kept) + extrapolated * kept
 
 
 class RotaryEmbedding(nn.Module):

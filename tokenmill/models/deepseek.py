@@ -12,7 +12,6 @@ across tensor-parallel ranks; the latent cache is every rank's whole."""
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from tokenmill.attention.backend import AttentionMetadata, KeptRows
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import StepRotary
+from tokenmill.layers.rotary import StepRotary, rope_parameters, yarn_mscale
 from tokenmill.models.llama import MLP, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -150,18 +149,12 @@ def mla_reference(layer: MLAttention, q: torch.Tensor, q_pe: torch.Tensor,
     return out
 
 
-def _mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def mla_scale(config: Any) -> float:
     """1 / sqrt(qk head size), times YaRN's mscale(mscale_all_dim) squared when scaled."""
-    from tokenmill.layers.rotary import rope_parameters
-
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     params = rope_parameters(config)
     if params["rope_type"] != "default" and params.get("mscale_all_dim"):
-        m = _mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
         scale *= m * m
     return scale
 
