@@ -70,6 +70,14 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
             qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
             first_k_dense_replace=1, tie_word_embeddings=False),
+        # DeepSeek-V2(-Lite): one q_proj, softmax routing limited to the best group
+        "deepseek_v2": lambda: tf.DeepseekV2Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32,
+            n_shared_experts=2, n_routed_experts=8, routed_scaling_factor=1.5,
+            kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
+            topk_method="group_limited_greedy", first_k_dense_replace=1,
+            tie_word_embeddings=False),
         # DeepSeek-V3's YaRN: factor 4 over an original 64 positions, mscale on both
         "deepseek_v3_yarn": lambda: tf.DeepseekV3Config(
             **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32,
@@ -101,6 +109,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
                "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "deepseek_v3_yarn": tf.DeepseekV3ForCausalLM, "qwen2_yarn": tf.Qwen2ForCausalLM,
+               "deepseek_v2": tf.DeepseekV2ForCausalLM,
                "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():

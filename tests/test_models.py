@@ -11,7 +11,8 @@ from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.attention.backend import KeptRows
 
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
-         "qwen2_yarn", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn"]
+         "qwen2_yarn", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
+         "deepseek_v2"]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 12
 

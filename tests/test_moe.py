@@ -74,6 +74,24 @@ def test_grouped_routing_matches_a_per_token_reference_with_ties():
     torch.testing.assert_close(weights.double(), ref_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_softmax_group_routing_matches_a_per_token_reference():
+    """DeepSeek-V2's group-limited greedy: groups ranked by their best expert."""
+    from tokenmill.layers.moe import softmax_grouped_top_k
+
+    torch.manual_seed(2)
+    logits = torch.randn(25, 12)
+    logits[::5] = 0.0  # all tied
+    weights, ids = softmax_grouped_top_k(logits, 2, 3, 2, False, 1.5)
+    for t, probs in enumerate(torch.softmax(logits.double(), dim=-1)):
+        best = [max(float(p) for p in probs[g * 4:(g + 1) * 4]) for g in range(3)]
+        groups = sorted(range(3), key=lambda g: (-best[g], g))[:2]
+        chosen = sorted((e for e in range(12) if e // 4 in groups),
+                        key=lambda e: (-float(probs[e]), e))[:2]
+        assert ids[t].tolist() == chosen
+        torch.testing.assert_close(weights[t].double(), probs[chosen] * 1.5, rtol=1e-5,
+                                   atol=1e-6)
+
+
 def generate(path, prompts, params, **engine):
     with LLM(path, kv_cache_memory_gib=0.01, **engine) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,

@@ -53,6 +53,27 @@ def grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_group: in
     return weights * scaling, ids
 
 
+def softmax_grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                          renormalize: bool, scaling: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's `group_limited_greedy`: softmax scores; the experts of the `topk_group`
+    groups with the highest single score compete for the k places; weights times
+    `scaling`. Ties go to the lower index."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    t, experts = probs.shape
+    group_scores = probs.view(t, n_group, experts // n_group).amax(dim=-1)
+    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
+    keep = torch.zeros(t, n_group, dtype=torch.bool, device=logits.device)
+    keep.scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(t, experts)
+    weights, ids = torch.sort(probs.masked_fill(~keep, 0.0), dim=-1, descending=True,
+                              stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     experts: nn.ModuleList) -> torch.Tensor:
     """sum over each token's experts of weight x expert(token): the assignments sorted by
@@ -77,20 +98,22 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 class SparseMoE(nn.Module):
     """`make_expert()`: one expert, an MLP returning this rank's partial sums (the block adds
     them up once). `shared_expert` (same kind) runs on every token, scaled by
-    sigmoid(`shared_expert_gate`) when `gated_shared` (Qwen2-MoE). `grouped`: DeepSeek-V3's
-    routing (`grouped_top_k`: n_group, topk_group, routed_scaling_factor; the router holds
-    `e_score_correction_bias`), else softmax top-k."""
+    sigmoid(`shared_expert_gate`) when `gated_shared` (Qwen2-MoE). `router`: "softmax"
+    (top-k), "softmax_grouped" (DeepSeek-V2's group-limited greedy) or "sigmoid_grouped"
+    (DeepSeek-V3's `grouped_top_k`; the router holds `e_score_correction_bias`); `grouped`:
+    (n_group, topk_group, routed_scaling_factor) of the DeepSeek routers."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
                  make_expert: Callable[[], nn.Module], shared_expert: nn.Module | None = None,
-                 gated_shared: bool = False,
-                 grouped: tuple[int, int, float] | None = None) -> None:
+                 gated_shared: bool = False, router: str = "softmax",
+                 grouped: tuple[int, int, float] = (1, 1, 1.0)) -> None:
         super().__init__()
-        self.top_k, self.renormalize, self.grouped = top_k, renormalize, grouped
+        self.top_k, self.renormalize = top_k, renormalize
+        self.router, self.grouped = router, grouped
         self.tp = get_tp_group()
         self.gate = Linear(hidden, num_experts)  # the router: every rank whole, never quantized
         self.gate.keep_float = True
-        if grouped is not None:
+        if router == "sigmoid_grouped":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts),
                                                              requires_grad=False)
             self.gate.e_score_correction_bias.weight_loader = default_weight_loader
@@ -102,13 +125,18 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.grouped is None:
-            weights, ids = softmax_top_k(logits, self.top_k, self.renormalize)
-        else:
-            n_group, topk_group, scaling = self.grouped
+        n_group, topk_group, scaling = self.grouped
+        if self.router == "sigmoid_grouped":
             weights, ids = grouped_top_k(logits, self.top_k, n_group, topk_group,
                                          self.gate.e_score_correction_bias, self.renormalize,
                                          scaling)
+        elif self.router == "softmax_grouped":
+            weights, ids = softmax_grouped_top_k(logits, self.top_k, n_group, topk_group,
+                                                 self.renormalize, scaling)
+        else:
+            weights, ids = softmax_top_k(logits, self.top_k, self.renormalize)
+            if scaling != 1.0:
+                weights = weights * scaling
         out = grouped_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

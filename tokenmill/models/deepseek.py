@@ -30,12 +30,12 @@ logger = logging.getLogger(__name__)
 class MLAttention(nn.Module):
     stores_values = False  # the cache holds one latent row per token: no V cache
 
-    def __init__(self, config: Any, scale: float) -> None:
+    def __init__(self, config: Any, scale: float, interleaved: bool) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
-        self.interleaved = bool(getattr(config, "rope_interleave", False))
+        self.interleaved = interleaved  # rotary on (x0, x1), (x2, x3) .. pairs
         q_width = heads * (self.nope + self.rope_dim)
         if config.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, q_width)
@@ -160,22 +160,32 @@ def mla_scale(config: Any) -> float:
 
 
 def deepseek_mlp(config: Any, layer: int) -> nn.Module:
+    """DeepSeek-V3's routing (sigmoid, grouped), or DeepSeek-V2's `topk_method` (softmax:
+    `greedy`, or `group_limited_greedy`)."""
     if layer < config.first_k_dense_replace or layer % getattr(config, "moe_layer_freq", 1):
         return MLP(config)
     shared = (MLP(config, config.moe_intermediate_size * config.n_shared_experts, reduce=False)
               if config.n_shared_experts else None)
+    method = getattr(config, "topk_method", "noaux_tc")
+    router = {"greedy": "softmax", "group_limited_greedy": "softmax_grouped"}.get(
+        method, "sigmoid_grouped")
     return SparseMoE(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
                      bool(config.norm_topk_prob),
                      lambda: MLP(config, config.moe_intermediate_size, reduce=False), shared,
-                     grouped=(config.n_group or 1, config.topk_group or 1,
-                              float(config.routed_scaling_factor)))
+                     router=router, grouped=(config.n_group or 1, config.topk_group or 1,
+                                             float(config.routed_scaling_factor)))
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V3 / R1, and DeepSeek-V2 (its rotary pairs interleaved as V3's, routing by
+    `topk_method`)."""
+
     def __init__(self, config: Any, max_positions: int) -> None:
         scale = mla_scale(config)
+        interleaved = bool(getattr(config, "rope_interleave", True))
         super().__init__(config, max_positions, make_mlp=deepseek_mlp,
-                         make_attention=lambda config, layer: MLAttention(config, scale))
+                         make_attention=lambda config, layer: MLAttention(config, scale,
+                                                                          interleaved))
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         if ".self_attn." in name:  # MLA's projections are its own (no q|k|v to merge)

@@ -26,6 +26,7 @@ _MODELS = {
                             lambda c: {"qkv_bias": bool(getattr(c, "qkv_bias", True)),
                                        "make_mlp": qwen_moe_mlp}),
     "DeepseekV3ForCausalLM": (DeepseekV3ForCausalLM, lambda c: {}),
+    "DeepseekV2ForCausalLM": (DeepseekV3ForCausalLM, lambda c: {}),
     "Qwen3MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
                                        "qk_norm": True, "make_mlp": qwen_moe_mlp}),
