@@ -17,7 +17,7 @@ from tokenmill import csrc
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import CheckpointSlice, RowParallelLinear, choose_linear_kernels
 from tokenmill.models.registry import build_model
-from tokenmill.quantization import QuantConfig, checkpoint_quant_config
+from tokenmill.quantization import QuantConfig, checkpoint_quant_config, fp8_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,10 @@ def load_hf_config(path: str) -> Any:
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
 
 
-def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) pairs; `lazy`: `CheckpointSlice`s that read only what a loader keeps."""
+def iter_safetensors(model_dir: str, lazy: bool = False,
+                     fp8_block: tuple[int, int] | None = None) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs; `lazy`: `CheckpointSlice`s that read only what a loader keeps;
+    `fp8_block`: float8 weights come dequantized with their block factors (fp8_blocks.py)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -74,7 +76,15 @@ def iter_safetensors(model_dir: str, lazy: bool = False) -> Iterator[tuple[str, 
         raise FileNotFoundError(f"No *.safetensors weights in {model_dir!r}.")
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            names = list(f.keys())
+            if fp8_block is not None:
+                for name, item in fp8_blocks.dequantized(names, f.get_slice, fp8_block, lazy):
+                    if isinstance(item, torch.Tensor | fp8_blocks.Fp8BlockSlice):
+                        yield name, item
+                    else:  # a plain tensor's slice
+                        yield name, CheckpointSlice(item) if lazy else item[:]
+                continue
+            for name in names:
                 yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)
 
 
@@ -86,7 +96,7 @@ def iter_weights(path: str, hf_config: Any, keep_quantized: bool = False,
     if is_gguf(path):
         from tokenmill.gguf_loader import iter_gguf_weights
         return iter_gguf_weights(path, hf_config, keep_quantized)
-    return iter_safetensors(path, lazy)
+    return iter_safetensors(path, lazy, fp8_blocks.block_size(hf_config))
 
 
 def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig | None:
