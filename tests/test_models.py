@@ -197,24 +197,28 @@ def test_prompt_steps_skip_the_last_layer_for_rows_not_sampled(tiny_models, monk
     assert rows == [len(PROMPTS[1])]
 
 
-def test_a_sliding_window_caps_the_model_length_until_it_is_applied(tmp_path):
-    """Mistral v0.1-style window: sequences are kept inside it (where full attention is the
-    same computation) rather than silently attending past it; a longer max_model_len is
-    refused by name."""
-    path = str(tmp_path / "swa")
-    hf = make_model(path, "mistral", sliding_window=32)
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
-        assert llm.engine.core.max_model_len == 32
-        prompt = list(range(5, 25))
-        out = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-                           use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "length"
-    tokens = out.outputs[0].token_ids
-    assert len(prompt) + len(tokens) == 32 and tokens == hf_greedy(hf, prompt, len(tokens))
-    with pytest.raises(ValueError, match=r"max_model_len \(64\) is larger than the model's "
-                                         r"sliding attention window \(32 tokens\)"):
-        LLM(path, kv_cache_memory_gib=0.01, max_model_len=64)
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", {"sliding_window": 16}),
+    ("phi3", {"sliding_window": 16}),
+    # Qwen2: the window on the layers `layer_types` marks (here layer 1 only)
+    ("qwen2", {"sliding_window": 16, "use_sliding_window": True,
+               "layer_types": ["full_attention", "sliding_attention"]})])
+def test_sliding_window_attention_matches_transformers_past_the_window(tmp_path, arch,
+                                                                       overrides):
+    """Prompts and generations past a 16-token window, whole and in 8-token chunks with
+    prefix-cache hits: transformers' tokens."""
+    path = str(tmp_path / arch)
+    hf = make_model(path, arch, **overrides)
+    shared = list(range(30, 60))
+    prompts = [shared + [i, i + 5] for i in range(100, 104)] + [list(range(5, 12))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 24) for p in prompts]
+    for engine in ({}, {"max_num_batched_tokens": 8}):
+        with LLM(path, kv_cache_memory_gib=0.01, **engine) as llm:
+            assert llm.engine.core.max_model_len == hf.config.max_position_embeddings
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, engine
 
 
 def test_longrope_keeps_to_its_short_factors_context(tiny_models):

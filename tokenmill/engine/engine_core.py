@@ -18,13 +18,9 @@ logger = logging.getLogger(__name__)
 
 def length_limit(hf_config) -> tuple[int, str] | None:
     """(tokens, what) for a model whose computation past some length tokenmill does not
-    reproduce yet: a sliding attention window (Mistral v0.1's 4096; Qwen2 with
-    `use_sliding_window`; Phi-3's), or LongRoPE's switch to its long factors."""
+    reproduce yet: LongRoPE's switch to its long factors."""
     from tokenmill.layers.rotary import longrope_length, rope_parameters  # (imports torch)
 
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) is not False:
-        return int(window), "sliding attention window"
     longrope = longrope_length(rope_parameters(hf_config))
     if longrope is not None:
         return longrope, "LongRoPE's original context (its long factors)"

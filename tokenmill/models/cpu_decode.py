@@ -147,6 +147,8 @@ class CpuDecodeStep:
             return "mixture-of-experts layers run in Python"
         if not all(isinstance(layer.self_attn, Attention) for layer in stage):
             return "latent attention runs in Python"
+        if any(layer.self_attn.window is not None for layer in stage):
+            return "sliding-window attention runs in Python"
         if stage[0].self_attn.head_dim % 8:
             return "head size not a multiple of 8"
         # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.

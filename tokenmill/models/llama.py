@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
+from tokenmill.attention.window import windowed_attention
 from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -17,11 +18,27 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, StepRotary, rope_parameters
 
 
-class Attention(nn.Module):
-    """Self-attention over this tensor-parallel rank's heads (all of them with one rank)."""
+def layer_window(config: Any, layer: int) -> int | None:
+    """The sliding attention window of `layer`, or None (full attention): every layer's
+    `sliding_window` (Mistral v0.1, Phi-3), or those `layer_types` marks (Qwen2 with
+    `use_sliding_window` past `max_window_layers`)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types and types[layer] != "sliding_attention":
+        return None
+    return int(window)
 
-    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool) -> None:
+
+class Attention(nn.Module):
+    """Self-attention over this tensor-parallel rank's heads (all of them with one rank);
+    `window`: sliding-window attention (attention/window.py)."""
+
+    def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
+                 window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -61,7 +78,12 @@ class Attention(nn.Module):
             if not kept.count:
                 return x.new_empty(0, x.shape[1])
             q, k, v, meta, t = q[kept.rows], k[kept.rows], v[kept.rows], kept.meta, kept.count
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if self.window is None:
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = windowed_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+                                     self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -162,7 +184,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         make_mlp = make_mlp or (lambda config, layer: MLP(config))
         make_attention = make_attention or (
-            lambda config, layer: Attention(config, qkv_bias, qk_norm))
+            lambda config, layer: Attention(config, qkv_bias, qk_norm,
+                                            layer_window(config, layer)))
         world = get_world()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
