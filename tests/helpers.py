@@ -90,6 +90,11 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         # Qwen2.5's long-context YaRN (no mscale keys)
         "qwen2_yarn": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False, rope_scaling={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        # local (8-token window) and global layers, soft-capped attention and logits
+        "gemma2": lambda: tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16,
+                                          sliding_window=8, pad_token_id=0,
+                                          attn_logit_softcapping=5.0,
+                                          final_logit_softcapping=3.0),
         "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4,
                                             num_experts_per_tok=2, sliding_window=None,
                                             tie_word_embeddings=False),
@@ -109,7 +114,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
                "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "deepseek_v3_yarn": tf.DeepseekV3ForCausalLM, "qwen2_yarn": tf.Qwen2ForCausalLM,
-               "deepseek_v2": tf.DeepseekV2ForCausalLM,
+               "deepseek_v2": tf.DeepseekV2ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
                "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():

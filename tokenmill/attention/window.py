@@ -1,8 +1,9 @@
-"""Sliding-window attention over the paged cache (Mistral v0.1, Qwen2's `use_sliding_window`
-layers, Phi-3, Gemma's local layers): a query at position p sees the keys at positions
-p - window + 1 .. p, as transformers' sliding mask. Only the blocks holding a step's
-visible keys are read; each sequence attends through one masked SDPA call. (The compiled
-CPU kernels take no window yet: models with one run their attention here.)"""
+"""Attention over the paged cache with what the compiled kernels do not take yet: a sliding
+window (Mistral v0.1, Qwen2's `use_sliding_window` layers, Phi-3, Gemma's local layers: a
+query at position p sees the keys at positions p - window + 1 .. p, as transformers' sliding
+mask) and Gemma 2's logit soft-capping (scores -> cap * tanh(scores / cap)). Only the blocks
+holding a step's visible keys are read; each sequence attends through one masked SDPA call,
+or, soft-capped, explicit products."""
 
 from __future__ import annotations
 
@@ -12,24 +13,42 @@ import torch.nn.functional as F
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 
 
-def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float, window: int) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """[T, Hq, D] outputs of the step's queries (their K/V already in the cache)."""
     out = torch.empty_like(q)
     loc, bs = meta.query_start_loc, meta.block_size
     for s in range(meta.num_seqs):
         lo, hi = loc[s], loc[s + 1]
         context, seq_len = meta.context_lens[s], int(meta.seq_lens[s])
-        first_block = max(0, context - window + 1) // bs  # the first query's oldest key
+        # the first query's oldest key
+        first_block = 0 if window is None else max(0, context - window + 1) // bs
         start = first_block * bs
         blocks = meta.block_table[s, first_block: -(-seq_len // bs)]
         keys = AttentionBackend.gather_kv(k_cache, blocks, seq_len - start, q.dtype)
         values = AttentionBackend.gather_kv(v_cache, blocks, seq_len - start, q.dtype)
         position = torch.arange(context, context + hi - lo, device=q.device).unsqueeze(1)
         key = torch.arange(start, seq_len, device=q.device).unsqueeze(0)
-        visible = (key <= position) & (key > position - window)
+        visible = key <= position
+        if window is not None:
+            visible &= key > position - window
+        if softcap is not None:
+            out[lo:hi] = _soft_capped(q[lo:hi], keys, values, visible, scale, softcap)
+            continue
         out[lo:hi] = F.scaled_dot_product_attention(
             q[lo:hi].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0), attn_mask=visible, scale=scale,
             enable_gqa=True)[0].transpose(0, 1)
     return out
+
+
+def _soft_capped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 visible: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    scores = torch.tanh(scores / cap) * cap
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")).float(), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs.to(q.dtype), values)

@@ -1,4 +1,5 @@
-"""Gated activation of the MLP: silu(gate) * up over a merged gate|up projection."""
+"""Gated activations of the MLP over a merged gate|up projection: silu(gate) * up, and
+Gemma's gelu_tanh(gate) * up."""
 
 from __future__ import annotations
 
@@ -15,3 +16,11 @@ class SiluAndMul(nn.Module):
             return csrc.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, approximate="tanh") * up (transformers' `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -21,7 +21,8 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import CpuKernelSettings
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.linear import Linear
-from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +144,17 @@ class CpuDecodeStep:
         if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
             return "the attention backend does not use the compiled decode kernel"
         stage = [model.model.layers[i] for i in model.model.stage_layers]
+        if not all(type(layer) is DecoderLayer for layer in stage):
+            return "this decoder layer's norms run in Python"
         if not all(isinstance(layer.mlp, MLP) for layer in stage):
             return "mixture-of-experts layers run in Python"
+        if not all(isinstance(layer.mlp.act, SiluAndMul) for layer in stage):
+            return "activations other than SiLU run in Python"
         if not all(isinstance(layer.self_attn, Attention) for layer in stage):
             return "latent attention runs in Python"
-        if any(layer.self_attn.window is not None for layer in stage):
-            return "sliding-window attention runs in Python"
+        if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None
+               for layer in stage):
+            return "sliding-window and soft-capped attention run in Python"
         if stage[0].self_attn.head_dim % 8:
             return "head size not a multiple of 8"
         # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
-from tokenmill.attention.window import windowed_attention
+from tokenmill.attention.window import masked_attention
 from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -36,9 +36,12 @@ class Attention(nn.Module):
     `window`: sliding-window attention (attention/window.py)."""
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
-                 window: int | None = None) -> None:
+                 window: int | None = None, softcap: float | None = None,
+                 scale: float | None = None, norm: type[nn.Module] = RMSNorm) -> None:
+        """`softcap`: Gemma 2's attention logit soft-capping; `scale`: of the scores (default
+        1 / sqrt(head size)); `norm`: the q/k norms' class."""
         super().__init__()
-        self.window = window
+        self.window, self.softcap = window, softcap
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -47,11 +50,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = scale or self.head_dim ** -0.5
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden,
                                         getattr(config, "attention_bias", False))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         # Bound by the model runner once the KV cache is allocated.
         self.backend: AttentionBackend | None = None
         self.k_cache = torch.empty(0)
@@ -78,12 +81,12 @@ class Attention(nn.Module):
             if not kept.count:
                 return x.new_empty(0, x.shape[1])
             q, k, v, meta, t = q[kept.rows], k[kept.rows], v[kept.rows], kept.meta, kept.count
-        if self.window is None:
+        if self.window is None and self.softcap is None:
             out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         else:
             self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = windowed_attention(q, self.k_cache, self.v_cache, meta, self.scale,
-                                     self.window)
+            out = masked_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+                                   self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -91,12 +94,14 @@ class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)), the intermediate size split across tensor-parallel ranks
     (`reduce=False`: this rank's partial sums, for a caller that adds them up)."""
 
-    def __init__(self, config: Any, size: int | None = None, reduce: bool = True) -> None:
+    def __init__(self, config: Any, size: int | None = None, reduce: bool = True,
+                 act: nn.Module | None = None) -> None:
+        """`act`: the gated activation (default SiLU, which the kernels may fuse)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
-        self.act = SiluAndMul()
+        self.act = act or SiluAndMul()
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,8 @@ class MLP(nn.Module):
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T): in one pass where the kernel fuses them."""
-        fused = getattr(self.gate_up_proj.kernel, "apply_gated", None)
+        fused = getattr(self.gate_up_proj.kernel, "apply_gated", None) \
+            if isinstance(self.act, SiluAndMul) else None
         out = fused(self.gate_up_proj, x) if fused is not None else None
         return out if out is not None else self.act(self.gate_up_proj(x))
 
@@ -180,9 +186,12 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool, max_positions: int,
                  make_mlp: Callable[[Any, int], nn.Module] | None = None,
-                 make_attention: Callable[[Any, int], nn.Module] | None = None) -> None:
+                 make_attention: Callable[[Any, int], nn.Module] | None = None,
+                 make_layer: Callable[..., nn.Module] | None = None,
+                 make_norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         make_mlp = make_mlp or (lambda config, layer: MLP(config))
+        make_layer = make_layer or DecoderLayer
         make_attention = make_attention or (
             lambda config, layer: Attention(config, qkv_bias, qk_norm,
                                             layer_window(config, layer)))
@@ -195,10 +204,11 @@ class LlamaModel(nn.Module):
                                  config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, make_attention(config, i), make_mlp(config, i))
+            make_layer(config, make_attention(config, i), make_mlp(config, i))
             if i in self.stage_layers
             else OtherStageLayer() for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale: float | None = None
 
     def forward(self, input_ids, positions, meta, kept: KeptRows | None = None,
                 carried: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -206,7 +216,12 @@ class LlamaModel(nn.Module):
         the last layer's outputs, so there only the kept rows go past the K/V projection
         (most of a prompt's rows are not sampled from). A stage before the last returns its
         (hidden, residual) instead; a stage after the first starts from `carried`."""
-        hidden, residual = (self.embed_tokens(input_ids), None) if carried is None else carried
+        if carried is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:  # Gemma: embeddings times sqrt(hidden size)
+                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        else:
+            hidden, residual = carried
         rope = self.rotary.for_step(positions, hidden.dtype)
         last = len(self.layers) - 1
         for i in self.stage_layers:
@@ -234,13 +249,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, max_positions: int, qkv_bias: bool = False,
                  qk_norm: bool = False,
                  make_mlp: Callable[[Any, int], nn.Module] | None = None,
-                 make_attention: Callable[[Any, int], nn.Module] | None = None) -> None:
+                 make_attention: Callable[[Any, int], nn.Module] | None = None,
+                 make_layer: Callable[..., nn.Module] | None = None,
+                 make_norm: type[nn.Module] = RMSNorm) -> None:
         """`make_mlp(config, layer index)` / `make_attention(...)`: each layer's feed-forward
-        and attention blocks (default MLP and Attention)."""
+        and attention blocks (default MLP and Attention); `make_layer(config, attention,
+        mlp)`: the decoder layer around them; `make_norm`: the final norm's class."""
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions, make_mlp,
-                                make_attention)
+                                make_attention, make_layer, make_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:

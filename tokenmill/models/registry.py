@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from tokenmill.models.deepseek import DeepseekV3ForCausalLM
+from tokenmill.models.gemma import Gemma2ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 
@@ -22,6 +23,7 @@ _MODELS = {
     # fused qkv_proj / gate_up_proj tensors load as they are (our merged layers' names)
     "Phi3ForCausalLM": (LlamaForCausalLM, lambda c: {}),
     "MixtralForCausalLM": (MixtralForCausalLM, lambda c: {}),
+    "Gemma2ForCausalLM": (Gemma2ForCausalLM, lambda c: {}),
     "Qwen2MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "qkv_bias", True)),
                                        "make_mlp": qwen_moe_mlp}),

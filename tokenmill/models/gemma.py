@@ -1,0 +1,75 @@
+"""Gemma 2 on the Llama-family model: RMSNorms scaling by (1 + weight), embeddings times
+sqrt(hidden size), GELU-tanh MLPs, a norm after attention and one before and after the MLP,
+scores scaled by `query_pre_attn_scalar`, attention and final logits soft-capped, and
+sliding-window layers alternating with global ones (`layer_types`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.activation import GeluTanhAndMul
+from tokenmill.layers.linear import default_weight_loader, whole
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM, layer_window
+
+
+class GemmaRMSNorm(RMSNorm):
+    """x / rms(x) * (1 + w): the checkpoint's w is stored here as 1 + w (the same float32
+    product transformers takes)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.weight_loader = lambda param, loaded: default_weight_loader(
+            param, whole(loaded).float() + 1.0)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """x + post_ff(mlp(pre_ff(x + post_attn(attn(input(x)))))): carried as (hidden,
+    residual) pairs like the Llama layers (the sum of the two is the stream)."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = attention, mlp
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, rope, hidden, residual, meta, kept=None):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta, kept)
+        if kept is not None:
+            residual = residual[kept.rows]
+            if not kept.count:
+                return hidden, residual
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: Any, max_positions: int) -> None:
+        scale = config.query_pre_attn_scalar ** -0.5
+        super().__init__(
+            config, max_positions,
+            make_mlp=lambda config, layer: MLP(config, act=GeluTanhAndMul()),
+            make_attention=lambda config, layer: Attention(
+                config, False, False, layer_window(config, layer),
+                config.attn_logit_softcapping, scale),
+            make_layer=GemmaDecoderLayer, make_norm=GemmaRMSNorm)
+        self.model.embed_scale = config.hidden_size ** 0.5
+        self.final_softcap = config.final_logit_softcapping
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        if logits is not None and self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
