@@ -20,8 +20,8 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import CpuKernelSettings
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
-from tokenmill.layers.linear import Linear
 from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
