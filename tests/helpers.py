@@ -95,6 +95,11 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                                           sliding_window=8, pad_token_id=0,
                                           attn_logit_softcapping=5.0,
                                           final_logit_softcapping=3.0),
+        # 3 layers: local (8-token window, rope base 100), global (linear x2), local
+        "gemma3": lambda: tf.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=8, sliding_window_pattern=2, rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, pad_token_id=0),
         "mixtral": lambda: tf.MixtralConfig(**common, num_local_experts=4,
                                             num_experts_per_tok=2, sliding_window=None,
                                             tie_word_embeddings=False),
@@ -115,6 +120,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "deepseek_v3_yarn": tf.DeepseekV3ForCausalLM, "qwen2_yarn": tf.Qwen2ForCausalLM,
                "deepseek_v2": tf.DeepseekV2ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
+               "gemma3": tf.Gemma3ForCausalLM,
                "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():

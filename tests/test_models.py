@@ -12,7 +12,7 @@ from tokenmill.attention.backend import KeptRows
 
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
          "qwen2_yarn", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
-         "deepseek_v2", "gemma2"]
+         "deepseek_v2", "gemma2", "gemma3"]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 12
 
@@ -45,7 +45,7 @@ def test_greedy_matches_transformers(tiny_models, arch, cpu_ops):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                  "deepseek_v3", "gemma2"])
+                                  "deepseek_v3", "gemma2", "gemma3"])
 def test_logprobs_close_to_transformers(tiny_models, arch, cpu_ops):
     path, hf = tiny_models(arch)
     llm = LLM(path, kv_cache_memory_gib=0.01)

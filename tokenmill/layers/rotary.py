@@ -33,6 +33,21 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]] | None:
+    """Gemma 3's rotary settings per layer type ({"full_attention": ..., "sliding_attention":
+    ...}), each as `rope_parameters` gives them; None for one setting for every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params.get("full_attention"), dict):
+        return None
+    out = {}
+    for kind, own in params.items():
+        own = dict(own)
+        own["rope_type"] = own.get("rope_type", own.get("type", "default"))
+        own.setdefault("rope_theta", 10000.0)
+        out[kind] = own
+    return out
+
+
 def longrope_length(params: dict[str, Any]) -> int | None:
     """The context LongRoPE's short factors serve (transformers switches to the long ones,
     which tokenmill does not apply, past it); None for other rope types."""

@@ -1,7 +1,9 @@
-"""Gemma 2 on the Llama-family model: RMSNorms scaling by (1 + weight), embeddings times
-sqrt(hidden size), GELU-tanh MLPs, a norm after attention and one before and after the MLP,
-scores scaled by `query_pre_attn_scalar`, attention and final logits soft-capped, and
-sliding-window layers alternating with global ones (`layer_types`)."""
+"""Gemma 2 and 3 (text) on the Llama-family model: RMSNorms scaling by (1 + weight),
+embeddings times sqrt(hidden size), GELU-tanh MLPs, a norm after attention and one before
+and after the MLP, scores scaled by `query_pre_attn_scalar`, sliding-window layers
+alternating with global ones (`layer_types`); Gemma 2 soft-caps attention and final logits,
+Gemma 3 norms q and k per head and rotates local and global layers with their own rope
+settings."""
 
 from __future__ import annotations
 
@@ -56,20 +58,27 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
+    qk_norm = False  # (Gemma 3: per-head (1 + w) norms of q and k)
+
     def __init__(self, config: Any, max_positions: int) -> None:
         scale = config.query_pre_attn_scalar ** -0.5
         super().__init__(
             config, max_positions,
             make_mlp=lambda config, layer: MLP(config, act=GeluTanhAndMul()),
             make_attention=lambda config, layer: Attention(
-                config, False, False, layer_window(config, layer),
-                config.attn_logit_softcapping, scale),
+                config, bool(getattr(config, "attention_bias", False)), self.qk_norm,
+                layer_window(config, layer), getattr(config, "attn_logit_softcapping", None),
+                scale, norm=GemmaRMSNorm),
             make_layer=GemmaDecoderLayer, make_norm=GemmaRMSNorm)
         self.model.embed_scale = config.hidden_size ** 0.5
-        self.final_softcap = config.final_logit_softcapping
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    qk_norm = True

@@ -15,7 +15,12 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, StepRotary, rope_parameters
+from tokenmill.layers.rotary import (
+    RotaryEmbedding,
+    StepRotary,
+    rope_parameters,
+    rope_parameters_by_layer_type,
+)
 
 
 def layer_window(config: Any, layer: int) -> int | None:
@@ -200,8 +205,17 @@ class LlamaModel(nn.Module):
                     or config.hidden_size // config.num_attention_heads)
         self.stage_layers = world.layers(config.num_hidden_layers, _head_cost(config, head_dim))
         self.is_last_stage = world.is_last_stage
-        self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
-                                 config.max_position_embeddings)
+        by_type = rope_parameters_by_layer_type(config)
+        if by_type is None:
+            self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
+                                          config.max_position_embeddings)
+            self.rotaries, self.layer_types = None, None
+        else:  # Gemma 3: local and global layers rotate with their own settings
+            self.rotaries = nn.ModuleDict({kind: RotaryEmbedding(
+                head_dim, max_positions, params, config.max_position_embeddings)
+                for kind, params in by_type.items()})
+            self.layer_types = list(config.layer_types)
+            self.rotary = self.rotaries["full_attention"]
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             make_layer(config, make_attention(config, i), make_mlp(config, i))
@@ -223,9 +237,13 @@ class LlamaModel(nn.Module):
         else:
             hidden, residual = carried
         rope = self.rotary.for_step(positions, hidden.dtype)
+        ropes = None if self.rotaries is None else {
+            kind: rotary.for_step(positions, hidden.dtype)
+            for kind, rotary in self.rotaries.items()}
         last = len(self.layers) - 1
         for i in self.stage_layers:
-            hidden, residual = self.layers[i](rope, hidden, residual, meta,
+            layer_rope = rope if ropes is None else ropes[self.layer_types[i]]
+            hidden, residual = self.layers[i](layer_rope, hidden, residual, meta,
                                               kept if i == last else None)
         if not self.is_last_stage:
             return hidden, residual

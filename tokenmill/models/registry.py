@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from tokenmill.models.deepseek import DeepseekV3ForCausalLM
-from tokenmill.models.gemma import Gemma2ForCausalLM
+from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 
@@ -24,6 +24,7 @@ _MODELS = {
     "Phi3ForCausalLM": (LlamaForCausalLM, lambda c: {}),
     "MixtralForCausalLM": (MixtralForCausalLM, lambda c: {}),
     "Gemma2ForCausalLM": (Gemma2ForCausalLM, lambda c: {}),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, lambda c: {}),
     "Qwen2MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "qkv_bias", True)),
                                        "make_mlp": qwen_moe_mlp}),
