@@ -66,3 +66,23 @@ def test_an_int8_kv_cache_is_refused_by_name(tiny_models):
     path, _ = tiny_models("deepseek_v3")
     with pytest.raises(ValueError, match="int8 KV cache is not built for DeepSeek"):
         LLM(path, kv_cache_memory_gib=0.01, kv_cache_dtype="int8")
+
+
+def test_quantization_reaches_the_latent_projections_and_experts(tiny_models):
+    """int8: q_a / q_b / kv_a / o projections and every expert quantized (kv_b, absorbed,
+    and the router stay float); two ranks give one rank's tokens."""
+    path, _ = tiny_models("deepseek_v3")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        with LLM(path, kv_cache_memory_gib=0.01, quantization="int8",
+                 tensor_parallel_size=tp) as llm:
+            layer = llm.engine.core.runner.model.model.layers[1]
+            attn, moe = layer.self_attn, layer.mlp
+            for linear in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj,
+                           moe.experts[5].gate_up_proj, moe.shared_expert.down_proj):
+                assert linear.kernel.name.startswith("int8"), linear
+            assert attn.kv_b_proj.weight is not None and moe.gate.weight is not None
+            results.append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
+    assert results[1] == results[0]
