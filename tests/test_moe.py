@@ -172,3 +172,33 @@ def test_gguf_mixture_of_experts_files(tiny_models, tmp_path, monkeypatch, arch,
     assert kernel.startswith("int8" if qtype == "Q8_0" else "int4")
     monkeypatch.setattr(csrc, "available", lambda: False)  # every block expanded to float
     assert run()[1] == tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_expert_parallel_ranks_hold_whole_experts_and_match_one_rank(tiny_models, arch):
+    """--enable-expert-parallel: rank r holds experts r, r + 2, .. whole (reading only
+    theirs from the checkpoint); the tokens of one rank."""
+    from tokenmill.layers.moe import OtherRankExpert, SparseMoE
+
+    path, _ = tiny_models(arch)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    one, _ = generate(path, PROMPTS, params)
+    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2,
+             enable_expert_parallel=True) as llm:
+        moe = next(m for m in llm.engine.core.runner.model.modules()
+                   if isinstance(m, SparseMoE))
+        held = [not isinstance(e, OtherRankExpert) for e in moe.experts]
+        assert held == [e % 2 == 0 for e in range(len(held))]
+        size = moe.experts[0].down_proj.in_features  # whole: not split across the ranks
+        assert moe.experts[0].gate_up_proj.out_features == 2 * size
+        two = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert two == one
+
+
+def test_the_flag_reaches_the_engine_config():
+    from tokenmill.config import build_server_config
+
+    assert build_server_config(["--enable-expert-parallel", "-tp", "2"], {}).engine \
+        .enable_expert_parallel
+    assert not build_server_config([], {}).engine.enable_expert_parallel

@@ -139,6 +139,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "Ray cluster (RAY_ADDRESS, or the local one)")
     a("--distributed-timeout", type=float, default=None, metavar="S",
       help="seconds start-up waits for every rank to join (default 120)")
+    a("--enable-expert-parallel", action="store_true", default=None,
+      help="each tensor-parallel rank holds whole experts (1/tp of them) instead of a "
+           "slice of every one")
     a("--data-parallel-size", "-dp", type=int, default=None,
       help="engine replicas behind the API (each with its own tensor/pipeline ranks)")
     a("--nnodes", type=int, default=None, help="nodes sharing the ranks (env MP_NNODE)")
@@ -282,6 +285,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "data_parallel_size": pick(args.data_parallel_size, None, 1),
+        "enable_expert_parallel": bool(args.enable_expert_parallel),
         "ray_address": env.text("RAY_ADDRESS"),
         **node_settings(args, env, tp * pp),
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),

@@ -45,6 +45,8 @@ class EngineConfig:
     # Data parallel (server only): this many engine cores, each with its own ranks, behind
     # the API processes; the machine's cores are shared out among all their ranks.
     data_parallel_size: int = 1
+    # mixture-of-experts layers: whole experts per tensor-parallel rank (vLLM's flag)
+    enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

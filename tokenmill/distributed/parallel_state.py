@@ -33,6 +33,7 @@ class TensorParallelGroup:
     backend: Any = None  # a torch.distributed ProcessGroupGloo / NCCL (None: a group of one)
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - where collectives' tensors live
     shm: Any = None  # ShmAllReduce of ranks on one node (CPU float32 sums), else the backend's
+    expert_parallel: bool = False  # MoE layers: whole experts per rank (layers/moe.py)
 
     @property
     def is_first(self) -> bool:
@@ -185,7 +186,8 @@ def get_world() -> World:
 
 def init_parallel(rank: int, tp_size: int, rendezvous: str, timeout_s: float,
                   device: torch.device = _CPU, shm_paths: list[str] | None = None,
-                  host: str = "127.0.0.1", pp_size: int = 1) -> World:
+                  host: str = "127.0.0.1", pp_size: int = 1,
+                  expert_parallel: bool = False) -> World:
     """Join the engine's tp_size x pp_size ranks as `rank`, meeting at `rendezvous`:
     file:///path (ranks of one machine: no socket) or tcp://addr:port (rank 0 serves the
     store there, listening on that address only). `host`: the address this rank's gloo
@@ -215,7 +217,8 @@ def init_parallel(rank: int, tp_size: int, rendezvous: str, timeout_s: float,
     stage, tp_rank = divmod(rank, tp_size)
     tp = world if pp_size == 1 else _backend(dist.PrefixStore(f"tp{stage}", store), tp_rank,
                                              tp_size, cuda, host)
-    _GROUP = TensorParallelGroup(tp_rank, tp_size, tp, device)
+    _GROUP = TensorParallelGroup(tp_rank, tp_size, tp, device,
+                                 expert_parallel=expert_parallel)
     path = shm_paths[stage] if shm_paths else None
     shm = _attach_shm(path, tp_rank, tp_size) if tp_size > 1 and not cuda else None
     if shm is not None:

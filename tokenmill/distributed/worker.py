@@ -61,7 +61,7 @@ def run(spec: WorkerSpec) -> None:
     device = resolve_device(spec.config.device)
     init_parallel(spec.rank, spec.config.tensor_parallel_size, spec.init_method,
                   spec.config.distributed_timeout, device, spec.shm_paths, spec.host,
-                  spec.config.pipeline_parallel_size)
+                  spec.config.pipeline_parallel_size, spec.config.enable_expert_parallel)
     runner = ModelRunner(spec.config, spec.model_path, load_hf_config(spec.model_path),
                          spec.max_model_len)
     runner.serve_steps()

@@ -2,8 +2,9 @@
 grouped by expert and each active expert runs once over its tokens, its weighted outputs added
 back in place. Experts are ordinary MLPs of linear layers, so every kernel and quantization a
 `Linear` has serves them, and a decode step reads only the active experts' weights. Under
-tensor parallel each expert's intermediate size is split as an MLP's is; the experts' (and
-the shared expert's) partial sums meet in one all-reduce for the block."""
+tensor parallel each expert's intermediate size is split as an MLP's is, or, with expert
+parallel, each rank holds whole experts (1/tp of them); either way the experts' (and the
+shared expert's) partial sums meet in one all-reduce for the block."""
 
 from __future__ import annotations
 
@@ -74,11 +75,16 @@ def softmax_grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_g
     return weights * scaling, ids
 
 
+class OtherRankExpert(nn.Module):
+    """An expert another rank holds whole (expert parallel): nothing here."""
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     experts: nn.ModuleList) -> torch.Tensor:
     """sum over each token's experts of weight x expert(token): the assignments sorted by
     expert (tokens in order within one), each active expert run once over its rows, in
-    expert order (as transformers adds them up)."""
+    expert order (as transformers adds them up); experts other ranks hold are left to
+    them."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -88,23 +94,26 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     out = torch.zeros(x.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
-        if count:
+        if count and not isinstance(experts[expert], OtherRankExpert):
             mine = rows[start:start + count]
             out.index_add_(0, mine, experts[expert](x[mine]) * scale[start:start + count])
-            start += count
+        start += count
     return out
 
 
 class SparseMoE(nn.Module):
-    """`make_expert()`: one expert, an MLP returning this rank's partial sums (the block adds
-    them up once). `shared_expert` (same kind) runs on every token, scaled by
-    sigmoid(`shared_expert_gate`) when `gated_shared` (Qwen2-MoE). `router`: "softmax"
+    """`make_expert(split)`: one expert, an MLP returning this rank's partial sums (the block
+    adds them up once): split across the tensor-parallel ranks, or with expert parallel
+    (`split=False`) whole on the rank that holds it (expert e on rank e % tp).
+    `shared_expert` (split) runs on every token, scaled by sigmoid(`shared_expert_gate`) when
+    `gated_shared` (Qwen2-MoE). `router`: "softmax"
     (top-k), "softmax_grouped" (DeepSeek-V2's group-limited greedy) or "sigmoid_grouped"
     (DeepSeek-V3's `grouped_top_k`; the router holds `e_score_correction_bias`); `grouped`:
     (n_group, topk_group, routed_scaling_factor) of the DeepSeek routers."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
-                 make_expert: Callable[[], nn.Module], shared_expert: nn.Module | None = None,
+                 make_expert: Callable[[bool], nn.Module],
+                 shared_expert: nn.Module | None = None,
                  gated_shared: bool = False, router: str = "softmax",
                  grouped: tuple[int, int, float] = (1, 1, 1.0)) -> None:
         super().__init__()
@@ -117,11 +126,17 @@ class SparseMoE(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts),
                                                              requires_grad=False)
             self.gate.e_score_correction_bias.weight_loader = default_weight_loader
-        self.experts = nn.ModuleList(make_expert() for _ in range(num_experts))
+        self.expert_parallel = self.tp.expert_parallel and self.tp.size > 1
+        self.experts = nn.ModuleList(
+            make_expert(not self.expert_parallel) if self.holds_expert(e) else OtherRankExpert()
+            for e in range(num_experts))
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden, 1) if gated_shared else None
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.keep_float = True
+
+    def holds_expert(self, expert: int) -> bool:
+        return not self.expert_parallel or expert % self.tp.size == self.tp.rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)

@@ -171,7 +171,8 @@ def deepseek_mlp(config: Any, layer: int) -> nn.Module:
         method, "sigmoid_grouped")
     return SparseMoE(config.hidden_size, config.n_routed_experts, config.num_experts_per_tok,
                      bool(config.norm_topk_prob),
-                     lambda: MLP(config, config.moe_intermediate_size, reduce=False), shared,
+                     lambda split: MLP(config, config.moe_intermediate_size, reduce=False,
+                                       split=split), shared,
                      router=router, grouped=(config.n_group or 1, config.topk_group or 1,
                                              float(config.routed_scaling_factor)))
 

@@ -13,7 +13,7 @@ from tokenmill.attention.window import masked_attention
 from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import (
     RotaryEmbedding,
@@ -100,14 +100,17 @@ class MLP(nn.Module):
     (`reduce=False`: this rank's partial sums, for a caller that adds them up)."""
 
     def __init__(self, config: Any, size: int | None = None, reduce: bool = True,
-                 act: nn.Module | None = None) -> None:
-        """`act`: the gated activation (default SiLU, which the kernels may fuse)."""
+                 act: nn.Module | None = None, split: bool = True) -> None:
+        """`act`: the gated activation (default SiLU, which the kernels may fuse); `split`:
+        False keeps it whole on this rank (an expert under expert parallel)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = size or config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
+        whole = None if split else [(0, size), (0, size)]
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias, whole)
         self.act = act or SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, reduce)
+        self.down_proj = (RowParallelLinear(size, config.hidden_size, bias, reduce) if split
+                          else Linear(size, config.hidden_size, bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _mlp_chunk_rows(x, self.gate_up_proj.out_features)
@@ -255,7 +258,14 @@ class LlamaModel(nn.Module):
         are not read)."""
         if not name.startswith("model.layers."):
             return True
-        return int(name.split(".", 3)[2]) in self.stage_layers
+        layer = int(name.split(".", 3)[2])
+        if layer not in self.stage_layers:
+            return False
+        if ".experts." in name:  # expert parallel: another rank's expert is not read
+            expert = name.split(".experts.", 1)[1].split(".", 1)[0]
+            holds = getattr(self.layers[layer].mlp, "holds_expert", None)
+            return holds is None or not expert.isdigit() or holds(int(expert))
+        return True
 
 
 class LlamaForCausalLM(nn.Module):

@@ -15,7 +15,8 @@ from tokenmill.models.llama import MLP, LlamaForCausalLM
 
 def mixtral_mlp(config: Any, layer: int) -> nn.Module:
     return SparseMoE(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
-                     True, lambda: MLP(config, config.intermediate_size, reduce=False))
+                     True, lambda split: MLP(config, config.intermediate_size, reduce=False,
+                                                   split=split))
 
 
 def qwen_moe_mlp(config: Any, layer: int) -> nn.Module:
@@ -28,7 +29,8 @@ def qwen_moe_mlp(config: Any, layer: int) -> nn.Module:
     shared = MLP(config, shared_size, reduce=False) if shared_size else None
     return SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                      bool(getattr(config, "norm_topk_prob", False)),
-                     lambda: MLP(config, config.moe_intermediate_size, reduce=False),
+                     lambda split: MLP(config, config.moe_intermediate_size, reduce=False,
+                                       split=split),
                      shared, gated_shared=shared is not None)
 
 
