@@ -82,3 +82,41 @@ def test_llama31_rope_freqs_are_read(tmp_path, tiny_models):
     with LLM(path, tokenizer=hf_path, kv_cache_memory_gib=0.01) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
+
+
+def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
+    """Random bytes of `kind` blocks for an [n, k] weight, their fp16 scale fields set to
+    small positive values (random bits there could be inf or NaN)."""
+    from tokenmill.quantization.gguf_blocks import BLOCKS
+
+    size, nbytes = BLOCKS[kind]
+    raw = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
+    fields = {"Q6_K": [208], "Q4_K": [0, 2], "Q4_1": [0, 2]}.get(kind, [0])
+    for offset in fields:
+        d = rng.uniform(0.001, 0.05, size=(n, k // size)).astype(np.float16)
+        raw[..., offset:offset + 2] = d.view(np.uint8).reshape(n, k // size, 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("shape", [(256, 1024), (1024, 512)])
+def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape):
+    """Q5_0 and Q6_K become int8 tensors exactly; Q4_K int4 ones whose group scales and
+    mins are rounded to fp16 (each weight within 2^-10 of its block's largest)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tokenmill.quantization.linear_kernels import KERNELS
+
+    raw = random_blocks(kind, *shape, np.random.default_rng(0))
+    shard = gguf_loader._quantized_shard(raw, kind, list(shape))
+    assert shard.method == ("int4" if kind == "Q4_K" else "int8")
+    ours = KERNELS[shard.method](shard.tensors).dequantize()
+    theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).reshape(shape)
+    if kind == "Q4_K":
+        block_max = theirs.abs().reshape(shape[0], -1, 256).amax(-1, keepdim=True)
+        gap = (ours - theirs).abs().reshape(shape[0], -1, 256)
+        assert bool((gap <= block_max * 2 ** -10).all())
+    else:
+        assert torch.equal(ours, theirs)
+

@@ -178,36 +178,24 @@ def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
-    """GGUF Q8_0 / Q4_0 / Q4_1 blocks of a [N, K] weight as int8 / int4 kernel tensors, without
-    expanding them: the same 32-input blocks, scales split out (Q4_0's w = d * (q - 8) is
-    Q4_1's form with min = -8 d)."""
+    """GGUF blocks of a [N, K] weight as int8 / int4 kernel tensors, without expanding them
+    (quantization/gguf_blocks.py)."""
+    from tokenmill.quantization.gguf_blocks import METHODS, to_kernel_tensors
     from tokenmill.quantization.model import QuantizedShard
 
     n, k = shape
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(n, k // 32, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if type_name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return QuantizedShard("int8", {"qweight": torch.from_numpy(q),
-                                       "scale": torch.from_numpy(d.astype(np.float32))})
-    if type_name == "Q4_0":
-        mins, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
-    else:  # Q4_1
-        mins, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
-    return QuantizedShard("int4", {"qweight": torch.from_numpy(qs.reshape(n, k // 2).copy()),
-                                   "scale": torch.from_numpy(d.copy()),
-                                   "min": torch.from_numpy(mins.copy())})
+    return QuantizedShard(METHODS[type_name], to_kernel_tensors(data, type_name, n, k))
 
 
 # GGUF block types whose weights the int8 / int4 kernels read as they are.
-_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1"}
+_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q6_K", "Q4_K"}
 
 
 def iter_gguf_weights(path: str, config: Any,
                       keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 tensor) per weight; with `keep_quantized`, linear weights stored as
-    Q8_0 / Q4_0 / Q4_1 come as `QuantizedShard`s (a tied LM head too, beside the float
-    embedding table it shares)."""
+    Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q6_K / Q4_K come as `QuantizedShard`s (a tied LM head too,
+    beside the float embedding table it shares)."""
     reader = _reader(path)
     try:
         yield from _weights(reader, config, keep_quantized)

@@ -205,9 +205,10 @@ def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, 
 
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
 def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
-    """q and k stored as Q5_0 (expanded to float), v as Q8_0 (readable as it is), as a Qwen2
-    Q4_K_M file stores them: the merged q|k|v layer is served in float, not as v's rows
-    alone (which made the K projection come out a fraction of its width)."""
+    """q and k stored as Q4_1 (int4 groups), v as Q8_0 (int8): the merged q|k|v layer, whose
+    parts differ in format, is served in float, not as one part's rows alone (which made a
+    Qwen2 Q4_K_M file's K projection come out a fraction of its width); the MLP's Q5_0 gate
+    and up are served as int8 as they are."""
     from gguf import GGMLQuantizationType as Q
     from helpers import write_gguf
 
@@ -215,15 +216,15 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
 
     hf_path, hf = tiny_models("qwen2")
     path = str(tmp_path / "mixed.gguf")
-    kinds = {"attn_q.weight": Q.Q5_0, "attn_k.weight": Q.Q5_0, "attn_v.weight": Q.Q8_0,
-             "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_1}
+    kinds = {"attn_q.weight": Q.Q4_1, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.Q8_0,
+             "ffn_gate.weight": Q.Q5_0, "ffn_up.weight": Q.Q5_0}
     write_gguf(path, "qwen2", hf.state_dict(), hf.config,
                lambda name: kinds.get(name.split(".", 2)[-1]))
     gguf_loader._reader.cache_clear()
     llm, tokens, logprobs = run(path, tokenizer=hf_path)
     layer = llm.engine.core.runner.model.model.layers[0]
     assert not layer.self_attn.qkv_proj.kernel.name.startswith("int")
-    assert layer.mlp.gate_up_proj.kernel.name.startswith("int4")
+    assert layer.mlp.gate_up_proj.kernel.name.startswith("int8")
     expanded = copy.deepcopy(hf)  # the same rounded weights, in float
     with torch.no_grad():
         for name, param in expanded.named_parameters():

@@ -1,0 +1,104 @@
+"""GGUF block formats turned into the int8 / int4 kernels' tensors without expanding them to
+float: each block's integers kept, its scales split out.
+
+- Q8_0 (32 x int8, one fp16 scale) -> int8, groups of 32.
+- Q4_0 / Q4_1 (32 x 4 bits, scale (and min)) -> int4 (w = q x scale + min; Q4_0's
+  w = d (q - 8) is min = -8 d), groups of 32, their nibbles as they are.
+- Q5_0 (32 x 5 bits, w = d (q - 16)) -> int8, groups of 32: exact.
+- Q6_K (256-blocks of 16 groups of 16 x 6 bits, int8 group scales times an fp16 d,
+  w = d sc (q - 32)) -> int8, groups of 16: exact.
+- Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and mins times fp16 d and
+  dmin, w = d sc q - dmin m) -> int4, groups of 32; the products d sc and dmin m are rounded
+  to fp16 (the int4 kernels' scale type): within 2^-11 of each group's scale.
+Each function takes a weight's [N, bytes per row] uint8 rows and returns the kernel tensors
+(rows = output channels)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.quantization.schemes import pack_int4
+
+# block type -> (weights a block, bytes a block)
+BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+          "Q6_K": (256, 210), "Q4_K": (256, 144)}
+METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q6_K": "int8",
+           "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+
+
+def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
+    size, nbytes = BLOCKS[kind]
+    return np.ascontiguousarray(data).view(np.uint8).reshape(n, k // size, nbytes)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def to_kernel_tensors(data: np.ndarray, kind: str, n: int, k: int) -> dict[str, torch.Tensor]:
+    blocks = _blocks(data, kind, n, k)
+    return _CONVERT[kind](blocks, n, k)
+
+
+def _q8_0(blocks, n, k):
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return {"qweight": torch.from_numpy(q), "scale": torch.from_numpy(_f16(blocks[..., 0:2]))}
+
+
+def _q4(blocks, n, k, with_min: bool):
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if with_min:
+        mins, qs = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    else:
+        mins, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
+    return {"qweight": torch.from_numpy(qs.reshape(n, k // 2).copy()),
+            "scale": torch.from_numpy(d.copy()), "min": torch.from_numpy(mins.copy())}
+
+
+def _q5_0(blocks, n, k):
+    d = _f16(blocks[..., 0:2])
+    high = blocks[..., 2:6].copy().view(np.uint32)[..., 0]  # bit j: input j's fifth bit
+    qs = blocks[..., 6:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # inputs 0..31
+    bits = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    q = (low | (bits.astype(np.int16) << 4)) - 16
+    return {"qweight": torch.from_numpy(q.astype(np.int8).reshape(n, k)),
+            "scale": torch.from_numpy(d)}
+
+
+def _q6_k(blocks, n, k):
+    ql, qh = blocks[..., :128].astype(np.int16), blocks[..., 128:192].astype(np.int16)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = _f16(blocks[..., 208:210])
+    q = np.empty(blocks.shape[:2] + (256,), dtype=np.int16)
+    for half in range(2):  # each 128 inputs: ql 64 bytes, qh 32 bytes
+        low, hi = ql[..., 64 * half: 64 * half + 64], qh[..., 32 * half: 32 * half + 32]
+        base = 128 * half
+        q[..., base: base + 32] = (low[..., :32] & 0xF) | ((hi & 3) << 4)
+        q[..., base + 32: base + 64] = (low[..., 32:] & 0xF) | (((hi >> 2) & 3) << 4)
+        q[..., base + 64: base + 96] = (low[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
+        q[..., base + 96: base + 128] = (low[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
+    q -= 32
+    scale = (d[..., None] * sc).reshape(n, k // 16)  # a scale per 16 inputs, in order
+    return {"qweight": torch.from_numpy(q.astype(np.int8).reshape(n, k)),
+            "scale": torch.from_numpy(scale)}
+
+
+def _q4_k(blocks, n, k):
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    packed = blocks[..., 4:16].reshape(*blocks.shape[:2], 3, 4)
+    a, b, c = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)  # 4 x (32 bytes: 2 groups)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(n, k)  # groups of 32 in order
+    scale = (d[..., None] * sc).reshape(n, k // 32).astype(np.float16)
+    mins = (-(dmin[..., None] * mn)).reshape(n, k // 32).astype(np.float16)
+    return {"qweight": pack_int4(torch.from_numpy(q.astype(np.uint8))),
+            "scale": torch.from_numpy(scale), "min": torch.from_numpy(mins)}
+
+
+_CONVERT = {"Q8_0": _q8_0, "Q4_0": lambda b, n, k: _q4(b, n, k, False),
+            "Q4_1": lambda b, n, k: _q4(b, n, k, True), "Q5_0": _q5_0, "Q6_K": _q6_k,
+            "Q4_K": _q4_k}
