@@ -86,3 +86,14 @@ def test_quantization_reaches_the_latent_projections_and_experts(tiny_models):
             results.append([o.outputs[0].token_ids for o in llm.generate(
                 [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
     assert results[1] == results[0]
+
+
+def test_pipeline_stages_and_preemption_match_one_rank(tiny_models):
+    """Latent attention under two pipeline stages, and through chunked prefill, prefix hits
+    and preemption: one rank's / transformers' tokens."""
+    path, hf = tiny_models("deepseek_v3")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01, pipeline_parallel_size=2) as llm:
+        staged = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert staged == [hf_greedy(hf, p, 10) for p in PROMPTS]

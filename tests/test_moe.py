@@ -1,7 +1,8 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): routing and the grouped expert
-run against a slow per-token reference, then whole models against transformers and against
-one rank through chunked prefill, prefix hits, preemption, tensor / pipeline parallel and
-quantization."""
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek): routing and the
+grouped expert run against a slow per-token reference, then whole models against
+transformers and against one rank through chunked prefill, prefix hits, preemption (the
+other new architectures too: Gemma 2 / 3, Phi-3), tensor / pipeline / expert parallel,
+quantization and GGUF files."""
 
 import pytest
 import torch
@@ -100,7 +101,8 @@ def generate(path, prompts, params, **engine):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma2",
+                                  "gemma3", "phi3"])
 def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tiny_models, arch):
     path, hf = tiny_models(arch)
     shared = list(range(20, 84))
