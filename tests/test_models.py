@@ -231,3 +231,26 @@ def test_longrope_keeps_to_its_short_factors_context(tiny_models):
                                          r"\(256 tokens\)"):
         LLM(path, kv_cache_memory_gib=0.01, max_model_len=512)
 
+
+
+def test_blocks_that_left_every_layers_window_go_back_to_the_pool(tmp_path):
+    """Every layer windowed (16 tokens, blocks of 16): a 100-token request holds at most
+    the blocks its window spans, not all 7, and still gives transformers' tokens."""
+    path = str(tmp_path / "swa")
+    hf = make_model(path, "mistral", sliding_window=16)
+    prompt = list(range(5, 45))
+    with LLM(path, kv_cache_memory_gib=0.01, block_size=16) as llm:
+        core = llm.engine.core
+        used, schedule = [], core.scheduler.schedule
+
+        def watched(*args, **kwargs):
+            step = schedule(*args, **kwargs)
+            used.append(core.kv_cache.pool.num_used_blocks)
+            return step
+        core.scheduler.schedule = watched
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                           use_tqdm=False)[0]
+        core.kv_cache.pool.check_integrity()
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 60)
+    assert max(used) <= 3 and used[-1] <= 3  # one window's blocks + the one being filled

@@ -11,10 +11,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
+        """`window`: every layer attends only to this many latest positions (Mistral v0.1):
+        blocks wholly before a request's window go back to the pool as it moves on (its
+        table keeps their places, as block 0, never read again)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
         self.block_size = block_size
+        self.window = window
+        self._num_dropped: dict[str, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}
@@ -31,7 +37,7 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return [0 if b is None else b.block_id for b in self._blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
@@ -92,13 +98,28 @@ class KVCacheManager:
             for i in range(start, num_full):
                 self.pool.cache_full_block(blocks[i], request.block_hashes[i])
             self._num_cached_blocks[request.request_id] = max(start, num_full)
+        if self.window is not None:
+            self._drop_out_of_window(request.request_id, blocks, num_computed)
         return True
+
+    def _drop_out_of_window(self, request_id: str, blocks: list, first_position: int) -> None:
+        """Give back the blocks wholly before the window of this step's first query (the
+        step's other queries sit later, their windows too)."""
+        end = max(0, first_position - self.window + 1) // self.block_size
+        start = self._num_dropped.get(request_id, 0)
+        dropped = [blocks[i] for i in range(start, end) if blocks[i] is not None]
+        for i in range(start, end):
+            blocks[i] = None
+        if end > start:
+            self._num_dropped[request_id] = end
+        self.pool.free_blocks(reversed(dropped))
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_dropped.pop(request.request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed([b for b in blocks if b is not None]))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -107,8 +107,10 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
+        from tokenmill.models.llama import kv_window
+
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching, kv_window(self.hf_config))
         budget = config.max_num_batched_tokens
         if budget is None:
             budget = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)

@@ -36,6 +36,13 @@ def layer_window(config: Any, layer: int) -> int | None:
     return int(window)
 
 
+def kv_window(config: Any) -> int | None:
+    """The window every layer keeps to (the largest, where windows differ), or None when a
+    layer attends to the whole sequence: only then can old blocks be given back."""
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    return None if None in windows else max(windows)
+
+
 class Attention(nn.Module):
     """Self-attention over this tensor-parallel rank's heads (all of them with one rank);
     `window`: sliding-window attention (attention/window.py)."""
