@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.layers.activation import GeluTanhAndMul
 from tokenmill.layers.linear import default_weight_loader, whole
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM, layer_window
+from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, layer_window
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -28,30 +28,19 @@ class GemmaRMSNorm(RMSNorm):
             param, whole(loaded).float() + 1.0)
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
     """x + post_ff(mlp(pre_ff(x + post_attn(attn(input(x)))))): carried as (hidden,
     residual) pairs like the Llama layers (the sum of the two is the stream)."""
 
     def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
-        self.self_attn, self.mlp = attention, mlp
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        super().__init__(config, attention, mlp, GemmaRMSNorm)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, hidden, residual, meta, kept=None):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, meta, kept)
-        if kept is not None:
-            residual = residual[kept.rows]
-            if not kept.count:
-                return hidden, residual
+        hidden, residual = self.attend(rope, hidden, residual, meta, kept)
+        if kept is not None and not kept.count:
+            return hidden, residual
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

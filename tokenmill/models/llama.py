@@ -160,14 +160,24 @@ def _mlp_chunk_rows(x: torch.Tensor, gate_up_width: int) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module,
+                 norm: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.self_attn = attention  # Attention, or DeepSeek's latent attention
         self.mlp = mlp  # MLP, or a mixture of experts (layers/moe.py)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, hidden, residual, meta, kept: KeptRows | None = None):
+        hidden, residual = self.attend(rope, hidden, residual, meta, kept)
+        if kept is not None and not kept.count:
+            return hidden, residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def attend(self, rope, hidden, residual, meta, kept: KeptRows | None):
+        """The input norm (adding the residual carried in) and attention: (attention output,
+        residual), of `kept`'s rows only when given."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -176,10 +186,7 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden, meta, kept)
         if kept is not None:
             residual = residual[kept.rows]
-            if not kept.count:
-                return hidden, residual
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return hidden, residual
 
 
 class OtherStageLayer(nn.Module):
