@@ -6,7 +6,7 @@ import json
 import psutil
 
 from tests.reliability.streams import Stream
-from tests.serving import HOLD_TOKENS
+from tests.serving import HOLD_TOKENS, alive, wait_until
 from tokenmill.distributed.worker import __name__ as WORKER_MODULE
 
 
@@ -26,6 +26,16 @@ def assert_ended_by_engine_death(stream: Stream) -> None:
     errors = [json.loads(e) for e in events if e.startswith('{"error"')]
     assert errors and errors[0]["error"]["code"] == 503, events[-3:]
     assert len(events) < HOLD_TOKENS // 2
+
+
+def assert_server_died(served, streams: list[Stream], pids: list[int]) -> None:
+    """The engine-death policy: each stream ended by its error, the server exited 1, and
+    none of `pids` is left running, nor any of its ports bound."""
+    for stream in streams:
+        assert_ended_by_engine_death(stream)
+    assert served.process.wait(120) == 1
+    assert wait_until(lambda: not any(alive(pid) for pid in pids), 60)
+    assert wait_until(served.ports_free, 60)
 
 
 def tree(pid: int | None = None) -> list[psutil.Process]:

@@ -8,8 +8,8 @@ import signal
 import psutil
 import pytest
 
-from tests.distributed.checks import assert_ended_by_engine_death, held_stream
-from tests.serving import Served, alive, metric, wait_until
+from tests.distributed.checks import assert_server_died, held_stream
+from tests.serving import Served, metric, wait_until
 from tokenmill.distributed.dp_client import PrefixRouter
 
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 6
@@ -49,11 +49,7 @@ def test_two_replicas_route_by_prefix_then_load_and_die_together(tiny_models, tm
         # One replica crashes: every stream ends with the engine-death error, the server
         # exits 1 and no engine process is left.
         os.kill(engines[1].pid, signal.SIGKILL)
-        for stream in (first, second, other):
-            assert_ended_by_engine_death(stream)
-        assert served.process.wait(120) == 1
-        assert wait_until(lambda: not any(alive(p.pid) for p in engines), 60)
-        assert wait_until(served.ports_free, 60)
+        assert_server_died(served, [first, second, other], [p.pid for p in engines])
     finally:
         served.stop()
 

@@ -6,7 +6,7 @@ import signal
 
 import httpx
 
-from tests.distributed.checks import assert_ended_by_engine_death, held_stream, tree, worker_ranks
+from tests.distributed.checks import assert_server_died, held_stream, tree, worker_ranks
 from tests.serving import Served, alive, engine_process, wait_until
 from tokenmill import LLM, SamplingParams
 
@@ -35,10 +35,7 @@ def test_served_with_two_ranks_answers_like_one_and_dies_with_a_worker(tiny_mode
         # A stream in flight when the worker rank is killed ends with the engine-death error.
         stream = held_stream(served.api)
         os.kill(workers[0].pid, signal.SIGKILL)
-        assert_ended_by_engine_death(stream)
-        assert served.process.wait(120) == 1
-        assert wait_until(lambda: not any(alive(p.pid) for p in everything), 60)
-        assert wait_until(served.ports_free, 60)
+        assert_server_died(served, [stream], [p.pid for p in everything])
     finally:
         served.stop()
 
@@ -89,8 +86,6 @@ def test_a_stalled_worker_rank_is_an_engine_death_with_no_orphan(tiny_models, tm
         (worker,) = worker_ranks(served.process.pid)
         stream = held_stream(served.api)
         os.kill(worker.pid, signal.SIGSTOP)
-        assert_ended_by_engine_death(stream)
-        assert served.process.wait(120) == 1
-        assert wait_until(lambda: not alive(worker.pid), 60)
+        assert_server_died(served, [stream], [worker.pid])
     finally:
         served.stop()
