@@ -91,18 +91,18 @@ def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
 
     size, nbytes = BLOCKS[kind]
     raw = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
-    fields = {"Q6_K": [208], "Q4_K": [0, 2], "Q4_1": [0, 2]}.get(kind, [0])
+    fields = {"Q6_K": [208], "Q3_K": [108], "Q4_K": [0, 2], "Q4_1": [0, 2]}.get(kind, [0])
     for offset in fields:
         d = rng.uniform(0.001, 0.05, size=(n, k // size)).astype(np.float16)
         raw[..., offset:offset + 2] = d.view(np.uint8).reshape(n, k // size, 2)
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q3_K", "Q4_K"])
 @pytest.mark.parametrize("shape", [(256, 1024), (1024, 512)])
 def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape):
-    """Q5_0 and Q6_K become int8 tensors exactly; Q4_K int4 ones whose group scales and
-    mins are rounded to fp16 (each weight within 2^-10 of its block's largest)."""
+    """Q5_0, Q6_K and Q3_K become int8 tensors exactly; Q4_K int4 ones whose group scales
+    and mins are rounded to fp16 (each weight within 2^-10 of its block's largest)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -188,13 +188,13 @@ def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
 
 
 # GGUF block types whose weights the int8 / int4 kernels read as they are.
-_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q6_K", "Q4_K"}
+_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q6_K", "Q3_K", "Q4_K"}
 
 
 def iter_gguf_weights(path: str, config: Any,
                       keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 tensor) per weight; with `keep_quantized`, linear weights stored as
-    Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q6_K / Q4_K come as `QuantizedShard`s (a tied LM head too,
+    Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q6_K / Q3_K / Q4_K come as `QuantizedShard`s (a tied LM head too,
     beside the float embedding table it shares)."""
     reader = _reader(path)
     try:

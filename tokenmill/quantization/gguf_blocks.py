@@ -7,6 +7,8 @@ float: each block's integers kept, its scales split out.
 - Q5_0 (32 x 5 bits, w = d (q - 16)) -> int8, groups of 32: exact.
 - Q6_K (256-blocks of 16 groups of 16 x 6 bits, int8 group scales times an fp16 d,
   w = d sc (q - 32)) -> int8, groups of 16: exact.
+- Q3_K (256-blocks of 16 groups of 16 x 3 bits, 6-bit group scales times an fp16 d,
+  w = d (sc - 32) q with q in -4..3) -> int8, groups of 16: exact.
 - Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and mins times fp16 d and
   dmin, w = d sc q - dmin m) -> int4, groups of 32; the products d sc and dmin m are rounded
   to fp16 (the int4 kernels' scale type): within 2^-11 of each group's scale.
@@ -22,8 +24,8 @@ from tokenmill.quantization.schemes import pack_int4
 
 # block type -> (weights a block, bytes a block)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-          "Q6_K": (256, 210), "Q4_K": (256, 144)}
-METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q6_K": "int8",
+          "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144)}
+METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q6_K": "int8", "Q3_K": "int8",
            "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
 
 
@@ -85,6 +87,24 @@ def _q6_k(blocks, n, k):
             "scale": torch.from_numpy(scale)}
 
 
+def _q3_k(blocks, n, k):
+    hmask, qs = blocks[..., :32], blocks[..., 32:96]
+    a, b, c = blocks[..., 96:100], blocks[..., 100:104], blocks[..., 104:108]
+    sc = np.concatenate([(a & 0xF) | ((c & 3) << 4), (b & 0xF) | (((c >> 2) & 3) << 4),
+                         (a >> 4) | (((c >> 4) & 3) << 4), (b >> 4) | (((c >> 6) & 3) << 4)],
+                        axis=-1).astype(np.float32) - 32
+    d = _f16(blocks[..., 108:110])
+    q = np.empty(blocks.shape[:2] + (256,), dtype=np.int8)
+    for half in range(2):  # each 128 inputs: 32 bytes of 2-bit pairs, 4 shifts
+        low = qs[..., 32 * half: 32 * half + 32]
+        for j in range(4):
+            high = (hmask & (1 << (4 * half + j))) != 0  # set: no offset; clear: minus 4
+            start = 128 * half + 32 * j
+            q[..., start: start + 32] = ((low >> (2 * j)) & 3).astype(np.int8) - 4 * ~high
+    scale = (d[..., None] * sc).reshape(n, k // 16)  # a scale per 16 inputs, in order
+    return {"qweight": torch.from_numpy(q.reshape(n, k)), "scale": torch.from_numpy(scale)}
+
+
 def _q4_k(blocks, n, k):
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     packed = blocks[..., 4:16].reshape(*blocks.shape[:2], 3, 4)
@@ -101,4 +121,5 @@ def _q4_k(blocks, n, k):
 
 _CONVERT = {"Q8_0": _q8_0, "Q4_0": lambda b, n, k: _q4(b, n, k, False),
             "Q4_1": lambda b, n, k: _q4(b, n, k, True), "Q5_0": _q5_0, "Q6_K": _q6_k,
+            "Q3_K": _q3_k,
             "Q4_K": _q4_k}
