@@ -17,14 +17,34 @@ from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.layers.linear import Linear, default_weight_loader
 
 
+def _best(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, largest first, the lower index first on ties (a stable
+    sort: torch.topk leaves tie order open)."""
+    values, ids = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[:, :k], ids[:, :k]
+
+
+def _in_best_groups(group_scores: torch.Tensor, topk_group: int, per_group: int
+                    ) -> torch.Tensor:
+    """[T, experts] mask of the experts in each token's `topk_group` best groups."""
+    t, n_group = group_scores.shape
+    keep = torch.zeros(t, n_group, dtype=torch.bool, device=group_scores.device)
+    keep.scatter_(1, _best(group_scores, topk_group)[1], True)
+    return keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(t, n_group * per_group)
+
+
+def _finish(weights: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling
+
+
 def softmax_top_k(logits: torch.Tensor, top_k: int, renormalize: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, expert ids) [T, k]: the k most probable experts of each token under a
-    softmax over all of them (float32), their weights summing to 1 with `renormalize`; on
-    ties the lower expert index first (a stable sort: torch.topk leaves tie order open)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    softmax over all of them (float32), their weights summing to 1 with `renormalize`;
+    ties go to the lower expert index."""
+    weights, ids = _best(torch.softmax(logits.float(), dim=-1), top_k)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -40,18 +60,11 @@ def grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_group: in
     scores = torch.sigmoid(logits.float())
     choice = scores if correction_bias is None else scores + correction_bias.float()
     t, experts = choice.shape
-    per_group = choice.view(t, n_group, experts // n_group)
-    group_scores = torch.sort(per_group, dim=-1, descending=True, stable=True)[0][..., :2].sum(-1)
-    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
-    keep = torch.zeros(t, n_group, dtype=torch.bool, device=logits.device)
-    keep.scatter_(1, groups, True)
-    keep = keep.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(t, experts)
-    choice = choice.masked_fill(~keep, float("-inf"))
-    ids = torch.sort(choice, dim=-1, descending=True, stable=True)[1][:, :top_k]
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    per_group = experts // n_group
+    group_scores = _best(choice.view(t * n_group, per_group), 2)[0].sum(-1).view(t, n_group)
+    keep = _in_best_groups(group_scores, topk_group, per_group)
+    ids = _best(choice.masked_fill(~keep, float("-inf")), top_k)[1]
+    return _finish(scores.gather(1, ids), renormalize, scaling), ids
 
 
 def softmax_grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int,
@@ -62,17 +75,11 @@ def softmax_grouped_top_k(logits: torch.Tensor, top_k: int, n_group: int, topk_g
     `scaling`. Ties go to the lower index."""
     probs = torch.softmax(logits.float(), dim=-1)
     t, experts = probs.shape
-    group_scores = probs.view(t, n_group, experts // n_group).amax(dim=-1)
-    groups = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :topk_group]
-    keep = torch.zeros(t, n_group, dtype=torch.bool, device=logits.device)
-    keep.scatter_(1, groups, True)
-    keep = keep.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(t, experts)
-    weights, ids = torch.sort(probs.masked_fill(~keep, 0.0), dim=-1, descending=True,
-                              stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    per_group = experts // n_group
+    keep = _in_best_groups(probs.view(t, n_group, per_group).amax(dim=-1), topk_group,
+                           per_group)
+    weights, ids = _best(probs.masked_fill(~keep, 0.0), top_k)
+    return _finish(weights, renormalize, scaling), ids
 
 
 class OtherRankExpert(nn.Module):
