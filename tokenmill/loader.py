@@ -78,11 +78,7 @@ def iter_safetensors(model_dir: str, lazy: bool = False,
         with safe_open(file, framework="pt") as f:
             names = list(f.keys())
             if fp8_block is not None:
-                for name, item in fp8_blocks.dequantized(names, f.get_slice, fp8_block, lazy):
-                    if isinstance(item, torch.Tensor | fp8_blocks.Fp8BlockSlice):
-                        yield name, item
-                    else:  # a plain tensor's slice
-                        yield name, CheckpointSlice(item) if lazy else item[:]
+                yield from fp8_blocks.dequantized(names, f.get_slice, fp8_block, lazy)
                 continue
             for name in names:
                 yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)

@@ -55,8 +55,8 @@ class Fp8BlockSlice(CheckpointSlice):
 
 
 def dequantized(names: list[str], get_slice, block: tuple[int, int], lazy: bool):
-    """(name, tensor or Fp8BlockSlice) for one safetensors file's `names` (`get_slice`
-    opens one), the block factors consumed."""
+    """(name, tensor, or with `lazy` a CheckpointSlice) for one safetensors file's `names`
+    (`get_slice` opens one): float8 weights dequantized, their block factors consumed."""
     present = set(names)
     for name in names:
         if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in present:
@@ -64,7 +64,7 @@ def dequantized(names: list[str], get_slice, block: tuple[int, int], lazy: bool)
         sliced = get_slice(name)
         scale_name = name + SCALE_SUFFIX
         if sliced.get_dtype() != "F8_E4M3" or scale_name not in present:
-            yield name, sliced
+            yield name, CheckpointSlice(sliced) if lazy else sliced[:]
             continue
         scale = get_slice(scale_name)[:]
         stored = Fp8BlockSlice(sliced, scale, block)
