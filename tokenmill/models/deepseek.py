@@ -22,7 +22,8 @@ from tokenmill.layers.linear import ColumnParallelLinear, Linear, RowParallelLin
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import StepRotary, rope_parameters, yarn_mscale
-from tokenmill.models.llama import MLP, LlamaForCausalLM
+from tokenmill.models.deepseek_mtp import build_mtp, mtp_name
+from tokenmill.models.llama import MLP, LlamaForCausalLM, holds_expert
 
 logger = logging.getLogger(__name__)
 
@@ -183,33 +184,38 @@ def deepseek_mlp(config: Any, layer: int) -> nn.Module:
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1, and DeepSeek-V2 (its rotary pairs interleaved as V3's, routing by
-    `topk_method`)."""
+    `topk_method`). The MTP layers (`mtp`, models/deepseek_mtp.py) live on the last pipeline
+    stage, beside the LM head they share."""
 
     def __init__(self, config: Any, max_positions: int) -> None:
         scale = mla_scale(config)
         interleaved = bool(getattr(config, "rope_interleave", True))
+
+        def make_attention(config, layer):
+            return MLAttention(config, scale, interleaved)
         super().__init__(config, max_positions, make_mlp=deepseek_mlp,
-                         make_attention=lambda config, layer: MLAttention(config, scale,
-                                                                          interleaved))
+                         make_attention=make_attention)
+        self.mtp = (build_mtp(config, make_attention, deepseek_mlp)
+                    if self.model.is_last_stage else nn.ModuleList())
+
+    def holds(self, name: str) -> bool:
+        ours = mtp_name(name, self.config.num_hidden_layers)
+        if ours is None or not ours.startswith("mtp."):
+            return ours is not None and super().holds(name)
+        index = int(ours.split(".")[1])
+        return index < len(self.mtp) and holds_expert(self.mtp[index].block.mlp, ours)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        name = mtp_name(name, self.config.num_hidden_layers) or name
         if ".self_attn." in name:  # MLA's projections are its own (no q|k|v to merge)
             return name, None
         # DeepSeek's shared experts are `shared_experts` (plural)
         return super().checkpoint_target(name.replace(".shared_experts.", ".shared_expert."))
 
     def load_weights(self, weights):
-        layers = self.config.num_hidden_layers
-        kept = []
-
-        def ours():
-            for name, tensor in weights:
-                if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
-                    kept.append(name)  # the MTP layers (num_nextn_predict_layers)
-                    continue
-                yield name, tensor
-        loaded = super().load_weights(ours())
-        if kept:
-            logger.info("Skipped %d tensors of the multi-token-prediction layers (used by "
-                        "speculative decoding, not built yet).", len(kept))
+        loaded = super().load_weights(weights)
+        if len(self.mtp) and not any(name.startswith("mtp.") for name in loaded):
+            logger.info("The checkpoint has no multi-token-prediction layers' tensors "
+                        "(num_nextn_predict_layers=%d): none kept.", len(self.mtp))
+            self.mtp = nn.ModuleList()
         return loaded

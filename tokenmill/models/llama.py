@@ -189,6 +189,16 @@ class DecoderLayer(nn.Module):
         return hidden, residual
 
 
+def holds_expert(mlp: nn.Module, name: str) -> bool:
+    """Under expert parallel another rank's expert is not read: whether tensor `name` of
+    this layer's feed-forward block `mlp` is this rank's."""
+    if ".experts." not in name:
+        return True
+    expert = name.split(".experts.", 1)[1].split(".", 1)[0]
+    holds = getattr(mlp, "holds_expert", None)
+    return holds is None or not expert.isdigit() or holds(int(expert))
+
+
 class OtherStageLayer(nn.Module):
     """A decoder layer another pipeline stage holds: no weights here."""
 
@@ -275,11 +285,7 @@ class LlamaModel(nn.Module):
         layer = int(name.split(".", 3)[2])
         if layer not in self.stage_layers:
             return False
-        if ".experts." in name:  # expert parallel: another rank's expert is not read
-            expert = name.split(".experts.", 1)[1].split(".", 1)[0]
-            holds = getattr(self.layers[layer].mlp, "holds_expert", None)
-            return holds is None or not expert.isdigit() or holds(int(expert))
-        return True
+        return holds_expert(self.layers[layer].mlp, name)
 
 
 class LlamaForCausalLM(nn.Module):
