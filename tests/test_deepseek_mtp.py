@@ -47,7 +47,8 @@ def _add_mtp(path, hf_main):
     tensors = {f"model.layers.{n}.{k}": v.contiguous() for k, v in extra.items()}
     block.save_pretrained(os.path.join(path, "block"))  # per-expert tensors, as shipped
     with safe_open(os.path.join(path, "block", "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        names = f.keys()  # (a safe_open handle is not iterable)
+        for name in names:
             if "layers.0." in name:
                 tensors[f"model.layers.{n}.{name.split('layers.0.', 1)[1]}"] = f.get_tensor(name)
     save_file(tensors, os.path.join(path, "mtp.safetensors"))
@@ -100,8 +101,8 @@ def test_mtp_layers_are_kept_and_one_step_matches_transformers(tmp_path):
 
 
 def test_mtp_layers_under_two_ranks_and_int8(tmp_path):
-    """Two tensor-parallel ranks or pipeline stages load them; int8 reaches the MTP layer's projections
-    and experts (and its router stays float)."""
+    """Two tensor-parallel ranks or pipeline stages load them; int8 reaches the MTP layer's
+    projections and experts (and its router stays float)."""
     path = str(tmp_path / "v3")
     hf = make_model(path, "deepseek_v3")
     _add_mtp(path, hf)

@@ -10,7 +10,8 @@ are the main model's (DeepSeek's README_WEIGHTS) and are not loaded twice."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
