@@ -6,10 +6,8 @@ import json
 import os
 import random
 
-import numpy as np
 import torch
 
-from tokenmill import gguf_loader
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 
@@ -151,102 +149,8 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-LAYER_MAP = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
-
-
-def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's convert script does to Q/K rows of Llama-type models."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
-        .reshape(w.shape)
-
-
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def llama3_rope_factors(config, rope) -> np.ndarray:
-    """llama.cpp's `rope_freqs`: each rotary frequency's divisor under Llama-3 scaling."""
-    import math
-
-    dim = head_dim(config)
-    freqs = 1.0 / (getattr(config, "rope_theta", None) or 10000.0) ** (
-        np.arange(0, dim, 2, dtype=np.float32) / dim)
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
-
-
-def write_gguf(path, arch, state, config, qtype=None):
-    """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
-    GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
-    2-D weights in that block format."""
-    import gguf
-    from gguf.quants import quantize
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_key_length(head_dim(config))
-    writer.add_value_length(head_dim(config))
-    if getattr(config, "num_experts", 0):
-        writer.add_expert_count(config.num_experts)
-        writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-        if getattr(config, "shared_expert_intermediate_size", 0):
-            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    state = dict(state)
-    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
-        gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]
-        state[name.replace("gate_up_proj", "gate_exps")] = gate
-        state[name.replace("gate_up_proj", "up_exps")] = up
-    for name in [n for n in state if n.endswith("mlp.experts.down_proj")]:
-        state[name.replace("down_proj", "down_exps")] = state.pop(name)
-    for name, tensor in state.items():
-        w = tensor.numpy().astype(np.float32)
-        if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
-            gname = f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight"
-        elif name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
-            gname = f"blk.{layer}.{LAYER_MAP[rest]}"
-            if arch == "llama" and rest.startswith("self_attn.q_proj"):
-                w = llama_cpp_permute(w, config.num_attention_heads)
-            elif arch == "llama" and rest.startswith("self_attn.k_proj"):
-                w = llama_cpp_permute(w, config.num_key_value_heads)
-        kind = qtype(gname) if callable(qtype) else qtype
-        if kind is not None and w.ndim >= 2:
-            writer.add_tensor(gname, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gname, np.ascontiguousarray(w))
-    rope = getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter stores Llama 3.1 scaling
-        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config, rope))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def paged_step(seqs, block_size: int, num_blocks: int, rng: random.Random,

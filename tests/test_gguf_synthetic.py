@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from helpers import head_dim, write_gguf
+from gguf_writer import write_gguf
+from helpers import head_dim
 
 from tokenmill import gguf_loader
 

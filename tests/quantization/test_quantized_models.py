@@ -181,7 +181,7 @@ def test_int8_kv_attention_matches_the_reference_backend():
 def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, method,
                                                   int_dot, monkeypatch):
     from gguf import GGMLQuantizationType
-    from helpers import write_gguf
+    from gguf_writer import write_gguf
 
     from tokenmill import gguf_loader
 
@@ -210,7 +210,7 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
     Qwen2 Q4_K_M file's K projection come out a fraction of its width); the MLP's Q5_0 gate
     and up are served as int8 as they are."""
     from gguf import GGMLQuantizationType as Q
-    from helpers import write_gguf
+    from gguf_writer import write_gguf
 
     from tokenmill import gguf_loader
 
@@ -236,7 +236,7 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
 
 
 def gguf_leaf(hf_name: str) -> str:
-    from helpers import LAYER_MAP
+    from gguf_writer import LAYER_MAP
 
     return LAYER_MAP.get(hf_name.split(".", 3)[-1], "")
 

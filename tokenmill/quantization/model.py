@@ -191,7 +191,8 @@ def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
         return None
 
 
-def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) -> set[str]:
+def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedShard]]
+                ) -> set[str]:
     """GGUF weights kept quantized: each shard cut to this tensor-parallel rank's part, the
     shards of one layer (q|k|v, gate|up) concatenated by rows when they share a format; a
     layer whose shards differ, whose part splits a block, or whose other shards came as
@@ -200,6 +201,11 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int, QuantizedShard]]) 
     replaced = set()
     for name, by_index in shards.items():
         module = modules[name]
+        if None in by_index and hasattr(module, "full_sizes"):  # one fused q|k|v / gate|up
+            whole = by_index.pop(None)  # (Phi-3's): its projections' rows, in order
+            by_index.update(enumerate(QuantizedShard(whole.method, dict(zip(
+                whole.tensors, parts))) for parts in zip(*(
+                    t.split(module.full_sizes) for t in whole.tensors.values()))))
         merged = len(by_index) > 1 or hasattr(module, "shards")
         indices = sorted(by_index)
         parts = [narrow_shard(by_index[i], module.checkpoint_slice(i if merged else None),
@@ -229,7 +235,7 @@ def _shard_rows(shard: QuantizedShard) -> int:
 
 def split_checkpoint(weights: Iterable[tuple[str, object]], target_of,
                      quantized: dict[str, dict[str, torch.Tensor]],
-                     shards: dict[str, dict[int, QuantizedShard]]
+                     shards: dict[str, dict[int | None, QuantizedShard]]
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass float tensors on; keep quantized ones aside, by layer: kernel tensors of a
     tokenmill checkpoint into `quantized`, GGUF shards into `shards` (`target_of` maps a
@@ -237,7 +243,7 @@ def split_checkpoint(weights: Iterable[tuple[str, object]], target_of,
     for name, tensor in weights:
         if isinstance(tensor, QuantizedShard):
             target, shard = target_of(name)
-            shards.setdefault(target.rpartition(".")[0], {})[shard or 0] = tensor
+            shards.setdefault(target.rpartition(".")[0], {})[shard] = tensor
             continue
         layer, _, leaf = name.rpartition(".")
         if leaf in KERNEL_TENSORS:

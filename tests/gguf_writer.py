@@ -1,0 +1,199 @@
+"""GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, from a
+transformers model's tensors: the tests' stand-in for downloaded GGUF files."""
+
+import numpy as np
+from helpers import head_dim
+
+from tokenmill import gguf_archs
+
+LAYER_MAP = {v: k for k, v in gguf_archs.LAYER_NAMES.items()}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's convert script does to Q/K rows of Llama-type models."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
+        .reshape(w.shape)
+
+
+def llama3_rope_factors(config, rope) -> np.ndarray:
+    """llama.cpp's `rope_freqs`: each rotary frequency's divisor under Llama-3 scaling."""
+    import math
+
+    dim = head_dim(config)
+    freqs = 1.0 / (getattr(config, "rope_theta", None) or 10000.0) ** (
+        np.arange(0, dim, 2, dtype=np.float32) / dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(path, arch, state, config, qtype=None):
+    """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
+    GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
+    2-D weights in that block format."""
+    import gguf
+    from gguf.quants import quantize
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    rope = _rope(config)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    if arch != "deepseek2":  # (MLA files describe the latent cache row instead)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(head_dim(config))
+        writer.add_value_length(head_dim(config))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
+    writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "num_experts", 0):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    extra = _ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
+    layer_map = {v: k for k, v in gguf_archs.layer_names(arch).items()}
+    for gname, w in [*_tensors(arch, state, config, layer_map), *extra.items()]:
+        kind = qtype(gname) if callable(qtype) else qtype
+        # (as the converter, a row that is no whole number of blocks stays float)
+        if kind is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            writer.add_tensor(gname, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _rope(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling",
+                                                                     None) or {})
+    return params.get("full_attention", params)  # (Gemma 3: the global layers')
+
+
+def _tensors(arch, state, config, layer_map):
+    """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
+    state = dict(state)
+    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
+        gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]
+        state[name.replace("gate_up_proj", "gate_exps")] = gate
+        state[name.replace("gate_up_proj", "up_exps")] = up
+    for name in [n for n in state if n.endswith("mlp.experts.down_proj")]:
+        state[name.replace("down_proj", "down_exps")] = state.pop(name)
+    for name, tensor in state.items():
+        w = tensor.float().numpy()
+        if arch in gguf_archs.NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's Gemma norms hold 1 + w
+        if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
+            yield f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight", w
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            yield {v: k for k, v in gguf_archs.GLOBAL_NAMES.items()}[name], w
+            continue
+        layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+        rest = rest.replace(".shared_experts.", ".shared_expert.")
+        if rest == "self_attn.kv_b_proj.weight":  # llama.cpp's MLA files: two halves
+            heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+            kv_b = w.reshape(heads, nope + config.v_head_dim, -1)
+            yield f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1).copy()
+            yield f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:].copy()
+            continue
+        if arch == "llama" and rest.startswith("self_attn.q_proj"):
+            w = llama_cpp_permute(w, config.num_attention_heads)
+        elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+            w = llama_cpp_permute(w, config.num_key_value_heads)
+        yield f"blk.{layer}.{layer_map[rest]}", w
+
+
+def _llama_keys(writer, config):
+    rope = _rope(config)
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter stores Llama 3.1 scaling
+        return {"rope_freqs.weight": llama3_rope_factors(config, rope)}
+    return {}
+
+
+def _gemma_keys(writer, config):
+    import gguf
+
+    writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    params = getattr(config, "rope_parameters", None) or {}
+    if "sliding_attention" in params:  # Gemma 3
+        writer.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
+        writer.add_sliding_window_pattern(config.sliding_window_pattern)
+        full = params["full_attention"]
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+
+
+def _phi3_keys(writer, config):
+    rope = _rope(config)
+    original = getattr(config, "original_max_position_embeddings", None) or \
+        config.max_position_embeddings
+    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_rope_scaling_orig_ctx_len(original)
+    if config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        return {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
+                "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
+    return {}
+
+
+def _deepseek2_keys(writer, config):
+    """What the MLA-era converter writes: the latent row under key/value_length, one KV
+    head, per-head sizes under the _mla keys."""
+    import gguf
+
+    rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
+    writer.add_head_count_kv(1)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(rank)
+    writer.add_key_length(rank + rope_dim)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + rope_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_count(config.n_routed_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    if config.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    sigmoid = getattr(config, "topk_method", None) is None  # (V3's config has none)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid
+                                  else gguf.ExpertGatingFuncType.SOFTMAX)
+    if (config.n_group or 1) > 1:
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+    writer.add_rope_dimension_count(rope_dim)
+    rope = _rope(config)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+_ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys,
+              "phi3": _phi3_keys, "deepseek2": _deepseek2_keys}
