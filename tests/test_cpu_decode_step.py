@@ -35,14 +35,14 @@ def generate(path, prompts, params, **engine_args):
     return llm, [o.outputs[0] for o in outs]
 
 
-def assert_same_outputs(fused, layered):
-    """Same tokens, same top-logprob tokens, logprobs within 1e-5."""
+def assert_same_outputs(fused, layered, tolerance=1e-5):
+    """Same tokens, same top-logprob tokens, logprobs within `tolerance`."""
     for a, b in zip(fused, layered, strict=True):
         assert a.token_ids == b.token_ids
         for pa, pb in zip(a.logprobs, b.logprobs, strict=True):
             assert pa.keys() == pb.keys()
             for token in pa:
-                assert abs(pa[token].logprob - pb[token].logprob) < 1e-5
+                assert abs(pa[token].logprob - pb[token].logprob) < tolerance
 
 
 @pytest.mark.parametrize("arch,quantization,kv_cache_dtype,vnni", [
@@ -52,6 +52,9 @@ def assert_same_outputs(fused, layered):
     # portable build with the same results)
     ("llama", "int8", "auto", True), ("llama", "int8", "auto", False),
     ("qwen2", "int4", "int8", True), ("qwen2", "int4", "int8", False),
+    # mixtures of experts: routing, the active experts and the shared expert in C
+    ("mixtral", None, "auto", None), ("qwen2_moe", None, "auto", None),
+    ("qwen3_moe", "int8", "auto", True), ("qwen2_moe", "int4", "auto", False),
 ])
 def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_calls, arch,
                                              quantization, kv_cache_dtype, vnni):
@@ -70,7 +73,11 @@ def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_call
     monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
     llm, layered = generate(path, PROMPTS, params, **args)
     assert llm.engine.core.runner.decode_step is None
-    assert_same_outputs(fused, layered)
+    # The router's softmax takes C's expf, not torch's vectorized exp: routing weights within
+    # an ulp, which int16-rounded activations (int8 / int4 kernels) turn into ~1e-4 by the
+    # last tokens.
+    moe = arch in ("mixtral", "qwen2_moe", "qwen3_moe")
+    assert_same_outputs(fused, layered, (1e-3 if quantization else 1e-4) if moe else 1e-5)
 
 
 def test_batches_above_the_row_limit_fall_back_and_match_transformers(tiny_models,

@@ -13,13 +13,14 @@
  *   qkv = normed @ Wqkv (+ bias); optional per-head q/k RMSNorm; rotary on q|k in place
  *   write k, v to the cache; attn = paged attention of q over the cache
  *   hidden = attn @ Wo; normed = rms_norm(hidden + residual)
- *   hidden = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown
+ *   hidden = (silu(normed @ Wgate) * (normed @ Wup)) @ Wdown   (or a mixture of experts)
  * and at the end out = rms_norm(hidden + residual) with the final norm's weight (a pipeline
  * stage holds some of the layers: see tm_model's first_stage / last_stage).
  *
  * Under tensor parallel each rank holds its heads and its share of the MLP: the outputs of
  * Wo and Wdown are partial sums, added up across the ranks of this node by the shared-memory
  * all-reduce (shm_allreduce.c) right there, as the Python path's RowParallelLinear does. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -35,10 +36,27 @@ typedef struct {
     const float *bias;
 } tm_linear;
 
+/* A mixture-of-experts block with a softmax top-k router (Mixtral, Qwen2-MoE, Qwen3-MoE) in
+ * place of the MLP, as layers/moe.py runs it: softmax over the router's logits, the k most
+ * probable experts (ties: the lower index), renormalized to sum 1 when asked, times
+ * `scaling`; each active expert runs once over its tokens (in token order), experts in
+ * ascending order, each output times its weight added into the block's output; then the
+ * shared expert (Qwen2-MoE's scaled by sigmoid(shared_gate)) is added, and the partial sums
+ * of the tensor-parallel ranks are added up once. */
+typedef struct {
+    int64_t num_experts, top_k, renormalize, inter, shared_inter;
+    float scaling;
+    tm_linear router;                /* [experts, H], float */
+    const tm_linear *gate_up, *down; /* per expert; kind -1: another rank holds it */
+    tm_linear shared_gate_up, shared_down; /* kind -1: none */
+    const float *shared_gate;              /* [H] (Qwen2-MoE) or NULL */
+} tm_moe;
+
 typedef struct {
     tm_linear qkv, o, gate_up, down;
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms may be NULL */
     void *k_cache, *v_cache;
+    const tm_moe *moe; /* NULL: the MLP of gate_up / down */
 } tm_layer;
 
 typedef struct {
@@ -58,6 +76,10 @@ typedef struct {
      * rows with its residual already in `residual`; a stage before the last ends without the
      * final norm, leaving its hidden rows in `hidden` and their residual in `residual` */
     int64_t first_stage, last_stage;
+    /* mixture-of-experts scratch (max_rows rows): router logits, the chosen experts and
+     * weights (top_k a row), one expert's input and output rows, their tokens and weights */
+    float *logits, *route_w, *rows_in, *rows_out, *row_w;
+    int64_t *route_ids, *rows;
 } tm_model;
 
 static int reduce(const tm_model *m, float *x, int64_t n) {
@@ -101,6 +123,85 @@ static void linear(const tm_model *m, const tm_linear *l, const float *x, float 
     }
 }
 
+/* y = (silu(x @ Wgate) * (x @ Wup)) @ Wdown, the gate|up product fused where it can be */
+static void mlp(const tm_model *m, const tm_linear *gate_up, const tm_linear *down,
+                int64_t inter, const float *x, float *y, int64_t T) {
+    if (gate_up->kind != TM_F32_PANEL ||
+        tm_f32_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, m->hidden,
+                         gate_up->param) != 0) {
+        linear(m, gate_up, x, m->gate_up, T);
+        tm_silu_and_mul(m->gate_up, m->act, T, inter);
+    }
+    linear(m, down, m->act, y, T);
+}
+
+/* Each row's top_k experts and weights (see tm_moe) from the router's logits. */
+static void route(const tm_model *m, const tm_moe *e, int64_t T) {
+    const int64_t E = e->num_experts, K = e->top_k;
+    for (int64_t t = 0; t < T; t++) {
+        float *p = m->logits + t * E, top = p[0], sum = 0.0f, chosen = 0.0f;
+        for (int64_t i = 1; i < E; i++) top = p[i] > top ? p[i] : top;
+        for (int64_t i = 0; i < E; i++) sum += (p[i] = expf(p[i] - top));
+        for (int64_t i = 0; i < E; i++) p[i] /= sum;
+        int64_t *ids = m->route_ids + t * K;
+        float *w = m->route_w + t * K;
+        for (int64_t j = 0; j < K; j++) { /* the largest not yet taken; ties: lower index */
+            int64_t best = -1;
+            for (int64_t i = 0; i < E; i++) {
+                int taken = 0;
+                for (int64_t c = 0; c < j; c++) taken |= ids[c] == i;
+                if (!taken && (best < 0 || p[i] > p[best])) best = i;
+            }
+            ids[j] = best;
+            chosen += (w[j] = p[best]);
+        }
+        for (int64_t j = 0; j < K; j++) {
+            if (e->renormalize) w[j] /= chosen;
+            if (e->scaling != 1.0f) w[j] *= e->scaling;
+        }
+    }
+}
+
+/* out = the block's output for the normed rows x (this rank's partial sums) */
+static void moe(const tm_model *m, const tm_moe *e, const float *x, float *out, int64_t T) {
+    const int64_t H = m->hidden, K = e->top_k;
+    linear(m, &e->router, x, m->logits, T);
+    route(m, e, T);
+    memset(out, 0, T * H * sizeof(float));
+    for (int64_t ex = 0; ex < e->num_experts; ex++) {
+        if (e->gate_up[ex].kind < 0) continue;
+        int64_t count = 0;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < K; j++)
+                if (m->route_ids[t * K + j] == ex) {
+                    m->rows[count] = t;
+                    m->row_w[count] = m->route_w[t * K + j];
+                    memcpy(m->rows_in + count * H, x + t * H, H * sizeof(float));
+                    count++;
+                }
+        if (!count) continue;
+        mlp(m, &e->gate_up[ex], &e->down[ex], e->inter, m->rows_in, m->rows_out, count);
+        for (int64_t c = 0; c < count; c++) {
+            float *dst = out + m->rows[c] * H;
+            const float *src = m->rows_out + c * H, w = m->row_w[c];
+            for (int64_t h = 0; h < H; h++) dst[h] += src[h] * w;
+        }
+    }
+    if (e->shared_gate_up.kind < 0) return;
+    mlp(m, &e->shared_gate_up, &e->shared_down, e->shared_inter, x, m->rows_out, T);
+    for (int64_t t = 0; t < T; t++) {
+        float g = 0.0f;
+        if (e->shared_gate) {
+            for (int64_t h = 0; h < H; h++) g += x[t * H + h] * e->shared_gate[h];
+            g = 1.0f / (1.0f + expf(-g));
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float shared = m->rows_out[t * H + h];
+            out[t * H + h] += e->shared_gate ? g * shared : shared;
+        }
+    }
+}
+
 /* Returns 0, -1 when T is outside 1..max_rows (nothing is touched then), or -2 when a
  * tensor-parallel all-reduce was aborted (a rank died). */
 int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T,
@@ -135,13 +236,10 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
         linear(m, &layer->o, m->attn, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);
-        if (layer->gate_up.kind != TM_F32_PANEL ||
-            tm_f32_panel_glu(m->normed, layer->gate_up.w, layer->gate_up.bias, m->act, T,
-                             m->intermediate, H, layer->gate_up.param) != 0) {
-            linear(m, &layer->gate_up, m->normed, m->gate_up, T);
-            tm_silu_and_mul(m->gate_up, m->act, T, m->intermediate);
-        }
-        linear(m, &layer->down, m->act, hidden, T);
+        if (layer->moe)
+            moe(m, layer->moe, m->normed, hidden, T);
+        else
+            mlp(m, &layer->gate_up, &layer->down, m->intermediate, m->normed, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
     }
     if (m->last_stage) tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);

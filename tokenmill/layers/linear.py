@@ -313,8 +313,9 @@ def choose_linear_kernels(model: nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, Linear):
+            # (a layer whose float weight is read directly, as MLA's kv_b_proj, stays as is)
             if (isinstance(module.kernel, DenseKernel) and CpuPackedKernel.supports(module)
-                    and not getattr(module, "keep_float", False)):  # (routers: as transformers)
+                    and not getattr(module, "keep_weight", False)):
                 module.use_kernel(CpuPackedKernel(module))
             counts[module.kernel.name] = counts.get(module.kernel.name, 0) + 1
     return counts

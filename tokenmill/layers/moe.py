@@ -141,6 +141,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(hidden, 1) if gated_shared else None
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.keep_float = True
+            self.shared_expert_gate.keep_weight = True  # (one row: the decode step reads it)
 
     def holds_expert(self, expert: int) -> bool:
         return not self.expert_parallel or expert % self.tp.size == self.tp.rank

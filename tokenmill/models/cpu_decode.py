@@ -22,6 +22,7 @@ from tokenmill.config import CpuKernelSettings
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,18 @@ class _Linear(ctypes.Structure):
                 ("scale", _ptr), ("min", _ptr), ("bias", _ptr)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = ([(name, _i64) for name in ("num_experts", "top_k", "renormalize", "inter",
+                                           "shared_inter")]
+                + [("scaling", _f32), ("router", _Linear), ("gate_up", ctypes.POINTER(_Linear)),
+                   ("down", ctypes.POINTER(_Linear)), ("shared_gate_up", _Linear),
+                   ("shared_down", _Linear), ("shared_gate", _ptr)])
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("k_cache", _ptr), ("v_cache", _ptr), ("moe", ctypes.POINTER(_Moe))]
 
 
 class _Model(ctypes.Structure):
@@ -50,7 +59,20 @@ class _Model(ctypes.Structure):
                                              "xsum", "xq")]
                 + [(name, _i64) for name in ("tp_rank", "tp_size", "slot_floats")]
                 + [("shm_base", _ptr), ("shm_seq", _ptr), ("first_stage", _i64),
-                   ("last_stage", _i64)])
+                   ("last_stage", _i64)]
+                + [(name, _ptr) for name in ("logits", "route_w", "rows_in", "rows_out",
+                                             "row_w", "route_ids", "rows")])
+
+_NONE = _Linear(kind=-1)  # an expert another rank holds; no shared expert / gate
+
+
+def _mlps(layer: torch.nn.Module) -> list[MLP]:
+    """The MLPs of a layer's feed-forward block: itself, or its experts and shared expert."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoE):
+        return [mlp]
+    return [e for e in mlp.experts if isinstance(e, MLP)] + (
+        [mlp.shared_expert] if mlp.shared_expert is not None else [])
 
 
 def _linear(layer: Linear) -> tuple[_Linear, int] | None:
@@ -78,7 +100,13 @@ class CpuDecodeStep:
         # into fp32 panels: quantization/linear_kernels.py); at most ROW_CAP.
         self.max_rows = max_rows
         rows, hidden = max_rows, config.hidden_size
-        inter = stage[0].mlp.down_proj.in_features  # this rank's share
+        # this rank's share of the dense MLPs' intermediate size, and the largest of any MLP
+        dense = [layer.mlp.down_proj.in_features for layer in stage
+                 if not isinstance(layer.mlp, SparseMoE)]
+        inter = max(m.down_proj.in_features for layer in stage for m in _mlps(layer))
+        moes = [layer.mlp for layer in stage if isinstance(layer.mlp, SparseMoE)]
+        experts = max([len(m.experts) for m in moes], default=1)
+        top_k = max([m.top_k for m in moes], default=1)
         width = attn.q_size + 2 * attn.kv_size
         max_k = max(hidden, attn.q_size, inter)
         self._embed = inner.embed_tokens  # (vocab-parallel: its own all-reduce)
@@ -91,12 +119,18 @@ class CpuDecodeStep:
             "qkv": torch.empty(rows, width), "attn": torch.empty(rows, attn.q_size),
             "gate_up": torch.empty(rows, 2 * inter), "act": torch.empty(rows, inter),
             "xs": torch.empty(rows, max_k // 32 + 1), "xsum": torch.empty(rows, max_k // 32 + 1),
-            "xq": torch.empty(rows, max_k, dtype=torch.int16)}
+            "xq": torch.empty(rows, max_k, dtype=torch.int16),
+            "logits": torch.empty(rows, experts), "route_w": torch.empty(rows, top_k),
+            "rows_in": torch.empty(rows, hidden), "rows_out": torch.empty(rows, hidden),
+            "row_w": torch.empty(rows), "route_ids": torch.empty(rows, top_k, dtype=torch.int64),
+            "rows": torch.empty(rows, dtype=torch.int64)}
+        self._described = layers  # (each keeps its experts' descriptions alive)
         self._layers = (_Layer * len(layers))(*layers)
         rotary = inner.rotary
         self._model = _Model(
             num_layers=len(layers), hidden=hidden, q_heads=attn.num_heads,
-            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, intermediate=inter,
+            kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=dense[0] if dense else 0,
             block_size=attn.k_cache.shape[1], kv_int8=int(attn.k_cache.dtype == torch.int8),
             max_rows=rows,
             eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
@@ -146,9 +180,12 @@ class CpuDecodeStep:
         stage = [model.model.layers[i] for i in model.model.stage_layers]
         if not all(type(layer) is DecoderLayer for layer in stage):
             return "this decoder layer's norms run in Python"
-        if not all(isinstance(layer.mlp, MLP) for layer in stage):
-            return "mixture-of-experts layers run in Python"
-        if not all(isinstance(layer.mlp.act, SiluAndMul) for layer in stage):
+        if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.router != "softmax"
+               for layer in stage):
+            return "DeepSeek's grouped routers run in Python"
+        if not all(isinstance(layer.mlp, (MLP, SparseMoE)) for layer in stage):
+            return "this feed-forward block runs in Python"
+        if not all(isinstance(m.act, SiluAndMul) for layer in stage for m in _mlps(layer)):
             return "activations other than SiLU run in Python"
         if not all(isinstance(layer.self_attn, Attention) for layer in stage):
             return "latent attention runs in Python"
@@ -170,17 +207,50 @@ class CpuDecodeStep:
     @staticmethod
     def _describe(layer: torch.nn.Module) -> tuple[_Layer, int] | None:
         attn, mlp = layer.self_attn, layer.mlp
-        forms = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                      mlp.down_proj)]
-        if not all(forms):
+        moe = mlp if isinstance(mlp, SparseMoE) else None
+        dense = [] if moe else [mlp.gate_up_proj, mlp.down_proj]
+        forms = [_linear(m) for m in [attn.qkv_proj, attn.o_proj, *dense]]
+        described = None if moe is None else CpuDecodeStep._describe_moe(moe)
+        if not all(forms) or (moe is not None and described is None):
             return None
-        linears = [linear for linear, _ in forms]
+        linears = [linear for linear, _ in forms] + ([_NONE, _NONE] if moe else [])
         q_norm = attn.q_norm.weight.data_ptr() if attn.q_norm is not None else None
         k_norm = attn.k_norm.weight.data_ptr() if attn.k_norm is not None else None
-        return _Layer(*linears, layer.input_layernorm.weight.data_ptr(),
-                      layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
-                      attn.k_cache.data_ptr(), attn.v_cache.data_ptr()), min(
-                          rows for _, rows in forms)
+        rows = min([r for _, r in forms] + ([described[1]] if described else []))
+        struct = _Layer(*linears, layer.input_layernorm.weight.data_ptr(),
+                        layer.post_attention_layernorm.weight.data_ptr(), q_norm, k_norm,
+                        attn.k_cache.data_ptr(), attn.v_cache.data_ptr(),
+                        ctypes.pointer(described[0]) if described else None)
+        struct.keep = described
+        return struct, rows
+
+    @staticmethod
+    def _describe_moe(moe: SparseMoE) -> tuple[_Moe, int] | None:
+        """The block for C (see decode_step.c's tm_moe) and its kernels' row limit."""
+        pairs = [(e.gate_up_proj, e.down_proj) if isinstance(e, MLP) else None
+                 for e in moe.experts]
+        shared = moe.shared_expert
+        linears = [moe.gate] + [m for pair in pairs if pair for m in pair] + (
+            [shared.gate_up_proj, shared.down_proj] if shared is not None else [])
+        forms = {id(m): _linear(m) for m in linears}
+        if not all(forms.values()):
+            return None
+
+        def form(m):
+            return _NONE if m is None else forms[id(m)][0]
+        gate_up = (_Linear * len(pairs))(*(form(p and p[0]) for p in pairs))
+        down = (_Linear * len(pairs))(*(form(p and p[1]) for p in pairs))
+        held = next(p for p in pairs if p)
+        struct = _Moe(num_experts=len(pairs), top_k=moe.top_k,
+                      renormalize=int(moe.renormalize), inter=held[1].in_features,
+                      shared_inter=shared.down_proj.in_features if shared else 0,
+                      scaling=moe.grouped[2], router=form(moe.gate), gate_up=gate_up,
+                      down=down, shared_gate_up=form(shared and shared.gate_up_proj),
+                      shared_down=form(shared and shared.down_proj),
+                      shared_gate=csrc.address(moe.shared_expert_gate
+                                               and moe.shared_expert_gate.weight))
+        struct.keep = (gate_up, down)
+        return struct, min(rows for _, rows in forms.values())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata,

@@ -49,7 +49,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
         # absorbed into the queries and outputs: its float weight is read, never multiplied
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim))
-        self.kv_b_proj.keep_float = True
+        self.kv_b_proj.keep_weight = True
         self.num_heads = self.kv_b_proj.out_features // (self.nope + self.v_dim)  # this rank's
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, config.attention_bias)
         self.scale = scale

@@ -44,7 +44,8 @@ def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, Linear) and isinstance(module.kernel, DenseKernel)
             and (config.lm_head or name != "lm_head")
-            and not getattr(module, "keep_float", False)]  # (a MoE router)
+            and not getattr(module, "keep_float", False)  # (a MoE router)
+            and not getattr(module, "keep_weight", False)]  # (MLA's kv_b_proj)
 
 
 def make_kernel(weight: torch.Tensor, config: QuantConfig,
