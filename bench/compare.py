@@ -40,7 +40,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_throughput import cpu_model  # noqa: E402 - sibling scripts, not a package
-from roofline import ceilings, count_params, measure, model_shape, read_bandwidth  # noqa: E402
+from roofline import active_params, ceilings, count_params, measure, model_shape, read_bandwidth  # noqa: E402
 
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
 PEER_VENVS = {"vllm": "vllm", "llamacpp": "llamacpp"}
@@ -223,17 +223,19 @@ def main(argv: list[str] | None = None) -> None:
         if not os.path.isdir(hf_dir):
             report["skipped"].append(f"model {model} (run bench/peers/prepare_models.py)")
             continue
-        params = count_params(hf_dir)
+        params, active = count_params(hf_dir), active_params(hf_dir)
         for precision in [p for p in args.precisions.split(",") if p]:
             key = model if precision == "f32" else f"{model}-{precision}"
             file = model_path(args.models_dir, model, "llamacpp", precision)
             if not os.path.exists(file):
                 report["skipped"].append(f"{key} (run bench/peers/prepare_models.py)")
                 continue
-            weight_bytes = None if precision == "f32" else os.path.getsize(file)
+            # batch-1 decode reads a token's active weights (a mixture of experts: its k
+            # experts); a GGUF file's bytes in that proportion
+            weight_bytes = None if precision == "f32" else os.path.getsize(file) * active / params
             runs_on = [e for e in engines if precision == "f32" or e in GGUF_ENGINES]
-            roof = measure(params, weight_bytes)
-            entry = {"params": params, "precision": precision,
+            roof = measure(active, weight_bytes)
+            entry = {"params": params, "active_params": active, "precision": precision,
                      "file": os.path.basename(file) if precision != "f32" else "hf / f32.gguf",
                      "roofline": roof, "runs": []}
             for workload in [w for w in args.workloads.split(",") if w]:

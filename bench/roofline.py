@@ -154,6 +154,23 @@ def count_params(hf_dir: str) -> int:
     return sum(_tensor_sizes(hf_dir).values())
 
 
+def _active_sizes(hf_dir: str) -> dict[str, int]:
+    """Parameters a token reads: a mixture of experts' routed experts count top-k / experts
+    of their size (each token runs k of them); everything else whole."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get(
+        "n_routed_experts")
+    share = cfg["num_experts_per_tok"] / experts if experts else 1.0
+    return {key: round(n * share) if ".experts." in key else n
+            for key, n in _tensor_sizes(hf_dir).items()}
+
+
+def active_params(hf_dir: str) -> int:
+    """`count_params` of what one token reads (all of a dense model)."""
+    return sum(_active_sizes(hf_dir).values())
+
+
 @dataclass(frozen=True)
 class Shape:
     """What a token costs in a decoder-only model."""
@@ -168,7 +185,7 @@ class Shape:
 def model_shape(hf_dir: str) -> Shape:
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    sizes = _tensor_sizes(hf_dir)
+    sizes = _active_sizes(hf_dir)  # (a token's FLOPs and reads: its active experts only)
     layer_params = sum(n for key, n in sizes.items() if ".layers." in key)
     head = sizes.get("lm_head.weight") or sizes["model.embed_tokens.weight"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

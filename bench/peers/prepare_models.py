@@ -10,7 +10,13 @@
   Q8_0, as the bundled default model is: for `default` that file is the bundled one). tokenmill
   and llama.cpp load the same file.
 
-  python bench/peers/prepare_models.py [--out DIR]   (default $TOKENMILL_PEERS_DIR/models)"""
+- `qwen3moe` (only with `--only qwen3moe`): random weights shaped like a small Qwen3-MoE
+  (0.97 B parameters, 0.29 B active), as an HF folder, an f32 GGUF, `q8_0.gguf` and a
+  `q4_k_m.gguf` written by llama.cpp's own quantizer (Q4_K with Q6_K for some tensors, as the
+  hub's Q4_K_M downloads).
+
+  python bench/peers/prepare_models.py [--out DIR] [--only M]   (default
+  $TOKENMILL_PEERS_DIR/models)"""
 
 from __future__ import annotations
 
@@ -113,15 +119,7 @@ def gguf_from_qwen(model, dst: str) -> None:
     w.add_rope_freq_base(rope)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_token_types([1] * c.vocab_size)
-    # llama.cpp refuses a BPE vocabulary without merges; one harmless merge (ids are fed
-    # directly, nothing is tokenized).
-    w.add_token_merges(["t 0"])
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
+    _dummy_vocab(w, c)
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
@@ -142,12 +140,111 @@ def gguf_from_qwen(model, dst: str) -> None:
     w.close()
 
 
+def qwen3moe_shaped(out: str):
+    """Random weights shaped like a small Qwen3-MoE (hidden 1024, 12 layers, 8 heads / 2 KV
+    heads of 128, 32 experts of 768 with 8 active, q/k norms, vocabulary 32000 tied): 0.97 B
+    parameters, 0.29 B of them read per token (the active experts, attention, the head)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+                            moe_intermediate_size=768, num_experts=32, num_experts_per_tok=8,
+                            norm_topk_prob=True, num_hidden_layers=12, num_attention_heads=8,
+                            num_key_value_heads=2, head_dim=128, max_position_embeddings=32768,
+                            rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                            bos_token_id=1, eos_token_id=2, decoder_sparse_step=1,
+                            mlp_only_layers=[], torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    model.save_pretrained(out)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2",
+                            bos_token="t1", pad_token="t1").save_pretrained(out)
+    return model
+
+
+def gguf_from_qwen3moe(model, dst: str) -> None:
+    """llama.cpp's qwen3moe layout: each layer's experts stacked in one tensor per
+    projection."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(dst, "qwen3moe")
+    w.add_name("qwen3moe-1b-shaped-random")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(1000000.0)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    _dummy_vocab(w, c)
+    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    names = {"self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+             "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+             "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+             "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+             "mlp.gate.weight": "ffn_gate_inp"}
+    inter = c.moe_intermediate_size
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf, gg in names.items():
+            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf])
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [experts, 2 I, H]: gate rows first
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :inter]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, inter:]))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _dummy_vocab(w, c) -> None:
+    """A 'gpt2' vocabulary of the right size (llama.cpp only needs token ids here; it
+    refuses a BPE vocabulary without merges, so one harmless merge)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size)
+    w.add_token_merges(["t 0"])
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+
+
+def llamacpp_quantize(src: str, dst: str, ftype: str) -> None:
+    """llama.cpp's own quantizer (llama-cpp-python in the peers venv) for the K-quant files,
+    which gguf-py cannot write: e.g. ftype LLAMA_FTYPE_MOSTLY_Q4_K_M."""
+    import subprocess
+
+    python = os.path.join(os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser(
+        "~/.cache/tokenmill-peers")), "llamacpp", "bin", "python")
+    code = ("import sys, llama_cpp as lc\n"
+            "p = lc.llama_model_quantize_default_params()\n"
+            f"p.ftype = lc.{ftype}\np.nthread = 0\n"
+            "sys.exit(lc.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), "
+            "p))\n")
+    subprocess.run([python, "-c", code, src, dst], check=True)
+
+
 def main() -> None:
     root = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(root, "models"))
-    p.add_argument("--only", choices=["default", "qwen0.5b"], default=None)
+    p.add_argument("--only", choices=["default", "qwen0.5b", "qwen3moe"], default=None)
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     from tokenmill.gguf_loader import default_model_path
@@ -178,6 +275,18 @@ def main() -> None:
             dst = os.path.join(out, f"{name.lower()}.gguf")
             if not os.path.exists(dst):
                 rewrite_gguf(os.path.join(out, "f32.gguf"), dst, name)
+    if args.only == "qwen3moe":  # (3.9 GB in fp32: only when asked for)
+        out = os.path.join(args.out, "qwen3moe")
+        os.makedirs(out, exist_ok=True)
+        if not os.path.exists(os.path.join(out, "f32.gguf")):
+            model = qwen3moe_shaped(os.path.join(out, "hf"))
+            gguf_from_qwen3moe(model, os.path.join(out, "f32.gguf"))
+            del model
+        if not os.path.exists(os.path.join(out, "q8_0.gguf")):
+            rewrite_gguf(os.path.join(out, "f32.gguf"), os.path.join(out, "q8_0.gguf"), "Q8_0")
+        if not os.path.exists(os.path.join(out, "q4_k_m.gguf")):
+            llamacpp_quantize(os.path.join(out, "f32.gguf"), os.path.join(out, "q4_k_m.gguf"),
+                              "LLAMA_FTYPE_MOSTLY_Q4_K_M")
     print(f"models in {args.out}")
 
 
