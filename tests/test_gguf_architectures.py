@@ -53,7 +53,8 @@ def _write(tmp_path, tiny_models, arch, qtype=None):
                                                    "attn_k.weight", "attn_v.weight",
                                                    "attn_output.weight", "attn_qkv.weight",
                                                    "ffn_up.weight", "ffn_gate.weight",
-                                                   "ffn_down.weight", "attn_q_b.weight"))
+                                                   "ffn_down.weight", "attn_q_b.weight",
+                                                   "token_embd.weight"))
                else None)
     gguf_loader._reader.cache_clear()
     return path, hf_path, hf
@@ -65,6 +66,8 @@ def _generate(path, hf_path, **kwargs):
     with LLM(path, tokenizer=hf_path, kv_cache_memory_gib=0.01, **kwargs) as llm:
         model = llm.engine.core.runner.model
         kernels = {m.kernel.name for m in model.modules() if hasattr(m, "kernel")}
+        if model.model.embed_tokens.weight is None:  # lookups in the tied head's blocks
+            kernels.add("embedding: " + model.lm_head.kernel.name)
         return kernels, [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
 
@@ -90,14 +93,18 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
 
 
 @pytest.mark.parametrize("arch,qtype", [("gemma2", "Q8_0"), ("phi3", "Q4_1"),
-                                        ("deepseek_v3", "Q8_0"), ("gemma3", "Q5_0")])
+                                        ("deepseek_v3", "Q8_0"), ("gemma3", "Q5_0"),
+                                        ("gemma2", "Q5_1")])
 def test_blocks_kept_quantized_give_the_expanded_files_tokens(tmp_path, tiny_models,
                                                               monkeypatch, arch, qtype):
     if not csrc.available():
         pytest.skip("no compiled CPU kernels: blocks are expanded")
     path, hf_path, _ = _write(tmp_path, tiny_models, arch, qtype)
     kernels, tokens = _generate(path, hf_path)
-    assert any(k.startswith("int8" if qtype in ("Q8_0", "Q5_0") else "int4") for k in kernels)
+    assert any(k.startswith("int8" if qtype in ("Q8_0", "Q5_0", "Q5_1") else "int4")
+               for k in kernels)
+    if arch.startswith("gemma"):  # tied: no float copy of the table beside the head's blocks
+        assert any(k.startswith("embedding: int8") for k in kernels)
     monkeypatch.setattr(csrc, "available", lambda: False)  # every block expanded to float
     assert _generate(path, hf_path)[1] == tokens
 
@@ -152,15 +159,18 @@ def test_deepseek_files_before_llamacpps_mla_keep_kv_b_whole(tmp_path, tiny_mode
     assert tokens == [hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-def test_fused_blocks_split_over_two_ranks(tmp_path, tiny_models):
-    """Phi-3's one q|k|v and one gate|up tensor, kept as Q4_1 blocks: each rank cuts its
-    heads and rows of each projection from the fused tensor: one rank's tokens."""
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1"])
+def test_fused_blocks_split_over_two_ranks(tmp_path, tiny_models, qtype):
+    """Phi-3's one q|k|v and one gate|up tensor, kept as Q4_1 (int4) or Q5_1 (int8 with
+    offsets) blocks: each rank cuts its heads and rows of each projection from the fused
+    tensor, and its inputs' groups (with their offsets) of the row-parallel ones: one rank's
+    tokens."""
     if not csrc.available():
         pytest.skip("no compiled CPU kernels: blocks are expanded")
-    path, hf_path, _ = _write(tmp_path, tiny_models, "phi3", "Q4_1")
+    path, hf_path, _ = _write(tmp_path, tiny_models, "phi3", qtype)
     kernels, one = _generate(path, hf_path)
     two_kernels, two = _generate(path, hf_path, tensor_parallel_size=2)
-    assert "int4" in " ".join(two_kernels)
+    assert ("int4" if qtype == "Q4_1" else "int8") in " ".join(two_kernels)
     assert two == one
 
 

@@ -54,7 +54,7 @@ def test_blocks_kept_quantized_match_ggufs_dequantizer_at_real_sizes(qtype, shap
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from tokenmill.quantization.linear_kernels import KERNELS
+    from tokenmill.quantization.model import KERNELS
 
     kind = GGMLQuantizationType[qtype]
     blocks = quantize(np.random.default_rng(0).standard_normal(shape, dtype=np.float32), kind)
@@ -92,29 +92,31 @@ def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
 
     size, nbytes = BLOCKS[kind]
     raw = rng.integers(0, 256, size=(n, k // size, nbytes), dtype=np.uint8)
-    fields = {"Q6_K": [208], "Q3_K": [108], "Q4_K": [0, 2], "Q4_1": [0, 2]}.get(kind, [0])
+    fields = {"Q6_K": [208], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q4_1": [0, 2],
+              "Q5_1": [0, 2], "Q2_K": [80, 82]}.get(kind, [0])
     for offset in fields:
         d = rng.uniform(0.001, 0.05, size=(n, k // size)).astype(np.float16)
         raw[..., offset:offset + 2] = d.view(np.uint8).reshape(n, k // size, 2)
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q3_K", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q3_K", "Q4_K", "Q2_K"])
 @pytest.mark.parametrize("shape", [(256, 1024), (1024, 512)])
 def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape):
-    """Q5_0, Q6_K and Q3_K become int8 tensors exactly; Q4_K int4 ones whose group scales
-    and mins are rounded to fp16 (each weight within 2^-10 of its block's largest)."""
+    """Q5_0, Q5_1, Q6_K, Q5_K and Q3_K become int8 tensors exactly (Q5_1 / Q5_K with float
+    offsets per group); Q4_K and Q2_K int4 ones whose group scales and mins are rounded to
+    fp16 (each weight within 2^-10 of its block's largest)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tokenmill.quantization.linear_kernels import KERNELS
+    from tokenmill.quantization.model import KERNELS
 
     raw = random_blocks(kind, *shape, np.random.default_rng(0))
     shard = gguf_loader._quantized_shard(raw, kind, list(shape))
-    assert shard.method == ("int4" if kind == "Q4_K" else "int8")
+    assert shard.method == ("int4" if kind in ("Q4_K", "Q2_K") else "int8")
     ours = KERNELS[shard.method](shard.tensors).dequantize()
     theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).reshape(shape)
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q2_K"):
         block_max = theirs.abs().reshape(shape[0], -1, 256).amax(-1, keepdim=True)
         gap = (ours - theirs).abs().reshape(shape[0], -1, 256)
         assert bool((gap <= block_max * 2 ** -10).all())

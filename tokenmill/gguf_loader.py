@@ -140,14 +140,16 @@ def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
 
 
 # GGUF block types whose weights the int8 / int4 kernels read as they are.
-_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q6_K", "Q3_K", "Q4_K"}
+_KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K"}
 
 
 def iter_gguf_weights(path: str, config: Any,
                       keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
-    """(HF name, float32 tensor) per weight; with `keep_quantized`, linear weights stored as
-    Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q6_K / Q3_K / Q4_K come as `QuantizedShard`s (a tied LM head too,
-    beside the float embedding table it shares)."""
+    """(HF name, float32 tensor) per weight; with `keep_quantized`, linear weights stored in
+    the block types of `_KEPT_QUANTIZED` (every type llama.cpp's K-quant and legacy files use)
+    come as `QuantizedShard`s (a tied LM head too, beside the float embedding table it
+    shares)."""
     reader = _reader(path)
     try:
         yield from _weights(reader, config, keep_quantized)
@@ -202,10 +204,9 @@ def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[s
                          else config.num_key_value_heads)
                 shard.tensors = {leaf: torch.from_numpy(np.ascontiguousarray(
                     _unpermute_qk(t.numpy(), heads))) for leaf, t in shard.tensors.items()}
-            if linear:
-                yield hf_name, shard
-                continue
-            yield "lm_head.weight", shard
+            # (a tied embedding: the table's lookups read the head's rows, load_model)
+            yield ("lm_head.weight" if not linear else hf_name), shard
+            continue
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if arch in PERMUTED_QK and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute_qk(weight, config.num_attention_heads)

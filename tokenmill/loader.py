@@ -141,6 +141,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
                              "has no tokenmill quantization_config.")
         loaded |= qmodel.load_kernels(model, quant, stored)
     loaded |= qmodel.load_shards(model, shards)
+    _share_tied_rows(model, loaded)
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
@@ -154,6 +155,20 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
                 qmodel.weight_bytes(model) / 2**20)
     model.eval()
     return model
+
+
+def _share_tied_rows(model: nn.Module, loaded: set[str]) -> None:
+    """A tied embedding table that came only as its LM head's quantized blocks (GGUF): its
+    lookups read the head's rows instead of a float copy of the table."""
+    head, inner = getattr(model, "lm_head", None), getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not (getattr(model, "tie_word_embeddings", False) and embed is not None
+            and head is not None and "model.embed_tokens.weight" not in loaded):
+        return
+    if head.weight is None:
+        embed.share_rows(head)
+    else:  # the head's blocks were dequantized into the table it shares
+        loaded.add("model.embed_tokens.weight")
 
 
 def load_tokenizer(path: str) -> Any:

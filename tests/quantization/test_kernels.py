@@ -12,7 +12,9 @@ from tokenmill import csrc
 from tokenmill.config import CpuKernelSettings
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization import linear_kernels, schemes
-from tokenmill.quantization.linear_kernels import A8W8Kernel, Fp8Kernel, Int4Kernel, Int8Kernel
+from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
+from tokenmill.quantization.linear_kernels import Int4Kernel, Int8Kernel
+from tokenmill.quantization.model import KERNELS
 
 needs_csrc = pytest.mark.skipif(not csrc.available(),
                                        reason="no C compiler or no AVX2/FMA/F16C")
@@ -76,7 +78,7 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     kind = GGMLQuantizationType[qtype]
     blocks = quantize(w, kind)
     shard = _quantized_shard(blocks, qtype, [8, 96])
-    ours = linear_kernels.KERNELS[shard.method](shard.tensors).dequantize()
+    ours = KERNELS[shard.method](shard.tensors).dequantize()
     expected = torch.from_numpy(dequantize(blocks, kind).reshape(8, 96))
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
 
@@ -199,7 +201,7 @@ def test_vnni_panels_match_int16_activations_times_dequantized_weights(kind, gro
     x[0, :32] = 0  # an all-zero block (scale 0)
     x[-1, 40] = 200.0  # an outlier dominating its block
     out = matmul(x)
-    kernel = linear_kernels.KERNELS[kind](tensors)
+    kernel = KERNELS[kind](tensors)
     expected = F.linear(schemes.fake_quantize_blocks(x), kernel.dequantize(), lin.bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
     if kind == "int8" or group == 32:  # gemm.c's int16-activation kernels: the same rounding
@@ -319,3 +321,41 @@ def test_fp8_scaled_mm_path_matches_its_dequantizing_path(per_channel, static, b
                               x.abs().max() if static else None)
     k.scaled_mm = True
     torch.testing.assert_close(k.apply(lin, x), k.reference(lin, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_offsets_added_on_every_path(monkeypatch, vnni):
+    """An int8 layer with per-group offsets (GGUF Q5_1 / Q5_K) equals its dequantized weight
+    at decode and prompt row counts, with VNNI panels or gemm.c's layout, and without the
+    compiled kernels; it has no compiled decode form."""
+    monkeypatch.setattr(csrc, "vnni_native", lambda: vnni)
+    lin = layer()
+    g = torch.Generator().manual_seed(1)
+    tensors = {"qweight": torch.randint(0, 32, (lin.out_features, 128), generator=g,
+                                        dtype=torch.int8),
+               "scale": torch.rand(lin.out_features, 4, generator=g) * 0.05,
+               "offset": torch.randn(lin.out_features, 4, generator=g) * 0.3}
+    k = Int8Kernel(tensors)
+    weight = (tensors["qweight"].float().view(-1, 4, 32) * tensors["scale"][..., None]
+              + tensors["offset"][..., None]).view(-1, 128)
+    torch.testing.assert_close(k.dequantize(), weight)
+    assert torch.equal(k.tensors["offset"], tensors["offset"])
+    assert k.compiled_form() is None
+    for rows in (1, 40, linear_kernels.INT8_MAX_ROWS + 3):
+        x = torch.randn(rows, 128)
+        expected = F.linear(x, weight, lin.bias)
+        torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-3, atol=1e-3)
+    monkeypatch.setattr(csrc, "available", lambda: False)
+    slow = Int8Kernel(tensors)
+    torch.testing.assert_close(slow.apply(lin, x[:3]), expected[:3], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+@pytest.mark.parametrize("kernel", [Int8Kernel, Int4Kernel])
+def test_rows_read_from_either_layout_equal_the_dequantized_weight(monkeypatch, vnni, kernel):
+    """A tied embedding's lookups in its quantized LM head (`rows`), from VNNI panels or the
+    checkpoint layout: the dequantized weight's rows."""
+    monkeypatch.setattr(csrc, "vnni_native", lambda: vnni)
+    k = kernel.from_weight(layer(n=50).weight.detach(), group=32)
+    ids = torch.tensor([0, 17, 49, 17, 3])
+    assert torch.equal(k.rows(ids), k.dequantize()[ids])

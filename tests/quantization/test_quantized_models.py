@@ -61,7 +61,7 @@ TOLERANCE = {"int8": 0.1, "int4": 1.5, "a8w8": 0.4, "fp8": 0.5}
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_weight_only_matches_transformers_with_the_same_rounded_weights(tiny_models, method,
                                                                       monkeypatch):
-    from tokenmill.quantization.linear_kernels import KERNELS
+    from tokenmill.quantization.model import KERNELS
 
     # float activations: the exact weight-only arithmetic (int8 activations: test_kernels.py)
     monkeypatch.setenv("TOKENMILL_CPU_INT_DOT", "0")

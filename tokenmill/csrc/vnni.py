@@ -10,7 +10,7 @@ import torch
 from tokenmill.csrc import _library, address, quantize_rows_q16
 
 __all__ = ["vnni_native", "int8_to_vnni", "int8_from_vnni", "int4_to_vnni", "int4_from_vnni",
-           "int8_vnni_gemm", "int4_vnni_gemm"]
+           "int8_vnni_rows", "int4_vnni_rows", "int8_vnni_gemm", "int4_vnni_gemm"]
 
 
 def vnni_native() -> bool:
@@ -61,6 +61,23 @@ def int4_from_vnni(wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
 
     pairs = _pairs_to_rows(torch.stack([wp & 15, wp >> 4], dim=-1), n)
     return pack_int4(pairs), _from_panels(sp, n), _from_panels(mp, n)
+
+
+def int8_vnni_rows(wp: torch.Tensor, sp: torch.Tensor,
+                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `ids` of `int8_from_vnni`'s weight and scales, read from the panels (an embedding
+    lookup in a tied LM head)."""
+    panel, lane = ids // 16, ids % 16
+    return wp[panel, :, lane].reshape(len(ids), -1), sp[panel, :, lane]
+
+
+def int4_vnni_rows(wp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor,
+                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `ids` of the int4 weight as values 0..15 [T, K] (not packed), scales and mins."""
+    panel, lane = ids // 16, ids % 16
+    pairs = wp[panel, :, lane]  # [T, K/2]: inputs 2j, 2j + 1 in the low, high nibble
+    return (torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(len(ids), -1),
+            sp[panel, :, lane], mp[panel, :, lane])
 
 
 def _pairs_to_rows(pairs: torch.Tensor, n: int) -> torch.Tensor:

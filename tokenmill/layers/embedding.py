@@ -29,12 +29,26 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden), requires_grad=False)
         self.weight.weight_loader = _narrowed(0, self.first, self.rows)
 
+        self.head = None  # a tied LM head whose quantized rows the lookups read instead
+
+    def share_rows(self, head: nn.Module) -> None:
+        """Look rows up in the tied LM head's quantized kernel (the same rows on each rank)
+        instead of a float copy of the table: the table's float weight is dropped."""
+        self.head = head
+        self.weight = None
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return F.embedding(ids, self.weight)
+        flat = ids.reshape(-1)
+        return self.head.kernel.rows(flat).view(*ids.shape, -1)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.first
         mine = (local >= 0) & (local < self.rows)
-        out = F.embedding(local.clamp(0, self.rows - 1), self.weight)
+        out = self._lookup(local.clamp(0, self.rows - 1))
         out.masked_fill_(~mine.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 

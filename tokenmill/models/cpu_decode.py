@@ -172,8 +172,7 @@ class CpuDecodeStep:
         tp = model.model.embed_tokens.tp
         if tp.size > 1 and tp.shm is None:
             return "tensor-parallel ranks without the shared-memory all-reduce"
-        embed = model.model.embed_tokens.weight
-        if not csrc.usable(embed):
+        if not csrc.usable(model.model.norm.weight):  # (the compute dtype and device)
             return "the compiled kernels need float32 weights on a CPU with AVX2"
         if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
             return "the attention backend does not use the compiled decode kernel"

@@ -12,6 +12,11 @@ float: each block's integers kept, its scales split out.
 - Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and mins times fp16 d and
   dmin, w = d sc q - dmin m) -> int4, groups of 32; the products d sc and dmin m are rounded
   to fp16 (the int4 kernels' scale type): within 2^-11 of each group's scale.
+- Q5_1 (32 x 5 bits, w = d q + m) and Q5_K (Q4_K's groups with a fifth bit, q in 0..31)
+  -> int8 q with a float32 scale and offset per group of 32 (the int8 kernel adds the
+  offsets times the activations' group sums): exact.
+- Q2_K (256-blocks of 16 groups of 16 x 2 bits, 4-bit scales and mins times fp16 d and dmin)
+  -> int4, groups of 16, scales and mins rounded to fp16 as Q4_K's.
 Each function takes a weight's [N, bytes per row] uint8 rows and returns the kernel tensors
 (rows = output channels)."""
 
@@ -24,9 +29,10 @@ from tokenmill.quantization.schemes import pack_int4
 
 # block type -> (weights a block, bytes a block)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-          "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144)}
-METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q6_K": "int8", "Q3_K": "int8",
-           "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+          "Q5_1": (32, 24), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144),
+          "Q5_K": (256, 176), "Q2_K": (256, 84)}
+METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q6_K": "int8", "Q3_K": "int8",
+           "Q5_K": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q2_K": "int4"}
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
@@ -58,15 +64,20 @@ def _q4(blocks, n, k, with_min: bool):
             "scale": torch.from_numpy(d.copy()), "min": torch.from_numpy(mins.copy())}
 
 
-def _q5_0(blocks, n, k):
+def _q5(blocks, n, k, with_min: bool):
+    """Q5_0: d, 4 bytes of fifth bits, 16 bytes of nibbles; Q5_1: d, m, then the same."""
     d = _f16(blocks[..., 0:2])
-    high = blocks[..., 2:6].copy().view(np.uint32)[..., 0]  # bit j: input j's fifth bit
-    qs = blocks[..., 6:]
+    at = 4 if with_min else 2
+    high = blocks[..., at:at + 4].copy().view(np.uint32)[..., 0]  # bit j: input j's 5th bit
+    qs = blocks[..., at + 4:]
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # inputs 0..31
     bits = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-    q = (low | (bits.astype(np.int16) << 4)) - 16
+    q = low | (bits.astype(np.int16) << 4)
+    if not with_min:
+        return {"qweight": torch.from_numpy((q - 16).astype(np.int8).reshape(n, k)),
+                "scale": torch.from_numpy(d)}
     return {"qweight": torch.from_numpy(q.astype(np.int8).reshape(n, k)),
-            "scale": torch.from_numpy(d)}
+            "scale": torch.from_numpy(d), "offset": torch.from_numpy(_f16(blocks[..., 2:4]))}
 
 
 def _q6_k(blocks, n, k):
@@ -105,21 +116,53 @@ def _q3_k(blocks, n, k):
     return {"qweight": torch.from_numpy(q.reshape(n, k)), "scale": torch.from_numpy(scale)}
 
 
-def _q4_k(blocks, n, k):
+def _k_scales(blocks):
+    """Q4_K / Q5_K: per 256-block d, dmin and 8 groups' 6-bit scales and mins, as the
+    groups' float32 scale d x sc and offset -dmin x m."""
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     packed = blocks[..., 4:16].reshape(*blocks.shape[:2], 3, 4)
     a, b, c = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return d[..., None] * sc, -(dmin[..., None] * mn)
+
+
+def _q4_k(blocks, n, k):
+    scale, mins = _k_scales(blocks)
     qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)  # 4 x (32 bytes: 2 groups)
     q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(n, k)  # groups of 32 in order
-    scale = (d[..., None] * sc).reshape(n, k // 32).astype(np.float16)
-    mins = (-(dmin[..., None] * mn)).reshape(n, k // 32).astype(np.float16)
+    return {"qweight": pack_int4(torch.from_numpy(q.astype(np.uint8))),
+            "scale": torch.from_numpy(scale.reshape(n, k // 32).astype(np.float16)),
+            "min": torch.from_numpy(mins.reshape(n, k // 32).astype(np.float16))}
+
+
+def _q5_k(blocks, n, k):
+    scale, offset = _k_scales(blocks)
+    qh = blocks[..., 16:48]  # bit 2c / 2c + 1 of byte l: input l of group 2c / 2c + 1
+    qs = blocks[..., 48:].reshape(*blocks.shape[:2], 4, 32)
+    low = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # [.., 4, 2, 32]: groups of 32 in order
+    shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+    high = (qh[..., None, None, :] >> shifts) & 1
+    q = (low | (high << 4)).reshape(n, k)
+    return {"qweight": torch.from_numpy(q.astype(np.int8)),
+            "scale": torch.from_numpy(scale.reshape(n, k // 32).astype(np.float32)),
+            "offset": torch.from_numpy(offset.reshape(n, k // 32).astype(np.float32))}
+
+
+def _q2_k(blocks, n, k):
+    sc = blocks[..., :16]  # per group of 16: scale in the low nibble, min in the high one
+    qs = blocks[..., 16:80].reshape(*blocks.shape[:2], 2, 32)  # 2 x 128 inputs
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])
+    # each 128 inputs: 4 shifts x (16 from bytes 0..15, 16 from bytes 16..31)
+    shifts = np.arange(0, 8, 2, dtype=np.uint8).reshape(4, 1)
+    q = ((qs[..., None, :] >> shifts[None, None, None]) & 3).reshape(n, k)
+    scale = (d[..., None] * (sc & 0x0F)).reshape(n, k // 16).astype(np.float16)
+    mins = (-(dmin[..., None] * (sc >> 4))).reshape(n, k // 16).astype(np.float16)
     return {"qweight": pack_int4(torch.from_numpy(q.astype(np.uint8))),
             "scale": torch.from_numpy(scale), "min": torch.from_numpy(mins)}
 
 
 _CONVERT = {"Q8_0": _q8_0, "Q4_0": lambda b, n, k: _q4(b, n, k, False),
-            "Q4_1": lambda b, n, k: _q4(b, n, k, True), "Q5_0": _q5_0, "Q6_K": _q6_k,
-            "Q3_K": _q3_k,
-            "Q4_K": _q4_k}
+            "Q4_1": lambda b, n, k: _q4(b, n, k, True), "Q5_0": lambda b, n, k: _q5(b, n, k, False),
+            "Q5_1": lambda b, n, k: _q5(b, n, k, True), "Q6_K": _q6_k, "Q3_K": _q3_k,
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q2_K": _q2_k}

@@ -1,4 +1,5 @@
-"""Quantized kernels for `Linear`: each holds its quantized tensors (the layer's float weight is
+"""Weight-only quantized kernels for `Linear` (int8, int4; activation-quantized ones are in
+activation_kernels.py): each holds its quantized tensors (the layer's float weight is
 dropped) and multiplies by them. The fast path is picked once, at construction, from the device
 (CPU: compiled AVX2 kernels / fbgemm; CUDA: Triton, `torch._scaled_mm`);
 `reference()` is the plain dequantize-then-matmul path beside it, used where no fast kernel
@@ -6,7 +7,6 @@ exists and by the tests that check the fast path against it."""
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -49,6 +49,10 @@ class QuantizedKernel(ABC):
 
     def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantize().to(x.dtype), layer.bias)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float rows `ids` of the weight (a tied embedding's lookups in its LM head)."""
+        return self.dequantize()[ids]
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -133,19 +137,26 @@ class _PanelKernel(QuantizedKernel):
 
 class Int8Kernel(_PanelKernel):
     """Weight-only int8, symmetric per output channel (or per group, as GGUF Q8_0 stores).
-    With VNNI the weight lives in panels (see `_PanelKernel`)."""
+    With VNNI the weight lives in panels (see `_PanelKernel`).
+
+    An optional float32 `offset` per group (GGUF Q5_1 / Q5_K: w = q x scale + offset, q in
+    0..31) is added as (x's sums per group) @ offset^T after the integer kernel; such a layer
+    has no compiled decode form."""
 
     method = "int8"
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
         qweight, scale = tensors["qweight"], tensors["scale"].float()
+        self.offset = tensors.get("offset")
         self.out_features, k = qweight.shape
         self.group = k // scale.shape[1]
         self.fast = self._on_fast_cpu() and self.group % 8 == 0
         self.int_dot = self.fast and self._int_dot(k, self.group)
         self.triton = self._on_triton_gpu(k)
-        self._keep({"qweight": qweight, "scale": scale}, self.int_dot and csrc.vnni_native())
+        offset = {} if self.offset is None else {"offset": self.offset}
+        self._keep({"qweight": qweight, "scale": scale, **offset},
+                   self.int_dot and csrc.vnni_native())
         self.name = ("int8-cpu-vnni" if self.vnni else "int8-cpu-intdot" if self.int_dot
                      else "int8-cpu" if self.fast else "int8-triton" if self.triton
                      else "int8-dequant")
@@ -155,7 +166,12 @@ class Int8Kernel(_PanelKernel):
 
     def _from_panels(self):
         qweight, scale = csrc.int8_from_vnni(*self.panels, self.out_features)
-        return {"qweight": qweight, "scale": scale}
+        return {"qweight": qweight, "scale": scale,
+                **({} if self.offset is None else {"offset": self.offset})}
+
+    def weight_bytes(self) -> int:
+        extra = 0 if self.offset is None or not self.vnni else self.offset.numel() * 4
+        return super().weight_bytes() + extra
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int | None = None,
@@ -165,9 +181,32 @@ class Int8Kernel(_PanelKernel):
 
     def dequantize(self) -> torch.Tensor:
         tensors = self.tensors
-        return schemes.dequantize_int8(tensors["qweight"], tensors["scale"])
+        weight = schemes.dequantize_int8(tensors["qweight"], tensors["scale"])
+        if self.offset is None:
+            return weight
+        n, k = weight.shape
+        return (weight.view(n, -1, self.group) + self.offset[..., None]).view(n, k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            q, scale = csrc.int8_vnni_rows(*self.panels, ids)
+        else:
+            q, scale = self.qweight[ids], self.scale[ids]
+        weight = schemes.dequantize_int8(q, scale)
+        if self.offset is None:
+            return weight
+        return (weight.view(len(ids), -1, self.group) + self.offset[ids][..., None]).view(
+            weight.shape)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        out = self._integer(layer, x)
+        if self.offset is None:
+            return out
+        sums = x.reshape(*x.shape[:-1], -1, self.group).sum(-1)
+        return out + (sums.float() @ self.offset.T).to(out.dtype)
+
+    def _integer(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """x @ (q x scale)^T (+ bias): the weight without its offsets."""
         if self.fast and x.dim() == 2 and x.dtype == torch.float32:
             if self.vnni:
                 return csrc.int8_vnni_gemm(x.contiguous(), *self.panels, self.out_features,
@@ -180,9 +219,12 @@ class Int8Kernel(_PanelKernel):
         if self.triton:
             return _triton_kernels().weight_only_matmul(x, self.qweight, self.scale, None,
                                                         layer.bias, self.group)
-        return self.reference(layer, x)
+        weight = schemes.dequantize_int8(self.qweight, self.scale)
+        return F.linear(x, weight.to(x.dtype), layer.bias)
 
     def compiled_form(self) -> csrc.LinearForm | None:
+        if self.offset is not None:
+            return None
         if self.vnni:
             return self._vnni_form(csrc.INT8_VNNI)
         if not self.fast:
@@ -225,6 +267,11 @@ class Int4Kernel(_PanelKernel):
     def mins(self) -> torch.Tensor:
         return self.tensors["min"]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.vnni:
+            return schemes.dequantize_int4_values(*csrc.int4_vnni_rows(*self.panels, ids))
+        return schemes.dequantize_int4(self.qweight[ids], self.scale[ids], self.mins[ids])
+
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group: int = 32) -> Int4Kernel:
         packed, scale, mins = schemes.quantize_int4(weight, group)
@@ -260,139 +307,3 @@ class Int4Kernel(_PanelKernel):
         return csrc.LinearForm(csrc.INT4_Q16 if self.int_dot else csrc.INT4, self.group,
                                INT4_MAX_ROWS, self.qweight.data_ptr(), self.scale.data_ptr(),
                                self.mins.data_ptr())
-
-
-class A8W8Kernel(QuantizedKernel):
-    """int8 weights (per output channel) times int8 activations, quantized to asymmetric 7-bit:
-    per token from each call's range (dynamic) or per tensor from a calibrated range (static),
-    after dividing by the SmoothQuant factors when calibration produced them.
-    CPU fast path: fbgemm/oneDNN int8 GEMMs."""
-
-    method = "a8w8"
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(tensors)
-        self.qweight, self.scale = tensors["qweight"], tensors["scale"].float().reshape(-1)
-        smooth = tensors.get("smooth")
-        self.inv_smooth = None if smooth is None else (1.0 / smooth.float())
-        act = tensors.get("act_range")  # [low, high] of the smoothed activations
-        self.static = None if act is None else schemes.uint8_activation_params(act[0], act[1])
-        self.packed = None
-        if self.qweight.device.type == "cpu":
-            if self.static is None:
-                with warnings.catch_warnings():  # torch's quantized tensors are deprecated;
-                    warnings.simplefilter("ignore")  # fbgemm's packed GEMM is the fast one
-                    qw = torch._make_per_channel_quantized_tensor(
-                        self.qweight, self.scale.double(),
-                        torch.zeros_like(self.scale, dtype=torch.long), 0)
-                self.packed = torch.ops.quantized.linear_prepack(qw, None)
-            else:
-                self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
-        self.name = "a8w8-cpu" if self.packed is not None else "a8w8-dequant"
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, smooth: torch.Tensor | None = None,
-                    act_range: torch.Tensor | None = None,
-                    row_absmax: torch.Tensor | None = None) -> A8W8Kernel:
-        if smooth is not None:
-            weight = weight.float() * smooth[None, :]
-        q, scale = schemes.quantize_int8(weight, row_absmax=row_absmax)
-        tensors = {"qweight": q, "scale": scale.reshape(-1)}
-        if smooth is not None:
-            tensors["smooth"] = smooth.float()
-        if act_range is not None:
-            tensors["act_range"] = act_range.float()
-        return cls(tensors)
-
-    def dequantize(self) -> torch.Tensor:
-        return schemes.dequantize_int8(self.qweight, self.scale[:, None])
-
-    def _smoothed(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.inv_smooth is None else x * self.inv_smooth.to(x.dtype)
-
-    def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
-        x = self._smoothed(x.float())
-        if self.static is None:
-            rows = schemes.row_scales(x)
-            x = x / rows
-            x = schemes.fake_quantize_uint8(x, *schemes.uint8_activation_params(x.min(),
-                                                                                x.max()))
-            x = x * rows
-        else:
-            x = schemes.fake_quantize_uint8(x, *self.static, upper=schemes.ACT_LEVELS)
-        return F.linear(x, self.dequantize(), layer.bias.float() if layer.bias is not None
-                        else None)
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.dtype != torch.float32:
-            return self.reference(layer, x).to(x.dtype)
-        x = self._smoothed(x)
-        if self.static is None:
-            # Rows scaled to one range first, so the per-tensor quantization fbgemm applies
-            # is in effect per token (a token with huge activations, such as the first one,
-            # no longer flattens the others); reduce_range: 7 bits, see schemes.ACT_LEVELS.
-            rows = schemes.row_scales(x)
-            y = torch.ops.quantized.linear_dynamic((x / rows).contiguous(), self.packed, True)
-            y = y * rows
-        else:
-            scale, zero = self.static
-            qx = schemes.quantize_uint8(x, scale, zero, schemes.ACT_LEVELS).to(torch.uint8)
-            y = torch.ops.onednn.qlinear_pointwise(
-                qx, scale, zero, self.packed, self.scale,
-                torch.zeros_like(self.scale, dtype=torch.long), None, 1.0, 0, torch.float32,
-                "none", [], "")
-        return y if layer.bias is None else y + layer.bias
-
-
-class Fp8Kernel(QuantizedKernel):
-    """W8A8 float8 e4m3: weights with per-channel or per-tensor scales, activations rounded
-    through e4m3 with a per-tensor scale (dynamic, or static from calibration). On GPUs with
-    fp8 units the matmul is `torch._scaled_mm`; elsewhere a dequantizing path."""
-
-    method = "fp8"
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().__init__(tensors)
-        self.qweight, self.scale = tensors["qweight"], tensors["scale"].float()
-        self.act_scale = tensors.get("act_scale")
-        device = self.qweight.device
-        self.scaled_mm = (device.type == "cuda"
-                          and torch.cuda.get_device_capability(device) >= (8, 9))
-        self.name = "fp8-scaled-mm" if self.scaled_mm else "fp8-dequant"
-
-    @classmethod
-    def from_weight(cls, weight: torch.Tensor, per_channel: bool = True,
-                    act_absmax: torch.Tensor | None = None,
-                    row_absmax: torch.Tensor | None = None) -> Fp8Kernel:
-        q, scale = schemes.quantize_fp8(weight, per_channel, row_absmax)
-        tensors = {"qweight": q, "scale": scale}
-        if act_absmax is not None:
-            tensors["act_scale"] = (act_absmax.float().clamp(min=1e-12)
-                                    / schemes.FP8_MAX).reshape(1)
-        return cls(tensors)
-
-    def dequantize(self) -> torch.Tensor:
-        scale = self.scale if self.scale.numel() > 1 else self.scale.expand(
-            self.qweight.shape[0])
-        return schemes.dequantize_fp8(self.qweight, scale)
-
-    def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
-        x = schemes.fake_quantize_fp8(x.float(), self.act_scale)
-        return F.linear(x, self.dequantize(), layer.bias).to(x.dtype)
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if not self.scaled_mm:
-            return self.reference(layer, x).to(x.dtype)
-        act_scale = self.act_scale
-        if act_scale is None:
-            act_scale = x.abs().amax().float().clamp(min=1e-12) / schemes.FP8_MAX
-        qx = (x / act_scale).clamp(-schemes.FP8_MAX, schemes.FP8_MAX).to(torch.float8_e4m3fn)
-        w_scale = self.scale.reshape(1, -1) if self.scale.numel() > 1 else self.scale
-        x_scale = act_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous() \
-            if self.scale.numel() > 1 else act_scale.reshape(())
-        y = torch._scaled_mm(qx, self.qweight.t(), scale_a=x_scale, scale_b=w_scale,
-                             bias=layer.bias, out_dtype=x.dtype)
-        return y
-
-
-KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}

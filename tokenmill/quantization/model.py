@@ -14,18 +14,15 @@ from tqdm import tqdm
 
 from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, whole
 from tokenmill.quantization import QuantConfig
+from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
-from tokenmill.quantization.linear_kernels import (
-    KERNELS,
-    A8W8Kernel,
-    Fp8Kernel,
-    Int4Kernel,
-    Int8Kernel,
-    QuantizedKernel,
-)
+from tokenmill.quantization.linear_kernels import Int4Kernel, Int8Kernel, QuantizedKernel
 from tokenmill.quantization.schemes import smoothing_factors
 
 logger = logging.getLogger(__name__)
+
+# quantization method -> the kernel that serves it
+KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}
 
 # Leaf names of the tensors quantized kernels keep (a checkpoint stores `<layer>.<leaf>`).
 KERNEL_TENSORS = frozenset({"qweight", "scale", "min", "smooth", "act_range", "act_scale"})

@@ -69,7 +69,13 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
                     ) -> torch.Tensor:
-    q = unpack_int4(packed).float()
+    return dequantize_int4_values(unpack_int4(packed), scale, mins)
+
+
+def dequantize_int4_values(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor
+                           ) -> torch.Tensor:
+    """`dequantize_int4` of unpacked values q [N, K] in 0..15."""
+    q = q.float()
     group = q.shape[1] // scale.shape[1]
     wg = _grouped(q, group) * scale.float()[..., None] + mins.float()[..., None]
     return wg.reshape(q.shape)
