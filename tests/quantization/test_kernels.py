@@ -359,3 +359,21 @@ def test_rows_read_from_either_layout_equal_the_dequantized_weight(monkeypatch, 
     k = kernel.from_weight(layer(n=50).weight.detach(), group=32)
     ids = torch.tensor([0, 17, 49, 17, 3])
     assert torch.equal(k.rows(ids), k.dequantize()[ids])
+
+
+@needs_csrc
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_groups_of_16_take_the_panels(monkeypatch, vnni):
+    """GGUF Q6_K / Q3_K keep a scale per 16 inputs: the VNNI panels sum each 32-input
+    block's halves apart (int16 activations, as for groups of 32); elsewhere gemm.c's
+    float-activation kernel serves them."""
+    monkeypatch.setattr(csrc, "vnni_native", lambda: vnni)
+    lin = layer()
+    k = Int8Kernel.from_weight(lin.weight.detach(), group=16)
+    assert k.group == 16 and k.name == ("int8-cpu-vnni" if vnni else "int8-cpu")
+    for rows in (1, 5, 13, linear_kernels.INT8_MAX_ROWS + 3):
+        x = torch.randn(rows, 128)
+        rounded = schemes.fake_quantize_blocks(x) if vnni else x
+        expected = F.linear(rounded, k.dequantize(), lin.bias)
+        torch.testing.assert_close(k.apply(lin, x), expected, rtol=1e-4, atol=1e-4)
+    assert k.compiled_form() is not None

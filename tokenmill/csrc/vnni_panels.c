@@ -15,7 +15,8 @@
  * and row y += float(sum) * (scale[group] * xs[block]) (int4: + min[group] * xsum[block]).
  * Without AVX-512 VNNI the same sums come from vpmaddwd + vpaddd on 8 channels at a time,
  * with the same float operations per lane, so both builds give identical results (the tests
- * run everywhere). K and the group are multiples of 32. */
+ * run everywhere). K and the group are multiples of 32, or int8 groups of 16 (GGUF Q6_K /
+ * Q3_K: each 32-input block's two halves summed apart, each times its own scale). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -110,26 +111,30 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
                       int64_t group, const int mr, const int int4) {
     const int64_t blocks = K / 32, per_group = group / 32;
     const int64_t block_bytes = int4 ? 16 * VP : 32 * VP;
+    const int parts = group == 16 ? 2 : 1; /* int8 groups of 16: two scales a block */
     __m512 acc[VMR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
-        __m512i sum[VMR];
-        for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
         const void *wb = (const uint8_t *)pn.w + b * block_bytes;
-        for (int j = 0; j < 16; j++) {
-            const __m512i w = pair16(wb, j, int4);
+        for (int part = 0; part < parts; part++) {
+            __m512i sum[VMR];
+            for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
+            for (int j = part * 16 / parts; j < (part + 1) * 16 / parts; j++) {
+                const __m512i w = pair16(wb, j, int4);
+                for (int i = 0; i < mr; i++)
+                    sum[i] = _mm512_dpwssd_epi32(
+                        sum[i], w, _mm512_set1_epi32(pair_at(xq + i * K + b * 32 + 2 * j)));
+            }
+            const int64_t g = (parts == 2 ? 2 * b + part : b / per_group) * VP;
+            const __m512 ws = int4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         (const __m256i *)((const uint16_t *)pn.scale + g)))
+                                   : _mm512_loadu_ps((const float *)pn.scale + g);
             for (int i = 0; i < mr; i++)
-                sum[i] = _mm512_dpwssd_epi32(
-                    sum[i], w, _mm512_set1_epi32(pair_at(xq + i * K + b * 32 + 2 * j)));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                                         _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * blocks + b])),
+                                         acc[i]);
         }
-        const int64_t g = b / per_group * VP;
-        const __m512 ws = int4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                     (const __m256i *)((const uint16_t *)pn.scale + g)))
-                               : _mm512_loadu_ps((const float *)pn.scale + g);
-        for (int i = 0; i < mr; i++)
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
-                                     _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * blocks + b])),
-                                     acc[i]);
+        const int64_t g = b / (per_group ? per_group : 1) * VP;
         if (int4) {
             const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pn.min + g)));
             for (int i = 0; i < mr; i++)
@@ -167,27 +172,31 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
                       int64_t group, const int mr, const int int4) {
     const int64_t blocks = K / 32, per_group = group / 32;
     const int64_t block_bytes = int4 ? 16 * VP : 32 * VP;
+    const int parts = group == 16 ? 2 : 1; /* int8 groups of 16: two scales a block */
     for (int h = 0; h < 2; h++) {
         __m256 acc[VMR];
         for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            __m256i sum[VMR];
-            for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
             const void *wb = (const uint8_t *)pn.w + b * block_bytes;
-            for (int j = 0; j < 16; j++) {
-                const __m256i w = pair16(wb, j, h, int4);
+            for (int part = 0; part < parts; part++) {
+                __m256i sum[VMR];
+                for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
+                for (int j = part * 16 / parts; j < (part + 1) * 16 / parts; j++) {
+                    const __m256i w = pair16(wb, j, h, int4);
+                    for (int i = 0; i < mr; i++)
+                        sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
+                            w, _mm256_set1_epi32(pair_at(xq + i * K + b * 32 + 2 * j))));
+                }
+                const int64_t g = (parts == 2 ? 2 * b + part : b / per_group) * VP + 8 * h;
+                const __m256 ws = int4 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                             (const __m128i *)((const uint16_t *)pn.scale + g)))
+                                       : _mm256_loadu_ps((const float *)pn.scale + g);
                 for (int i = 0; i < mr; i++)
-                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
-                        w, _mm256_set1_epi32(pair_at(xq + i * K + b * 32 + 2 * j))));
+                    acc[i] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(sum[i]),
+                        _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * blocks + b])), acc[i]);
             }
-            const int64_t g = b / per_group * VP + 8 * h;
-            const __m256 ws = int4 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                         (const __m128i *)((const uint16_t *)pn.scale + g)))
-                                   : _mm256_loadu_ps((const float *)pn.scale + g);
-            for (int i = 0; i < mr; i++)
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]),
-                                         _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * blocks + b])),
-                                         acc[i]);
+            const int64_t g = b / (per_group ? per_group : 1) * VP + 8 * h;
             if (int4) {
                 const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pn.min + g)));
                 for (int i = 0; i < mr; i++)

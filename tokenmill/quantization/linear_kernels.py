@@ -155,8 +155,11 @@ class Int8Kernel(_PanelKernel):
         self.int_dot = self.fast and self._int_dot(k, self.group)
         self.triton = self._on_triton_gpu(k)
         offset = {} if self.offset is None else {"offset": self.offset}
+        # the panels also take groups of 16 (GGUF Q6_K / Q3_K), which gemm.c's integer-dot
+        # kernel does not
+        panels = self.fast and (self.int_dot or (self.group == 16 and self._int_dot(k, 32)))
         self._keep({"qweight": qweight, "scale": scale, **offset},
-                   self.int_dot and csrc.vnni_native())
+                   panels and csrc.vnni_native())
         self.name = ("int8-cpu-vnni" if self.vnni else "int8-cpu-intdot" if self.int_dot
                      else "int8-cpu" if self.fast else "int8-triton" if self.triton
                      else "int8-dequant")
