@@ -21,6 +21,7 @@
  * Wo and Wdown are partial sums, added up across the ranks of this node by the shared-memory
  * all-reduce (shm_allreduce.c) right there, as the Python path's RowParallelLinear does. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -59,6 +60,12 @@ typedef struct {
     const tm_moe *moe; /* NULL: the MLP of gate_up / down */
 } tm_layer;
 
+/* One thread's scratch for the linear layers and MLPs it runs (max_rows rows) */
+typedef struct {
+    float *gate_up, *act, *xs, *xsum, *rows_in;
+    int16_t *xq;
+} tm_scratch;
+
 typedef struct {
     int64_t num_layers, hidden, q_heads, kv_heads, head_dim, intermediate, block_size;
     int64_t kv_int8, max_rows;
@@ -77,10 +84,19 @@ typedef struct {
      * final norm, leaving its hidden rows in `hidden` and their residual in `residual` */
     int64_t first_stage, last_stage;
     /* mixture-of-experts scratch (max_rows rows): router logits, the chosen experts and
-     * weights (top_k a row), one expert's input and output rows, their tokens and weights */
-    float *logits, *route_w, *rows_in, *rows_out, *row_w;
-    int64_t *route_ids, *rows;
+     * weights (top_k a row); the assignments grouped by expert (their tokens, weights and
+     * output rows, expert e's from expert_first[e]); the shared expert's output rows; the
+     * scratch of each of expert_threads threads that run experts side by side */
+    float *logits, *route_w, *row_w, *expert_out, *rows_out;
+    int64_t *route_ids, *rows, *expert_first;
+    const tm_scratch *expert_scratch;
+    int64_t expert_threads;
 } tm_model;
+
+static tm_scratch main_scratch(const tm_model *m) {
+    const tm_scratch s = {m->gate_up, m->act, m->xs, m->xsum, NULL, m->xq};
+    return s;
+}
 
 static int reduce(const tm_model *m, float *x, int64_t n) {
     if (m->tp_size == 1) return 0;
@@ -88,7 +104,7 @@ static int reduce(const tm_model *m, float *x, int64_t n) {
                                  m->shm_seq, x, n);
 }
 
-static void linear(const tm_model *m, const tm_linear *l, const float *x, float *y,
+static void linear(const tm_scratch *m, const tm_linear *l, const float *x, float *y,
                    int64_t T) {
     switch (l->kind) {
         case TM_F32_PANEL:
@@ -124,10 +140,10 @@ static void linear(const tm_model *m, const tm_linear *l, const float *x, float 
 }
 
 /* y = (silu(x @ Wgate) * (x @ Wup)) @ Wdown, the gate|up product fused where it can be */
-static void mlp(const tm_model *m, const tm_linear *gate_up, const tm_linear *down,
+static void mlp(const tm_scratch *m, const tm_linear *gate_up, const tm_linear *down,
                 int64_t inter, const float *x, float *y, int64_t T) {
     if (gate_up->kind != TM_F32_PANEL ||
-        tm_f32_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, m->hidden,
+        tm_f32_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, gate_up->k,
                          gate_up->param) != 0) {
         linear(m, gate_up, x, m->gate_up, T);
         tm_silu_and_mul(m->gate_up, m->act, T, inter);
@@ -162,33 +178,50 @@ static void route(const tm_model *m, const tm_moe *e, int64_t T) {
     }
 }
 
-/* out = the block's output for the normed rows x (this rank's partial sums) */
+/* out = the block's output for the normed rows x (this rank's partial sums). The active
+ * experts run side by side, one thread each (their kernels then run on that thread alone:
+ * a nested parallel region), into rows of their own; the weighted sums are then taken in
+ * expert order, as the Python path adds them up. */
 static void moe(const tm_model *m, const tm_moe *e, const float *x, float *out, int64_t T) {
-    const int64_t H = m->hidden, K = e->top_k;
-    linear(m, &e->router, x, m->logits, T);
+    const int64_t H = m->hidden, K = e->top_k, E = e->num_experts;
+    const tm_scratch scratch = main_scratch(m);
+    int64_t *first = m->expert_first;
+    linear(&scratch, &e->router, x, m->logits, T);
     route(m, e, T);
-    memset(out, 0, T * H * sizeof(float));
-    for (int64_t ex = 0; ex < e->num_experts; ex++) {
-        if (e->gate_up[ex].kind < 0) continue;
-        int64_t count = 0;
+    int64_t n = 0;
+    for (int64_t ex = 0; ex < E; ex++) {
+        first[ex] = n;
         for (int64_t t = 0; t < T; t++)
             for (int64_t j = 0; j < K; j++)
                 if (m->route_ids[t * K + j] == ex) {
-                    m->rows[count] = t;
-                    m->row_w[count] = m->route_w[t * K + j];
-                    memcpy(m->rows_in + count * H, x + t * H, H * sizeof(float));
-                    count++;
+                    m->rows[n] = t;
+                    m->row_w[n++] = m->route_w[t * K + j];
                 }
-        if (!count) continue;
-        mlp(m, &e->gate_up[ex], &e->down[ex], e->inter, m->rows_in, m->rows_out, count);
-        for (int64_t c = 0; c < count; c++) {
+    }
+    first[E] = n;
+    const int threads = (int)(m->expert_threads < omp_get_max_threads()
+                              ? m->expert_threads : omp_get_max_threads());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t ex = 0; ex < E; ex++) {
+        const int64_t count = first[ex + 1] - first[ex];
+        if (!count || e->gate_up[ex].kind < 0) continue;
+        const tm_scratch *s = m->expert_scratch + omp_get_thread_num();
+        for (int64_t c = 0; c < count; c++)
+            memcpy(s->rows_in + c * H, x + m->rows[first[ex] + c] * H, H * sizeof(float));
+        mlp(s, &e->gate_up[ex], &e->down[ex], e->inter, s->rows_in,
+            m->expert_out + first[ex] * H, count);
+    }
+    memset(out, 0, T * H * sizeof(float));
+    for (int64_t ex = 0; ex < E; ex++) {
+        if (e->gate_up[ex].kind < 0) continue;
+        for (int64_t c = first[ex]; c < first[ex + 1]; c++) {
             float *dst = out + m->rows[c] * H;
-            const float *src = m->rows_out + c * H, w = m->row_w[c];
+            const float *src = m->expert_out + c * H, w = m->row_w[c];
             for (int64_t h = 0; h < H; h++) dst[h] += src[h] * w;
         }
     }
     if (e->shared_gate_up.kind < 0) return;
-    mlp(m, &e->shared_gate_up, &e->shared_down, e->shared_inter, x, m->rows_out, T);
+    mlp(&scratch, &e->shared_gate_up, &e->shared_down, e->shared_inter, x, m->rows_out, T);
     for (int64_t t = 0; t < T; t++) {
         float g = 0.0f;
         if (e->shared_gate) {
@@ -211,6 +244,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
     if (T < 1 || T > m->max_rows) return -1;
     const int64_t H = m->hidden, D = m->head_dim, hq = m->q_heads, hkv = m->kv_heads;
     const int64_t q_size = hq * D, kv_size = hkv * D, width = q_size + 2 * kv_size;
+    const tm_scratch scratch = main_scratch(m);
     for (int64_t i = 0; i < m->num_layers; i++) {
         const tm_layer *layer = m->layers + i;
         if (i == 0 && m->first_stage) {
@@ -219,7 +253,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
         } else {
             tm_add_rms_norm(hidden, m->residual, layer->input_norm, m->normed, T, H, m->eps);
         }
-        linear(m, &layer->qkv, m->normed, m->qkv, T);
+        linear(&scratch, &layer->qkv, m->normed, m->qkv, T);
         if (layer->q_norm) /* per head, in place: each row is read before it is written */
             for (int64_t t = 0; t < T; t++) {
                 float *row = m->qkv + t * width;
@@ -233,13 +267,13 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
         tm_paged_decode_attention(m->qkv, width, layer->k_cache, layer->v_cache, block_table,
                                   table_stride, seq_lens, m->attn, T, hq, hkv, D,
                                   m->block_size, m->scale, m->kv_int8);
-        linear(m, &layer->o, m->attn, hidden, T);
+        linear(&scratch, &layer->o, m->attn, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);
         if (layer->moe)
             moe(m, layer->moe, m->normed, hidden, T);
         else
-            mlp(m, &layer->gate_up, &layer->down, m->intermediate, m->normed, hidden, T);
+            mlp(&scratch, &layer->gate_up, &layer->down, m->intermediate, m->normed, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
     }
     if (m->last_stage) tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);

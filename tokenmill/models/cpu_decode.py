@@ -43,6 +43,10 @@ class _Moe(ctypes.Structure):
                    ("shared_down", _Linear), ("shared_gate", _ptr)])
 
 
+class _Scratch(ctypes.Structure):  # one thread's (decode_step.c's tm_scratch)
+    _fields_ = [(name, _ptr) for name in ("gate_up", "act", "xs", "xsum", "rows_in", "xq")]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
@@ -60,8 +64,10 @@ class _Model(ctypes.Structure):
                 + [(name, _i64) for name in ("tp_rank", "tp_size", "slot_floats")]
                 + [("shm_base", _ptr), ("shm_seq", _ptr), ("first_stage", _i64),
                    ("last_stage", _i64)]
-                + [(name, _ptr) for name in ("logits", "route_w", "rows_in", "rows_out",
-                                             "row_w", "route_ids", "rows")])
+                + [(name, _ptr) for name in ("logits", "route_w", "row_w", "expert_out",
+                                             "rows_out", "route_ids", "rows", "expert_first",
+                                             "expert_scratch")]
+                + [("expert_threads", _i64)])
 
 _NONE = _Linear(kind=-1)  # an expert another rank holds; no shared expert / gate
 
@@ -117,13 +123,18 @@ class CpuDecodeStep:
         self._scratch = {
             "residual": torch.empty(rows, hidden), "normed": torch.empty(rows, hidden),
             "qkv": torch.empty(rows, width), "attn": torch.empty(rows, attn.q_size),
-            "gate_up": torch.empty(rows, 2 * inter), "act": torch.empty(rows, inter),
-            "xs": torch.empty(rows, max_k // 32 + 1), "xsum": torch.empty(rows, max_k // 32 + 1),
-            "xq": torch.empty(rows, max_k, dtype=torch.int16),
+            **self._mlp_scratch(rows, hidden, inter, max_k),
             "logits": torch.empty(rows, experts), "route_w": torch.empty(rows, top_k),
-            "rows_in": torch.empty(rows, hidden), "rows_out": torch.empty(rows, hidden),
-            "row_w": torch.empty(rows), "route_ids": torch.empty(rows, top_k, dtype=torch.int64),
-            "rows": torch.empty(rows, dtype=torch.int64)}
+            "row_w": torch.empty(rows * top_k), "expert_out": torch.empty(rows * top_k, hidden),
+            "rows_out": torch.empty(rows, hidden),
+            "route_ids": torch.empty(rows, top_k, dtype=torch.int64),
+            "rows": torch.empty(rows * top_k, dtype=torch.int64),
+            "expert_first": torch.empty(experts + 1, dtype=torch.int64)}
+        # experts run side by side, one per thread, each with its own scratch
+        self._threads = [self._mlp_scratch(rows, hidden, inter, max_k)
+                         for _ in range(torch.get_num_threads() if moes else 0)]
+        self._thread_scratch = (_Scratch * max(1, len(self._threads)))(*(
+            _Scratch(**{name: t.data_ptr() for name, t in s.items()}) for s in self._threads))
         self._described = layers  # (each keeps its experts' descriptions alive)
         self._layers = (_Layer * len(layers))(*layers)
         rotary = inner.rotary
@@ -136,9 +147,20 @@ class CpuDecodeStep:
             eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
             final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
             signed_sin=rotary.signed_sin.data_ptr(),
-            **{name: t.data_ptr() for name, t in self._scratch.items()},
+            **{name: t.data_ptr() for name, t in self._scratch.items() if name != "rows_in"},
+            expert_scratch=ctypes.cast(self._thread_scratch, _ptr),
+            expert_threads=len(self._threads),
             **self._tensor_parallel(inner.embed_tokens.tp),
             first_stage=int(self._first_stage), last_stage=int(self._last_stage))
+
+    @staticmethod
+    def _mlp_scratch(rows: int, hidden: int, inter: int, max_k: int) -> dict:
+        """One thread's scratch rows for its linear layers and MLPs (tm_scratch)."""
+        blocks = max_k // 32 + 1
+        return {"gate_up": torch.empty(rows, 2 * inter), "act": torch.empty(rows, inter),
+                "xs": torch.empty(rows, blocks), "xsum": torch.empty(rows, blocks),
+                "rows_in": torch.empty(rows, hidden),
+                "xq": torch.empty(rows, max_k, dtype=torch.int16)}
 
     @staticmethod
     def _tensor_parallel(tp) -> dict:
