@@ -221,16 +221,23 @@ def test_sliding_window_attention_matches_transformers_past_the_window(tmp_path,
         assert [o.outputs[0].token_ids for o in outs] == expected, engine
 
 
-def test_longrope_keeps_to_its_short_factors_context(tiny_models):
-    """Past `original_max_position_embeddings` transformers switches to LongRoPE's long
-    factors, which tokenmill does not apply yet: the model length stops there."""
-    path, _ = tiny_models("phi3_longrope")  # original 256 of 1024 positions
+def test_longrope_short_factors_by_default_long_factors_past_the_original_context(
+        tiny_models):
+    """By default the model length stops at LongRoPE's original context (the short factors:
+    transformers' outputs); a longer max_model_len serves long sequences with the long
+    factors, as transformers rotates a sequence that has passed the original context (checked
+    on prompts longer than it, chunked too)."""
+    path, hf = tiny_models("phi3_longrope")  # original 256 of 1024 positions
     with LLM(path, kv_cache_memory_gib=0.01) as llm:
         assert llm.engine.core.max_model_len == 256
-    with pytest.raises(ValueError, match=r"LongRoPE's original context \(its long factors\) "
-                                         r"\(256 tokens\)"):
-        LLM(path, kv_cache_memory_gib=0.01, max_model_len=512)
-
+    prompts = [[(7 * i) % 400 + 3 for i in range(300)], list(range(5, 405))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    for engine in ({}, {"max_num_batched_tokens": 64}):
+        with LLM(path, kv_cache_memory_gib=0.05, max_model_len=1024, **engine) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, engine
 
 
 def test_blocks_that_left_every_layers_window_go_back_to_the_pool(tmp_path):

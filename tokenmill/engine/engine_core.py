@@ -16,32 +16,31 @@ from tokenmill.loader import load_hf_config
 logger = logging.getLogger(__name__)
 
 
-def length_limit(hf_config) -> tuple[int, str] | None:
-    """(tokens, what) for a model whose computation past some length tokenmill does not
-    reproduce yet: LongRoPE's switch to its long factors."""
+def longrope_context(hf_config) -> int | None:
+    """The context LongRoPE's short factors serve (None for other rope types)."""
     from tokenmill.layers.rotary import longrope_length, rope_parameters  # (imports torch)
 
-    longrope = longrope_length(rope_parameters(hf_config))
-    if longrope is not None:
-        return longrope, "LongRoPE's original context (its long factors)"
-    return None
+    return longrope_length(rope_parameters(hf_config))
 
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # Within the limit the model computes what transformers does, so sequences are kept
-    # inside it (never silently past it).
-    limit = length_limit(hf_config)
-    if limit is not None and limit[0] < model_max:
-        tokens, what = limit
-        if config.max_model_len is not None and config.max_model_len > tokens:
-            raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the "
-                             f"model's {what} ({tokens} tokens), which tokenmill does not "
-                             f"apply yet: use --max-model-len {tokens} or less.")
+    # LongRoPE: transformers rotates with the short factors while a sequence is within the
+    # original context and with the long ones past it. One table serves every sequence here:
+    # by default the short factors within the original context (transformers' outputs
+    # exactly); a max_model_len past it takes the long factors for every position (as vLLM),
+    # so prompts within the original context differ slightly from transformers'.
+    original = longrope_context(hf_config)
+    if original is not None and original < model_max:
         if config.max_model_len is None:
-            logger.warning("The model's %s (%d tokens) is not applied yet: max_model_len "
-                           "capped to %d.", what, tokens, tokens)
-        model_max = tokens
+            logger.warning("LongRoPE: max_model_len defaults to the original context (%d "
+                           "tokens, the short factors); --max-model-len up to %d serves long "
+                           "context with the long factors.", original, model_max)
+            return original
+        if config.max_model_len > original:
+            logger.warning("LongRoPE: max_model_len %d is past the original context (%d): "
+                           "the long factors rotate every position, short prompts included.",
+                           config.max_model_len, original)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:

@@ -49,8 +49,9 @@ def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]] | No
 
 
 def longrope_length(params: dict[str, Any]) -> int | None:
-    """The context LongRoPE's short factors serve (transformers switches to the long ones,
-    which tokenmill does not apply, past it); None for other rope types."""
+    """The context LongRoPE's short factors serve (None for other rope types): transformers
+    switches to the long ones when a sequence passes it; a table for longer sequences takes
+    the long ones for every position (engine_core.derive_max_model_len)."""
     if params["rope_type"] != "longrope":
         return None
     return int(params["original_max_position_embeddings"])
@@ -79,9 +80,11 @@ def attention_factor(params: dict[str, Any], max_position_embeddings: int) -> fl
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def inverse_frequencies(head_dim: int, params: dict[str, Any],
-                        max_position_embeddings: int) -> torch.Tensor:
-    inv_freq = _scaled_frequencies(head_dim, params, max_position_embeddings)
+def inverse_frequencies(head_dim: int, params: dict[str, Any], max_position_embeddings: int,
+                        max_positions: int | None = None) -> torch.Tensor:
+    """`max_positions`: the longest sequence the table serves (LongRoPE: its long factors
+    past the original context, see longrope_length)."""
+    inv_freq = _scaled_frequencies(head_dim, params, max_position_embeddings, max_positions)
     factors = params.get("freq_factors")  # a GGUF's rope_freqs: per frequency, its divisor
     if factors is not None:
         if len(factors) != head_dim // 2:
@@ -91,8 +94,8 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any],
     return inv_freq
 
 
-def _scaled_frequencies(head_dim: int, params: dict[str, Any],
-                        max_position_embeddings: int) -> torch.Tensor:
+def _scaled_frequencies(head_dim: int, params: dict[str, Any], max_position_embeddings: int,
+                        max_positions: int | None) -> torch.Tensor:
     base = float(params["rope_theta"])
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base ** exponents)
@@ -101,8 +104,10 @@ def _scaled_frequencies(head_dim: int, params: dict[str, Any],
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
-    if rope_type == "longrope":  # the short factors (see longrope_length)
-        return inv_freq / torch.tensor(params["short_factor"], dtype=torch.float32)
+    if rope_type == "longrope":
+        long = max_positions is not None and max_positions > longrope_length(params)
+        factors = params["long_factor" if long else "short_factor"]
+        return inv_freq / torch.tensor(factors, dtype=torch.float32)
     if rope_type == "yarn":
         return _yarn_frequencies(head_dim, params, max_position_embeddings, inv_freq)
     if rope_type == "llama3":
@@ -160,7 +165,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
                  max_position_embeddings: int) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, params, max_position_embeddings)
+        inv_freq = inverse_frequencies(head_dim, params, max_position_embeddings, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = attention_factor(params, max_position_embeddings)
