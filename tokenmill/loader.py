@@ -49,7 +49,7 @@ def load_hf_config(path: str) -> Any:
         return load_gguf_config(path)
     from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except ValueError:
         with open(os.path.join(path, "config.json")) as f:
             needs_code = "auto_map" in json.load(f)
@@ -59,6 +59,12 @@ def load_hf_config(path: str) -> Any:
         raise ValueError(f"Model {path!r} needs its own Python code (config.json `auto_map`), "
                          "which tokenmill never runs, --trust-remote-code or not; supported "
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
+    if (getattr(config, "architectures", None) or [None])[0] == "Gemma3ForConditionalGeneration":
+        from tokenmill.models.gemma import text_config
+        logger.info("Gemma 3 multimodal checkpoint: serving its text model (images are not "
+                    "supported).")
+        return text_config(config)
+    return config
 
 
 def iter_safetensors(model_dir: str, lazy: bool = False,

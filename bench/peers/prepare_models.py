@@ -7,8 +7,9 @@
   heads, vocab 151936, tied embeddings), as an HF folder and an f32 GGUF written from it.
 - For the equal-bits comparison (`compare.py --precisions`), each model also as `q8_0.gguf`
   (every matrix Q8_0) and `q4_1.gguf` (linear layers Q4_1, token embedding / tied LM head
-  Q8_0, as the bundled default model is: for `default` that file is the bundled one). tokenmill
-  and llama.cpp load the same file.
+  Q8_0, as the bundled default model is: for `default` that file is the bundled one); the
+  Qwen shape also as `q4_k_m.gguf`, written by llama.cpp's quantizer. tokenmill and llama.cpp
+  load the same file.
 
 - `qwen3moe` (only with `--only qwen3moe`): random weights shaped like a small Qwen3-MoE
   (0.97 B parameters, 0.29 B active), as an HF folder, an f32 GGUF, `q8_0.gguf` and a
@@ -275,6 +276,9 @@ def main() -> None:
             dst = os.path.join(out, f"{name.lower()}.gguf")
             if not os.path.exists(dst):
                 rewrite_gguf(os.path.join(out, "f32.gguf"), dst, name)
+        if not os.path.exists(os.path.join(out, "q4_k_m.gguf")):  # (a dense K-quant file)
+            llamacpp_quantize(os.path.join(out, "f32.gguf"), os.path.join(out, "q4_k_m.gguf"),
+                              "LLAMA_FTYPE_MOSTLY_Q4_K_M")
     if args.only == "qwen3moe":  # (3.9 GB in fp32: only when asked for)
         out = os.path.join(args.out, "qwen3moe")
         os.makedirs(out, exist_ok=True)

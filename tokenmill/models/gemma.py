@@ -70,4 +70,40 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text model; from a `Gemma3ForConditionalGeneration` checkpoint (Gemma 3
+    4B-27B ship only as that) its language model, the vision tower's tensors not read."""
+
     qk_norm = True
+
+    def holds(self, name: str) -> bool:
+        tied_head = self.tie_word_embeddings and name.endswith("lm_head.weight")
+        if name.startswith(_VISION) or tied_head:
+            return False
+        return super().holds(text_name(name))
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        return super().checkpoint_target(text_name(name))
+
+
+# the image side of a Gemma3ForConditionalGeneration checkpoint (old and new layouts)
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+
+
+def text_name(name: str) -> str:
+    """A multimodal checkpoint's language-model tensor under the text model's name."""
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name.removeprefix("language_model.")
+
+
+def text_config(config: Any) -> Any:
+    """The text model's config of a Gemma3ForConditionalGeneration checkpoint, served as
+    Gemma3ForCausalLM (its token ids from the outer config where the inner lacks them)."""
+    text = config.text_config
+    text.architectures = ["Gemma3ForCausalLM"]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
