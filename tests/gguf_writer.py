@@ -37,10 +37,11 @@ def llama3_rope_factors(config, rope) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path, arch, state, config, qtype=None):
+def write_gguf(path, arch, state, config, qtype=None, blocks=None):
     """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
     GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
-    2-D weights in that block format."""
+    2-D weights in that block format, quantized by gguf-py, or, with `blocks(kind, shape)`,
+    as the blocks it returns (gguf-py cannot write the K-quants: random ones stand in)."""
     import gguf
     from gguf.quants import quantize
 
@@ -70,7 +71,9 @@ def write_gguf(path, arch, state, config, qtype=None):
         kind = qtype(gname) if callable(qtype) else qtype
         # (as the converter, a row that is no whole number of blocks stays float)
         if kind is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
-            writer.add_tensor(gname, quantize(np.ascontiguousarray(w), kind), raw_dtype=kind)
+            raw = (quantize(np.ascontiguousarray(w), kind) if blocks is None
+                   else blocks(kind, w.shape))
+            writer.add_tensor(gname, raw, raw_dtype=kind)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(w))
     writer.write_header_to_file()

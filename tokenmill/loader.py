@@ -173,7 +173,7 @@ def _share_tied_rows(model: nn.Module, loaded: set[str]) -> None:
         return
     if head.weight is None:
         embed.share_rows(head)
-    else:  # the head's blocks were dequantized into the table it shares
+    elif "lm_head.weight" in loaded:  # the head's blocks were dequantized into the table
         loaded.add("model.embed_tokens.weight")
 
 

@@ -10,6 +10,9 @@ memory.
   matmuls of quantized layers run the fp32 panel kernel.
 - `vnni_panels.c`: int8 / int4 weights in panels of 16 channels times int16 activations with
   `vpdpwssd` (AVX-512 VNNI CPUs: their kernel at every row count, ~1.6x the fp32 panels).
+- `kquant_panels.c`: GGUF Q4_K / Q6_K weights in such panels at about their stored size
+  (the K-quants' byte scales and per-256 factors kept, Q6_K's high bits in a plane of their
+  own).
 - `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
   must gather a padded copy of every sequence's K/V first.
 - `prompt_attention.c`: causal prompt attention (fresh or with cached context) over the
@@ -24,7 +27,8 @@ memory.
   (`kernels.h`), so the per-layer Python and ctypes work of the small kernels disappears.
 
 The ctypes wrappers of the attention kernels and `layer_ops.c` are in `layer_kernels.py`,
-those of `vnni_panels.c` in `vnni.py`; this module re-exports both.
+those of `vnni_panels.c` in `vnni.py`, those of `kquant_panels.c` in `kquant.py`; this module
+re-exports them.
 
 Plain C files need no torch headers (they build in about a second). Without a compiler, or
 without AVX2/FMA/F16C, `available()` is False and callers use their torch paths."""
@@ -51,6 +55,7 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "vnni_panels.c",
+                         "kquant_panels.c",
                          "paged_attention.c", "prompt_attention.c", "layer_ops.c",
                          "decode_step.c", "shm_allreduce.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
@@ -144,6 +149,10 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_vnni_native.restype = i64
     lib.tm_int8_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_int4_vnni_gemm.argtypes = [ptr] * 8 + [i64] * 4
+    lib.tm_kquant_panel_bytes.argtypes = [i64] * 2
+    lib.tm_kquant_panel_bytes.restype = i64
+    lib.tm_q4k_gemm.argtypes = [ptr] * 6 + [i64] * 3
+    lib.tm_q6k_gemm.argtypes = [ptr] * 6 + [i64] * 3
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
@@ -245,7 +254,7 @@ class LinearForm(NamedTuple):
 
 
 # decode_step.c's kernel kinds
-F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI = range(7)
+F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI, Q4K, Q6K, PARTS = range(10)
 
 
 def f32_panel_stride(packed: torch.Tensor, n: int, k: int) -> int | None:
@@ -323,5 +332,6 @@ def usable(x: torch.Tensor) -> bool:
 
 # The wrappers of vnni_panels.c and of the per-layer kernels live in their own modules;
 # re-exported here (after the helpers they use) so callers keep writing csrc.<name>.
+from tokenmill.csrc.kquant import *  # noqa: E402, F403
 from tokenmill.csrc.layer_kernels import *  # noqa: E402, F403
 from tokenmill.csrc.vnni import *  # noqa: E402, F403

@@ -28,12 +28,14 @@
 #include "kernels.h"
 
 enum { TM_F32_PANEL = 0, TM_INT8 = 1, TM_INT8_Q16 = 2, TM_INT4 = 3, TM_INT4_Q16 = 4,
-       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6 };
+       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6, TM_Q4K = 7, TM_Q6K = 8, TM_PARTS = 9 };
 
 typedef struct {
     int64_t kind, n, k;
     int64_t param; /* TM_F32_PANEL: KP (padded K); int8 / int4: the quantization group */
-    const void *w, *scale, *min; /* *_VNNI: vnni_panels.c's panels */
+    /* *_VNNI: vnni_panels.c's panels; Q4K / Q6K: one blob; PARTS: `param` tm_linears, a
+     * merged layer's parts in different formats, their outputs side by side */
+    const void *w, *scale, *min;
     const float *bias;
 } tm_linear;
 
@@ -62,7 +64,7 @@ typedef struct {
 
 /* One thread's scratch for the linear layers and MLPs it runs (max_rows rows) */
 typedef struct {
-    float *gate_up, *act, *xs, *xsum, *rows_in;
+    float *gate_up, *act, *xs, *xsum, *rows_in, *part_out;
     int16_t *xq;
 } tm_scratch;
 
@@ -73,7 +75,7 @@ typedef struct {
     const tm_layer *layers;
     const float *final_norm, *cos, *signed_sin;
     /* scratch for max_rows tokens */
-    float *residual, *normed, *qkv, *attn, *gate_up, *act, *xs, *xsum;
+    float *residual, *normed, *qkv, *attn, *gate_up, *act, *xs, *xsum, *part_out;
     int16_t *xq;
     /* tensor parallel (tp_size 1: none): shm_allreduce.c's segment and sequence counter */
     int64_t tp_rank, tp_size, slot_floats;
@@ -94,7 +96,7 @@ typedef struct {
 } tm_model;
 
 static tm_scratch main_scratch(const tm_model *m) {
-    const tm_scratch s = {m->gate_up, m->act, m->xs, m->xsum, NULL, m->xq};
+    const tm_scratch s = {m->gate_up, m->act, m->xs, m->xsum, NULL, m->part_out, m->xq};
     return s;
 }
 
@@ -128,6 +130,27 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
             tm_int4_vnni_gemm(m->xq, m->xs, m->xsum, l->w, l->scale, l->min, l->bias, y, T,
                               l->n, l->k, l->param);
             break;
+        case TM_Q4K:
+        case TM_Q6K: /* kquant_panels.c: the layer's panels are one blob */
+            tm_quantize_rows_q16(x, m->xq, m->xs, m->xsum, T, l->k);
+            (l->kind == TM_Q6K ? tm_q6k_gemm : tm_q4k_gemm)(m->xq, m->xs, m->xsum, l->w,
+                                                          l->bias, y, T, l->n, l->k);
+            break;
+        case TM_PARTS: {
+            const tm_linear *parts = (const tm_linear *)l->w;
+            int64_t col = 0;
+            for (int64_t p = 0; p < l->param; col += parts[p].n, p++) {
+                if (T == 1) {
+                    linear(m, parts + p, x, y + col, 1);
+                    continue;
+                }
+                linear(m, parts + p, x, m->part_out, T);
+                for (int64_t t = 0; t < T; t++)
+                    memcpy(y + t * l->n + col, m->part_out + t * parts[p].n,
+                           parts[p].n * sizeof(float));
+            }
+            break;
+        }
         case TM_INT4:
             tm_int4_gemm(x, l->w, l->scale, l->min, l->bias, y, T, l->n, l->k, l->param);
             break;

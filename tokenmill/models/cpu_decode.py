@@ -24,6 +24,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from tokenmill.quantization.linear_kernels import PartsKernel
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class _Moe(ctypes.Structure):
 
 
 class _Scratch(ctypes.Structure):  # one thread's (decode_step.c's tm_scratch)
-    _fields_ = [(name, _ptr) for name in ("gate_up", "act", "xs", "xsum", "rows_in", "xq")]
+    _fields_ = [(name, _ptr) for name in ("gate_up", "act", "xs", "xsum", "rows_in",
+                                          "part_out", "xq")]
 
 
 class _Layer(ctypes.Structure):
@@ -60,7 +62,7 @@ class _Model(ctypes.Structure):
                 + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
                 + [(name, _ptr) for name in ("final_norm", "cos", "signed_sin", "residual",
                                              "normed", "qkv", "attn", "gate_up", "act", "xs",
-                                             "xsum", "xq")]
+                                             "xsum", "part_out", "xq")]
                 + [(name, _i64) for name in ("tp_rank", "tp_size", "slot_floats")]
                 + [("shm_base", _ptr), ("shm_seq", _ptr), ("first_stage", _i64),
                    ("last_stage", _i64)]
@@ -83,12 +85,32 @@ def _mlps(layer: torch.nn.Module) -> list[MLP]:
 
 def _linear(layer: Linear) -> tuple[_Linear, int] | None:
     """The layer for C and the most rows its compiled kernel is the fastest for."""
+    if isinstance(layer.kernel, PartsKernel):
+        return _parts(layer)
     form = layer.kernel.compiled_form()
     if form is None:
         return None
     n, k = layer.out_features, layer.in_features
     return _Linear(form.kind, n, k, form.param, form.weight, form.scale, form.min,
                    csrc.address(layer.bias)), form.max_rows
+
+
+def _parts(layer: Linear) -> tuple[_Linear, int] | None:
+    """A merged layer whose parts have kernels of their own (decode_step.c's PARTS)."""
+    kernel = layer.kernel
+    forms = [part.compiled_form() for part in kernel.parts]
+    if not all(forms):
+        return None
+    start, described = 0, []
+    for form, n in zip(forms, kernel.sizes):
+        bias = None if layer.bias is None else layer.bias.data_ptr() + 4 * start
+        described.append(_Linear(form.kind, n, layer.in_features, form.param, form.weight,
+                                 form.scale, form.min, bias))
+        start += n
+    kernel.compiled_parts = (_Linear * len(described))(*described)  # (kept alive there)
+    return _Linear(csrc.PARTS, layer.out_features, layer.in_features, len(described),
+                   ctypes.addressof(kernel.compiled_parts), None, None,
+                   csrc.address(layer.bias)), min(form.max_rows for form in forms)
 
 
 class CpuDecodeStep:
@@ -123,7 +145,7 @@ class CpuDecodeStep:
         self._scratch = {
             "residual": torch.empty(rows, hidden), "normed": torch.empty(rows, hidden),
             "qkv": torch.empty(rows, width), "attn": torch.empty(rows, attn.q_size),
-            **self._mlp_scratch(rows, hidden, inter, max_k),
+            **self._mlp_scratch(rows, hidden, inter, max_k, max(width, 2 * inter)),
             "logits": torch.empty(rows, experts), "route_w": torch.empty(rows, top_k),
             "row_w": torch.empty(rows * top_k), "expert_out": torch.empty(rows * top_k, hidden),
             "rows_out": torch.empty(rows, hidden),
@@ -131,7 +153,7 @@ class CpuDecodeStep:
             "rows": torch.empty(rows * top_k, dtype=torch.int64),
             "expert_first": torch.empty(experts + 1, dtype=torch.int64)}
         # experts run side by side, one per thread, each with its own scratch
-        self._threads = [self._mlp_scratch(rows, hidden, inter, max_k)
+        self._threads = [self._mlp_scratch(rows, hidden, inter, max_k, 2 * inter)
                          for _ in range(torch.get_num_threads() if moes else 0)]
         self._thread_scratch = (_Scratch * max(1, len(self._threads)))(*(
             _Scratch(**{name: t.data_ptr() for name, t in s.items()}) for s in self._threads))
@@ -154,12 +176,13 @@ class CpuDecodeStep:
             first_stage=int(self._first_stage), last_stage=int(self._last_stage))
 
     @staticmethod
-    def _mlp_scratch(rows: int, hidden: int, inter: int, max_k: int) -> dict:
-        """One thread's scratch rows for its linear layers and MLPs (tm_scratch)."""
+    def _mlp_scratch(rows: int, hidden: int, inter: int, max_k: int, widest: int) -> dict:
+        """One thread's scratch rows for its linear layers and MLPs (tm_scratch); `widest`:
+        the most outputs of a merged layer whose parts run apart."""
         blocks = max_k // 32 + 1
         return {"gate_up": torch.empty(rows, 2 * inter), "act": torch.empty(rows, inter),
                 "xs": torch.empty(rows, blocks), "xsum": torch.empty(rows, blocks),
-                "rows_in": torch.empty(rows, hidden),
+                "rows_in": torch.empty(rows, hidden), "part_out": torch.empty(rows, widest),
                 "xq": torch.empty(rows, max_k, dtype=torch.int16)}
 
     @staticmethod

@@ -76,7 +76,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
 
     def holds(self, name: str) -> bool:
-        tied_head = self.tie_word_embeddings and name.endswith("lm_head.weight")
+        tied_head = self.tie_word_embeddings and name == "language_model.lm_head.weight"
         if name.startswith(_VISION) or tied_head:
             return False
         return super().holds(text_name(name))

@@ -6,17 +6,17 @@ float: each block's integers kept, its scales split out.
   w = d (q - 8) is min = -8 d), groups of 32, their nibbles as they are.
 - Q5_0 (32 x 5 bits, w = d (q - 16)) -> int8, groups of 32: exact.
 - Q6_K (256-blocks of 16 groups of 16 x 6 bits, int8 group scales times an fp16 d,
-  w = d sc (q - 32)) -> int8, groups of 16: exact.
+  w = d sc (q - 32)) and Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and
+  mins times fp16 d and dmin, w = d sc q - dmin m) -> kept as stored (kquant_kernels.py:
+  their bits, byte scales and float32 d per 256 inputs): exact, ~1.01x / 1.06x the file.
 - Q3_K (256-blocks of 16 groups of 16 x 3 bits, 6-bit group scales times an fp16 d,
   w = d (sc - 32) q with q in -4..3) -> int8, groups of 16: exact.
-- Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and mins times fp16 d and
-  dmin, w = d sc q - dmin m) -> int4, groups of 32; the products d sc and dmin m are rounded
-  to fp16 (the int4 kernels' scale type): within 2^-11 of each group's scale.
 - Q5_1 (32 x 5 bits, w = d q + m) and Q5_K (Q4_K's groups with a fifth bit, q in 0..31)
   -> int8 q with a float32 scale and offset per group of 32 (the int8 kernel adds the
   offsets times the activations' group sums): exact.
 - Q2_K (256-blocks of 16 groups of 16 x 2 bits, 4-bit scales and mins times fp16 d and dmin)
-  -> int4, groups of 16, scales and mins rounded to fp16 as Q4_K's.
+  -> int4, groups of 16, the products d sc and dmin m rounded to fp16 (the int4 kernels'
+  scale type): within 2^-11 of each group's scale.
 Each function takes a weight's [N, bytes per row] uint8 rows and returns the kernel tensors
 (rows = output channels)."""
 
@@ -31,8 +31,8 @@ from tokenmill.quantization.schemes import pack_int4
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
           "Q5_1": (32, 24), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144),
           "Q5_K": (256, 176), "Q2_K": (256, 84)}
-METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q6_K": "int8", "Q3_K": "int8",
-           "Q5_K": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q2_K": "int4"}
+METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q3_K": "int8", "Q5_K": "int8",
+           "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int4", "Q4_K": "q4k", "Q6_K": "q6k"}
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
@@ -81,10 +81,9 @@ def _q5(blocks, n, k, with_min: bool):
 
 
 def _q6_k(blocks, n, k):
-    ql, qh = blocks[..., :128].astype(np.int16), blocks[..., 128:192].astype(np.int16)
-    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = _f16(blocks[..., 208:210])
-    q = np.empty(blocks.shape[:2] + (256,), dtype=np.int16)
+    """Kept as stored (kquant_kernels.Q6KKernel): low nibbles, high bits, scales, d."""
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    q = np.empty(blocks.shape[:2] + (256,), dtype=np.uint8)
     for half in range(2):  # each 128 inputs: ql 64 bytes, qh 32 bytes
         low, hi = ql[..., 64 * half: 64 * half + 64], qh[..., 32 * half: 32 * half + 32]
         base = 128 * half
@@ -92,10 +91,18 @@ def _q6_k(blocks, n, k):
         q[..., base + 32: base + 64] = (low[..., 32:] & 0xF) | (((hi >> 2) & 3) << 4)
         q[..., base + 64: base + 96] = (low[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
         q[..., base + 96: base + 128] = (low[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
-    q -= 32
-    scale = (d[..., None] * sc).reshape(n, k // 16)  # a scale per 16 inputs, in order
-    return {"qweight": torch.from_numpy(q.astype(np.int8).reshape(n, k)),
-            "scale": torch.from_numpy(scale)}
+    q = q.reshape(n, k)  # 0..63, inputs in order
+    high = (q >> 4).reshape(n, k // 4, 4)
+    return {"qweight": torch.from_numpy(_pairs(q & 0xF)),
+            "qhigh": torch.from_numpy(high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4)
+                                      | (high[..., 3] << 6)),
+            "sc": torch.from_numpy(blocks[..., 192:208].copy().view(np.int8).reshape(n, k // 16)),
+            "d": torch.from_numpy(_f16(blocks[..., 208:210]))}
+
+
+def _pairs(q: np.ndarray) -> np.ndarray:
+    """[N, K] values 0..15 -> [N, K/2] bytes: input 2j low nibble, 2j + 1 high."""
+    return np.ascontiguousarray((q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8))
 
 
 def _q3_k(blocks, n, k):
@@ -117,27 +124,30 @@ def _q3_k(blocks, n, k):
 
 
 def _k_scales(blocks):
-    """Q4_K / Q5_K: per 256-block d, dmin and 8 groups' 6-bit scales and mins, as the
-    groups' float32 scale d x sc and offset -dmin x m."""
+    """Q4_K / Q5_K: per 256-block d and dmin ([N, K/256] float32), and the 8 groups' 6-bit
+    scales and mins ([N, blocks, 8] integers)."""
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     packed = blocks[..., 4:16].reshape(*blocks.shape[:2], 3, 4)
     a, b, c = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
-    return d[..., None] * sc, -(dmin[..., None] * mn)
+    return d, dmin, sc, mn
 
 
 def _q4_k(blocks, n, k):
-    scale, mins = _k_scales(blocks)
+    """Kept as stored (kquant_kernels.Q4KKernel): nibbles, 6-bit scales and mins, d, dmin."""
+    d, dmin, sc, mn = _k_scales(blocks)
     qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)  # 4 x (32 bytes: 2 groups)
     q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(n, k)  # groups of 32 in order
-    return {"qweight": pack_int4(torch.from_numpy(q.astype(np.uint8))),
-            "scale": torch.from_numpy(scale.reshape(n, k // 32).astype(np.float16)),
-            "min": torch.from_numpy(mins.reshape(n, k // 32).astype(np.float16))}
+    return {"qweight": torch.from_numpy(_pairs(q)),
+            "sc": torch.from_numpy(sc.reshape(n, k // 32).astype(np.uint8)),
+            "mn": torch.from_numpy(mn.reshape(n, k // 32).astype(np.uint8)),
+            "d": torch.from_numpy(d), "dmin": torch.from_numpy(dmin)}
 
 
 def _q5_k(blocks, n, k):
-    scale, offset = _k_scales(blocks)
+    d, dmin, sc, mn = _k_scales(blocks)
+    scale, offset = d[..., None] * sc, -(dmin[..., None] * mn)
     qh = blocks[..., 16:48]  # bit 2c / 2c + 1 of byte l: input l of group 2c / 2c + 1
     qs = blocks[..., 48:].reshape(*blocks.shape[:2], 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=-2)  # [.., 4, 2, 32]: groups of 32 in order

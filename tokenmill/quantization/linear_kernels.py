@@ -310,3 +310,44 @@ class Int4Kernel(_PanelKernel):
         return csrc.LinearForm(csrc.INT4_Q16 if self.int_dot else csrc.INT4, self.group,
                                INT4_MAX_ROWS, self.qweight.data_ptr(), self.scale.data_ptr(),
                                self.mins.data_ptr())
+
+
+class _PartBias:
+    """What a part's kernel reads of its layer: the part's slice of the bias."""
+
+    def __init__(self, bias: torch.Tensor | None) -> None:
+        self.bias = bias
+
+
+class PartsKernel(QuantizedKernel):
+    """A merged layer (q|k|v, gate|up) whose parts are stored in different formats (a GGUF
+    Q4_K_M keeps v in Q6_K beside Q4_K q and k): each part multiplies with its own kernel,
+    the outputs side by side (the compiled decode step runs them the same way)."""
+
+    method = "parts"
+    name = "parts"
+
+    def __init__(self, parts: list[QuantizedKernel], sizes: list[int]) -> None:
+        super().__init__({})
+        self.parts, self.sizes = parts, sizes
+        self.name = "parts:" + "+".join(part.name for part in parts)
+
+    def _biases(self, layer) -> list[_PartBias]:
+        if layer.bias is None:
+            return [_PartBias(None)] * len(self.parts)
+        return [_PartBias(b) for b in layer.bias.split(self.sizes)]
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.apply(bias, x) for part, bias
+                          in zip(self.parts, self._biases(layer))], dim=-1)
+
+    def reference(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part.reference(bias, x) for part, bias
+                          in zip(self.parts, self._biases(layer))], dim=-1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
+
+    def weight_bytes(self) -> int:
+        return sum(part.weight_bytes() for part in self.parts)
+

@@ -16,13 +16,22 @@ from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, whole
 from tokenmill.quantization import QuantConfig
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
-from tokenmill.quantization.linear_kernels import Int4Kernel, Int8Kernel, QuantizedKernel
+from tokenmill.quantization.kquant_kernels import Q4KKernel, Q6KKernel
+from tokenmill.quantization.linear_kernels import (
+    Int4Kernel,
+    Int8Kernel,
+    PartsKernel,
+    QuantizedKernel,
+)
 from tokenmill.quantization.schemes import smoothing_factors
 
 logger = logging.getLogger(__name__)
 
 # quantization method -> the kernel that serves it
-KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel)}
+KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel,
+                                       Q4KKernel, Q6KKernel)}
+# methods whose `qweight` holds two inputs a byte
+_NIBBLES = ("int4", "q4k", "q6k")
 
 # Leaf names of the tensors quantized kernels keep (a checkpoint stores `<layer>.<leaf>`).
 KERNEL_TENSORS = frozenset({"qweight", "scale", "min", "smooth", "act_range", "act_scale"})
@@ -181,7 +190,7 @@ def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
     if dim == 0:
         return QuantizedShard(shard.method, {leaf: _output_part(t, [(start, size)], rows)
                                              for leaf, t in shard.tensors.items()})
-    k = shard.tensors["qweight"].shape[1] * (2 if shard.method == "int4" else 1)
+    k = shard.tensors["qweight"].shape[1] * (2 if shard.method in _NIBBLES else 1)
     try:
         return QuantizedShard(shard.method, {leaf: _input_part(leaf, t, start, size, k)
                                              for leaf, t in shard.tensors.items()})
@@ -192,9 +201,9 @@ def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
 def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedShard]]
                 ) -> set[str]:
     """GGUF weights kept quantized: each shard cut to this tensor-parallel rank's part, the
-    shards of one layer (q|k|v, gate|up) concatenated by rows when they share a format; a
-    layer whose shards differ, whose part splits a block, or whose other shards came as
-    float (a file may store q and k as Q5_0, v as Q8_0) is dequantized instead."""
+    shards of one layer (q|k|v, gate|up) concatenated by rows when they share a format, each
+    served by its own kernel when they do not (`PartsKernel`); a layer whose part splits a
+    block, or whose other shards came as float, is dequantized instead."""
     modules = dict(model.named_modules())
     replaced = set()
     for name, by_index in shards.items():
@@ -210,12 +219,17 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
                               _shard_rows(by_index[i])) for i in indices]
         every = not isinstance(module, MergedLinear) or len(parts) == len(module.full_sizes)
         same = every and all(p is not None for p in parts) and all(
-            p.method == parts[0].method and p.tensors["scale"].shape[1:]
-            == parts[0].tensors["scale"].shape[1:] for p in parts)
+            p.method == parts[0].method and p.tensors.keys() == parts[0].tensors.keys()
+            and all(t.shape[1:] == parts[0].tensors[leaf].shape[1:]
+                    for leaf, t in p.tensors.items()) for p in parts)
         if same:
             joined = {leaf: torch.cat([p.tensors[leaf] for p in parts])
                       for leaf in parts[0].tensors}
             module.use_kernel(KERNELS[parts[0].method](joined))
+        elif every and merged and all(p is not None for p in parts):
+            # formats differ (llama.cpp's Q4_K_M: v in Q6_K beside Q4_K q and k): a kernel each
+            module.use_kernel(PartsKernel([KERNELS[p.method](p.tensors) for p in parts],
+                                          module.output_sizes))
         else:  # float, through the layer's own loaders (they cut this rank's part)
             for i in indices:
                 weight = KERNELS[by_index[i].method](by_index[i].tensors).dequantize()
