@@ -82,34 +82,43 @@ def hf_from_gguf(src: str, out: str) -> None:
 def qwen_shaped(out: str) -> None:
     """Random Qwen2.5-0.5B-shaped weights + a word-level tokenizer of the full vocabulary
     (prompts are token ids; the tokenizer only has to exist and cover the ids)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, rope_theta=1000000.0,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
                          eos_token_id=151645, torch_dtype="float32")
+    return _random_model(Qwen2ForCausalLM, config, out)
+
+
+def _random_model(cls, config, out: str):
+    """Random weights of `config` saved in `out` with a word-level tokenizer of the full
+    vocabulary (prompts are token ids; the tokenizer only has to exist and cover the ids)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
+    model = cls(config).eval()
     model.save_pretrained(out)
     vocab = {f"t{i}": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t151645",
-                            bos_token="t151643", pad_token="t151643").save_pretrained(out)
+    bos, eos = f"t{config.bos_token_id}", f"t{config.eos_token_id}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=eos, bos_token=bos,
+                            pad_token=bos).save_pretrained(out)
     return model
 
 
-def gguf_from_qwen(model, dst: str) -> None:
-    """llama.cpp's qwen2 layout for the random model (a dummy 'gpt2' vocabulary of the right
-    size: llama.cpp only needs token ids here)."""
+def _gguf_writer(model, dst: str, arch: str, name: str):
+    """A GGUF writer with the keys every model here shares, the dummy vocabulary, and the
+    embedding and final norm; the caller adds the rest and `_finish`es it."""
     import gguf
 
     c = model.config
-    w = gguf.GGUFWriter(dst, "qwen2")
-    w.add_name("qwen2.5-0.5b-shaped-random")
+    w = gguf.GGUFWriter(dst, arch)
+    w.add_name(name)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
@@ -124,6 +133,21 @@ def gguf_from_qwen(model, dst: str) -> None:
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    return w, sd
+
+
+def _finish(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def gguf_from_qwen(model, dst: str) -> None:
+    """llama.cpp's qwen2 layout for the random model (a dummy 'gpt2' vocabulary of the right
+    size: llama.cpp only needs token ids here)."""
+    c = model.config
+    w, sd = _gguf_writer(model, dst, "qwen2", "qwen2.5-0.5b-shaped-random")
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -135,19 +159,14 @@ def gguf_from_qwen(model, dst: str) -> None:
                 w.add_tensor(f"blk.{i}.{gg}.bias", sd[p + hf + ".bias"])
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 def qwen3moe_shaped(out: str):
     """Random weights shaped like a small Qwen3-MoE (hidden 1024, 12 layers, 8 heads / 2 KV
     heads of 128, 32 experts of 768 with 8 active, q/k norms, vocabulary 32000 tied): 0.97 B
     parameters, 0.29 B of them read per token (the active experts, attention, the head)."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3072,
                             moe_intermediate_size=768, num_experts=32, num_experts_per_tok=8,
@@ -156,43 +175,19 @@ def qwen3moe_shaped(out: str):
                             rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                             bos_token_id=1, eos_token_id=2, decoder_sparse_step=1,
                             mlp_only_layers=[], torch_dtype="float32")
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).eval()
-    model.save_pretrained(out)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2",
-                            bos_token="t1", pad_token="t1").save_pretrained(out)
-    return model
+    return _random_model(Qwen3MoeForCausalLM, config, out)
 
 
 def gguf_from_qwen3moe(model, dst: str) -> None:
     """llama.cpp's qwen3moe layout: each layer's experts stacked in one tensor per
     projection."""
-    import gguf
-
     c = model.config
-    w = gguf.GGUFWriter(dst, "qwen3moe")
-    w.add_name("qwen3moe-1b-shaped-random")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w, sd = _gguf_writer(model, dst, "qwen3moe", "qwen3moe-1b-shaped-random")
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(1000000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_file_type(int(gguf.LlamaFileType.ALL_F32))
-    _dummy_vocab(w, c)
-    sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     names = {"self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
              "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
              "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
@@ -207,10 +202,7 @@ def gguf_from_qwen3moe(model, dst: str) -> None:
         w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :inter]))
         w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, inter:]))
         w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 def _dummy_vocab(w, c) -> None:
