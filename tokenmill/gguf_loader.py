@@ -132,11 +132,11 @@ def _unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
     """GGUF blocks of a [N, K] weight as int8 / int4 kernel tensors, without expanding them
     (quantization/gguf_blocks.py)."""
-    from tokenmill.quantization.gguf_blocks import METHODS, to_kernel_tensors
+    from tokenmill.quantization.gguf_blocks import to_kernel_tensors
     from tokenmill.quantization.model import QuantizedShard
 
     n, k = shape
-    return QuantizedShard(METHODS[type_name], to_kernel_tensors(data, type_name, n, k))
+    return QuantizedShard(*to_kernel_tensors(data, type_name, n, k))
 
 
 # GGUF block types whose weights the int8 / int4 kernels read as they are.

@@ -46,8 +46,8 @@ class _KQuantKernel(QuantizedKernel):
         if self._tensors is not None:
             return self._tensors
         parts = csrc.kquant_parts(self.method, self.blob, self.k)
-        return {leaf: t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out_features]
-                .contiguous() for leaf, t in parts.items()}
+        return {leaf: t.permute(0, 3, 1, 2).reshape(-1, t.shape[1] * t.shape[2])
+                [: self.out_features].contiguous() for leaf, t in parts.items()}
 
     @tensors.setter
     def tensors(self, value: dict[str, torch.Tensor]) -> None:
@@ -65,7 +65,8 @@ class _KQuantKernel(QuantizedKernel):
         if self.blob is None:
             return self._weight({leaf: t[ids] for leaf, t in self.tensors.items()})
         parts = csrc.kquant_parts(self.method, self.blob, self.k)
-        return self._weight({leaf: t[ids // 16, :, ids % 16] for leaf, t in parts.items()})
+        return self._weight({leaf: t[ids // 16, :, :, ids % 16].reshape(len(ids), -1)
+                             for leaf, t in parts.items()})
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.dim() == 2 and x.dtype == torch.float32:
