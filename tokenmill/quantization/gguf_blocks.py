@@ -88,27 +88,8 @@ def _q5(blocks, n, k, with_min: bool):
             "scale": torch.from_numpy(d), "offset": torch.from_numpy(_f16(blocks[..., 2:4]))}
 
 
-def _q6_k_int8(blocks, n, k):
-    """Widened to int8 groups of 16 (exact): ~2x faster to multiply than as stored."""
-    ql, qh = blocks[..., :128].astype(np.int16), blocks[..., 128:192].astype(np.int16)
-    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    d = _f16(blocks[..., 208:210])
-    q = np.empty(blocks.shape[:2] + (256,), dtype=np.int16)
-    for half in range(2):  # each 128 inputs: ql 64 bytes, qh 32 bytes
-        low, hi = ql[..., 64 * half: 64 * half + 64], qh[..., 32 * half: 32 * half + 32]
-        base = 128 * half
-        q[..., base: base + 32] = (low[..., :32] & 0xF) | ((hi & 3) << 4)
-        q[..., base + 32: base + 64] = (low[..., 32:] & 0xF) | (((hi >> 2) & 3) << 4)
-        q[..., base + 64: base + 96] = (low[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
-        q[..., base + 96: base + 128] = (low[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
-    q -= 32
-    scale = (d[..., None] * sc).reshape(n, k // 16)  # a scale per 16 inputs, in order
-    return {"qweight": torch.from_numpy(q.astype(np.int8).reshape(n, k)),
-            "scale": torch.from_numpy(scale)}
-
-
-def _q6_k(blocks, n, k):
-    """Kept as stored (kquant_kernels.Q6KKernel): low nibbles, high bits, scales, d."""
+def _q6_values(blocks, n, k) -> np.ndarray:
+    """Q6_K's values q (0..63) [N, K], inputs in order."""
     ql, qh = blocks[..., :128], blocks[..., 128:192]
     q = np.empty(blocks.shape[:2] + (256,), dtype=np.uint8)
     for half in range(2):  # each 128 inputs: ql 64 bytes, qh 32 bytes
@@ -118,7 +99,20 @@ def _q6_k(blocks, n, k):
         q[..., base + 32: base + 64] = (low[..., 32:] & 0xF) | (((hi >> 2) & 3) << 4)
         q[..., base + 64: base + 96] = (low[..., :32] >> 4) | (((hi >> 4) & 3) << 4)
         q[..., base + 96: base + 128] = (low[..., 32:] >> 4) | (((hi >> 6) & 3) << 4)
-    q = q.reshape(n, k)  # 0..63, inputs in order
+    return q.reshape(n, k)
+
+
+def _q6_k_int8(blocks, n, k):
+    """Widened to int8 groups of 16 (exact): ~2x faster to multiply than as stored."""
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    scale = (_f16(blocks[..., 208:210])[..., None] * sc).reshape(n, k // 16)  # per 16 inputs
+    q = _q6_values(blocks, n, k).astype(np.int16) - 32
+    return {"qweight": torch.from_numpy(q.astype(np.int8)), "scale": torch.from_numpy(scale)}
+
+
+def _q6_k(blocks, n, k):
+    """Kept as stored (kquant_kernels.Q6KKernel): low nibbles, high bits, scales, d."""
+    q = _q6_values(blocks, n, k)
     high = (q >> 4).reshape(n, k // 4, 4)
     return {"qweight": torch.from_numpy(_pairs(q & 0xF)),
             "qhigh": torch.from_numpy(high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4)
