@@ -59,12 +59,8 @@ def load_hf_config(path: str) -> Any:
         raise ValueError(f"Model {path!r} needs its own Python code (config.json `auto_map`), "
                          "which tokenmill never runs, --trust-remote-code or not; supported "
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
-    if (getattr(config, "architectures", None) or [None])[0] == "Gemma3ForConditionalGeneration":
-        from tokenmill.models.gemma import text_config
-        logger.info("Gemma 3 multimodal checkpoint: serving its text model (images are not "
-                    "supported).")
-        return text_config(config)
-    return config
+    from tokenmill.models.registry import text_model_config
+    return text_model_config(config)
 
 
 def iter_safetensors(model_dir: str, lazy: bool = False,

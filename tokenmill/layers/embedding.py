@@ -28,7 +28,6 @@ class VocabParallelEmbedding(nn.Module):
         self.first = self.tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden), requires_grad=False)
         self.weight.weight_loader = _narrowed(0, self.first, self.rows)
-
         self.head = None  # a tied LM head whose quantized rows the lookups read instead
 
     def share_rows(self, head: nn.Module) -> None:

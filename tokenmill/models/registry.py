@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
 
 from tokenmill.models.deepseek import DeepseekV3ForCausalLM
-from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, text_config
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 
@@ -35,7 +36,22 @@ _MODELS = {
                                        "qk_norm": True, "make_mlp": qwen_moe_mlp}),
 }
 
+logger = logging.getLogger(__name__)
+
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+# multimodal architectures served as their text model: -> that model's config
+_TEXT_OF = {"Gemma3ForConditionalGeneration": text_config}
+
+
+def text_model_config(hf_config: Any) -> Any:
+    """The config to build: a multimodal checkpoint's text model's (images are not served),
+    else `hf_config` itself."""
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch not in _TEXT_OF:
+        return hf_config
+    logger.info("%s checkpoint: serving its text model (image inputs are not supported).",
+                arch)
+    return _TEXT_OF[arch](hf_config)
 
 
 def build_model(hf_config: Any, max_positions: int) -> nn.Module:

@@ -31,6 +31,9 @@ def _spread(factor: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 
 class _KQuantKernel(QuantizedKernel):
+    """What Q4KKernel and Q6KKernel share; each has its `_weight(tensors)`: the float weight
+    of (some rows of) the checkpoint layout."""
+
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
         self.out_features = tensors["qweight"].shape[0]
@@ -79,10 +82,6 @@ class _KQuantKernel(QuantizedKernel):
             return None
         kind = csrc.Q6K if self.method == "q6k" else csrc.Q4K
         return csrc.LinearForm(kind, 0, 2**31 - 1, self.blob.data_ptr())
-
-    @staticmethod
-    def _weight(t: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class Q4KKernel(_KQuantKernel):
