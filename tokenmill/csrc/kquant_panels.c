@@ -76,7 +76,6 @@ static inline int32_t pair_of(const int16_t *x) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define KMR 12
 
 /* pair j of block b, the 16 channels as dwords (input 2j | input 2j + 1 << 16) */
 INLINE __m512i pairs16(kpanel pn, int64_t b, int j, const int q6) {
@@ -111,12 +110,12 @@ INLINE void ktile(const int16_t *xq, const float *xs, const float *xsum, kpanel 
                   const int q6) {
     const int64_t blocks = K / 32;
     const int parts = q6 ? 2 : 1;
-    __m512 acc[KMR];
+    __m512 acc[PANEL_ROWS];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const __m512 d = _mm512_loadu_ps(d_of(pn, b, q6));
         for (int part = 0; part < parts; part++) {
-            __m512i sum[KMR];
+            __m512i sum[PANEL_ROWS];
             if (!q6)
                 sums16(sum, xq, K, pn, b, 0, 16, mr, q6);
             else if (part == 0)
@@ -140,14 +139,9 @@ INLINE void ktile(const int16_t *xq, const float *xs, const float *xsum, kpanel 
                 acc[i] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(xsum[i * blocks + b]), acc[i]);
         }
     }
-    const int64_t width = N - n0 < KP ? N - n0 : KP;
-    const __mmask16 keep = (__mmask16)((1u << width) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < mr; i++)
-        _mm512_mask_storeu_ps(y + i * N + n0, keep, _mm512_add_ps(acc[i], bv));
+    store_panel16(acc, mr, y, bias, n0, N);
 }
 #else
-#define KMR 6
 
 /* channels [8h, 8h + 8) of pair j as dwords */
 INLINE __m256i pairs8(kpanel pn, int64_t b, int j, int h, const int q6) {
@@ -182,12 +176,12 @@ INLINE void ktile(const int16_t *xq, const float *xs, const float *xsum, kpanel 
     const int64_t blocks = K / 32;
     const int parts = q6 ? 2 : 1;
     for (int h = 0; h < 2; h++) {
-        __m256 acc[KMR];
+        __m256 acc[PANEL_ROWS];
         for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const __m256 d = _mm256_loadu_ps(d_of(pn, b, q6) + 8 * h);
             for (int part = 0; part < parts; part++) {
-                __m256i sum[KMR];
+                __m256i sum[PANEL_ROWS];
                 if (!q6)
                     sums8(sum, xq, K, pn, b, h, 0, 16, mr, q6);
                 else if (part == 0)
@@ -213,18 +207,12 @@ INLINE void ktile(const int16_t *xq, const float *xs, const float *xsum, kpanel 
                                               acc[i]);
             }
         }
-        float out[KMR][8] __attribute__((aligned(32)));
-        for (int i = 0; i < mr; i++) _mm256_store_ps(out[i], acc[i]);
-        for (int c = 0; c < 8; c++) {
-            const int64_t n = n0 + 8 * h + c;
-            if (n >= N) break;
-            for (int i = 0; i < mr; i++) y[i * N + n] = out[i][c] + (bias ? bias[n] : 0.0f);
-        }
+        store_panel8(acc, mr, y, bias, n0 + 8 * h, N);
     }
 }
 #endif
 
-/* Whole panels per thread; all rows of a panel in tiles of KMR rows. */
+/* Whole panels per thread; all rows of a panel in tiles of PANEL_ROWS rows. */
 INLINE void kgemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *blob,
                   const float *bias, float *y, int64_t M, int64_t N, int64_t K, const int q6) {
     const int64_t panels = (N + KP - 1) / KP, blocks = K / 32;
@@ -232,19 +220,10 @@ INLINE void kgemm(const int16_t *xq, const float *xs, const float *xsum, const u
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const kpanel pn = {blob + p * bytes};
-        int64_t m0 = 0;
-        for (; m0 + KMR <= M; m0 += KMR)
-            ktile(xq + m0 * K, xs + m0 * blocks, xsum + m0 * blocks, pn, y + m0 * N, bias,
-                  p * KP, N, K, KMR, q6);
-        switch (M - m0) {
-#define TILE(R) case R: ktile(xq + m0 * K, xs + m0 * blocks, xsum + m0 * blocks, pn, \
-                              y + m0 * N, bias, p * KP, N, K, R, q6); break;
-            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5)
-#if KMR > 6
-            TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11)
-#endif
+#define TILE(m0, R) ktile(xq + (m0) * K, xs + (m0) * blocks, xsum + (m0) * blocks, pn, \
+                         y + (m0) * N, bias, p * KP, N, K, R, q6)
+        PANEL_ROW_TILES(M, TILE);
 #undef TILE
-        }
     }
 }
 

@@ -69,3 +69,51 @@ static inline float exp_minus_max(float *s, int64_t n, float mx) {
     }
     return hsum8(sum);
 }
+
+/* The panel kernels (vnni_panels.c, kquant_panels.c): output channels in panels of 16 across
+ * the lanes, rows in register tiles of PANEL_ROWS (12 with AVX-512 VNNI's 32 registers, 6
+ * with AVX2's 16). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PANEL_ROWS 12
+#define PANEL_TILES_WIDE(TILE)                                                           \
+    PANEL_TILE_CASE(TILE, 6) PANEL_TILE_CASE(TILE, 7) PANEL_TILE_CASE(TILE, 8)           \
+    PANEL_TILE_CASE(TILE, 9) PANEL_TILE_CASE(TILE, 10) PANEL_TILE_CASE(TILE, 11)
+
+/* y[i, n0 .. n0 + 16) = acc[i] + bias for rows i < mr (channels past N left alone) */
+static inline void store_panel16(const __m512 *acc, int mr, float *y, const float *bias,
+                                 int64_t n0, int64_t N) {
+    const int64_t width = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 keep = (__mmask16)((1u << width) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < mr; i++)
+        _mm512_mask_storeu_ps(y + i * N + n0, keep, _mm512_add_ps(acc[i], bv));
+}
+#else
+#define PANEL_ROWS 6
+#define PANEL_TILES_WIDE(TILE)
+#endif
+
+/* y[i, n0 .. n0 + 8) = acc[i] + bias for rows i < mr, lane by lane (channels past N left
+ * alone): the AVX2 builds' half panels */
+static inline void store_panel8(const __m256 *acc, int mr, float *y, const float *bias,
+                                int64_t n0, int64_t N) {
+    float out[PANEL_ROWS][8] __attribute__((aligned(32)));
+    for (int i = 0; i < mr; i++) _mm256_store_ps(out[i], acc[i]);
+    for (int c = 0; c < 8 && n0 + c < N; c++)
+        for (int i = 0; i < mr; i++) y[i * N + n0 + c] = out[i][c] + (bias ? bias[n0 + c] : 0.0f);
+}
+
+/* Rows [0, M) of one panel: whole tiles of PANEL_ROWS, then the rest as one tile of its own
+ * constant height (so the tile's loops stay unrolled). TILE(m0, rows) runs one. */
+#define PANEL_ROW_TILES(M, TILE)                                                         \
+    do {                                                                                 \
+        int64_t m0 = 0;                                                                  \
+        for (; m0 + PANEL_ROWS <= (M); m0 += PANEL_ROWS) TILE(m0, PANEL_ROWS);           \
+        switch ((M) - m0) {                                                              \
+            PANEL_TILE_CASE(TILE, 1) PANEL_TILE_CASE(TILE, 2) PANEL_TILE_CASE(TILE, 3)   \
+            PANEL_TILE_CASE(TILE, 4) PANEL_TILE_CASE(TILE, 5)                            \
+            PANEL_TILES_WIDE(TILE)                                                       \
+        }                                                                                \
+    } while (0)
+#define PANEL_TILE_CASE(TILE, R) case R: TILE(m0, R); break;
+

@@ -90,7 +90,6 @@ typedef struct {
 } panel;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define VMR 12 /* rows per register tile: 12 int32 + 12 float sums of 16 channels */
 
 int64_t tm_vnni_native(void) { return 1; }
 
@@ -112,12 +111,12 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
     const int64_t blocks = K / 32, per_group = group / 32;
     const int64_t block_bytes = int4 ? 16 * VP : 32 * VP;
     const int parts = group == 16 ? 2 : 1; /* int8 groups of 16: two scales a block */
-    __m512 acc[VMR];
+    __m512 acc[PANEL_ROWS];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const void *wb = (const uint8_t *)pn.w + b * block_bytes;
         for (int part = 0; part < parts; part++) {
-            __m512i sum[VMR];
+            __m512i sum[PANEL_ROWS];
             for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
             for (int j = part * 16 / parts; j < (part + 1) * 16 / parts; j++) {
                 const __m512i w = pair16(wb, j, int4);
@@ -141,14 +140,9 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
                 acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[i * blocks + b]), acc[i]);
         }
     }
-    const int64_t width = N - n0 < VP ? N - n0 : VP;
-    const __mmask16 keep = (__mmask16)((1u << width) - 1);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    for (int i = 0; i < mr; i++)
-        _mm512_mask_storeu_ps(y + i * N + n0, keep, _mm512_add_ps(acc[i], bv));
+    store_panel16(acc, mr, y, bias, n0, N);
 }
 #else
-#define VMR 6 /* 16 ymm registers: 6 int32 + 6 float sums */
 
 /* Without VNNI these layouts are no faster than gemm.c's kernels (Zen 4 built for AVX2,
  * int8: 0.9x at 4-32 rows, 0.8x of the fp32 panels at 2,048), so layers keep those; this
@@ -174,12 +168,12 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
     const int64_t block_bytes = int4 ? 16 * VP : 32 * VP;
     const int parts = group == 16 ? 2 : 1; /* int8 groups of 16: two scales a block */
     for (int h = 0; h < 2; h++) {
-        __m256 acc[VMR];
+        __m256 acc[PANEL_ROWS];
         for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
             const void *wb = (const uint8_t *)pn.w + b * block_bytes;
             for (int part = 0; part < parts; part++) {
-                __m256i sum[VMR];
+                __m256i sum[PANEL_ROWS];
                 for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
                 for (int j = part * 16 / parts; j < (part + 1) * 16 / parts; j++) {
                     const __m256i w = pair16(wb, j, h, int4);
@@ -203,19 +197,13 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
                     acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xsum[i * blocks + b]), acc[i]);
             }
         }
-        float out[VMR][8] __attribute__((aligned(32)));
-        for (int i = 0; i < mr; i++) _mm256_store_ps(out[i], acc[i]);
-        for (int c = 0; c < 8; c++) {
-            const int64_t n = n0 + 8 * h + c;
-            if (n >= N) break;
-            for (int i = 0; i < mr; i++) y[i * N + n] = out[i][c] + (bias ? bias[n] : 0.0f);
-        }
+        store_panel8(acc, mr, y, bias, n0 + 8 * h, N);
     }
 }
 #endif
 
 /* Work: whole panels per thread (each weight byte is read by one thread), all rows of a
- * panel in tiles of VMR rows while the panel stays in L1/L2. */
+ * panel in tiles of PANEL_ROWS rows while the panel stays in L1/L2. */
 INLINE void vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, const void *wp,
                       const void *sp, const uint16_t *mp, const float *bias, float *y,
                       int64_t M, int64_t N, int64_t K, int64_t group, const int int4) {
@@ -227,19 +215,10 @@ INLINE void vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, con
         const panel pn = {(const uint8_t *)wp + p * panel_bytes,
                           (const uint8_t *)sp + p * scale_bytes,
                           int4 ? mp + p * groups * VP : NULL};
-        int64_t m0 = 0;
-        for (; m0 + VMR <= M; m0 += VMR)
-            vnni_tile(xq + m0 * K, xs + m0 * blocks, xsum + m0 * blocks, pn, y + m0 * N, bias,
-                      p * VP, N, K, group, VMR, int4);
-        switch (M - m0) {
-#define TILE(R) case R: vnni_tile(xq + m0 * K, xs + m0 * blocks, xsum + m0 * blocks, pn, \
-                                  y + m0 * N, bias, p * VP, N, K, group, R, int4); break;
-            TILE(1) TILE(2) TILE(3) TILE(4) TILE(5)
-#if VMR > 6
-            TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11)
-#endif
+#define TILE(m0, R) vnni_tile(xq + (m0) * K, xs + (m0) * blocks, xsum + (m0) * blocks, pn, \
+                             y + (m0) * N, bias, p * VP, N, K, group, R, int4)
+        PANEL_ROW_TILES(M, TILE);
 #undef TILE
-        }
     }
 }
 
