@@ -57,11 +57,31 @@ def test_kernel_against_the_dequantized_weight(kind, rows, monkeypatch):
     lin = Linear(shape[1], shape[0], True)
     lin.bias.data.normal_()
     x = torch.randn(rows, shape[1])
-    expected = F.linear(schemes.fake_quantize_blocks(x), weight, lin.bias)
+    expected = F.linear(schemes.fake_quantize_blocks(x, top=schemes.SPLIT_TOP), weight,
+                        lin.bias)
     # float sums in another order: within 1e-5 of the outputs' scale
     torch.testing.assert_close(kernel.apply(lin, x), expected, rtol=1e-4,
                                atol=1e-5 * float(expected.abs().max()))
     assert kernel.weight_bytes() <= 1.07 * raw.nbytes
+
+
+def test_activations_split_into_two_int8_halves():
+    """The K-quant kernels' activations: per 32 inputs integers a up to SPLIT_TOP (the
+    reference rounding), stored as 256 hi + lo with both halves int8, with their scales,
+    block sums and sums per 16 inputs."""
+    x = torch.randn(3, 512) * torch.logspace(-3, 2, 512)  # blocks of very different scales
+    x[1, 64:96] = 0.0  # an all-zero block
+    xq, xs, xsum, hsum = csrc.quantize_rows_q8x2(x)
+    hi, lo = xq[:, 0].int(), xq[:, 1].int()
+    assert hi.abs().max() <= 127 and lo.min() >= -128 and lo.max() <= 127
+    a = hi * 256 + lo
+    blocks = x.view(3, -1, 32)
+    amax = blocks.abs().amax(-1)
+    expected = schemes.fake_quantize_blocks(x, top=schemes.SPLIT_TOP)
+    assert torch.equal(xs, amax / schemes.SPLIT_TOP)
+    assert torch.equal(a.view(3, -1, 32).float() * xs[..., None], expected.view(3, -1, 32))
+    assert torch.equal(hsum, a.view(3, -1, 16).sum(-1))
+    assert torch.equal(xsum, xs * a.view(3, -1, 32).sum(-1).float())
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ memory.
   `vpdpwssd` (AVX-512 VNNI CPUs: their kernel at every row count, ~1.6x the fp32 panels).
 - `kquant_panels.c`: GGUF Q4_K / Q6_K weights in such panels at about their stored size
   (the K-quants' byte scales and per-256 factors kept, Q6_K's high bits in a plane of their
-  own).
+  own), times activations split into two int8 halves with byte dot products (`vpdpbusd`,
+  `vpmaddubsw`).
 - `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
   must gather a padded copy of every sequence's K/V first.
 - `prompt_attention.c`: causal prompt attention (fresh or with cached context) over the
@@ -151,8 +152,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_int4_vnni_gemm.argtypes = [ptr] * 8 + [i64] * 4
     lib.tm_kquant_panel_bytes.argtypes = [i64] * 2
     lib.tm_kquant_panel_bytes.restype = i64
-    lib.tm_q4k_gemm.argtypes = [ptr] * 6 + [i64] * 3
-    lib.tm_q6k_gemm.argtypes = [ptr] * 6 + [i64] * 3
+    lib.tm_quantize_rows_q8x2.argtypes = [ptr] * 5 + [i64] * 2
+    lib.tm_q4k_gemm.argtypes = [ptr] * 7 + [i64] * 3
+    lib.tm_q6k_gemm.argtypes = [ptr] * 7 + [i64] * 3
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2

@@ -65,7 +65,8 @@ typedef struct {
 /* One thread's scratch for the linear layers and MLPs it runs (max_rows rows) */
 typedef struct {
     float *gate_up, *act, *xs, *xsum, *rows_in, *part_out;
-    int16_t *xq;
+    int16_t *xq; /* (int8 [rows][2][K] for the K-quant kernels) */
+    int32_t *hsum;
 } tm_scratch;
 
 typedef struct {
@@ -74,9 +75,9 @@ typedef struct {
     float eps, scale;
     const tm_layer *layers;
     const float *final_norm, *cos, *signed_sin;
-    /* scratch for max_rows tokens */
-    float *residual, *normed, *qkv, *attn, *gate_up, *act, *xs, *xsum, *part_out;
-    int16_t *xq;
+    /* scratch for max_rows tokens (`scratch`: the linear layers' and MLPs'; no rows_in) */
+    float *residual, *normed, *qkv, *attn;
+    tm_scratch scratch;
     /* tensor parallel (tp_size 1: none): shm_allreduce.c's segment and sequence counter */
     int64_t tp_rank, tp_size, slot_floats;
     char *shm_base;
@@ -94,11 +95,6 @@ typedef struct {
     const tm_scratch *expert_scratch;
     int64_t expert_threads;
 } tm_model;
-
-static tm_scratch main_scratch(const tm_model *m) {
-    const tm_scratch s = {m->gate_up, m->act, m->xs, m->xsum, NULL, m->part_out, m->xq};
-    return s;
-}
 
 static int reduce(const tm_model *m, float *x, int64_t n) {
     if (m->tp_size == 1) return 0;
@@ -132,9 +128,10 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
             break;
         case TM_Q4K:
         case TM_Q6K: /* kquant_panels.c: the layer's panels are one blob */
-            tm_quantize_rows_q16(x, m->xq, m->xs, m->xsum, T, l->k);
-            (l->kind == TM_Q6K ? tm_q6k_gemm : tm_q4k_gemm)(m->xq, m->xs, m->xsum, l->w,
-                                                          l->bias, y, T, l->n, l->k);
+            tm_quantize_rows_q8x2(x, (int8_t *)m->xq, m->xs, m->xsum, m->hsum, T, l->k);
+            (l->kind == TM_Q6K ? tm_q6k_gemm : tm_q4k_gemm)((const int8_t *)m->xq, m->xs,
+                                                          m->xsum, m->hsum, l->w, l->bias, y,
+                                                          T, l->n, l->k);
             break;
         case TM_PARTS: {
             const tm_linear *parts = (const tm_linear *)l->w;
@@ -207,9 +204,9 @@ static void route(const tm_model *m, const tm_moe *e, int64_t T) {
  * expert order, as the Python path adds them up. */
 static void moe(const tm_model *m, const tm_moe *e, const float *x, float *out, int64_t T) {
     const int64_t H = m->hidden, K = e->top_k, E = e->num_experts;
-    const tm_scratch scratch = main_scratch(m);
+    const tm_scratch *scratch = &m->scratch;
     int64_t *first = m->expert_first;
-    linear(&scratch, &e->router, x, m->logits, T);
+    linear(scratch, &e->router, x, m->logits, T);
     route(m, e, T);
     int64_t n = 0;
     for (int64_t ex = 0; ex < E; ex++) {
@@ -244,7 +241,7 @@ static void moe(const tm_model *m, const tm_moe *e, const float *x, float *out, 
         }
     }
     if (e->shared_gate_up.kind < 0) return;
-    mlp(&scratch, &e->shared_gate_up, &e->shared_down, e->shared_inter, x, m->rows_out, T);
+    mlp(scratch, &e->shared_gate_up, &e->shared_down, e->shared_inter, x, m->rows_out, T);
     for (int64_t t = 0; t < T; t++) {
         float g = 0.0f;
         if (e->shared_gate) {
@@ -267,7 +264,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
     if (T < 1 || T > m->max_rows) return -1;
     const int64_t H = m->hidden, D = m->head_dim, hq = m->q_heads, hkv = m->kv_heads;
     const int64_t q_size = hq * D, kv_size = hkv * D, width = q_size + 2 * kv_size;
-    const tm_scratch scratch = main_scratch(m);
+    const tm_scratch *scratch = &m->scratch;
     for (int64_t i = 0; i < m->num_layers; i++) {
         const tm_layer *layer = m->layers + i;
         if (i == 0 && m->first_stage) {
@@ -276,7 +273,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
         } else {
             tm_add_rms_norm(hidden, m->residual, layer->input_norm, m->normed, T, H, m->eps);
         }
-        linear(&scratch, &layer->qkv, m->normed, m->qkv, T);
+        linear(scratch, &layer->qkv, m->normed, m->qkv, T);
         if (layer->q_norm) /* per head, in place: each row is read before it is written */
             for (int64_t t = 0; t < T; t++) {
                 float *row = m->qkv + t * width;
@@ -290,13 +287,13 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
         tm_paged_decode_attention(m->qkv, width, layer->k_cache, layer->v_cache, block_table,
                                   table_stride, seq_lens, m->attn, T, hq, hkv, D,
                                   m->block_size, m->scale, m->kv_int8);
-        linear(&scratch, &layer->o, m->attn, hidden, T);
+        linear(scratch, &layer->o, m->attn, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);
         if (layer->moe)
             moe(m, layer->moe, m->normed, hidden, T);
         else
-            mlp(&scratch, &layer->gate_up, &layer->down, m->intermediate, m->normed, hidden, T);
+            mlp(scratch, &layer->gate_up, &layer->down, m->intermediate, m->normed, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
     }
     if (m->last_stage) tm_add_rms_norm(hidden, m->residual, m->final_norm, out, T, H, m->eps);

@@ -1,26 +1,59 @@
 """ctypes wrappers of kquant_panels.c: GGUF Q4_K / Q6_K weights in panels of 16 output
-channels at about their stored size, times int16 activations. Re-exported by
-`tokenmill.csrc`.
+channels at about their stored size, times activations split into two int8 halves.
+Re-exported by `tokenmill.csrc`.
 
 A layer's panels are one uint8 blob, [ceil(N/16), K/256 super-blocks x their bytes];
 `kquant_blob` builds it from the row-major tensors a checkpoint keeps (each [N, columns]: a
-channel's bytes in input order), `kquant_parts` views it back per part."""
+channel's bytes in input order), `kquant_rows` reads rows of them back."""
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.csrc import _library, address, quantize_rows_q16
+from tokenmill.csrc import _library, address
 
-__all__ = ["KQUANT_PARTS", "kquant_blob", "kquant_parts", "kquant_gemm"]
+__all__ = ["KQUANT_PARTS", "kquant_blob", "kquant_parts", "kquant_rows", "kquant_gemm",
+           "quantize_rows_q8x2"]
 
-# per kind: a super-block's parts in order, (leaf, dtype, inputs per column)
+# per kind: a super-block's parts in order, (leaf, dtype, inputs per column); the values
+# (and Q6_K's high bits) in the kernel's order of inputs (`_to_kernel`), 4 bytes a column
 KQUANT_PARTS = {
     "q4k": [("d", torch.float32, 256), ("dmin", torch.float32, 256), ("sc", torch.uint8, 32),
-            ("mn", torch.uint8, 32), ("qweight", torch.uint8, 2)],
-    "q6k": [("d", torch.float32, 256), ("sc", torch.int8, 16), ("qhigh", torch.uint8, 4),
-            ("qweight", torch.uint8, 2)],
+            ("mn", torch.uint8, 32), ("qweight", torch.int32, 8)],
+    "q6k": [("d", torch.float32, 256), ("sc", torch.int8, 16), ("qhigh", torch.int32, 16),
+            ("qweight", torch.int32, 8)],
 }
+
+
+def _to_kernel(leaf: str, t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint part's bytes [N, columns] in kquant_panels.c's order: `qweight` (byte j:
+    inputs 2j, 2j + 1 in the low, high nibble) by 8 inputs, byte t holding input 8g + t low
+    and 8g + 4 + t high; Q6_K's `qhigh` (bits 2s, 2s + 1 of byte i: input 4i + s) by 16
+    inputs, byte t holding inputs 16h + 4s + t in bits 2s, 2s + 1."""
+    n = t.shape[0]
+    if leaf == "qweight":
+        q = torch.stack([t & 15, t >> 4], dim=-1).view(n, -1, 2, 4)  # [N, K/8, half, t]
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, -1)
+    if leaf == "qhigh":
+        h = torch.stack([(t >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).view(n, -1, 4, 4)
+        return (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4)
+                | (h[:, :, 3] << 6)).reshape(n, -1)
+    return t
+
+
+def _from_kernel(leaf: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_to_kernel`."""
+    n = t.shape[0]
+    if leaf == "qweight":
+        g = t.reshape(n, -1, 4)
+        q = torch.stack([g & 15, g >> 4], dim=2).reshape(n, -1, 2)  # inputs in order, paired
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
+    if leaf == "qhigh":
+        g = t.reshape(n, -1, 4)
+        h = torch.stack([(g >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, -1, 4)
+        return (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4)
+                | (h[:, :, 3] << 6)).contiguous()
+    return t.contiguous()
 
 
 def kquant_blob(kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -30,7 +63,8 @@ def kquant_blob(kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     panels, supers = -(-n // 16), k // 256
     parts = []
     for leaf, dtype, _ in KQUANT_PARTS[kind]:
-        t = tensors[leaf].to(dtype)
+        t = _to_kernel(leaf, tensors[leaf])
+        t = t.contiguous().view(dtype) if dtype == torch.int32 else t.to(dtype)
         padded = torch.zeros(panels * 16, t.shape[1], dtype=dtype)
         padded[:n] = t
         lanes = padded.view(panels, 16, supers, -1).permute(0, 2, 3, 1).contiguous()
@@ -51,14 +85,39 @@ def kquant_parts(kind: str, blob: torch.Tensor, k: int) -> dict[str, torch.Tenso
     return out
 
 
+def kquant_rows(kind: str, blob: torch.Tensor, k: int,
+                ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rows `ids` of the checkpoint layout `kquant_blob` was built from, read back."""
+    out = {}
+    for leaf, t in kquant_parts(kind, blob, k).items():
+        rows = t[ids // 16, :, :, ids % 16].reshape(len(ids), -1)
+        if rows.dtype == torch.int32:
+            rows = rows.contiguous().view(torch.uint8)
+        out[leaf] = _from_kernel(leaf, rows)
+    return out
+
+
+def quantize_rows_q8x2(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x [M, K] float32 contiguous (K % 32 == 0) -> (int8 [M, 2, K]: per 32 inputs integers
+    a = 256 hi + lo, the his then the los; block scales [M, K/32]; block sums of the
+    dequantized values [M, K/32]; int32 sums of a per 16 inputs [M, K/16])."""
+    m, k = x.shape
+    xq = torch.empty(m, 2, k, dtype=torch.int8)
+    xs, xsum = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    hsum = torch.empty(m, k // 16, dtype=torch.int32)
+    _library().tm_quantize_rows_q8x2(address(x), address(xq), address(xs), address(xsum),
+                                     address(hsum), m, k)
+    return xq, xs, xsum, hsum
+
+
 def kquant_gemm(kind: str, x: torch.Tensor, blob: torch.Tensor, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] float32 contiguous (K a multiple of 256) @ the layer `blob` holds, x rounded
-    to int16 per 32 inputs -> [M, N]."""
+    to 15-bit integers per 32 inputs -> [M, N]."""
     m, k = x.shape
-    xq, xs, xsum = quantize_rows_q16(x)
+    xq, xs, xsum, hsum = quantize_rows_q8x2(x)
     y = torch.empty(m, n, dtype=torch.float32)
     gemm = _library().tm_q6k_gemm if kind == "q6k" else _library().tm_q4k_gemm
-    gemm(address(xq), address(xs), address(xsum), address(blob), address(bias), address(y),
-         m, n, k)
+    gemm(address(xq), address(xs), address(xsum), address(hsum), address(blob), address(bias),
+         address(y), m, n, k)
     return y

@@ -1,25 +1,37 @@
-/* GGUF Q4_K and Q6_K weights times int16 activations, kept at (about) their stored size.
+/* GGUF Q4_K and Q6_K weights kept at (about) their stored size, times activations split into
+ * two int8 halves, with the byte dot products of `vpdpbusd` (AVX-512 VNNI) or
+ * `vpmaddubsw` (AVX2).
  *
  * vnni_panels.c's int4 / int8 layouts hold a Q4_K weight in 5 bits (fp16 scale and min per
  * 32 inputs) and a Q6_K one in 10 (int8 plus a float32 scale per 16): 1.1x and 1.5x the
  * file. Here the K-quants' two-level scales stay as they are stored: 6-bit group scales (and
  * mins) in bytes, times a float32 factor per 256 inputs and channel, applied per block as the
- * sums come out; Q6_K's six bits are a nibble plane (as the int4 panels) plus a plane of the
- * two high bits. A panel (16 output channels, K a multiple of 256) is one run of
+ * sums come out. A panel (16 output channels, K a multiple of 256) is one run of
  * super-blocks of 256 inputs, each holding, in the order a block's sums read them:
  *   Q4_K: d [16] f32 | dmin [16] f32 | scales [8][16] u8 | mins [8][16] u8
- *         | nibble pairs [128][16]                                     (2432 bytes: 4.75 bits)
- *   Q6_K: d [16] f32 | scales [16][16] i8 | high bits [64][16] (2 per input, 4 a byte)
- *         | nibble pairs [128][16]                                     (3392 bytes: 6.625 bits)
+ *         | values [32][16][4] u8                                      (2432 bytes: 4.75 bits)
+ *   Q6_K: d [16] f32 | scales [16][16] i8 | high bits [16][16][4] u8
+ *         | values [32][16][4] u8                                      (3392 bytes: 6.625 bits)
  * so the weights stream through memory in one pass (factors kept apart from the values cost
- * every panel cache misses the prefetcher did not cover: 1.6x slower from DRAM). A nibble
- * pair byte holds inputs 2j (low) and 2j + 1 (high) of its channel. Q4_K's weight is
- * d sc q - dmin m (q 0..15); Q6_K's d sc (q - 32) (q 0..63, scales per 16 inputs).
+ * every panel cache misses the prefetcher did not cover: 1.6x slower from DRAM). values[g][c]
+ * are channel c's inputs 8g .. 8g + 8: byte t holds input 8g + t in its low nibble and
+ * 8g + 4 + t in its high one, so a load and a mask give 16 channels x 4 inputs, one per byte,
+ * what a byte dot product multiplies by 4 broadcast activation bytes. Q6_K's high bits[h][c]
+ * are channel c's inputs 16h .. 16h + 16: byte t holds the high two bits of inputs 16h + t,
+ * 16h + 4 + t, 16h + 8 + t, 16h + 12 + t in bits 0-1, 2-3, 4-5, 6-7, each moved into place
+ * by one shift. Q4_K's weight is d sc q - dmin m (q 0..15); Q6_K's d sc (q - 32) (q 0..63,
+ * scales per 16 inputs).
  *
- * Rounding as vnni_panels.c: activations in int16 per 32 inputs (tm_quantize_rows_q16),
- * exact int32 sums per block (Q6_K: per 16-input half), then per block and row
- * y += float(sum) * ((d * sc) * xs) (Q4_K: then y -= (dmin * m) * xsum). The AVX2 build runs
- * the same float operations per lane, so both give identical results. */
+ * Activations (tm_quantize_rows_q8x2): per 32 inputs, integers a in [-32639, 32639] (scale
+ * absmax / 32639, ties to even: the 15 bits of the int16 kernels, not llama.cpp's 8, whose
+ * rounding vnni_panels.c's notes found too coarse), each split as a = 256 hi + lo with hi in
+ * [-127, 127] and lo in [-128, 127], stored per row as a plane of his then a plane of los.
+ * The byte products of unsigned weight values and signed halves then give exact int32 sums
+ * q . a = 256 (q . hi) + (q . lo) per block (Q6_K: per 16-input half, minus 32 times the
+ * half's sum of a), and per block and row y += float(sum) * ((d * sc) * xs) (Q4_K: then
+ * y -= (dmin * m) * xsum). The AVX2 build runs the same float operations per lane, so both
+ * builds give identical results. Overflow: AVX2's int16 sums of byte products stay below
+ * 2^15 (Q4_K: 8 products of 2 x 15 x 128; Q6_K: 2 of 2 x 63 x 128). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,48 +40,67 @@
 #include "simd.h"
 
 #define KP 16 /* output channels per panel */
+#define TOP 32639 /* 127 * 256 + 127: the largest integer whose halves are both int8 */
 
 #define SUPER(q6) ((q6) ? 3392 : 2432) /* bytes of a super-block of 256 inputs */
+#define VALUES(q6) ((q6) ? 1344 : 384) /* where a super-block's values start */
 
 int64_t tm_kquant_panel_bytes(int64_t K, int64_t q6) { return K / 256 * SUPER(q6); }
 
-typedef struct {
-    const uint8_t *blob; /* the panel's run of super-blocks */
-} kpanel;
-
-/* the parts of block b (32 inputs), found in its super-block */
-static inline const uint8_t *super_of(kpanel pn, int64_t b, const int q6) {
-    return pn.blob + b / 8 * SUPER(q6);
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    t = _mm_hadd_epi32(t, t);
+    return _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
 }
 
-static inline const float *d_of(kpanel pn, int64_t b, const int q6) {
-    return (const float *)super_of(pn, b, q6);
+/* x [M, K] -> xq int8 [M][2][K] (per row the his, then the los), xs [M, K/32] block scales,
+ * xsum [M, K/32] = xs * sum(a), hsum [M, K/16] int32 sums of a per 16 inputs. */
+void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, int32_t *hsum,
+                           int64_t M, int64_t K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), top = _mm256_set1_epi32(TOP);
+    const int64_t blocks = K / 32;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t i = 0; i < M * blocks; i++) {
+        const int64_t row = i / blocks, b = i % blocks;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + i * 32 + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float m = _mm_cvtss_f32(m4);
+        const float d = m / (float)TOP, id = m != 0.0f ? (float)TOP / m : 0.0f;
+        const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), top);
+        __m256i a[4], hi[4], lo[4];
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
+                                                      _MM_FROUND_TO_NEAREST_INT |
+                                                      _MM_FROUND_NO_EXC));
+            a[j] = _mm256_max_epi32(_mm256_min_epi32(a[j], top), neg);
+            hi[j] = _mm256_srai_epi32(_mm256_add_epi32(a[j], _mm256_set1_epi32(128)), 8);
+            lo[j] = _mm256_sub_epi32(a[j], _mm256_slli_epi32(hi[j], 8));
+        }
+        const int32_t h0 = hsum_epi32(_mm256_add_epi32(a[0], a[1]));
+        const int32_t h1 = hsum_epi32(_mm256_add_epi32(a[2], a[3]));
+        xs[i] = d;
+        xsum[i] = d * (float)(h0 + h1);
+        hsum[2 * i] = h0;
+        hsum[2 * i + 1] = h1;
+        /* int32 x 32 -> int8 x 32 in input order (the packs interleave 128-bit lanes) */
+        int8_t *h = xq + row * 2 * K + b * 32;
+        _mm256_storeu_si256((__m256i *)h, _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+            _mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3])), order));
+        _mm256_storeu_si256((__m256i *)(h + K), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(
+            _mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3])), order));
+    }
 }
 
-static inline const float *dmin_of(kpanel pn, int64_t b) { /* Q4_K */
-    return (const float *)(super_of(pn, b, 0) + 64);
-}
-
-/* the 16 channels' scales of block b (Q6_K: of its half `part`) */
-static inline const uint8_t *sc_of(kpanel pn, int64_t b, int part, const int q6) {
-    return q6 ? super_of(pn, b, 1) + 64 + (b % 8 * 2 + part) * KP
-              : super_of(pn, b, 0) + 128 + b % 8 * KP;
-}
-
-static inline const uint8_t *mn_of(kpanel pn, int64_t b) { /* Q4_K */
-    return super_of(pn, b, 0) + 256 + b % 8 * KP;
-}
-
-/* pair j (0..15) of block b: its nibble bytes, and (Q6_K) its high-bit bytes */
-static inline const uint8_t *w_of(kpanel pn, int64_t b, int j, const int q6) {
-    return super_of(pn, b, q6) + (q6 ? 1344 : 384) + (b % 8 * 16 + j) * KP;
-}
-
-static inline const uint8_t *hi_of(kpanel pn, int64_t b, int j) {
-    return super_of(pn, b, 1) + 320 + (b % 8 * 16 + j) / 2 * KP;
-}
-
-static inline int32_t pair_of(const int16_t *x) {
+/* 4 activation bytes as a dword, to broadcast */
+static inline int32_t quad(const int8_t *x) {
     int32_t v;
     memcpy(&v, x, sizeof v);
     return v;
@@ -77,162 +108,197 @@ static inline int32_t pair_of(const int16_t *x) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
-/* pair j of block b, the 16 channels as dwords (input 2j | input 2j + 1 << 16) */
-INLINE __m512i pairs16(kpanel pn, int64_t b, int j, const int q6) {
-    const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128((const __m128i *)w_of(pn, b, j, q6)));
-    const __m512i lo = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
-                                                 _mm512_set1_epi32(0x000F000F), 0xA8);
-    if (!q6) return lo;
-    /* the byte's bits 2t..2t+1 are input 4i + t's high bits: an even pair's two inputs move
-     * from bits 0-1 / 2-3 to 4-5 / 20-21, an odd pair's from 4-5 / 6-7 */
-    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)hi_of(pn, b, j)));
-    const __m512i high = _mm512_ternarylogic_epi32(
-        (j & 1) ? h : _mm512_slli_epi32(h, 4), _mm512_slli_epi32(h, (j & 1) ? 14 : 18),
-        _mm512_set1_epi32(0x00300030), 0xA8);
-    return _mm512_sub_epi16(_mm512_or_si512(lo, high), _mm512_set1_epi16(32));
+/* v[j]: the 16 channels' values of inputs 16h + 4j .. 16h + 4j + 4 (j < 4), a byte each,
+ * from super-block sb (h: which 16 inputs of its 256) */
+INLINE void values16(__m512i *v, const uint8_t *sb, int h, const int q6) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const uint8_t *at = sb + VALUES(q6) + h * 128;
+    const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64);
+    v[0] = _mm512_and_si512(a, m4);
+    v[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
+    v[2] = _mm512_and_si512(c, m4);
+    v[3] = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
+    if (!q6) return;
+    const __m512i hb = _mm512_loadu_si512(sb + 320 + h * 64), m2 = _mm512_set1_epi8(0x30);
+    /* v | (high bits moved to bits 4-5 & 0x30) */
+    v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(hb, 4), m2, 0xF8);
+    v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(hb, 2), m2, 0xF8);
+    v[2] = _mm512_ternarylogic_epi32(v[2], hb, m2, 0xF8);
+    v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(hb, 2), m2, 0xF8);
 }
 
-/* the int32 sums of pairs [j0, j1) of block b (compile-time bounds: unrolled) */
-INLINE void sums16(__m512i *sum, const int16_t *xq, int64_t K, kpanel pn, int64_t b,
-                   const int j0, const int j1, const int mr, const int q6) {
+/* sum[i] (rows i < mr): the exact int32 sums q . a over the inputs in0 .. in0 + 4 nv of
+ * value vectors v: the his' sums times 256, plus the los' */
+INLINE void dots16(__m512i *sum, const __m512i *v, const int nv, const int8_t *xq, int64_t K,
+                   int64_t in0, const int mr) {
     for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
-    for (int j = j0; j < j1; j++) {
-        const __m512i w = pairs16(pn, b, j, q6);
-        for (int i = 0; i < mr; i++)
-            sum[i] = _mm512_dpwssd_epi32(
-                sum[i], w, _mm512_set1_epi32(pair_of(xq + i * K + b * 32 + 2 * j)));
+#pragma GCC unroll 2
+    for (int part = 0; part < 2; part++) {
+        if (part)
+            for (int i = 0; i < mr; i++) sum[i] = _mm512_slli_epi32(sum[i], 8);
+#pragma GCC unroll 8
+        for (int j = 0; j < nv; j++)
+#pragma GCC unroll 12
+            for (int i = 0; i < mr; i++)
+                sum[i] = _mm512_dpbusd_epi32(
+                    sum[i], v[j], _mm512_set1_epi32(quad(xq + i * 2 * K + part * K + in0 + 4 * j)));
     }
 }
 
-INLINE void ktile(const int16_t *xq, const float *xs, const float *xsum, kpanel pn, float *y,
-                  const float *bias, int64_t n0, int64_t N, int64_t K, const int mr,
-                  const int q6) {
+INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
+                  const uint8_t *blob, float *y, const float *bias, int64_t n0, int64_t N,
+                  int64_t K, const int mr, const int q6) {
     const int64_t blocks = K / 32;
-    const int parts = q6 ? 2 : 1;
     __m512 acc[PANEL_ROWS];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const __m512 d = _mm512_loadu_ps(d_of(pn, b, q6));
-        for (int part = 0; part < parts; part++) {
-            __m512i sum[PANEL_ROWS];
-            if (!q6)
-                sums16(sum, xq, K, pn, b, 0, 16, mr, q6);
-            else if (part == 0)
-                sums16(sum, xq, K, pn, b, 0, 8, mr, q6);
-            else
-                sums16(sum, xq, K, pn, b, 8, 16, mr, q6);
-            const __m128i raw = _mm_loadu_si128((const __m128i *)sc_of(pn, b, part, q6));
-            const __m512 sc = _mm512_cvtepi32_ps(q6 ? _mm512_cvtepi8_epi32(raw)
-                                                    : _mm512_cvtepu8_epi32(raw));
-            const __m512 ws = _mm512_mul_ps(d, sc);
-            for (int i = 0; i < mr; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
-                                         _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * blocks + b])),
-                                         acc[i]);
-        }
-        if (!q6) {
-            const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)mn_of(pn, b))));
-            const __m512 wm = _mm512_mul_ps(_mm512_loadu_ps(dmin_of(pn, b)), m);
-            for (int i = 0; i < mr; i++)
-                acc[i] = _mm512_fnmadd_ps(wm, _mm512_set1_ps(xsum[i * blocks + b]), acc[i]);
+    for (int64_t s = 0; s < K / 256; s++) {
+        const uint8_t *sb = blob + s * SUPER(q6);
+        const __m512 d = _mm512_loadu_ps((const float *)sb);
+        for (int h = 0; h < 16; h += q6 ? 1 : 2) { /* Q6_K: 16 inputs a scale; Q4_K: 32 */
+            const int64_t b = s * 8 + h / 2;
+            __m512i v[8], sum[PANEL_ROWS];
+            values16(v, sb, h, q6);
+            if (!q6) values16(v + 4, sb, h + 1, 0);
+            dots16(sum, v, q6 ? 4 : 8, xq, K, s * 256 + h * 16, mr);
+            const __m128i raw = _mm_loadu_si128(
+                (const __m128i *)(sb + (q6 ? 64 + h * KP : 128 + h / 2 * KP)));
+            const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                q6 ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw)));
+            const __m512 wm = q6 ? _mm512_setzero_ps() : _mm512_mul_ps(
+                _mm512_loadu_ps((const float *)(sb + 64)),
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(sb + 256 + h / 2 * KP)))));
+            for (int i = 0; i < mr; i++) {
+                const __m512 wx = _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * blocks + b]));
+                if (q6) { /* (q - 32) . a */
+                    sum[i] = _mm512_sub_epi32(
+                        sum[i], _mm512_set1_epi32(32 * hsum[i * 2 * blocks + s * 16 + h]));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), wx, acc[i]);
+                } else { /* the block's part apart, then one add: a short chain on acc */
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_fmsub_ps(
+                        _mm512_cvtepi32_ps(sum[i]), wx,
+                        _mm512_mul_ps(wm, _mm512_set1_ps(xsum[i * blocks + b]))));
+                }
+            }
         }
     }
     store_panel16(acc, mr, y, bias, n0, N);
 }
 #else
 
-/* channels [8h, 8h + 8) of pair j as dwords */
-INLINE __m256i pairs8(kpanel pn, int64_t b, int j, int h, const int q6) {
-    const __m256i v = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64((const __m128i *)(w_of(pn, b, j, q6) + 8 * h)));
-    const __m256i lo = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)),
-                                        _mm256_set1_epi32(0x000F000F));
-    if (!q6) return lo;
-    const __m256i h8 = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64((const __m128i *)(hi_of(pn, b, j) + 8 * h)));
-    const __m256i high = _mm256_and_si256(
-        _mm256_or_si256((j & 1) ? h8 : _mm256_slli_epi32(h8, 4),
-                        _mm256_slli_epi32(h8, (j & 1) ? 14 : 18)),
-        _mm256_set1_epi32(0x00300030));
-    return _mm256_sub_epi16(_mm256_or_si256(lo, high), _mm256_set1_epi16(32));
+/* values16 for the channels [8 c8, 8 c8 + 8) of the panel */
+INLINE void values8(__m256i *v, const uint8_t *sb, int h, int c8, const int q6) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *at = sb + VALUES(q6) + h * 128 + 32 * c8;
+    const __m256i a = _mm256_loadu_si256((const __m256i *)at);
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(at + 64));
+    v[0] = _mm256_and_si256(a, m4);
+    v[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
+    v[2] = _mm256_and_si256(c, m4);
+    v[3] = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
+    if (!q6) return;
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 320 + h * 64 + 32 * c8));
+    const __m256i m2 = _mm256_set1_epi8(0x30);
+    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
+    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
+    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(hb, m2));
+    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
 }
 
-INLINE void sums8(__m256i *sum, const int16_t *xq, int64_t K, kpanel pn, int64_t b, int h,
-                  const int j0, const int j1, const int mr, const int q6) {
+/* dots16 with `vpmaddubsw`: the int16 pair sums of `run` vectors added up (below 2^15), then
+ * widened by `vpmaddwd` against 256 (the his) or 1 (the los) */
+INLINE void dots8(__m256i *sum, const __m256i *v, const int nv, const int8_t *xq, int64_t K,
+                  int64_t in0, const int mr, const int run) {
     for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
-    for (int j = j0; j < j1; j++) {
-        const __m256i w = pairs8(pn, b, j, h, q6);
-        for (int i = 0; i < mr; i++)
-            sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(
-                w, _mm256_set1_epi32(pair_of(xq + i * K + b * 32 + 2 * j))));
+#pragma GCC unroll 2
+    for (int part = 0; part < 2; part++) {
+        const __m256i widen = _mm256_set1_epi16(part ? 1 : 256);
+#pragma GCC unroll 4
+        for (int j0 = 0; j0 < nv; j0 += run) {
+            __m256i s16[PANEL_ROWS];
+            for (int i = 0; i < mr; i++) s16[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = j0; j < j0 + run; j++)
+#pragma GCC unroll 6
+                for (int i = 0; i < mr; i++)
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_maddubs_epi16(v[j], _mm256_set1_epi32(
+                        quad(xq + i * 2 * K + part * K + in0 + 4 * j))));
+            for (int i = 0; i < mr; i++)
+                sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(s16[i], widen));
+        }
     }
 }
 
-INLINE void ktile(const int16_t *xq, const float *xs, const float *xsum, kpanel pn, float *y,
-                  const float *bias, int64_t n0, int64_t N, int64_t K, const int mr,
-                  const int q6) {
+INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
+                  const uint8_t *blob, float *y, const float *bias, int64_t n0, int64_t N,
+                  int64_t K, const int mr, const int q6) {
     const int64_t blocks = K / 32;
-    const int parts = q6 ? 2 : 1;
-    for (int h = 0; h < 2; h++) {
+    for (int c8 = 0; c8 < 2; c8++) {
         __m256 acc[PANEL_ROWS];
         for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            const __m256 d = _mm256_loadu_ps(d_of(pn, b, q6) + 8 * h);
-            for (int part = 0; part < parts; part++) {
-                __m256i sum[PANEL_ROWS];
-                if (!q6)
-                    sums8(sum, xq, K, pn, b, h, 0, 16, mr, q6);
-                else if (part == 0)
-                    sums8(sum, xq, K, pn, b, h, 0, 8, mr, q6);
-                else
-                    sums8(sum, xq, K, pn, b, h, 8, 16, mr, q6);
-                const __m128i raw =
-                    _mm_loadl_epi64((const __m128i *)(sc_of(pn, b, part, q6) + 8 * h));
-                const __m256 sc = _mm256_cvtepi32_ps(q6 ? _mm256_cvtepi8_epi32(raw)
-                                                        : _mm256_cvtepu8_epi32(raw));
-                const __m256 ws = _mm256_mul_ps(d, sc);
-                for (int i = 0; i < mr; i++)
-                    acc[i] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(sum[i]),
-                        _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * blocks + b])), acc[i]);
-            }
-            if (!q6) {
-                const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(mn_of(pn, b) + 8 * h))));
-                const __m256 wm = _mm256_mul_ps(_mm256_loadu_ps(dmin_of(pn, b) + 8 * h), m);
-                for (int i = 0; i < mr; i++)
-                    acc[i] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(xsum[i * blocks + b]),
-                                              acc[i]);
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *sb = blob + s * SUPER(q6);
+            const __m256 d = _mm256_loadu_ps((const float *)sb + 8 * c8);
+            for (int h = 0; h < 16; h += q6 ? 1 : 2) {
+                const int64_t b = s * 8 + h / 2;
+                __m256i v[8], sum[PANEL_ROWS];
+                values8(v, sb, h, c8, q6);
+                if (!q6) values8(v + 4, sb, h + 1, c8, 0);
+                dots8(sum, v, q6 ? 4 : 8, xq, K, s * 256 + h * 16, mr, q6 ? 2 : 8);
+                const __m128i raw = _mm_loadl_epi64(
+                    (const __m128i *)(sb + (q6 ? 64 + h * KP : 128 + h / 2 * KP) + 8 * c8));
+                const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+                    q6 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw)));
+                const __m256 wm = q6 ? _mm256_setzero_ps() : _mm256_mul_ps(
+                    _mm256_loadu_ps((const float *)(sb + 64) + 8 * c8),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                        (const __m128i *)(sb + 256 + h / 2 * KP + 8 * c8)))));
+                for (int i = 0; i < mr; i++) {
+                    const __m256 wx = _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * blocks + b]));
+                    if (q6) {
+                        sum[i] = _mm256_sub_epi32(
+                            sum[i], _mm256_set1_epi32(32 * hsum[i * 2 * blocks + s * 16 + h]));
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), wx, acc[i]);
+                    } else { /* the block's part apart, then one add: a short chain on acc */
+                        acc[i] = _mm256_add_ps(acc[i], _mm256_fmsub_ps(
+                            _mm256_cvtepi32_ps(sum[i]), wx,
+                            _mm256_mul_ps(wm, _mm256_set1_ps(xsum[i * blocks + b]))));
+                    }
+                }
             }
         }
-        store_panel8(acc, mr, y, bias, n0 + 8 * h, N);
+        store_panel8(acc, mr, y, bias, n0 + 8 * c8, N);
     }
 }
 #endif
 
-/* Whole panels per thread; all rows of a panel in tiles of PANEL_ROWS rows. */
-INLINE void kgemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *blob,
-                  const float *bias, float *y, int64_t M, int64_t N, int64_t K, const int q6) {
-    const int64_t panels = (N + KP - 1) / KP, blocks = K / 32;
-    const int64_t bytes = tm_kquant_panel_bytes(K, q6);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const kpanel pn = {blob + p * bytes};
-#define TILE(m0, R) ktile(xq + (m0) * K, xs + (m0) * blocks, xsum + (m0) * blocks, pn, \
-                         y + (m0) * N, bias, p * KP, N, K, R, q6)
-        PANEL_ROW_TILES(M, TILE);
+/* Rows [0, M) of panel p in tiles of PANEL_ROWS rows. Each exported kernel has its own
+ * parallel loop over the panels: OpenMP outlines a loop's body before inlining, so a loop
+ * shared by both would see q6 as a run-time value and leave every inner loop rolled. */
+INLINE void kpanel(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
+                   const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
+                   int64_t K, int64_t p, const int q6) {
+    const int64_t blocks = K / 32;
+    const uint8_t *panel = blob + p * tm_kquant_panel_bytes(K, q6);
+#define TILE(m0, R) ktile(xq + (m0) * 2 * K, xs + (m0) * blocks, xsum + (m0) * blocks, \
+                          hsum + (m0) * 2 * blocks, panel, y + (m0) * N, bias, p * KP, N, K, \
+                          R, q6)
+    PANEL_ROW_TILES(M, TILE);
 #undef TILE
-    }
 }
 
-void tm_q4k_gemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *blob,
-                 const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    kgemm(xq, xs, xsum, blob, bias, y, M, N, K, 0);
+void tm_q4k_gemm(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
+                 const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
+                 int64_t K) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (N + KP - 1) / KP; p++)
+        kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, 0);
 }
 
-void tm_q6k_gemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *blob,
-                 const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    kgemm(xq, xs, xsum, blob, bias, y, M, N, K, 1);
+void tm_q6k_gemm(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
+                 const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
+                 int64_t K) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (N + KP - 1) / KP; p++)
+        kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, 1);
 }

@@ -46,7 +46,7 @@ class _Moe(ctypes.Structure):
 
 class _Scratch(ctypes.Structure):  # one thread's (decode_step.c's tm_scratch)
     _fields_ = [(name, _ptr) for name in ("gate_up", "act", "xs", "xsum", "rows_in",
-                                          "part_out", "xq")]
+                                          "part_out", "xq", "hsum")]
 
 
 class _Layer(ctypes.Structure):
@@ -61,8 +61,8 @@ class _Model(ctypes.Structure):
                                            "max_rows")]
                 + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
                 + [(name, _ptr) for name in ("final_norm", "cos", "signed_sin", "residual",
-                                             "normed", "qkv", "attn", "gate_up", "act", "xs",
-                                             "xsum", "part_out", "xq")]
+                                             "normed", "qkv", "attn")]
+                + [("scratch", _Scratch)]
                 + [(name, _i64) for name in ("tp_rank", "tp_size", "slot_floats")]
                 + [("shm_base", _ptr), ("shm_seq", _ptr), ("first_stage", _i64),
                    ("last_stage", _i64)]
@@ -70,6 +70,10 @@ class _Model(ctypes.Structure):
                                              "rows_out", "route_ids", "rows", "expert_first",
                                              "expert_scratch")]
                 + [("expert_threads", _i64)])
+
+def _pointers(scratch: dict[str, torch.Tensor]) -> _Scratch:
+    return _Scratch(**{name: t.data_ptr() for name, t in scratch.items()})
+
 
 _NONE = _Linear(kind=-1)  # an expert another rank holds; no shared expert / gate
 
@@ -145,7 +149,6 @@ class CpuDecodeStep:
         self._scratch = {
             "residual": torch.empty(rows, hidden), "normed": torch.empty(rows, hidden),
             "qkv": torch.empty(rows, width), "attn": torch.empty(rows, attn.q_size),
-            **self._mlp_scratch(rows, hidden, inter, max_k, max(width, 2 * inter)),
             "logits": torch.empty(rows, experts), "route_w": torch.empty(rows, top_k),
             "row_w": torch.empty(rows * top_k), "expert_out": torch.empty(rows * top_k, hidden),
             "rows_out": torch.empty(rows, hidden),
@@ -153,10 +156,11 @@ class CpuDecodeStep:
             "rows": torch.empty(rows * top_k, dtype=torch.int64),
             "expert_first": torch.empty(experts + 1, dtype=torch.int64)}
         # experts run side by side, one per thread, each with its own scratch
+        self._main = self._mlp_scratch(rows, hidden, inter, max_k, max(width, 2 * inter))
         self._threads = [self._mlp_scratch(rows, hidden, inter, max_k, 2 * inter)
                          for _ in range(torch.get_num_threads() if moes else 0)]
         self._thread_scratch = (_Scratch * max(1, len(self._threads)))(*(
-            _Scratch(**{name: t.data_ptr() for name, t in s.items()}) for s in self._threads))
+            _pointers(s) for s in self._threads))
         self._described = layers  # (each keeps its experts' descriptions alive)
         self._layers = (_Layer * len(layers))(*layers)
         rotary = inner.rotary
@@ -169,7 +173,8 @@ class CpuDecodeStep:
             eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
             final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
             signed_sin=rotary.signed_sin.data_ptr(),
-            **{name: t.data_ptr() for name, t in self._scratch.items() if name != "rows_in"},
+            **{name: t.data_ptr() for name, t in self._scratch.items()},
+            scratch=_pointers(self._main),
             expert_scratch=ctypes.cast(self._thread_scratch, _ptr),
             expert_threads=len(self._threads),
             **self._tensor_parallel(inner.embed_tokens.tp),
@@ -183,7 +188,8 @@ class CpuDecodeStep:
         return {"gate_up": torch.empty(rows, 2 * inter), "act": torch.empty(rows, inter),
                 "xs": torch.empty(rows, blocks), "xsum": torch.empty(rows, blocks),
                 "rows_in": torch.empty(rows, hidden), "part_out": torch.empty(rows, widest),
-                "xq": torch.empty(rows, max_k, dtype=torch.int16)}
+                "xq": torch.empty(rows, max_k, dtype=torch.int16),
+                "hsum": torch.empty(rows, 2 * blocks, dtype=torch.int32)}
 
     @staticmethod
     def _tensor_parallel(tp) -> dict:

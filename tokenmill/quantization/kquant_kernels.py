@@ -48,9 +48,8 @@ class _KQuantKernel(QuantizedKernel):
     def tensors(self) -> dict[str, torch.Tensor]:
         if self._tensors is not None:
             return self._tensors
-        parts = csrc.kquant_parts(self.method, self.blob, self.k)
-        return {leaf: t.permute(0, 3, 1, 2).reshape(-1, t.shape[1] * t.shape[2])
-                [: self.out_features].contiguous() for leaf, t in parts.items()}
+        return csrc.kquant_rows(self.method, self.blob, self.k,
+                                torch.arange(self.out_features))
 
     @tensors.setter
     def tensors(self, value: dict[str, torch.Tensor]) -> None:
@@ -67,9 +66,7 @@ class _KQuantKernel(QuantizedKernel):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.blob is None:
             return self._weight({leaf: t[ids] for leaf, t in self.tensors.items()})
-        parts = csrc.kquant_parts(self.method, self.blob, self.k)
-        return self._weight({leaf: t[ids // 16, :, :, ids % 16].reshape(len(ids), -1)
-                             for leaf, t in parts.items()})
+        return self._weight(csrc.kquant_rows(self.method, self.blob, self.k, ids))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.fast and x.dim() == 2 and x.dtype == torch.float32:

@@ -81,11 +81,16 @@ def dequantize_int4_values(q: torch.Tensor, scale: torch.Tensor, mins: torch.Ten
     return wg.reshape(q.shape)
 
 
-def fake_quantize_blocks(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+# the largest activation integer the K-quant kernels take: 256 hi + lo with both int8
+SPLIT_TOP = 127 * 256 + 127
+
+
+def fake_quantize_blocks(x: torch.Tensor, bits: int = 16, top: int | None = None) -> torch.Tensor:
     """x [..., K] (K % 32 == 0) rounded as the compiled CPU kernels' integer-dot activations
-    are: per 32 inputs, symmetric `bits`-bit integers with scale absmax / (2^(bits-1) - 1),
-    ties to even (bits=8 is llama.cpp's Q8_0 activations), returned dequantized in float32."""
-    top = float(2 ** (bits - 1) - 1)
+    are: per 32 inputs, symmetric integers up to `top` (default 2^(bits-1) - 1: the int16
+    kernels; SPLIT_TOP: the K-quant kernels' two int8 halves) with scale absmax / top, ties
+    to even (bits=8 is llama.cpp's Q8_0 activations), returned dequantized in float32."""
+    top = float(2 ** (bits - 1) - 1 if top is None else top)
     blocks = x.float().reshape(*x.shape[:-1], -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax != 0, top / amax, torch.zeros_like(amax))
