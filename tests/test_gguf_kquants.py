@@ -69,6 +69,7 @@ def test_activations_split_into_two_int8_halves():
     """The K-quant kernels' activations: per 32 inputs integers a up to SPLIT_TOP (the
     reference rounding), stored as 256 hi + lo with both halves int8, with their scales,
     block sums and sums per 16 inputs."""
+    torch.manual_seed(0)
     x = torch.randn(3, 512) * torch.logspace(-3, 2, 512)  # blocks of very different scales
     x[1, 64:96] = 0.0  # an all-zero block
     xq, xs, xsum, hsum = csrc.quantize_rows_q8x2(x)
@@ -79,7 +80,10 @@ def test_activations_split_into_two_int8_halves():
     amax = blocks.abs().amax(-1)
     expected = schemes.fake_quantize_blocks(x, top=schemes.SPLIT_TOP)
     assert torch.equal(xs, amax / schemes.SPLIT_TOP)
-    assert torch.equal(a.view(3, -1, 32).float() * xs[..., None], expected.view(3, -1, 32))
+    # the reference's x * (top / amax) may round apart from the kernel's at a tie: one step
+    step = xs[..., None].expand(3, -1, 32)
+    error = (a.view(3, -1, 32).float() * xs[..., None] - expected.view(3, -1, 32)).abs()
+    assert (error <= step * 1.01).all() and (error > 1e-3 * step).float().mean() < 0.01
     assert torch.equal(hsum, a.view(3, -1, 16).sum(-1))
     assert torch.equal(xsum, xs * a.view(3, -1, 32).sum(-1).float())
 

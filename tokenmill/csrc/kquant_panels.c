@@ -99,6 +99,18 @@ void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, i
     }
 }
 
+/* Software prefetch two super-blocks ahead, a few lines per block of the current one (past
+ * the panel's end: the next panel, which this thread runs next). The hardware prefetcher
+ * alone left one thread streaming a model's expert matrices at ~6 GB/s, two at ~8. */
+#define PREFETCH_SUPERS 2
+#define PREFETCH_LINES 5 /* x 8 (Q4_K) or 16 (Q6_K) blocks: a super-block's lines */
+
+INLINE void prefetch_ahead(const uint8_t *sb, int h, const int q6) {
+    const char *ahead = (const char *)sb + PREFETCH_SUPERS * SUPER(q6);
+    for (int l = 0; l < PREFETCH_LINES; l++)
+        _mm_prefetch(ahead + (h / (q6 ? 1 : 2) * PREFETCH_LINES + l) * 64, _MM_HINT_T0);
+}
+
 /* 4 activation bytes as a dword, to broadcast */
 static inline int32_t quad(const int8_t *x) {
     int32_t v;
@@ -157,6 +169,7 @@ INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const in
         for (int h = 0; h < 16; h += q6 ? 1 : 2) { /* Q6_K: 16 inputs a scale; Q4_K: 32 */
             const int64_t b = s * 8 + h / 2;
             __m512i v[8], sum[PANEL_ROWS];
+            prefetch_ahead(sb, h, q6);
             values16(v, sb, h, q6);
             if (!q6) values16(v + 4, sb, h + 1, 0);
             dots16(sum, v, q6 ? 4 : 8, xq, K, s * 256 + h * 16, mr);
@@ -242,6 +255,7 @@ INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const in
             for (int h = 0; h < 16; h += q6 ? 1 : 2) {
                 const int64_t b = s * 8 + h / 2;
                 __m256i v[8], sum[PANEL_ROWS];
+                if (c8 == 0) prefetch_ahead(sb, h, q6); /* the pass that reads every line */
                 values8(v, sb, h, c8, q6);
                 if (!q6) values8(v + 4, sb, h + 1, c8, 0);
                 dots8(sum, v, q6 ? 4 : 8, xq, K, s * 256 + h * 16, mr, q6 ? 2 : 8);
