@@ -105,10 +105,12 @@ static inline void store_panel8(const __m256 *acc, int mr, float *y, const float
 
 /* Rows [0, M) of one panel: whole tiles of PANEL_ROWS, then the rest as one tile of its own
  * constant height (so the tile's loops stay unrolled). TILE(m0, rows) runs one. */
-#define PANEL_ROW_TILES(M, TILE)                                                         \
+#define PANEL_ROW_TILES(M, TILE) PANEL_ROW_TILES_OF(M, TILE, PANEL_ROWS)
+/* the same in tiles of ROWS (at most PANEL_ROWS) */
+#define PANEL_ROW_TILES_OF(M, TILE, ROWS)                                                \
     do {                                                                                 \
         int64_t m0 = 0;                                                                  \
-        for (; m0 + PANEL_ROWS <= (M); m0 += PANEL_ROWS) TILE(m0, PANEL_ROWS);           \
+        for (; m0 + (ROWS) <= (M); m0 += (ROWS)) TILE(m0, (ROWS));                       \
         switch ((M) - m0) {                                                              \
             PANEL_TILE_CASE(TILE, 1) PANEL_TILE_CASE(TILE, 2) PANEL_TILE_CASE(TILE, 3)   \
             PANEL_TILE_CASE(TILE, 4) PANEL_TILE_CASE(TILE, 5)                            \
