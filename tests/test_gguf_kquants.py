@@ -1,8 +1,8 @@
-"""GGUF K-quant files served as they are stored: Q4_K layers (and Q6_K ones with
-TOKENMILL_GGUF_COMPACT=1) keep their bits, byte scales and per-256 factors
-(csrc/kquant_panels.c), so the model's resident weight bytes stay within 1.1x of the file's
-tensor bytes; their tokens are those of the same file expanded to float (within the int16
-activation rounding); the compiled decode step and two tensor-parallel ranks take them."""
+"""GGUF K-quant files served as they are stored: Q4_K and Q6_K layers keep their bits, byte
+scales and per-256 factors (csrc/kquant_panels.c), so the model's resident weight bytes stay
+within 1.1x of the file's tensor bytes; their tokens are those of the same file expanded to
+float (within the 15-bit activation rounding); the compiled decode step and two
+tensor-parallel ranks take them. TOKENMILL_GGUF_COMPACT=0 widens Q6_K to int8 instead."""
 
 import numpy as np
 import pytest
@@ -41,8 +41,6 @@ def test_kernel_against_the_dequantized_weight(kind, rows, monkeypatch):
     from gguf.quants import dequantize
 
     from tokenmill.quantization.model import KERNELS
-
-    monkeypatch.setenv("TOKENMILL_GGUF_COMPACT", "1")
 
     shape = (96, 512)
     raw = random_blocks(kind, shape)
@@ -126,11 +124,12 @@ def _run(path, hf_path, **engine):
     return info, outs
 
 
-def test_q6_k_widens_to_int8_by_default(q4_k_m):
-    """By default Q6_K blocks become int8 groups of 16 (exactly; ~2x faster to multiply than
-    as stored): more memory than the file, the same tokens as kept compact."""
+def test_q6_k_widens_to_int8_when_asked(q4_k_m, monkeypatch):
+    """With TOKENMILL_GGUF_COMPACT=0 Q6_K blocks become int8 groups of 16 (exactly): more
+    memory than the file."""
     from gguf import GGUFReader
 
+    monkeypatch.setenv("TOKENMILL_GGUF_COMPACT", "0")
     path, hf_path = q4_k_m
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     info, _ = _run(path, hf_path)
@@ -142,7 +141,6 @@ def test_q6_k_widens_to_int8_by_default(q4_k_m):
 def test_a_q4_k_m_file_stays_its_size_and_gives_the_expanded_tokens(q4_k_m, monkeypatch):
     from gguf import GGUFReader
 
-    monkeypatch.setenv("TOKENMILL_GGUF_COMPACT", "1")
     path, hf_path = q4_k_m
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     info, kept = _run(path, hf_path)
@@ -163,7 +161,7 @@ def test_a_q4_k_m_file_stays_its_size_and_gives_the_expanded_tokens(q4_k_m, monk
     monkeypatch.setattr(csrc, "available", lambda: False)  # the same blocks expanded to float
     expanded_info, expanded = _run(path, hf_path)
     assert expanded_info["bytes"] > 3 * file_bytes
-    # the integer kernels round activations to int16 per 32 inputs (relative ~1e-5 a layer,
+    # the integer kernels round activations to 15 bits per 32 inputs (relative ~1e-5 a layer,
     # grown through these random weights): the same tokens, the sampled ones' logprobs close
     for a, b in zip(kept, expanded, strict=True):
         assert a.token_ids == b.token_ids

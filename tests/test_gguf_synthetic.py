@@ -102,9 +102,10 @@ def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q3_K", "Q4_K", "Q2_K"])
 @pytest.mark.parametrize("shape", [(256, 1024), (1024, 512)])
-def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape):
-    """Q5_0, Q5_1, Q5_K, Q3_K and Q6_K become int8 tensors exactly (Q5_1 / Q5_K with float
-    offsets per group), Q4_K stays as stored (kquant_kernels.py), exactly; Q2_K becomes
+def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape, monkeypatch):
+    """Q5_0, Q5_1, Q5_K and Q3_K become int8 tensors exactly (Q5_1 / Q5_K with float
+    offsets per group), Q4_K and Q6_K stay as stored (kquant_kernels.py), exactly, or Q6_K
+    int8 with TOKENMILL_GGUF_COMPACT=0; Q2_K becomes
     int4 whose group scales and mins are rounded to fp16 (each weight within 2^-10 of its
     block's largest)."""
     from gguf import GGMLQuantizationType
@@ -114,9 +115,14 @@ def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape):
 
     raw = random_blocks(kind, *shape, np.random.default_rng(0))
     shard = gguf_loader._quantized_shard(raw, kind, list(shape))
-    assert shard.method == {"Q2_K": "int4", "Q4_K": "q4k"}.get(kind, "int8")
+    assert shard.method == {"Q2_K": "int4", "Q4_K": "q4k", "Q6_K": "q6k"}.get(kind, "int8")
     ours = KERNELS[shard.method](shard.tensors).dequantize()
     theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).reshape(shape)
+    if kind == "Q6_K":
+        monkeypatch.setenv("TOKENMILL_GGUF_COMPACT", "0")
+        widened = gguf_loader._quantized_shard(raw, kind, list(shape))
+        assert widened.method == "int8"
+        assert torch.equal(KERNELS["int8"](widened.tensors).dequantize(), theirs)
     if kind == "Q2_K":
         block_max = theirs.abs().reshape(shape[0], -1, 256).amax(-1, keepdim=True)
         gap = (ours - theirs).abs().reshape(shape[0], -1, 256)

@@ -365,9 +365,9 @@ class CpuKernelSettings:
     TOKENMILL_CPU_INT_DOT=0 keeps int8/int4 weight layers' activations in float32 (exact
     weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs;
     TOKENMILL_CPU_DECODE_STEP=0 runs decode steps layer by layer from Python instead of in one
-    compiled call (same kernels, same results; for comparisons); TOKENMILL_GGUF_COMPACT=1
-    keeps GGUF Q6_K blocks as stored (the file's size, ~2x slower to multiply) instead of
-    widened to int8 groups of 16; CC picks the compiler; XDG_CACHE_HOME moves the build
+    compiled call (same kernels, same results; for comparisons); TOKENMILL_GGUF_COMPACT=0
+    widens GGUF Q6_K blocks to int8 groups of 16 (1.5x the file's bytes) instead of keeping
+    them as stored; CC picks the compiler; XDG_CACHE_HOME moves the build
     cache."""
 
     enabled: bool
@@ -375,7 +375,7 @@ class CpuKernelSettings:
     cache_dir: str
     int_dot: bool = True
     decode_step: bool = True
-    gguf_compact: bool = False
+    gguf_compact: bool = True
 
     @classmethod
     def from_env(cls, environ=None) -> CpuKernelSettings:
@@ -388,7 +388,7 @@ class CpuKernelSettings:
                    cache_dir=os.path.join(cache, "tokenmill", "kernels"),
                    int_dot=environ.get("TOKENMILL_CPU_INT_DOT", "1") != "0",
                    decode_step=environ.get("TOKENMILL_CPU_DECODE_STEP", "1") != "0",
-                   gguf_compact=environ.get("TOKENMILL_GGUF_COMPACT", "0") == "1")
+                   gguf_compact=environ.get("TOKENMILL_GGUF_COMPACT", "1") != "0")
 
 
 def share_metrics_dir(path: str) -> None:

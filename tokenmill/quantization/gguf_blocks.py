@@ -7,10 +7,10 @@ float: each block's integers kept, its scales split out.
 - Q5_0 (32 x 5 bits, w = d (q - 16)) -> int8, groups of 32: exact.
 - Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and mins times fp16 d and
   dmin, w = d sc q - dmin m) -> kept as stored (kquant_kernels.py: its bits, byte scales and
-  float32 factors per 256 inputs): exact, 1.06x the file, as fast as int4.
+  float32 factors per 256 inputs): exact, 1.06x the file.
 - Q6_K (256-blocks of 16 groups of 16 x 6 bits, int8 group scales times an fp16 d,
-  w = d sc (q - 32)) -> int8, groups of 16: exact, 1.5x the file; with TOKENMILL_GGUF_COMPACT=1
-  kept as stored (1.01x the file; its 6-bit values take ~2x as long to multiply).
+  w = d sc (q - 32)) -> kept as stored too (1.01x the file); with TOKENMILL_GGUF_COMPACT=0
+  int8, groups of 16: exact, 1.5x the file.
 - Q3_K (256-blocks of 16 groups of 16 x 3 bits, 6-bit group scales times an fp16 d,
   w = d (sc - 32) q with q in -4..3) -> int8, groups of 16: exact.
 - Q5_1 (32 x 5 bits, w = d q + m) and Q5_K (Q4_K's groups with a fifth bit, q in 0..31)
@@ -49,8 +49,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 def to_kernel_tensors(data: np.ndarray, kind: str, n: int, k: int
                       ) -> tuple[str, dict[str, torch.Tensor]]:
-    """(kernel method, its tensors) of a [N, K] weight's blocks; Q6_K as stored only with
-    TOKENMILL_GGUF_COMPACT=1 (else widened to int8, exactly)."""
+    """(kernel method, its tensors) of a [N, K] weight's blocks; Q6_K widened to int8
+    (exactly) with TOKENMILL_GGUF_COMPACT=0."""
     blocks = _blocks(data, kind, n, k)
     if kind == "Q6_K" and not CpuKernelSettings.from_env().gguf_compact:
         return "int8", _q6_k_int8(blocks, n, k)
