@@ -126,6 +126,51 @@ static inline int32_t quad(const int8_t *x) {
     return v;
 }
 
+/* the vector types and float / int32 operations of this build's width */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+typedef __m512 VF;
+typedef __m512i VI;
+#define F_MUL _mm512_mul_ps
+#define F_ADD _mm512_add_ps
+#define F_FMADD _mm512_fmadd_ps
+#define F_FMSUB _mm512_fmsub_ps
+#define F_SET1 _mm512_set1_ps
+#define F_CVT _mm512_cvtepi32_ps
+#define I_SUB _mm512_sub_epi32
+#define I_SET1 _mm512_set1_epi32
+#else
+typedef __m256 VF;
+typedef __m256i VI;
+#define F_MUL _mm256_mul_ps
+#define F_ADD _mm256_add_ps
+#define F_FMADD _mm256_fmadd_ps
+#define F_FMSUB _mm256_fmsub_ps
+#define F_SET1 _mm256_set1_ps
+#define F_CVT _mm256_cvtepi32_ps
+#define I_SUB _mm256_sub_epi32
+#define I_SET1 _mm256_set1_epi32
+#endif
+
+/* acc[i] (rows i < mr) += block b's int32 sums (Q6_K: of its 16-input half `half` of the
+ * row's K/16) in float: Q6_K (q - 32) . a times d sc xs; Q4_K q . a times d sc xs, less
+ * dmin m xsum (that part apart, then one add: a short dependency chain on acc). ws = d sc,
+ * wm = dmin m per channel. One body for both vector widths (VF / VI and the F_ / I_
+ * operations the two builds define). */
+INLINE void block_out(VF *acc, VI *sum, VF ws, VF wm, const float *xs, const float *xsum,
+                      const int32_t *hsum, int64_t blocks, int64_t b, int64_t half,
+                      const int mr, const int q6) {
+    for (int i = 0; i < mr; i++) {
+        const VF wx = F_MUL(ws, F_SET1(xs[i * blocks + b]));
+        if (q6) {
+            sum[i] = I_SUB(sum[i], I_SET1(32 * hsum[i * 2 * blocks + half]));
+            acc[i] = F_FMADD(F_CVT(sum[i]), wx, acc[i]);
+        } else {
+            acc[i] = F_ADD(acc[i], F_FMSUB(F_CVT(sum[i]), wx,
+                                           F_MUL(wm, F_SET1(xsum[i * blocks + b]))));
+        }
+    }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 /* v[j]: the 16 channels' values of inputs 16h + 4j .. 16h + 4j + 4 (j < 4), a byte each,
@@ -189,18 +234,7 @@ INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const in
                 _mm512_loadu_ps((const float *)(sb + 64)),
                 _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                     _mm_loadu_si128((const __m128i *)(sb + 256 + h / 2 * KP)))));
-            for (int i = 0; i < mr; i++) {
-                const __m512 wx = _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * blocks + b]));
-                if (q6) { /* (q - 32) . a */
-                    sum[i] = _mm512_sub_epi32(
-                        sum[i], _mm512_set1_epi32(32 * hsum[i * 2 * blocks + s * 16 + h]));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), wx, acc[i]);
-                } else { /* the block's part apart, then one add: a short chain on acc */
-                    acc[i] = _mm512_add_ps(acc[i], _mm512_fmsub_ps(
-                        _mm512_cvtepi32_ps(sum[i]), wx,
-                        _mm512_mul_ps(wm, _mm512_set1_ps(xsum[i * blocks + b]))));
-                }
-            }
+            block_out(acc, sum, ws, wm, xs, xsum, hsum, blocks, b, s * 16 + h, mr, q6);
         }
     }
     store_panel16(acc, mr, y, bias, n0, N);
@@ -275,18 +309,7 @@ INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const in
                     _mm256_loadu_ps((const float *)(sb + 64) + 8 * c8),
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                         (const __m128i *)(sb + 256 + h / 2 * KP + 8 * c8)))));
-                for (int i = 0; i < mr; i++) {
-                    const __m256 wx = _mm256_mul_ps(ws, _mm256_set1_ps(xs[i * blocks + b]));
-                    if (q6) {
-                        sum[i] = _mm256_sub_epi32(
-                            sum[i], _mm256_set1_epi32(32 * hsum[i * 2 * blocks + s * 16 + h]));
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), wx, acc[i]);
-                    } else { /* the block's part apart, then one add: a short chain on acc */
-                        acc[i] = _mm256_add_ps(acc[i], _mm256_fmsub_ps(
-                            _mm256_cvtepi32_ps(sum[i]), wx,
-                            _mm256_mul_ps(wm, _mm256_set1_ps(xsum[i * blocks + b]))));
-                    }
-                }
+                block_out(acc, sum, ws, wm, xs, xsum, hsum, blocks, b, s * 16 + h, mr, q6);
             }
         }
         store_panel8(acc, mr, y, bias, n0 + 8 * c8, N);
@@ -294,7 +317,7 @@ INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const in
 }
 #endif
 
-/* Rows [0, M) of panel p in tiles of PANEL_ROWS rows. Each exported kernel has its own
+/* Rows [0, M) of panel p in tiles of KQ_ROWS rows. Each exported kernel has its own
  * parallel loop over the panels: OpenMP outlines a loop's body before inlining, so a loop
  * shared by both would see q6 as a run-time value and leave every inner loop rolled. */
 INLINE void kpanel(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
@@ -309,18 +332,15 @@ INLINE void kpanel(const int8_t *xq, const float *xs, const float *xsum, const i
 #undef TILE
 }
 
-void tm_q4k_gemm(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
-                 const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
-                 int64_t K) {
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < (N + KP - 1) / KP; p++)
-        kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, 0);
-}
-
-void tm_q6k_gemm(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
-                 const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
-                 int64_t K) {
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < (N + KP - 1) / KP; p++)
-        kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, 1);
-}
+/* tm_q4k_gemm, tm_q6k_gemm: y [M, N] = x @ the layer's panels (+ bias), x as
+ * tm_quantize_rows_q8x2 left it */
+#define KQUANT_GEMM(name, q6)                                                               \
+    void name(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,    \
+              const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,       \
+              int64_t K) {                                                                  \
+        _Pragma("omp parallel for schedule(static)")                                        \
+        for (int64_t p = 0; p < (N + KP - 1) / KP; p++)                                     \
+            kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, q6);                      \
+    }
+KQUANT_GEMM(tm_q4k_gemm, 0)
+KQUANT_GEMM(tm_q6k_gemm, 1)
