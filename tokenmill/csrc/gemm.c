@@ -154,30 +154,13 @@ void tm_int8_gemm(const float *x, const int8_t *w, const float *scale, const flo
 /* x [M, K] -> xq int16 [M, K], xs [M, K/32] block scales, xsum [M, K/32] = xs * sum(xq). */
 void tm_quantize_rows_q16(const float *x, int16_t *xq, float *xs, float *xsum, int64_t M,
                           int64_t K) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const int64_t blocks = K / 32;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * blocks; i++) {
-        const float *src = x + i * 32;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(src + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float m = _mm_cvtss_f32(m4);
-        const float d = m / 32767.0f, id = m != 0.0f ? 32767.0f / m : 0.0f;
         __m256i q[4];
+        const float d = round_block32(x + i * 32, 32767.0f, q);
         __m256i total = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
-                                                      _MM_FROUND_TO_NEAREST_INT |
-                                                      _MM_FROUND_NO_EXC));
-            total = _mm256_add_epi32(total, q[j]);
-        }
+        for (int j = 0; j < 4; j++) total = _mm256_add_epi32(total, q[j]);
         /* int32 x 16 -> int16 x 16 in input order (packs interleaves the 128-bit lanes) */
         for (int j = 0; j < 2; j++)
             _mm256_storeu_si256((__m256i *)(xq + i * 32 + 16 * j),

@@ -65,29 +65,15 @@ static inline int32_t hsum_epi32(__m256i v) {
  * xsum [M, K/32] = xs * sum(a), hsum [M, K/16] int32 sums of a per 16 inputs. */
 void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, int32_t *hsum,
                            int64_t M, int64_t K) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), top = _mm256_set1_epi32(TOP);
+    const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), top);
     const int64_t blocks = K / 32;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t i = 0; i < M * blocks; i++) {
         const int64_t row = i / blocks, b = i % blocks;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(x + i * 32 + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float m = _mm_cvtss_f32(m4);
-        const float d = m / (float)TOP, id = m != 0.0f ? (float)TOP / m : 0.0f;
-        const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), top);
         __m256i a[4], hi[4], lo[4];
+        const float d = round_block32(x + i * 32, (float)TOP, a);
         for (int j = 0; j < 4; j++) {
-            a[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(id)),
-                                                      _MM_FROUND_TO_NEAREST_INT |
-                                                      _MM_FROUND_NO_EXC));
             a[j] = _mm256_max_epi32(_mm256_min_epi32(a[j], top), neg);
             hi[j] = _mm256_srai_epi32(_mm256_add_epi32(a[j], _mm256_set1_epi32(128)), 8);
             lo[j] = _mm256_sub_epi32(a[j], _mm256_slli_epi32(hi[j], 8));

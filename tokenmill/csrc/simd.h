@@ -70,6 +70,29 @@ static inline float exp_minus_max(float *s, int64_t n, float mx) {
     return hsum8(sum);
 }
 
+/* The integer-dot kernels' activation rounding (gemm.c's int16, kquant_panels.c's split
+ * halves): x[0 .. 32) times top / max|x|, rounded to the nearest integer (ties to even) into
+ * q[0 .. 4) (8 lanes each); returns the block's scale max|x| / top (an all-zero block: 0,
+ * its integers 0). */
+static inline float round_block32(const float *x, float top, __m256i *q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m = _mm_cvtss_f32(m4);
+    const __m256 id = _mm256_set1_ps(m != 0.0f ? top / m : 0.0f);
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return m / top;
+}
+
 /* The panel kernels (vnni_panels.c, kquant_panels.c): output channels in panels of 16 across
  * the lanes, rows in register tiles of PANEL_ROWS (12 with AVX-512 VNNI's 32 registers, 6
  * with AVX2's 16). */
