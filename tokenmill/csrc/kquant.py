@@ -25,35 +25,38 @@ KQUANT_PARTS = {
 }
 
 
+def _regroup(t: torch.Tensor, bits: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Bytes [N, columns] of `bits`-bit fields (low bits first) with each run of a x b fields
+    (`shape`) transposed to b x a, packed back the same way."""
+    n, per = t.shape[0], 8 // bits
+    fields = torch.stack([(t >> (bits * i)) & ((1 << bits) - 1) for i in range(per)], dim=-1)
+    fields = fields.reshape(n, -1, *shape).transpose(2, 3).reshape(n, -1, per)
+    out = fields[..., 0]
+    for i in range(1, per):
+        out = out | (fields[..., i] << (bits * i))
+    return out.contiguous()
+
+
+# kquant_panels.c's order of a part's bytes from the checkpoint's: `qweight` (byte j: inputs
+# 2j, 2j + 1 in the low, high nibble) by 8 inputs, byte t holding input 8g + t low and
+# 8g + 4 + t high; Q6_K's `qhigh` (bits 2s, 2s + 1 of byte i: input 4i + s) by 16 inputs,
+# byte t holding inputs 16h + 4s + t in bits 2s, 2s + 1. Per leaf: (bits, runs to the
+# kernel's order, runs back).
+_REGROUP = {"qweight": (4, (2, 4), (4, 2)), "qhigh": (2, (4, 4), (4, 4))}
+
+
 def _to_kernel(leaf: str, t: torch.Tensor) -> torch.Tensor:
-    """A checkpoint part's bytes [N, columns] in kquant_panels.c's order: `qweight` (byte j:
-    inputs 2j, 2j + 1 in the low, high nibble) by 8 inputs, byte t holding input 8g + t low
-    and 8g + 4 + t high; Q6_K's `qhigh` (bits 2s, 2s + 1 of byte i: input 4i + s) by 16
-    inputs, byte t holding inputs 16h + 4s + t in bits 2s, 2s + 1."""
-    n = t.shape[0]
-    if leaf == "qweight":
-        q = torch.stack([t & 15, t >> 4], dim=-1).view(n, -1, 2, 4)  # [N, K/8, half, t]
-        return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, -1)
-    if leaf == "qhigh":
-        h = torch.stack([(t >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).view(n, -1, 4, 4)
-        return (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4)
-                | (h[:, :, 3] << 6)).reshape(n, -1)
-    return t
+    if leaf not in _REGROUP:
+        return t
+    bits, there, _ = _REGROUP[leaf]
+    return _regroup(t, bits, there)
 
 
 def _from_kernel(leaf: str, t: torch.Tensor) -> torch.Tensor:
-    """The inverse of `_to_kernel`."""
-    n = t.shape[0]
-    if leaf == "qweight":
-        g = t.reshape(n, -1, 4)
-        q = torch.stack([g & 15, g >> 4], dim=2).reshape(n, -1, 2)  # inputs in order, paired
-        return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()
-    if leaf == "qhigh":
-        g = t.reshape(n, -1, 4)
-        h = torch.stack([(g >> s) & 3 for s in (0, 2, 4, 6)], dim=2).reshape(n, -1, 4)
-        return (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4)
-                | (h[:, :, 3] << 6)).contiguous()
-    return t.contiguous()
+    if leaf not in _REGROUP:
+        return t.contiguous()
+    bits, _, back = _REGROUP[leaf]
+    return _regroup(t, bits, back)
 
 
 def kquant_blob(kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
