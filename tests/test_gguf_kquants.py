@@ -1,5 +1,6 @@
 """GGUF K-quant files served as they are stored: Q4_K and Q6_K layers keep their bits, byte
-scales and per-256 factors (csrc/kquant_panels.c), so the model's resident weight bytes stay
+scales and per-256 factors, Q5_0 / Q5_1 their fifth bits apart and fp16 factors
+(csrc/kquant_panels.c), so the model's resident weight bytes stay
 within 1.1x of the file's tensor bytes; their tokens are those of the same file expanded to
 float (within the 15-bit activation rounding); the compiled decode step and two
 tensor-parallel ranks take them. TOKENMILL_GGUF_COMPACT=0 widens Q6_K to int8 instead."""
@@ -28,7 +29,7 @@ def random_blocks(kind, shape, seed=0):
     size, nbytes = BLOCKS[kind]
     lead = tuple(shape[:-1])
     raw = rng.integers(0, 256, size=(*lead, shape[-1] // size, nbytes), dtype=np.uint8)
-    for at in {"Q6_K": [208], "Q4_K": [0, 2]}[kind]:
+    for at in {"Q6_K": [208], "Q4_K": [0, 2], "Q5_0": [0], "Q5_1": [0, 2]}[kind]:
         d = rng.uniform(0.0002, 0.001, size=(*lead, shape[-1] // size)).astype(np.float16)
         raw[..., at:at + 2] = d.view(np.uint8).reshape(*lead, shape[-1] // size, 2)
     return raw.reshape(*lead, -1)
@@ -89,7 +90,9 @@ def test_activations_split_into_two_int8_halves():
 @pytest.fixture(scope="module")
 def q4_k_m(tmp_path_factory):
     """A Llama-shaped model (inputs multiples of 256) as llama.cpp's Q4_K_M mixes blocks:
-    Q6_K for attn_v, ffn_down and the tied embedding, Q4_K for the rest."""
+    Q6_K for attn_v, ffn_down and the tied embedding, Q4_K for the rest; but attn_output and
+    ffn_gate in Q5_0 (what Q4_K_M takes for rows whose length is not a multiple of 256, as
+    Qwen2-0.5B's 896)."""
     path = tmp_path_factory.mktemp("kq")
     hf_path = str(path / "hf")
     hf = make_model(hf_path, "llama", hidden_size=256, intermediate_size=512,
@@ -100,6 +103,8 @@ def q4_k_m(tmp_path_factory):
     def qtype(name):
         if name.endswith(("attn_v.weight", "ffn_down.weight", "token_embd.weight")):
             return T.Q6_K
+        if name.endswith(("attn_output.weight", "ffn_gate.weight")):
+            return T.Q5_0
         return T.Q4_K if name.endswith("weight") and "norm" not in name else None
 
     file = str(path / "q4_k_m.gguf")
@@ -125,15 +130,16 @@ def _run(path, hf_path, **engine):
 
 
 def test_q6_k_widens_to_int8_when_asked(q4_k_m, monkeypatch):
-    """With TOKENMILL_GGUF_COMPACT=0 Q6_K blocks become int8 groups of 16 (exactly): more
-    memory than the file."""
+    """With TOKENMILL_GGUF_COMPACT=0 Q6_K blocks become int8 groups of 16 and Q5 blocks int8
+    groups of 32 (exactly): more memory than the file."""
     from gguf import GGUFReader
 
     monkeypatch.setenv("TOKENMILL_GGUF_COMPACT", "0")
     path, hf_path = q4_k_m
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     info, _ = _run(path, hf_path)
-    assert "q4k-cpu" in info["kernels"] and "q6k-cpu" not in info["kernels"]
+    assert any("q4k-cpu" in k for k in info["kernels"])
+    assert not {"q6k-cpu", "q5_0-cpu"} & info["kernels"]
     assert any(k.startswith("int8") for k in info["kernels"]) and info["step"]
     assert 1.1 * file_bytes < info["bytes"] < 1.5 * file_bytes
 
@@ -144,7 +150,8 @@ def test_a_q4_k_m_file_stays_its_size_and_gives_the_expanded_tokens(q4_k_m, monk
     path, hf_path = q4_k_m
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
     info, kept = _run(path, hf_path)
-    assert {"q4k-cpu", "q6k-cpu", "parts:q4k-cpu+q4k-cpu+q6k-cpu"} <= info["kernels"]
+    assert {"q6k-cpu", "q5_0-cpu", "parts:q4k-cpu+q4k-cpu+q6k-cpu",
+            "parts:q5_0-cpu+q4k-cpu"} <= info["kernels"]
     assert info["step"]
     assert info["bytes"] <= 1.1 * file_bytes, (info["bytes"], file_bytes)
     two, split = _run(path, hf_path, tensor_parallel_size=2)

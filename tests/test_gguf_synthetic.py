@@ -1,12 +1,15 @@
 """GGUF files written here with gguf.GGUFWriter load back to the HF tensors they came from."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
 from gguf_writer import write_gguf
 from helpers import head_dim
 
-from tokenmill import gguf_loader
+from tokenmill import csrc, gguf_loader
+from tokenmill.quantization import schemes
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -103,11 +106,10 @@ def random_blocks(kind: str, n: int, k: int, rng) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q6_K", "Q5_K", "Q3_K", "Q4_K", "Q2_K"])
 @pytest.mark.parametrize("shape", [(256, 1024), (1024, 512)])
 def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape, monkeypatch):
-    """Q5_0, Q5_1, Q5_K and Q3_K become int8 tensors exactly (Q5_1 / Q5_K with float
-    offsets per group), Q4_K and Q6_K stay as stored (kquant_kernels.py), exactly, or Q6_K
-    int8 with TOKENMILL_GGUF_COMPACT=0; Q2_K becomes
-    int4 whose group scales and mins are rounded to fp16 (each weight within 2^-10 of its
-    block's largest)."""
+    """Q5_K and Q3_K become int8 tensors exactly (Q5_K with float offsets per group), Q4_K,
+    Q6_K, Q5_0 and Q5_1 stay as stored (kquant_kernels.py), exactly, or Q6_K / Q5 int8 with
+    TOKENMILL_GGUF_COMPACT=0; Q2_K becomes int4 whose group scales and mins are rounded to
+    fp16 (each weight within 2^-10 of its block's largest)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -115,10 +117,11 @@ def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape, monkeypatch)
 
     raw = random_blocks(kind, *shape, np.random.default_rng(0))
     shard = gguf_loader._quantized_shard(raw, kind, list(shape))
-    assert shard.method == {"Q2_K": "int4", "Q4_K": "q4k", "Q6_K": "q6k"}.get(kind, "int8")
+    assert shard.method == {"Q2_K": "int4", "Q4_K": "q4k", "Q6_K": "q6k", "Q5_0": "q5_0",
+                            "Q5_1": "q5_1"}.get(kind, "int8")
     ours = KERNELS[shard.method](shard.tensors).dequantize()
     theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).reshape(shape)
-    if kind == "Q6_K":
+    if kind in ("Q6_K", "Q5_0", "Q5_1"):
         monkeypatch.setenv("TOKENMILL_GGUF_COMPACT", "0")
         widened = gguf_loader._quantized_shard(raw, kind, list(shape))
         assert widened.method == "int8"
@@ -129,4 +132,33 @@ def test_k_quant_and_q5_blocks_match_ggufs_dequantizer(kind, shape, monkeypatch)
         assert bool((gap <= block_max * 2 ** -10).all())
     else:
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("k", [896, 96])
+def test_q5_kept_where_k_is_a_multiple_of_64(kind, k):
+    """Q5 rows of 896 inputs (Qwen2-0.5B's hidden size: not a multiple of 256, the reason
+    llama.cpp stores them in Q5_0) are kept as stored and multiply at the file's size; rows
+    of 96 (not a multiple of the kernel's 64) are widened to int8. Both equal gguf's
+    dequantizer; the compiled product equals the dequantized weight's within the 15-bit
+    activation rounding."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tokenmill.quantization.model import KERNELS
+
+    n = 40  # two and a half panels of 16 channels
+    raw = random_blocks(kind, n, k, np.random.default_rng(1))
+    shard = gguf_loader._quantized_shard(raw, kind, [n, k])
+    theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).reshape(n, k)
+    kernel = KERNELS[shard.method](shard.tensors)
+    assert shard.method == (kind.lower() if k % 64 == 0 else "int8")
+    assert torch.equal(kernel.dequantize(), theirs)
+    if k % 64 == 0 and csrc.available():
+        assert kernel.name == f"{kind.lower()}-cpu"
+        assert kernel.weight_bytes() <= raw.nbytes * 48 // 40  # the last panel's padding
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(0))
+        expect = schemes.fake_quantize_blocks(x, top=schemes.SPLIT_TOP) @ theirs.T
+        torch.testing.assert_close(kernel.apply(types.SimpleNamespace(bias=None), x), expect,
+                                   rtol=1e-5, atol=1e-5 * float(expect.abs().max()))
 

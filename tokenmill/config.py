@@ -366,9 +366,9 @@ class CpuKernelSettings:
     weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs;
     TOKENMILL_CPU_DECODE_STEP=0 runs decode steps layer by layer from Python instead of in one
     compiled call (same kernels, same results; for comparisons); TOKENMILL_GGUF_COMPACT=0
-    widens GGUF Q6_K blocks to int8 groups of 16 (1.5x the file's bytes) instead of keeping
-    them as stored; CC picks the compiler; XDG_CACHE_HOME moves the build
-    cache."""
+    widens GGUF Q6_K blocks to int8 groups of 16 (1.5x the file's bytes) and Q5_0 / Q5_1 to
+    int8 groups of 32 (1.6x) instead of keeping them as stored; CC picks the compiler;
+    XDG_CACHE_HOME moves the build cache."""
 
     enabled: bool
     compiler: str

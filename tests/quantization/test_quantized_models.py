@@ -208,7 +208,7 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
     """q and k stored as Q4_1 (int4 groups), v as Q8_0 (int8): the merged q|k|v layer, whose
     parts differ in format, is served in float, not as one part's rows alone (which made a
     Qwen2 Q4_K_M file's K projection come out a fraction of its width); the MLP's Q5_0 gate
-    and up are served as int8 as they are."""
+    and up are served as they are stored."""
     from gguf import GGMLQuantizationType as Q
     from gguf_writer import write_gguf
 
@@ -224,7 +224,7 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
     llm, tokens, logprobs = run(path, tokenizer=hf_path)
     layer = llm.engine.core.runner.model.model.layers[0]
     assert not layer.self_attn.qkv_proj.kernel.name.startswith("int")
-    assert layer.mlp.gate_up_proj.kernel.name.startswith("int8")
+    assert layer.mlp.gate_up_proj.kernel.name.startswith("q5_0")
     expanded = copy.deepcopy(hf)  # the same rounded weights, in float
     with torch.no_grad():
         for name, param in expanded.named_parameters():

@@ -10,10 +10,10 @@ memory.
   matmuls of quantized layers run the fp32 panel kernel.
 - `vnni_panels.c`: int8 / int4 weights in panels of 16 channels times int16 activations with
   `vpdpwssd` (AVX-512 VNNI CPUs: their kernel at every row count, ~1.6x the fp32 panels).
-- `kquant_panels.c`: GGUF Q4_K / Q6_K weights in such panels at about their stored size
-  (the K-quants' byte scales and per-256 factors kept, Q6_K's high bits in a plane of their
-  own), times activations split into two int8 halves with byte dot products (`vpdpbusd`,
-  `vpmaddubsw`).
+- `kquant_panels.c`: GGUF Q4_K / Q6_K / Q5_0 / Q5_1 weights in such panels at about their
+  stored size (the K-quants' byte scales and per-256 factors kept, high bits in planes of
+  their own), times activations split into two int8 halves with byte dot products
+  (`vpdpbusd`, `vpmaddubsw`).
 - `paged_attention.c`: decode attention reading the paged KV cache in place, where torch ops
   must gather a padded copy of every sequence's K/V first.
 - `prompt_attention.c`: causal prompt attention (fresh or with cached context) over the
@@ -153,8 +153,7 @@ def _library() -> ctypes.CDLL | None:
     lib.tm_kquant_panel_bytes.argtypes = [i64] * 2
     lib.tm_kquant_panel_bytes.restype = i64
     lib.tm_quantize_rows_q8x2.argtypes = [ptr] * 5 + [i64] * 2
-    lib.tm_q4k_gemm.argtypes = [ptr] * 7 + [i64] * 3
-    lib.tm_q6k_gemm.argtypes = [ptr] * 7 + [i64] * 3
+    lib.tm_kquant_gemm.argtypes = [i64] + [ptr] * 7 + [i64] * 3
     lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
     lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
@@ -243,9 +242,10 @@ def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 
 class LinearForm(NamedTuple):
     """How the compiled decode step multiplies by one linear layer (decode_step.c's tm_linear):
-    which kernel, its integer parameter (F32_PANEL: the padded K; int8 / int4: the group),
-    the most rows it is the layer's fastest kernel for, and the addresses of the weight
-    tensors, which the layer's kernel keeps alive."""
+    which kernel, its integer parameter (F32_PANEL: the padded K; int8 / int4: the group;
+    KQUANT: which K-quant, kquant.KQUANT_KINDS), the most rows it is the layer's fastest
+    kernel for, and the addresses of the weight tensors, which the layer's kernel keeps
+    alive."""
 
     kind: int
     param: int
@@ -256,7 +256,7 @@ class LinearForm(NamedTuple):
 
 
 # decode_step.c's kernel kinds
-F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI, Q4K, Q6K, PARTS = range(10)
+F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI, KQUANT, PARTS = range(9)
 
 
 def f32_panel_stride(packed: torch.Tensor, n: int, k: int) -> int | None:

@@ -28,12 +28,13 @@
 #include "kernels.h"
 
 enum { TM_F32_PANEL = 0, TM_INT8 = 1, TM_INT8_Q16 = 2, TM_INT4 = 3, TM_INT4_Q16 = 4,
-       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6, TM_Q4K = 7, TM_Q6K = 8, TM_PARTS = 9 };
+       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6, TM_KQUANT = 7, TM_PARTS = 8 };
 
 typedef struct {
     int64_t kind, n, k;
-    int64_t param; /* TM_F32_PANEL: KP (padded K); int8 / int4: the quantization group */
-    /* *_VNNI: vnni_panels.c's panels; Q4K / Q6K: one blob; PARTS: `param` tm_linears, a
+    int64_t param; /* TM_F32_PANEL: KP (padded K); int8 / int4: the quantization group;
+                    * KQUANT: which K-quant (kquant_panels.c's kinds) */
+    /* *_VNNI: vnni_panels.c's panels; KQUANT: one blob; PARTS: `param` tm_linears, a
      * merged layer's parts in different formats, their outputs side by side */
     const void *w, *scale, *min;
     const float *bias;
@@ -126,12 +127,10 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
             tm_int4_vnni_gemm(m->xq, m->xs, m->xsum, l->w, l->scale, l->min, l->bias, y, T,
                               l->n, l->k, l->param);
             break;
-        case TM_Q4K:
-        case TM_Q6K: /* kquant_panels.c: the layer's panels are one blob */
+        case TM_KQUANT: /* kquant_panels.c: the layer's panels are one blob */
             tm_quantize_rows_q8x2(x, (int8_t *)m->xq, m->xs, m->xsum, m->hsum, T, l->k);
-            (l->kind == TM_Q6K ? tm_q6k_gemm : tm_q4k_gemm)((const int8_t *)m->xq, m->xs,
-                                                          m->xsum, m->hsum, l->w, l->bias, y,
-                                                          T, l->n, l->k);
+            tm_kquant_gemm(l->param, (const int8_t *)m->xq, m->xs, m->xsum, m->hsum, l->w,
+                           l->bias, y, T, l->n, l->k);
             break;
         case TM_PARTS: {
             const tm_linear *parts = (const tm_linear *)l->w;

@@ -35,15 +35,12 @@ void tm_int8_vnni_gemm(const int16_t *xq, const float *xs, const int8_t *wp, con
 void tm_int4_vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *wp,
                        const uint16_t *sp, const uint16_t *mp, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t group);
-int64_t tm_kquant_panel_bytes(int64_t K, int64_t q6);
+int64_t tm_kquant_panel_bytes(int64_t K, int64_t kind);
 void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, int32_t *hsum,
                            int64_t M, int64_t K);
-void tm_q4k_gemm(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
-                 const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
-                 int64_t K);
-void tm_q6k_gemm(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
-                 const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
-                 int64_t K);
+void tm_kquant_gemm(int64_t kind, const int8_t *xq, const float *xs, const float *xsum,
+                    const int32_t *hsum, const uint8_t *blob, const float *bias, float *y,
+                    int64_t M, int64_t N, int64_t K);
 void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
                                const void *v_cache, const int64_t *block_table,
                                int64_t table_stride, const int64_t *seq_lens, float *out,

@@ -1,8 +1,9 @@
-"""ctypes wrappers of kquant_panels.c: GGUF Q4_K / Q6_K weights in panels of 16 output
-channels at about their stored size, times activations split into two int8 halves.
+"""ctypes wrappers of kquant_panels.c: GGUF Q4_K / Q6_K / Q5_0 / Q5_1 weights in panels of 16
+output channels at about their stored size, times activations split into two int8 halves.
 Re-exported by `tokenmill.csrc`.
 
-A layer's panels are one uint8 blob, [ceil(N/16), K/256 super-blocks x their bytes];
+A layer's panels are one uint8 blob, [ceil(N/16), K/256 (Q5: K/64) super-blocks x their
+bytes];
 `kquant_blob` builds it from the row-major tensors a checkpoint keeps (each [N, columns]: a
 channel's bytes in input order), `kquant_rows` reads rows of them back."""
 
@@ -12,16 +13,22 @@ import torch
 
 from tokenmill.csrc import _library, address
 
-__all__ = ["KQUANT_PARTS", "kquant_blob", "kquant_parts", "kquant_rows", "kquant_gemm",
-           "quantize_rows_q8x2"]
+__all__ = ["KQUANT_INPUTS", "KQUANT_KINDS", "KQUANT_PARTS", "kquant_blob", "kquant_parts",
+           "kquant_rows", "kquant_gemm", "quantize_rows_q8x2"]
 
-# per kind: a super-block's parts in order, (leaf, dtype, inputs per column); the values
-# (and Q6_K's high bits) in the kernel's order of inputs (`_to_kernel`), 4 bytes a column
+# per kind: kquant_panels.c's number for it, the inputs of a super-block, and its parts in
+# order, (leaf, dtype, inputs per column); the values (and the high bits) in the kernel's
+# order of inputs (`_to_kernel`), 4 bytes a column
+KQUANT_KINDS = {"q4k": 0, "q6k": 1, "q5_0": 2, "q5_1": 3}
+KQUANT_INPUTS = {"q4k": 256, "q6k": 256, "q5_0": 64, "q5_1": 64}
 KQUANT_PARTS = {
     "q4k": [("d", torch.float32, 256), ("dmin", torch.float32, 256), ("sc", torch.uint8, 32),
             ("mn", torch.uint8, 32), ("qweight", torch.int32, 8)],
     "q6k": [("d", torch.float32, 256), ("sc", torch.int8, 16), ("qhigh", torch.int32, 16),
             ("qweight", torch.int32, 8)],
+    "q5_0": [("d", torch.float16, 32), ("qbit", torch.int32, 32), ("qweight", torch.int32, 8)],
+    "q5_1": [("d", torch.float16, 32), ("m", torch.float16, 32), ("qbit", torch.int32, 32),
+             ("qweight", torch.int32, 8)],
 }
 
 
@@ -40,9 +47,11 @@ def _regroup(t: torch.Tensor, bits: int, shape: tuple[int, int]) -> torch.Tensor
 # kquant_panels.c's order of a part's bytes from the checkpoint's: `qweight` (byte j: inputs
 # 2j, 2j + 1 in the low, high nibble) by 8 inputs, byte t holding input 8g + t low and
 # 8g + 4 + t high; Q6_K's `qhigh` (bits 2s, 2s + 1 of byte i: input 4i + s) by 16 inputs,
-# byte t holding inputs 16h + 4s + t in bits 2s, 2s + 1. Per leaf: (bits, runs to the
-# kernel's order, runs back).
-_REGROUP = {"qweight": (4, (2, 4), (4, 2)), "qhigh": (2, (4, 4), (4, 4))}
+# byte t holding inputs 16h + 4s + t in bits 2s, 2s + 1; Q5's `qbit` (bit s of byte i: input
+# 8i + s) by 32 inputs, bit j of byte t holding input 32b + 4j + t. Per leaf: (bits, runs to
+# the kernel's order, runs back).
+_REGROUP = {"qweight": (4, (2, 4), (4, 2)), "qhigh": (2, (4, 4), (4, 4)),
+            "qbit": (1, (8, 4), (4, 8))}
 
 
 def _to_kernel(leaf: str, t: torch.Tensor) -> torch.Tensor:
@@ -60,10 +69,10 @@ def _from_kernel(leaf: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def kquant_blob(kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The panels of a layer's row-major tensors: per panel of 16 channels and super-block of
-    256 inputs, each part [columns][16] after the other (channels past N zero)."""
+    """The panels of a layer's row-major tensors: per panel of 16 channels and super-block,
+    each part [columns][16] after the other (channels past N zero)."""
     n, k = tensors["qweight"].shape[0], tensors["qweight"].shape[1] * 2
-    panels, supers = -(-n // 16), k // 256
+    panels, supers = -(-n // 16), k // KQUANT_INPUTS[kind]
     parts = []
     for leaf, dtype, _ in KQUANT_PARTS[kind]:
         t = _to_kernel(leaf, tensors[leaf])
@@ -77,13 +86,14 @@ def kquant_blob(kind: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def kquant_parts(kind: str, blob: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Views [panels, super-blocks, columns of one, 16] of each part of `blob`."""
-    supers = k // 256
+    inputs = KQUANT_INPUTS[kind]
+    supers = k // inputs
     blocks = blob.view(blob.shape[0], supers, -1)
     out, at = {}, 0
     for leaf, dtype, per in KQUANT_PARTS[kind]:
-        size = 256 // per * 16 * torch.empty(0, dtype=dtype).element_size()
+        size = inputs // per * 16 * torch.empty(0, dtype=dtype).element_size()
         out[leaf] = blocks[:, :, at:at + size].view(dtype).view(blob.shape[0], supers,
-                                                                  256 // per, 16)
+                                                                  inputs // per, 16)
         at += size
     return out
 
@@ -115,12 +125,11 @@ def quantize_rows_q8x2(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def kquant_gemm(kind: str, x: torch.Tensor, blob: torch.Tensor, n: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 contiguous (K a multiple of 256) @ the layer `blob` holds, x rounded
-    to 15-bit integers per 32 inputs -> [M, N]."""
+    """x [M, K] float32 contiguous (K a multiple of KQUANT_INPUTS[kind]) @ the layer `blob`
+    holds, x rounded to 15-bit integers per 32 inputs -> [M, N]."""
     m, k = x.shape
     xq, xs, xsum, hsum = quantize_rows_q8x2(x)
     y = torch.empty(m, n, dtype=torch.float32)
-    gemm = _library().tm_q6k_gemm if kind == "q6k" else _library().tm_q4k_gemm
-    gemm(address(xq), address(xs), address(xsum), address(hsum), address(blob), address(bias),
-         address(y), m, n, k)
+    _library().tm_kquant_gemm(KQUANT_KINDS[kind], address(xq), address(xs), address(xsum),
+                              address(hsum), address(blob), address(bias), address(y), m, n, k)
     return y

@@ -1,5 +1,5 @@
-/* GGUF Q4_K and Q6_K weights kept at (about) their stored size, times activations split into
- * two int8 halves, with the byte dot products of `vpdpbusd` (AVX-512 VNNI) or
+/* GGUF Q4_K, Q6_K, Q5_0 and Q5_1 weights kept at (about) their stored size, times activations
+ * split into two int8 halves, with the byte dot products of `vpdpbusd` (AVX-512 VNNI) or
  * `vpmaddubsw` (AVX2).
  *
  * vnni_panels.c's int4 / int8 layouts hold a Q4_K weight in 5 bits (fp16 scale and min per
@@ -12,6 +12,10 @@
  *         | values [32][16][4] u8                                      (2432 bytes: 4.75 bits)
  *   Q6_K: d [16] f32 | scales [16][16] i8 | high bits [16][16][4] u8
  *         | values [32][16][4] u8                                      (3392 bytes: 6.625 bits)
+ * and Q5_0 / Q5_1 (fp16 factors per 32 inputs, so K need only be a multiple of 64) in
+ * super-blocks of 64 inputs:
+ *   Q5_0: d [2][16] f16 | fifth bits [2][16][4] u8 | values [8][16][4] u8  (704 bytes: 5.5)
+ *   Q5_1: d [2][16] f16 | m [2][16] f16 | fifth bits | values              (768 bytes: 6)
  * so the weights stream through memory in one pass (factors kept apart from the values cost
  * every panel cache misses the prefetcher did not cover: 1.6x slower from DRAM). values[g][c]
  * are channel c's inputs 8g .. 8g + 8: byte t holds input 8g + t in its low nibble and
@@ -19,8 +23,9 @@
  * what a byte dot product multiplies by 4 broadcast activation bytes. Q6_K's high bits[h][c]
  * are channel c's inputs 16h .. 16h + 16: byte t holds the high two bits of inputs 16h + t,
  * 16h + 4 + t, 16h + 8 + t, 16h + 12 + t in bits 0-1, 2-3, 4-5, 6-7, each moved into place
- * by one shift. Q4_K's weight is d sc q - dmin m (q 0..15); Q6_K's d sc (q - 32) (q 0..63,
- * scales per 16 inputs).
+ * by one shift; Q5's fifth bits[b][c] are channel c's 32 inputs of block b: bit j of byte t
+ * is input 4j + t's. Q4_K's weight is d sc q - dmin m (q 0..15); Q6_K's d sc (q - 32) (q
+ * 0..63, scales per 16 inputs); Q5_0's d (q - 16), Q5_1's d q + m (q 0..31).
  *
  * Activations (tm_quantize_rows_q8x2): per 32 inputs, integers a in [-32639, 32639] (scale
  * absmax / 32639, ties to even: the 15 bits of the int16 kernels, not llama.cpp's 8, whose
@@ -28,10 +33,11 @@
  * [-127, 127] and lo in [-128, 127], stored per row as a plane of his then a plane of los.
  * The byte products of unsigned weight values and signed halves then give exact int32 sums
  * q . a = 256 (q . hi) + (q . lo) per block (Q6_K: per 16-input half, minus 32 times the
- * half's sum of a), and per block and row y += float(sum) * ((d * sc) * xs) (Q4_K: then
- * y -= (dmin * m) * xsum). The AVX2 build runs the same float operations per lane, so both
- * builds give identical results. Overflow: AVX2's int16 sums of byte products stay below
- * 2^15 (Q4_K: 8 products of 2 x 15 x 128; Q6_K: 2 of 2 x 63 x 128). */
+ * half's sum of a; Q5_0: minus 16 times the block's), and per block and row
+ * y += float(sum) * ((d * sc) * xs) (Q4_K: then y -= (dmin * m) * xsum; Q5_1: y += m xsum).
+ * The AVX2 build runs the same float operations per lane, so both builds give identical
+ * results. Overflow: AVX2's int16 sums of byte products stay below 2^15 (Q4_K: 8 products
+ * of 2 x 15 x 128; Q6_K: 2 of 2 x 63 x 128; Q5: 4 of 2 x 31 x 128). */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -50,10 +56,16 @@
 #endif
 #define TOP 32639 /* 127 * 256 + 127: the largest integer whose halves are both int8 */
 
-#define SUPER(q6) ((q6) ? 3392 : 2432) /* bytes of a super-block of 256 inputs */
-#define VALUES(q6) ((q6) ? 1344 : 384) /* where a super-block's values start */
+/* the kinds (tm_kquant_gemm's `kind`), and per kind: inputs and bytes of a super-block,
+ * where its high bits and its values start, 16-input units per block of sums (a scale) */
+enum { Q4K = 0, Q6K = 1, Q50 = 2, Q51 = 3 };
+#define INPUTS(kd) ((kd) == Q4K || (kd) == Q6K ? 256 : 64)
+#define SUPER(kd) ((kd) == Q4K ? 2432 : (kd) == Q6K ? 3392 : (kd) == Q50 ? 704 : 768)
+#define HIGH(kd) ((kd) == Q6K ? 320 : (kd) == Q50 ? 64 : 128)
+#define VALUES(kd) ((kd) == Q4K ? 384 : (kd) == Q6K ? 1344 : (kd) == Q50 ? 192 : 256)
+#define STEP(kd) ((kd) == Q6K ? 1 : 2)
 
-int64_t tm_kquant_panel_bytes(int64_t K, int64_t q6) { return K / 256 * SUPER(q6); }
+int64_t tm_kquant_panel_bytes(int64_t K, int64_t kind) { return K / INPUTS(kind) * SUPER(kind); }
 
 static inline int32_t hsum_epi32(__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -97,12 +109,13 @@ void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, i
  * the panel's end: the next panel, which this thread runs next). The hardware prefetcher
  * alone left one thread streaming a model's expert matrices at ~6 GB/s, two at ~8. */
 #define PREFETCH_SUPERS 2
-#define PREFETCH_LINES 5 /* x 8 (Q4_K) or 16 (Q6_K) blocks: a super-block's lines */
+/* lines a block of sums: x 8 (Q4_K), 16 (Q6_K) or 2 (Q5) blocks cover a super-block */
+#define PREFETCH_LINES(kd) ((kd) == Q50 || (kd) == Q51 ? 6 : 5)
 
-INLINE void prefetch_ahead(const uint8_t *sb, int h, const int q6) {
-    const char *ahead = (const char *)sb + PREFETCH_SUPERS * SUPER(q6);
-    for (int l = 0; l < PREFETCH_LINES; l++)
-        _mm_prefetch(ahead + (h / (q6 ? 1 : 2) * PREFETCH_LINES + l) * 64, _MM_HINT_T0);
+INLINE void prefetch_ahead(const uint8_t *sb, int h, const int kd) {
+    const char *ahead = (const char *)sb + PREFETCH_SUPERS * SUPER(kd);
+    for (int l = 0; l < PREFETCH_LINES(kd); l++)
+        _mm_prefetch(ahead + (h / STEP(kd) * PREFETCH_LINES(kd) + l) * 64, _MM_HINT_T0);
 }
 
 /* 4 activation bytes as a dword, to broadcast */
@@ -137,51 +150,119 @@ typedef __m256i VI;
 #define I_SET1 _mm256_set1_epi32
 #endif
 
-/* acc[i] (rows i < mr) += block b's int32 sums (Q6_K: of its 16-input half `half` of the
- * row's K/16) in float: Q6_K (q - 32) . a times d sc xs; Q4_K q . a times d sc xs, less
- * dmin m xsum (that part apart, then one add: a short dependency chain on acc). ws = d sc,
- * wm = dmin m per channel. One body for both vector widths (VF / VI and the F_ / I_
- * operations the two builds define). */
+/* acc[i] (rows i < mr) += the int32 sums of the block of sums starting at 16-input unit u of
+ * the row (Q4_K, Q5: a block of 32 inputs, b = u / 2; Q6_K: 16 inputs) in float: Q6_K
+ * (q - 32) . a and Q5_0 (q - 16) . a times d sc xs (ws = d sc per channel); Q4_K q . a
+ * times d sc xs less dmin m xsum (wm = dmin m), Q5_1 plus m xsum (wm = m): that part apart,
+ * then one add (a short dependency chain on acc). One body for both vector widths (VF / VI
+ * and the F_ / I_ operations the two builds define). */
 INLINE void block_out(VF *acc, VI *sum, VF ws, VF wm, const float *xs, const float *xsum,
-                      const int32_t *hsum, int64_t blocks, int64_t b, int64_t half,
-                      const int mr, const int q6) {
+                      const int32_t *hsum, int64_t blocks, int64_t u, const int mr,
+                      const int kd) {
+    const int64_t b = u / 2;
     for (int i = 0; i < mr; i++) {
         const VF wx = F_MUL(ws, F_SET1(xs[i * blocks + b]));
-        if (q6) {
-            sum[i] = I_SUB(sum[i], I_SET1(32 * hsum[i * 2 * blocks + half]));
+        const int32_t *hs = hsum + i * 2 * blocks;
+        if (kd == Q6K || kd == Q50) {
+            const int32_t zero = kd == Q6K ? 32 * hs[u] : 16 * (hs[2 * b] + hs[2 * b + 1]);
+            sum[i] = I_SUB(sum[i], I_SET1(zero));
             acc[i] = F_FMADD(F_CVT(sum[i]), wx, acc[i]);
         } else {
-            acc[i] = F_ADD(acc[i], F_FMSUB(F_CVT(sum[i]), wx,
-                                           F_MUL(wm, F_SET1(xsum[i * blocks + b]))));
+            const VF mx = F_MUL(wm, F_SET1(xsum[i * blocks + b]));
+            acc[i] = F_ADD(acc[i], kd == Q4K ? F_FMSUB(F_CVT(sum[i]), wx, mx)
+                                             : F_FMADD(F_CVT(sum[i]), wx, mx));
         }
     }
 }
 
+/* Loading a panel's parts, LANES channels a vector: all 16 of a panel (AVX-512) or 8 at a
+ * time (AVX2: the panel in two passes, c = 0, 1, the second from cache) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LANES 16
+#define V_LOAD(p) _mm512_loadu_si512(p)
+#define V_AND _mm512_and_si512
+#define V_SET1_8 _mm512_set1_epi8
+#define V_SLL _mm512_slli_epi16
+#define V_SRL _mm512_srli_epi16
+#define BITS_OR(v, s, m) _mm512_ternarylogic_epi32(v, s, m, 0xF8) /* v | (s & m) */
+#define F_LOAD(p) _mm512_loadu_ps((const float *)(p))
+#define F_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define F_BYTES(p, cvt) _mm512_cvtepi32_ps(cvt(_mm_loadu_si128((const __m128i *)(p))))
+#define F_U8 _mm512_cvtepu8_epi32
+#define F_I8 _mm512_cvtepi8_epi32
+#define F_ZERO _mm512_setzero_ps
+#define STORE_PANEL store_panel16
+#else
+#define LANES 8
+#define V_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_AND _mm256_and_si256
+#define V_SET1_8 _mm256_set1_epi8
+#define V_SLL _mm256_slli_epi16
+#define V_SRL _mm256_srli_epi16
+#define BITS_OR(v, s, m) _mm256_or_si256(v, _mm256_and_si256(s, m))
+#define F_LOAD(p) _mm256_loadu_ps((const float *)(p))
+#define F_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define F_BYTES(p, cvt) _mm256_cvtepi32_ps(cvt(_mm_loadl_epi64((const __m128i *)(p))))
+#define F_U8 _mm256_cvtepu8_epi32
+#define F_I8 _mm256_cvtepi8_epi32
+#define F_ZERO _mm256_setzero_ps
+#define STORE_PANEL store_panel8
+#endif
 
-/* v[j]: the 16 channels' values of inputs 16h + 4j .. 16h + 4j + 4 (j < 4), a byte each,
- * from super-block sb (h: which 16 inputs of its 256) */
-INLINE void values16(__m512i *v, const uint8_t *sb, int h, const int q6) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const uint8_t *at = sb + VALUES(q6) + h * 128;
-    const __m512i a = _mm512_loadu_si512(at), c = _mm512_loadu_si512(at + 64);
-    v[0] = _mm512_and_si512(a, m4);
-    v[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), m4);
-    v[2] = _mm512_and_si512(c, m4);
-    v[3] = _mm512_and_si512(_mm512_srli_epi16(c, 4), m4);
-    if (!q6) return;
-    const __m512i hb = _mm512_loadu_si512(sb + 320 + h * 64), m2 = _mm512_set1_epi8(0x30);
-    /* v | (high bits moved to bits 4-5 & 0x30) */
-    v[0] = _mm512_ternarylogic_epi32(v[0], _mm512_slli_epi16(hb, 4), m2, 0xF8);
-    v[1] = _mm512_ternarylogic_epi32(v[1], _mm512_slli_epi16(hb, 2), m2, 0xF8);
-    v[2] = _mm512_ternarylogic_epi32(v[2], hb, m2, 0xF8);
-    v[3] = _mm512_ternarylogic_epi32(v[3], _mm512_srli_epi16(hb, 2), m2, 0xF8);
+/* v[j]: channels [LANES c, LANES c + LANES)' values of inputs 16h + 4j .. 16h + 4j + 4
+ * (j < 4), a byte each, from super-block sb (h: which 16 inputs of it); Q6_K with its high
+ * bits, Q5 without its fifth bits */
+INLINE void values(VI *v, const uint8_t *sb, int h, int c, const int kd) {
+    const VI m4 = V_SET1_8(0x0F);
+    const uint8_t *at = sb + VALUES(kd) + h * 128 + 4 * LANES * c;
+    const VI a = V_LOAD(at), e = V_LOAD(at + 64);
+    v[0] = V_AND(a, m4);
+    v[1] = V_AND(V_SRL(a, 4), m4);
+    v[2] = V_AND(e, m4);
+    v[3] = V_AND(V_SRL(e, 4), m4);
+    if (kd != Q6K) return;
+    const VI hb = V_LOAD(sb + HIGH(kd) + h * 64 + 4 * LANES * c), m2 = V_SET1_8(0x30);
+    v[0] = BITS_OR(v[0], V_SLL(hb, 4), m2); /* high bits moved to bits 4-5 */
+    v[1] = BITS_OR(v[1], V_SLL(hb, 2), m2);
+    v[2] = BITS_OR(v[2], hb, m2);
+    v[3] = BITS_OR(v[3], V_SRL(hb, 2), m2);
 }
 
+/* the 8 value vectors of a block of 32 inputs (h, h + 1 its 16-input units); Q5: bit j of
+ * the fifth bits' byte t (input 4j + t, v[j]'s byte t) moved to bit 4 */
+INLINE void block_values(VI *v, const uint8_t *sb, int h, int c, const int kd) {
+    values(v, sb, h, c, kd);
+    values(v + 4, sb, h + 1, c, kd);
+    if (kd != Q50 && kd != Q51) return;
+    const VI hb = V_LOAD(sb + HIGH(kd) + h / 2 * 64 + 4 * LANES * c), m1 = V_SET1_8(0x10);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+        v[j] = BITS_OR(v[j], j <= 4 ? V_SLL(hb, 4 - j) : V_SRL(hb, j - 4), m1);
+}
+
+/* ws = d sc (Q5: d), wm = dmin m (Q5_1: m) of the block of sums at unit h of sb */
+INLINE void factors(VF *ws, VF *wm, const uint8_t *sb, int h, int c, const int kd) {
+    const int64_t lane = LANES * c;
+    *wm = F_ZERO();
+    if (kd == Q4K) {
+        *ws = F_MUL(F_LOAD((const float *)sb + lane),
+                    F_BYTES(sb + 128 + h / 2 * 16 + lane, F_U8));
+        *wm = F_MUL(F_LOAD((const float *)sb + 16 + lane),
+                    F_BYTES(sb + 256 + h / 2 * 16 + lane, F_U8));
+    } else if (kd == Q6K) {
+        *ws = F_MUL(F_LOAD((const float *)sb + lane), F_BYTES(sb + 64 + h * 16 + lane, F_I8));
+    } else {
+        *ws = F_HALVES((const uint16_t *)sb + h / 2 * 16 + lane);
+        if (kd == Q51) *wm = F_HALVES((const uint16_t *)sb + 32 + h / 2 * 16 + lane);
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* sum[i] (rows i < mr): the exact int32 sums q . a over the inputs in0 .. in0 + 4 nv of
  * value vectors v: the his' sums times 256, plus the los' */
-INLINE void dots16(__m512i *sum, const __m512i *v, const int nv, const int8_t *xq, int64_t K,
-                   int64_t in0, const int mr) {
+INLINE void dots(__m512i *sum, const __m512i *v, const int nv, const int8_t *xq, int64_t K,
+                 int64_t in0, const int mr, const int run) {
+    (void)run;
     for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int part = 0; part < 2; part++) {
@@ -195,61 +276,11 @@ INLINE void dots16(__m512i *sum, const __m512i *v, const int nv, const int8_t *x
                     sum[i], v[j], _mm512_set1_epi32(quad(xq + i * 2 * K + part * K + in0 + 4 * j)));
     }
 }
-
-INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
-                  const uint8_t *blob, float *y, const float *bias, int64_t n0, int64_t N,
-                  int64_t K, const int mr, const int q6) {
-    const int64_t blocks = K / 32;
-    __m512 acc[PANEL_ROWS];
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < K / 256; s++) {
-        const uint8_t *sb = blob + s * SUPER(q6);
-        const __m512 d = _mm512_loadu_ps((const float *)sb);
-        for (int h = 0; h < 16; h += q6 ? 1 : 2) { /* Q6_K: 16 inputs a scale; Q4_K: 32 */
-            const int64_t b = s * 8 + h / 2;
-            __m512i v[8], sum[PANEL_ROWS];
-            prefetch_ahead(sb, h, q6);
-            values16(v, sb, h, q6);
-            if (!q6) values16(v + 4, sb, h + 1, 0);
-            dots16(sum, v, q6 ? 4 : 8, xq, K, s * 256 + h * 16, mr);
-            const __m128i raw = _mm_loadu_si128(
-                (const __m128i *)(sb + (q6 ? 64 + h * KP : 128 + h / 2 * KP)));
-            const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
-                q6 ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw)));
-            const __m512 wm = q6 ? _mm512_setzero_ps() : _mm512_mul_ps(
-                _mm512_loadu_ps((const float *)(sb + 64)),
-                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(sb + 256 + h / 2 * KP)))));
-            block_out(acc, sum, ws, wm, xs, xsum, hsum, blocks, b, s * 16 + h, mr, q6);
-        }
-    }
-    store_panel16(acc, mr, y, bias, n0, N);
-}
 #else
-
-/* values16 for the channels [8 c8, 8 c8 + 8) of the panel */
-INLINE void values8(__m256i *v, const uint8_t *sb, int h, int c8, const int q6) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const uint8_t *at = sb + VALUES(q6) + h * 128 + 32 * c8;
-    const __m256i a = _mm256_loadu_si256((const __m256i *)at);
-    const __m256i c = _mm256_loadu_si256((const __m256i *)(at + 64));
-    v[0] = _mm256_and_si256(a, m4);
-    v[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m4);
-    v[2] = _mm256_and_si256(c, m4);
-    v[3] = _mm256_and_si256(_mm256_srli_epi16(c, 4), m4);
-    if (!q6) return;
-    const __m256i hb = _mm256_loadu_si256((const __m256i *)(sb + 320 + h * 64 + 32 * c8));
-    const __m256i m2 = _mm256_set1_epi8(0x30);
-    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
-    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
-    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(hb, m2));
-    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
-}
-
-/* dots16 with `vpmaddubsw`: the int16 pair sums of `run` vectors added up (below 2^15), then
- * widened by `vpmaddwd` against 256 (the his) or 1 (the los) */
-INLINE void dots8(__m256i *sum, const __m256i *v, const int nv, const int8_t *xq, int64_t K,
-                  int64_t in0, const int mr, const int run) {
+/* the same with `vpmaddubsw`: the int16 pair sums of `run` vectors added up (below 2^15),
+ * then widened by `vpmaddwd` against 256 (the his) or 1 (the los) */
+INLINE void dots(__m256i *sum, const __m256i *v, const int nv, const int8_t *xq, int64_t K,
+                 int64_t in0, const int mr, const int run) {
     for (int i = 0; i < mr; i++) sum[i] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int part = 0; part < 2; part++) {
@@ -269,64 +300,74 @@ INLINE void dots8(__m256i *sum, const __m256i *v, const int nv, const int8_t *xq
         }
     }
 }
-
-INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
-                  const uint8_t *blob, float *y, const float *bias, int64_t n0, int64_t N,
-                  int64_t K, const int mr, const int q6) {
-    const int64_t blocks = K / 32;
-    for (int c8 = 0; c8 < 2; c8++) {
-        __m256 acc[PANEL_ROWS];
-        for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < K / 256; s++) {
-            const uint8_t *sb = blob + s * SUPER(q6);
-            const __m256 d = _mm256_loadu_ps((const float *)sb + 8 * c8);
-            for (int h = 0; h < 16; h += q6 ? 1 : 2) {
-                const int64_t b = s * 8 + h / 2;
-                __m256i v[8], sum[PANEL_ROWS];
-                if (c8 == 0) prefetch_ahead(sb, h, q6); /* the pass that reads every line */
-                values8(v, sb, h, c8, q6);
-                if (!q6) values8(v + 4, sb, h + 1, c8, 0);
-                dots8(sum, v, q6 ? 4 : 8, xq, K, s * 256 + h * 16, mr, q6 ? 2 : 8);
-                const __m128i raw = _mm_loadl_epi64(
-                    (const __m128i *)(sb + (q6 ? 64 + h * KP : 128 + h / 2 * KP) + 8 * c8));
-                const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(
-                    q6 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw)));
-                const __m256 wm = q6 ? _mm256_setzero_ps() : _mm256_mul_ps(
-                    _mm256_loadu_ps((const float *)(sb + 64) + 8 * c8),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                        (const __m128i *)(sb + 256 + h / 2 * KP + 8 * c8)))));
-                block_out(acc, sum, ws, wm, xs, xsum, hsum, blocks, b, s * 16 + h, mr, q6);
-            }
-        }
-        store_panel8(acc, mr, y, bias, n0 + 8 * c8, N);
-    }
-}
 #endif
 
-/* Rows [0, M) of panel p in tiles of KQ_ROWS rows. Each exported kernel has its own
- * parallel loop over the panels: OpenMP outlines a loop's body before inlining, so a loop
- * shared by both would see q6 as a run-time value and leave every inner loop rolled. */
+/* rows [0, mr) of one panel (blob) into y's columns n0 .. n0 + 16 */
+INLINE void ktile(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
+                  const uint8_t *blob, float *y, const float *bias, int64_t n0, int64_t N,
+                  int64_t K, const int mr, const int kd) {
+    const int64_t blocks = K / 32, units = INPUTS(kd) / 16;
+    for (int c = 0; c < KP / LANES; c++) {
+        VF acc[PANEL_ROWS];
+        for (int i = 0; i < mr; i++) acc[i] = F_ZERO();
+        for (int64_t s = 0; s < K / INPUTS(kd); s++) {
+            const uint8_t *sb = blob + s * SUPER(kd);
+            for (int h = 0; h < units; h += STEP(kd)) {
+                VI v[8], sum[PANEL_ROWS];
+                VF ws, wm;
+                if (c == 0) prefetch_ahead(sb, h, kd); /* the pass that reads every line */
+                if (kd == Q6K)
+                    values(v, sb, h, c, kd);
+                else
+                    block_values(v, sb, h, c, kd);
+                /* int16 runs (AVX2): 8 x 2 x 15 x 128, 2 x 2 x 63 x 128, 4 x 2 x 31 x 128 */
+                dots(sum, v, kd == Q6K ? 4 : 8, xq, K, (s * units + h) * 16, mr,
+                     kd == Q4K ? 8 : kd == Q6K ? 2 : 4);
+                factors(&ws, &wm, sb, h, c, kd);
+                block_out(acc, sum, ws, wm, xs, xsum, hsum, blocks, s * units + h, mr, kd);
+            }
+        }
+        STORE_PANEL(acc, mr, y, bias, n0 + LANES * c, N);
+    }
+}
+
+/* Rows [0, M) of panel p in tiles of KQ_ROWS rows. Each kind has its own parallel loop over
+ * the panels: OpenMP outlines a loop's body before inlining, so a loop shared by all kinds
+ * would see the kind as a run-time value and leave every inner loop rolled. */
 INLINE void kpanel(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,
                    const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,
-                   int64_t K, int64_t p, const int q6) {
+                   int64_t K, int64_t p, const int kd) {
     const int64_t blocks = K / 32;
-    const uint8_t *panel = blob + p * tm_kquant_panel_bytes(K, q6);
+    const uint8_t *panel = blob + p * tm_kquant_panel_bytes(K, kd);
 #define TILE(m0, R) ktile(xq + (m0) * 2 * K, xs + (m0) * blocks, xsum + (m0) * blocks, \
                           hsum + (m0) * 2 * blocks, panel, y + (m0) * N, bias, p * KP, N, K, \
-                          R, q6)
+                          R, kd)
     PANEL_ROW_TILES_OF(M, TILE, KQ_ROWS);
 #undef TILE
 }
 
-/* tm_q4k_gemm, tm_q6k_gemm: y [M, N] = x @ the layer's panels (+ bias), x as
- * tm_quantize_rows_q8x2 left it */
-#define KQUANT_GEMM(name, q6)                                                               \
-    void name(const int8_t *xq, const float *xs, const float *xsum, const int32_t *hsum,    \
-              const uint8_t *blob, const float *bias, float *y, int64_t M, int64_t N,       \
-              int64_t K) {                                                                  \
+#define KQUANT_GEMM(name, kd)                                                               \
+    static void name(const int8_t *xq, const float *xs, const float *xsum,                  \
+                     const int32_t *hsum, const uint8_t *blob, const float *bias, float *y, \
+                     int64_t M, int64_t N, int64_t K) {                                     \
         _Pragma("omp parallel for schedule(static)")                                        \
         for (int64_t p = 0; p < (N + KP - 1) / KP; p++)                                     \
-            kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, q6);                      \
+            kpanel(xq, xs, xsum, hsum, blob, bias, y, M, N, K, p, kd);                      \
     }
-KQUANT_GEMM(tm_q4k_gemm, 0)
-KQUANT_GEMM(tm_q6k_gemm, 1)
+KQUANT_GEMM(q4k_gemm, Q4K)
+KQUANT_GEMM(q6k_gemm, Q6K)
+KQUANT_GEMM(q50_gemm, Q50)
+KQUANT_GEMM(q51_gemm, Q51)
+
+/* y [M, N] = x @ the layer's panels of `kind` (+ bias), x as tm_quantize_rows_q8x2 left it
+ * (K a multiple of the kind's super-block) */
+void tm_kquant_gemm(int64_t kind, const int8_t *xq, const float *xs, const float *xsum,
+                    const int32_t *hsum, const uint8_t *blob, const float *bias, float *y,
+                    int64_t M, int64_t N, int64_t K) {
+    switch (kind) {
+        case Q4K: q4k_gemm(xq, xs, xsum, hsum, blob, bias, y, M, N, K); break;
+        case Q6K: q6k_gemm(xq, xs, xsum, hsum, blob, bias, y, M, N, K); break;
+        case Q50: q50_gemm(xq, xs, xsum, hsum, blob, bias, y, M, N, K); break;
+        case Q51: q51_gemm(xq, xs, xsum, hsum, blob, bias, y, M, N, K); break;
+    }
+}

@@ -4,7 +4,9 @@ float: each block's integers kept, its scales split out.
 - Q8_0 (32 x int8, one fp16 scale) -> int8, groups of 32.
 - Q4_0 / Q4_1 (32 x 4 bits, scale (and min)) -> int4 (w = q x scale + min; Q4_0's
   w = d (q - 8) is min = -8 d), groups of 32, their nibbles as they are.
-- Q5_0 (32 x 5 bits, w = d (q - 16)) -> int8, groups of 32: exact.
+- Q5_0 / Q5_1 (32 x 5 bits, w = d (q - 16) / d q + m) -> kept as stored (kquant_kernels.py:
+  nibbles, fifth bits, fp16 d and m: exact, the file's size) where K is a multiple of 64; else
+  (or with TOKENMILL_GGUF_COMPACT=0) int8, groups of 32 (Q5_1 with an offset): exact.
 - Q4_K (256-blocks of 8 groups of 32 x 4 bits, 6-bit group scales and mins times fp16 d and
   dmin, w = d sc q - dmin m) -> kept as stored (kquant_kernels.py: its bits, byte scales and
   float32 factors per 256 inputs): exact, 1.06x the file.
@@ -13,9 +15,9 @@ float: each block's integers kept, its scales split out.
   int8, groups of 16: exact, 1.5x the file.
 - Q3_K (256-blocks of 16 groups of 16 x 3 bits, 6-bit group scales times an fp16 d,
   w = d (sc - 32) q with q in -4..3) -> int8, groups of 16: exact.
-- Q5_1 (32 x 5 bits, w = d q + m) and Q5_K (Q4_K's groups with a fifth bit, q in 0..31)
-  -> int8 q with a float32 scale and offset per group of 32 (the int8 kernel adds the
-  offsets times the activations' group sums): exact.
+- Q5_K (Q4_K's groups with a fifth bit, q in 0..31) -> int8 q with a float32 scale and
+  offset per group of 32 (the int8 kernel adds the offsets times the activations' group
+  sums): exact.
 - Q2_K (256-blocks of 16 groups of 16 x 2 bits, 4-bit scales and mins times fp16 d and dmin)
   -> int4, groups of 16, the products d sc and dmin m rounded to fp16 (the int4 kernels'
   scale type): within 2^-11 of each group's scale.
@@ -28,13 +30,14 @@ import numpy as np
 import torch
 
 from tokenmill.config import CpuKernelSettings
+from tokenmill.quantization.kquant_kernels import q5_servable
 from tokenmill.quantization.schemes import pack_int4
 
 # block type -> (weights a block, bytes a block)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
           "Q5_1": (32, 24), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144),
           "Q5_K": (256, 176), "Q2_K": (256, 84)}
-METHODS = {"Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q3_K": "int8", "Q5_K": "int8",
+METHODS = {"Q8_0": "int8", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q3_K": "int8", "Q5_K": "int8",
            "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int4", "Q4_K": "q4k", "Q6_K": "q6k"}
 
 
@@ -49,12 +52,14 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 def to_kernel_tensors(data: np.ndarray, kind: str, n: int, k: int
                       ) -> tuple[str, dict[str, torch.Tensor]]:
-    """(kernel method, its tensors) of a [N, K] weight's blocks; Q6_K widened to int8
-    (exactly) with TOKENMILL_GGUF_COMPACT=0."""
+    """(kernel method, its tensors) of a [N, K] weight's blocks; Q6_K, Q5_0 and Q5_1 widened
+    to int8 (exactly) with TOKENMILL_GGUF_COMPACT=0, Q5 also where K is not a multiple of
+    the kernel's 64."""
     blocks = _blocks(data, kind, n, k)
-    if kind == "Q6_K" and not CpuKernelSettings.from_env().gguf_compact:
+    compact = CpuKernelSettings.from_env().gguf_compact
+    if kind == "Q6_K" and not compact:
         return "int8", _q6_k_int8(blocks, n, k)
-    return METHODS[kind], _CONVERT[kind](blocks, n, k)
+    return q5_servable(METHODS[kind], _CONVERT[kind](blocks, n, k), widen=not compact)
 
 
 def _q8_0(blocks, n, k):
@@ -73,19 +78,17 @@ def _q4(blocks, n, k, with_min: bool):
 
 
 def _q5(blocks, n, k, with_min: bool):
-    """Q5_0: d, 4 bytes of fifth bits, 16 bytes of nibbles; Q5_1: d, m, then the same."""
-    d = _f16(blocks[..., 0:2])
+    """Kept as stored (kquant_kernels.Q50Kernel / Q51Kernel): the nibbles as pairs in input
+    order, the fifth bits as they are (bit s of byte i: input 8i + s), d (and m)."""
     at = 4 if with_min else 2
-    high = blocks[..., at:at + 4].copy().view(np.uint32)[..., 0]  # bit j: input j's 5th bit
     qs = blocks[..., at + 4:]
-    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # inputs 0..31
-    bits = (high[..., None] >> np.arange(32, dtype=np.uint32)) & 1
-    q = low | (bits.astype(np.int16) << 4)
-    if not with_min:
-        return {"qweight": torch.from_numpy((q - 16).astype(np.int8).reshape(n, k)),
-                "scale": torch.from_numpy(d)}
-    return {"qweight": torch.from_numpy(q.astype(np.int8).reshape(n, k)),
-            "scale": torch.from_numpy(d), "offset": torch.from_numpy(_f16(blocks[..., 2:4]))}
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # inputs 0..31
+    out = {"qweight": torch.from_numpy(_pairs(low)),
+           "qbit": torch.from_numpy(blocks[..., at:at + 4].reshape(n, k // 8).copy()),
+           "d": torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // 32))}
+    if with_min:
+        out["m"] = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(n, k // 32))
+    return out
 
 
 def _q6_values(blocks, n, k) -> np.ndarray:
@@ -194,6 +197,7 @@ def _q2_k(blocks, n, k):
 
 
 _CONVERT = {"Q8_0": _q8_0, "Q4_0": lambda b, n, k: _q4(b, n, k, False),
-            "Q4_1": lambda b, n, k: _q4(b, n, k, True), "Q5_0": lambda b, n, k: _q5(b, n, k, False),
+            "Q4_1": lambda b, n, k: _q4(b, n, k, True),
+            "Q5_0": lambda b, n, k: _q5(b, n, k, False),
             "Q5_1": lambda b, n, k: _q5(b, n, k, True), "Q6_K": _q6_k, "Q3_K": _q3_k,
             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q2_K": _q2_k}

@@ -16,7 +16,13 @@ from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, whole
 from tokenmill.quantization import QuantConfig
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
-from tokenmill.quantization.kquant_kernels import Q4KKernel, Q6KKernel
+from tokenmill.quantization.kquant_kernels import (
+    Q4KKernel,
+    Q6KKernel,
+    Q50Kernel,
+    Q51Kernel,
+    q5_servable,
+)
 from tokenmill.quantization.linear_kernels import (
     Int4Kernel,
     Int8Kernel,
@@ -29,9 +35,9 @@ logger = logging.getLogger(__name__)
 
 # quantization method -> the kernel that serves it
 KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel,
-                                       Q4KKernel, Q6KKernel)}
+                                       Q4KKernel, Q6KKernel, Q50Kernel, Q51Kernel)}
 # methods whose `qweight` holds two inputs a byte
-_NIBBLES = ("int4", "q4k", "q6k")
+_NIBBLES = ("int4", "q4k", "q6k", "q5_0", "q5_1")
 
 # Leaf names of the tensors quantized kernels keep (a checkpoint stores `<layer>.<leaf>`).
 KERNEL_TENSORS = frozenset({"qweight", "scale", "min", "smooth", "act_range", "act_scale"})
@@ -183,7 +189,8 @@ def _input_part(leaf: str, tensor, start: int, size: int, k: int) -> torch.Tenso
 def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
                  rows: int) -> QuantizedShard | None:
     """A tensor-parallel rank's part (dim, start, size) of a weight kept quantized, cut as
-    `rank_part` cuts a stored layer (None where the part would split a group: dequantize)."""
+    `rank_part` cuts a stored layer (None where the part would split a group: dequantize;
+    Q5 widened to int8 where the part's inputs are no multiple of its kernel's)."""
     if part is None:
         return shard
     dim, start, size = part
@@ -192,8 +199,8 @@ def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
                                              for leaf, t in shard.tensors.items()})
     k = shard.tensors["qweight"].shape[1] * (2 if shard.method in _NIBBLES else 1)
     try:
-        return QuantizedShard(shard.method, {leaf: _input_part(leaf, t, start, size, k)
-                                             for leaf, t in shard.tensors.items()})
+        return QuantizedShard(*q5_servable(shard.method, {
+            leaf: _input_part(leaf, t, start, size, k) for leaf, t in shard.tensors.items()}))
     except ValueError:
         return None
 
