@@ -1,0 +1,111 @@
+"""Speculative decoding's parts on their own: the n-gram proposer against a slow per-position
+search, the configuration's checks, and the rejection sampler: greedy verification equals
+one-token-at-a-time argmax decoding, sampled verification keeps the target's distribution
+(chi-square over many seeded draws)."""
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.spec_decode import ngram
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.rejection import verify_greedy, verify_sampled
+
+
+def test_ngram_finds_the_latest_longest_match():
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 9, 2, 3, 7, 1, 2, 3]
+    # suffix [1, 2, 3] occurred at 0: propose what followed it there
+    assert ngram.propose(tokens, 3, 1, 3) == [4, 9, 2]
+    # only 2-grams: [2, 3] last occurred at 5 (before the suffix itself): 7 then 1 ...
+    assert ngram.propose(tokens, 2, 1, 2) == [7, 1]
+    assert ngram.propose([5, 6, 7], 4, 1, 3) == []  # no earlier occurrence of any suffix
+    assert ngram.propose([4, 4], 3, 1, 1) == [4]  # what followed, up to the context's end
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ngram_matches_the_slow_search(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 60))]
+    k, low = rng.randrange(1, 6), rng.randrange(1, 4)
+    high = low + rng.randrange(0, 4)
+    assert ngram.propose(tokens, k, low, high) == ngram.propose_slow(tokens, k, low, high)
+
+
+def test_config_defaults_and_errors():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.parse({"model": "m", "num_speculative_tokens": 2}).method == \
+        "draft_model"
+    for empty in (None, "", " ", {}):
+        assert SpeculativeConfig.parse(empty) is None
+    bad = [("{", "not valid JSON"), ("[1]", "JSON object"),
+           ({"method": "ngram"}, "needs num_speculative_tokens"),
+           ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+           ({"method": "ngram", "num_speculative_tokens": True}, "positive integer"),
+           ({"method": "medusa", "num_speculative_tokens": 2}, "Unknown speculative method"),
+           ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a draft model"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+             "prompt_lookup_max": 2}, "larger than prompt_lookup_max"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+            "prompt_lookup_min must be"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1},
+            "unknown field"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+            "disable_by_batch_size")]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(value)
+
+
+def test_greedy_verification_is_one_token_at_a_time_decoding():
+    # the target's argmax after each prefix; drafts agree for two tokens, then not
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert verify_greedy([5, 6], [4]) == [5]
+    assert verify_greedy([3], []) == [3]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# 99.9th percentile of the chi-square distribution with 5 degrees of freedom
+CHI2_5_999 = 20.515
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_sampled_verification_keeps_the_target_distribution(one_hot):
+    """Target rows p_0, p_1, p_2 fixed (conditionals that don't depend on the prefix), drafts
+    from q (or, like n-gram lookup, a fixed token): every emitted position j is distributed
+    as p_j."""
+    vocab, k, trials = 6, 2, 6000
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, dim=-1)
+    counts = torch.zeros(k + 1, vocab)
+    accepted = 0
+    for _ in range(trials):
+        drafts = [1, 4] if one_hot else [int(torch.multinomial(q[j], 1, generator=g))
+                                         for j in range(k)]
+        out = verify_sampled(p, drafts, None if one_hot else q, g)
+        assert 1 <= len(out) <= k + 1 and out[:len(out) - 1] == drafts[:len(out) - 1]
+        accepted += len(out) - 1
+        for j, token in enumerate(out):
+            counts[j, token] += 1
+    for j in range(k + 1):
+        assert _chi_square(counts[j], p[j]) < CHI2_5_999, j
+    assert 0 < accepted < trials * k  # both outcomes happened
+
+
+def test_seeded_verification_reproduces():
+    p = torch.softmax(torch.randn(4, 50), dim=-1)
+    runs = [verify_sampled(p, [3, 7, 9], None, torch.Generator().manual_seed(11))
+            for _ in range(2)]
+    assert runs[0] == runs[1]

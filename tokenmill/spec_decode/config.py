@@ -1,0 +1,79 @@
+"""`SpeculativeConfig`: what vLLM's `--speculative-config` JSON and `LLM(speculative_config=)`
+take, checked once, with start-up errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # ngram: the lengths of the context's suffix looked up, longest first (vLLM: both 5 when
+    # neither is given, one of them standing for both when only it is)
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model / eagle / eagle3: the draft's path
+    quantization: str | None = None  # the draft's, e.g. "int4" (a self-draft of the target)
+    # speculation off for a step with more running requests than this (None: never off)
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None
+              ) -> SpeculativeConfig | None:
+        """A config from a dict or its JSON text (None / "" / {}: no speculation)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e.msg}.") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object.")
+        if not value:
+            return None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config has unknown field(s) {unknown}; known: "
+                             f"{sorted(known)}.")
+        if "method" not in value:
+            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
+        if "num_speculative_tokens" not in value:
+            raise ValueError("--speculative-config needs num_speculative_tokens.")
+        return cls(**value).validated()
+
+    def validated(self) -> SpeculativeConfig:
+        if self.method not in METHODS:
+            raise ValueError(f"Unknown speculative method {self.method!r}; choose one of "
+                             f"{list(METHODS)}.")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}.")
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+            raise ValueError(f"Speculative method {self.method!r} needs a draft model: set "
+                             "\"model\" in --speculative-config.")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1.")
+        if self.method != "ngram":
+            return self
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive integer, got {n!r}.")
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) is larger than prompt_lookup_max "
+                             f"({high}).")
+        return SpeculativeConfig(**{**self.__dict__, "prompt_lookup_min": low,
+                                    "prompt_lookup_max": high})
