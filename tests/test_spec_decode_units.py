@@ -109,3 +109,23 @@ def test_seeded_verification_reproduces():
     runs = [verify_sampled(p, [3, 7, 9], None, torch.Generator().manual_seed(11))
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_flag_and_the_seeds_variables():
+    from tokenmill.config import build_server_config
+
+    env = {"SPECULATE_METHOD": "inference_with_reference", "SPECULATE_MAX_DRAFT_TOKEN_NUM": "4",
+           "SPECULATE_MAX_NGRAM_SIZE": "3"}
+    c = build_server_config(["m"], env).engine.speculative_config
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == \
+        ("ngram", 4, 1, 3)
+    flag = build_server_config(["m", "--speculative-config", '{"num_speculative_tokens": 2}'],
+                               env).engine.speculative_config  # the flag wins
+    assert (flag.num_speculative_tokens, flag.prompt_lookup_max) == (2, 5)
+    assert build_server_config(["m"], {"SPECULATE_METHOD": "None"}).engine.speculative_config \
+        is None
+    for method, message in (("mtp", "SPECULATE_MODEL_PATH"), ("lookahead", "SPECULATE_METHOD")):
+        with pytest.raises(ValueError, match=message):
+            build_server_config(["m"], {"SPECULATE_METHOD": method})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_server_config(["m", "--speculative-config", "{ngram}"], {})

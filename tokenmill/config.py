@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine_config import EngineConfig
 from tokenmill.parallel_config import node_settings
+from tokenmill.spec_decode.config import from_seed
 
 # ---------------------------------------------------------------------------------------------
 # Server configuration: defaults < the seed's environment variables < vLLM-style flags.
@@ -124,6 +125,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--kv-cache-dtype", default=None, choices=["auto", "int8"],
       help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1)")
     a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
+    a("--speculative-config", default=None, help='JSON, e.g. {"method": "ngram", '
+      '"num_speculative_tokens": 3} (env SPECULATE_METHOD=inference_with_reference ...)')
     a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
@@ -282,6 +285,10 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "seed": pick(args.seed, None, 0),
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
+        "speculative_config": pick(args.speculative_config, from_seed(
+            env.text("SPECULATE_METHOD"), env.integer("SPECULATE_MAX_DRAFT_TOKEN_NUM"),
+            env.integer("SPECULATE_MAX_NGRAM_SIZE"), env.text("SPECULATE_MODEL_PATH"),
+            env.text("SPECULATE_MODEL_QUANT_TYPE"))),
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "data_parallel_size": pick(args.data_parallel_size, None, 1),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -31,6 +32,8 @@ class EngineConfig:
     # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 K/V with per-head scales
+    # vLLM's --speculative-config (a dict, its JSON text, or a SpeculativeConfig); None: off
+    speculative_config: Any = None
     # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
     # processes on this node; start-up waits this long for every rank to join.
     tensor_parallel_size: int = 1
@@ -64,7 +67,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         from tokenmill.quantization import parse_method
+        from tokenmill.spec_decode.config import SpeculativeConfig
         self.quantization = parse_method(self.quantization)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.speculative_config.method != "ngram":
+            raise ValueError(f"Speculative method {self.speculative_config.method!r} is not "
+                             "served yet; \"ngram\" is.")
         self.validate()
 
     def validate(self) -> None:

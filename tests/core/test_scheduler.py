@@ -20,7 +20,7 @@ def req(rid, n_prompt, max_tokens=4, first=None, **kw):
 
 def run_step(s, token=5):
     out = s.schedule()
-    sampled = {x.request.request_id: token for x in out.scheduled
+    sampled = {x.request.request_id: [token] for x in out.scheduled
                if x.end == x.request.num_tokens}
     return out, s.update_from_output(out, sampled)
 
@@ -36,7 +36,7 @@ def test_chunked_prefill_then_decode_in_one_step():
     # Running first: a decodes 1 token, b's prompt continues with the rest of the budget.
     assert [(x.request.request_id, x.start, x.num_new_tokens) for x in out.scheduled] == \
         [("a", 4, 1), ("b", 6, 9)]
-    assert [r.request_id for r in updated] == ["a"]
+    assert [(r.request_id, n) for r, n in updated] == [("a", 1)]
 
 
 def test_no_chunking_waits_for_budget():
@@ -61,10 +61,10 @@ def test_stop_rules():
     s.add_request(req("tok", 3, max_tokens=9, stop_token_ids=[7]))
     s.add_request(req("min", 3, max_tokens=9, min_tokens=2))
     out = s.schedule()
-    s.update_from_output(out, {"len": 5, "eos": 0, "tok": 7, "min": 0})
+    s.update_from_output(out, {"len": [5], "eos": [0], "tok": [7], "min": [0]})
     assert s.requests.keys() == {"len", "min"}
     out = s.schedule()
-    s.update_from_output(out, {"len": 5, "min": 0})
+    s.update_from_output(out, {"len": [5], "min": [0]})
     assert not s.has_unfinished_requests()
 
 
@@ -109,3 +109,29 @@ def test_prefix_hit_skips_cached_tokens():
     b = [x for x in out.scheduled if x.request.request_id == "b"][0]
     assert (b.start, b.num_new_tokens) == (8, 1)
     assert s.kv_cache.num_hit_tokens == 8
+
+
+def test_draft_tokens_ride_with_a_decode_and_roll_back():
+    """A decode with drafts computes its last token and the drafts (within the budget); the
+    step's verified tokens are appended up to a stop, and the computed tokens end after the
+    last accepted draft: the rejected drafts' KV is left to be overwritten."""
+    s = make(budget=4, block_size=4)
+    a = req("a", 4, max_tokens=20, stop_token_ids=[99])
+    s.add_request(a)
+    run_step(s)  # the prompt; first token 5
+    a.spec_token_ids = [6, 7, 8, 9, 10]
+    out = s.schedule()
+    (x,) = out.scheduled
+    assert (x.start, x.num_new_tokens, x.drafts) == (4, 4, [6, 7, 8]) and not a.spec_token_ids
+    assert a.num_computed_tokens == 8
+    # two drafts accepted, then the target's own token
+    updated = s.update_from_output(out, {"a": [6, 7, 42]})
+    assert updated == [(a, 3)] and a.output_token_ids == [5, 6, 7, 42]
+    assert a.num_computed_tokens == 7 and a.num_tokens == 8  # the next step computes 42
+    assert (s.num_draft_tokens, s.num_accepted_tokens, s.num_spec_emitted) == (3, 2, 3)
+    # a stop token among the accepted ones: what follows it is dropped
+    a.spec_token_ids = [99, 3]
+    out = s.schedule()
+    assert s.update_from_output(out, {"a": [99, 3, 4]}) == [(a, 1)]
+    assert a.output_token_ids[-1] == 99 and a.status.finished
+    assert s.kv_cache.pool.num_free_blocks == s.kv_cache.num_blocks

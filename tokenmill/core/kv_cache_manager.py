@@ -91,8 +91,9 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(num_needed))
         if self.enable_prefix_caching:
             # KV for every token below `total` is written this step, so those full blocks can
-            # serve other requests from the next step on.
-            num_full = total // self.block_size
+            # serve other requests from the next step on (not positions past the request's
+            # tokens: draft tokens, which verification may reject).
+            num_full = min(total, request.num_tokens) // self.block_size
             self._update_block_hashes(request, num_full * self.block_size)
             start = self._num_cached_blocks.get(request.request_id, 0)
             for i in range(start, num_full):

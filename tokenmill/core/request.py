@@ -57,6 +57,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # speculative decoding: draft tokens for the next step, verified by it (not yet tokens)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,9 @@ class ScheduledRequest:
     # the request's preemption count when scheduled: a result that comes back after the
     # request was preempted (a pipeline micro-batch still in flight then) is dropped
     preemptions: int = 0
+    # speculative decoding: draft tokens computed after the request's last token (counted
+    # in num_new_tokens); the step's verification keeps those the target agrees with
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -50,9 +53,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS. Running requests are served first (one token for decode, a chunk for a long
-    prompt), then waiting ones are admitted while the token budget, `max_num_seqs` and free
-    blocks allow. Out of blocks: the newest running request is preempted and recomputed later."""
+    """FCFS. Running requests are served first (one token for decode, plus its draft tokens
+    when it has some; a chunk for a long prompt), then waiting ones are admitted while the
+    token budget, `max_num_seqs` and free blocks allow. Out of blocks: the newest running
+    request is preempted and recomputed later."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -62,6 +66,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        # speculative decoding: draft tokens verified, accepted, and tokens emitted by them
+        self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_emitted = 0
 
     # ---- request lifetime -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,6 +104,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -127,9 +134,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0 or len(scheduled) >= max_seqs:
+            if num_new <= 0 or len(scheduled) >= max_seqs:  # (< 0: drafts still in flight)
                 i += 1
                 continue
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
+                drafts = drafts[:budget - 1]
+                num_new += len(drafts)
+            else:
+                drafts = []
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -137,7 +150,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
+                                                  drafts=drafts))
                 budget -= num_new
                 i += 1
                 continue
@@ -174,24 +188,37 @@ class Scheduler:
         return output
 
     def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token, apply token-level stop rules, release finished requests.
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Append each request's sampled tokens (one; with drafts, the accepted ones and the
+        target's next), apply token-level stop rules token by token, release finished
+        requests. With drafts, the KV of the rejected ones is left to be overwritten: the
+        request's computed tokens end after its last accepted one.
 
-        Returns the requests that got a token (finished ones included)."""
-        updated: list[Request] = []
+        Returns the requests that got tokens (finished ones included), each with how many."""
+        updated: list[tuple[Request, int]] = []
         finished = False
         for s in output.scheduled:
             request = s.request
-            token = sampled.get(request.request_id)
-            if (token is None or request.status != RequestStatus.RUNNING
+            tokens = sampled.get(request.request_id)
+            if (tokens is None or request.status != RequestStatus.RUNNING
                     or request.num_preemptions != s.preemptions):
                 continue  # a prompt chunk that is not the last one, or aborted meanwhile
-            request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-                finished = True
-            updated.append(request)
+            if s.drafts:
+                accepted = len(tokens) - 1
+                request.num_computed_tokens = s.end - len(s.drafts) + accepted
+                self.num_draft_tokens += len(s.drafts)
+                self.num_accepted_tokens += accepted
+                self.num_spec_emitted += len(tokens)
+            count = 0
+            for token in tokens:
+                request.output_token_ids.append(token)
+                count += 1
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    finished = True
+                    break
+            updated.append((request, count))
         if finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return updated

@@ -126,6 +126,15 @@ class EngineCore:
         # (bench/tensor_parallel.py sets 1 to measure one at a time)
         self.batch_queue = collections.deque() if self.runner.world.pp_size > 1 else None
         self.max_in_flight = self.runner.world.pp_size
+        # speculative decoding: draft tokens for the running requests after each step
+        self.proposer = None
+        if config.speculative_config is not None:
+            if self.batch_queue is not None:
+                raise ValueError("Speculative decoding does not run with pipeline parallel "
+                                 "yet: drop --speculative-config or "
+                                 "--pipeline-parallel-size.")
+            from tokenmill.spec_decode.proposer import NgramProposer
+            self.proposer = NgramProposer(config.speculative_config, self.max_model_len)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -219,13 +228,15 @@ class EngineCore:
         stale = {s.request.request_id for s in step.scheduled
                  if s.request.status.finished or s.request.num_preemptions != s.preemptions}
         updated = self.scheduler.update_from_output(step, result.sampled)
+        if self.proposer is not None:
+            self.proposer.propose([r for r, _ in updated], self.scheduler.num_running)
         outputs = []
-        for request in updated:
+        for request, count in updated:
             rid = request.request_id
             finish = request.finish_reason
             lp = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
-                request_id=rid, new_token_ids=[request.output_token_ids[-1]],
+                request_id=rid, new_token_ids=request.output_token_ids[-count:],
                 finish_reason=None if finish is None else int(finish),
                 stop_reason=request.stop_reason,
                 new_logprobs=None if lp is None else [lp],

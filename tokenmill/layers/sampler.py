@@ -94,7 +94,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     logits = apply_penalties(logits, batch)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
-    greedy = _argmax(logits)
+    greedy = argmax(logits)
     if batch.all_greedy:
         token_ids = greedy
     else:
@@ -111,7 +111,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     return SampleResult(token_ids, _gather_logprobs(raw_logits, token_ids, batch.num_logprobs))
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's greedy token: the compiled kernel on CPU float32 (torch's reduction over a
     large vocabulary costs ~1 % of a decode step), else torch."""
     if (logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1

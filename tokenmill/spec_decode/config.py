@@ -77,3 +77,28 @@ class SpeculativeConfig:
                              f"({high}).")
         return SpeculativeConfig(**{**self.__dict__, "prompt_lookup_min": low,
                                     "prompt_lookup_max": high})
+
+
+# the seed's SPECULATE_METHOD values
+SEED_METHODS = {"inference_with_reference": "ngram", "mtp": "mtp", "eagle": "eagle"}
+
+
+def from_seed(method: str | None, num_draft: int | None, ngram_size: int | None,
+              model_path: str | None, quant_type: str | None) -> SpeculativeConfig | None:
+    """The seed's SPECULATE_METHOD / _MAX_DRAFT_TOKEN_NUM / _MAX_NGRAM_SIZE / _MODEL_PATH /
+    _MODEL_QUANT_TYPE as a config (unset or "None": no speculation; 5 drafts by default;
+    its n-gram lookup tries suffixes from SPECULATE_MAX_NGRAM_SIZE down to one token)."""
+    if method is None or method == "None":
+        return None
+    if method not in SEED_METHODS:
+        raise ValueError(f"SPECULATE_METHOD must be one of {sorted(SEED_METHODS)} or None, "
+                         f"got {method!r}.")
+    config: dict[str, Any] = {"method": SEED_METHODS[method],
+                              "num_speculative_tokens": 5 if num_draft is None else num_draft}
+    if method == "inference_with_reference":
+        config.update(prompt_lookup_min=1, prompt_lookup_max=ngram_size or 5)
+    elif not model_path:
+        raise ValueError("[eagle, mtp] method must be set by env SPECULATE_MODEL_PATH")
+    else:
+        config.update(model=model_path, quantization=quant_type or "weight_only_int8")
+    return SpeculativeConfig.parse(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
+from tokenmill.spec_decode.rejection import verify
 from tokenmill.worker import kv_cache
 from tokenmill.worker.step_inputs import StepInputs
 
@@ -39,7 +41,8 @@ class Launched:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
+    # per request: its sampled token (with draft tokens: the accepted ones and the next)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # request id -> (first prompt position scored, one entry per scored position)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
@@ -188,12 +191,27 @@ class ModelRunner:
         self.in_flight -= 1
         out = RunnerOutput()
         if logits is not None:
+            logits = logits.float()
             requests = [scheduled[i] for i in inputs.sample_seqs]
-            result = sample(logits.float(), self._sampling_batch(requests), self.generator)
-            for row, (s, token) in enumerate(zip(requests, result.token_ids.tolist())):
-                out.sampled[s.request.request_id] = token
-                if row in result.logprobs:
-                    out.logprobs[s.request.request_id] = result.logprobs[row]
+            # each sequence's last rows (1, or 1 + its drafts: speculative decoding)
+            ends = list(itertools.accumulate(inputs.sample_counts))
+            plain = [j for j, n in enumerate(inputs.sample_counts) if n == 1]
+            if plain:
+                rows = [ends[j] - 1 for j in plain]
+                batch = self._sampling_batch([requests[j] for j in plain])
+                result = sample(logits[rows] if len(rows) < len(logits) else logits, batch,
+                                self.generator)
+                for row, (j, token) in enumerate(zip(plain, result.token_ids.tolist())):
+                    rid = requests[j].request.request_id
+                    out.sampled[rid] = [token]
+                    if row in result.logprobs:
+                        out.logprobs[rid] = result.logprobs[row]
+            for j, n in enumerate(inputs.sample_counts):
+                if n > 1:
+                    s = requests[j]
+                    out.sampled[s.request.request_id] = verify(
+                        logits[ends[j] - n:ends[j]], s.request.sampling_params, s.drafts,
+                        self._generator(s.request) or self.generator)
         for i, scored in zip(inputs.prompt_seqs, prompt_logits):
             self._score_prompt(scheduled[i], scored.float(), out)
         return out
@@ -206,6 +224,7 @@ class ModelRunner:
         (or Nones) on the other ranks."""
         input_ids, positions, meta = self._prepare_inputs(inputs)
         sample_rows = inputs.sample_seqs
+        drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.link
         tag = link.next_tag() if link is not None else 0
         carried = None if world.is_first_stage else link.carried(
@@ -215,13 +234,13 @@ class ModelRunner:
         kept = None
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
-            if len(sample_rows) < len(input_ids) and not inputs.prompt_seqs:
+            if len(sample_rows) < len(input_ids) and not inputs.prompt_seqs and not drafted:
                 kept = KeptRows.last_of(meta, sample_rows, self.backend)
             hidden = self.model(input_ids, positions, meta, kept, carried)
         if not world.is_last_stage:
             pending = None
             if world.rank == 0:  # posted first: the last stage never waits for it
-                shapes = [(len(sample_rows), self.vocab_size)] if sample_rows else []
+                shapes = [(inputs.num_sampled_rows, self.vocab_size)] if sample_rows else []
                 shapes += [(n, self.vocab_size) for _, n in inputs.prompt_rows]
                 pending = link.expect_logits(shapes, self.dtype, tag)
             link.to_next(data, *hidden)
@@ -230,7 +249,8 @@ class ModelRunner:
         if sample_rows:
             # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
             rows = hidden if kept is not None else hidden[
-                [meta.query_start_loc[i + 1] - 1 for i in sample_rows]]
+                [meta.query_start_loc[i + 1] - n + r
+                 for i, n in zip(sample_rows, inputs.sample_counts) for r in range(n)]]
             logits = self.model.compute_logits(rows)
         prompt_logits = [self.model.compute_logits(hidden[first:first + n])
                          for first, n in inputs.prompt_rows]
@@ -331,14 +351,23 @@ class ModelRunner:
                 banned = banned_by_bad_words(s.request.output_token_ids, p.bad_words_token_ids)
                 if banned:
                     batch.banned.append((row, banned))
-            # (a request finished while its micro-batch was in flight: its token is dropped)
-            if p.seed is not None and p.temperature > 0 and not s.request.status.finished:
-                gen = self._request_generators.get(s.request.request_id)
-                if gen is None:
-                    gen = torch.Generator(dev).manual_seed(p.seed)
-                    self._request_generators[s.request.request_id] = gen
+            gen = self._generator(s.request)
+            if gen is not None:
                 batch.generators[row] = gen
         return batch
+
+    def _generator(self, request) -> torch.Generator | None:
+        """A seeded sampling request's own generator (made on its first draw); None for the
+        others, and for a request finished while its micro-batch was in flight (its token is
+        dropped)."""
+        p = request.sampling_params
+        if p.seed is None or p.temperature == 0 or request.status.finished:
+            return None
+        gen = self._request_generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(p.seed)
+            self._request_generators[request.request_id] = gen
+        return gen
 
     def _score_prompt(self, s: ScheduledRequest, logits: torch.Tensor,
                       out: RunnerOutput) -> None:

@@ -16,17 +16,21 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     sample_seqs: list[int]  # sequences whose last row is sampled from
     prompt_seqs: list[int]  # sequences whose prompt tokens are scored (prompt logprobs)
     prompt_rows: list[tuple[int, int]]  # per prompt_seqs entry: (first row, row count)
+    # per sample_seqs entry: its last rows scored (1, or with draft tokens 1 + drafts)
+    sample_counts: list[int]
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest]) -> StepInputs:
         token_ids: list[int] = []
-        sample_seqs, prompt_seqs, prompt_rows = [], [], []
+        sample_seqs, prompt_seqs, prompt_rows, sample_counts = [], [], [], []
         for i, s in enumerate(scheduled):
             request = s.request
             first = len(token_ids)
-            token_ids.extend(request.token_ids(s.start, s.end))
-            if s.end == request.num_tokens:
+            end = s.end - len(s.drafts)  # (drafts: after the request's tokens)
+            token_ids.extend(request.token_ids(s.start, end) + s.drafts)
+            if end == request.num_tokens:
                 sample_seqs.append(i)
+                sample_counts.append(1 + len(s.drafts))
             if request.sampling_params.prompt_logprobs is not None:
                 # rows start .. last-1 predict prompt tokens start+1 .. last
                 last = min(s.end, request.num_prompt_tokens - 1)
@@ -35,7 +39,11 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                     prompt_rows.append((first, last - s.start))
         return cls(token_ids, [s.start for s in scheduled], [s.end for s in scheduled],
                    [list(s.block_ids) for s in scheduled], sample_seqs, prompt_seqs,
-                   prompt_rows)
+                   prompt_rows, sample_counts)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        return sum(self.sample_counts)
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
