@@ -129,3 +129,32 @@ def test_flag_and_the_seeds_variables():
             build_server_config(["m"], {"SPECULATE_METHOD": method})
     with pytest.raises(ValueError, match="not valid JSON"):
         build_server_config(["m", "--speculative-config", "{ngram}"], {})
+
+
+def test_metrics_from_the_cores_cumulative_counts():
+    from prometheus_client import generate_latest
+
+    from tokenmill.engine.protocol import SchedulerStats
+    from tokenmill.metrics import Metrics
+
+    metrics = Metrics("tiny", 8)
+    for drafts, accepted, emitted, steps in ((6, 3, 5, 2), (10, 4, 8, 4)):
+        metrics.observe_stats(SchedulerStats(spec_draft_tokens=drafts, spec_accepted_tokens=
+                                             accepted, spec_emitted_tokens=emitted,
+                                             spec_steps=steps))
+    metrics.observe_stats(SchedulerStats(spec_draft_tokens=2, spec_accepted_tokens=1,
+                                         spec_emitted_tokens=2, spec_steps=1), engine=1)
+    text = generate_latest(metrics.registry).decode()
+
+    def value(name, engine="0"):
+        line = next(x for x in text.splitlines() if x.startswith(name + "{")
+                    and f'engine="{engine}"' in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    # counters: the latest cumulative counts, per replica
+    assert value("tokenmill:spec_decode_num_draft_tokens_total") == 10
+    assert value("tokenmill:spec_decode_num_accepted_tokens_total") == 4
+    assert value("tokenmill:spec_decode_num_emitted_tokens_total") == 8
+    assert value("tokenmill:spec_decode_num_draft_tokens_total", "1") == 2
+    assert value("tokenmill:spec_decode_draft_acceptance_rate") == 0.4
+    assert value("tokenmill:spec_decode_mean_accepted_length") == 2.0

@@ -96,6 +96,19 @@ class Metrics:
                                      labels, registry=r)
         self.preemptions = Gauge("tokenmill:num_preemptions", "Preemptions so far", labels,
                                  registry=r)
+        # speculative decoding: counters fed by the core's cumulative counts (their increase
+        # since the replica's last report), the acceptance rate and mean accepted length
+        self.spec_counters = {
+            field: Counter(f"tokenmill:spec_decode_num_{name}", text, labels, registry=r)
+            for field, name, text in (
+                ("spec_draft_tokens", "draft_tokens", "Draft tokens verified"),
+                ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted"),
+                ("spec_emitted_tokens", "emitted_tokens", "Tokens emitted by drafted steps"))}
+        self._spec_seen: dict[tuple[str, str], int] = {}
+        self.spec_acceptance = Gauge("tokenmill:spec_decode_draft_acceptance_rate",
+                                     "Draft tokens accepted / verified", labels, registry=r)
+        self.spec_length = Gauge("tokenmill:spec_decode_mean_accepted_length",
+                                 "Tokens emitted per drafted step", labels, registry=r)
         # The seed's family: one series per quantity, each with one label whose key equals
         # its value. Label sets differ between series, which only a custom collector can say.
         self.seed_values: dict[str, float] = {}
@@ -119,6 +132,15 @@ class Metrics:
         self._m(self.prefix_hit_rate, engine=e).set(stats.prefix_hit_tokens / queried
                                                     if queried else 0)
         self._m(self.preemptions, engine=e).set(stats.num_preemptions)
+        for field, counter in self.spec_counters.items():
+            value, last = getattr(stats, field), self._spec_seen.get((field, e), 0)
+            # (a replica that restarted counts from 0 again)
+            self._m(counter, engine=e).inc(value - last if value >= last else value)
+            self._spec_seen[field, e] = value
+        if stats.spec_draft_tokens:
+            self._m(self.spec_acceptance, engine=e).set(
+                stats.spec_accepted_tokens / stats.spec_draft_tokens)
+            self._m(self.spec_length, engine=e).set(stats.spec_emitted_tokens / stats.spec_steps)
 
     def observe_totals(self, stats: SchedulerStats) -> None:
         """Every replica together: the seed's gauges."""

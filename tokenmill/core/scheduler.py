@@ -66,8 +66,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
-        # speculative decoding: draft tokens verified, accepted, and tokens emitted by them
+        # speculative decoding: draft tokens verified, accepted, tokens emitted by drafted
+        # steps, and such steps (cumulative)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_emitted = 0
+        self.num_spec_steps = 0
 
     # ---- request lifetime -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -209,6 +211,7 @@ class Scheduler:
                 self.num_draft_tokens += len(s.drafts)
                 self.num_accepted_tokens += accepted
                 self.num_spec_emitted += len(tokens)
+                self.num_spec_steps += 1
             count = 0
             for token in tokens:
                 request.output_token_ids.append(token)

@@ -184,7 +184,11 @@ class EngineCore:
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_blocks_used=kv.pool.num_used_blocks, kv_blocks_total=kv.num_blocks,
             prefix_queried_tokens=kv.num_queried_tokens, prefix_hit_tokens=kv.num_hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            spec_draft_tokens=self.scheduler.num_draft_tokens,
+            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
+            spec_emitted_tokens=self.scheduler.num_spec_emitted,
+            spec_steps=self.scheduler.num_spec_steps)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run and sample one step. Under pipeline parallel up to one micro-batch

@@ -42,6 +42,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_queried_tokens: int = 0  # cumulative
     prefix_hit_tokens: int = 0  # cumulative
     num_preemptions: int = 0  # cumulative
+    # speculative decoding, cumulative: draft tokens verified, accepted, tokens emitted by
+    # drafted steps, drafted steps
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_steps: int = 0
 
     @property
     def kv_usage(self) -> float:
