@@ -304,13 +304,18 @@ class CpuDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata,
-                 carried: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 carried: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 drafted: bool = False):
         """The final hidden states [T, H] of an all-decode step of at most `max_rows` tokens
-        (new K/V written to the caches); None for any other step. A pipeline stage after the
-        first starts from the previous one's `carried` (hidden, residual); one before the
-        last returns its own (hidden, residual), as the model's forward does."""
+        (new K/V written to the caches); None for any other step. `drafted`: the step's
+        sequences of several tokens are decodes with draft tokens (speculative decoding),
+        whose rows are then decodes of their own: each attends to the positions up to it
+        (every row's K/V is written before any row attends), the same arithmetic as
+        decoding them one at a time. A pipeline stage after the first starts from the
+        previous one's `carried` (hidden, residual); one before the last returns its own
+        (hidden, residual), as the model's forward does."""
         t = input_ids.shape[0]
-        if meta.num_decodes != meta.num_seqs or t > self.max_rows:
+        if (meta.num_decodes != meta.num_seqs and not drafted) or t > self.max_rows:
             return None
         if any(a.k_cache is not k or a.v_cache is not v
                for a, (k, v) in zip(self._attention, self._caches)):
@@ -322,12 +327,17 @@ class CpuDecodeStep:
             hidden = carried[0].contiguous()
             residual.copy_(carried[1])
         out = torch.empty_like(hidden)
-        table = meta.block_table
+        table, seq_lens = meta.block_table, meta.seq_lens
+        if meta.num_decodes != meta.num_seqs:  # drafted: a block table and length a row
+            starts = meta.query_start_loc
+            counts = torch.tensor([b - a for a, b in zip(starts, starts[1:])])
+            table = table[torch.repeat_interleave(torch.arange(len(counts)), counts)]
+            seq_lens = positions + 1
         assert table.stride(1) == 1 and positions.is_contiguous()
         status = csrc.library().tm_decode_layers(
             ctypes.byref(self._model), hidden.data_ptr(), out.data_ptr(), t,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), table.data_ptr(),
-            table.stride(0), meta.seq_lens.data_ptr())
+            table.stride(0), seq_lens.data_ptr())
         if status == -2:
             raise RuntimeError("A tensor-parallel rank died during an all-reduce.")
         return out if self._last_stage else (hidden, residual.clone())

@@ -229,7 +229,8 @@ class ModelRunner:
         tag = link.next_tag() if link is not None else 0
         carried = None if world.is_first_stage else link.carried(
             len(input_ids), self.hidden_size, self.dtype)
-        hidden = self.decode_step(input_ids, positions, meta, carried) \
+        hidden = self.decode_step(input_ids, positions, meta, carried,
+                                  drafted and inputs.only_decodes) \
             if self.decode_step else None
         kept = None
         if hidden is None:

@@ -45,6 +45,13 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     def num_sampled_rows(self) -> int:
         return sum(self.sample_counts)
 
+    @property
+    def only_decodes(self) -> bool:
+        """Every sequence computes one token, or a decode's token and its drafts."""
+        counts = dict(zip(self.sample_seqs, self.sample_counts))
+        return all(end - start in (1, counts.get(i)) for i, (start, end)
+                   in enumerate(zip(self.starts, self.ends)))
+
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
 

@@ -1,0 +1,110 @@
+"""Speculative decoding benchmark: decode tok/s with and without n-gram prompt lookup, same
+model, same prompts, one run.
+
+Prompt sets: `edit` (code the model is asked to repeat with a small change: its output
+copies its context, where lookup pays) and `chat` (ordinary questions: it mostly doesn't).
+Each request runs greedy to exactly --max-tokens new tokens (EOS ignored) at batch sizes
+--batch (a sweep shows where speculation stops paying). Outputs with and without speculation
+are checked equal (greedy: they must be). Writes JSON (default
+bench/results/spec_decode-<date>.json).
+
+  python bench/spec_decode.py [--model M] [--k 3] [--batch 1,4,16] [--max-tokens 128]"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+CODE = '''def moving_average(values, window):
+    """Mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = sum(values[:window])
+    out.append(total / window)
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+'''
+
+EDIT = [f"Here is a Python function:\n\n{CODE}\nHere is the same function with the argument "
+        f"`{name}` renamed to `{new}`, and nothing else changed:\n\n"
+        for name, new in (("values", "xs"), ("window", "size"), ("values", "data"),
+                          ("window", "width"))]
+CHAT = ["What is the capital of France? Answer in a few sentences.",
+        "Explain what a hash table is to a beginner.",
+        "Write a short poem about the sea.",
+        "Give three tips for learning a new language."]
+
+
+def run(llm, prompts, params, batch):
+    todo = [prompts[i % len(prompts)] for i in range(batch)]
+    start = time.perf_counter()
+    outs = llm.generate(todo, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return [list(o.outputs[0].token_ids) for o in outs], elapsed
+
+
+def main() -> None:
+    from tokenmill import LLM, SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the bundled default model")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--ngram", default="3,5", help="prompt_lookup_min,max")
+    p.add_argument("--batch", default="1,4,16")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    low, high = (int(x) for x in args.ngram.split(","))
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
+            "prompt_lookup_max": high}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = []
+    engines = {"off": LLM(args.model, enable_prefix_caching=False, seed=0),
+               "ngram": LLM(args.model, enable_prefix_caching=False, seed=0,
+                            speculative_config=spec)}
+    for llm in engines.values():  # warm-up
+        llm.generate(["Hello"], params.clone(max_tokens=8), use_tqdm=False)
+    for name, prompts in (("edit", EDIT), ("chat", CHAT)):
+        for batch in (int(b) for b in args.batch.split(",")):
+            row = {"prompts": name, "batch": batch}
+            tokens = {}
+            for label, llm in engines.items():
+                sched = llm.engine.core.scheduler
+                before = (sched.num_draft_tokens, sched.num_accepted_tokens,
+                          sched.num_spec_steps)
+                tokens[label], elapsed = run(llm, prompts, params, batch)
+                row[f"{label}_tok_s"] = round(batch * args.max_tokens / elapsed, 2)
+                if label == "ngram":
+                    drafts = sched.num_draft_tokens - before[0]
+                    accepted = sched.num_accepted_tokens - before[1]
+                    steps = sched.num_spec_steps - before[2]
+                    row["acceptance_rate"] = round(accepted / drafts, 3) if drafts else None
+                    row["mean_accepted_length"] = round(1 + accepted / steps, 2) \
+                        if steps else None
+            row["speedup"] = round(row["ngram_tok_s"] / row["off_tok_s"], 2)
+            row["identical"] = tokens["off"] == tokens["ngram"]
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    date = datetime.date.today().isoformat()
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"spec_decode-{date}.json")
+    with open(out, "w") as f:
+        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "machine": {"cpu": platform.processor() or platform.machine(),
+                               "cores": os.cpu_count()},
+                   "command": "bench/spec_decode.py " + " ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                       if v is not None and k != "out"),
+                   "speculative_config": spec, "results": results}, f, indent=1)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
