@@ -96,3 +96,24 @@ def test_bad_speculative_config_is_a_start_up_error(tiny_models):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="not served yet"):
         LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_the_benchmark_script_runs(tiny_models, tmp_path):
+    """bench/spec_decode.py end to end on a tiny model: a row per prompt set and batch size,
+    outputs with and without speculation identical."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path, _ = tiny_models("llama")
+    out = tmp_path / "spec.json"
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench",
+                          "spec_decode.py")
+    subprocess.run([sys.executable, script, "--model", path, "--batch", "1,2",
+                    "--max-tokens", "8", "--ngram", "1,2", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["prompts"], r["batch"]) for r in rows] == [
+        ("edit", 1), ("edit", 2), ("chat", 1), ("chat", 2)]
+    assert all(r["identical"] and r["off_tok_s"] > 0 for r in rows)
