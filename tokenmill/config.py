@@ -125,8 +125,7 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--kv-cache-dtype", default=None, choices=["auto", "int8"],
       help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1)")
     a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
-    a("--speculative-config", default=None, help='JSON, e.g. {"method": "ngram", '
-      '"num_speculative_tokens": 3} (env SPECULATE_METHOD=inference_with_reference ...)')
+    a("--speculative-config", default=None, help="JSON (env SPECULATE_METHOD, SPECULATE_*)")
     a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
@@ -299,11 +298,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
     }
     engine = EngineConfig(**engine_kwargs)
-    ports = {}
-    for field_name, new, old in _PORT_ENV:
-        flag = getattr(args, field_name, None)
-        ports[field_name] = pick(flag, env.integer(old, new))
-    ports = {k: v for k, v in ports.items() if v is not None}
+    ports = {name: port for name, new, old in _PORT_ENV
+             if (port := pick(getattr(args, name, None), env.integer(old, new))) is not None}
     config = ServerConfig(
         engine=engine,
         host=pick(args.host, None, "0.0.0.0"),
@@ -320,7 +316,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         check_health_interval=pick(None, env.number("CHECK_HEALTH_INTERVAL"), 10.0),
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
-        ignored_flags=_ignored_flags(args),
+        ignored_flags=tuple(flag for name, flag in _IGNORED.items()
+                            if getattr(args, name) is not None),
         **ports)
     config.validate()
     return config
@@ -334,10 +331,6 @@ _IGNORED = {
     "disable_async_output_proc": ("--disable-async-output-proc",
                                   "outputs are processed in the API process already"),
 }
-
-
-def _ignored_flags(args) -> tuple[tuple[str, str], ...]:
-    return tuple(_IGNORED[name] for name in _IGNORED if getattr(args, name) is not None)
 
 
 def check_ports_free(config: ServerConfig) -> None:
