@@ -22,8 +22,8 @@ def _prompts():
 
 
 def _params():
-    """Greedy requests that speculate, and ones that don't (logprobs, a repetition penalty),
-    one stopping on a token and one with a short max_tokens."""
+    """Greedy requests that speculate (one with logprobs), one that doesn't (a repetition
+    penalty), one stopping on a token and one with a short max_tokens."""
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     return [plain, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
             plain, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
@@ -42,6 +42,7 @@ def _run(path, **engine):
         stats = (core.scheduler.num_draft_tokens, core.scheduler.num_accepted_tokens)
         assert kv.pool.num_free_blocks == kv.num_blocks  # every block back, drafts' too
         kv.pool.check_integrity()
+        _run.logprobs = outs[1].outputs[0].logprobs  # (the request asking for them)
         return [list(o.outputs[0].token_ids) for o in outs], stats
 
 
@@ -50,9 +51,15 @@ def _run(path, **engine):
 def test_greedy_outputs_equal_decoding_without_speculation(tiny_models, arch):
     path, _ = tiny_models(arch)
     base, _ = _run(path, kv_cache_memory_gib=0.05)
+    base_logprobs = _run.logprobs
     spec, (drafts, accepted) = _run(path, kv_cache_memory_gib=0.05, speculative_config=NGRAM)
     assert spec == base
     assert drafts > 0  # (how many the random weights accept varies by model)
+    # the emitted tokens' logprobs too: top-2 and the chosen token's, at each position
+    assert len(_run.logprobs) == len(base_logprobs) == 20
+    for ours, theirs in zip(_run.logprobs, base_logprobs, strict=True):
+        assert ours.keys() == theirs.keys()
+        assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-4 for t in ours)
     # chunked prefill (7-token steps: drafts cut to the budget too) and prefix-cache hits
     chunked, _ = _run(path, kv_cache_memory_gib=0.05, speculative_config=NGRAM,
                       max_num_batched_tokens=7, block_size=8)

@@ -243,7 +243,7 @@ class EngineCore:
                 request_id=rid, new_token_ids=request.output_token_ids[-count:],
                 finish_reason=None if finish is None else int(finish),
                 stop_reason=request.stop_reason,
-                new_logprobs=None if lp is None else [lp],
+                new_logprobs=None if lp is None else lp[:count],
                 prompt_logprobs=None if rid in stale else result.prompt_logprobs.get(rid),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 queue_time=_queue_time(request)))

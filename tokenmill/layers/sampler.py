@@ -108,7 +108,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
             noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         token_ids = torch.where(batch.temperature == 0, greedy, sampled)
-    return SampleResult(token_ids, _gather_logprobs(raw_logits, token_ids, batch.num_logprobs))
+    return SampleResult(token_ids, gather_logprobs(raw_logits, token_ids, batch.num_logprobs))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      num_logprobs: list[int | None]) -> dict:
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
     if not rows:

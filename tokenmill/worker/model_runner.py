@@ -15,7 +15,13 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
-from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words, sample, top_logprobs
+from tokenmill.layers.sampler import (
+    SamplingBatch,
+    banned_by_bad_words,
+    gather_logprobs,
+    sample,
+    top_logprobs,
+)
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.spec_decode.rejection import verify
@@ -41,9 +47,10 @@ class Launched:
 
 @dataclass
 class RunnerOutput:
-    # per request: its sampled token (with draft tokens: the accepted ones and the next)
+    # per request: its sampled token (with draft tokens: the accepted ones and the next), and
+    # where asked their logprobs
     sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request id -> (first prompt position scored, one entry per scored position)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
 
@@ -205,13 +212,18 @@ class ModelRunner:
                     rid = requests[j].request.request_id
                     out.sampled[rid] = [token]
                     if row in result.logprobs:
-                        out.logprobs[rid] = result.logprobs[row]
+                        out.logprobs[rid] = [result.logprobs[row]]
             for j, n in enumerate(inputs.sample_counts):
                 if n > 1:
-                    s = requests[j]
-                    out.sampled[s.request.request_id] = verify(
-                        logits[ends[j] - n:ends[j]], s.request.sampling_params, s.drafts,
-                        self._generator(s.request) or self.generator)
+                    s, rows = requests[j], logits[ends[j] - n:ends[j]]
+                    params, rid = s.request.sampling_params, s.request.request_id
+                    tokens = out.sampled[rid] = verify(rows, params, s.drafts,
+                                                       self._generator(s.request)
+                                                       or self.generator)
+                    if params.logprobs is not None:  # of each emitted token, at its row
+                        scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),
+                                                 [params.logprobs] * len(tokens))
+                        out.logprobs[rid] = [scored[i] for i in range(len(tokens))]
         for i, scored in zip(inputs.prompt_seqs, prompt_logits):
             self._score_prompt(scheduled[i], scored.float(), out)
         return out
