@@ -87,6 +87,12 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's sampling distribution: its temperature, then top-k / top-p / min-p."""
+    temperature = batch.temperature.clamp(min=1e-5).unsqueeze(1)
+    return torch.softmax(apply_top_k_top_p_min_p(logits / temperature, batch), dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch,
            generator: torch.Generator | None = None) -> SampleResult:
     """logits [N, V] float32 -> one token per row (greedy rows take the argmax)."""
@@ -98,9 +104,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     if batch.all_greedy:
         token_ids = greedy
     else:
-        temperature = batch.temperature.clamp(min=1e-5).unsqueeze(1)
-        scaled = apply_top_k_top_p_min_p(logits / temperature, batch)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = probabilities(logits, batch)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows use
         # their own generator, so their draws don't depend on which batch they land in.
         noise = torch.empty_like(probs).exponential_(generator=generator)

@@ -20,29 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.sampler import SamplingBatch, apply_top_k_top_p_min_p, argmax
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.layers.sampler import SamplingBatch, argmax, probabilities
 
 
-def verify(logits: torch.Tensor, params: SamplingParams, drafts: list[int],
+def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[int],
            generator: torch.Generator | None) -> list[int]:
     """Emitted tokens of one request from the target's logits [k + 1, V] (float32) at the
-    positions after its last token and after each draft: greedy, or the target's
-    distribution at the request's temperature, top-k, top-p and min-p (the proposers here
-    have no distribution: one-hot drafts)."""
-    if params.temperature == 0:
+    positions after its last token and after each draft, `batch` the request's sampling
+    settings for each row: greedy, or the distributions the sampler would draw from (the
+    proposers here have no distribution: one-hot drafts)."""
+    if batch.all_greedy:
         return verify_greedy(argmax(logits.contiguous()).tolist(), drafts)
-    n, dev = len(logits), logits.device
-
-    def column(value, neutral, dtype=torch.float32):
-        return None if value == neutral else torch.full((n,), value, dtype=dtype, device=dev)
-
-    batch = SamplingBatch(temperature=torch.full((n,), params.temperature, device=dev),
-                          top_p=column(params.top_p, 1.0),
-                          top_k=column(params.top_k, 0, torch.int64),
-                          min_p=column(params.min_p, 0.0))
-    scaled = apply_top_k_top_p_min_p(logits / max(params.temperature, 1e-5), batch)
-    return verify_sampled(torch.softmax(scaled, dim=-1), drafts, None, generator)
+    return verify_sampled(probabilities(logits, batch), drafts, None, generator)
 
 
 def verify_greedy(target_argmax: list[int], drafts: list[int]) -> list[int]:

@@ -217,8 +217,8 @@ class ModelRunner:
                 if n > 1:
                     s, rows = requests[j], logits[ends[j] - n:ends[j]]
                     params, rid = s.request.sampling_params, s.request.request_id
-                    tokens = out.sampled[rid] = verify(rows, params, s.drafts,
-                                                       self._generator(s.request)
+                    tokens = out.sampled[rid] = verify(rows, self._sampling_batch([s] * n),
+                                                       s.drafts, self._generator(s.request)
                                                        or self.generator)
                     if params.logprobs is not None:  # of each emitted token, at its row
                         scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),
