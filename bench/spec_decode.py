@@ -1,5 +1,6 @@
-"""Speculative decoding benchmark: decode tok/s with and without n-gram prompt lookup, same
-model, same prompts, one run.
+"""Speculative decoding benchmark: decode tok/s with and without speculation (n-gram prompt
+lookup, the target's own int4 / int8 copy as draft, or a draft model), same model, same
+prompts, one run.
 
 Prompt sets: `edit` (code the model is asked to repeat with a small change: its output
 copies its context, where lookup pays) and `chat` (ordinary questions: it mostly doesn't).
@@ -8,7 +9,8 @@ Each request runs greedy to exactly --max-tokens new tokens (EOS ignored) at bat
 are checked equal (greedy: they must be). Writes JSON (default
 bench/results/spec_decode-<date>.json).
 
-  python bench/spec_decode.py [--model M] [--k 3] [--batch 1,4,16] [--max-tokens 128]"""
+  python bench/spec_decode.py [--model M] [--methods ngram,int4-self] [--k 3]
+      [--prompts edit,chat] [--batch 1,4,16] [--max-tokens 128]"""
 
 from __future__ import annotations
 
@@ -50,28 +52,53 @@ def run(llm, prompts, params, batch):
     return [list(o.outputs[0].token_ids) for o in outs], elapsed
 
 
+def configs(args) -> dict[str, dict]:
+    """--methods names -> speculative configs: ngram (prompt lookup), int4-self / int8-self
+    (the target loaded quantized as its own draft), draft (--draft-model)."""
+    low, high = (int(x) for x in args.ngram.split(","))
+    known = {"ngram": {"method": "ngram", "prompt_lookup_min": low,
+                       "prompt_lookup_max": high},
+             "int4-self": {"method": "draft_model", "quantization": "int4"},
+             "int8-self": {"method": "draft_model", "quantization": "int8"},
+             "draft": {"method": "draft_model", "model": args.draft_model}}
+    out = {}
+    for name in args.methods.split(","):
+        if name not in known:
+            raise SystemExit(f"unknown method {name!r}; known: {', '.join(known)}")
+        if name == "draft" and not args.draft_model:
+            raise SystemExit("--methods draft needs --draft-model")
+        out[name] = {**known[name], "num_speculative_tokens": args.k}
+    return out
+
+
 def main() -> None:
     from tokenmill import LLM, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the bundled default model")
+    p.add_argument("--methods", default="ngram", help="comma-separated: ngram, int4-self, "
+                   "int8-self, draft")
+    p.add_argument("--draft-model", default=None, help="the draft of --methods draft")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--ngram", default="3,5", help="prompt_lookup_min,max")
+    p.add_argument("--prompts", default="edit,chat")
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--kv-gib", type=float, default=1.0, help="each engine's KV cache (a "
+                   "draft model's holds as many tokens)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    low, high = (int(x) for x in args.ngram.split(","))
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": low,
-            "prompt_lookup_max": high}
+    specs = configs(args)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results = []
-    engines = {"off": LLM(args.model, enable_prefix_caching=False, seed=0),
-               "ngram": LLM(args.model, enable_prefix_caching=False, seed=0,
-                            speculative_config=spec)}
+    common = {"enable_prefix_caching": False, "seed": 0, "kv_cache_memory_gib": args.kv_gib}
+    engines = {"off": LLM(args.model, **common)}
+    for name, spec in specs.items():
+        engines[name] = LLM(args.model, speculative_config=spec, **common)
     for llm in engines.values():  # warm-up
         llm.generate(["Hello"], params.clone(max_tokens=8), use_tqdm=False)
-    for name, prompts in (("edit", EDIT), ("chat", CHAT)):
+    sets = {"edit": EDIT, "chat": CHAT}
+    for name in args.prompts.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             row = {"prompts": name, "batch": batch}
             tokens = {}
@@ -79,19 +106,22 @@ def main() -> None:
                 sched = llm.engine.core.scheduler
                 before = (sched.num_draft_tokens, sched.num_accepted_tokens,
                           sched.num_spec_steps)
-                tokens[label], elapsed = run(llm, prompts, params, batch)
+                tokens[label], elapsed = run(llm, sets[name], params, batch)
                 row[f"{label}_tok_s"] = round(batch * args.max_tokens / elapsed, 2)
-                if label == "ngram":
-                    drafts = sched.num_draft_tokens - before[0]
-                    accepted = sched.num_accepted_tokens - before[1]
-                    steps = sched.num_spec_steps - before[2]
-                    row["acceptance_rate"] = round(accepted / drafts, 3) if drafts else None
-                    row["mean_accepted_length"] = round(1 + accepted / steps, 2) \
-                        if steps else None
-            row["speedup"] = round(row["ngram_tok_s"] / row["off_tok_s"], 2)
-            row["identical"] = tokens["off"] == tokens["ngram"]
+                if label == "off":
+                    continue
+                drafts = sched.num_draft_tokens - before[0]
+                accepted = sched.num_accepted_tokens - before[1]
+                steps = sched.num_spec_steps - before[2]
+                row[f"{label}_acceptance_rate"] = round(accepted / drafts, 3) if drafts else None
+                row[f"{label}_mean_accepted_length"] = round(1 + accepted / steps, 2) \
+                    if steps else None
+                row[f"{label}_speedup"] = round(row[f"{label}_tok_s"] / row["off_tok_s"], 2)
+            row["identical"] = all(t == tokens["off"] for t in tokens.values())
             print(json.dumps(row), flush=True)
             results.append(row)
+    for llm in engines.values():
+        llm.shutdown()
     date = datetime.date.today().isoformat()
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
                                    f"spec_decode-{date}.json")
@@ -102,7 +132,7 @@ def main() -> None:
                    "command": "bench/spec_decode.py " + " ".join(
                        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
                        if v is not None and k != "out"),
-                   "speculative_config": spec, "results": results}, f, indent=1)
+                   "speculative_configs": specs, "results": results}, f, indent=1)
     print("wrote", out)
 
 

@@ -70,9 +70,10 @@ class EngineConfig:
         from tokenmill.spec_decode.config import SpeculativeConfig
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method != "ngram":
+        if self.speculative_config is not None and self.speculative_config.method not in (
+                "ngram", "draft_model"):
             raise ValueError(f"Speculative method {self.speculative_config.method!r} is not "
-                             "served yet; \"ngram\" is.")
+                             "served yet; \"ngram\" and \"draft_model\" are.")
         self.validate()
 
     def validate(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -59,6 +60,7 @@ class Request:
     first_scheduled_time: float | None = None
     # speculative decoding: draft tokens for the next step, verified by it (not yet tokens)
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None  # the distributions they were drawn from (None: one-hot)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
@@ -31,6 +32,7 @@ class ScheduledRequest:
     # speculative decoding: draft tokens computed after the request's last token (counted
     # in num_new_tokens); the step's verification keeps those the target agrees with
     drafts: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # the distributions they were drawn from (None: one-hot)
 
     @property
     def end(self) -> int:
@@ -106,7 +108,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -139,12 +141,13 @@ class Scheduler:
             if num_new <= 0 or len(scheduled) >= max_seqs:  # (< 0: drafts still in flight)
                 i += 1
                 continue
-            drafts, request.spec_token_ids = request.spec_token_ids, []
+            drafts, probs = request.spec_token_ids, request.spec_probs
+            request.spec_token_ids, request.spec_probs = [], None
             if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
                 drafts = drafts[:budget - 1]
                 num_new += len(drafts)
             else:
-                drafts = []
+                drafts, probs = [], None
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -153,7 +156,7 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                                  drafts=drafts))
+                                                  drafts=drafts, draft_probs=probs))
                 budget -= num_new
                 i += 1
                 continue

@@ -133,8 +133,14 @@ class EngineCore:
                 raise ValueError("Speculative decoding does not run with pipeline parallel "
                                  "yet: drop --speculative-config or "
                                  "--pipeline-parallel-size.")
-            from tokenmill.spec_decode.proposer import NgramProposer
-            self.proposer = NgramProposer(config.speculative_config, self.max_model_len)
+            from tokenmill.spec_decode.proposer import make_proposer
+            try:
+                self.proposer = make_proposer(config.speculative_config, config, model_path,
+                                              self.hf_config, self.max_model_len,
+                                              self.runner.num_blocks)
+            except BaseException:
+                self.shutdown()
+                raise
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -170,10 +176,14 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        if self.proposer is not None:
+            self.proposer.release(request_ids)
 
     def finish_requests(self, request_ids: list[str]) -> None:
         """Stopped by the API side (a stop string matched in the decoded text)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        if self.proposer is not None:
+            self.proposer.release(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)

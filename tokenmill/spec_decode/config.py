@@ -19,7 +19,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model / eagle / eagle3: the draft's path
-    quantization: str | None = None  # the draft's, e.g. "int4" (a self-draft of the target)
+    # the draft's, e.g. "int4"; draft_model without a model: the target loaded so (self-draft)
+    quantization: str | None = None
     # speculation off for a step with more running requests than this (None: never off)
     disable_by_batch_size: int | None = None
 
@@ -46,7 +47,8 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config has unknown field(s) {unknown}; known: "
                              f"{sorted(known)}.")
         if "method" not in value:
-            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
+            drafted = value.get("model") or value.get("quantization")
+            value = {**value, "method": "draft_model" if drafted else "ngram"}
         if "num_speculative_tokens" not in value:
             raise ValueError("--speculative-config needs num_speculative_tokens.")
         return cls(**value).validated()
@@ -58,9 +60,20 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}.")
-        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+        if self.method in ("eagle", "eagle3") and not self.model:
             raise ValueError(f"Speculative method {self.method!r} needs a draft model: set "
                              "\"model\" in --speculative-config.")
+        if self.quantization is not None:
+            from tokenmill import quantization
+
+            object.__setattr__(self, "quantization", quantization.parse_method(self.quantization))
+            if self.quantization not in (None, *quantization.METHODS):
+                raise ValueError("The draft's quantization must be one of "
+                                 f"{', '.join(quantization.METHODS)}, got {self.quantization!r}.")
+        if self.method == "draft_model" and not (self.model or self.quantization):
+            raise ValueError("Speculative method 'draft_model' needs a draft: \"model\" (its "
+                             "path), or \"quantization\" alone for the target itself loaded "
+                             "quantized (e.g. \"int4\").")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1.")
         if self.method != "ngram":

@@ -1,7 +1,10 @@
 """Drafts for the running requests after each step (the engine core calls `propose` with the
-requests that just got tokens): which requests speculate, and how many tokens each may."""
+requests that just got tokens): which requests speculate, how many tokens each may, and the
+proposer of the configured method."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.spec_decode import ngram
@@ -19,7 +22,10 @@ def speculates(request: Request) -> bool:
             and request.num_output_tokens >= p.min_tokens)
 
 
-class NgramProposer:
+class Proposer:
+    """What every method shares: the budget and who speculates; `draft` sets the chosen
+    requests' `spec_token_ids` (and `spec_probs` where drafts are sampled)."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
@@ -35,13 +41,39 @@ class NgramProposer:
         return max(k, 0)
 
     def propose(self, requests: list[Request], num_running: int) -> None:
+        self.release(r.request_id for r in requests if r.status.finished)
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running > limit:
             return
-        for request in requests:
-            k = self.budget(request)
-            if k == 0 or not speculates(request):
-                continue
+        chosen = [(r, k) for r in requests if speculates(r) and (k := self.budget(r)) > 0]
+        if chosen:
+            self.draft(chosen)
+
+    def draft(self, chosen: list[tuple[Request, int]]) -> None:
+        raise NotImplementedError
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Requests that left the engine: drop what the proposer keeps for them."""
+
+
+class NgramProposer(Proposer):
+    def draft(self, chosen: list[tuple[Request, int]]) -> None:
+        for request, k in chosen:
             tokens = request.prompt_token_ids + request.output_token_ids
             request.spec_token_ids = ngram.propose(tokens, k, self.config.prompt_lookup_min,
                                                    self.config.prompt_lookup_max)
+
+
+def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_config,
+                  max_model_len: int, num_blocks: int) -> Proposer:
+    """The proposer of `config.method` (a draft model: loaded here, its KV cache holding as
+    many tokens as the target's, `num_blocks`)."""
+    if config.method == "ngram":
+        return NgramProposer(config, max_model_len)
+    if config.method == "draft_model":
+        from tokenmill.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, engine_config, model_path, hf_config, max_model_len,
+                                  num_blocks)
+    raise ValueError(f"Speculative method {config.method!r} is not served yet; \"ngram\" and "
+                     "\"draft_model\" are.")

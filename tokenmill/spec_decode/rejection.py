@@ -24,14 +24,18 @@ from tokenmill.layers.sampler import SamplingBatch, argmax, probabilities
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[int],
-           generator: torch.Generator | None) -> list[int]:
+           generator: torch.Generator | None,
+           draft_probs: torch.Tensor | None = None) -> list[int]:
     """Emitted tokens of one request from the target's logits [k + 1, V] (float32) at the
     positions after its last token and after each draft, `batch` the request's sampling
-    settings for each row: greedy, or the distributions the sampler would draw from (the
-    proposers here have no distribution: one-hot drafts)."""
+    settings for each row: greedy, or the distributions the sampler would draw from.
+    `draft_probs`: the distributions the drafts were drawn from (at least k rows over the
+    target's vocabulary; None: one-hot drafts, as n-gram lookup proposes)."""
     if batch.all_greedy:
         return verify_greedy(argmax(logits.contiguous()).tolist(), drafts)
-    return verify_sampled(probabilities(logits, batch), drafts, None, generator)
+    if draft_probs is not None:
+        draft_probs = draft_probs[:len(drafts)]
+    return verify_sampled(probabilities(logits, batch), drafts, draft_probs, generator)
 
 
 def verify_greedy(target_argmax: list[int], drafts: list[int]) -> list[int]:

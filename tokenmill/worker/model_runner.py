@@ -15,17 +15,12 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
-from tokenmill.layers.sampler import (
-    SamplingBatch,
-    banned_by_bad_words,
-    gather_logprobs,
-    sample,
-    top_logprobs,
-)
+from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.spec_decode.rejection import verify
 from tokenmill.worker import kv_cache
+from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -115,7 +110,7 @@ class ModelRunner:
         self.kv_dtype = torch.int8 if kv_int8 else self.dtype
         self.backend = TorchSDPABackend()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self._request_generators: dict[str, torch.Generator] = {}
+        self.sampling = RequestSampling(self.vocab_size, self.device)
         attn = self.model.attention_layers()[0]
         self.num_layers = len(self.model.attention_layers())
         values = getattr(attn, "stores_values", True)  # (MLA: one latent row, no V)
@@ -172,8 +167,7 @@ class ModelRunner:
         """Rank 0 (the engine core's runner): the step's inputs to every rank, and its forward
         started; under pipeline parallel this returns once stage 0's part is done, the logits
         still to come (`complete` waits for them). None: nothing to run."""
-        for request_id in step.finished_ids:
-            self._request_generators.pop(request_id, None)
+        self.sampling.drop(step.finished_ids)
         if step.empty:
             return None
         # Decodes first: the backend attends over them in one batched gather.
@@ -205,7 +199,7 @@ class ModelRunner:
             plain = [j for j, n in enumerate(inputs.sample_counts) if n == 1]
             if plain:
                 rows = [ends[j] - 1 for j in plain]
-                batch = self._sampling_batch([requests[j] for j in plain])
+                batch = self.sampling.batch([requests[j].request for j in plain])
                 result = sample(logits[rows] if len(rows) < len(logits) else logits, batch,
                                 self.generator)
                 for row, (j, token) in enumerate(zip(plain, result.token_ids.tolist())):
@@ -217,9 +211,9 @@ class ModelRunner:
                 if n > 1:
                     s, rows = requests[j], logits[ends[j] - n:ends[j]]
                     params, rid = s.request.sampling_params, s.request.request_id
-                    tokens = out.sampled[rid] = verify(rows, self._sampling_batch([s] * n),
-                                                       s.drafts, self._generator(s.request)
-                                                       or self.generator)
+                    tokens = out.sampled[rid] = verify(
+                        rows, self.sampling.batch([s.request] * n), s.drafts,
+                        self.sampling.generator(s.request) or self.generator, s.draft_probs)
                     if params.logprobs is not None:  # of each emitted token, at its row
                         scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),
                                                  [params.logprobs] * len(tokens))
@@ -323,64 +317,6 @@ class ModelRunner:
         )
         self.backend.prepare(meta)
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
-
-    def _sampling_batch(self, scheduled: list[ScheduledRequest]) -> SamplingBatch:
-        dev = self.device
-        params = [s.request.sampling_params for s in scheduled]
-
-        def column(name: str, neutral: float, dtype=torch.float32) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in params]
-            if all(v == neutral for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        batch = SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], device=dev),
-            top_p=column("top_p", 1.0), top_k=column("top_k", 0, torch.int64),
-            min_p=column("min_p", 0.0),
-            repetition_penalty=column("repetition_penalty", 1.0),
-            frequency_penalty=column("frequency_penalty", 0.0),
-            presence_penalty=column("presence_penalty", 0.0),
-            num_logprobs=[p.logprobs for p in params],
-        )
-        if batch.repetition_penalty is not None:
-            batch.seen_mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool,
-                                          device=dev)
-            for row, s in enumerate(scheduled):
-                seen = s.request.prompt_token_ids + s.request.output_token_ids
-                batch.seen_mask[row, torch.tensor(seen, device=dev)] = True
-        if batch.frequency_penalty is not None or batch.presence_penalty is not None:
-            batch.output_counts = torch.zeros(len(params), self.vocab_size, device=dev)
-            for row, s in enumerate(scheduled):
-                out_ids = torch.tensor(s.request.output_token_ids, dtype=torch.int64, device=dev)
-                batch.output_counts[row].index_add_(
-                    0, out_ids, torch.ones(len(out_ids), device=dev))
-        for row, (s, p) in enumerate(zip(scheduled, params)):
-            if s.request.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
-                if banned:
-                    batch.banned.append((row, banned))
-            if p.bad_words_token_ids:
-                banned = banned_by_bad_words(s.request.output_token_ids, p.bad_words_token_ids)
-                if banned:
-                    batch.banned.append((row, banned))
-            gen = self._generator(s.request)
-            if gen is not None:
-                batch.generators[row] = gen
-        return batch
-
-    def _generator(self, request) -> torch.Generator | None:
-        """A seeded sampling request's own generator (made on its first draw); None for the
-        others, and for a request finished while its micro-batch was in flight (its token is
-        dropped)."""
-        p = request.sampling_params
-        if p.seed is None or p.temperature == 0 or request.status.finished:
-            return None
-        gen = self._request_generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(self.device).manual_seed(p.seed)
-            self._request_generators[request.request_id] = gen
-        return gen
 
     def _score_prompt(self, s: ScheduledRequest, logits: torch.Tensor,
                       out: RunnerOutput) -> None:

@@ -1,0 +1,84 @@
+"""Per-request sampling state of a model runner: each step's `SamplingBatch` built from the
+requests' parameters and tokens, and the seeded requests' own generators (shared by the
+target's runner and a draft model's)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.core.request import Request
+from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words
+
+
+class RequestSampling:
+    def __init__(self, vocab_size: int, device: torch.device, seed_offset: int = 0) -> None:
+        """`seed_offset`: added to each request's seed (a draft model's draws must not repeat
+        the target's, whose rejection test they would then bias)."""
+        self.vocab_size = vocab_size
+        self.device = device
+        self.seed_offset = seed_offset
+        self._generators: dict[str, torch.Generator] = {}
+
+    def drop(self, request_ids) -> None:
+        """Forget finished requests' generators."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def generator(self, request: Request) -> torch.Generator | None:
+        """A seeded sampling request's own generator (made on its first draw); None for the
+        others, and for a request finished while its micro-batch was in flight (its token is
+        dropped)."""
+        p = request.sampling_params
+        if p.seed is None or p.temperature == 0 or request.status.finished:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(p.seed + self.seed_offset)
+            self._generators[request.request_id] = gen
+        return gen
+
+    def batch(self, requests: list[Request]) -> SamplingBatch:
+        """One row per entry of `requests` (a request may fill several rows: its drafts')."""
+        dev = self.device
+        params = [r.sampling_params for r in requests]
+
+        def column(name: str, neutral: float, dtype=torch.float32) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        batch = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            top_p=column("top_p", 1.0), top_k=column("top_k", 0, torch.int64),
+            min_p=column("min_p", 0.0),
+            repetition_penalty=column("repetition_penalty", 1.0),
+            frequency_penalty=column("frequency_penalty", 0.0),
+            presence_penalty=column("presence_penalty", 0.0),
+            num_logprobs=[p.logprobs for p in params],
+        )
+        if batch.repetition_penalty is not None:
+            batch.seen_mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool,
+                                          device=dev)
+            for row, r in enumerate(requests):
+                seen = r.prompt_token_ids + r.output_token_ids
+                batch.seen_mask[row, torch.tensor(seen, device=dev)] = True
+        if batch.frequency_penalty is not None or batch.presence_penalty is not None:
+            batch.output_counts = torch.zeros(len(params), self.vocab_size, device=dev)
+            for row, r in enumerate(requests):
+                out_ids = torch.tensor(r.output_token_ids, dtype=torch.int64, device=dev)
+                batch.output_counts[row].index_add_(
+                    0, out_ids, torch.ones(len(out_ids), device=dev))
+        for row, (r, p) in enumerate(zip(requests, params)):
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
+                if banned:
+                    batch.banned.append((row, banned))
+            if p.bad_words_token_ids:
+                banned = banned_by_bad_words(r.output_token_ids, p.bad_words_token_ids)
+                if banned:
+                    batch.banned.append((row, banned))
+            gen = self.generator(r)
+            if gen is not None:
+                batch.generators[row] = gen
+        return batch
