@@ -124,3 +124,129 @@ def test_the_benchmark_script_runs(tiny_models, tmp_path):
     assert [(r["prompts"], r["batch"]) for r in rows] == [
         ("edit", 1), ("edit", 2), ("chat", 1), ("chat", 2)]
     assert all(r["identical"] and r["off_tok_s"] > 0 for r in rows)
+
+
+def _draft(path=None, k=3, **extra):
+    return {"method": "draft_model", "num_speculative_tokens": k, **extra,
+            **({"model": path} if path else {})}
+
+
+def _noisy_copy(path: str, out: str) -> str:
+    """The model at `path` with every weight perturbed (a draft that often disagrees)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    weights = load_file(f"{out}/model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    save_file({name: t * (1 + 0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+               for name, t in weights.items()}, f"{out}/model.safetensors",
+              metadata={"format": "pt"})
+    return out
+
+
+def _draft_blocks_free(llm):
+    proposer = llm.engine.core.proposer
+    proposer.pool.check_integrity()
+    return proposer.pool.num_free_blocks == proposer.pool.num_blocks and not proposer.cached
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "deepseek_v3", "qwen3_moe",
+                                  "phi3"])
+def test_draft_model_greedy_outputs_equal_decoding_without_it(tiny_models, arch, tmp_path):
+    """A draft with other random weights, and the target's own int4 copy: whatever they
+    accept, the outputs are the target's."""
+    path, _ = tiny_models(arch)
+    draft = _noisy_copy(path, str(tmp_path / "draft"))
+    base, _ = _run(path, kv_cache_memory_gib=0.05)
+    # (the tiny DeepSeek's 48-wide q_b_proj input takes no int4 groups of 32)
+    own = _draft(quantization="int8" if arch == "deepseek_v3" else "int4", k=2)
+    for spec in (_draft(draft), own):
+        with LLM(path, kv_cache_memory_gib=0.05, speculative_config=spec) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], _params(),
+                                use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == base
+            assert llm.engine.core.scheduler.num_draft_tokens > 0
+            assert _draft_blocks_free(llm)
+
+
+def test_draft_model_under_chunked_prefill_prefix_hits_and_preemption(tiny_models):
+    path, _ = tiny_models("qwen2")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    with LLM(path, kv_cache_memory_gib=0.05) as llm:
+        base = [list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+    for engine in ({"max_num_batched_tokens": 7, "block_size": 8,
+                    "kv_cache_memory_gib": 0.05},
+                   {"num_kv_blocks": 12, "block_size": 8}):
+        # the target itself as an exact draft: every draft is accepted unless preempted
+        with LLM(path, speculative_config=_draft(path, k=4), **engine) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sched = llm.engine.core.scheduler
+            assert [list(o.outputs[0].token_ids) for o in outs] == base
+            assert sched.num_accepted_tokens > 0
+            if "num_kv_blocks" in engine:
+                assert sched.num_preemptions > 0
+            else:
+                assert sched.num_accepted_tokens == sched.num_draft_tokens
+            assert _draft_blocks_free(llm)
+            assert llm.engine.core.kv_cache.pool.num_free_blocks == \
+                llm.engine.core.kv_cache.num_blocks
+
+
+def test_sampled_drafts_carry_their_distribution(tiny_models):
+    """Drafts drawn from the draft's distribution: a draft equal to the target (p = q) is
+    always accepted; seeded runs reproduce with an int4 draft."""
+    path, _ = tiny_models("llama")
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=3,
+                            ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.05, speculative_config=_draft(path)) as llm:
+        llm.generate(prompts, params, use_tqdm=False)
+        sched = llm.engine.core.scheduler
+        assert sched.num_accepted_tokens == sched.num_draft_tokens > 0
+    runs = []
+    for _ in range(2):
+        with LLM(path, kv_cache_memory_gib=0.05,
+                 speculative_config=_draft(quantization="int4")) as llm:
+            runs.append([list(o.outputs[0].token_ids)
+                         for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def test_draft_state_released_on_abort(tiny_models):
+    from tokenmill.engine.protocol import EngineCoreRequest
+
+    path, _ = tiny_models("llama")
+    with LLM(path, kv_cache_memory_gib=0.05, speculative_config=_draft(path)) as llm:
+        core = llm.engine.core
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        for i, prompt in enumerate(_prompts()[:3]):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        for _ in range(4):
+            core.step()
+        assert core.proposer.cached
+        core.abort_requests(["r0", "r1", "r2"])
+        assert _draft_blocks_free(llm)
+
+
+def test_bad_draft_model_is_a_start_up_error(tiny_models, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path, _ = tiny_models("llama")
+    other = str(tmp_path / "other")
+    shutil.copytree(path, other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<not-in-the-target>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(ValueError, match="tokenizer .* differs from the target"):
+        LLM(path, speculative_config=_draft(other))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(path, speculative_config=_draft(str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="does not run with tensor or pipeline"):
+        LLM(path, tensor_parallel_size=2, speculative_config=_draft(path))

@@ -42,6 +42,8 @@ def test_config_defaults_and_errors():
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.parse({"model": "m", "num_speculative_tokens": 2}).method == \
         "draft_model"
+    c = SpeculativeConfig.parse({"quantization": "wint4", "num_speculative_tokens": 2})
+    assert (c.method, c.model, c.quantization) == ("draft_model", None, "int4")  # self-draft
     for empty in (None, "", " ", {}):
         assert SpeculativeConfig.parse(empty) is None
     bad = [("{", "not valid JSON"), ("[1]", "JSON object"),
@@ -49,7 +51,10 @@ def test_config_defaults_and_errors():
            ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
            ({"method": "ngram", "num_speculative_tokens": True}, "positive integer"),
            ({"method": "medusa", "num_speculative_tokens": 2}, "Unknown speculative method"),
-           ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a draft model"),
+           ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a draft"),
+           ({"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int3"},
+            "quantization must be one of"),
+           ({"method": "eagle", "num_speculative_tokens": 2}, "needs a draft model"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
              "prompt_lookup_max": 2}, "larger than prompt_lookup_max"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},

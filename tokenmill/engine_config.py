@@ -74,6 +74,10 @@ class EngineConfig:
                 "ngram", "draft_model"):
             raise ValueError(f"Speculative method {self.speculative_config.method!r} is not "
                              "served yet; \"ngram\" and \"draft_model\" are.")
+        if self.speculative_config is not None and self.speculative_config.method == \
+                "draft_model" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("A draft model does not run with tensor or pipeline parallel "
+                             "yet: use the \"ngram\" method there.")
         self.validate()
 
     def validate(self) -> None:

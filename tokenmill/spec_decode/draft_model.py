@@ -73,9 +73,6 @@ class DraftModelProposer(Proposer):
         from tokenmill.engine.engine_core import derive_max_model_len
         from tokenmill.worker.model_runner import ModelRunner
 
-        if engine_config.world_size > 1:
-            raise ValueError("A draft model does not run with tensor or pipeline parallel "
-                             "yet: use the \"ngram\" method there.")
         path = resolve_model_path(config.model) if config.model else target_path
         hf = load_hf_config(path)
         check_vocabulary(path, target_path, hf.vocab_size, target_hf.vocab_size)
