@@ -102,7 +102,8 @@ def test_bad_speculative_config_is_a_start_up_error(tiny_models):
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive"):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="not served yet"):
-        LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        LLM(path, speculative_config={"method": "eagle", "model": path,
+                                      "num_speculative_tokens": 1})
 
 
 def test_the_benchmark_script_runs(tiny_models, tmp_path):

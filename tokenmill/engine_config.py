@@ -70,14 +70,13 @@ class EngineConfig:
         from tokenmill.spec_decode.config import SpeculativeConfig
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method not in (
-                "ngram", "draft_model"):
-            raise ValueError(f"Speculative method {self.speculative_config.method!r} is not "
-                             "served yet; \"ngram\" and \"draft_model\" are.")
-        if self.speculative_config is not None and self.speculative_config.method == \
-                "draft_model" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("A draft model does not run with tensor or pipeline parallel "
-                             "yet: use the \"ngram\" method there.")
+        method = getattr(self.speculative_config, "method", None)
+        if method in ("eagle", "eagle3"):
+            raise ValueError(f"Speculative method {method!r} is not served yet; \"ngram\", "
+                             "\"draft_model\" and \"mtp\" are.")
+        if method in ("draft_model", "mtp") and self.world_size > 1:
+            raise ValueError(f"Speculative method {method!r} does not run with tensor or "
+                             "pipeline parallel yet: use the \"ngram\" method there.")
         self.validate()
 
     def validate(self) -> None:

@@ -70,15 +70,18 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[Block] | None = None) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits).
+                       computed_blocks: list[Block] | None = None,
+                       num_lookahead: int = 0) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits),
+        and `num_lookahead` slots past them (a proposer's rows).
 
         Returns False, changing nothing, when the pool is too small right now."""
         computed_blocks = computed_blocks or []
         blocks = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
-        num_needed = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        num_needed = (cdiv(total + num_lookahead, self.block_size) - len(blocks)
+                      - len(computed_blocks))
         # Hits sitting on the free list stop being free once we take them.
         num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_free_hits:

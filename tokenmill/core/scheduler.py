@@ -18,6 +18,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # slots past each scheduled request's tokens for a proposer that writes its drafts' KV
+    # rows into the request's blocks (MTP)
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -131,6 +134,7 @@ class Scheduler:
         sampled yet) has nothing to compute and is left out."""
         budget = self.config.max_num_batched_tokens
         max_seqs = max_seqs or self.config.max_num_seqs
+        lookahead = self.config.num_lookahead_tokens
         scheduled: list[ScheduledRequest] = []
         preempted = False
 
@@ -148,7 +152,7 @@ class Scheduler:
                 num_new += len(drafts)
             else:
                 drafts, probs = [], None
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while not self.kv_cache.allocate_slots(request, num_new, num_lookahead=lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -171,7 +175,7 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if not self.kv_cache.allocate_slots(request, num_new, hits, lookahead):
                 break
             self.waiting.popleft()
             self.kv_cache.record_prefix_query(request.num_tokens, num_cached)

@@ -50,8 +50,9 @@ def derive_max_model_len(config: EngineConfig, hf_config) -> int:
 
 
 def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
-                  num_blocks: int, block_size: int) -> None:
-    """Admission checks of an engine core (ValueError: refused, with the reason)."""
+                  num_blocks: int, block_size: int, lookahead: int = 0) -> None:
+    """Admission checks of an engine core (ValueError: refused, with the reason);
+    `lookahead`: KV slots a proposer uses past the request's tokens."""
     n_prompt = len(request.prompt_token_ids)
     if n_prompt == 0:
         raise ValueError("The prompt is empty.")
@@ -65,10 +66,16 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
     # whole engine step, not just this request.
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab}).")
-    longest = min(n_prompt + (params.max_tokens or max_model_len), max_model_len)
+    longest = min(n_prompt + (params.max_tokens or max_model_len), max_model_len) + lookahead
     if -(-longest // block_size) > num_blocks:
         raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
                          f"the whole cache holds ({num_blocks} blocks of {block_size}).")
+
+
+def lookahead_tokens(config: EngineConfig) -> int:
+    """KV slots past a request's tokens: MTP writes its drafts' rows into its blocks."""
+    spec = config.speculative_config
+    return spec.num_speculative_tokens if spec is not None and spec.method == "mtp" else 0
 
 
 def _queue_time(request: Request) -> float | None:
@@ -119,7 +126,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            num_lookahead_tokens=lookahead_tokens(config)),
             self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
@@ -169,7 +177,8 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
-                      self.kv_cache.num_blocks, self.config.block_size)
+                      self.kv_cache.num_blocks, self.config.block_size,
+                      self.scheduler.config.num_lookahead_tokens)
         self.scheduler.add_request(Request(request.request_id, list(request.prompt_token_ids),
                                            request.sampling_params,
                                            arrival_time=request.arrival_time))
@@ -243,6 +252,7 @@ class EngineCore:
                  if s.request.status.finished or s.request.num_preemptions != s.preemptions}
         updated = self.scheduler.update_from_output(step, result.sampled)
         if self.proposer is not None:
+            self.proposer.pending = result.drafts
             self.proposer.propose([r for r, _ in updated], self.scheduler.num_running)
         outputs = []
         for request, count in updated:

@@ -58,7 +58,9 @@ class EngineCoreProc:
                                    num_kv_blocks=core.kv_cache.num_blocks,
                                    block_size=core.config.block_size,
                                    vocab_size=core.hf_config.vocab_size,
-                                   max_num_seqs=core.config.max_num_seqs)
+                                   max_num_seqs=core.config.max_num_seqs,
+                                   num_lookahead_tokens=core.scheduler.config
+                                   .num_lookahead_tokens)
         self._last_sent = 0.0
         self._beating = threading.Event()
         self._beater = threading.Thread(target=self._beat, args=(heartbeat_address(address),),

@@ -68,6 +68,7 @@ class EngineCoreInfo(msgspec.Struct):
     block_size: int
     vocab_size: int
     max_num_seqs: int = 256
+    num_lookahead_tokens: int = 0  # KV slots a proposer uses past a request's tokens
 
 
 class RequestType(enum.IntEnum):

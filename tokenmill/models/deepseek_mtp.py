@@ -36,13 +36,14 @@ class MTPLayer(nn.Module):
         self.final_norm = RMSNorm(hidden, eps)  # the checkpoint's shared_head.norm
 
     def forward(self, rope: StepRotary, embeds: torch.Tensor, previous: torch.Tensor,
-                meta: Any) -> torch.Tensor:
+                meta: Any, chained: bool = False):
         """Final hidden states for the token after each of `embeds`' tokens; `previous`:
-        the main model's (or the last MTP layer's) final hidden states at the same rows."""
+        the main model's final hidden states at the same rows (or this layer's own, before
+        the final norm, for the next draft). `chained`: (final, before the final norm)."""
         joined = torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1)
         hidden, residual = self.block(rope, self.eh_proj(joined), None, meta)
-        hidden, _ = self.final_norm(hidden, residual)
-        return hidden
+        hidden, summed = self.final_norm(hidden, residual)
+        return (hidden, summed) if chained else hidden
 
 
 def build_mtp(config: Any, make_attention: Callable[[Any, int], nn.Module],

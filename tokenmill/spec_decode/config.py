@@ -74,6 +74,9 @@ class SpeculativeConfig:
             raise ValueError("Speculative method 'draft_model' needs a draft: \"model\" (its "
                              "path), or \"quantization\" alone for the target itself loaded "
                              "quantized (e.g. \"int4\").")
+        if self.method == "mtp" and self.quantization is not None:
+            raise ValueError("Speculative method 'mtp' runs the target's own MTP layers, "
+                             "quantized as the target is: drop \"quantization\".")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1.")
         if self.method != "ngram":
@@ -112,6 +115,8 @@ def from_seed(method: str | None, num_draft: int | None, ngram_size: int | None,
         config.update(prompt_lookup_min=1, prompt_lookup_max=ngram_size or 5)
     elif not model_path:
         raise ValueError("[eagle, mtp] method must be set by env SPECULATE_MODEL_PATH")
+    elif method == "mtp":  # the target's own MTP layers, quantized as the target is
+        config.update(model=model_path)
     else:
         config.update(model=model_path, quantization=quant_type or "weight_only_int8")
     return SpeculativeConfig.parse(config)

@@ -167,7 +167,7 @@ class DraftModelProposer(Proposer):
             block_ids=[[b.block_id for b in cached.blocks] for cached, _, _ in feeds],
             sample_seqs=list(range(len(feeds))), prompt_seqs=[], prompt_rows=[],
             sample_counts=counts)
-        logits, _ = self.runner.run(inputs, b"")
+        logits = self.runner.run(inputs, b"")[0]
         last = [end - 1 for end in itertools.accumulate(counts)]
         return logits[last, :self.vocab].float()
 

@@ -29,6 +29,8 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # drafts the target's step computed (MTP): request id -> (tokens, distributions)
+        self.pending: dict = {}
 
     def budget(self, request: Request) -> int:
         """Drafts the request can use: the step computes its last token and the drafts at the
@@ -75,5 +77,17 @@ def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_
 
         return DraftModelProposer(config, engine_config, model_path, hf_config, max_model_len,
                                   num_blocks)
-    raise ValueError(f"Speculative method {config.method!r} is not served yet; \"ngram\" and "
-                     "\"draft_model\" are.")
+    if config.method == "mtp":
+        import os
+
+        from tokenmill.loader import resolve_model_path
+        from tokenmill.spec_decode.mtp import MtpProposer
+
+        if config.model and (os.path.realpath(resolve_model_path(config.model))
+                             != os.path.realpath(model_path)):
+            raise ValueError("Speculative method 'mtp' runs the target's own MTP layers: "
+                             "\"model\" (SPECULATE_MODEL_PATH) must be the target's path or "
+                             "left out; MTP layers from a separate checkpoint are not read.")
+        return MtpProposer(config, max_model_len)  # (its layers checked by the runner)
+    raise ValueError(f"Speculative method {config.method!r} is not served yet; \"ngram\", "
+                     "\"draft_model\" and \"mtp\" are.")

@@ -38,6 +38,7 @@ class Launched:
     logits: torch.Tensor | None = None
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     pending: PendingLogits | None = None
+    hidden: torch.Tensor | None = None  # every row's final hidden state (MTP drafting)
 
 
 @dataclass
@@ -48,6 +49,8 @@ class RunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request id -> (first prompt position scored, one entry per scored position)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # MTP: request id -> (draft tokens for its next step, their distributions or None)
+    drafts: dict[str, tuple[list[int], Any]] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -111,8 +114,14 @@ class ModelRunner:
         self.backend = TorchSDPABackend()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
-        attn = self.model.attention_layers()[0]
-        self.num_layers = len(self.model.attention_layers())
+        layers = self.model.attention_layers()
+        spec = config.speculative_config
+        if spec is not None and spec.method == "mtp":  # its layers' caches beside the decoder's
+            from tokenmill.spec_decode.mtp import mtp_attention_layers
+
+            layers = layers + mtp_attention_layers(self.model, model_path)
+        attn = layers[0]
+        self.num_layers = len(layers)
         values = getattr(attn, "stores_values", True)  # (MLA: one latent row, no V)
         if not values and self.kv_dtype == torch.int8:
             raise ValueError("An int8 KV cache is not built for DeepSeek's latent attention: "
@@ -125,8 +134,13 @@ class ModelRunner:
         caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
                                             attn.num_kv_heads, attn.head_dim, self.kv_dtype,
                                             self.device, values)
-        for layer, (k, v) in zip(self.model.attention_layers(), caches, strict=True):
+        for layer, (k, v) in zip(layers, caches, strict=True):
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
+        self.mtp = None
+        if spec is not None and spec.method == "mtp":
+            from tokenmill.spec_decode.mtp import MtpDrafter
+
+            self.mtp = MtpDrafter(self, spec)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
         # Tensor-parallel ranks must take the same path every step (their collectives pair up).
@@ -179,7 +193,9 @@ class ModelRunner:
         result = self.run(inputs, data)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
-        return Launched(scheduled, inputs, *result)
+        logits, prompt_logits, hidden = result
+        return Launched(scheduled, inputs, logits, prompt_logits,
+                        hidden=hidden if self.mtp is not None else None)
 
     @torch.inference_mode()
     def complete(self, launched: Launched) -> RunnerOutput:
@@ -220,14 +236,16 @@ class ModelRunner:
                         out.logprobs[rid] = [scored[i] for i in range(len(tokens))]
         for i, scored in zip(inputs.prompt_seqs, prompt_logits):
             self._score_prompt(scheduled[i], scored.float(), out)
+        if launched.hidden is not None:
+            out.drafts = self.mtp.after_step(scheduled, inputs, launched.hidden, out.sampled)
         return out
 
     def run(self, inputs: StepInputs, data: bytes
-            ) -> tuple[torch.Tensor | None, list] | PendingLogits | None:
+            ) -> tuple[torch.Tensor | None, list, torch.Tensor] | PendingLogits | None:
         """The forward every rank runs (`data`: the inputs' bytes, handed on to the next
         pipeline stage): on rank 0 the logits of the sampled rows and of each prompt-logprob
-        range, or under pipeline parallel their pending receive from the last stage; None
-        (or Nones) on the other ranks."""
+        range (and the final hidden states), or under pipeline parallel their pending
+        receive from the last stage; None (or Nones) on the other ranks."""
         input_ids, positions, meta = self._prepare_inputs(inputs)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
@@ -241,7 +259,8 @@ class ModelRunner:
         kept = None
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
-            if len(sample_rows) < len(input_ids) and not inputs.prompt_seqs and not drafted:
+            if (len(sample_rows) < len(input_ids) and not inputs.prompt_seqs and not drafted
+                    and self.mtp is None):  # (MTP reads every row's)
                 kept = KeptRows.last_of(meta, sample_rows, self.backend)
             hidden = self.model(input_ids, positions, meta, kept, carried)
         if not world.is_last_stage:
@@ -266,7 +285,7 @@ class ModelRunner:
                 link.logits_to_first(([logits] if logits is not None else []) + prompt_logits,
                                      tag)
             return None
-        return logits, prompt_logits
+        return logits, prompt_logits, hidden
 
     def serve_steps(self) -> None:
         """Ranks other than 0: run each step rank 0 sends, until it sends the stop."""

@@ -1,0 +1,129 @@
+"""Speculative decoding with DeepSeek's MTP layers (method "mtp") on a tiny DeepSeek-V3 that
+carries one: each step's drafts equal a from-scratch computation with transformers' layer
+over the whole context (so the MTP layer's paged cache holds the right rows across prompt
+chunks, accepted and rejected drafts); greedy outputs identical to decoding without
+speculation; start-up errors."""
+
+import pytest
+import torch
+from helpers import make_model
+from test_deepseek_mtp import PROMPTS, _add_mtp
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.protocol import EngineCoreRequest
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("v3mtp") / "v3")
+    hf = make_model(path, "deepseek_v3")
+    tensors, block = _add_mtp(path, hf)
+    return path, hf, tensors, block
+
+
+def _reference_drafts(hf, tensors, block, context: list[int], k: int) -> list[int]:
+    """k drafts after `context`: the MTP layer (transformers' decoder layer + norm) over
+    rows 0 .. N-2 (embedding of token i + 1 with the target's final hidden state at i), then
+    one more row per draft fed the draft and the layer's output before its norm."""
+    n = hf.config.num_hidden_layers
+    eps = hf.config.rms_norm_eps
+    enorm, hnorm, eh = (tensors[f"model.layers.{n}.{name}.weight"]
+                        for name in ("enorm", "hnorm", "eh_proj"))
+    emb = hf.model.embed_tokens.weight
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def row(token_embeds, previous):
+        return torch.cat([rms(token_embeds, enorm), rms(previous, hnorm)], -1) @ eh.T
+
+    captured = {}
+    hook = block.norm.register_forward_hook(lambda m, inp, out: captured.update(pre=inp[0]))
+    try:
+        with torch.no_grad():
+            ids = torch.tensor(context)
+            hidden = hf.model(ids[None]).last_hidden_state[0]
+            rows = row(emb[ids[1:]], hidden[:-1])
+            drafts = []
+            for _ in range(k):
+                out = block(inputs_embeds=rows[None],
+                            position_ids=torch.arange(len(rows))[None]).last_hidden_state[0]
+                drafts.append(int((out[-1] @ hf.lm_head.weight.T).argmax()))
+                rows = torch.cat([rows, row(emb[drafts[-1]], captured["pre"][0][-1])[None]])
+    finally:
+        hook.remove()
+    return drafts
+
+
+@pytest.mark.parametrize("k,engine", [(1, {}), (3, {"max_num_batched_tokens": 9,
+                                                   "block_size": 4})])
+def test_drafts_equal_the_layer_over_the_whole_context(mtp_model, k, engine):
+    path, hf, tensors, block = mtp_model
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01, enable_prefix_caching=False,
+             speculative_config={"method": "mtp", "num_speculative_tokens": k},
+             **engine) as llm:
+        core = llm.engine.core
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        checked = 0
+        for _ in range(100):
+            if not core.has_unfinished_requests():
+                break
+            core.step()
+            for request in core.scheduler.running:
+                if request.spec_token_ids:
+                    context = request.prompt_token_ids + request.output_token_ids
+                    want = _reference_drafts(hf, tensors, block, context, k)
+                    assert request.spec_token_ids == want[:len(request.spec_token_ids)]
+                    checked += 1
+        assert checked >= 6
+        assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
+
+
+def test_greedy_outputs_equal_decoding_without_mtp(mtp_model):
+    path = mtp_model[0]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             repetition_penalty=1.2)]  # (this one does not speculate)
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                    use_tqdm=False)]
+    for engine in ({"kv_cache_memory_gib": 0.01},
+                   {"num_kv_blocks": 15, "block_size": 4}):  # preemption
+        with LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                 **engine) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            core = llm.engine.core
+            assert [list(o.outputs[0].token_ids) for o in outs] == base
+            assert core.scheduler.num_draft_tokens > 0
+            assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
+            if "num_kv_blocks" in engine:
+                assert core.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_with_mtp_reproduces(mtp_model):
+    path = mtp_model[0]
+    params = SamplingParams(temperature=0.9, max_tokens=12, seed=11, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(path, kv_cache_memory_gib=0.01,
+                 speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+            runs.append([list(o.outputs[0].token_ids) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)])
+    assert runs[0] == runs[1] and all(len(r) == 12 for r in runs[0])
+
+
+def test_mtp_start_up_errors(tiny_models, mtp_model):
+    llama = tiny_models("llama")[0]
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="needs a model with multi-token-prediction"):
+        LLM(llama, speculative_config=spec)
+    with pytest.raises(ValueError, match="target's path or left out"):
+        LLM(mtp_model[0], kv_cache_memory_gib=0.01,
+            speculative_config={**spec, "model": llama})
+    with pytest.raises(ValueError, match="drop \"quantization\""):
+        LLM(mtp_model[0], speculative_config={**spec, "quantization": "int8"})
+    with pytest.raises(ValueError, match="tensor or pipeline parallel"):
+        LLM(mtp_model[0], tensor_parallel_size=2, speculative_config=spec)
