@@ -39,4 +39,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    # epoch seconds arrival_time, first_scheduled_time, first_token_time, last_token_time
+    # (those passed so far); num_draft_tokens / num_accepted_tokens (speculative decoding);
+    # kv_cache_reused_blocks / kv_cache_total_blocks (once finished)
     metrics: dict[str, float] = field(default_factory=dict)

@@ -61,6 +61,8 @@ class Request:
     # speculative decoding: draft tokens for the next step, verified by it (not yet tokens)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: Any = None  # the distributions they were drawn from (None: one-hot)
+    num_draft_tokens: int = 0  # drafts verified for this request, and accepted
+    num_accepted_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

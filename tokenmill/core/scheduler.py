@@ -217,6 +217,8 @@ class Scheduler:
                 request.num_computed_tokens = s.end - len(s.drafts) + accepted
                 self.num_draft_tokens += len(s.drafts)
                 self.num_accepted_tokens += accepted
+                request.num_draft_tokens += len(s.drafts)
+                request.num_accepted_tokens += accepted
                 self.num_spec_emitted += len(tokens)
                 self.num_spec_steps += 1
             count = 0

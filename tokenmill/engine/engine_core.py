@@ -234,6 +234,10 @@ class EngineCore:
         return self._outputs(step, self._timed(self.runner.complete, launched,
                                                len(launched.inputs.token_ids)))
 
+    def _kv_blocks(self, request: Request) -> tuple[int, int]:
+        size = self.config.block_size
+        return max(request.num_cached_tokens, 0) // size, -(-request.num_tokens // size)
+
     def _timed(self, run, arg, tokens: int):
         self.clock.start(tokens)
         try:
@@ -266,7 +270,10 @@ class EngineCore:
                 new_logprobs=None if lp is None else lp[:count],
                 prompt_logprobs=None if rid in stale else result.prompt_logprobs.get(rid),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
-                queue_time=_queue_time(request)))
+                queue_time=_queue_time(request),
+                spec_tokens=(request.num_draft_tokens, request.num_accepted_tokens)
+                if request.num_draft_tokens else None,
+                kv_blocks=None if finish is None else self._kv_blocks(request)))
         # Prompt logprobs of chunks that sampled nothing travel on an empty output.
         sent = {o.request_id for o in outputs}
         for rid, scored in result.prompt_logprobs.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,8 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    spec_tokens: tuple[int, int] = (0, 0)  # drafts verified, accepted
+    kv_blocks: tuple[int, int] = (0, 0)  # from the prefix cache, filled (when finished)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -39,6 +42,8 @@ class _RequestState:
     completions: list[_Completion]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    # epoch seconds: arrival_time, first_scheduled_time, first_token_time, last_token_time
+    times: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -58,7 +63,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> list[str]:
         """Registers a request; returns the engine-core ids of its `n` sequences."""
-        state = _RequestState(request_id, prompt, prompt_token_ids, [])
+        state = _RequestState(request_id, prompt, prompt_token_ids, [],
+                              times={"arrival_time": time.time()})
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         ids = []
@@ -117,6 +123,7 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, *out.prompt_logprobs)
             if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
+            self._note_metrics(state, completion, out)
             if not out.new_token_ids:
                 continue
             completion.token_ids.extend(out.new_token_ids)
@@ -134,6 +141,20 @@ class OutputProcessor:
             if state.finished:
                 del self._requests[request_id]
         return results, stopped
+
+    @staticmethod
+    def _note_metrics(state: _RequestState, completion: _Completion,
+                      out: EngineCoreOutput) -> None:
+        times = state.times
+        if out.queue_time is not None and "first_scheduled_time" not in times:
+            times["first_scheduled_time"] = times["arrival_time"] + out.queue_time
+        if out.new_token_ids:
+            times.setdefault("first_token_time", time.time())
+            times["last_token_time"] = time.time()
+        if out.spec_tokens is not None:
+            completion.spec_tokens = tuple(out.spec_tokens)
+        if out.kv_blocks is not None:
+            completion.kv_blocks = tuple(out.kv_blocks)
 
     def _update_text(self, completion: _Completion, out: EngineCoreOutput) -> bool:
         """Detokenize new tokens, apply stop strings; True if a stop string ended it here."""
@@ -183,6 +204,11 @@ class OutputProcessor:
                     self._position_logprobs(state.prompt_token_ids[position], lp))
 
     def _request_output(self, state: _RequestState) -> RequestOutput:
+        metrics = dict(state.times)
+        for i, name in enumerate(("num_draft_tokens", "num_accepted_tokens")):
+            metrics[name] = sum(c.spec_tokens[i] for c in state.completions)
+        for i, name in enumerate(("kv_cache_reused_blocks", "kv_cache_total_blocks")):
+            metrics[name] = sum(c.kv_blocks[i] for c in state.completions)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              [c.output() for c in state.completions], state.finished,
-                             state.prompt_logprobs, state.num_cached_tokens)
+                             state.prompt_logprobs, state.num_cached_tokens, metrics)

@@ -30,6 +30,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None  # the request was refused or failed; it is finished
     queue_time: float | None = None  # on the first token: arrival -> first scheduled (s)
+    # speculative decoding: (drafts verified, accepted) so far, once the request had some
+    spec_tokens: tuple[int, int] | None = None
+    # on the last output: (KV blocks from the prefix cache, blocks its tokens fill)
+    kv_blocks: tuple[int, int] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -30,7 +30,7 @@ INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p",
           "bad_words", "end_id", "pad_id", "return_log_probs", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "min_length", "min_tokens", "random_seed",
           "seed", "beam_width", "num_return_sequences", "length_penalty",
-          "exclude_input_in_output")
+          "exclude_input_in_output", "return_perf_metrics")
 
 
 class TritonError(Exception):
@@ -125,7 +125,7 @@ async def parse_fields(fields: dict, state: ServerState
     text = fields.get("text_input")
     if not isinstance(text, str) or not text:
         raise TritonError("text_input is required and must be a non-empty string.")
-    for flag in ("stream", "return_log_probs", "exclude_input_in_output"):
+    for flag in ("stream", "return_log_probs", "exclude_input_in_output", "return_perf_metrics"):
         if not isinstance(fields.get(flag, False), bool):
             raise TritonError(f"{flag} must be a boolean.")
     vocab = len(state.tokenizer)
@@ -156,6 +156,7 @@ async def parse_fields(fields: dict, state: ServerState
         raise TritonError(str(exc)) from None
     options = {"stream": fields.get("stream", False),
                "log_probs": fields.get("return_log_probs", False),
+               "perf": fields.get("return_perf_metrics", False),
                "echo": "" if fields.get("exclude_input_in_output", False) else text}
     return ids, sampling, options
 
@@ -163,6 +164,28 @@ async def parse_fields(fields: dict, state: ServerState
 def logprob_fields(c, start: int) -> dict:
     chosen = [pos[t].logprob for t, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:])]
     return {"output_log_probs": chosen, "cum_log_probs": c.cumulative_logprob or 0.0}
+
+
+# TensorRT-LLM's `return_perf_metrics` outputs, integers (times: epoch nanoseconds; 0 for a
+# time not reached) and the float acceptance_rate
+PERF_INTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+             "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
+             "first_token_time_ns", "last_token_time_ns", "total_accepted_draft_tokens",
+             "total_draft_tokens")
+
+
+def perf_fields(out) -> dict:
+    """A request's perf metrics from its `RequestOutput.metrics` (the block counts once it
+    finished; acceptance_rate 0.0 without drafts)."""
+    m = out.metrics
+    ns = {f"{name}_ns": int(m.get(name, 0) * 1e9) for name in (
+        "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time")}
+    drafts, accepted = int(m.get("num_draft_tokens", 0)), int(m.get("num_accepted_tokens", 0))
+    reused, total = int(m.get("kv_cache_reused_blocks", 0)), int(m.get("kv_cache_total_blocks", 0))
+    return {"kv_cache_alloc_new_blocks": total - reused, "kv_cache_reused_blocks": reused,
+            "kv_cache_alloc_total_blocks": total, **ns,
+            "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "total_accepted_draft_tokens": accepted, "total_draft_tokens": drafts}
 
 
 def create_router(get_state, guard: list | None = None) -> APIRouter:
@@ -204,6 +227,8 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             out = {**head, "text_output": options["echo"] + c.text}
             if options["log_probs"]:
                 out.update(logprob_fields(c, 0))
+            if options["perf"]:
+                out.update(perf_fields(last))
             return JSONResponse(out)
 
         try:
@@ -260,6 +285,8 @@ async def _events(stream: AsyncIterator, params: SamplingParams, options: dict,
             event = {**head, "text_output": text}
             if options["log_probs"]:
                 event.update(logprob_fields(c, first))
+            if options["perf"]:
+                event.update(perf_fields(out))
             yield f"data: {json_line(event)}\n\n"
     except EngineRequestError as exc:
         yield f"data: {json.dumps({'error': str(exc)})}\n\n"

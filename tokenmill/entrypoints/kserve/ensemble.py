@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from tritonclient.grpc import service_pb2 as pb
 
+from tokenmill.entrypoints.http.triton_api import PERF_INTS
+
 _TEXT = {"text_input"}
 _WORDS = {"stop_words", "bad_words"}
-_BOOLS = {"stream", "return_log_probs", "exclude_input_in_output"}
+_BOOLS = {"stream", "return_log_probs", "exclude_input_in_output", "return_perf_metrics"}
 _INTS = {"max_tokens", "top_k", "end_id", "pad_id", "beam_width", "num_return_sequences",
          "min_tokens", "min_length", "random_seed", "seed"}
 _FLOATS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
@@ -23,8 +25,9 @@ _DECLARED = [("text_input", "BYTES"), ("max_tokens", "INT32"), ("stream", "BOOL"
              ("frequency_penalty", "FP32"), ("min_tokens", "INT32"), ("random_seed", "UINT64"),
              ("beam_width", "INT32"), ("num_return_sequences", "INT32"),
              ("length_penalty", "FP32"), ("return_log_probs", "BOOL"),
-             ("exclude_input_in_output", "BOOL")]
-_OUTPUTS = [("text_output", "BYTES"), ("cum_log_probs", "FP32"), ("output_log_probs", "FP32")]
+             ("exclude_input_in_output", "BOOL"), ("return_perf_metrics", "BOOL")]
+_OUTPUTS = [("text_output", "BYTES"), ("cum_log_probs", "FP32"), ("output_log_probs", "FP32"),
+            *((name, "INT64") for name in PERF_INTS), ("acceptance_rate", "FP32")]
 
 
 def ensemble_metadata(name: str) -> pb.ModelMetadataResponse:

@@ -310,4 +310,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     outputs.append(tensors.fp32_output(
                         "output_log_probs", lp["output_log_probs"],
                         [1, len(lp["output_log_probs"])]))
+                if options["perf"]:
+                    perf = triton_api.perf_fields(out)
+                    outputs += [tensors.int64_output(name, [perf[name]], [1])
+                                for name in triton_api.PERF_INTS]
+                    outputs.append(tensors.fp32_output("acceptance_rate",
+                                                       [perf["acceptance_rate"]], [1]))
                 yield outputs, out.finished

@@ -87,3 +87,8 @@ def bytes_output(name: str, items: list[bytes], shape: list[int] | None = None):
 def fp32_output(name: str, values: list[float], shape: list[int]):
     tensor = pb.ModelInferResponse.InferOutputTensor(name=name, datatype="FP32", shape=shape)
     return tensor, np.asarray(values, dtype=np.float32).tobytes()
+
+
+def int64_output(name: str, values: list[int], shape: list[int]):
+    tensor = pb.ModelInferResponse.InferOutputTensor(name=name, datatype="INT64", shape=shape)
+    return tensor, np.asarray(values, dtype=np.int64).tobytes()
