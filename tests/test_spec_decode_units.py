@@ -44,6 +44,11 @@ def test_config_defaults_and_errors():
         "draft_model"
     c = SpeculativeConfig.parse({"quantization": "wint4", "num_speculative_tokens": 2})
     assert (c.method, c.model, c.quantization) == ("draft_model", None, "int4")  # self-draft
+    # switched off above the measured batch sizes unless told otherwise
+    assert c.disable_by_batch_size == 2
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).disable_by_batch_size == 8
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2,
+                                    "disable_by_batch_size": 100}).disable_by_batch_size == 100
     for empty in (None, "", " ", {}):
         assert SpeculativeConfig.parse(empty) is None
     bad = [("{", "not valid JSON"), ("[1]", "JSON object"),
@@ -163,3 +168,21 @@ def test_metrics_from_the_cores_cumulative_counts():
     assert value("tokenmill:spec_decode_num_draft_tokens_total", "1") == 2
     assert value("tokenmill:spec_decode_draft_acceptance_rate") == 0.4
     assert value("tokenmill:spec_decode_mean_accepted_length") == 2.0
+
+
+def test_proposals_stop_above_disable_by_batch_size():
+    from tokenmill.core.request import Request, RequestStatus
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.spec_decode.proposer import NgramProposer
+
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                      "prompt_lookup_min": 1, "disable_by_batch_size": 2})
+    proposer = NgramProposer(config, max_model_len=100)
+    requests = [Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10))
+                for i in range(3)]
+    for r in requests:
+        r.status = RequestStatus.RUNNING
+    proposer.propose(requests, num_running=3)
+    assert all(r.spec_token_ids == [] for r in requests)
+    proposer.propose(requests, num_running=2)
+    assert all(r.spec_token_ids == [3, 1] for r in requests)

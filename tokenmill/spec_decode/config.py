@@ -9,6 +9,13 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
 
+# Running requests above which a method stops paying, measured by bench/spec_decode.py on a
+# 2-vCPU AVX2 machine (bench/results/spec_decode-2026-11-26-int4-self-k5*.json): the int4
+# self-draft gained 1.3-1.9x at 2 requests and 0.8-1.05x at 4; n-gram lookup held 1.0-1.1x
+# up to 8 and 0.8-1.3x at 16. MTP's drafts cost about as little as lookup's (one layer), so
+# it takes lookup's bound (not measured: no MTP model runs on that machine).
+AUTO_OFF_ABOVE = {"ngram": 8, "mtp": 8, "draft_model": 2, "eagle": 2, "eagle3": 2}
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -21,7 +28,8 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model / eagle / eagle3: the draft's path
     # the draft's, e.g. "int4"; draft_model without a model: the target loaded so (self-draft)
     quantization: str | None = None
-    # speculation off for a step with more running requests than this (None: never off)
+    # speculation off for a step with more running requests than this (None: the method's
+    # measured default, AUTO_OFF_ABOVE)
     disable_by_batch_size: int | None = None
 
     @classmethod
@@ -77,8 +85,11 @@ class SpeculativeConfig:
         if self.method == "mtp" and self.quantization is not None:
             raise ValueError("Speculative method 'mtp' runs the target's own MTP layers, "
                              "quantized as the target is: drop \"quantization\".")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise ValueError("disable_by_batch_size must be at least 1.")
+        if self.disable_by_batch_size is None:
+            object.__setattr__(self, "disable_by_batch_size", AUTO_OFF_ABOVE[self.method])
+        limit = self.disable_by_batch_size
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"disable_by_batch_size must be a positive integer, got {limit!r}.")
         if self.method != "ngram":
             return self
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
