@@ -139,6 +139,13 @@ def test_flag_and_the_seeds_variables():
             build_server_config(["m"], {"SPECULATE_METHOD": method})
     with pytest.raises(ValueError, match="not valid JSON"):
         build_server_config(["m", "--speculative-config", "{ngram}"], {})
+    c = build_server_config(["m"], {"SPECULATE_METHOD": "mtp", "SPECULATE_MODEL_PATH": "m"}
+                            ).engine.speculative_config
+    assert (c.method, c.model, c.quantization, c.num_speculative_tokens) == ("mtp", "m", None, 5)
+    c = build_server_config(["m"], {"SPECULATE_METHOD": "eagle", "SPECULATE_MODEL_PATH": "e",
+                                    "SPECULATE_MODEL_QUANT_TYPE": "weight_only_int8"}
+                            ).engine.speculative_config
+    assert (c.method, c.model, c.quantization) == ("eagle", "e", "int8")
 
 
 def test_metrics_from_the_cores_cumulative_counts():

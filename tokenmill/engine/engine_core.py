@@ -73,9 +73,11 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
 
 
 def lookahead_tokens(config: EngineConfig) -> int:
-    """KV slots past a request's tokens: MTP writes its drafts' rows into its blocks."""
+    """KV slots past a request's tokens: draft heads (MTP, EAGLE) write their drafts' rows
+    into its blocks."""
     spec = config.speculative_config
-    return spec.num_speculative_tokens if spec is not None and spec.method == "mtp" else 0
+    heads = spec is not None and spec.method in ("mtp", "eagle")
+    return spec.num_speculative_tokens if heads else 0
 
 
 def _queue_time(request: Request) -> float | None:

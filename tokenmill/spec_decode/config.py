@@ -128,6 +128,8 @@ def from_seed(method: str | None, num_draft: int | None, ngram_size: int | None,
         raise ValueError("[eagle, mtp] method must be set by env SPECULATE_MODEL_PATH")
     elif method == "mtp":  # the target's own MTP layers, quantized as the target is
         config.update(model=model_path)
+    elif quant_type is not None:  # EAGLE: its head quantized only when asked
+        config.update(model=model_path, quantization=quant_type)
     else:
-        config.update(model=model_path, quantization=quant_type or "weight_only_int8")
+        config.update(model=model_path)
     return SpeculativeConfig.parse(config)

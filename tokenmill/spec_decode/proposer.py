@@ -77,17 +77,21 @@ def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_
 
         return DraftModelProposer(config, engine_config, model_path, hf_config, max_model_len,
                                   num_blocks)
+    if config.method == "eagle":
+        from tokenmill.spec_decode.heads import HeadProposer
+
+        return HeadProposer(config, max_model_len)  # (the head loaded by the runner)
     if config.method == "mtp":
         import os
 
         from tokenmill.loader import resolve_model_path
-        from tokenmill.spec_decode.mtp import MtpProposer
+        from tokenmill.spec_decode.heads import HeadProposer
 
         if config.model and (os.path.realpath(resolve_model_path(config.model))
                              != os.path.realpath(model_path)):
             raise ValueError("Speculative method 'mtp' runs the target's own MTP layers: "
                              "\"model\" (SPECULATE_MODEL_PATH) must be the target's path or "
                              "left out; MTP layers from a separate checkpoint are not read.")
-        return MtpProposer(config, max_model_len)  # (its layers checked by the runner)
+        return HeadProposer(config, max_model_len)  # (its layers checked by the runner)
     raise ValueError(f"Speculative method {config.method!r} is not served yet; \"ngram\", "
-                     "\"draft_model\" and \"mtp\" are.")
+                     "\"draft_model\", \"mtp\" and \"eagle\" are.")

@@ -38,7 +38,7 @@ class Launched:
     logits: torch.Tensor | None = None
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     pending: PendingLogits | None = None
-    hidden: torch.Tensor | None = None  # every row's final hidden state (MTP drafting)
+    hidden: torch.Tensor | None = None  # every row's final hidden state (draft heads)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class RunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # request id -> (first prompt position scored, one entry per scored position)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
-    # MTP: request id -> (draft tokens for its next step, their distributions or None)
+    # draft heads: request id -> (draft tokens for its next step, their distributions)
     drafts: dict[str, tuple[list[int], Any]] = field(default_factory=dict)
 
 
@@ -116,10 +116,12 @@ class ModelRunner:
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
         spec = config.speculative_config
-        if spec is not None and spec.method == "mtp":  # its layers' caches beside the decoder's
-            from tokenmill.spec_decode.mtp import mtp_attention_layers
+        heads = None
+        if spec is not None and spec.method in ("mtp", "eagle"):  # their caches beside ours
+            from tokenmill.spec_decode.heads import draft_heads
 
-            layers = layers + mtp_attention_layers(self.model, model_path)
+            heads = draft_heads(spec, self.model, model_path, self.dtype, self.device)
+            layers = layers + [head.block.self_attn for head in heads]
         attn = layers[0]
         self.num_layers = len(layers)
         values = getattr(attn, "stores_values", True)  # (MLA: one latent row, no V)
@@ -136,11 +138,11 @@ class ModelRunner:
                                             self.device, values)
         for layer, (k, v) in zip(layers, caches, strict=True):
             layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
-        self.mtp = None
-        if spec is not None and spec.method == "mtp":
-            from tokenmill.spec_decode.mtp import MtpDrafter
+        self.heads = None  # draft heads run after each step (MTP, EAGLE)
+        if heads is not None:
+            from tokenmill.spec_decode.heads import HeadDrafter
 
-            self.mtp = MtpDrafter(self, spec)
+            self.heads = HeadDrafter(self, spec, heads)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
         # Tensor-parallel ranks must take the same path every step (their collectives pair up).
@@ -195,7 +197,7 @@ class ModelRunner:
             return Launched(scheduled, inputs, pending=result)
         logits, prompt_logits, hidden = result
         return Launched(scheduled, inputs, logits, prompt_logits,
-                        hidden=hidden if self.mtp is not None else None)
+                        hidden=hidden if self.heads is not None else None)
 
     @torch.inference_mode()
     def complete(self, launched: Launched) -> RunnerOutput:
@@ -237,7 +239,7 @@ class ModelRunner:
         for i, scored in zip(inputs.prompt_seqs, prompt_logits):
             self._score_prompt(scheduled[i], scored.float(), out)
         if launched.hidden is not None:
-            out.drafts = self.mtp.after_step(scheduled, inputs, launched.hidden, out.sampled)
+            out.drafts = self.heads.after_step(scheduled, inputs, launched.hidden, out.sampled)
         return out
 
     def run(self, inputs: StepInputs, data: bytes
@@ -260,7 +262,7 @@ class ModelRunner:
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
             if (len(sample_rows) < len(input_ids) and not inputs.prompt_seqs and not drafted
-                    and self.mtp is None):  # (MTP reads every row's)
+                    and self.heads is None):  # (draft heads read every row's)
                 kept = KeptRows.last_of(meta, sample_rows, self.backend)
             hidden = self.model(input_ids, positions, meta, kept, carried)
         if not world.is_last_stage:

@@ -1,15 +1,17 @@
-"""DeepSeek's multi-token-prediction layers as the proposer (method "mtp").
+"""Draft heads that run inside the target's model runner, on its final hidden states:
+DeepSeek's multi-token-prediction layers (method "mtp") and EAGLE heads ("eagle",
+spec_decode/eagle.py).
 
-An MTP layer reads, at position i, the embedding of token i + 1 and the target's final
-hidden state at i, and scores token i + 2. Its attention has its own KV cache, paged by the
-target's block tables (the scheduler gives each request k slots past its tokens for the
-drafts' rows), so after every target step the layer runs over the rows the target just
-computed with known next tokens (prompt chunks included: its cache must hold the whole
-context), and the last row of a request gives draft 1. Draft j + 1 comes from one more row
-at the next position, fed draft j and the layer's own output before its final norm (as vLLM
-chains them); with several MTP layers, draft j uses layer (j - 1) mod their count.
+A head reads, at position i, the embedding of token i + 1 and the target's final hidden state
+at i, and scores token i + 2. Its attention has its own KV cache, paged by the target's block
+tables (the scheduler gives each request k slots past its tokens for the drafts' rows), so
+after every target step the head runs over the rows the target just computed with known next
+tokens (prompt chunks included: its cache must hold the whole context), and the last row of a
+request gives draft 1. Draft j + 1 comes from one more row at the next position, fed draft j
+and the head's own output before any final norm (as vLLM chains them); with several MTP
+layers, draft j uses layer (j - 1) mod their count.
 
-A prefix-cache hit reuses blocks whose MTP row at the block's last position saw another
+A prefix-cache hit reuses blocks whose head row at the block's last position saw another
 request's next token: only the drafts' quality can suffer, never the output."""
 
 from __future__ import annotations
@@ -24,28 +26,33 @@ from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.step_inputs import StepInputs
 
 
-def mtp_attention_layers(model, model_path: str) -> list:
-    """The MTP layers' attention modules (they take KV caches beside the decoder's)."""
+def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device) -> list:
+    """The heads of `config.method` for the target `model` (their attention modules take
+    KV caches beside the decoder's): its MTP layers, or the EAGLE head loaded here."""
+    if config.method == "eagle":
+        from tokenmill.spec_decode.eagle import load_eagle_head
+
+        return [load_eagle_head(config.model, model, dtype, device, config.quantization)]
     layers = list(getattr(model, "mtp", None) or [])
     if not layers:
         raise ValueError(f"Speculative method 'mtp' needs a model with multi-token-prediction "
                          f"layers (DeepSeek-V3 / R1's num_nextn_predict_layers, with their "
                          f"weights); {os.path.basename(model_path.rstrip('/'))!r} has none.")
-    return [layer.block.self_attn for layer in layers]
+    return layers
 
 
-class MtpDrafter:
+class HeadDrafter:
     """Runs in the target's model runner, right after a step's sampling."""
 
-    def __init__(self, runner, config: SpeculativeConfig) -> None:
+    def __init__(self, runner, config: SpeculativeConfig, heads: list) -> None:
         self.runner = runner
         self.k = config.num_speculative_tokens
-        self.layers = list(runner.model.mtp)
+        self.layers = heads
 
     def after_step(self, scheduled, inputs: StepInputs, hidden: torch.Tensor,
                    sampled: dict[str, list[int]]) -> dict[str, tuple[list[int], object]]:
         """request id -> (k drafts, their distributions or None), for the requests that got
-        tokens this step; every computed row with a known next token goes through layer 0
+        tokens this step; every computed row with a known next token goes through head 0
         (`hidden`: the target's final hidden states of the step's rows, in order)."""
         ids, rows, feeds, drafting = [], [], [], []
         first = 0  # the sequence's first row in `hidden`
@@ -104,7 +111,7 @@ class MtpDrafter:
         return tokens, None if batch.all_greedy else probabilities(logits, batch)
 
     def _run(self, index: int, step: StepInputs, previous: torch.Tensor):
-        """One MTP layer over `step`'s rows: (final-normed, pre-norm) hidden states."""
+        """One head over `step`'s rows: (hidden states for the logits, for the next draft)."""
         runner = self.runner
         ids, positions, meta = runner._prepare_inputs(step)
         model = runner.model.model
@@ -113,8 +120,8 @@ class MtpDrafter:
         return self.layers[index](rope, embeds, previous.to(embeds.dtype), meta, chained=True)
 
 
-class MtpProposer(Proposer):
-    """The engine core's side: drafts the runner's MTP pass computed, cut to each request's
+class HeadProposer(Proposer):
+    """The engine core's side: drafts the runner's heads computed, cut to each request's
     budget (`pending` set from each step's output)."""
 
     def draft(self, chosen) -> None:

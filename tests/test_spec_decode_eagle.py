@@ -1,0 +1,132 @@
+"""EAGLE-1 heads (method "eagle") on the tiny Llama and Qwen2 targets with random heads in
+EAGLE's checkpoint layout: each step's drafts equal the head run from scratch with
+transformers' decoder layer over the whole context; greedy outputs identical to decoding
+without speculation; heads that do not fit the target are start-up errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.protocol import EngineCoreRequest
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40)), [7, 8, 9, 7, 8, 9, 7]]
+
+
+def make_eagle(target_path: str, out: str, **overrides) -> dict:
+    """A random EAGLE-1 head for the model at `target_path`, saved as EAGLE ships it (fc,
+    layers.0 without input_layernorm, a copy of the embedding); returns its tensors."""
+    import transformers as tf
+
+    with open(os.path.join(target_path, "config.json")) as f:
+        config = {**json.load(f), "num_hidden_layers": 1, **overrides}
+    config.pop("layer_types", None)  # (per layer: the target's count)
+    hf_config = tf.AutoConfig.for_model(**config)
+    torch.manual_seed(5)
+    layer = tf.models.llama.modeling_llama.LlamaDecoderLayer(hf_config, 0) \
+        if config["model_type"] == "llama" else \
+        tf.models.qwen2.modeling_qwen2.Qwen2DecoderLayer(hf_config, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0, 0.2) if p.dim() > 1 else torch.nn.init.normal_(p, 1, 0.1)
+    hidden = config["hidden_size"]
+    tensors = {f"layers.0.{k}": v.detach().clone() for k, v in layer.state_dict().items()
+               if "input_layernorm" not in k}
+    g = torch.Generator().manual_seed(6)
+    tensors["fc.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=g)
+    tensors["fc.bias"] = 0.1 * torch.randn(hidden, generator=g)
+    tensors["embed_tokens.weight"] = torch.zeros(config["vocab_size"], hidden)  # not read
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return tensors
+
+
+def reference_drafts(hf, tensors, context, k):
+    """The head from scratch: rows fc([embedding of token i + 1, target hidden at i]) for
+    i < N - 1 through transformers' layer (no input norm, no final norm), then one row per
+    draft fed the draft and the previous row's output."""
+    import transformers as tf
+
+    fields = {**hf.config.to_dict(), "num_hidden_layers": 1}
+    fields.pop("layer_types", None)
+    config = tf.AutoConfig.for_model(**fields)
+    model = type(hf.model)(config).eval()
+    model.layers[0].input_layernorm = torch.nn.Identity()
+    model.norm = torch.nn.Identity()
+    model.layers[0].load_state_dict({k[len("layers.0."):]: v for k, v in tensors.items()
+                                     if k.startswith("layers.0.")}, strict=False)
+    emb, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+
+    def row(token_embeds, previous):
+        joined = torch.cat([token_embeds, previous], -1)
+        return joined @ tensors["fc.weight"].T + tensors["fc.bias"]
+
+    with torch.no_grad():
+        ids = torch.tensor(context)
+        hidden = hf.model(ids[None]).last_hidden_state[0]
+        rows, drafts = row(emb[ids[1:]], hidden[:-1]), []
+        for _ in range(k):
+            out = model(inputs_embeds=rows[None],
+                        position_ids=torch.arange(len(rows))[None]).last_hidden_state[0]
+            drafts.append(int((out[-1] @ head.T).argmax()))
+            rows = torch.cat([rows, row(emb[drafts[-1]], out[-1])[None]])
+    return drafts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch):
+    path, hf = tiny_models(arch)
+    eagle = str(tmp_path / "eagle")
+    tensors = make_eagle(path, eagle)
+    spec = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 8}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.02, enable_prefix_caching=False,
+             max_num_batched_tokens=11, speculative_config=spec) as llm:
+        core = llm.engine.core
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        checked = 0
+        for _ in range(100):
+            if not core.has_unfinished_requests():
+                break
+            core.step()
+            for request in core.scheduler.running:
+                if request.spec_token_ids:
+                    context = request.prompt_token_ids + request.output_token_ids
+                    want = reference_drafts(hf, tensors, context, 3)
+                    assert request.spec_token_ids == want[:len(request.spec_token_ids)]
+                    checked += 1
+        assert checked >= 6
+        assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(path, kv_cache_memory_gib=0.02) as llm:
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(path, num_kv_blocks=14, block_size=4, speculative_config=spec) as llm:
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    assert outs == base
+
+
+def test_bad_eagle_heads_are_start_up_errors(tiny_models, tmp_path):
+    path, _ = tiny_models("llama")
+    spec = {"method": "eagle", "num_speculative_tokens": 2}
+    wide = str(tmp_path / "wide")
+    make_eagle(path, wide, hidden_size=128, intermediate_size=256)
+    with pytest.raises(ValueError, match="has hidden_size 128, the target 64"):
+        LLM(path, speculative_config={**spec, "model": wide})
+    bad = str(tmp_path / "bad")
+    tensors = make_eagle(path, bad)
+    save_file({**tensors, "fc.weight": tensors["fc.weight"][:, :64].contiguous()},
+              os.path.join(bad, "model.safetensors"))
+    with pytest.raises(ValueError, match="'fc.weight'.*shape"):
+        LLM(path, speculative_config={**spec, "model": bad})
+    os.remove(os.path.join(bad, "model.safetensors"))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(path, speculative_config={**spec, "model": bad})
+    with pytest.raises(ValueError, match="eagle3.*not served yet"):
+        LLM(path, speculative_config={**spec, "method": "eagle3", "model": bad})
