@@ -22,12 +22,16 @@ def _prompts():
 
 
 def _params():
-    """Greedy requests that speculate (one with logprobs), one that doesn't (a repetition
-    penalty), one stopping on a token and one with a short max_tokens."""
+    """Greedy requests: plain, with logprobs, with bad words, with penalties (each verified
+    row penalized by the context up to it), one with a short max_tokens, one with min_tokens
+    banning its stop tokens."""
     plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     return [plain, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
-            plain, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                  repetition_penalty=1.3),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                           bad_words=["fox", " the lazy"]),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                           repetition_penalty=1.3, frequency_penalty=0.4,
+                           presence_penalty=0.2),
             SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=3,
                            stop_token_ids=[57, 58])]
@@ -43,6 +47,7 @@ def _run(path, **engine):
         assert kv.pool.num_free_blocks == kv.num_blocks  # every block back, drafts' too
         kv.pool.check_integrity()
         _run.logprobs = outs[1].outputs[0].logprobs  # (the request asking for them)
+        _run.drafts = [o.metrics["num_draft_tokens"] for o in outs]
         return [list(o.outputs[0].token_ids) for o in outs], stats
 
 
@@ -55,6 +60,7 @@ def test_greedy_outputs_equal_decoding_without_speculation(tiny_models, arch):
     spec, (drafts, accepted) = _run(path, kv_cache_memory_gib=0.05, speculative_config=NGRAM)
     assert spec == base
     assert drafts > 0  # (how many the random weights accept varies by model)
+    assert sum(_run.drafts) == drafts  # per-request counts (RequestOutput.metrics) add up
     # the emitted tokens' logprobs too: top-2 and the chosen token's, at each position
     assert len(_run.logprobs) == len(base_logprobs) == 20
     for ours, theirs in zip(_run.logprobs, base_logprobs, strict=True):
@@ -102,7 +108,10 @@ def test_bad_speculative_config_is_a_start_up_error(tiny_models):
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive"):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="not served yet"):
-        LLM(path, speculative_config={"method": "eagle", "model": path,
+        LLM(path, speculative_config={"method": "eagle3", "model": path,
+                                      "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="matches no parameter of an EAGLE-1 head"):
+        LLM(path, speculative_config={"method": "eagle", "model": path,  # a whole model
                                       "num_speculative_tokens": 1})
 
 

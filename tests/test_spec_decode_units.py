@@ -193,3 +193,39 @@ def test_proposals_stop_above_disable_by_batch_size():
     assert all(r.spec_token_ids == [] for r in requests)
     proposer.propose(requests, num_running=2)
     assert all(r.spec_token_ids == [3, 1] for r in requests)
+
+
+def test_verified_rows_take_penalties_and_bans_of_their_own_context():
+    """Row j of a drafted step is scored as decoding would score it after drafts 1 .. j:
+    repetition / frequency penalties over them, min_tokens bans until the output is long
+    enough (here: the raw argmax differs at every row, and a batch built from the request
+    alone rejects draft 2)."""
+    import dataclasses
+
+    from tokenmill.core.request import Request, RequestStatus
+    from tokenmill.layers.sampler import sample
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.spec_decode.rejection import verify
+    from tokenmill.worker.sampling import RequestSampling
+
+    sampling = RequestSampling(12, torch.device("cpu"))
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
+                            min_tokens=4, stop_token_ids=[5], max_tokens=10)
+    request = Request("r", [1, 2, 3], params, output_token_ids=[4],
+                      status=RequestStatus.RUNNING)
+    logits = torch.zeros(4, 12)
+    logits[0, 4], logits[0, 6] = 3.0, 2.5  # 4 was output: penalized below 6
+    logits[1, 6], logits[1, 7] = 3.0, 2.0  # 6 (draft 1) now penalized below 7
+    logits[2, 5], logits[2, 8] = 5.0, 1.0  # 3 tokens out: stop token 5 still banned
+    logits[3, 5] = 5.0  # 4 tokens out: allowed
+    drafts = [6, 7, 8]
+    emitted = verify(logits.clone(), sampling.drafted_batch(request, drafts), drafts, None)
+    expected = []
+    for j in range(4):  # the slow way: one row at a time, the output growing
+        view = dataclasses.replace(request, output_token_ids=[4] + drafts[:j])
+        token = int(sample(logits[j:j + 1].clone(), sampling.batch([view])).token_ids[0])
+        expected.append(token)
+        if j == 3 or token != drafts[j]:
+            break
+    assert emitted == expected == [6, 7, 8, 5]
+    assert verify(logits.clone(), sampling.batch([request] * 4), drafts, None) == [6, 6]

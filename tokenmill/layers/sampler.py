@@ -93,26 +93,37 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.softmax(apply_top_k_top_p_min_p(logits / temperature, batch), dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch,
-           generator: torch.Generator | None = None) -> SampleResult:
-    """logits [N, V] float32 -> one token per row (greedy rows take the argmax)."""
-    raw_logits = logits
+def adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The scores each row draws from before temperature: penalties applied, banned tokens
+    (min_tokens, bad words) out (in place when no penalty applies)."""
     logits = apply_penalties(logits, batch)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
+    return logits
+
+
+def draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row of `adjusted` scores (greedy rows take the argmax), and the
+    distributions the sampling rows drew from (None when every row is greedy)."""
     greedy = argmax(logits)
     if batch.all_greedy:
-        token_ids = greedy
-    else:
-        probs = probabilities(logits, batch)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows use
-        # their own generator, so their draws don't depend on which batch they land in.
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        for row, gen in batch.generators.items():
-            noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
-        token_ids = torch.where(batch.temperature == 0, greedy, sampled)
-    return SampleResult(token_ids, gather_logprobs(raw_logits, token_ids, batch.num_logprobs))
+        return greedy, None
+    probs = probabilities(logits, batch)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows use
+    # their own generator, so their draws don't depend on which batch they land in.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, gen in batch.generators.items():
+        noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperature == 0, greedy, sampled), probs
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           generator: torch.Generator | None = None) -> SampleResult:
+    """logits [N, V] float32 -> one token per row (greedy rows take the argmax)."""
+    token_ids, _ = draw(adjusted(logits, batch), batch, generator)
+    return SampleResult(token_ids, gather_logprobs(logits, token_ids, batch.num_logprobs))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ import torch
 
 from tokenmill.core.block_pool import Block, BlockPool
 from tokenmill.core.request import Request
-from tokenmill.layers.sampler import probabilities, sample
 from tokenmill.loader import load_hf_config, load_tokenizer, resolve_model_path
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
@@ -85,11 +84,11 @@ class DraftModelProposer(Proposer):
         # Draws independent of the target's (the same stream would correlate each draft with
         # the uniform that tests it, and bias the output).
         self.runner.generator.manual_seed(engine_config.seed + _SEED_OFFSET)
-        self.runner.sampling = RequestSampling(hf.vocab_size, self.runner.device, _SEED_OFFSET)
+        self.vocab = min(hf.vocab_size, target_hf.vocab_size)  # drafts are target tokens
+        self.runner.sampling = RequestSampling(self.vocab, self.runner.device, _SEED_OFFSET)
         self.block_size = self.runner.block_size
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=False)
         self.cached: dict[str, _Cached] = {}
-        self.vocab = min(hf.vocab_size, target_hf.vocab_size)  # drafts are target tokens
         self.target_vocab = target_hf.vocab_size
         logger.info("Draft model %s%s: %d KV blocks", path,
                     f" ({config.quantization})" if config.quantization else "",
@@ -176,12 +175,7 @@ class DraftModelProposer(Proposer):
         """Each row's draft token (greedy, or drawn under the request's own settings) and,
         for a batch with sampling rows, the distributions drawn from (over the target's
         vocabulary)."""
-        batch = self.runner.sampling.batch(requests)
-        batch.num_logprobs = [None] * len(requests)
-        tokens = sample(logits, batch, self.runner.generator).token_ids.tolist()
-        if batch.all_greedy:
-            return tokens, None
-        q = probabilities(logits, batch)
-        if q.shape[1] < self.target_vocab:
+        tokens, q = self.runner.sampling.draft(logits, requests, self.runner.generator)
+        if q is not None and q.shape[1] < self.target_vocab:
             q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))
         return tokens, q

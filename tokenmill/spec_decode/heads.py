@@ -20,7 +20,6 @@ import os
 
 import torch
 
-from tokenmill.layers.sampler import probabilities, sample
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.step_inputs import StepInputs
@@ -105,10 +104,7 @@ class HeadDrafter:
         sampling rows, the distributions drawn from."""
         runner = self.runner
         logits = runner.model.compute_logits(hidden).float()
-        batch = runner.sampling.batch(requests)
-        batch.num_logprobs = [None] * len(requests)
-        tokens = sample(logits, batch, runner.generator).token_ids.tolist()
-        return tokens, None if batch.all_greedy else probabilities(logits, batch)
+        return runner.sampling.draft(logits, requests, runner.generator)
 
     def _run(self, index: int, step: StepInputs, previous: torch.Tensor):
         """One head over `step`'s rows: (hidden states for the logits, for the next draft)."""

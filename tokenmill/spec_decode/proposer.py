@@ -12,14 +12,9 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 
 
 def speculates(request: Request) -> bool:
-    """Requests whose sampling stays the same over the verified positions: no penalties or
-    bad words (they depend on the tokens before each position), and past min_tokens (its
-    bans would apply to some of the positions only)."""
-    p = request.sampling_params
-    return (request.status == RequestStatus.RUNNING and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and not p.bad_words_token_ids
-            and request.num_output_tokens >= p.min_tokens)
+    """Every running request (penalties, bad words and min_tokens apply per verified row,
+    from the context up to it: worker/sampling.py `drafted_batch`)."""
+    return request.status == RequestStatus.RUNNING
 
 
 class Proposer:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.sampler import SamplingBatch, argmax, probabilities
+from tokenmill.layers.sampler import SamplingBatch, adjusted, argmax, probabilities
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[int],
@@ -28,9 +28,11 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[int],
            draft_probs: torch.Tensor | None = None) -> list[int]:
     """Emitted tokens of one request from the target's logits [k + 1, V] (float32) at the
     positions after its last token and after each draft, `batch` the request's sampling
-    settings for each row: greedy, or the distributions the sampler would draw from.
+    settings for each row (penalties and bans of the context up to that row): greedy, or
+    the distributions the sampler would draw from.
     `draft_probs`: the distributions the drafts were drawn from (at least k rows over the
     target's vocabulary; None: one-hot drafts, as n-gram lookup proposes)."""
+    logits = adjusted(logits, batch)
     if batch.all_greedy:
         return verify_greedy(argmax(logits.contiguous()).tolist(), drafts)
     if draft_probs is not None:

@@ -230,7 +230,7 @@ class ModelRunner:
                     s, rows = requests[j], logits[ends[j] - n:ends[j]]
                     params, rid = s.request.sampling_params, s.request.request_id
                     tokens = out.sampled[rid] = verify(
-                        rows, self.sampling.batch([s.request] * n), s.drafts,
+                        rows, self.sampling.drafted_batch(s.request, s.drafts), s.drafts,
                         self.sampling.generator(s.request) or self.generator, s.draft_probs)
                     if params.logprobs is not None:  # of each emitted token, at its row
                         scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),

@@ -4,10 +4,12 @@ target's runner and a draft model's)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tokenmill.core.request import Request
-from tokenmill.layers.sampler import SamplingBatch, banned_by_bad_words
+from tokenmill.layers.sampler import SamplingBatch, adjusted, banned_by_bad_words, draw
 
 
 class RequestSampling:
@@ -36,6 +38,26 @@ class RequestSampling:
             gen = torch.Generator(self.device).manual_seed(p.seed + self.seed_offset)
             self._generators[request.request_id] = gen
         return gen
+
+    def drafted_batch(self, request: Request, drafts: list[int]) -> SamplingBatch:
+        """The rows verifying `drafts`: row j as if drafts 1 .. j were already output (its
+        penalties, min_tokens and bad-word bans; the request's own generator)."""
+        if not _context_dependent(request):
+            return self.batch([request] * (len(drafts) + 1))
+        return self.batch([dataclasses.replace(
+            request, output_token_ids=request.output_token_ids + drafts[:j])
+            for j in range(len(drafts) + 1)])
+
+    def draft(self, logits: torch.Tensor, requests: list[Request],
+              generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """A proposer's draft token for each row of `logits` (greedy, or drawn under the
+        request's settings: penalties and bans of its tokens so far), and, with sampling
+        rows, the distributions drawn from."""
+        batch = self.batch(requests)
+        width = logits.shape[1]  # (a draft's vocabulary may be the smaller)
+        batch.banned = [(row, [i for i in ids if i < width]) for row, ids in batch.banned]
+        tokens, probs = draw(adjusted(logits, batch), batch, generator)
+        return tokens.tolist(), probs
 
     def batch(self, requests: list[Request]) -> SamplingBatch:
         """One row per entry of `requests` (a request may fill several rows: its drafts')."""
@@ -82,3 +104,11 @@ class RequestSampling:
             if gen is not None:
                 batch.generators[row] = gen
         return batch
+
+
+def _context_dependent(request: Request) -> bool:
+    """Whether the request's sampling depends on the tokens before a position."""
+    p = request.sampling_params
+    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+            or p.presence_penalty != 0.0 or bool(p.bad_words_token_ids)
+            or request.num_output_tokens < p.min_tokens)
