@@ -3,7 +3,9 @@ lookup, the target's own int4 / int8 copy as draft, or a draft model), same mode
 prompts, one run.
 
 Prompt sets: `edit` (code the model is asked to repeat with a small change: its output
-copies its context, where lookup pays) and `chat` (ordinary questions: it mostly doesn't).
+copies its context, where lookup pays, as far as the model copies), `repeat` (tables, CSV,
+JSON lines and log lines the model continues: repetitive formats) and `chat` (ordinary
+questions: it mostly doesn't).
 Each request runs greedy to exactly --max-tokens new tokens (EOS ignored) at batch sizes
 --batch (a sweep shows where speculation stops paying). Outputs with and without speculation
 are checked equal (greedy: they must be). Writes JSON (default
@@ -38,6 +40,13 @@ EDIT = [f"Here is a Python function:\n\n{CODE}\nHere is the same function with t
         f"`{name}` renamed to `{new}`, and nothing else changed:\n\n"
         for name, new in (("values", "xs"), ("window", "size"), ("values", "data"),
                           ("window", "width"))]
+# repetitive formats the model continues (tables, CSV, JSON lines, logs): lookup's best case
+REPEAT = ["| id | name | status |\n|---|---|---|\n" + "".join(
+              f"| {i} | item{i} | ok |\n" for i in range(1, 6)),
+          "id,name,price\n" + "".join(f"{i},product{i},{i}.99\n" for i in range(1, 6)),
+          "".join(f'{{"id": {i}, "user": "user{i}", "active": true}}\n' for i in range(1, 5)),
+          "".join(f"2024-05-0{i} 12:00:0{i} INFO worker-{i} finished job {i} in 12 ms\n"
+                  for i in range(1, 6))]
 CHAT = ["What is the capital of France? Answer in a few sentences.",
         "Explain what a hash table is to a beginner.",
         "Write a short poem about the sea.",
@@ -114,7 +123,7 @@ def main() -> None:
     p.add_argument("--draft-model", default=None, help="the draft of --methods draft")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--ngram", default="3,5", help="prompt_lookup_min,max")
-    p.add_argument("--prompts", default="edit,chat")
+    p.add_argument("--prompts", default="edit,repeat,chat")
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--never-off", action="store_true", help="speculate at every batch size "
@@ -134,7 +143,7 @@ def main() -> None:
         engines[name] = LLM(args.model, speculative_config=spec, **common)
     for llm in engines.values():  # warm-up
         llm.generate(["Hello"], params.clone(max_tokens=8), use_tqdm=False)
-    sets = {"edit": EDIT, "chat": CHAT}
+    sets = {"edit": EDIT, "repeat": REPEAT, "chat": CHAT}
     for name in args.prompts.split(","):
         for batch in (int(b) for b in args.batch.split(",")):
             row = {"prompts": name, "batch": batch}

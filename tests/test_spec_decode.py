@@ -128,11 +128,13 @@ def test_the_benchmark_script_runs(tiny_models, tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench",
                           "spec_decode.py")
     subprocess.run([sys.executable, script, "--model", path, "--batch", "1,2",
-                    "--max-tokens", "8", "--ngram", "1,2", "--out", str(out)], check=True,
-                   capture_output=True, timeout=300)
+                    "--max-tokens", "8", "--ngram", "1,2", "--methods", "ngram,int4-self",
+                    "--kv-gib", "0.05", "--out", str(out)], check=True, capture_output=True,
+                   timeout=600)
     rows = json.loads(out.read_text())["results"]
+    assert all(r["int4-self_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in rows)
     assert [(r["prompts"], r["batch"]) for r in rows] == [
-        ("edit", 1), ("edit", 2), ("chat", 1), ("chat", 2)]
+        ("edit", 1), ("edit", 2), ("repeat", 1), ("repeat", 2), ("chat", 1), ("chat", 2)]
     assert all(r["identical"] and r["off_tok_s"] > 0 for r in rows)
 
 
