@@ -105,7 +105,9 @@ def test_fused_gate_up_activation_equals_the_product_then_silu():
             layer.bias.data.normal_()
         dense = (layer.weight.data.clone(), layer.bias.data.clone() if bias else None)
         layer.use_kernel(CpuPackedKernel(layer))
-        assert layer.kernel.panel_stride is not None
+        # (oneDNN may block a width that is not whole panels otherwise: the panel kernel's
+        # self-check then leaves it to oneDNN, seen for 192 x 64 on a Zen 3 VM)
+        assert layer.kernel.panel_stride is not None or inter % 64
         for rows in (0, 1, 2, 5, 11, 12, 16, 33, 70):
             x = torch.randn(rows, k)
             fused = layer.kernel.apply_gated(layer, x)

@@ -107,9 +107,6 @@ def test_bad_speculative_config_is_a_start_up_error(tiny_models):
     path, _ = tiny_models("llama")
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive"):
         LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
-    with pytest.raises(ValueError, match="not served yet"):
-        LLM(path, speculative_config={"method": "eagle3", "model": path,
-                                      "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="matches no parameter of an EAGLE-1 head"):
         LLM(path, speculative_config={"method": "eagle", "model": path,  # a whole model
                                       "num_speculative_tokens": 1})

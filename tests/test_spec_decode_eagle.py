@@ -128,5 +128,3 @@ def test_bad_eagle_heads_are_start_up_errors(tiny_models, tmp_path):
     os.remove(os.path.join(bad, "model.safetensors"))
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         LLM(path, speculative_config={**spec, "model": bad})
-    with pytest.raises(ValueError, match="eagle3.*not served yet"):
-        LLM(path, speculative_config={**spec, "method": "eagle3", "model": bad})

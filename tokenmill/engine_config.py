@@ -71,10 +71,7 @@ class EngineConfig:
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         method = getattr(self.speculative_config, "method", None)
-        if method == "eagle3":
-            raise ValueError(f"Speculative method {method!r} is not served yet; \"ngram\", "
-                             "\"draft_model\", \"mtp\" and \"eagle\" are.")
-        if method in ("draft_model", "mtp", "eagle") and self.world_size > 1:
+        if method not in (None, "ngram") and self.world_size > 1:
             raise ValueError(f"Speculative method {method!r} does not run with tensor or "
                              "pipeline parallel yet: use the \"ngram\" method there.")
         self.validate()

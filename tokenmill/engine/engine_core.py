@@ -76,7 +76,7 @@ def lookahead_tokens(config: EngineConfig) -> int:
     """KV slots past a request's tokens: draft heads (MTP, EAGLE) write their drafts' rows
     into its blocks."""
     spec = config.speculative_config
-    heads = spec is not None and spec.method in ("mtp", "eagle")
+    heads = spec is not None and spec.method in ("mtp", "eagle", "eagle3")
     return spec.num_speculative_tokens if heads else 0
 
 

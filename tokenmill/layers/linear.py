@@ -55,6 +55,13 @@ class DenseKernel:
         return None
 
 
+def _check_width(layer: nn.Module, x: torch.Tensor) -> None:
+    """The compiled kernels trust the input's width: a wrong one would read past the rows."""
+    if x.shape[-1] != layer.in_features:
+        raise ValueError(f"{type(layer).__name__} takes {layer.in_features} inputs per row, "
+                         f"got {x.shape[-1]}.")
+
+
 class CpuPackedKernel:
     """fp32 on CPU: the weight reordered once into oneDNN's blocked layout.
 
@@ -151,6 +158,7 @@ class Linear(nn.Module):
         self.kernel = DenseKernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_width(self, x)
         return self.kernel.apply(self, x)
 
     def use_kernel(self, kernel) -> None:
@@ -230,6 +238,7 @@ class RowParallelLinear(Linear):
             self.bias.weight_loader = lambda param, loaded: param.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_width(self, x)
         out = self.kernel.apply(self, x)
         return self.tp.all_reduce(out) if self.reduce else out
 

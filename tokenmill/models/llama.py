@@ -250,6 +250,9 @@ class LlamaModel(nn.Module):
             else OtherStageLayer() for i in range(config.num_hidden_layers))
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale: float | None = None
+        # layers whose input hidden states a step keeps in `aux_hidden` (an EAGLE-3 head's)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids, positions, meta, kept: KeptRows | None = None,
                 carried: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -268,7 +271,10 @@ class LlamaModel(nn.Module):
             kind: rotary.for_step(positions, hidden.dtype)
             for kind, rotary in self.rotaries.items()}
         last = len(self.layers) - 1
+        self.aux_hidden = {}
         for i in self.stage_layers:
+            if i in self.aux_layers:
+                self.aux_hidden[i] = hidden if residual is None else hidden + residual
             layer_rope = rope if ropes is None else ropes[self.layer_types[i]]
             hidden, residual = self.layers[i](layer_rope, hidden, residual, meta,
                                               kept if i == last else None)

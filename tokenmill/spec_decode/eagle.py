@@ -1,10 +1,19 @@
-"""EAGLE-1 draft heads (method "eagle"): one Llama decoder layer that reads, at position i,
-`fc([embedding of token i + 1, the target's final hidden state at i])` and whose output
-(residual added, no norm) goes through the target's LM head; run by heads.py like an MTP
-layer. The checkpoint layout is EAGLE's (as vLLM reads it): `fc.weight` [H, 2H] (and
-`fc.bias`), `layers.0.*` (no `input_layernorm`: EAGLE-1's layer has none), optionally a
-`model.` prefix; an `embed_tokens` / `lm_head` copy in it is the target's and not read.
-Safetensors only (a pickle can run code when loaded)."""
+"""EAGLE draft heads, run by heads.py like an MTP layer (their KV caches on the target's
+block tables), in the checkpoint layouts EAGLE ships (as vLLM reads them); safetensors only
+(a pickle can run code when loaded); any `embed_tokens` copy in them is the target's and not
+read.
+
+- EAGLE-1 (method "eagle"): one Llama decoder layer that reads, at position i,
+  `fc([embedding of token i + 1, the target's final hidden state at i])`, without an input
+  norm; its output (residual added, no norm) goes through the target's LM head. Tensors:
+  `fc.weight` [H, 2H] (and `fc.bias`), `layers.0.*`, optionally under `model.`.
+- EAGLE-3 ("eagle3"): the target's hidden states entering three of its layers
+  (`eagle_aux_hidden_state_layer_ids`, default 2, L / 2 and L - 3), joined and projected by
+  `fc` [H, 3H]; a layer whose attention reads [norm(embedding), norm(hidden)] (2H wide)
+  with the hidden state as residual; a final `norm`; its own `lm_head` over a draft
+  vocabulary mapped into the target's by `d2t` (target id = draft id + d2t[draft id]).
+  Tensors: `midlayer.*` (or `layers.0.*`), `fc.weight`, `norm.weight`, `lm_head.weight`,
+  `d2t` (`t2d` not needed)."""
 
 from __future__ import annotations
 
@@ -14,10 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import Linear, choose_linear_kernels
+from tokenmill.layers.linear import Linear, QKVLinear, choose_linear_kernels
+from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 SKIPPED = ("embed_tokens.", "lm_head.", "rotary_emb.")
+SKIPPED_3 = ("embed_tokens.", "rotary_emb.", "t2d")
 
 
 class _NoNorm(nn.Module):
@@ -46,6 +57,15 @@ class EagleHead(nn.Module):
         out = hidden + residual
         return (out, out) if chained else out
 
+    @staticmethod
+    def target_features(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """What the head reads of the target's step: its final hidden states."""
+        return hidden
+
+    @staticmethod
+    def logits(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        return target.compute_logits(hidden)
+
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """EAGLE checkpoint name -> (our parameter, shard of a merged one); None: not ours."""
         name = name.removeprefix("model.")
@@ -53,20 +73,101 @@ class EagleHead(nn.Module):
             return None
         if name.startswith("fc."):
             return name, None
-        if not name.startswith("layers.0."):
-            raise ValueError(f"unexpected tensor {name!r} (an EAGLE-1 head holds fc and "
-                             "layers.0)")
-        name = "block." + name[len("layers.0."):]
-        for merged, original, shard in LlamaForCausalLM.stacked_params:
-            if f".{original}." in name:
-                return name.replace(original, merged), shard
-        return name, None
+        return _layer_target(name, ("layers.0.",), "an EAGLE-1 head holds fc and layers.0")
 
 
-def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype,
-                    device: torch.device, quantization: str | None = None) -> EagleHead:
-    """The EAGLE head at `path` for `target`, checked against it (start-up errors name the
-    problem), float in the target's dtype or quantized as asked."""
+def _layer_target(name: str, prefixes: tuple[str, ...], holds: str):
+    for prefix in prefixes:
+        if name.startswith(prefix):
+            name = "block." + name[len(prefix):]
+            for merged, original, shard in LlamaForCausalLM.stacked_params:
+                if f".{original}." in name:
+                    return name.replace(original, merged), shard
+            return name, None
+    raise ValueError(f"unexpected tensor ({holds})")
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over [norm(embedding), norm(hidden)], the hidden
+    state as the residual."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn, self.mlp = attention, mlp
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, rope, embeds, hidden, meta):
+        joined = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        out = self.self_attn(rope, joined, meta)
+        out, residual = self.post_attention_layernorm(out, hidden.clone())
+        return self.mlp(out), residual
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Any, target_config: Any, aux_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.aux_layers = aux_layers
+        self.fc = Linear(len(aux_layers) * target_config.hidden_size, hidden)
+        attention = Attention(config, False, False)
+        attention.qkv_proj = QKVLinear(2 * hidden, attention.head_dim, heads, kv_heads)
+        self.block = Eagle3Layer(config, attention, MLP(config))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
+        self.lm_head = Linear(hidden, draft_vocab)
+        self.target_vocab = target_config.vocab_size
+        # target id of each draft id (d2t's offsets added at load)
+        self.register_buffer("draft_to_target", torch.arange(draft_vocab), persistent=False)
+
+    def target_features(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """The target's hidden states entering its aux layers, joined and projected."""
+        aux = target.model.aux_hidden
+        return self.fc(torch.cat([aux[i] for i in self.aux_layers], dim=-1))
+
+    def forward(self, rope, embeds: torch.Tensor, previous: torch.Tensor, meta: Any,
+                chained: bool = False):
+        hidden, residual = self.block(rope, embeds, previous, meta)
+        out, summed = self.norm(hidden, residual)
+        return (out, summed) if chained else out
+
+    def logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """Scores over the target's vocabulary (-inf where no draft token maps)."""
+        scores = self.lm_head(hidden)
+        full = scores.new_full((scores.shape[0], self.target_vocab), float("-inf"))
+        full[:, self.draft_to_target] = scores
+        return full
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        name = name.removeprefix("model.")
+        if name.startswith(SKIPPED_3):
+            return None
+        if name.startswith(("fc.", "norm.", "lm_head.")) or name == "d2t":
+            return name, None
+        return _layer_target(name, ("midlayer.", "layers.0."),
+                             "an EAGLE-3 head holds fc, midlayer, norm, lm_head and d2t")
+
+
+def aux_layer_ids(config: Any, num_layers: int, name: str) -> tuple[int, ...]:
+    """The target layers whose input hidden states an EAGLE-3 head reads."""
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or (
+        2, num_layers // 2, num_layers - 3)
+    if len(ids) != 3 or not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"EAGLE-3 head {name!r} reads the target's layers {list(ids)}; the "
+                         f"target has {num_layers} (set eagle_aux_hidden_state_layer_ids in "
+                         "its config.json).")
+    return tuple(ids)
+
+
+def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype, device: torch.device,
+                    quantization: str | None = None, version: int = 1) -> nn.Module:
+    """The EAGLE-1 or EAGLE-3 head at `path` for `target`, checked against it (start-up
+    errors name the problem), float in the target's dtype or quantized as asked. EAGLE-3
+    makes the target keep its aux layers' input hidden states (`model.aux_layers`)."""
     from tokenmill.loader import iter_safetensors, load_hf_config, resolve_model_path
     from tokenmill.quantization import QuantConfig
     from tokenmill.quantization import model as qmodel
@@ -88,9 +189,13 @@ def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype,
         raise ValueError(f"EAGLE head {name!r} has no *.safetensors weights (a "
                          "pytorch_model.bin is not read: loading a pickle can run code); "
                          "convert it to safetensors.") from None
-    fc_bias = any(n.removeprefix("model.") == "fc.bias" for n in tensors)
     with torch.device(device):
-        head = EagleHead(config, fc_bias)
+        if version == 3:
+            aux = aux_layer_ids(config, want.num_hidden_layers, name)
+            head = Eagle3Head(config, want, aux)
+        else:
+            fc_bias = any(n.removeprefix("model.") == "fc.bias" for n in tensors)
+            head = EagleHead(config, fc_bias)
     head.to(dtype=dtype)
     params, loaded = dict(head.named_parameters()), set()
     for tensor_name, tensor in tensors.items():
@@ -99,8 +204,16 @@ def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype,
             if target_name is None:
                 continue
             param_name, shard = target_name
+            if param_name == "d2t":  # draft id -> target id offsets
+                ids = head.draft_to_target + tensor.to(torch.int64).to(device)
+                if tensor.shape != head.draft_to_target.shape or not (
+                        (ids >= 0) & (ids < head.target_vocab)).all():
+                    raise ValueError(f"maps {tuple(tensor.shape)} draft ids outside the "
+                                     f"target's {head.target_vocab} tokens")
+                head.draft_to_target = ids
+                continue
             if param_name not in params:
-                raise ValueError("matches no parameter of an EAGLE-1 head")
+                raise ValueError(f"matches no parameter of an EAGLE-{version} head")
             param = params[param_name]
             if shard is None:
                 param.weight_loader(param, tensor)
@@ -112,7 +225,13 @@ def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype,
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"EAGLE head {name!r} lacks weights for: {', '.join(missing)}.")
+    if version == 3 and head.lm_head.out_features < head.target_vocab and \
+            not any(n.endswith("d2t") for n in tensors):
+        raise ValueError(f"EAGLE-3 head {name!r} has a {head.lm_head.out_features}-token "
+                         "draft vocabulary and no d2t mapping into the target's.")
     if quantization is not None:
         qmodel.quantize_linears(head, QuantConfig(quantization))
     choose_linear_kernels(head)
+    if version == 3:
+        target.model.aux_layers = head.aux_layers
     return head.eval()

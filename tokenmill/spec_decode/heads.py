@@ -28,10 +28,11 @@ from tokenmill.worker.step_inputs import StepInputs
 def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device) -> list:
     """The heads of `config.method` for the target `model` (their attention modules take
     KV caches beside the decoder's): its MTP layers, or the EAGLE head loaded here."""
-    if config.method == "eagle":
+    if config.method in ("eagle", "eagle3"):
         from tokenmill.spec_decode.eagle import load_eagle_head
 
-        return [load_eagle_head(config.model, model, dtype, device, config.quantization)]
+        return [load_eagle_head(config.model, model, dtype, device, config.quantization,
+                                3 if config.method == "eagle3" else 1)]
     layers = list(getattr(model, "mtp", None) or [])
     if not layers:
         raise ValueError(f"Speculative method 'mtp' needs a model with multi-token-prediction "
@@ -75,7 +76,8 @@ class HeadDrafter:
         step = StepInputs(ids, [start for start, _ in feeds],
                           [start + len(r) for (start, _), r in zip(feeds, rows)],
                           [b for _, b in feeds], [], [], [], [])
-        out, chained = self._run(0, step, hidden[torch.cat(rows)])
+        features = self.layers[0].target_features(hidden, self.runner.model)
+        out, chained = self._run(0, step, features[torch.cat(rows)])
         if not drafting:
             return {}
         last = [row for row, _, _, _ in drafting]
@@ -103,7 +105,7 @@ class HeadDrafter:
         """Each row's draft (greedy, or drawn under the request's settings) and, with
         sampling rows, the distributions drawn from."""
         runner = self.runner
-        logits = runner.model.compute_logits(hidden).float()
+        logits = self.layers[0].logits(hidden, runner.model).float()
         return runner.sampling.draft(logits, requests, runner.generator)
 
     def _run(self, index: int, step: StepInputs, previous: torch.Tensor):

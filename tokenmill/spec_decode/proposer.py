@@ -72,7 +72,7 @@ def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_
 
         return DraftModelProposer(config, engine_config, model_path, hf_config, max_model_len,
                                   num_blocks)
-    if config.method == "eagle":
+    if config.method in ("eagle", "eagle3"):
         from tokenmill.spec_decode.heads import HeadProposer
 
         return HeadProposer(config, max_model_len)  # (the head loaded by the runner)

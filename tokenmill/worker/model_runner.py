@@ -117,7 +117,7 @@ class ModelRunner:
         layers = self.model.attention_layers()
         spec = config.speculative_config
         heads = None
-        if spec is not None and spec.method in ("mtp", "eagle"):  # their caches beside ours
+        if spec is not None and spec.method in ("mtp", "eagle", "eagle3"):  # caches beside ours
             from tokenmill.spec_decode.heads import draft_heads
 
             heads = draft_heads(spec, self.model, model_path, self.dtype, self.device)
@@ -145,6 +145,8 @@ class ModelRunner:
             self.heads = HeadDrafter(self, spec, heads)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
+        if getattr(self.model.model, "aux_layers", ()):  # (EAGLE-3 reads what C hides)
+            self.decode_step = None
         # Tensor-parallel ranks must take the same path every step (their collectives pair up).
         rows = self.tp.all_reduce_min(self.decode_step.max_rows if self.decode_step else 0)
         if rows == 0:
