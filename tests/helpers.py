@@ -186,3 +186,21 @@ def write_calibration(tmp_path) -> str:
              "The quick brown fox jumps over the lazy dog. Paris is the capital of France. " * 6]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return str(path)
+
+
+def check_drafts_each_step(core, reference, k: int, max_steps: int = 100) -> int:
+    """Step the engine core until its requests finish; at every step each running request's
+    drafts must be the start of `reference(context, k)`. Returns how many were checked."""
+    checked = 0
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        core.step()
+        for request in core.scheduler.running:
+            if request.spec_token_ids:
+                context = request.prompt_token_ids + request.output_token_ids
+                want = reference(context, k)
+                assert request.spec_token_ids == want[:len(request.spec_token_ids)]
+                checked += 1
+    assert not core.has_unfinished_requests()
+    return checked

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers import check_drafts_each_step
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
@@ -90,17 +91,8 @@ def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch):
         core = llm.engine.core
         for i, prompt in enumerate(PROMPTS):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-        checked = 0
-        for _ in range(100):
-            if not core.has_unfinished_requests():
-                break
-            core.step()
-            for request in core.scheduler.running:
-                if request.spec_token_ids:
-                    context = request.prompt_token_ids + request.output_token_ids
-                    want = reference_drafts(hf, tensors, context, 3)
-                    assert request.spec_token_ids == want[:len(request.spec_token_ids)]
-                    checked += 1
+        checked = check_drafts_each_step(
+            core, lambda context, k: reference_drafts(hf, tensors, context, k), 3)
         assert checked >= 6
         assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]

@@ -6,7 +6,7 @@ speculation; start-up errors."""
 
 import pytest
 import torch
-from helpers import make_model
+from helpers import check_drafts_each_step, make_model
 from test_deepseek_mtp import PROMPTS, _add_mtp
 
 from tokenmill import LLM, SamplingParams
@@ -66,17 +66,8 @@ def test_drafts_equal_the_layer_over_the_whole_context(mtp_model, k, engine):
         core = llm.engine.core
         for i, prompt in enumerate(PROMPTS):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-        checked = 0
-        for _ in range(100):
-            if not core.has_unfinished_requests():
-                break
-            core.step()
-            for request in core.scheduler.running:
-                if request.spec_token_ids:
-                    context = request.prompt_token_ids + request.output_token_ids
-                    want = _reference_drafts(hf, tensors, block, context, k)
-                    assert request.spec_token_ids == want[:len(request.spec_token_ids)]
-                    checked += 1
+        checked = check_drafts_each_step(
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k)
         assert checked >= 6
         assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
 

@@ -96,11 +96,15 @@ class DraftModelProposer(Proposer):
 
     def release(self, request_ids: Iterable[str]) -> None:
         request_ids = list(request_ids)
-        for rid in request_ids:
+        self._free(request_ids)
+        self.runner.sampling.drop(request_ids)
+
+    def _free(self, request_ids: Iterable[str]) -> None:
+        """Give the requests' draft-cache blocks back (their KV is recomputed if needed)."""
+        for rid in list(request_ids):
             cached = self.cached.pop(rid, None)
             if cached is not None:
                 self.pool.free_blocks(reversed(cached.blocks))
-        self.runner.sampling.drop(request_ids)
 
     def _room(self, request: Request, cached: _Cached, positions: int,
               keep: set[str]) -> bool:
@@ -108,7 +112,7 @@ class DraftModelProposer(Proposer):
         requests not drafting now when the pool is short (False: none to spare)."""
         need = -(-positions // self.block_size) - len(cached.blocks)
         if need > self.pool.num_free_blocks:
-            self.release([rid for rid in self.cached if rid not in keep])
+            self._free([rid for rid in self.cached if rid not in keep])
         if need > self.pool.num_free_blocks:
             return False
         if need > 0:
@@ -118,7 +122,7 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def draft(self, chosen: list[tuple[Request, int]]) -> None:
         keep = {r.request_id for r, _ in chosen}
-        seqs = []  # (request, k, cached, its tokens)
+        seqs = []  # (request, k, its draft cache)
         for request, k in chosen:
             cached = self.cached.setdefault(request.request_id, _Cached())
             if self._room(request, cached, request.num_tokens + k - 1, keep):

@@ -47,6 +47,7 @@ class HeadDrafter:
     def __init__(self, runner, config: SpeculativeConfig, heads: list) -> None:
         self.runner = runner
         self.k = config.num_speculative_tokens
+        self.limit = config.disable_by_batch_size
         self.layers = heads
 
     def after_step(self, scheduled, inputs: StepInputs, hidden: torch.Tensor,
@@ -78,7 +79,7 @@ class HeadDrafter:
                           [b for _, b in feeds], [], [], [], [])
         features = self.layers[0].target_features(hidden, self.runner.model)
         out, chained = self._run(0, step, features[torch.cat(rows)])
-        if not drafting:
+        if not drafting or len(scheduled) > self.limit:  # (speculation off: cache rows only)
             return {}
         last = [row for row, _, _, _ in drafting]
         h_out, h_chain = out[last], chained[last]

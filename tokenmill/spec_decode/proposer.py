@@ -4,6 +4,7 @@ proposer of the configured method."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable
 
 from tokenmill.core.request import Request, RequestStatus
@@ -17,7 +18,7 @@ def speculates(request: Request) -> bool:
     return request.status == RequestStatus.RUNNING
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """What every method shares: the budget and who speculates; `draft` sets the chosen
     requests' `spec_token_ids` (and `spec_probs` where drafts are sampled)."""
 
@@ -46,10 +47,11 @@ class Proposer:
         if chosen:
             self.draft(chosen)
 
+    @abc.abstractmethod
     def draft(self, chosen: list[tuple[Request, int]]) -> None:
-        raise NotImplementedError
+        """Set each chosen request's drafts (at most its budget k)."""
 
-    def release(self, request_ids: Iterable[str]) -> None:
+    def release(self, request_ids: Iterable[str]) -> None:  # noqa: B027 (most keep nothing)
         """Requests that left the engine: drop what the proposer keeps for them."""
 
 
