@@ -260,3 +260,33 @@ def test_bad_draft_model_is_a_start_up_error(tiny_models, tmp_path):
         LLM(path, speculative_config=_draft(str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="does not run with tensor or pipeline"):
         LLM(path, tensor_parallel_size=2, speculative_config=_draft(path))
+
+
+@pytest.mark.parametrize("spec", [NGRAM, _draft(k=3, quantization="int4")],
+                         ids=["ngram", "int4-self-draft"])
+def test_n_completions_and_stop_strings_with_speculation(tiny_models, spec):
+    """n > 1 (each completion its own speculating sequence, seeded sampling) and stop
+    strings (found in the text of several tokens accepted at once) give what decoding
+    without speculation gives."""
+    path, _ = tiny_models("llama")
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    with LLM(path, kv_cache_memory_gib=0.05) as llm:
+        texts = [o.outputs[0].text for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False)]
+    stops = [t[len(t) // 2:len(t) // 2 + 2] for t in texts]  # (stop strings the text has)
+    greedy = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[s],
+                             n=2) for s in stops]
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=4, n=3)
+    runs = []
+    for config in (None, spec):
+        with LLM(path, kv_cache_memory_gib=0.05, speculative_config=config) as llm:
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+            runs.append([[(c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+                         for o in outs])
+            seeded = llm.generate(prompts[:2], sampled, use_tqdm=False)
+            assert all(len(o.outputs) == 3 for o in seeded)
+            if config is not None:
+                assert llm.engine.core.scheduler.num_draft_tokens > 0
+    assert runs[0] == runs[1]
+    assert any(reason == "stop" for out in runs[1] for _, reason, _ in out)
