@@ -46,14 +46,6 @@ class MTPLayer(nn.Module):
         return (hidden, summed) if chained else hidden
 
 
-    @staticmethod
-    def target_features(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        """What the layer reads of the main model's step: its final hidden states."""
-        return hidden
-
-    @staticmethod
-    def logits(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        return target.compute_logits(hidden)  # (the main model's LM head)
 
 
 def build_mtp(config: Any, make_attention: Callable[[Any, int], nn.Module],

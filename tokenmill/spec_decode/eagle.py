@@ -57,15 +57,6 @@ class EagleHead(nn.Module):
         out = hidden + residual
         return (out, out) if chained else out
 
-    @staticmethod
-    def target_features(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        """What the head reads of the target's step: its final hidden states."""
-        return hidden
-
-    @staticmethod
-    def logits(hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
-        return target.compute_logits(hidden)
-
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """EAGLE checkpoint name -> (our parameter, shard of a merged one); None: not ours."""
         name = name.removeprefix("model.")
@@ -124,7 +115,7 @@ class Eagle3Head(nn.Module):
         # target id of each draft id (d2t's offsets added at load)
         self.register_buffer("draft_to_target", torch.arange(draft_vocab), persistent=False)
 
-    def target_features(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+    def target_features(self, target: nn.Module) -> torch.Tensor:
         """The target's hidden states entering its aux layers, joined and projected."""
         aux = target.model.aux_hidden
         return self.fc(torch.cat([aux[i] for i in self.aux_layers], dim=-1))
@@ -135,7 +126,7 @@ class Eagle3Head(nn.Module):
         out, summed = self.norm(hidden, residual)
         return (out, summed) if chained else out
 
-    def logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Scores over the target's vocabulary (-inf where no draft token maps)."""
         scores = self.lm_head(hidden)
         full = scores.new_full((scores.shape[0], self.target_vocab), float("-inf"))

@@ -77,7 +77,7 @@ class HeadDrafter:
         step = StepInputs(ids, [start for start, _ in feeds],
                           [start + len(r) for (start, _), r in zip(feeds, rows)],
                           [b for _, b in feeds], [], [], [], [])
-        features = self.layers[0].target_features(hidden, self.runner.model)
+        features = self._features(hidden)
         out, chained = self._run(0, step, features[torch.cat(rows)])
         if not drafting or len(scheduled) > self.limit:  # (speculation off: cache rows only)
             return {}
@@ -105,9 +105,17 @@ class HeadDrafter:
     def _pick(self, hidden: torch.Tensor, requests) -> tuple[list[int], torch.Tensor | None]:
         """Each row's draft (greedy, or drawn under the request's settings) and, with
         sampling rows, the distributions drawn from."""
-        runner = self.runner
-        logits = self.layers[0].logits(hidden, runner.model).float()
-        return runner.sampling.draft(logits, requests, runner.generator)
+        runner, head = self.runner, self.layers[0]
+        # the target's LM head, unless the head has its own (EAGLE-3)
+        own = getattr(head, "logits", None)
+        logits = (own(hidden) if own is not None else runner.model.compute_logits(hidden))
+        return runner.sampling.draft(logits.float(), requests, runner.generator)
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What head 0 reads of the target's step: its final hidden states, unless the head
+        takes others (EAGLE-3: the states entering three of its layers)."""
+        own = getattr(self.layers[0], "target_features", None)
+        return hidden if own is None else own(self.runner.model)
 
     def _run(self, index: int, step: StepInputs, previous: torch.Tensor):
         """One head over `step`'s rows: (hidden states for the logits, for the next draft)."""
