@@ -72,13 +72,19 @@ def test_greedy_outputs_equal_decoding_without_speculation(tiny_models, arch):
     assert chunked == base
 
 
-def test_preemption_with_drafts_keeps_outputs(tiny_models):
-    path, _ = tiny_models("qwen2")
+def _greedy_baseline(path):
+    """(params, prompts, token ids decoding them without speculation) of the preemption
+    tests."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     with LLM(path, kv_cache_memory_gib=0.05) as llm:
-        base = [list(o.outputs[0].token_ids)
-                for o in llm.generate(prompts, params, use_tqdm=False)]
+        return params, prompts, [list(o.outputs[0].token_ids)
+                                 for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_preemption_with_drafts_keeps_outputs(tiny_models):
+    path, _ = tiny_models("qwen2")
+    params, prompts, base = _greedy_baseline(path)
     with LLM(path, num_kv_blocks=12, block_size=8, speculative_config=NGRAM) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         core = llm.engine.core
@@ -184,11 +190,7 @@ def test_draft_model_greedy_outputs_equal_decoding_without_it(tiny_models, arch,
 
 def test_draft_model_under_chunked_prefill_prefix_hits_and_preemption(tiny_models):
     path, _ = tiny_models("qwen2")
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in _prompts()]
-    with LLM(path, kv_cache_memory_gib=0.05) as llm:
-        base = [list(o.outputs[0].token_ids)
-                for o in llm.generate(prompts, params, use_tqdm=False)]
+    params, prompts, base = _greedy_baseline(path)
     for engine in ({"max_num_batched_tokens": 7, "block_size": 8,
                     "kv_cache_memory_gib": 0.05},
                    {"num_kv_blocks": 12, "block_size": 8}):

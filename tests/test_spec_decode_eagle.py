@@ -78,21 +78,17 @@ def reference_drafts(hf, tensors, context, k):
     return drafts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch):
-    path, hf = tiny_models(arch)
-    eagle = str(tmp_path / "eagle")
-    tensors = make_eagle(path, eagle)
-    spec = {"method": "eagle", "model": eagle, "num_speculative_tokens": 3,
-            "disable_by_batch_size": 8}
+def check_head(path: str, spec: dict, reference) -> None:
+    """A head's drafts at every step (chunked prompts) equal `reference(context, k)`, its
+    KV blocks all come back, and greedy outputs under preemption equal decoding without it
+    (shared with the EAGLE-3 tests)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(path, kv_cache_memory_gib=0.02, enable_prefix_caching=False,
              max_num_batched_tokens=11, speculative_config=spec) as llm:
         core = llm.engine.core
         for i, prompt in enumerate(PROMPTS):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-        checked = check_drafts_each_step(
-            core, lambda context, k: reference_drafts(hf, tensors, context, k), 3)
+        checked = check_drafts_each_step(core, reference, spec["num_speculative_tokens"])
         assert checked >= 6
         assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -101,7 +97,18 @@ def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch):
     with LLM(path, num_kv_blocks=14, block_size=4, speculative_config=spec) as llm:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.core.scheduler.num_preemptions > 0
+        assert llm.engine.core.kv_cache.pool.num_free_blocks == 14
     assert outs == base
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch):
+    path, hf = tiny_models(arch)
+    eagle = str(tmp_path / "eagle")
+    tensors = make_eagle(path, eagle)
+    check_head(path, {"method": "eagle", "model": eagle, "num_speculative_tokens": 3,
+                      "disable_by_batch_size": 8},
+               lambda context, k: reference_drafts(hf, tensors, context, k))
 
 
 def test_bad_eagle_heads_are_start_up_errors(tiny_models, tmp_path):

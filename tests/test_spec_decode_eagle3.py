@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
-from helpers import check_drafts_each_step, make_model
+from helpers import make_model
 from safetensors.torch import save_file
+from test_spec_decode_eagle import check_head
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.engine.protocol import EngineCoreRequest
+from tokenmill import LLM
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40)), [7, 8, 9, 7, 8, 9, 7]]
 AUX = (2, 3, 3)  # EAGLE-3's default for 6 layers: 2, L / 2, L - 3
@@ -114,26 +114,10 @@ def test_eagle3_drafts_and_outputs(target, tmp_path):
     path, hf = target
     head = str(tmp_path / "eagle3")
     tensors = make_eagle3(path, head)
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
-            "disable_by_batch_size": 8}
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with LLM(path, kv_cache_memory_gib=0.02, enable_prefix_caching=False,
-             max_num_batched_tokens=11, speculative_config=spec) as llm:
-        core = llm.engine.core
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
-        # (the reference maps every draft through d2t: drafts are draft-vocabulary tokens)
-        checked = check_drafts_each_step(
-            core, lambda context, k: reference_drafts(hf, tensors, context, k), 3)
-        assert checked >= 6
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    with LLM(path, kv_cache_memory_gib=0.02) as llm:
-        base = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(path, num_kv_blocks=14, block_size=4, speculative_config=spec) as llm:
-        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.engine.core.scheduler.num_preemptions > 0
-        assert llm.engine.core.kv_cache.pool.num_free_blocks == 14
-    assert outs == base
+    # (the reference maps every draft through d2t: drafts are draft-vocabulary tokens)
+    check_head(path, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                      "disable_by_batch_size": 8},
+               lambda context, k: reference_drafts(hf, tensors, context, k))
 
 
 def test_bad_eagle3_heads_are_start_up_errors(target, tiny_models, tmp_path):
