@@ -89,3 +89,14 @@ def offline_llm(engine_address):
     from tokenmill import LLM
 
     return LLM(engine_address[0], kv_cache_memory_gib=0.02)
+
+
+@pytest.fixture(autouse=True)
+def _float32_on_gpu(monkeypatch):
+    """The references are float32; a GPU's "auto" dtype would be bfloat16."""
+    if torch.cuda.is_available():
+        from tokenmill.worker import model_runner
+
+        resolve = model_runner.resolve_dtype
+        monkeypatch.setattr(model_runner, "resolve_dtype", lambda name, *a: resolve(
+            "float32" if name == "auto" else name, *a))

@@ -30,7 +30,7 @@ def test_the_cache_holds_one_latent_row_per_token_and_layer(tiny_models):
 def test_absorbed_attention_equals_the_expanded_reference(tiny_models):
     """Random latents in the cache, mixed decodes and prompt chunks with cached context."""
     path, _ = tiny_models("deepseek_v3")
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+    with LLM(path, kv_cache_memory_gib=0.01, device="cpu") as llm:  # (CPU-built metadata)
         layer = llm.engine.core.runner.model.attention_layers()[0]
         rng = random.Random(0)
         meta = paged_step([(9, 1), (30, 1), (0, 7), (12, 5)], 16, 20, rng)

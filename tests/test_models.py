@@ -117,7 +117,7 @@ def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
 
     def run():
-        llm = LLM(path, kv_cache_memory_gib=0.05, quantization=quantization)
+        llm = LLM(path, kv_cache_memory_gib=0.05, quantization=quantization, device="cpu")
         return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     whole = run()
@@ -147,7 +147,8 @@ def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatc
 def test_last_layer_runs_only_the_rows_sampled_from(tiny_models, arch, cpu_ops):
     """A step's last layer takes only the rows it samples from past the K/V projection: their
     hidden states equal the full forward's, and every row's K/V reaches the cache the same."""
-    llm = LLM(tiny_models(arch)[0], kv_cache_memory_gib=0.01, block_size=4)
+    # device: the metadata below is built on the CPU
+    llm = LLM(tiny_models(arch)[0], kv_cache_memory_gib=0.01, block_size=4, device="cpu")
     runner = llm.engine.core.runner
     model, caches = runner.model, [c for a in runner.model.attention_layers()
                                    for c in (a.k_cache, a.v_cache)]

@@ -131,7 +131,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
     a("--gpu-memory-utilization", type=float, default=None)
     a("--kv-cache-memory", type=float, default=None, metavar="GIB",
-      help="CPU memory for KV blocks in GiB (default 4)")
+      help="memory for KV blocks in GiB (default 4 on the CPU; on a GPU it overrides "
+           "--gpu-memory-utilization)")
     a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     a("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -278,7 +279,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": block_size,
         "enable_prefix_caching": pick(args.enable_prefix_caching, None, True),
-        "kv_cache_memory_gib": pick(args.kv_cache_memory, None, 4.0),
+        "kv_cache_memory_gib": args.kv_cache_memory,
         "gpu_memory_utilization": pick(args.gpu_memory_utilization, None, 0.9),
         "num_kv_blocks": num_kv_blocks,
         "seed": pick(args.seed, None, 0),

@@ -23,7 +23,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory_gib: float = 4.0  # CPU: bytes set aside for K/V blocks
+    # bytes set aside for K/V blocks; unset: 4 GiB on the CPU, gpu_memory_utilization on a GPU
+    kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.9  # GPU: fraction of device memory for weights + KV
     num_kv_blocks: int | None = None  # explicit block count; overrides both budgets
     seed: int = 0
@@ -95,7 +96,7 @@ class EngineConfig:
         positive_int("num_kv_blocks", allow_none=True)
         if self.block_size > 256:
             raise ValueError(f"block_size must be <= 256, got {self.block_size}.")
-        if not self.kv_cache_memory_gib > 0:
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
             raise ValueError(
                 f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -224,3 +224,18 @@ def test_gguf_blocks_split_across_ranks_as_they_are(tiny_models, tmp_path, qtype
                 [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
     assert results[2] == results[1]
     assert sizes[2] * 2 == sizes[1]
+
+
+def test_each_rank_of_a_node_gets_its_own_gpu(monkeypatch):
+    """No GPU needed: the device each rank would take, and the error when a node has too few."""
+    import torch
+
+    from tokenmill.worker.model_runner import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [resolve_device("cuda", r, 4) for r in range(8)] == [
+        torch.device("cuda", i % 4) for i in range(8)]  # two nodes of four ranks
+    assert resolve_device("cuda:2", 1, 2) == torch.device("cuda", 2)  # pinned by the user
+    assert resolve_device("cpu", 3, 4) == torch.device("cpu")
+    with pytest.raises(ValueError, match="8 parallel ranks per node need as many GPUs; 4 visible"):
+        resolve_device("cuda", 0, 8)

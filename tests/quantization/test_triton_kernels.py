@@ -37,7 +37,7 @@ def test_kernels_route_gpu_weights_to_triton(kernel, monkeypatch):
 
     monkeypatch.setattr(linear_kernels.QuantizedKernel, "_on_fast_cpu", lambda self: False)
     monkeypatch.setattr(linear_kernels.QuantizedKernel, "_on_triton_gpu", lambda self, k: True)
-    layer = Linear(64, 40, bias=True)
+    layer = Linear(64, 40, bias=True).to(device)
     layer.weight.data.normal_(0, 0.05)
     layer.bias.data.normal_()
     k = kernel.from_weight(layer.weight.detach())
@@ -45,6 +45,6 @@ def test_kernels_route_gpu_weights_to_triton(kernel, monkeypatch):
     calls = []
     monkeypatch.setattr(triton_kernels, "weight_only_matmul",
                         lambda *a, f=triton_kernels.weight_only_matmul: calls.append(1) or f(*a))
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, device=device)
     torch.testing.assert_close(k.apply(layer, x), k.reference(layer, x), rtol=1e-4, atol=1e-4)
     assert calls

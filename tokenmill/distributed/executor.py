@@ -46,7 +46,8 @@ def join_as_rank0(group, config: EngineConfig, shm_paths: list[str] | None = Non
 
     try:
         init_parallel(0, config.tensor_parallel_size, group.init_method,
-                      config.distributed_timeout, resolve_device(config.device), shm_paths,
+                      config.distributed_timeout,
+                      resolve_device(config.device, 0, config.ranks_per_node), shm_paths,
                       group.host, config.pipeline_parallel_size,
                       config.enable_expert_parallel)
     except Exception as exc:

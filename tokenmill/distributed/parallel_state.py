@@ -211,6 +211,8 @@ def init_parallel(rank: int, tp_size: int, rendezvous: str, timeout_s: float,
         raise RanksMissing(f"tensor-parallel rank(s) {missing} did not join within "
                            f"{timeout_s:g} s (--distributed-timeout).", missing) from None
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)  # NCCL's communicator: this rank's GPU
     device = device if cuda else _CPU
     world = _backend(dist.PrefixStore("world", store), rank, size, cuda, host)
     _WORLD = World(rank, tp_size, pp_size, world, store, device)

@@ -58,7 +58,7 @@ def run(spec: WorkerSpec) -> None:
     from tokenmill.worker.model_runner import ModelRunner, resolve_device
 
     torch.set_num_threads(spec.threads)
-    device = resolve_device(spec.config.device)
+    device = resolve_device(spec.config.device, spec.rank, spec.config.ranks_per_node)
     init_parallel(spec.rank, spec.config.tensor_parallel_size, spec.init_method,
                   spec.config.distributed_timeout, device, spec.shm_paths, spec.host,
                   spec.config.pipeline_parallel_size, spec.config.enable_expert_parallel)

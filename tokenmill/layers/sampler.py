@@ -149,7 +149,7 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
                  ks: list[int]) -> list[tuple[list[int], list[float], float, int]]:
     """For each row: top-k ids and logprobs, the chosen token's logprob and its rank (1-based)."""
-    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    chosen_lp = logprobs.gather(1, chosen.to(logprobs.device).unsqueeze(1)).squeeze(1)
     ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
     k_max = max(ks)
     top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)

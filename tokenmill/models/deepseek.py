@@ -106,10 +106,11 @@ def _sequence_rows(cache: torch.Tensor, meta: AttentionMetadata, s: int) -> torc
     return cache[blocks].reshape(-1, cache.shape[-1])[:length]
 
 
-def _future(n: int, length: int) -> torch.Tensor:
+def _future(n: int, length: int, device: torch.device) -> torch.Tensor:
     """[n, length] True where a key lies after its query (the n queries are the sequence's
     last positions): masked out."""
-    return torch.arange(length).unsqueeze(0) > torch.arange(length - n, length).unsqueeze(1)
+    keys = torch.arange(length, device=device)
+    return keys.unsqueeze(0) > keys[length - n:].unsqueeze(1)
 
 
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -126,7 +127,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         scores = (torch.einsum("qhr,kr->hqk", q_latent[start:end], c)
                   + torch.einsum("qhd,kd->hqk", q_pe[start:end], k_pe)) * scale
         n, length = end - start, rows.shape[0]
-        mask = _future(n, length)
+        mask = _future(n, length, scores.device)
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1)
         out[start:end] = torch.einsum("hqk,kr->qhr", probs.to(c.dtype), c)
     return out
@@ -148,7 +149,7 @@ def mla_reference(layer: MLAttention, q: torch.Tensor, q_pe: torch.Tensor,
         n, length = end - start, rows.shape[0]
         scores = (torch.einsum("qhn,khn->hqk", q[start:end], k_nope)
                   + torch.einsum("qhd,kd->hqk", q_pe[start:end], k_pe)) * layer.scale
-        mask = _future(n, length)
+        mask = _future(n, length, scores.device)
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
         out[start:end] = torch.einsum("hqk,khv->qhv", probs, v)
     return out

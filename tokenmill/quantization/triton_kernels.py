@@ -17,7 +17,7 @@ BLOCK_K = 32  # one int4 block of the Q4 layout; every group size is a multiple 
 def _weight_only_matmul(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, y_ptr, M, N, K, groups,
                         group, stride_xm, stride_wn, stride_ym, INT4: tl.constexpr,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,7 +44,7 @@ def _weight_only_matmul(x_ptr, w_ptr, scale_ptr, min_ptr, bias_ptr, y_ptr, M, N,
         if INT4:
             low = tl.load(min_ptr + offs_n * groups + g, mask=n_mask, other=0.0).to(tl.float32)
             w = w + low[None, :]
-        acc += tl.dot(x, w.to(x.dtype))
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
@@ -67,5 +67,7 @@ def weight_only_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
         x, qweight, scale, mins if mins is not None else scale,
         bias if bias is not None else scale, y, m, n, k, k // group, group, x.stride(0),
         qweight.stride(0), y.stride(0), INT4=mins is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        # float32 activations: TF32 only where torch's own matmuls would use it
+        PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
     return y

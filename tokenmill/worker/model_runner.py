@@ -53,10 +53,19 @@ class RunnerOutput:
     drafts: dict[str, tuple[list[int], Any]] = field(default_factory=dict)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0, ranks_per_node: int = 1) -> torch.device:
+    """The device of parallel rank `rank`: on GPUs, one GPU per rank of a node (cuda:N
+    pins every rank to N)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    visible = torch.cuda.device_count()
+    if ranks_per_node > visible:
+        raise ValueError(f"{ranks_per_node} parallel ranks per node need as many GPUs; "
+                         f"{visible} visible (CUDA_VISIBLE_DEVICES).")
+    return torch.device("cuda", rank % ranks_per_node)
 
 
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -96,7 +105,7 @@ class ModelRunner:
         # joined before the model is built (distributed/executor.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, self.world.rank, config.ranks_per_node)
         # pipeline parallel: the hand-offs between stages
         self.link = StageLink(self.world, self.device) if self.world.pp_size > 1 else None
         if self.device.type == "cpu":
@@ -159,10 +168,11 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type == "cuda":
+        gib = self.config.kv_cache_memory_gib
+        if self.device.type == "cuda" and gib is None:
             budget = kv_cache.gpu_kv_budget_bytes(self.device, self.config.gpu_memory_utilization)
         else:
-            budget = int(self.config.kv_cache_memory_gib * 2**30)
+            budget = int((4.0 if gib is None else gib) * 2**30)
         num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)
         if num_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise kv_cache_memory_gib / "

@@ -1,0 +1,194 @@
+"""GPU checklist (issue 30): correctness of the engine on a CUDA device against transformers,
+then batch-1 decode against the HBM roofline, batched throughput against transformers'
+`generate`, and 2k-token prefill against bf16 tensor-core peak. Every section runs even when
+an earlier one fails; results go to one JSON file.
+
+    python bench/gpu_check.py --out bench/results/gpu-<card>-<date>.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def timed(fn, reps: int = 1) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def hardware() -> dict:
+    """The card's own limits, measured: copy bandwidth and a large bf16 matmul."""
+    props = torch.cuda.get_device_properties(0)
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t = timed(lambda: y.copy_(x), 10)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    a @ a
+    tm = timed(lambda: a @ a, 10)
+    return {"name": props.name, "memory_gib": props.total_memory / 2**30,
+            "sms": props.multi_processor_count, "torch": torch.__version__,
+            "copy_gbps": 2 * 2 * 2**30 / t / 1e9, "bf16_matmul_tflops": 2 * 8192**3 / tm / 1e12}
+
+
+def correctness(root: str) -> dict:
+    """Tiny random models: greedy tokens from tokenmill on cuda equal transformers' on cuda."""
+    from helpers import make_model
+
+    from tokenmill import LLM, SamplingParams
+
+    out = {}
+    prompts = [[5, 9, 17, 33, 2, 8], [7] * 40, list(range(3, 120))]
+    for arch in ("llama", "qwen2", "qwen3"):
+        path = os.path.join(root, arch)
+        hf = make_model(path, arch).to("cuda")
+        refs = []
+        for p in prompts:
+            with torch.no_grad():
+                ids = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24,
+                                  min_new_tokens=24, do_sample=False, pad_token_id=0)
+            refs.append(ids[0, len(p):].tolist())
+        llm = LLM(path, device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                  max_num_batched_tokens=64, block_size=16)  # 64: the long prompt is chunked
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+        out[arch] = {"equal": got == refs, "matching_prefix": [
+            next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
+            for g, r in zip(got, refs)]}
+        del llm, hf
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_model(path: str):
+    """Qwen2-0.5B's shape with random bf16 weights (tied embeddings: 0.49 B parameters)."""
+    import transformers as tf
+    from helpers import make_tokenizer
+
+    config = tf.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                            num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                            max_position_embeddings=4096, tie_word_embeddings=True,
+                            eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(path)
+    make_tokenizer(path)
+    return model
+
+
+def transformers_side(hf, prompts: list[list[int]], out_len: int) -> dict:
+    """The model's size, and transformers' `generate` at batch 1 and over every prompt."""
+    res = {"params": sum(p.numel() for p in hf.parameters()),
+           "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
+
+    def hf_generate(ids, n):
+        with torch.inference_mode():
+            return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    ids = torch.tensor(prompts, device="cuda")
+    hf_generate(ids[:2], 4)
+    res["hf_batch1_tok_s"] = out_len / timed(lambda: hf_generate(ids[:1], out_len))
+    res["hf_batch_tok_s"] = len(prompts) * out_len / timed(lambda: hf_generate(ids, out_len))
+    return res
+
+
+def performance(root: str, quick: bool) -> dict:
+    from tokenmill import LLM, SamplingParams
+
+    path = os.path.join(root, "qwen05b")
+    g = torch.Generator().manual_seed(0)
+    out_len = 64 if quick else 128
+    batch = 32 if quick else 64
+    prompts = [torch.randint(2, 150000, (128,), generator=g).tolist() for _ in range(batch)]
+    long_prompt = torch.randint(2, 150000, (2048,), generator=g).tolist()
+    res = transformers_side(bench_model(path).to("cuda"), prompts, out_len)
+    torch.cuda.empty_cache()
+
+    llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
+              enable_prefix_caching=False, max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+
+    def run(ps, p):
+        return llm.generate([{"prompt_token_ids": x} for x in ps], p, use_tqdm=False)
+
+    run(prompts[:2], params.clone(max_tokens=4))
+    t1 = timed(lambda: run(prompts[:1], params))
+    t0 = timed(lambda: run(prompts[:1], params.clone(max_tokens=1)))
+    per_token = (t1 - t0) / (out_len - 1)
+    res["batch1_tok_s"] = 1 / per_token
+    res["batch1_roofline_tok_s"] = None  # filled by the caller from the measured bandwidth
+    res["batch_tok_s"] = batch * out_len / timed(lambda: run(prompts, params))
+    run([long_prompt], params.clone(max_tokens=1))
+    tp = timed(lambda: run([long_prompt], params.clone(max_tokens=1)), 3)
+    # 2·params per token for the linears (the tied LM head runs once, on the last token) plus
+    # causal attention's QK and PV: 2·2·(L²/2)·heads·head_dim per layer
+    linear = 2 * (res["params"] - 151936 * 896) * len(long_prompt)
+    attn = 24 * 2 * 2 * (len(long_prompt) ** 2 / 2) * 14 * 64
+    res["prefill_2k_s"] = tp
+    res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
+    res["decode_profile"] = profile_decode(lambda: run(prompts[:1], params.clone(max_tokens=9)))
+    return res
+
+
+def profile_decode(fn) -> dict:
+    """Where batch-1 decode's time goes: the ops with the most CPU time over one short
+    request, and how many kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    return {"cuda_kernels": kernels, "top_self_cpu_us": [
+        [e.key[:60], e.count, round(e.self_cpu_time_total)] for e in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    result = {"date": datetime.date.today().isoformat(),
+              "command": "python " + " ".join(sys.argv)}
+    root = tempfile.mkdtemp()
+    for name, fn in (("hardware", hardware), ("correctness", lambda: correctness(root)),
+                     ("performance", lambda: performance(root, args.quick))):
+        start = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception:  # noqa: BLE001 - a checklist reports every section
+            result[name] = {"error": traceback.format_exc()[-3000:]}
+        result[name]["seconds"] = time.perf_counter() - start
+        print(json.dumps({name: result[name]}, indent=1), flush=True)
+    hw, perf = result["hardware"], result["performance"]
+    if "copy_gbps" in hw and "weight_bytes" in perf:
+        perf["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / perf["weight_bytes"]
+        perf["batch1_of_roofline"] = perf["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
+        perf["batch_vs_hf"] = perf["batch_tok_s"] / perf["hf_batch_tok_s"]
+        perf["prefill_of_peak"] = perf["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(perf, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py, then the GPU tests.
+# Usage: bash bench/gpu_check.sh [OUTDIR]   (default bench/results); set TESTS_S to bound the
+# test part in seconds (default 300). Wheels for packages the machine lacks may sit in .whl/.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-bench/results}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
+stamp=$(date -u +%Y-%m-%d)
+python3 bench/gpu_check.py --out "$out/gpu-$card-$stamp.json" ${QUICK:+--quick}
+timeout "${TESTS_S:-300}" python3 -m pytest -q --maxfail=30 -rf -p no:cacheprovider --timeout 120 \
+  tests/quantization/test_triton_kernels.py tests/test_models.py tests/test_engine_equivalence.py \
+  tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_spec_decode.py \
+  2>&1 | tee "$out/gpu-tests-$card-$stamp.log" | grep -vE '^\s*$' | tail -40
