@@ -260,8 +260,10 @@ def test_bad_draft_model_is_a_start_up_error(tiny_models, tmp_path):
         LLM(path, speculative_config=_draft(other))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(path, speculative_config=_draft(str(tmp_path / "missing")))
-    with pytest.raises(ValueError, match="does not run with tensor or pipeline"):
+    with pytest.raises(ValueError, match="'draft_model' does not run with tensor parallel"):
         LLM(path, tensor_parallel_size=2, speculative_config=_draft(path))
+    with pytest.raises(ValueError, match="does not run with pipeline parallel yet"):
+        LLM(path, pipeline_parallel_size=2, speculative_config=NGRAM)
 
 
 @pytest.mark.parametrize("spec", [NGRAM, _draft(k=3, quantization="int4")],

@@ -110,14 +110,15 @@ def reference_drafts(hf, t, context, k):
     return drafts
 
 
-def test_eagle3_drafts_and_outputs(target, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_eagle3_drafts_and_outputs(target, tmp_path, tp):
     path, hf = target
     head = str(tmp_path / "eagle3")
     tensors = make_eagle3(path, head)
     # (the reference maps every draft through d2t: drafts are draft-vocabulary tokens)
     check_head(path, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
                       "disable_by_batch_size": 8},
-               lambda context, k: reference_drafts(hf, tensors, context, k))
+               lambda context, k: reference_drafts(hf, tensors, context, k), tp)
 
 
 def test_bad_eagle3_heads_are_start_up_errors(target, tiny_models, tmp_path):

@@ -72,9 +72,12 @@ class EngineConfig:
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         method = getattr(self.speculative_config, "method", None)
-        if method not in (None, "ngram") and self.world_size > 1:
-            raise ValueError(f"Speculative method {method!r} does not run with tensor or "
-                             "pipeline parallel yet: use the \"ngram\" method there.")
+        if method is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("Speculative decoding does not run with pipeline parallel yet: "
+                             "drop --speculative-config or --pipeline-parallel-size.")
+        if method == "draft_model" and self.world_size > 1:
+            raise ValueError("Speculative method 'draft_model' does not run with tensor "
+                             "parallel yet: use \"mtp\", \"eagle\" or \"ngram\" there.")
         self.validate()
 
     def validate(self) -> None:

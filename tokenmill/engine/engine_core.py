@@ -139,10 +139,6 @@ class EngineCore:
         # speculative decoding: draft tokens for the running requests after each step
         self.proposer = None
         if config.speculative_config is not None:
-            if self.batch_queue is not None:
-                raise ValueError("Speculative decoding does not run with pipeline parallel "
-                                 "yet: drop --speculative-config or "
-                                 "--pipeline-parallel-size.")
             from tokenmill.spec_decode.proposer import make_proposer
             try:
                 self.proposer = make_proposer(config.speculative_config, config, model_path,

@@ -12,12 +12,17 @@ and the head's own output before any final norm (as vLLM chains them); with seve
 layers, draft j uses layer (j - 1) mod their count.
 
 A prefix-cache hit reuses blocks whose head row at the block's last position saw another
-request's next token: only the drafts' quality can suffer, never the output."""
+request's next token: only the drafts' quality can suffer, never the output.
+
+Under tensor parallel every rank runs each head pass (their layers' collectives pair up):
+rank 0, which samples, sends the other ranks each pass's rows (`HeadPass`), and they follow
+(`HeadDrafter.follow`) until an empty message ends the step's drafting."""
 
 from __future__ import annotations
 
 import os
 
+import msgspec
 import torch
 
 from tokenmill.spec_decode.config import SpeculativeConfig
@@ -41,6 +46,17 @@ def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device
     return layers
 
 
+class HeadPass(msgspec.Struct, array_like=True, frozen=True):
+    """One head pass, from rank 0 to the other tensor-parallel ranks."""
+    step: bytes  # StepInputs.encode() of the pass's rows
+    layer: int  # which head runs it
+    rows: list[int] = []  # first pass: the target's rows the head reads
+    last: list[int] = []  # first pass: each drafting request's last row (none: no drafts)
+
+
+_PASS = msgspec.msgpack.Decoder(HeadPass)
+
+
 class HeadDrafter:
     """Runs in the target's model runner, right after a step's sampling."""
 
@@ -49,6 +65,31 @@ class HeadDrafter:
         self.k = config.num_speculative_tokens
         self.limit = config.disable_by_batch_size
         self.layers = heads
+        self.tp = runner.tp
+
+    def _send(self, message: HeadPass | None) -> None:
+        """Rank 0: the next pass to the other ranks (None: the step's drafting is over)."""
+        if self.tp.size > 1:
+            self.tp.broadcast_bytes(b"" if message is None else msgspec.msgpack.encode(message))
+
+    def follow(self, hidden: torch.Tensor) -> None:
+        """Ranks other than 0, after each target step: run the passes rank 0 runs."""
+        data = self.tp.broadcast_bytes(None)
+        if not data:
+            return
+        first = _PASS.decode(data)
+        out, chained = self._run(0, StepInputs.decode(first.step),
+                                 self._features(hidden)[first.rows])
+        if not first.last:
+            return
+        h_out, h_chain = out[first.last], chained[first.last]
+        while True:
+            self._logits(h_out)  # (its vocabulary shards meet on rank 0)
+            data = self.tp.broadcast_bytes(None)
+            if not data:
+                return
+            step = _PASS.decode(data)
+            h_out, h_chain = self._run(step.layer, StepInputs.decode(step.step), h_chain)
 
     def after_step(self, scheduled, inputs: StepInputs, hidden: torch.Tensor,
                    sampled: dict[str, list[int]]) -> dict[str, tuple[list[int], object]]:
@@ -73,15 +114,18 @@ class HeadDrafter:
                     drafting.append((len(ids) - 1, request, start + count, inputs.block_ids[i]))
             first += end - start
         if not feeds:
+            self._send(None)
             return {}
         step = StepInputs(ids, [start for start, _ in feeds],
                           [start + len(r) for (start, _), r in zip(feeds, rows)],
                           [b for _, b in feeds], [], [], [], [])
-        features = self._features(hidden)
-        out, chained = self._run(0, step, features[torch.cat(rows)])
-        if not drafting or len(scheduled) > self.limit:  # (speculation off: cache rows only)
+        order = torch.cat(rows)
+        # (speculation off: the head's cache rows only)
+        last = [row for row, _, _, _ in drafting] if len(scheduled) <= self.limit else []
+        self._send(HeadPass(step.encode(), 0, order.tolist(), last))
+        out, chained = self._run(0, step, self._features(hidden)[order])
+        if not last:
             return {}
-        last = [row for row, _, _, _ in drafting]
         h_out, h_chain = out[last], chained[last]
         requests = [r for _, r, _, _ in drafting]
         drafts: list[list[int]] = [[] for _ in drafting]
@@ -92,12 +136,14 @@ class HeadDrafter:
                                   [pos + j - 1 for _, _, pos, _ in drafting],
                                   [pos + j for _, _, pos, _ in drafting],
                                   [b for _, _, _, b in drafting], [], [], [], [])
+                self._send(HeadPass(step.encode(), j % len(self.layers)))
                 h_out, h_chain = self._run(j % len(self.layers), step, h_chain)
             tokens, q = self._pick(h_out, requests)
             for row, token in enumerate(tokens):
                 drafts[row].append(token)
                 if q is not None:
                     probs[row].append(q[row])
+        self._send(None)
         return {r.request_id: (drafts[row], torch.stack(probs[row])
                                if probs[row] and r.sampling_params.temperature > 0 else None)
                 for row, r in enumerate(requests)}
@@ -105,11 +151,14 @@ class HeadDrafter:
     def _pick(self, hidden: torch.Tensor, requests) -> tuple[list[int], torch.Tensor | None]:
         """Each row's draft (greedy, or drawn under the request's settings) and, with
         sampling rows, the distributions drawn from."""
-        runner, head = self.runner, self.layers[0]
-        # the target's LM head, unless the head has its own (EAGLE-3)
-        own = getattr(head, "logits", None)
-        logits = (own(hidden) if own is not None else runner.model.compute_logits(hidden))
-        return runner.sampling.draft(logits.float(), requests, runner.generator)
+        logits = self._logits(hidden)
+        return self.runner.sampling.draft(logits.float(), requests, self.runner.generator)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The target's LM head, unless the head has its own (EAGLE-3); None on ranks other
+        than 0 under tensor parallel."""
+        own = getattr(self.layers[0], "logits", None)
+        return own(hidden) if own is not None else self.runner.model.compute_logits(hidden)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What head 0 reads of the target's step: its final hidden states, unless the head

@@ -313,7 +313,9 @@ class ModelRunner:
                     if self.link is not None:
                         self.link.stop_next()
                     return
-                self.run(StepInputs.decode(data), data)
+                result = self.run(StepInputs.decode(data), data)
+                if self.heads is not None and result is not None:
+                    self.heads.follow(result[2])
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' `serve_steps` to return."""
