@@ -188,6 +188,23 @@ def test_draft_model_greedy_outputs_equal_decoding_without_it(tiny_models, arch,
             assert _draft_blocks_free(llm)
 
 
+def test_draft_model_beside_a_tensor_parallel_target(tiny_models):
+    """The draft runs whole on rank 0 while two ranks run the target: outputs equal one
+    rank's without speculation, with the target as its own draft and with its int4 copy."""
+    path, _ = tiny_models("llama")
+    base, _ = _run(path, kv_cache_memory_gib=0.05)
+    for spec in (_draft(path, k=3), _draft(quantization="int4", k=2)):
+        with LLM(path, kv_cache_memory_gib=0.05, tensor_parallel_size=2,
+                 speculative_config=spec) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], _params(),
+                                use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == base
+            assert llm.engine.core.scheduler.num_accepted_tokens > 0
+            assert _draft_blocks_free(llm)
+            # the draft's layers are whole: its runner is a world of one
+            assert llm.engine.core.proposer.runner.tp.size == 1
+
+
 def test_draft_model_under_chunked_prefill_prefix_hits_and_preemption(tiny_models):
     path, _ = tiny_models("qwen2")
     params, prompts, base = _greedy_baseline(path)
@@ -260,8 +277,6 @@ def test_bad_draft_model_is_a_start_up_error(tiny_models, tmp_path):
         LLM(path, speculative_config=_draft(other))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(path, speculative_config=_draft(str(tmp_path / "missing")))
-    with pytest.raises(ValueError, match="'draft_model' does not run with tensor parallel"):
-        LLM(path, tensor_parallel_size=2, speculative_config=_draft(path))
     with pytest.raises(ValueError, match="does not run with pipeline parallel yet"):
         LLM(path, pipeline_parallel_size=2, speculative_config=NGRAM)
 

@@ -75,9 +75,6 @@ class EngineConfig:
         if method is not None and self.pipeline_parallel_size > 1:
             raise ValueError("Speculative decoding does not run with pipeline parallel yet: "
                              "drop --speculative-config or --pipeline-parallel-size.")
-        if method == "draft_model" and self.world_size > 1:
-            raise ValueError("Speculative method 'draft_model' does not run with tensor "
-                             "parallel yet: use \"mtp\", \"eagle\" or \"ngram\" there.")
         self.validate()
 
     def validate(self) -> None:

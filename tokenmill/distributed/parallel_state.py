@@ -12,6 +12,7 @@ across nodes; never on every interface."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -178,6 +179,19 @@ _OP_TIMEOUT = datetime.timedelta(days=3650)
 
 def get_tp_group() -> TensorParallelGroup:
     return _GROUP
+
+
+@contextlib.contextmanager
+def single_rank():
+    """Layers built inside see a world of one rank (whole weights, no collectives): a
+    speculative draft model that rank 0 runs alone beside a tensor-parallel target."""
+    global _GROUP, _WORLD
+    saved = _GROUP, _WORLD
+    _GROUP, _WORLD = TensorParallelGroup(), World()
+    try:
+        yield
+    finally:
+        _GROUP, _WORLD = saved
 
 
 def get_world() -> World:

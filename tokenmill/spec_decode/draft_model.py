@@ -69,18 +69,22 @@ def check_vocabulary(draft_path: str, target_path: str, draft_vocab: int,
 class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, engine_config, target_path: str,
                  target_hf, max_model_len: int, num_blocks: int) -> None:
+        from tokenmill.distributed.parallel_state import single_rank
         from tokenmill.engine.engine_core import derive_max_model_len
         from tokenmill.worker.model_runner import ModelRunner
 
         path = resolve_model_path(config.model) if config.model else target_path
         hf = load_hf_config(path)
         check_vocabulary(path, target_path, hf.vocab_size, target_hf.vocab_size)
+        # (one rank: under tensor parallel the draft runs whole, on rank 0 alone)
         draft_config = dataclasses.replace(
             engine_config, model=path, quantization=config.quantization,
             speculative_config=None, num_kv_blocks=num_blocks, kv_cache_dtype="auto",
-            max_model_len=None)
+            max_model_len=None, tensor_parallel_size=1, pipeline_parallel_size=1, nnodes=1,
+            node_rank=0, enable_expert_parallel=False)
         super().__init__(config, min(max_model_len, derive_max_model_len(draft_config, hf)))
-        self.runner = ModelRunner(draft_config, path, hf, self.max_model_len)
+        with single_rank():
+            self.runner = ModelRunner(draft_config, path, hf, self.max_model_len)
         # Draws independent of the target's (the same stream would correlate each draft with
         # the uniform that tests it, and bias the output).
         self.runner.generator.manual_seed(engine_config.seed + _SEED_OFFSET)
