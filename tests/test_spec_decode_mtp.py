@@ -148,5 +148,5 @@ def test_mtp_start_up_errors(tiny_models, mtp_model):
             speculative_config={**spec, "model": llama})
     with pytest.raises(ValueError, match="drop \"quantization\""):
         LLM(mtp_model[0], speculative_config={**spec, "quantization": "int8"})
-    with pytest.raises(ValueError, match="does not run with pipeline parallel yet"):
+    with pytest.raises(ValueError, match="'mtp' does not run with pipeline parallel yet"):
         LLM(mtp_model[0], pipeline_parallel_size=2, speculative_config=spec)

@@ -72,9 +72,11 @@ class EngineConfig:
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         method = getattr(self.speculative_config, "method", None)
-        if method is not None and self.pipeline_parallel_size > 1:
-            raise ValueError("Speculative decoding does not run with pipeline parallel yet: "
-                             "drop --speculative-config or --pipeline-parallel-size.")
+        if method in ("mtp", "eagle", "eagle3") and self.pipeline_parallel_size > 1:
+            raise ValueError(f"Speculative method {method!r} does not run with pipeline "
+                             "parallel yet (its head reads the last stage's hidden states): "
+                             "use \"ngram\" or \"draft_model\" there, or drop "
+                             "--pipeline-parallel-size.")
         self.validate()
 
     def validate(self) -> None:
