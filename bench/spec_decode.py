@@ -58,7 +58,29 @@ def run(llm, prompts, params, batch):
     start = time.perf_counter()
     outs = llm.generate(todo, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    run.prompt_ids = [list(o.prompt_token_ids) for o in outs]
     return [list(o.outputs[0].token_ids) for o in outs], elapsed
+
+
+def lookup_bound(prompts: list[list[int]], outputs: list[list[int]], spec: dict) -> float:
+    """Output tokens per step if n-gram speculation cost nothing beyond a plain decode
+    step: replay each known (greedy) output, drafting from prompt + output so far and
+    accepting the drafts' prefix that matches. Batch-1 speedup cannot exceed it."""
+    from tokenmill.spec_decode.ngram import propose
+
+    k, lo, hi = (spec[key] for key in ("num_speculative_tokens", "prompt_lookup_min",
+                                       "prompt_lookup_max"))
+    tokens = steps = 0
+    for prompt, out in zip(prompts, outputs):
+        pos = 0
+        while pos < len(out):
+            drafts = propose(prompt + out[:pos], k, lo, hi)
+            hit = next((i for i, d in enumerate(drafts) if pos + i >= len(out)
+                        or d != out[pos + i]), len(drafts))
+            pos += hit + 1
+            steps += 1
+        tokens += len(out)
+    return tokens / steps
 
 
 def default_f32(root: str = os.path.expanduser("~/.cache/tokenmill-bench")) -> str:
@@ -163,6 +185,9 @@ def main() -> None:
                 row[f"{label}_mean_accepted_length"] = round(1 + accepted / steps, 2) \
                     if steps else None
                 row[f"{label}_speedup"] = round(row[f"{label}_tok_s"] / row["off_tok_s"], 2)
+            if "ngram" in specs:
+                row["ngram_bound"] = round(lookup_bound(run.prompt_ids, tokens["off"],
+                                                        specs["ngram"]), 2)
             row["identical"] = all(t == tokens["off"] for t in tokens.values())
             print(json.dumps(row), flush=True)
             results.append(row)
