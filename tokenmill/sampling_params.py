@@ -49,6 +49,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None  # words never generated (any of their tokenizations)
+    # the output follows a JSON schema / regex / choice / grammar (structured_output/)
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/generation config; not part of the public surface.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -64,6 +66,12 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:
+                raise InvalidParameter("structured_outputs", "structured_outputs takes json, "
+                                       "json_object, regex, choice or grammar.") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -136,3 +144,6 @@ class SamplingParams:
 
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+from tokenmill.structured_output.params import StructuredOutputsParams  # noqa: E402 (cycle)

@@ -63,6 +63,7 @@ class Request:
     spec_probs: Any = None  # the distributions they were drawn from (None: one-hot)
     num_draft_tokens: int = 0  # drafts verified for this request, and accepted
     num_accepted_tokens: int = 0
+    grammar: Any = None  # structured outputs: its GrammarState (structured_output/manager.py)
 
     @property
     def num_prompt_tokens(self) -> int:

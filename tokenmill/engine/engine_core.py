@@ -7,11 +7,12 @@ import logging
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loader import load_hf_config
+from tokenmill.structured_output.manager import advance
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,10 @@ class EngineCore:
         # (bench/tensor_parallel.py sets 1 to measure one at a time)
         self.batch_queue = collections.deque() if self.runner.world.pp_size > 1 else None
         self.max_in_flight = self.runner.world.pp_size
+        # structured outputs: constrained requests wait there while their grammar compiles
+        from tokenmill.structured_output.manager import StructuredOutputs
+        self.structured = StructuredOutputs(config.tokenizer or model_path,
+                                            self.hf_config.vocab_size)
         # speculative decoding: draft tokens for the running requests after each step
         self.proposer = None
         if config.speculative_config is not None:
@@ -150,6 +155,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
+        if getattr(self, "structured", None) is not None:
+            self.structured.shutdown()
         workers, self.workers = self.workers, None
         if workers is None:
             return
@@ -177,11 +184,15 @@ class EngineCore:
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
                       self.kv_cache.num_blocks, self.config.block_size,
                       self.scheduler.config.num_lookahead_tokens)
-        self.scheduler.add_request(Request(request.request_id, list(request.prompt_token_ids),
-                                           request.sampling_params,
-                                           arrival_time=request.arrival_time))
+        new = Request(request.request_id, list(request.prompt_token_ids),
+                      request.sampling_params, arrival_time=request.arrival_time)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.submit(new)  # (enters the scheduler once compiled)
+        else:
+            self.scheduler.add_request(new)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.structured.drop(request_ids)
         self.scheduler.abort_requests(request_ids)
         if self.proposer is not None:
             self.proposer.release(request_ids)
@@ -193,7 +204,8 @@ class EngineCore:
             self.proposer.release(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+        return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+                or bool(self.structured.pending))
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
@@ -211,6 +223,9 @@ class EngineCore:
         """Schedule, run and sample one step. Under pipeline parallel up to one micro-batch
         per stage is in flight: a call launches one more while requests are left to schedule
         and a stage is free (returning nothing yet), else completes the oldest."""
+        refused = self._admit_compiled()
+        if refused:
+            return refused
         queue = self.batch_queue
         if queue is None:
             step = self.scheduler.schedule()
@@ -231,6 +246,17 @@ class EngineCore:
         step, launched = queue.popleft()
         return self._outputs(step, self._timed(self.runner.complete, launched,
                                                len(launched.inputs.token_ids)))
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Constrained requests whose grammar compiled join the scheduler; those whose
+        grammar failed finish with the error. With nothing else to run, waits a little for
+        a compile instead of spinning."""
+        idle = not (self.scheduler.has_unfinished_requests() or self.batch_queue)
+        ready, failed = self.structured.ready(0.05 if idle else 0.0)
+        for request in ready:
+            self.scheduler.add_request(request)
+        return [EngineCoreOutput(r.request_id, [], int(FinishReason.ABORT), error=message)
+                for r, message in failed]
 
     def _kv_blocks(self, request: Request) -> tuple[int, int]:
         size = self.config.block_size
@@ -253,6 +279,9 @@ class EngineCore:
         stale = {s.request.request_id for s in step.scheduled
                  if s.request.status.finished or s.request.num_preemptions != s.preemptions}
         updated = self.scheduler.update_from_output(step, result.sampled)
+        for request, count in updated:  # structured outputs: the tokens each grammar took
+            if request.grammar is not None and count:
+                advance(request, request.output_token_ids[-count:])
         if self.proposer is not None:
             self.proposer.pending = result.drafts
             self.proposer.propose([r for r, _ in updated], self.scheduler.num_running)

@@ -71,6 +71,8 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
         text, prompt_ids = self.tokenize_prompt(prompt)
+        if params.structured_outputs is not None:  # a bad schema / regex / grammar: raised here
+            self._grammars().compile(params.structured_outputs)
         bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params = params.clone(eos_token_ids=list(self.eos_token_ids),
                               bad_words_token_ids=bad_ids)
@@ -87,6 +89,19 @@ class LLMEngine:
             self.output_processor.abort_request(request_id)
             raise
         return request_id
+
+    def _grammars(self):
+        if getattr(self, "_compiler", None) is None:
+            from tokenmill.structured_output.backend import Grammars
+
+            self._compiler = Grammars(self.tokenizer, self.hf_vocab_size(),
+                                      list(self.eos_token_ids))
+        return self._compiler
+
+    def hf_vocab_size(self) -> int:
+        from tokenmill.loader import load_hf_config
+
+        return load_hf_config(self.model_path).vocab_size
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

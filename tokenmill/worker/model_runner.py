@@ -19,6 +19,7 @@ from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.spec_decode.rejection import verify
+from tokenmill.structured_output.manager import mask_rows
 from tokenmill.worker import kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
@@ -229,9 +230,11 @@ class ModelRunner:
             plain = [j for j, n in enumerate(inputs.sample_counts) if n == 1]
             if plain:
                 rows = [ends[j] - 1 for j in plain]
-                batch = self.sampling.batch([requests[j].request for j in plain])
-                result = sample(logits[rows] if len(rows) < len(logits) else logits, batch,
-                                self.generator)
+                chosen = [requests[j].request for j in plain]
+                batch = self.sampling.batch(chosen)
+                rows_logits = logits[rows] if len(rows) < len(logits) else logits
+                mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
+                result = sample(rows_logits, batch, self.generator)
                 for row, (j, token) in enumerate(zip(plain, result.token_ids.tolist())):
                     rid = requests[j].request.request_id
                     out.sampled[rid] = [token]

@@ -1,0 +1,186 @@
+"""Structured outputs (xgrammar): every constrained output follows its schema / regex /
+choice / grammar even from random weights (the hardest case for a constraint), the masks
+equal a token-by-token reference, unconstrained requests in the same steps are untouched,
+and bad specs are refused naming the field."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import InvalidParameter
+from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.backend import Grammars
+from tokenmill.structured_output.manager import GrammarState, allowed_slow, mask_rows
+
+PROMPT = {"prompt_token_ids": [5, 9, 17, 33, 2]}
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"}},
+     "required": ["name", "age", "ok"], "additionalProperties": False},
+    {"type": "object", "properties": {  # nested object, array bounds, enum
+        "point": {"type": "object", "properties": {"x": {"type": "number"},
+                                                   "y": {"type": "number"}},
+                  "required": ["x", "y"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                 "minItems": 1, "maxItems": 3}},
+     "required": ["point", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {  # string pattern and format, anyOf
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"},
+        "day": {"type": "string", "format": "date"},
+        "value": {"anyOf": [{"type": "integer", "minimum": -5, "maximum": 5},
+                            {"type": "null"}]}},
+     "required": ["code", "day", "value"], "additionalProperties": False},
+    {"$defs": {"item": {"type": "object", "properties": {  # $ref
+        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+        "label": {"type": "string", "minLength": 1, "maxLength": 4}},
+        "required": ["id", "label"], "additionalProperties": False}},
+     "type": "object", "properties": {
+         "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 2}},
+     "required": ["items"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    with LLM(tiny_models("llama")[0], kv_cache_memory_gib=0.05) as llm:
+        yield llm
+
+
+def _valid(text: str, schema: dict) -> None:
+    jsonschema.validate(json.loads(text), schema,
+                        format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_random_weights_follow_every_schema(llm, index):
+    schema = SCHEMAS[index]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=400,
+                             structured_outputs={"json": schema}) for seed in range(6)]
+    params.append(SamplingParams(temperature=0, max_tokens=400,
+                                 structured_outputs=StructuredOutputsParams(json=schema)))
+    for out in llm.generate([PROMPT] * len(params), params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        _valid(completion.text, schema)
+        completion.text.encode("utf-8")  # (valid UTF-8: no lone surrogates)
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    specs = [({"regex": r"[0-9]{3}-[a-z]{2,4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+             ({"choice": ["yes", "no", "maybe \"so\""]}, lambda t: t in ("yes", "no",
+                                                                           'maybe "so"')),
+             ({"grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'},
+              lambda t: re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", t)),
+             ({"json_object": True}, lambda t: isinstance(json.loads(t), dict))]
+    for spec, check in specs:
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=300,
+                                 structured_outputs=spec) for s in range(4)]
+        for out in llm.generate([PROMPT] * 4, params, use_tqdm=False):
+            assert out.outputs[0].finish_reason == "stop"
+            assert check(out.outputs[0].text), (spec, out.outputs[0].text)
+
+
+def test_unconstrained_requests_in_the_same_steps_are_untouched(llm):
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 12 + 2 * i))} for i in range(3)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=200,
+                                 structured_outputs={"json": SCHEMAS[1]})
+    mixed = llm.generate(prompts + [PROMPT, PROMPT], [plain] * 3 + [constrained] * 2,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    for out in mixed[3:]:
+        _valid(out.outputs[0].text, SCHEMAS[1])
+
+
+def test_n_completions_speculation_and_preemption(tiny_models):
+    """Each of n completions has its own matcher; constrained requests stay out of n-gram
+    speculation while others speculate; preemption (recompute) keeps matchers in step."""
+    path = tiny_models("llama")[0]
+    schema = SCHEMAS[0]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": 64}
+    for engine in ({"kv_cache_memory_gib": 0.05, "speculative_config": spec},
+                   {"num_kv_blocks": 36, "block_size": 4}):
+        with LLM(path, **engine) as llm:
+            params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=120,
+                                    structured_outputs={"json": schema})
+            plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+            outs = llm.generate([PROMPT, {"prompt_token_ids": [4, 4, 4, 4, 4, 4]}] * 2,
+                                [params, plain] * 2, use_tqdm=False)
+            for out in outs[::2]:
+                assert len(out.outputs) == 3
+                for completion in out.outputs:
+                    _valid(completion.text, schema)
+            sched = llm.engine.core.scheduler
+            if "speculative_config" in engine:
+                assert sched.num_draft_tokens > 0  # (the plain requests')
+            else:
+                assert sched.num_preemptions > 0
+
+
+def test_masks_equal_trying_every_token(tiny_models):
+    from tokenmill.loader import load_tokenizer
+
+    path = tiny_models("llama")[0]
+    grammars = Grammars(load_tokenizer(path), 512, [1])
+    compiled = grammars.compile(StructuredOutputsParams(json=SCHEMAS[2]))
+
+    class Req:
+        grammar = GrammarState(None)
+
+    req = Req()
+    req.grammar.matcher = xgr.GrammarMatcher(compiled)
+    for prefix in ('', '{"code": "', '{"code": "AB1', '{"code": "AB123", "day": "2024-0'):
+        req.grammar.matcher.reset()
+        assert req.grammar.matcher.accept_string(prefix)
+        logits = torch.zeros(2, 512)
+        mask_rows(logits, [type("Free", (), {"grammar": None})(), req])
+        assert torch.all(logits[0] == 0)  # the unconstrained row
+        allowed = set(torch.nonzero(torch.isfinite(logits[1])).flatten().tolist())
+        assert allowed == allowed_slow(req.grammar.matcher, 512), prefix
+
+
+def test_json_strings_stay_json_and_utf8(tiny_models):
+    """xgrammar's length-bounded strings admitted raw control characters and no escapes;
+    its string characters admitted surrogates (invalid UTF-8): both fixed."""
+    from tokenmill.loader import load_tokenizer
+
+    grammars = Grammars(load_tokenizer(tiny_models("llama")[0]), 512, [1])
+
+    def accepts(spec: dict, data: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(**spec)),
+                                     terminate_without_stop_token=True)
+        return matcher.accept_string(data) and matcher.is_terminated()
+
+    bounded = {"json": {"type": "object", "properties": {
+        "t": {"type": "string", "maxLength": 4}}, "required": ["t"]}}
+    free = {"json": {"type": "object", "properties": {"t": {"type": "string"}},
+                     "required": ["t"]}}
+    for spec in (bounded, free, {"json_object": True}):
+        assert accepts(spec, b'{"t": "ab\\nc"}')  # an escape: one character
+        assert not accepts(spec, b'{"t": "a\x1bb"}')  # a raw control character
+        assert not accepts(spec, b'{"t": "\xed\xa3\xb1"}')  # U+D8F1 (a surrogate)
+        assert accepts(spec, '{"t": "üλ"}'.encode())
+    assert not accepts(bounded, b'{"t": "abcde"}')
+
+
+def test_bad_specs_are_refused_naming_the_field(llm):
+    cases = [({"json": "{not json"}, "json"), ({"json": {"type": "nonsense"}}, "json"),
+             ({"regex": "(unclosed"}, "regex"), ({"grammar": "root ::= "}, "grammar")]
+    for spec, field in cases:
+        with pytest.raises(InvalidParameter) as info:
+            llm.generate([PROMPT], SamplingParams(structured_outputs=spec), use_tqdm=False)
+        assert info.value.param == field
+        assert "/" not in str(info.value)  # (no library source paths)
+    for spec in ({}, {"json": {}, "regex": "a"}, {"choice": []}, {"unknown": 1}):
+        with pytest.raises(InvalidParameter):
+            SamplingParams(structured_outputs=spec)
+    assert llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)  # still fine

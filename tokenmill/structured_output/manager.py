@@ -1,0 +1,128 @@
+"""The engine core's side of structured outputs. A constrained request waits here, out of
+the scheduler, while a worker thread compiles its grammar (the engine loop never compiles);
+then it enters the scheduler with a matcher. In each step the runner masks the logits of the
+constrained rows only (`mask_rows`: one bitmask row each, filled by the request's matcher)
+and advances each matcher with the token sampled (`advance`): unconstrained rows are never
+touched.
+
+Slow reference beside it: `allowed_slow` checks a mask by trying every token on a copy of
+the matcher (tests)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Any
+
+import torch
+
+from tokenmill.core.request import Request
+from tokenmill.sampling_params import InvalidParameter
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    """A constrained request's compiled grammar (a future until compiled) and matcher."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+        self.matcher: Any = None
+
+    def start(self) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(self.future.result())
+
+
+class StructuredOutputs:
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._grammars = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tokenmill-grammar")
+        self.pending: list[Request] = []  # compiling, in arrival order
+
+    def _compile(self, request: Request) -> Any:
+        if self._grammars is None:
+            from tokenmill.loader import load_tokenizer
+            from tokenmill.structured_output.backend import Grammars
+
+            self._grammars = Grammars(load_tokenizer(self.tokenizer_path), self.vocab_size,
+                                      list(request.sampling_params.eos_token_ids))
+        return self._grammars.compile(request.sampling_params.structured_outputs)
+
+    def submit(self, request: Request) -> None:
+        request.grammar = GrammarState(self._pool.submit(self._compile, request))
+        self.pending.append(request)
+
+    def ready(self, wait_s: float = 0.0) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose grammar compiled (matchers started), and those that failed with
+        the error to report; waits up to `wait_s` for a first one."""
+        if wait_s and self.pending:
+            concurrent.futures.wait([r.grammar.future for r in self.pending], wait_s,
+                                    concurrent.futures.FIRST_COMPLETED)
+        done = [r for r in self.pending if r.grammar.future.done()]
+        if not done:
+            return [], []
+        self.pending = [r for r in self.pending if not r.grammar.future.done()]
+        ok, failed = [], []
+        for request in done:
+            exc = request.grammar.future.exception()
+            if exc is None:
+                request.grammar.start()
+                ok.append(request)
+            else:
+                if not isinstance(exc, InvalidParameter):
+                    logger.error("grammar of request %s failed to compile: %r",
+                                 request.request_id, exc)
+                failed.append((request, str(exc) if isinstance(exc, InvalidParameter)
+                               else "The structured-output grammar failed to compile."))
+        return ok, failed
+
+    def drop(self, request_ids: list[str]) -> list[Request]:
+        """Forget pending requests (aborted); returns them."""
+        gone = [r for r in self.pending if r.request_id in request_ids]
+        self.pending = [r for r in self.pending if r.request_id not in request_ids]
+        return gone
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def mask_rows(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Constrained rows of `logits` (row i is requests[i]'s) keep only the tokens their
+    grammar allows next (the others -> -inf), in place."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None
+            and not r.grammar.matcher.is_terminated()]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    for j, i in enumerate(rows):
+        requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, j)
+    view = logits[rows]
+    xgr.apply_token_bitmask_inplace(view, bitmask.to(logits.device))
+    logits[rows] = view
+
+
+def advance(request: Request, tokens: list[int]) -> None:
+    """The request's matcher takes the tokens sampled for it."""
+    matcher = request.grammar.matcher
+    for token in tokens:
+        if matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):  # (a masked row cannot get here)
+            raise RuntimeError(f"token {token} breaks the grammar of request "
+                               f"{request.request_id}")
+
+
+def allowed_slow(matcher: Any, vocab_size: int) -> set[int]:
+    """Every token the matcher accepts next, one try each on a fork (the reference)."""
+    allowed = set()
+    for token in range(vocab_size):
+        trial = matcher.fork()
+        if trial.accept_token(token):
+            allowed.add(token)
+    return allowed

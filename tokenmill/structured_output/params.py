@@ -1,0 +1,54 @@
+"""What a request asks its output to follow (vLLM's `StructuredOutputsParams`): exactly one
+of `json` (a JSON schema, as text or a dict), `json_object` (any JSON object), `regex`,
+`choice` (one of these strings) or `grammar` (EBNF / GBNF)."""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+
+from tokenmill.sampling_params import InvalidParameter
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        asked = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(asked) != 1:
+            raise InvalidParameter(
+                "structured_outputs", "structured_outputs takes exactly one of json, "
+                f"json_object, regex, choice or grammar; got {asked or 'none'}.")
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            raise InvalidParameter("json", "json must be a JSON schema (an object or its "
+                                   "JSON text).")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameter(name, f"{name} must be a non-empty string.")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameter("choice", "choice must be a non-empty list of non-empty "
+                                   "strings.")
+        if self.json_object not in (None, True):
+            raise InvalidParameter("json_object", "json_object must be true when given.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what the compiled grammar depends on (the cache key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return kind, _json.dumps(value) if kind == "choice" else str(value)
