@@ -12,6 +12,8 @@ JSON-schema and `json_object` grammars both go through `fix_json_ebnf`."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 from typing import Any
 
@@ -22,6 +24,7 @@ from tokenmill.structured_output.params import StructuredOutputsParams
 _LOOSE_CHAR = r'[^\"\\\r\n]'
 _STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _JSON_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
+COMPILE_TIMEOUT_S = 10.0  # the API's bound on one grammar's compile
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
          "choice": "list of choices", "json_object": "JSON grammar"}
 
@@ -89,3 +92,35 @@ class Grammars:
             reason = reason.rsplit(": ", 1)[-1] if "/" in reason else reason
             raise InvalidParameter(kind, f"{kind} is not a valid or supported {_WHAT[kind]}"
                                    + (f": {reason[:200]}" if reason else ".")) from None
+
+
+class GrammarChecker:
+    """An API process's check that a request's constraint compiles, before the request is
+    queued: a bad spec gets a 400 naming `field`; one that compiles for longer than
+    `timeout_s` too (its compile finishes on this checker's one thread, and later checks
+    queue behind it: the engine never sees such a request). Compiled grammars stay in the
+    compiler's cache."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.args = tokenizer, vocab_size, stop_token_ids
+        self.timeout_s = timeout_s
+        self._grammars: Grammars | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tokenmill-grammar-check")
+
+    def _compile(self, params: StructuredOutputsParams) -> None:
+        if self._grammars is None:
+            self._grammars = Grammars(*self.args)
+        self._grammars.compile(params)
+
+    async def check(self, params: StructuredOutputsParams | None, field: str) -> None:
+        if params is None:
+            return
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, params)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            raise InvalidParameter(field, f"{field}: the grammar did not compile within "
+                                   f"{self.timeout_s:g} s; simplify it.") from None
+        except InvalidParameter as exc:
+            raise InvalidParameter(field, f"{field}: {exc}") from None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tokenmill.sampling_params import InvalidParameter
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 65536  # a schema / regex / grammar's text, or all choices together
 
 
 @dataclass
@@ -42,6 +43,10 @@ class StructuredOutputsParams:
                                    "strings.")
         if self.json_object not in (None, True):
             raise InvalidParameter("json_object", "json_object must be true when given.")
+        kind, spec = self.key()
+        if len(spec) > MAX_SPEC_CHARS:
+            raise InvalidParameter(kind, f"{kind} may be at most {MAX_SPEC_CHARS} characters, "
+                                   f"got {len(spec)}.")
 
     @property
     def kind(self) -> str:

@@ -309,6 +309,7 @@ async def create_completion(body: dict, request: Request, state: ServerState,
                 text = state.tokenizer.decode(ids)
             max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
             jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs), text))
+        await state.check_structured(*req.structured())
     except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
         if reservation is not None:
             reservation.cancel()
@@ -332,6 +333,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
                                  state.max_dec_len, "messages")
         top = req.top_logprobs or 0
         params = req.sampling_params(max_tokens, top if req.logprobs else None)
+        await state.check_structured(*req.structured())
     except (ApiError, ValueError) as exc:
         if reservation is not None:
             reservation.cancel()

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,8 @@ ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_e
 # breaks its grammar, a beam it did not search), so a request that sets one is refused with
 # 400 naming it; null, false and empty values are accepted, as not asking.
 UNSUPPORTED_FIELDS = {
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                     "guided_decoding_backend", "guided_whitespace_pattern",
-                     "structured_outputs"), "structured outputs are not supported yet"),
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON comes out "
+                                 "compact)",
     **dict.fromkeys(("use_beam_search", "length_penalty"), "beam search is not supported"),
     **dict.fromkeys(("functions", "function_call"), "function calling is not supported"),
     **dict.fromkeys(("audio", "modalities", "prompt_embeds", "mm_processor_kwargs"),
@@ -114,6 +114,53 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint the request asks for and the field that asked (None, None)."""
+        asked: dict[str, dict] = {}
+        if self.response_format:
+            kind = self.response_format.get("type", "text")
+            if kind == "json_object":
+                asked["response_format"] = {"json_object": True}
+            elif kind == "json_schema":
+                spec = self.response_format.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise InvalidParameter("response_format", "response_format.json_schema."
+                                           "schema must be a JSON schema object.")
+                asked["response_format"] = {"json": spec["schema"]}
+            elif kind != "text":
+                raise InvalidParameter("response_format", "response_format.type must be "
+                                       "text, json_object or json_schema.")
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked[name] = {kind: getattr(self, name)}
+        if self.structured_outputs:
+            asked["structured_outputs"] = self.structured_outputs
+        if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
+            raise InvalidParameter("guided_decoding_backend", "guided_decoding_backend must "
+                                   "be auto or xgrammar.")
+        if len(asked) > 1:
+            raise InvalidParameter(list(asked)[1], "Give one structured-output constraint: "
+                                   f"{' and '.join(asked)} were both set.")
+        if not asked:
+            return None, None
+        name, spec = asked.popitem()
+        try:
+            return StructuredOutputsParams(**spec), name
+        except TypeError:
+            raise InvalidParameter(name, f"{name} takes json, json_object, regex, choice or "
+                                   "grammar.") from None
+        except InvalidParameter as exc:
+            raise InvalidParameter(name, f"{name}: {exc}") from None
 
     def slots(self) -> int:
         """Engine sequences this request asks for (what admission control counts)."""
@@ -135,7 +182,8 @@ class _SamplingFields(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             bad_words=self.bad_words,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured()[0])
 
     def check(self) -> None:
         """Checks the schema (types, ranges, caps) cannot express; errors name the field."""
@@ -204,7 +252,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -214,9 +261,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true.")
         if self.tools and self.tool_choice != "none":
             raise InvalidParameter("tools", "tools are not supported by this server.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidParameter("response_format",
-                                   "response_format other than text is not supported yet.")
         check_template_kwargs(self.chat_template_kwargs)
 
     def check_template(self, trust_request_template: bool) -> None:

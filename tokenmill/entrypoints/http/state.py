@@ -65,11 +65,25 @@ class ServerState:
     trust_request_chat_template: bool = False
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
+    _grammar_checker: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
+
+    async def check_structured(self, params: Any, field_name: str | None) -> None:
+        """A request's structured-output constraint compiles (else InvalidParameter naming
+        the request's field), within a bounded time."""
+        if params is None:
+            return
+        if self._grammar_checker is None:
+            from tokenmill.structured_output.backend import GrammarChecker
+
+            self._grammar_checker = GrammarChecker(self.tokenizer,
+                                                   self.engine.client.info.vocab_size,
+                                                   list(self.engine.eos_token_ids))
+        await self._grammar_checker.check(params, field_name or "structured_outputs")
 
     @property
     def served_model_name(self) -> str:

@@ -1,0 +1,117 @@
+"""Structured outputs over HTTP with the real `openai` SDK: response_format (a pydantic model
+through the SDK's `parse`, json_schema streamed, json_object), vLLM's guided_* fields and its
+structured_outputs object; bad constraints are 400s naming the field."""
+
+import asyncio
+import json
+import re
+import threading
+from typing import Annotated
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tokenmill.sampling_params import InvalidParameter
+from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.backend import GrammarChecker
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=130)
+    tags: list[Annotated[str, Field(max_length=5)]] = Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "Describe a person."}]
+
+
+def test_sdk_parse_with_a_pydantic_model(client):
+    for seed in range(3):
+        resp = client.chat.completions.parse(model="tiny", messages=MESSAGES,
+                                             response_format=Person, max_tokens=300,
+                                             temperature=1.0, seed=seed)
+        message = resp.choices[0].message
+        assert resp.choices[0].finish_reason == "stop"
+        assert isinstance(message.parsed, Person)
+        assert Person.model_validate_json(message.content) == message.parsed
+
+
+def test_json_schema_streamed_and_json_object(client):
+    schema = Person.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
+                                                  "strict": True}}
+    chunks = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300,
+                                            temperature=1.0, seed=4, stream=True,
+                                            response_format=fmt)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    Person.model_validate_json(text)
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=300,
+                                          temperature=1.0, seed=5,
+                                          response_format={"type": "json_object"})
+    assert isinstance(json.loads(resp.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_json": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+     lambda t: all(isinstance(x, int) for x in json.loads(t))),
+    ({"guided_regex": r"[a-c]{2}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-c]{2}-[0-9]{2}", t)),
+    ({"guided_choice": ["cat", "dog"]}, lambda t: t in ("cat", "dog")),
+    ({"guided_grammar": 'root ::= "x" [0-9] "y"'}, lambda t: re.fullmatch(r"x[0-9]y", t)),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+])
+def test_vllm_fields_on_completions_and_chat(client, extra, check):
+    resp = client.completions.create(model="tiny", prompt="Answer:", max_tokens=60,
+                                     temperature=1.0, seed=1, n=2, extra_body=extra)
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop" and check(choice.text), choice.text
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60,
+                                          temperature=0, extra_body=extra)
+    assert check(chat.choices[0].message.content)
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"guided_regex": "(open"}, "guided_regex"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
+])
+def test_bad_constraints_are_400_naming_the_field(server, extra, field):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **extra}
+    resp = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    assert "/" not in error["message"].replace("json_schema", "")  # (no source paths)
+    ok = httpx.post(server + "/v1/chat/completions",
+                    json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_a_grammar_slow_to_compile_is_refused_in_bounded_time(tiny_models):
+    """The check gives up after its timeout (a compile that never ends here), naming the
+    field; once that compile ends, checks work again."""
+    from tokenmill.loader import load_tokenizer
+
+    checker = GrammarChecker(load_tokenizer(tiny_models("llama")[0]), 512, [1],
+                             timeout_s=0.2)
+    release, real = threading.Event(), checker._compile
+    checker._compile = lambda params: release.wait(30) and real(params)
+    params = StructuredOutputsParams(regex="a+")
+    with pytest.raises(InvalidParameter, match="did not compile within 0.2 s") as info:
+        asyncio.run(checker.check(params, "guided_regex"))
+    assert info.value.param == "guided_regex"
+    release.set()
+    asyncio.run(checker.check(params, "guided_regex"))  # compiles now
