@@ -169,7 +169,8 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_alone(server, server_th
 
 # Unsupported fields -------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [
-    ("guided_whitespace_pattern", " "), ("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1),
+    ("guided_whitespace_pattern", " "), ("use_beam_search", True),
+    ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1),
     ("functions", [{"name": "f"}]),
 ])
 def test_known_unsupported_fields_are_refused_by_name(server, field, value):
