@@ -45,7 +45,7 @@ def ensemble_inputs(text, max_tokens, **extra):
     inputs = [t, m]
     for name, (dtype, value) in extra.items():
         x = grpcclient.InferInput(name, [1, 1], dtype)
-        np_type = {"BOOL": bool, "FP32": np.float32, "INT32": np.int32}[dtype]
+        np_type = {"BOOL": bool, "FP32": np.float32, "INT32": np.int32, "BYTES": object}[dtype]
         x.set_data_from_numpy(np.array([[value]], dtype=np_type))
         inputs.append(x)
     return inputs
@@ -216,3 +216,24 @@ def test_deadline_expiry_aborts_and_cancel_after_final_is_harmless(client, serve
                                                             "req_id": "deadline-1"}])])
     assert not errors and json.loads(results[-1].as_numpy("OUT")[0])[0]["is_end"] == 1
     assert client.is_server_ready() and client.is_model_ready("model")
+
+
+def test_ensemble_guided_json_and_trtllm_guides(client):
+    """Structured outputs over gRPC: a JSON schema in `guided_json`, TensorRT-LLM's guide
+    type + guide; a bad schema is an error naming the input."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    for extra, check in (
+            ({"guided_json": ("BYTES", json.dumps(schema))},
+             lambda t: set(json.loads(t)) == {"n"}),
+            ({"guided_decoding_guide_type": ("BYTES", "regex"),
+              "guided_decoding_guide": ("BYTES", "[0-9]{4}")},
+             lambda t: len(t) == 4 and t.isdigit())):
+        out = client.infer("ensemble", ensemble_inputs(
+            "The river runs", 60, exclude_input_in_output=("BOOL", True),
+            temperature=("FP32", 1.0), **extra))
+        assert check(out.as_numpy("text_output")[0][0].decode())
+    with pytest.raises(InferenceServerException, match="guided_json"):
+        client.infer("ensemble", ensemble_inputs(
+            "The river runs", 4, guided_json=("BYTES", '{"type": "nonsense"}')))

@@ -115,3 +115,40 @@ def test_a_grammar_slow_to_compile_is_refused_in_bounded_time(tiny_models):
     assert info.value.param == "guided_regex"
     release.set()
     asyncio.run(checker.check(params, "guided_regex"))  # compiles now
+
+
+def test_triton_generate_guides_and_native_response_format(server):
+    generate = server + "/v2/models/ensemble/generate"
+    base = {"text_input": "Say:", "max_tokens": 400, "temperature": 1.0,
+            "exclude_input_in_output": True, "seed": 3}
+    schema = Person.model_json_schema()
+    for extra, check in (
+            ({"guided_json": schema}, Person.model_validate_json),
+            ({"guided_json": json.dumps(schema)}, Person.model_validate_json),
+            ({"guided_decoding_guide_type": "json_schema",
+              "guided_decoding_guide": json.dumps(schema)}, Person.model_validate_json),
+            # (any object: its free strings may outrun max_tokens from random weights; the
+            # object grammar itself is checked to the end offline)
+            ({"guided_decoding_guide_type": "json"}, lambda t: t.startswith("{")),
+            ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "[xyz]{3}"},
+             lambda t: re.fullmatch("[xyz]{3}", t)),
+            ({"guided_decoding_guide_type": "ebnf_grammar",
+              "guided_decoding_guide": 'root ::= "a" | "bb"'}, lambda t: t in ("a", "bb"))):
+        resp = httpx.post(generate, json={**base, **extra}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert check(resp.json()["text_output"]), (extra, resp.json()["text_output"])
+    for extra, fragment in (({"guided_json": {"type": "nonsense"}}, "guided_json"),
+                            ({"guided_decoding_guide_type": "structural_tag",
+                              "guided_decoding_guide": "{}"}, "guided_decoding_guide_type"),
+                            ({"guided_decoding_guide_type": "regex"}, "guided_decoding_guide")):
+        resp = httpx.post(generate, json={**base, **extra}, timeout=60)
+        assert resp.status_code == 400 and fragment in resp.json()["error"], resp.text
+    native = httpx.post(server + "/v1/chat/completions", timeout=60, json={
+        "text": "Describe a person.", "max_dec_len": 200, "temperature": 1.0, "seed": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                                                                   "schema": schema}}})
+    assert native.status_code == 200, native.text
+    Person.model_validate_json(native.json()["result"])
+    bad = httpx.post(server + "/v1/chat/completions", timeout=60, json={
+        "text": "x", "response_format": {"type": "yaml"}})
+    assert bad.status_code == 400 and "response_format" in bad.text

@@ -12,6 +12,7 @@ from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.prompts import PromptTooLong
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.params import from_response_format
 from tokenmill.tokenizer import ChatTemplateError
 
 # Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
@@ -219,7 +220,8 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
             frequency_penalty=float(body["frequency_score"]),
             presence_penalty=float(body["presence_score"]),
             stop=body.get("stop_sequences"), stop_token_ids=body.get("eos_token_ids"),
-            seed=seed)
+            seed=seed, structured_outputs=from_response_format(body.get("response_format")))
+        await state.check_structured(params.structured_outputs, "response_format")
     except ValueError as exc:
         raise NativeError(str(exc)) from None
     return NativeRequest(body["req_id"], ids, params, body.get("stream", False),

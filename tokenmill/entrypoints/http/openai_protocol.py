@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.structured_output.params import StructuredOutputsParams, from_response_format
 
 
 @dataclass(frozen=True)
@@ -125,20 +125,10 @@ class _SamplingFields(BaseModel):
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The constraint the request asks for and the field that asked (None, None)."""
-        asked: dict[str, dict] = {}
-        if self.response_format:
-            kind = self.response_format.get("type", "text")
-            if kind == "json_object":
-                asked["response_format"] = {"json_object": True}
-            elif kind == "json_schema":
-                spec = self.response_format.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                    raise InvalidParameter("response_format", "response_format.json_schema."
-                                           "schema must be a JSON schema object.")
-                asked["response_format"] = {"json": spec["schema"]}
-            elif kind != "text":
-                raise InvalidParameter("response_format", "response_format.type must be "
-                                       "text, json_object or json_schema.")
+        asked: dict[str, dict | StructuredOutputsParams] = {}
+        chosen = from_response_format(self.response_format)
+        if chosen is not None:
+            asked["response_format"] = chosen
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                            ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
@@ -154,6 +144,8 @@ class _SamplingFields(BaseModel):
         if not asked:
             return None, None
         name, spec = asked.popitem()
+        if isinstance(spec, StructuredOutputsParams):
+            return spec, name
         try:
             return StructuredOutputsParams(**spec), name
         except TypeError:

@@ -22,7 +22,8 @@ from tokenmill.entrypoints.http.prompts import PromptTooLong
 from tokenmill.entrypoints.http.request_body import BodyError, read_body
 from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import InvalidParameter, SamplingParams
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 # Names a TensorRT-LLM deployment answers to, besides the served model names.
 TRTLLM_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
@@ -30,7 +31,12 @@ INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p",
           "bad_words", "end_id", "pad_id", "return_log_probs", "repetition_penalty",
           "presence_penalty", "frequency_penalty", "min_length", "min_tokens", "random_seed",
           "seed", "beam_width", "num_return_sequences", "length_penalty",
-          "exclude_input_in_output", "return_perf_metrics")
+          "exclude_input_in_output", "return_perf_metrics",
+          # structured outputs: TensorRT-LLM's guide (type + text), or a JSON schema
+          "guided_decoding_guide_type", "guided_decoding_guide", "guided_json")
+# TensorRT-LLM's guided_decoding_guide_type -> the StructuredOutputsParams field
+GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
+               "ebnf_grammar": "grammar"}
 
 
 class TritonError(Exception):
@@ -113,6 +119,33 @@ def parse(body: Any) -> dict:
     return {**{k: v for k, v in body.items() if k != "parameters"}, **params}
 
 
+def _guide(fields: dict) -> tuple[str | None, StructuredOutputsParams | None]:
+    """The structured-output constraint the inputs ask for, and the input that asked."""
+    kind, guide = fields.get("guided_decoding_guide_type"), fields.get("guided_decoding_guide")
+    schema = fields.get("guided_json")
+    if schema is not None and kind is not None:
+        raise TritonError("Give guided_json or guided_decoding_guide_type, not both.")
+    try:
+        if schema is not None:
+            if not isinstance(schema, (str, dict)):
+                raise TritonError("guided_json must be a JSON schema (an object or its text).")
+            return "guided_json", StructuredOutputsParams(json=schema)
+        if kind is None:
+            if guide is not None:
+                raise TritonError("guided_decoding_guide needs guided_decoding_guide_type.")
+            return None, None
+        if kind not in GUIDE_TYPES:
+            raise TritonError(f"guided_decoding_guide_type must be one of "
+                              f"{', '.join(GUIDE_TYPES)}, got {str(kind)[:40]!r}.")
+        if kind == "json":
+            return "guided_decoding_guide_type", StructuredOutputsParams(json_object=True)
+        if not isinstance(guide, str) or not guide:
+            raise TritonError(f"guided_decoding_guide (a {kind}) is required as a string.")
+        return "guided_decoding_guide", StructuredOutputsParams(**{GUIDE_TYPES[kind]: guide})
+    except InvalidParameter as exc:
+        raise TritonError(str(exc)) from None
+
+
 async def parse_fields(fields: dict, state: ServerState
                        ) -> tuple[list[int], SamplingParams, dict]:
     """TensorRT-LLM ensemble inputs (HTTP generate or gRPC tensors, as Python values) ->
@@ -152,6 +185,11 @@ async def parse_fields(fields: dict, state: ServerState
             frequency_penalty=num["frequency_penalty"], stop=stop, bad_words=bad,
             stop_token_ids=None if num["end_id"] is None else [num["end_id"]], seed=seed,
             logprobs=0 if fields.get("return_log_probs") else None)
+    except ValueError as exc:
+        raise TritonError(str(exc)) from None
+    field, sampling.structured_outputs = _guide(fields)
+    try:
+        await state.check_structured(sampling.structured_outputs, field)
     except ValueError as exc:
         raise TritonError(str(exc)) from None
     options = {"stream": fields.get("stream", False),

@@ -7,7 +7,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from tokenmill.entrypoints.http.triton_api import PERF_INTS
 
-_TEXT = {"text_input"}
+_TEXT = {"text_input", "guided_json", "guided_decoding_guide_type", "guided_decoding_guide"}
 _WORDS = {"stop_words", "bad_words"}
 _BOOLS = {"stream", "return_log_probs", "exclude_input_in_output", "return_perf_metrics"}
 _INTS = {"max_tokens", "top_k", "end_id", "pad_id", "beam_width", "num_return_sequences",
@@ -25,7 +25,9 @@ _DECLARED = [("text_input", "BYTES"), ("max_tokens", "INT32"), ("stream", "BOOL"
              ("frequency_penalty", "FP32"), ("min_tokens", "INT32"), ("random_seed", "UINT64"),
              ("beam_width", "INT32"), ("num_return_sequences", "INT32"),
              ("length_penalty", "FP32"), ("return_log_probs", "BOOL"),
-             ("exclude_input_in_output", "BOOL"), ("return_perf_metrics", "BOOL")]
+             ("exclude_input_in_output", "BOOL"), ("return_perf_metrics", "BOOL"),
+             ("guided_decoding_guide_type", "BYTES"), ("guided_decoding_guide", "BYTES"),
+             ("guided_json", "BYTES")]
 _OUTPUTS = [("text_output", "BYTES"), ("cum_log_probs", "FP32"), ("output_log_probs", "FP32"),
             *((name, "INT64") for name in PERF_INTS), ("acceptance_rate", "FP32")]
 
