@@ -184,3 +184,13 @@ def test_bad_specs_are_refused_naming_the_field(llm):
         with pytest.raises(InvalidParameter):
             SamplingParams(structured_outputs=spec)
     assert llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)  # still fine
+
+
+def test_a_complete_grammar_ends_a_request_that_ignores_eos(llm):
+    """After the grammar's end only a stop token is allowed: with ignore_eos the request
+    ends there instead of generating unconstrained text."""
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                            structured_outputs={"choice": ["alpha", "beta"]})
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
+    assert len(out.token_ids) < 100

@@ -279,9 +279,12 @@ class EngineCore:
         stale = {s.request.request_id for s in step.scheduled
                  if s.request.status.finished or s.request.num_preemptions != s.preemptions}
         updated = self.scheduler.update_from_output(step, result.sampled)
-        for request, count in updated:  # structured outputs: the tokens each grammar took
-            if request.grammar is not None and count:
-                advance(request, request.output_token_ids[-count:])
+        # Structured outputs: each grammar takes its request's new tokens; a grammar ends
+        # only on a stop token, so a request ignoring EOS ends there too.
+        done = [request.request_id for request, count in updated
+                if request.grammar is not None and count
+                and advance(request, request.output_token_ids[-count:])]
+        self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
         if self.proposer is not None:
             self.proposer.pending = result.drafts
             self.proposer.propose([r for r, _ in updated], self.scheduler.num_running)

@@ -107,15 +107,17 @@ def mask_rows(logits: torch.Tensor, requests: list[Request]) -> None:
     logits[rows] = view
 
 
-def advance(request: Request, tokens: list[int]) -> None:
-    """The request's matcher takes the tokens sampled for it."""
+def advance(request: Request, tokens: list[int]) -> bool:
+    """The request's matcher takes the tokens sampled for it; True once its grammar is
+    complete (it took a stop token)."""
     matcher = request.grammar.matcher
     for token in tokens:
         if matcher.is_terminated():
-            return
+            break
         if not matcher.accept_token(token):  # (a masked row cannot get here)
             raise RuntimeError(f"token {token} breaks the grammar of request "
                                f"{request.request_id}")
+    return matcher.is_terminated()
 
 
 def allowed_slow(matcher: Any, vocab_size: int) -> set[int]:
