@@ -100,9 +100,33 @@ def test_unconstrained_requests_in_the_same_steps_are_untouched(llm):
         _valid(out.outputs[0].text, SCHEMAS[1])
 
 
+def test_speculation_verifies_constrained_rows(tiny_models):
+    """Drafts of a constrained request are verified against masks that follow the drafts
+    before them: greedy outputs equal decoding without speculation, drafts are accepted, and
+    seeded sampling stays inside the schema."""
+    path = tiny_models("llama")[0]
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 12}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": 64}
+    greedy = SamplingParams(temperature=0, max_tokens=150, structured_outputs={"json": schema})
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33, 2]} for i in range(4)]
+    with LLM(path, kv_cache_memory_gib=0.05) as llm:
+        base = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    with LLM(path, kv_cache_memory_gib=0.05, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == base
+        sched = llm.engine.core.scheduler
+        assert sched.num_accepted_tokens > 0  # (only constrained requests ran)
+        sampled = SamplingParams(temperature=1.0, seed=2, n=2, max_tokens=150,
+                                 structured_outputs={"json": schema})
+        for out in llm.generate(prompts, sampled, use_tqdm=False):
+            for completion in out.outputs:
+                _valid(completion.text, schema)
+
+
 def test_n_completions_speculation_and_preemption(tiny_models):
-    """Each of n completions has its own matcher; constrained requests stay out of n-gram
-    speculation while others speculate; preemption (recompute) keeps matchers in step."""
+    """Each of n completions has its own matcher; constrained requests speculate beside
+    plain ones; preemption (recompute) keeps matchers in step."""
     path = tiny_models("llama")[0]
     schema = SCHEMAS[0]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -194,3 +218,34 @@ def test_a_complete_grammar_ends_a_request_that_ignores_eos(llm):
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("alpha", "beta") and out.finish_reason == "stop"
     assert len(out.token_ids) < 100
+
+
+def test_drafted_rows_masks_equal_trying_every_token(tiny_models):
+    """Row i of a drafted step allows what the grammar allows after drafts[:i]; past a draft
+    the grammar refuses, rows repeat that draft's mask; the matcher is left as it was."""
+    from tokenmill.loader import load_tokenizer
+    from tokenmill.structured_output.manager import mask_drafted
+
+    tokenizer = load_tokenizer(tiny_models("llama")[0])
+    grammars = Grammars(tokenizer, 512, [1])
+    matcher = xgr.GrammarMatcher(grammars.compile(StructuredOutputsParams(json=SCHEMAS[2])))
+    assert matcher.accept_string('{"code": "')
+    good = tokenizer.encode('AB1', add_special_tokens=False)
+    bad = tokenizer.encode('{', add_special_tokens=False)
+    drafts = good + bad + good[:1]
+
+    class Req:
+        grammar = GrammarState(None)
+
+    req = Req()
+    req.grammar.matcher = matcher
+    before = allowed_slow(matcher, 512)
+    logits = torch.zeros(len(drafts) + 1, 512)
+    mask_drafted(logits, req, drafts)
+    assert allowed_slow(matcher, 512) == before  # rolled back
+    for i in range(len(drafts) + 1):
+        state = matcher.fork()
+        for token in drafts[:min(i, len(good))]:
+            assert state.accept_token(token)
+        allowed = set(torch.nonzero(torch.isfinite(logits[i])).flatten().tolist())
+        assert allowed == allowed_slow(state, 512), i

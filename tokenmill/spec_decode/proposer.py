@@ -14,9 +14,9 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 
 def speculates(request: Request) -> bool:
     """Every running request (penalties, bad words and min_tokens apply per verified row,
-    from the context up to it: worker/sampling.py `drafted_batch`), except constrained ones
-    (structured outputs: their rows are masked one token at a time)."""
-    return request.status == RequestStatus.RUNNING and request.grammar is None
+    from the context up to it: worker/sampling.py `drafted_batch`; structured outputs mask
+    each verified row after the drafts before it: `mask_drafted`)."""
+    return request.status == RequestStatus.RUNNING
 
 
 class Proposer(abc.ABC):

@@ -107,6 +107,30 @@ def mask_rows(logits: torch.Tensor, requests: list[Request]) -> None:
     logits[rows] = view
 
 
+def mask_drafted(logits: torch.Tensor, request: Request, drafts: list[int]) -> None:
+    """The k + 1 rows verifying `drafts` of a constrained request: row i keeps what the
+    grammar allows after the drafts before it (taken on its matcher, then rolled back). Past a
+    draft the grammar refuses, rows repeat the mask at that draft: verification stops there
+    (its row cannot choose the refused draft) and never reads them."""
+    matcher = request.grammar.matcher
+    if matcher.is_terminated():
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, logits.shape[-1])
+    taken = 0
+    for i in range(len(drafts) + 1):
+        if i == taken:
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if i < len(drafts) and not matcher.is_terminated() \
+                    and matcher.accept_token(drafts[i]):
+                taken += 1
+        else:
+            bitmask[i] = bitmask[taken]
+    matcher.rollback(taken)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
+
 def advance(request: Request, tokens: list[int]) -> bool:
     """The request's matcher takes the tokens sampled for it; True once its grammar is
     complete (it took a stop token)."""

@@ -19,7 +19,7 @@ from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.spec_decode.rejection import verify
-from tokenmill.structured_output.manager import mask_rows
+from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker import kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
@@ -243,6 +243,8 @@ class ModelRunner:
             for j, n in enumerate(inputs.sample_counts):
                 if n > 1:
                     s, rows = requests[j], logits[ends[j] - n:ends[j]]
+                    if s.request.grammar is not None:  # (structured outputs)
+                        mask_drafted(rows, s.request, s.drafts)
                     params, rid = s.request.sampling_params, s.request.request_id
                     tokens = out.sampled[rid] = verify(
                         rows, self.sampling.drafted_batch(s.request, s.drafts), s.drafts,
