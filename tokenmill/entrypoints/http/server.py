@@ -14,7 +14,7 @@ from tokenmill.distributed.dp_client import DataParallelClient
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.entrypoints.auth import ApiKey
-from tokenmill.entrypoints.http import native_api, openai_api, triton_api
+from tokenmill.entrypoints.http import native_api, openai_api, tokenize_api, triton_api
 from tokenmill.entrypoints.http.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -199,6 +199,20 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     @app.post("/v1/chat/completions/completions", openapi_extra=completion_body)
     async def seed_completions(request: Request) -> Response:
         return await dispatch(request, chat=False, seed_path=True)
+
+    # vLLM's tokenizer routes (at the root and under /v1)
+    def tokenizer_route(kind: str):
+        async def route(request: Request) -> Response:
+            body = await read_json(request)
+            if isinstance(body, Response):
+                return body
+            return await tokenize_api.handle(kind, request, body)
+        return route
+
+    for kind in ("tokenize", "detokenize"):
+        for path in (f"/{kind}", f"/v1/{kind}"):
+            app.add_api_route(path, tokenizer_route(kind), methods=["POST"],
+                              dependencies=guarded, include_in_schema=path.startswith("/v1"))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models(request: Request) -> dict:
