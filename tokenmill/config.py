@@ -44,6 +44,7 @@ class ServerConfig:
     check_health_interval: float = 10.0  # engine silent this long => not ready, requests fail
     max_request_body_bytes: int = 2 * 1024 * 1024  # larger bodies get 413 before parsing
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
     # vLLM flags given that have no effect here: (flag, why), logged once at start-up
     ignored_flags: tuple[tuple[str, str], ...] = ()
 
@@ -179,6 +180,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
     a("--trust-request-chat-template", action="store_true", default=None,
       help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
+    a("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+      help="split chat completions' <think> section into reasoning_content")
     return p
 
 
@@ -317,6 +320,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         check_health_interval=pick(None, env.number("CHECK_HEALTH_INTERVAL"), 10.0),
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
+        reasoning_parser=args.reasoning_parser,
         ignored_flags=tuple(flag for name, flag in _IGNORED.items()
                             if getattr(args, name) is not None),
         **ports)

@@ -84,7 +84,8 @@ class ServeProcess:
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
-                trust_request_chat_template=config.trust_request_chat_template)
+                trust_request_chat_template=config.trust_request_chat_template,
+                reasoning_parser=config.reasoning_parser)
             registry, metrics = self._metrics()
             state = await build_state(settings, metrics)
             if config.use_warmup:

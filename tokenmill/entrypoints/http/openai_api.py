@@ -20,6 +20,7 @@ from tokenmill.entrypoints.http.openai_protocol import (
     CompletionRequest,
     refuse_unsupported,
 )
+from tokenmill.entrypoints.http.reasoning import ReasoningStream
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -205,6 +206,10 @@ class _Responder:
                           "stop_reason": c.stop_reason, "logprobs": None}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    if self.state.reasoning is not None:
+                        reasoning, content = self.state.reasoning.split(c.text)
+                        choice["message"].update(content=content or None,
+                                                 reasoning_content=reasoning or None)
                     if c.logprobs is not None:
                         choice["logprobs"] = _chat_logprobs(c, 0, len(c.token_ids),
                                                             self.top_logprobs)
@@ -224,6 +229,7 @@ class _Responder:
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         trackers: dict[tuple[int, int], DeltaTracker] = {}
+        thinking: dict[tuple[int, int], ReasoningStream] = {}  # (--reasoning-parser)
         counts: dict[tuple[int, int], int] = {}  # generated tokens per (prompt, choice)
         ended: set[tuple[int, int]] = set()
         try:
@@ -241,12 +247,18 @@ class _Responder:
                     tracker = trackers.setdefault(key, DeltaTracker(self.jobs[i].params.stop))
                     done = c.finish_reason is not None
                     text, new_ids, first = tracker.update(c, done)
+                    reasoning = None
+                    if self.chat and self.state.reasoning is not None:
+                        stream = thinking.setdefault(key, ReasoningStream(self.state.reasoning))
+                        reasoning, text = stream.feed(text, done)
+                        if not reasoning and not text and not done:
+                            continue
                     if not text and not new_ids and not done:
                         continue
                     counts[key] = len(c.token_ids)
                     if done:
                         ended.add(key)
-                    chunk = self._chunk(i, c, text, first, done)
+                    chunk = self._chunk(i, c, text, first, done, reasoning)
                     if continuous:
                         chunk["usage"] = self._usage(sum(counts.values()))
                     yield self._sse(chunk)
@@ -260,13 +272,18 @@ class _Responder:
             yield self._sse(error_body(str(exc), 503))
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool) -> dict:
+    def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool,
+               reasoning: str | None = None) -> dict:
         end = len(c.token_ids)
         choice = {"index": i * self.n + c.index, "logprobs": None,
                   "finish_reason": c.finish_reason if done else None,
                   "stop_reason": c.stop_reason if done else None}
         if self.chat:
             choice["delta"] = {"content": text} if text or not done else {}
+            if reasoning is not None:
+                choice["delta"] = {"content": text} if text else {}
+                if reasoning:
+                    choice["delta"]["reasoning_content"] = reasoning
             if c.logprobs is not None:
                 choice["logprobs"] = _chat_logprobs(c, first, end, self.top_logprobs)
         else:

@@ -20,6 +20,7 @@ from tokenmill.entrypoints.http.openai_protocol import (
     CompletionRequest,
     openapi_body,
 )
+from tokenmill.entrypoints.http.reasoning import ReasoningParser
 from tokenmill.entrypoints.http.request_body import (
     BodyError,
     RequestLimitMiddleware,
@@ -53,7 +54,9 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        max_seq_len=min(settings.max_seq_len or max_len - 1, max_len - 1),
                        max_waiting=settings.max_waiting,
                        disable_streaming=settings.disable_streaming,
-                       trust_request_chat_template=settings.trust_request_chat_template)
+                       trust_request_chat_template=settings.trust_request_chat_template,
+                       reasoning=ReasoningParser(settings.reasoning_parser)
+                       if settings.reasoning_parser else None)
 
 
 def is_native(body: dict) -> bool:

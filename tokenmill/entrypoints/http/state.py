@@ -48,6 +48,7 @@ class ApiSettings:
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
     max_request_body_bytes: int = 2 * 1024 * 1024
     trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None
     # data-parallel replicas beyond the first (engine_address): requests are routed among all
     more_engine_addresses: tuple[str, ...] = ()
 
@@ -63,6 +64,7 @@ class ServerState:
     max_waiting: int  # seed MAX_CACHED_TASK_NUM: requests queued in the engine beyond running
     disable_streaming: bool = False
     trust_request_chat_template: bool = False
+    reasoning: Any = None  # a ReasoningParser (entrypoints/http/reasoning.py), or None
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None

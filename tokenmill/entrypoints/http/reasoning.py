@@ -1,0 +1,64 @@
+"""Reasoning parsers (`--reasoning-parser`): a chat completion's text split into
+`reasoning_content` (the `<think>` section) and `content`, whole or as stream deltas.
+
+- `deepseek_r1`: DeepSeek-R1's template opens the think section in the prompt, so the output
+  may start inside it: everything before `</think>` is reasoning (a leading `<think>`
+  dropped); with no `</think>` yet (still thinking, or cut off) it is all reasoning.
+- `qwen3`: reasoning only when the output opens with `<think>` (Qwen3 thinks unless
+  `enable_thinking` is false); otherwise all content.
+While streaming, text that may be the start of a tag is held back until it is known not to be
+one, so no delta ever has to be taken back."""
+
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    def __init__(self, name: str) -> None:
+        if name not in PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, "
+                             f"got {name!r}.")
+        self.name = name
+
+    def split(self, text: str, final: bool = True) -> tuple[str, str]:
+        """(reasoning, content) of `text`; not `final`: without what may still become a
+        tag."""
+        head = text.lstrip()
+        if not final and START.startswith(head) and head != START:
+            return "", ""  # (maybe the opening tag, not yet whole)
+        opened = head.startswith(START)
+        if self.name == "qwen3" and not opened:
+            return "", text
+        body = head[len(START):] if opened else text
+        end = body.find(END)
+        if end >= 0:
+            return body[:end], body[end + len(END):]
+        if not final:
+            body = body[:len(body) - _partial_suffix(body, END)]
+        return body, ""
+
+
+class ReasoningStream:
+    """One streamed choice: each new piece of text -> (reasoning delta, content delta)."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = (0, 0)
+
+    def feed(self, delta: str, done: bool) -> tuple[str, str]:
+        self.text += delta
+        reasoning, content = self.parser.split(self.text, final=done)
+        out = reasoning[self.sent[0]:], content[self.sent[1]:]
+        self.sent = (max(self.sent[0], len(reasoning)), max(self.sent[1], len(content)))
+        return out
