@@ -46,9 +46,10 @@ def test_unknown_parser():
         ReasoningParser("nope")
 
 
-def test_served_chat_splits_reasoning_whole_and_streamed(tiny_models, tmp_path):
-    """`tokenmill serve --reasoning-parser deepseek_r1`: the random model's output, forced
-    through a regex to hold a `</think>`, comes back split, whole and streamed alike."""
+def test_served_chat_returns_reasoning_whole_and_streamed(tiny_models, tmp_path):
+    """`tokenmill serve --reasoning-parser deepseek_r1`: the random model never closes its
+    think section, so its whole output is reasoning_content (content null), whole and
+    streamed alike; a constraint waits for the section's end (so it does not apply here)."""
     import openai
 
     from tests.serving import Served
@@ -57,18 +58,29 @@ def test_served_chat_splits_reasoning_whole_and_streamed(tiny_models, tmp_path):
                 "deepseek_r1").running() as served:
         client = openai.OpenAI(base_url=served.api + "/v1", api_key="x", max_retries=0)
         args = dict(model="tiny", messages=[{"role": "user", "content": "Think."}],
-                    max_tokens=40, temperature=1.0, seed=3,
-                    extra_body={"guided_regex": "[a-z]{2,6}</think>[a-z]{2,6}"})
+                    max_tokens=20, temperature=0)
         whole = client.chat.completions.create(**args).choices[0].message
-        reasoning = whole.model_extra["reasoning_content"]
-        assert 2 <= len(reasoning) <= 6 and reasoning.isalpha()
-        assert 2 <= len(whole.content) <= 6 and whole.content.isalpha()
+        assert whole.content is None and whole.model_extra["reasoning_content"]
         got = {"reasoning_content": "", "content": ""}
         for chunk in client.chat.completions.create(**args, stream=True):
             delta = chunk.choices[0].delta
             got["content"] += delta.content or ""
             got["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
-        assert got == {"reasoning_content": reasoning, "content": whole.content}
-        plain = client.chat.completions.create(**{**args, "extra_body": {}}).choices[0]
-        assert plain.message.content is None  # no </think>: all of it is reasoning
-        assert plain.message.model_extra["reasoning_content"]
+        assert got == {"reasoning_content": whole.model_extra["reasoning_content"],
+                       "content": ""}
+        regex = client.chat.completions.create(**args, extra_body={"guided_regex": "[0-9]+"})
+        assert regex.choices[0].message.model_extra["reasoning_content"] == \
+            whole.model_extra["reasoning_content"]  # (untouched before </think>)
+
+
+def test_the_constraint_starts_after_the_think_section(tiny_models):
+    from tokenmill.entrypoints.http.reasoning import constraint_start
+    from tokenmill.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_models("llama")[0])
+    end = tok.encode("</think>", add_special_tokens=False)
+    opened = tok.encode("user: hi\nassistant:<think>\n", add_special_tokens=False)
+    closed = tok.encode("user: hi\nassistant:<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert constraint_start(tok, opened) == end
+    assert constraint_start(tok, tok.encode("user: hi", add_special_tokens=False)) == end
+    assert constraint_start(tok, closed) is None  # (e.g. Qwen3 with enable_thinking=false)

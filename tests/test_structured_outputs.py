@@ -236,6 +236,7 @@ def test_drafted_rows_masks_equal_trying_every_token(tiny_models):
 
     class Req:
         grammar = GrammarState(None)
+        output_token_ids: list = []
 
     req = Req()
     req.grammar.matcher = matcher
@@ -249,3 +250,27 @@ def test_drafted_rows_masks_equal_trying_every_token(tiny_models):
             assert state.accept_token(token)
         allowed = set(torch.nonzero(torch.isfinite(logits[i])).flatten().tolist())
         assert allowed == allowed_slow(state, 512), i
+
+
+@pytest.mark.parametrize("marker_len", [1, 2])
+def test_constraint_starts_after_the_reasoning_marker(tiny_models, marker_len):
+    """With after_token_ids (the end of a <think> section), tokens up to the marker are the
+    model's own (equal to unconstrained greedy), the rest follows the grammar; with n-gram
+    speculation too (drafts crossing the marker)."""
+    path = tiny_models("llama")[0]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": 64}
+    for engine in ({}, {"speculative_config": spec}):
+        with LLM(path, kv_cache_memory_gib=0.05, **engine) as llm:
+            free = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+            # the marker: the tokens at 3.. (first occurring there)
+            at = next(i for i in range(3, 10) if free[i] not in free[:i])
+            marker = list(free[at:at + marker_len])
+            params = SamplingParams(temperature=0, max_tokens=60, structured_outputs={
+                "regex": "[0-9]{4}", "after_token_ids": marker})
+            out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+            cut = at + marker_len
+            assert list(out.token_ids[:cut]) == list(free[:cut])
+            rest = llm.get_tokenizer().decode(out.token_ids[cut:], skip_special_tokens=True)
+            assert re.fullmatch("[0-9]{4}", rest) and out.finish_reason == "stop"

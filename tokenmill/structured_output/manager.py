@@ -23,16 +23,38 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    """A constrained request's compiled grammar (a future until compiled) and matcher."""
+    """A constrained request's compiled grammar (a future until compiled) and matcher;
+    with `after` (the end of a reasoning section), inactive until the output holds it."""
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+    def __init__(self, future: concurrent.futures.Future | None,
+                 after: list[int] | None = None) -> None:
         self.future = future
         self.matcher: Any = None
+        self.after = list(after or [])
+        self.active = not self.after
 
     def start(self) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(self.future.result())
+
+    def rows_from(self, output: list[int], drafts: list[int]) -> int | None:
+        """The first of the rows verifying `drafts` that the grammar constrains (0 when
+        active; None when the marker is not complete within them)."""
+        if self.active:
+            return 0
+        tail = output[max(0, len(output) - len(self.after) + 1):] if len(self.after) > 1 else []
+        end = _marker_end(tail + drafts, self.after)
+        return None if end is None else end - len(tail)
+
+
+def _marker_end(tokens: list[int], marker: list[int]) -> int | None:
+    """Index just past the first occurrence of `marker` in `tokens`, or None."""
+    m = len(marker)
+    for i in range(len(tokens) - m + 1):
+        if tokens[i:i + m] == marker:
+            return i + m
+    return None
 
 
 class StructuredOutputs:
@@ -53,7 +75,9 @@ class StructuredOutputs:
         return self._grammars.compile(request.sampling_params.structured_outputs)
 
     def submit(self, request: Request) -> None:
-        request.grammar = GrammarState(self._pool.submit(self._compile, request))
+        spec = request.sampling_params.structured_outputs
+        request.grammar = GrammarState(self._pool.submit(self._compile, request),
+                                       spec.after_token_ids)
         self.pending.append(request)
 
     def ready(self, wait_s: float = 0.0) -> tuple[list[Request], list[tuple[Request, str]]]:
@@ -94,7 +118,7 @@ def mask_rows(logits: torch.Tensor, requests: list[Request]) -> None:
     """Constrained rows of `logits` (row i is requests[i]'s) keep only the tokens their
     grammar allows next (the others -> -inf), in place."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None
-            and not r.grammar.matcher.is_terminated()]
+            and r.grammar.active and not r.grammar.matcher.is_terminated()]
     if not rows:
         return
     import xgrammar as xgr
@@ -111,30 +135,41 @@ def mask_drafted(logits: torch.Tensor, request: Request, drafts: list[int]) -> N
     """The k + 1 rows verifying `drafts` of a constrained request: row i keeps what the
     grammar allows after the drafts before it (taken on its matcher, then rolled back). Past a
     draft the grammar refuses, rows repeat the mask at that draft: verification stops there
-    (its row cannot choose the refused draft) and never reads them."""
+    (its row cannot choose the refused draft) and never reads them. A grammar waiting for
+    the end of a reasoning section starts at the row after the drafts complete it."""
+    first = request.grammar.rows_from(request.output_token_ids, drafts)
     matcher = request.grammar.matcher
-    if matcher.is_terminated():
+    if first is None or matcher.is_terminated():
         return
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, logits.shape[-1])
+    bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, logits.shape[-1])  # (all allowed)
     taken = 0
-    for i in range(len(drafts) + 1):
-        if i == taken:
+    for i in range(first, len(drafts) + 1):
+        if i == first + taken:
             matcher.fill_next_token_bitmask(bitmask, i)
             if i < len(drafts) and not matcher.is_terminated() \
                     and matcher.accept_token(drafts[i]):
                 taken += 1
         else:
-            bitmask[i] = bitmask[taken]
+            bitmask[i] = bitmask[first + taken]
     matcher.rollback(taken)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
 
 def advance(request: Request, tokens: list[int]) -> bool:
     """The request's matcher takes the tokens sampled for it; True once its grammar is
-    complete (it took a stop token)."""
-    matcher = request.grammar.matcher
+    complete (it took a stop token). A grammar waiting for the end of a reasoning section
+    starts with the tokens after it, once the output holds it."""
+    state, matcher = request.grammar, request.grammar.matcher
+    if not state.active:
+        output = request.output_token_ids
+        start = max(0, len(output) - len(tokens) - len(state.after) + 1)
+        end = _marker_end(output[start:], state.after)
+        if end is None:
+            return False
+        state.active = True
+        tokens = output[start + end:]
     for token in tokens:
         if matcher.is_terminated():
             break

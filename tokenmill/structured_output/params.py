@@ -20,6 +20,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # the constraint starts once the output holds these tokens (the end of a reasoning
+    # section: set by the server's --reasoning-parser); not part of the grammar
+    after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         asked = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -43,6 +46,11 @@ class StructuredOutputsParams:
                                    "strings.")
         if self.json_object not in (None, True):
             raise InvalidParameter("json_object", "json_object must be true when given.")
+        after = self.after_token_ids
+        if after is not None and (not isinstance(after, list) or not after or not all(
+                isinstance(t, int) and t >= 0 for t in after)):
+            raise InvalidParameter("after_token_ids", "after_token_ids must be a non-empty "
+                                   "list of token ids.")
         kind, spec = self.key()
         if len(spec) > MAX_SPEC_CHARS:
             raise InvalidParameter(kind, f"{kind} may be at most {MAX_SPEC_CHARS} characters, "

@@ -20,7 +20,7 @@ from tokenmill.entrypoints.http.openai_protocol import (
     CompletionRequest,
     refuse_unsupported,
 )
-from tokenmill.entrypoints.http.reasoning import ReasoningStream
+from tokenmill.entrypoints.http.reasoning import ReasoningStream, constraint_start
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -351,6 +351,9 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         top = req.top_logprobs or 0
         params = req.sampling_params(max_tokens, top if req.logprobs else None)
         await state.check_structured(*req.structured())
+        if state.reasoning is not None and params.structured_outputs is not None:
+            # the constraint applies to the answer, after the reasoning section
+            params.structured_outputs.after_token_ids = constraint_start(state.tokenizer, ids)
     except (ApiError, ValueError) as exc:
         if reservation is not None:
             reservation.cancel()

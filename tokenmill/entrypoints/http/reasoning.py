@@ -48,6 +48,23 @@ class ReasoningParser:
         return body, ""
 
 
+def _find_last(tokens: list[int], part: list[int]) -> int:
+    """Start of the last occurrence of `part` in `tokens`, or -1."""
+    for i in range(len(tokens) - len(part), -1, -1):
+        if tokens[i:i + len(part)] == part:
+            return i
+    return -1
+
+
+def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
+    """The tokens after which a structured-output constraint starts: the end tag's, unless
+    the prompt already closed the think section (e.g. Qwen3's enable_thinking=false)."""
+    end = tokenizer.encode(END, add_special_tokens=False)
+    start = tokenizer.encode(START, add_special_tokens=False)
+    closed = _find_last(prompt_ids, end)
+    return None if closed >= 0 and closed > _find_last(prompt_ids, start) else end
+
+
 class ReasoningStream:
     """One streamed choice: each new piece of text -> (reasoning delta, content delta)."""
 
