@@ -238,3 +238,22 @@ def test_greedy_argmax_kernel_matches_torch():
     # the sampler's greedy rows take it
     batch = SamplingBatch(temperature=torch.zeros(8))
     assert torch.equal(sample(x, batch).token_ids, x.argmax(dim=-1))
+
+
+def test_logit_bias_forces_and_bans_tokens(llm):
+    """+100 on a token makes greedy decoding pick it every time; -100 on the tokens greedy
+    picked bans them; seeded sampling with a bias reproduces."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base = llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate(PROMPT, greedy.clone(logit_bias={7: 100.0}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [7] * 8
+    banned = llm.generate(PROMPT, greedy.clone(logit_bias={t: -100 for t in set(base)}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert not set(banned) & set(base)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, logit_bias={3: 5.0})
+    runs = [llm.generate(PROMPT, seeded, use_tqdm=False)[0].outputs[0].token_ids
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})

@@ -49,6 +49,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None  # words never generated (any of their tokenizations)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
     # the output follows a JSON schema / regex / choice / grammar (structured_output/)
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/generation config; not part of the public surface.
@@ -113,6 +114,13 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise bad("bad_words", "a list of non-empty strings")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or not all(isinstance(t, int) and 0 <= t <= _INT64_MAX
+                           for t in self.logit_bias)
+                or not all(isinstance(v, (int, float)) and _finite(v) and -100 <= v <= 100
+                           for v in self.logit_bias.values())):
+            raise bad("logit_bias", "a map of token ids to numbers in [-100, 100]")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):

@@ -191,3 +191,15 @@ def test_vllm_extras_echo_and_max_completion_tokens(client, offline_llm):
                                           max_completion_tokens=3, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 3 and chat.choices[0].finish_reason == "length"
+
+
+def test_logit_bias_matches_the_offline_engine(client, offline_llm):
+    ids = offline_llm.get_tokenizer().encode(PROMPT)
+    bias = {ids[1]: 100.0}
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5,
+                                     temperature=0, logit_bias={str(k): v for k, v in
+                                                                bias.items()})
+    want = offline_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5,
+                                                       logit_bias=bias), use_tqdm=False)[0]
+    assert resp.choices[0].text == want.outputs[0].text
+    assert want.outputs[0].token_ids == [ids[1]] * 5

@@ -67,6 +67,8 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
     # whole engine step, not just this request.
     if any(not 0 <= t < vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab}).")
+    if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab}).")
     longest = min(n_prompt + (params.max_tokens or max_model_len), max_model_len) + lookahead
     if -(-longest // block_size) > num_blocks:
         raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "

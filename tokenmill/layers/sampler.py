@@ -23,6 +23,7 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # [N, V] bool: token occurs in prompt or output
     output_counts: torch.Tensor | None = None  # [N, V] float: occurrences in the output
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids) min_tokens
+    bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)  # logit_bias
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, None = not asked
 
@@ -94,9 +95,11 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The scores each row draws from before temperature: penalties applied, banned tokens
-    (min_tokens, bad words) out (in place when no penalty applies)."""
+    """The scores each row draws from before temperature: penalties applied, logit_bias
+    added, banned tokens (min_tokens, bad words) out (in place when no penalty applies)."""
     logits = apply_penalties(logits, batch)
+    for row, ids, values in batch.bias:
+        logits[row, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
     return logits

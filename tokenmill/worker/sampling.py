@@ -56,6 +56,9 @@ class RequestSampling:
         batch = self.batch(requests)
         width = logits.shape[1]  # (a draft's vocabulary may be the smaller)
         batch.banned = [(row, [i for i in ids if i < width]) for row, ids in batch.banned]
+        batch.bias = [(row, [i for i in ids if i < width], [v for i, v in zip(ids, vs)
+                                                           if i < width])
+                      for row, ids, vs in batch.bias]
         tokens, probs = draw(adjusted(logits, batch), batch, generator)
         return tokens.tolist(), probs
 
@@ -100,6 +103,8 @@ class RequestSampling:
                 banned = banned_by_bad_words(r.output_token_ids, p.bad_words_token_ids)
                 if banned:
                     batch.banned.append((row, banned))
+            if p.logit_bias:
+                batch.bias.append((row, list(p.logit_bias), list(p.logit_bias.values())))
             gen = self.generator(r)
             if gen is not None:
                 batch.generators[row] = gen

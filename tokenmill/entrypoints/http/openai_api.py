@@ -92,6 +92,9 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         raise ApiError(str(exc), 400, getattr(exc, "param", None)) from None
     if check_model and req.model is not None and req.model not in state.model_names:
         raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
+    vocab = state.engine.client.info.vocab_size
+    if req.logit_bias and any(int(k) >= vocab for k in req.logit_bias):
+        raise ApiError(f"logit_bias token ids must be in [0, {vocab}).", 400, "logit_bias")
     reservation = state.try_admit(req.slots())  # before any tokenizing or templating
     if reservation is None:
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",

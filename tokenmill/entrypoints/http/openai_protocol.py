@@ -25,6 +25,7 @@ class RequestCaps:
     max_stop: int = 16  # stop sequences; also bad_words and stop_token_ids entries
     max_stop_chars: int = 256  # characters in one stop sequence or bad word
     max_logprobs: int = 20  # logprobs / top_logprobs
+    max_logit_bias: int = 300  # logit_bias entries
     max_request_id_chars: int = 256  # the native API's req_id
     max_messages: int = 2048  # chat turns in one request
     max_content_parts: int = 256  # content parts of one chat message
@@ -175,6 +176,8 @@ class _SamplingFields(BaseModel):
             bad_words=self.bad_words,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()}
+            if self.logit_bias else None,
             structured_outputs=self.structured()[0])
 
     def check(self) -> None:
@@ -182,8 +185,12 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options",
                                    "stream_options is only allowed when stream is true.")
-        if self.logit_bias:
-            raise InvalidParameter("logit_bias", "logit_bias is not supported by this server.")
+        if self.logit_bias is not None and len(self.logit_bias) > CAPS.max_logit_bias:
+            raise InvalidParameter("logit_bias", f"logit_bias may have at most "
+                                   f"{CAPS.max_logit_bias} entries.")
+        if self.logit_bias and not all(k.isascii() and k.isdigit() and len(k) <= 19
+                                       for k in self.logit_bias):
+            raise InvalidParameter("logit_bias", "logit_bias keys must be token ids.")
 
 
 class CompletionRequest(_SamplingFields):
