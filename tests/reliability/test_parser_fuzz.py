@@ -198,7 +198,7 @@ _NATIVE_FIELDS = ["text", "input_ids", "messages", "system", "max_dec_len", "seq
                   "max_tokens", "min_dec_len", "topp", "top_p", "temperature", "penalty_score",
                   "frequency_score", "presence_score", "timeout", "seed", "infer_seed",
                   "stream", "return_usage", "return_all_tokens", "benchmark", "eos_token_ids",
-                  "stop_sequences", "req_id"]
+                  "stop_sequences", "req_id", "response_format"]
 
 
 def _native_value(name: str):
@@ -209,7 +209,10 @@ def _native_value(name: str):
                  {"content": JSON}, optional={"role": JSON}), max_size=3),
              "eos_token_ids": JSON | ints | st.lists(ints | st.text("0123456789²٣ ", max_size=25)),
              "stop_sequences": JSON | st.lists(st.text(max_size=300), max_size=18),
-             "req_id": JSON | st.text(max_size=300)}
+             "req_id": JSON | st.text(max_size=300),
+             "response_format": st.fixed_dictionaries({"type": st.sampled_from(
+                 ["text", "json_object", "json_schema", "x"]) | JSON}, optional={
+                 "json_schema": st.fixed_dictionaries({}, optional={"schema": JSON})})}
     return typed.get(name, numbers) | JSON
 
 
@@ -242,11 +245,20 @@ def tokenizer(tiny_models):
 
 
 @settings(PROFILE, max_examples=150)
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    """The API's structured-output check (fuzzed constraints really compile)."""
+    from tokenmill.structured_output.backend import GrammarChecker
+
+    return GrammarChecker(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
 @given(body=_NATIVE_BODIES)
-def test_native_build_request_raises_only_native_error(tokenizer, body):
+def test_native_build_request_raises_only_native_error(tokenizer, grammars, body):
     """validate + tokenize + limits + SamplingParams, as admission runs them."""
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, max_seq_len=63,
-                            max_dec_len=16, prompts=PromptEncoder(tokenizer, 64))
+                            max_dec_len=16, prompts=PromptEncoder(tokenizer, 64),
+                            check_structured=grammars.check)
     try:
         req = asyncio.run(native_protocol.build_request(body, state))
     except native_protocol.NativeError:
@@ -396,11 +408,12 @@ def test_read_inputs_raises_only_tensor_error(case):
 
 @settings(PROFILE, max_examples=200)
 @given(case=_infer_requests(ensemble=True))
-def test_ensemble_path_raises_only_its_errors(tokenizer, case):
+def test_ensemble_path_raises_only_its_errors(tokenizer, grammars, case):
     """gRPC `ensemble` inputs: tensors -> fields -> SamplingParams (as service._ensemble)."""
     request, _ = case
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64,
-                            prompts=PromptEncoder(tokenizer, 64))
+                            prompts=PromptEncoder(tokenizer, 64),
+                            check_structured=grammars.check)
     try:
         fields, shape = ensemble_fields(tensors.read_inputs(request))
         ids, params, options = asyncio.run(triton_api.parse_fields(fields, state))
