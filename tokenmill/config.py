@@ -131,9 +131,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
     a("--gpu-memory-utilization", type=float, default=None)
-    a("--kv-cache-memory", type=float, default=None, metavar="GIB",
-      help="memory for KV blocks in GiB (default 4 on the CPU; on a GPU it overrides "
-           "--gpu-memory-utilization)")
+    a("--kv-cache-memory", type=float, default=None, metavar="GIB", help="KV blocks' memory "
+      "(default 4 on the CPU; on a GPU it overrides --gpu-memory-utilization)")
     a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     a("--tensor-parallel-size", "-tp", type=int, default=None,
@@ -159,12 +158,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="stages the layers are split into (MP_NUM then counts tp x pp ranks)")
     # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
     a("--num-scheduler-steps", type=int, default=None, help="accepted, no effect (vLLM)")
-    a("--trust-remote-code", action="store_true", default=None,
-      help="accepted; tokenmill never runs a checkpoint's own code")
-    a("--enforce-eager", action="store_true", default=None,
-      help="accepted, no effect: no CUDA graphs are captured yet")
-    a("--disable-async-output-proc", action="store_true", default=None,
-      help="accepted, no effect (vLLM)")
+    a("--trust-remote-code", action="store_true", default=None, help="accepted; no code is run")
+    a("--enforce-eager", action="store_true", default=None, help="no effect: no CUDA graphs yet")
+    a("--disable-async-output-proc", action="store_true", default=None, help="no effect (vLLM)")
     a("--seed", type=int, default=None)
     a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
     a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
@@ -180,8 +176,7 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
     a("--trust-request-chat-template", action="store_true", default=None,
       help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
-    a("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
-      help="split chat completions' <think> section into reasoning_content")
+    a("--reasoning-parser", choices=["deepseek_r1", "qwen3"], help="chat: <think> -> reasoning")
     return p
 
 

@@ -91,17 +91,17 @@ class LLMEngine:
         return request_id
 
     def _grammars(self):
+        """The structured-output compiler: the in-process engine core's (its cache then
+        serves the core's own compile), else one of this process."""
+        if self.core is not None:
+            return self.core.structured.grammars(self.eos_token_ids, self.tokenizer)
         if getattr(self, "_compiler", None) is None:
+            from tokenmill.loader import load_hf_config
             from tokenmill.structured_output.backend import Grammars
 
-            self._compiler = Grammars(self.tokenizer, self.hf_vocab_size(),
+            self._compiler = Grammars(self.tokenizer, load_hf_config(self.model_path).vocab_size,
                                       list(self.eos_token_ids))
         return self._compiler
-
-    def hf_vocab_size(self) -> int:
-        from tokenmill.loader import load_hf_config
-
-        return load_hf_config(self.model_path).vocab_size
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -62,17 +63,25 @@ class StructuredOutputs:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self._grammars = None
+        self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tokenmill-grammar")
         self.pending: list[Request] = []  # compiling, in arrival order
 
-    def _compile(self, request: Request) -> Any:
-        if self._grammars is None:
-            from tokenmill.loader import load_tokenizer
-            from tokenmill.structured_output.backend import Grammars
+    def grammars(self, stop_token_ids: list[int], tokenizer: Any = None) -> Any:
+        """The model's compiler (made on first use; an in-process front end that checks
+        requests shares it, so their grammars come from its cache here)."""
+        with self._lock:
+            if self._grammars is None:
+                from tokenmill.loader import load_tokenizer
+                from tokenmill.structured_output.backend import Grammars
 
-            self._grammars = Grammars(load_tokenizer(self.tokenizer_path), self.vocab_size,
-                                      list(request.sampling_params.eos_token_ids))
-        return self._grammars.compile(request.sampling_params.structured_outputs)
+                self._grammars = Grammars(tokenizer or load_tokenizer(self.tokenizer_path),
+                                          self.vocab_size, list(stop_token_ids))
+            return self._grammars
+
+    def _compile(self, request: Request) -> Any:
+        params = request.sampling_params
+        return self.grammars(params.eos_token_ids).compile(params.structured_outputs)
 
     def submit(self, request: Request) -> None:
         spec = request.sampling_params.structured_outputs
