@@ -12,7 +12,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loader import load_hf_config
-from tokenmill.structured_output.manager import advance
+from tokenmill.structured_output.manager import StructuredOutputs, advance
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,6 @@ class EngineCore:
         self.batch_queue = collections.deque() if self.runner.world.pp_size > 1 else None
         self.max_in_flight = self.runner.world.pp_size
         # structured outputs: constrained requests wait there while their grammar compiles
-        from tokenmill.structured_output.manager import StructuredOutputs
         self.structured = StructuredOutputs(config.tokenizer or model_path,
                                             self.hf_config.vocab_size)
         # speculative decoding: draft tokens for the running requests after each step

@@ -113,11 +113,9 @@ class StructuredOutputs:
                                else "The structured-output grammar failed to compile."))
         return ok, failed
 
-    def drop(self, request_ids: list[str]) -> list[Request]:
-        """Forget pending requests (aborted); returns them."""
-        gone = [r for r in self.pending if r.request_id in request_ids]
+    def drop(self, request_ids: list[str]) -> None:
+        """Forget pending requests (aborted)."""
         self.pending = [r for r in self.pending if r.request_id not in request_ids]
-        return gone
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

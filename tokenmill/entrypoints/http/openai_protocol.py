@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams, from_response_format
@@ -123,9 +123,16 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    _constraint: tuple | None = PrivateAttr(None)
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
-        """The constraint the request asks for and the field that asked (None, None)."""
+        """The constraint the request asks for and the field that asked (None, None),
+        parsed once (each prompt's sampling params and the compile check share it)."""
+        if self._constraint is None:
+            self._constraint = self._parse_structured()
+        return self._constraint
+
+    def _parse_structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
         asked: dict[str, dict | StructuredOutputsParams] = {}
         chosen = from_response_format(self.response_format)
         if chosen is not None:
