@@ -82,6 +82,8 @@ def test_vllm_fields_on_completions_and_chat(client, extra, check):
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "after_token_ids": [10**20]}},
+     "structured_outputs"),  # (the server's own field)
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),

@@ -48,7 +48,7 @@ class StructuredOutputsParams:
             raise InvalidParameter("json_object", "json_object must be true when given.")
         after = self.after_token_ids
         if after is not None and (not isinstance(after, list) or not after or not all(
-                isinstance(t, int) and t >= 0 for t in after)):
+                isinstance(t, int) and 0 <= t < 2**63 for t in after)):
             raise InvalidParameter("after_token_ids", "after_token_ids must be a non-empty "
                                    "list of token ids.")
         kind, spec = self.key()

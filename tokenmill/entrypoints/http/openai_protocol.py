@@ -142,6 +142,9 @@ class _SamplingFields(BaseModel):
             if getattr(self, name) is not None:
                 asked[name] = {kind: getattr(self, name)}
         if self.structured_outputs:
+            if "after_token_ids" in self.structured_outputs:  # (set by the server only)
+                raise InvalidParameter("structured_outputs", "structured_outputs takes json, "
+                                       "json_object, regex, choice or grammar.")
             asked["structured_outputs"] = self.structured_outputs
         if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
             raise InvalidParameter("guided_decoding_backend", "guided_decoding_backend must "
