@@ -1,0 +1,96 @@
+"""The `tokenmill serve` command line (argparse): flags only, no defaults applied and no
+environment read here (config.py merges flags over the seed's variables and defaults)."""
+
+from __future__ import annotations
+
+
+def _parse_len(text: str) -> int:
+    """vLLM accepts 4096, 4k, 4K (x1000) and 4KiB-style 1ki (x1024) for --max-model-len."""
+    t = text.strip().lower()
+    for suffix, mult in (("ki", 1024), ("k", 1000), ("mi", 1 << 20), ("m", 1_000_000)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult)
+    return int(t)
+
+
+def make_serve_parser(prog: str = "tokenmill serve", description: str | None = None):
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=description or "Serve a model over the native, OpenAI and Triton-generate "
+                    "HTTP APIs and KServe gRPC. Flags override the seed's environment "
+                    "variables, which override defaults.")
+    a = p.add_argument
+    a("model", nargs="?", default=None,
+      help="HF directory or .gguf file (env MODEL_DIR; default: bundled SmolLM2-135M)")
+    a("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    a("--tokenizer", default=None)
+    a("--host", default=None, help="bind address of the HTTP ports (default 0.0.0.0)")
+    a("--port", type=int, default=None, help="API port (env SERVICE_HTTP_PORT; default 9965)")
+    a("--health-port", type=int, default=None, help="env HEALTH_HTTP_PORT; default 8110")
+    a("--metrics-port", type=int, default=None, help="env METRICS_HTTP_PORT; default 8722")
+    a("--grpc-port", type=int, default=None, help="env SERVICE_GRPC_PORT; default 8811")
+    a("--served-model-name", nargs="+", default=None,
+      help="names accepted in `model`; the first is reported")
+    a("--api-key", default=None, help="require `Authorization: Bearer KEY` (env VLLM_API_KEY)")
+    a("--dtype", default=None, help="auto, float32, bfloat16, float16 (env DTYPE)")
+    a("--device", default=None, help="auto, cpu, cuda[:N]")
+    a("--quantization", "-q", default=None,
+      help="int8, int4, a8w8 or fp8 (also weight_only_int8, weight_only_int4); default: as the "
+           "checkpoint is")
+    a("--kv-cache-dtype", default=None, choices=["auto", "int8"],
+      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1)")
+    a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
+    a("--speculative-config", default=None, help="JSON (env SPECULATE_METHOD, SPECULATE_*)")
+    a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
+    a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
+    a("--gpu-memory-utilization", type=float, default=None)
+    a("--kv-cache-memory", type=float, default=None, metavar="GIB", help="KV blocks' memory "
+      "(default 4 on the CPU; on a GPU it overrides --gpu-memory-utilization)")
+    a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    a("--tensor-parallel-size", "-tp", type=int, default=None,
+      help="ranks that split every layer (env MP_NUM; default 1)")
+    a("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+      help="mp: the ranks as processes on this node (and --nnodes); ray: as actors on the "
+           "Ray cluster (RAY_ADDRESS, or the local one)")
+    a("--distributed-timeout", type=float, default=None, metavar="S",
+      help="seconds start-up waits for every rank to join (default 120)")
+    a("--enable-expert-parallel", action="store_true", default=None,
+      help="each tensor-parallel rank holds whole experts (1/tp of them) instead of a "
+           "slice of every one")
+    a("--data-parallel-size", "-dp", type=int, default=None,
+      help="engine replicas behind the API (each with its own tensor/pipeline ranks)")
+    a("--nnodes", type=int, default=None, help="nodes sharing the ranks (env MP_NNODE)")
+    a("--node-rank", type=int, default=None,
+      help="this node's index (default: from POD_IPS, OMPI_COMM_WORLD_RANK or PMI_RANK)")
+    a("--master-addr", default=None,
+      help="node 0's address: its rendezvous (env MASTER_ADDR, else POD_0_IP)")
+    a("--master-port", type=int, default=None,
+      help="node 0's rendezvous port (env MASTER_PORT; default 29500)")
+    a("--pipeline-parallel-size", "-pp", type=int, default=None,
+      help="stages the layers are split into (MP_NUM then counts tp x pp ranks)")
+    # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
+    a("--num-scheduler-steps", type=int, default=None, help="accepted, no effect (vLLM)")
+    a("--trust-remote-code", action="store_true", default=None, help="accepted; no code is run")
+    a("--enforce-eager", action="store_true", default=None, help="no effect: no CUDA graphs yet")
+    a("--disable-async-output-proc", action="store_true", default=None, help="no effect (vLLM)")
+    a("--seed", type=int, default=None)
+    a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
+    a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
+    a("--max-cached-task-num", type=int, default=None,
+      help="queued requests before 503 (env MAX_CACHED_TASK_NUM; default 128)")
+    a("--http-workers", type=int, default=None, help="env PUSH_MODE_HTTP_WORKERS (1-8)")
+    a("--disable-streaming", action="store_true", default=None, help="env DISABLE_STREAMING=1")
+    a("--use-warmup", action="store_true", default=None, help="env USE_WARMUP=1")
+    a("--log-dir", default=None, help="env FD_LOG_DIR; default log")
+    a("--shutdown-timeout", type=float, default=None,
+      help="seconds SIGTERM waits for in-flight requests (default 300); 0 ends them at once")
+    a("--max-request-body-bytes", type=int, default=None,
+      help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
+    a("--trust-request-chat-template", action="store_true", default=None,
+      help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
+    a("--reasoning-parser", choices=["deepseek_r1", "qwen3"], help="chat: <think> -> reasoning")
+    return p
