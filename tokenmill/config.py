@@ -46,6 +46,7 @@ class ServerConfig:
     max_request_body_bytes: int = 2 * 1024 * 1024  # larger bodies get 413 before parsing
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
+    tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
     # vLLM flags given that have no effect here: (flag, why), logged once at start-up
     ignored_flags: tuple[tuple[str, str], ...] = ()
 
@@ -148,6 +149,9 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
     def pick(flag, env_value, default=None):
         return flag if flag is not None else env_value if env_value is not None else default
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
+                         "llama3_json, mistral, deepseek_v3 or pythonic).")
     kv_int8 = env.flag("USE_CACHE_KV_INT8")
     # MP_NUM counts every rank (tensor x pipeline parallel), as the seed's launcher does.
     pp = pick(args.pipeline_parallel_size, None, 1)
@@ -225,6 +229,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         ignored_flags=tuple(flag for name, flag in _IGNORED.items()
                             if getattr(args, name) is not None),
         **ports)

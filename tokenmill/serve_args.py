@@ -93,4 +93,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--trust-request-chat-template", action="store_true", default=None,
       help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
     a("--reasoning-parser", choices=["deepseek_r1", "qwen3"], help="chat: <think> -> reasoning")
+    a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "deepseek_v3",
+                                     "pythonic"], help="chat: tool calls read from the output "
+                                                       "(enables tool_choice auto)")
+    a("--enable-auto-tool-choice", action="store_true", default=None,
+      help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
     return p

@@ -64,7 +64,7 @@ def _ints(value):
     return value
 
 
-_UNSUPPORTED = ("suffix", "best_of", "tools", "response_format", "chat_template",
+_UNSUPPORTED = ("suffix", "best_of", "tools", "tool_choice", "response_format", "chat_template",
                 "chat_template_kwargs", "top_logprobs",
                 # (a fuzzed constraint mostly fails to compile: a 400 before the engine)
                 "guided_json", "guided_regex", "guided_choice", "guided_grammar",

@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.tool_calls.request import template_messages
 
 Conversation = list[dict[str, Any]]
 
@@ -56,10 +57,14 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """`tools` (OpenAI's function definitions) are rendered by the chat template; the
+        output is text (read it with `tokenmill.tool_calls.parsers.get_parser(...).parse`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.chat_prompt(list(c), add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+        prompts = [self.engine.chat_prompt(template_messages([dict(m) for m in c]),
+                                           add_generation_prompt, **kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -85,7 +85,8 @@ class ServeProcess:
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,
-                reasoning_parser=config.reasoning_parser)
+                reasoning_parser=config.reasoning_parser,
+                tool_call_parser=config.tool_call_parser)
             registry, metrics = self._metrics()
             state = await build_state(settings, metrics)
             if config.use_warmup:

@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
 from tokenmill.entrypoints.http.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     refuse_unsupported,
 )
-from tokenmill.entrypoints.http.reasoning import ReasoningStream, constraint_start
+from tokenmill.entrypoints.http.reasoning import constraint_start
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -172,8 +173,10 @@ class _Responder:
     """Builds one OpenAI response (streamed or whole) over one or more engine jobs."""
 
     def __init__(self, state: ServerState, chat: bool, req, jobs: list[_Job],
-                 reservation: Reservation, echo: bool = False, top_logprobs: int = 0) -> None:
+                 reservation: Reservation, echo: bool = False, top_logprobs: int = 0,
+                 output: ChatOutput | None = None) -> None:
         self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
+        self.output = output or ChatOutput(state.reasoning, None, None)
         self.reservation = reservation
         self.echo, self.top_logprobs = echo, top_logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -208,11 +211,9 @@ class _Responder:
                 choice = {"index": i * self.n + c.index, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason, "logprobs": None}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                    if self.state.reasoning is not None:
-                        reasoning, content = self.state.reasoning.split(c.text)
-                        choice["message"].update(content=content or None,
-                                                 reasoning_content=reasoning or None)
+                    choice["message"], has_calls = self.output.message(c.text)
+                    choice["finish_reason"] = self.output.finish_reason(c.finish_reason,
+                                                                        has_calls)
                     if c.logprobs is not None:
                         choice["logprobs"] = _chat_logprobs(c, 0, len(c.token_ids),
                                                             self.top_logprobs)
@@ -232,7 +233,7 @@ class _Responder:
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
         trackers: dict[tuple[int, int], DeltaTracker] = {}
-        thinking: dict[tuple[int, int], ReasoningStream] = {}  # (--reasoning-parser)
+        chats: dict[tuple[int, int], ChatDeltas] = {}  # (reasoning and tool calls)
         counts: dict[tuple[int, int], int] = {}  # generated tokens per (prompt, choice)
         ended: set[tuple[int, int]] = set()
         try:
@@ -250,18 +251,21 @@ class _Responder:
                     tracker = trackers.setdefault(key, DeltaTracker(self.jobs[i].params.stop))
                     done = c.finish_reason is not None
                     text, new_ids, first = tracker.update(c, done)
-                    reasoning = None
-                    if self.chat and self.state.reasoning is not None:
-                        stream = thinking.setdefault(key, ReasoningStream(self.state.reasoning))
-                        reasoning, text = stream.feed(text, done)
-                        if not reasoning and not text and not done:
+                    delta = None
+                    if self.chat:
+                        deltas = chats.setdefault(key, self.output.stream())
+                        delta = deltas.feed(text, done)
+                        if delta is None and not done and (not new_ids or c.logprobs is None):
                             continue
-                    if not text and not new_ids and not done:
+                        if done:
+                            c.finish_reason = self.output.finish_reason(c.finish_reason,
+                                                                        deltas.has_calls())
+                    elif not text and not new_ids and not done:
                         continue
                     counts[key] = len(c.token_ids)
                     if done:
                         ended.add(key)
-                    chunk = self._chunk(i, c, text, first, done, reasoning)
+                    chunk = self._chunk(i, c, text, first, done, delta)
                     if continuous:
                         chunk["usage"] = self._usage(sum(counts.values()))
                     yield self._sse(chunk)
@@ -276,17 +280,13 @@ class _Responder:
         yield "data: [DONE]\n\n"
 
     def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool,
-               reasoning: str | None = None) -> dict:
+               delta: dict | None = None) -> dict:
         end = len(c.token_ids)
         choice = {"index": i * self.n + c.index, "logprobs": None,
                   "finish_reason": c.finish_reason if done else None,
                   "stop_reason": c.stop_reason if done else None}
         if self.chat:
-            choice["delta"] = {"content": text} if text or not done else {}
-            if reasoning is not None:
-                choice["delta"] = {"content": text} if text else {}
-                if reasoning:
-                    choice["delta"]["reasoning_content"] = reasoning
+            choice["delta"] = delta or ({} if done else {"content": ""})
             if c.logprobs is not None:
                 choice["logprobs"] = _chat_logprobs(c, first, end, self.top_logprobs)
         else:
@@ -344,10 +344,12 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
     try:
         req, reservation = _parse(ChatCompletionRequest, body, state, check_model)
         req.check_template(state.trust_request_chat_template)
+        plan = req.plan_tools(state.tool_parser is not None)
+        tools = {"tools": plan.tools} if plan is not None else {}
         ids = await state.prompts.render(req.plain_messages(), "messages",
                                          add_generation_prompt=req.add_generation_prompt,
                                          chat_template=req.chat_template,
-                                         **(req.chat_template_kwargs or {}))
+                                         **(req.chat_template_kwargs or {}), **tools)
         _check_ids(ids, state, "messages")
         max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
                                  state.max_dec_len, "messages")
@@ -361,6 +363,9 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         if reservation is not None:
             reservation.cancel()
         return api_error(exc)
+    if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
+        params.skip_special_tokens = False  # (the parser reads its control-token markers)
     responder = _Responder(state, True, req, [_Job(ids, params)], reservation,
-                           top_logprobs=top)
+                           top_logprobs=top,
+                           output=ChatOutput(state.reasoning, plan, state.tool_parser))
     return await responder.respond(request)

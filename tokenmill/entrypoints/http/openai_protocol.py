@@ -13,6 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams, from_response_format
+from tokenmill.tool_calls.request import (
+    MAX_TOOLS,
+    ToolChoice,
+    ToolDefinition,
+    ToolPlan,
+    plan_tools,
+    template_messages,
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,8 @@ UNSUPPORTED_FIELDS = {
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON comes out "
                                  "compact)",
     **dict.fromkeys(("use_beam_search", "length_penalty"), "beam search is not supported"),
-    **dict.fromkeys(("functions", "function_call"), "function calling is not supported"),
+    **dict.fromkeys(("functions", "function_call"), "the legacy functions API is not "
+                    "supported (use tools and tool_choice)"),
     **dict.fromkeys(("audio", "modalities", "prompt_embeds", "mm_processor_kwargs"),
                     "this server takes text only"),
     "allowed_token_ids": "allowed_token_ids is not supported",
@@ -137,6 +146,8 @@ class _SamplingFields(BaseModel):
         chosen = from_response_format(self.response_format)
         if chosen is not None:
             asked["response_format"] = chosen
+        if (tools := self.tool_constraint()) is not None:
+            asked["tools"] = tools
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                            ("guided_choice", "choice"), ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
@@ -164,6 +175,10 @@ class _SamplingFields(BaseModel):
                                    "grammar.") from None
         except InvalidParameter as exc:
             raise InvalidParameter(name, f"{name}: {exc}") from None
+
+    def tool_constraint(self) -> dict[str, Any] | None:
+        """The constraint tool_choice `required` / a named function asks for (chat only)."""
+        return None
 
     def slots(self) -> int:
         """Engine sequences this request asks for (what admission control counts)."""
@@ -259,8 +274,19 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan | None = PrivateAttr(None)
+
+    def plan_tools(self, has_parser: bool) -> ToolPlan | None:
+        """What the request asks of tools (before its constraint is read)."""
+        self._tool_plan = plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls,
+                                     has_parser)
+        return self._tool_plan
+
+    def tool_constraint(self) -> dict[str, Any] | None:
+        return None if self._tool_plan is None else self._tool_plan.constraint()
 
     def check(self) -> None:
         super().check()
@@ -268,8 +294,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidParameter("echo", "echo is not supported for chat completions.")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true.")
-        if self.tools and self.tool_choice != "none":
-            raise InvalidParameter("tools", "tools are not supported by this server.")
         check_template_kwargs(self.chat_template_kwargs)
 
     def check_template(self, trust_request_template: bool) -> None:
@@ -299,7 +323,7 @@ class ChatCompletionRequest(_SamplingFields):
             elif content is None:
                 message["content"] = ""
             out.append(message)
-        return out
+        return template_messages(out)
 
 
 

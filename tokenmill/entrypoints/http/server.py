@@ -30,6 +30,7 @@ from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.loader import load_tokenizer
 from tokenmill.metrics import REJECT_STATUS, Metrics
 from tokenmill.tokenizer import eos_token_ids
+from tokenmill.tool_calls.parsers import get_parser
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        disable_streaming=settings.disable_streaming,
                        trust_request_chat_template=settings.trust_request_chat_template,
                        reasoning=ReasoningParser(settings.reasoning_parser)
-                       if settings.reasoning_parser else None)
+                       if settings.reasoning_parser else None,
+                       tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
+                       if settings.tool_call_parser else None)
 
 
 def is_native(body: dict) -> bool:

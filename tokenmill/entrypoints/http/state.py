@@ -49,6 +49,7 @@ class ApiSettings:
     max_request_body_bytes: int = 2 * 1024 * 1024
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     # data-parallel replicas beyond the first (engine_address): requests are routed among all
     more_engine_addresses: tuple[str, ...] = ()
 
@@ -65,6 +66,7 @@ class ServerState:
     disable_streaming: bool = False
     trust_request_chat_template: bool = False
     reasoning: Any = None  # a ReasoningParser (entrypoints/http/reasoning.py), or None
+    tool_parser: Any = None  # a ToolParser (tool_calls/parsers.py): tool_choice auto, or None
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None

@@ -1,0 +1,211 @@
+"""Tool-call parsers on outputs in each model family's format (as their chat templates and
+model cards show them), malformed ones included: whole parses give the expected calls, text
+that is not a well-formed call comes back as content, and streaming the same text in pieces
+of any size sends the same content and calls."""
+
+import json
+import random
+
+import pytest
+
+from tokenmill.tool_calls.parsers import PARSERS, ToolCall, get_parser
+from tokenmill.tool_calls.stream import ToolCallStream
+
+W = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
+T = ToolCall("get_time", "{}")
+DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+      "<｜tool▁calls▁end｜>")
+
+# (parser, model output, expected content, expected calls)
+CASES = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+               '"celsius"}}\n</tool_call>', None, [W]),
+    ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+               '"Paris", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+               '"arguments": {}}\n</tool_call>', "Let me check.", [W, T]),
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": "{}"}\n</tool_call>', None, [T]),
+    ("hermes", "The weather in Paris is mild: 14 < 20 degrees.", "The weather in Paris is mild: "
+               "14 < 20 degrees.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+                    '"celsius"}}', None, [W]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+                    '"unit": "celsius"}}; {"name": "get_time", "parameters": {}}', None, [W, T]),
+    ("llama3_json", "Paris is sunny today.", "Paris is sunny today.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+                '"celsius"}}, {"name": "get_time", "arguments": {}}]', None, [W, T]),
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+     "Checking.", [W]),
+    ("deepseek_v3", f'{DS[0]}{DS[1]}function{DS[2]}get_weather\n```json\n{{"city": "Paris", '
+                    f'"unit": "celsius"}}\n```{DS[3]}{DS[1]}function{DS[2]}get_time\n```json\n'
+                    f'{{}}\n```{DS[3]}{DS[4]}', None, [W, T]),
+    ("deepseek_v3", f'I will look.{DS[0]}{DS[1]}get_weather{DS[2]}{{"city": "Paris", '
+                    f'"unit": "celsius"}}{DS[3]}{DS[4]}', "I will look.", [W]),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time()]', None, [W, T]),
+    ("pythonic", "<|python_start|>[get_time()]<|python_end|>", None, [T]),
+]
+
+MALFORMED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
+    ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),  # no name
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),  # not object
+    ("hermes", "<tool_call>\nnot json at all\n</tool_call>"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": '),
+    ("llama3_json", '{"name": "a", "parameters": {}} trailing words'),
+    ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {}}'),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]{oops}"),
+    ("deepseek_v3", f"{DS[0]}{DS[1]}function{DS[2]}get_weather\n```json\n{{\"city\":"),
+    ("deepseek_v3", f"{DS[0]}{DS[1]}no separator here{DS[3]}{DS[4]}"),
+    ("pythonic", '[get_weather("Paris")]'),  # positional arguments
+    ("pythonic", '[__import__("os").system("true")]'),  # never evaluated
+    ("pythonic", "[get_weather(city=open('/etc/passwd').read())]"),
+    ("pythonic", "[" * 5000),
+]
+
+
+def _streamed(name: str, text: str, sizes: list[int]) -> tuple[str, list[ToolCall]]:
+    stream, content, calls, i = ToolCallStream(get_parser(name)), "", [], 0
+    for size in sizes:
+        piece = text[i:i + size]
+        i += size
+        c, new = stream.feed(piece, i >= len(text))
+        content += c
+        calls += new
+        if i >= len(text):
+            break
+    return content, calls
+
+
+def _chunkings(text: str):
+    rng = random.Random(len(text))
+    yield [len(text)]
+    yield [1] * len(text)
+    for _ in range(8):
+        yield [rng.randint(1, 9) for _ in range(len(text))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_recorded_outputs(case):
+    name, text, content, calls = case
+    assert get_parser(name).parse(text) == (content, calls)
+    for sizes in _chunkings(text):
+        assert _streamed(name, text, sizes) == (content or "", calls), sizes
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=[f"{c[0]}-{i}" for i, c in enumerate(MALFORMED)])
+def test_malformed_outputs_come_back_as_content(case):
+    name, text = case
+    assert get_parser(name).parse(text) == (text, [])
+    for sizes in _chunkings(text):
+        assert _streamed(name, text, sizes) == (text, [])
+
+
+def test_calls_stream_as_each_completes():
+    """hermes and deepseek_v3 send a call once its block closes, before the output ends."""
+    text = CASES[1][1]
+    stream = ToolCallStream(get_parser("hermes"))
+    first_block = text.index("</tool_call>") + len("</tool_call>")
+    content, calls = stream.feed(text[:first_block], False)
+    assert (content, calls) == ("Let me check.", [W])
+    assert stream.feed(text[first_block:], True) == ("", [T])
+
+
+def test_content_that_only_looks_like_a_marker_is_sent():
+    stream = ToolCallStream(get_parser("hermes"))
+    assert stream.feed("a <tool", False) == ("a", [])  # (held: may open a call)
+    assert stream.feed("box> b", False) == (" <toolbox> b", [])
+
+
+def test_unknown_parser_and_every_name_builds():
+    with pytest.raises(ValueError, match="hermes"):
+        get_parser("nope")
+    assert all(get_parser(name).parse("plain text") == ("plain text", []) for name in PARSERS)
+
+
+# --- the chat message / deltas built from a choice's text (reasoning + tools) -------------
+
+def _accumulate(deltas: list[dict]) -> dict:
+    """What the OpenAI SDK's stream accumulation makes of a choice's deltas."""
+    out = {"content": None, "reasoning_content": None, "tool_calls": []}
+    for d in deltas:
+        for key in ("content", "reasoning_content"):
+            if d.get(key):
+                out[key] = (out[key] or "") + d[key]
+        for call in d.get("tool_calls", []):
+            if call["index"] == len(out["tool_calls"]):
+                assert call["id"] and call["type"] == "function" and call["function"]["name"]
+                out["tool_calls"].append({"id": call["id"], "name": call["function"]["name"],
+                                          "arguments": ""})
+            else:
+                assert "id" not in call and "name" not in call["function"]
+            out["tool_calls"][call["index"]]["arguments"] += call["function"]["arguments"]
+    return out
+
+
+def _plan(mode, parallel=True):
+    from tokenmill.tool_calls.request import ToolPlan
+
+    tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+    return ToolPlan(mode, tools, "get_weather" if mode == "named" else None, parallel)
+
+
+@pytest.mark.parametrize("mode, text, calls, content", [
+    ("auto", "<think>which tool?</think>Sure.\n" + CASES[1][1][len("Let me check.\n\n"):],
+     [W, T], "Sure."),
+    ("auto", "<think>no tool</think>Just text.", [], "Just text."),
+    ("required", '<think>x</think>[{"name": "get_time", "parameters": {}}]', [T], None),
+    ("required", '<think>x</think>[{"name": "get_time", "param', [], '[{"name": "get_time", '
+                 '"param'),  # (cut off by max_tokens)
+    ("named", '<think>x</think>{"city": "Paris", "unit": "celsius"}',
+     [ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}')], None),
+])
+def test_chat_output_whole_and_streamed(mode, text, calls, content):
+    from tokenmill.entrypoints.http.chat_output import ChatOutput
+    from tokenmill.entrypoints.http.reasoning import ReasoningParser
+
+    out = ChatOutput(ReasoningParser("deepseek_r1"), _plan(mode), get_parser("hermes"))
+    message, has_calls = out.message(text)
+    assert message["reasoning_content"] == text[len("<think>"):text.index("</think>")]
+    assert message["content"] == content and has_calls == bool(calls)
+    got = [(c["function"]["name"], c["function"]["arguments"])
+           for c in message.get("tool_calls", [])]
+    assert got == [(c.name, c.arguments) for c in calls]
+    for sizes in _chunkings(text):
+        stream, deltas, i = out.stream(), [], 0
+        for size in sizes:
+            i += size
+            delta = stream.feed(text[i - size:i], i >= len(text))
+            deltas.append(delta or {})
+            if i >= len(text):
+                break
+        acc = _accumulate(deltas)
+        assert acc["reasoning_content"] == message["reasoning_content"]
+        assert acc["content"] == content
+        streamed = [(c["name"], c["arguments"]) for c in acc["tool_calls"]]
+        if mode == "named":  # (arguments streamed as written)
+            streamed = [(n, json.dumps(json.loads(a))) for n, a in streamed]
+        assert streamed == got and stream.has_calls() == has_calls
+
+
+def test_one_call_unless_parallel():
+    from tokenmill.entrypoints.http.chat_output import ChatOutput
+
+    out = ChatOutput(None, _plan("auto", parallel=False), get_parser("hermes"))
+    message, _ = out.message(CASES[1][1])
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    stream = out.stream()
+    deltas = [stream.feed(CASES[1][1][:60], False), stream.feed(CASES[1][1][60:], True)]
+    assert len(_accumulate([d or {} for d in deltas])["tool_calls"]) == 1
+
+
+def test_markers_that_are_special_tokens_are_noted(tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token: `auto` then keeps special tokens in the
+    text, or the parser would never see it; hermes' markers are plain text here."""
+    from helpers import make_tokenizer
+
+    tok = make_tokenizer(str(tmp_path))
+    assert not get_parser("mistral").bind(tok).special_markers
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    assert get_parser("mistral").bind(tok).special_markers
+    assert not get_parser("hermes").bind(tok).special_markers
+    ids = tok.encode("[TOOL_CALLS]", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=True) == ""  # (why it matters)
