@@ -2,10 +2,12 @@
 
 from typing import Any
 
+from tokenmill.beam_search import BeamSearchParams
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]
 __version__ = "0.1.0"
 
 

@@ -7,6 +7,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tokenmill.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    step_params,
+    top_pairs,
+)
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
@@ -67,6 +74,28 @@ class LLM:
                                            add_generation_prompt, **kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt, `num_return_sequences` (default beam_width)
+        beams, best first, as transformers' `generate(num_beams=...)` finds them. Each step
+        runs every prompt's live beams as one batch (their prefixes from the prefix cache)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.engine
+        searches = [BeamSearch(engine.tokenize_prompt(p)[1], params, engine.eos_token_ids)
+                    for p in prompts]
+        while not all(s.done for s in searches):
+            jobs = [(s, tokens) for s in searches for tokens in s.pending()]
+            outs = self._run([{"prompt_token_ids": t} for _, t in jobs],
+                             [step_params(s) for s, _ in jobs], False)
+            for s in searches:
+                tops = [top_pairs(out.outputs[0].logprobs[0], s.k)
+                        for (owner, _), out in zip(jobs, outs) if owner is s]
+                if tops:
+                    s.advance(tops)
+        decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return [BeamSearchOutput(s.results(decode)) for s in searches]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
