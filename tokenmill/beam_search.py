@@ -38,6 +38,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # False | True | "never"
     num_return_sequences: int | None = None  # default: beam_width
+    eos_token_ids: list[int] | None = None  # default: the model's (TensorRT-LLM's end_id)
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -88,7 +89,8 @@ class BeamSearch:
     def __init__(self, prompt: list[int], params: BeamSearchParams,
                  eos_token_ids: Sequence[int]) -> None:
         self.prompt, self.params = list(prompt), params
-        self.eos = set() if params.ignore_eos else set(eos_token_ids)
+        eos = eos_token_ids if params.eos_token_ids is None else params.eos_token_ids
+        self.eos = set() if params.ignore_eos else set(eos)
         self.k = max(2, 1 + len(self.eos)) * params.beam_width
         self.running = [_Beam([], 0.0)]
         self.finished: list[tuple[float, _Beam]] = []  # (normalized score, beam), best first
@@ -162,12 +164,12 @@ async def run_async(engine, prompt: list[int], params: BeamSearchParams,
     counter = itertools.count()
 
     async def last(tokens: list[int]):
-        out = None
+        final = None
         async for out in engine.generate(tokens, step_params(search),
                                          request_id=f"{request_id}-beam{next(counter)}",
                                          reservation=reservation):
-            pass
-        return top_pairs(out.outputs[0].logprobs[0], search.k)
+            final = out
+        return top_pairs(final.outputs[0].logprobs[0], search.k)
 
     while not search.done:
         search.advance(await asyncio.gather(*(last(t) for t in search.pending())))

@@ -66,6 +66,8 @@ def _ints(value):
 
 _UNSUPPORTED = ("suffix", "best_of", "tools", "tool_choice", "response_format", "chat_template",
                 "chat_template_kwargs", "top_logprobs",
+                # (beam search refuses stop, penalties, ...: tested in test_beam_search_api)
+                "use_beam_search", "length_penalty", "early_stopping",
                 # (a fuzzed constraint mostly fails to compile: a 400 before the engine)
                 "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                 "structured_outputs")

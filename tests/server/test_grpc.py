@@ -237,3 +237,29 @@ def test_ensemble_guided_json_and_trtllm_guides(client):
     with pytest.raises(InferenceServerException, match="guided_json"):
         client.infer("ensemble", ensemble_inputs(
             "The river runs", 4, guided_json=("BYTES", '{"type": "nonsense"}')))
+
+
+def test_ensemble_beam_width(client, tiny_models):
+    """beam_width over gRPC: TensorRT-LLM's shapes ([1, beams] texts and cum_log_probs,
+    [1, beams, len] output_log_probs), the beams transformers' generate(num_beams) finds."""
+    import torch
+    from transformers import AutoTokenizer
+
+    path, hf = tiny_models("llama_long")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.encode("The river runs")
+    want = hf.eval().generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3,
+                              do_sample=False, max_new_tokens=5, pad_token_id=1,
+                              eos_token_id=1, attention_mask=torch.ones(1, len(ids),
+                                                                        dtype=torch.long))
+    out = client.infer("ensemble", ensemble_inputs(
+        "The river runs", 5, beam_width=("INT32", 3), return_log_probs=("BOOL", True),
+        exclude_input_in_output=("BOOL", True)))
+    texts = out.as_numpy("text_output")
+    assert texts.shape == (1, 3)
+    assert [t.decode() for t in texts[0]] == [
+        tok.decode(row[len(ids):], skip_special_tokens=True) for row in want.tolist()]
+    assert out.as_numpy("cum_log_probs").shape == (1, 3)
+    assert out.as_numpy("output_log_probs").shape == (1, 3, 5)
+    cum = out.as_numpy("cum_log_probs")[0]
+    assert list(cum) == sorted(cum, reverse=True)  # (best first: equal lengths)

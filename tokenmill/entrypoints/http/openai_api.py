@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+from tokenmill.entrypoints.http.beam_api import beam_response, openai_beam_params
 from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
 from tokenmill.entrypoints.http.openai_protocol import (
     ChatCompletionRequest,
@@ -330,10 +331,13 @@ async def create_completion(body: dict, request: Request, state: ServerState,
             max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
             jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs), text))
         await state.check_structured(*req.structured())
+        beams = openai_beam_params(req, min(job.params.max_tokens for job in jobs))
     except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
         if reservation is not None:
             reservation.cancel()
         return api_error(exc)
+    if beams is not None:
+        return await beam_response(state, False, req, jobs, beams, reservation, request)
     return await _Responder(state, False, req, jobs, reservation,
                             echo=req.echo).respond(request)
 
@@ -359,13 +363,17 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         if state.reasoning is not None and params.structured_outputs is not None:
             # the constraint applies to the answer, after the reasoning section
             params.structured_outputs.after_token_ids = constraint_start(state.tokenizer, ids)
+        beams = openai_beam_params(req, max_tokens)
     except (ApiError, ValueError) as exc:
         if reservation is not None:
             reservation.cancel()
         return api_error(exc)
+    output = ChatOutput(state.reasoning, plan, state.tool_parser)
+    if beams is not None:
+        return await beam_response(state, True, req, [_Job(ids, params)], beams, reservation,
+                                    request, output)
     if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
         params.skip_special_tokens = False  # (the parser reads its control-token markers)
     responder = _Responder(state, True, req, [_Job(ids, params)], reservation,
-                           top_logprobs=top,
-                           output=ChatOutput(state.reasoning, plan, state.tool_parser))
+                           top_logprobs=top, output=output)
     return await responder.respond(request)

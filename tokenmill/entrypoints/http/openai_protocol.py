@@ -7,7 +7,7 @@ small request cannot ask for unbounded work."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -64,7 +64,6 @@ ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_e
 UNSUPPORTED_FIELDS = {
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported (JSON comes out "
                                  "compact)",
-    **dict.fromkeys(("use_beam_search", "length_penalty"), "beam search is not supported"),
     **dict.fromkeys(("functions", "function_call"), "the legacy functions API is not "
                     "supported (use tools and tool_choice)"),
     **dict.fromkeys(("audio", "modalities", "prompt_embeds", "mm_processor_kwargs"),
@@ -123,6 +122,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    use_beam_search: bool = False  # vLLM's: `n` beams
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     user: str | None = None
     # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None

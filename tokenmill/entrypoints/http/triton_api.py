@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.beam_search import BeamSearchParams, run_async
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.prompts import PromptTooLong
@@ -77,11 +79,11 @@ _NUMBERS = {"max_tokens": (int, 1, None), "temperature": (float, 0.0, None),
             "min_tokens": (int, 0, None), "min_length": (int, 0, None),
             "random_seed": (int, 0, 2**64 - 1), "seed": (int, 0, 2**64 - 1),
             "end_id": (int, 0, None), "pad_id": (int, 0, None),
-            "beam_width": (int, None, None), "num_return_sequences": (int, None, None),
-            "length_penalty": (float, None, None)}
+            "beam_width": (int, 1, CAPS.max_n), "num_return_sequences": (int, 1, CAPS.max_n),
+            "length_penalty": (float, -1e3, 1e3)}
 _DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
              "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-             "min_tokens": 0, "min_length": 0, "beam_width": 1, "num_return_sequences": 1}
+             "min_tokens": 0, "min_length": 0, "beam_width": 1, "length_penalty": 1.0}
 
 
 def _number(fields: dict, name: str, vocab_size: int) -> Any:
@@ -101,8 +103,6 @@ def _number(fields: dict, name: str, vocab_size: int) -> Any:
         raise TritonError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
                           f"got {json.dumps(value)[:64]}.")
     value = kind(value)
-    if name in ("beam_width", "num_return_sequences") and value != 1:
-        raise TritonError(f"{name} other than 1 is not supported by this server.")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = (f"in [{low}, {high}]" if high is not None else f"at least {low}")
         raise TritonError(f"{name} must be {bounds}, got {value}.")
@@ -144,6 +144,42 @@ def _guide(fields: dict) -> tuple[str | None, StructuredOutputsParams | None]:
         return "guided_decoding_guide", StructuredOutputsParams(**{GUIDE_TYPES[kind]: guide})
     except InvalidParameter as exc:
         raise TritonError(str(exc)) from None
+
+
+def _beams(fields: dict, num: dict, sampling: SamplingParams) -> BeamSearchParams | None:
+    """TensorRT-LLM's beam search (`beam_width` > 1; `num_return_sequences` of the beams,
+    default all), or None. The inputs that would change which tokens may follow are refused
+    with beams (temperature and top_k / top_p do not apply to a search)."""
+    width, returned = num["beam_width"], num["num_return_sequences"]
+    if width == 1:
+        if returned not in (None, 1):
+            raise TritonError("num_return_sequences other than 1 needs beam_width > 1 (this "
+                              "server samples one sequence per request).")
+        if fields.get("length_penalty") is not None:
+            raise TritonError("length_penalty applies to beam search only (beam_width > 1).")
+        return None
+    if returned is not None and returned > width:
+        raise TritonError(f"num_return_sequences ({returned}) must be at most beam_width "
+                          f"({width}).")
+    for name in ("stop_words", "bad_words", "guided_json", "guided_decoding_guide_type",
+                 "return_perf_metrics", "min_tokens", "min_length"):
+        if fields.get(name) not in (None, False, 0, []):
+            raise TritonError(f"{name} is not supported with beam_width > 1.")
+    if (sampling.repetition_penalty, sampling.presence_penalty,
+            sampling.frequency_penalty) != (1.0, 0.0, 0.0):
+        raise TritonError("Penalties are not supported with beam_width > 1.")
+    return BeamSearchParams(width, sampling.max_tokens, length_penalty=num["length_penalty"],
+                            num_return_sequences=returned, eos_token_ids=sampling.stop_token_ids
+                            or None)
+
+
+def beam_fields(beams: list, options: dict) -> dict:
+    """A finished search's outputs: one text per beam, best first (and log probs)."""
+    out = {"text_output": [options["echo"] + seq.text for seq in beams]}
+    if options["log_probs"]:
+        out.update(cum_log_probs=[seq.cum_logprob for seq in beams],
+                   output_log_probs=[seq.logprobs for seq in beams])
+    return out
 
 
 async def parse_fields(fields: dict, state: ServerState
@@ -192,7 +228,8 @@ async def parse_fields(fields: dict, state: ServerState
         await state.check_structured(sampling.structured_outputs, field)
     except ValueError as exc:
         raise TritonError(str(exc)) from None
-    options = {"stream": fields.get("stream", False),
+    options = {"beams": _beams(fields, num, sampling),
+               "stream": fields.get("stream", False),
                "log_probs": fields.get("return_log_probs", False),
                "perf": fields.get("return_perf_metrics", False),
                "echo": "" if fields.get("exclude_input_in_output", False) else text}
@@ -252,6 +289,9 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             reservation.cancel()
             raise
         head = {"model_name": model, "model_version": "1"}
+        if options["beams"] is not None:
+            return await _beam_route(request, state, ids, options, head, streaming,
+                                     reservation)
         stream = state.engine.generate(ids, params, reservation=reservation)
         if streaming:
             return StreamingResponse(_events(stream, params, options, head),
@@ -309,6 +349,31 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             return Response(status_code=200 if ok else 400)
 
     return router
+
+
+async def _beam_route(request: Request, state: ServerState, ids: list[int], options: dict,
+                      head: dict, streaming: bool, reservation) -> Response:
+    """beam_width > 1: the search's beams in one response (streamed: in one event)."""
+    try:
+        beams = await unless_disconnected(request, run_async(
+            state.engine, ids, options["beams"], f"beam-{uuid.uuid4().hex}", reservation))
+    except EngineRequestError as exc:
+        return error(str(exc), 400)
+    except EngineDeadError as exc:
+        return error(str(exc), 503)
+    finally:
+        reservation.cancel()
+    if beams is None:
+        return Response(status_code=499)
+    out = {**head, **beam_fields(beams, options)}
+    if not streaming:
+        return JSONResponse(out)
+    event = f"data: {json_line(out)}\n\n"
+
+    async def one() -> AsyncIterator[str]:
+        yield event
+
+    return StreamingResponse(one(), media_type="text/event-stream")
 
 
 async def _events(stream: AsyncIterator, params: SamplingParams, options: dict,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -23,6 +24,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from tokenmill import beam_search
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http import native_api, native_protocol, triton_api
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json
@@ -277,6 +279,29 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                              ensure_ascii=False).encode()
         return [tensors.bytes_output("OUT", [payload], [1])]
 
+    @staticmethod
+    async def _beams(state: ServerState, ids: list[int], options: dict, shape: list[int],
+                     reservation) -> list:
+        """beam_width > 1: the beams best first, TensorRT-LLM's shapes ([batch, beams])."""
+        try:
+            beams = await beam_search.run_async(state.engine, ids, options["beams"],
+                                                f"beam-{uuid.uuid4().hex}", reservation)
+        finally:
+            reservation.cancel()
+        fields = triton_api.beam_fields(beams, options)
+        width = len(beams)
+        outputs = [tensors.bytes_output("text_output", [t.encode() for t in
+                                                        fields["text_output"]],
+                                        [1, width] if len(shape) == 2 else [width])]
+        if options["log_probs"]:
+            longest = max(len(lp) for lp in fields["output_log_probs"])
+            padded = [v for lp in fields["output_log_probs"]
+                      for v in lp + [0.0] * (longest - len(lp))]
+            outputs += [tensors.fp32_output("cum_log_probs", fields["cum_log_probs"],
+                                            [1, width]),
+                        tensors.fp32_output("output_log_probs", padded, [1, width, longest])]
+        return outputs
+
     async def _ensemble(self, request, inputs, state: ServerState, streaming: bool):
         """Yields (outputs, is_last) for the TensorRT-LLM-style models."""
         try:
@@ -288,6 +313,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         if reservation is None:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, "The server is overloaded: too many "
                             "requests are waiting. Retry later.")
+        if options["beams"] is not None:
+            yield await self._beams(state, ids, options, out_shape, reservation), True
+            return
         stream_deltas = streaming and options["stream"]
         tracker = DeltaTracker(params.stop)
         generate = state.engine.generate(ids, params, reservation=reservation)

@@ -1,0 +1,116 @@
+"""Beam search over the APIs, against transformers' `generate(num_beams=...)` on the same
+tiny model: the OpenAI `use_beam_search` extension (completions and chat, whole and
+streamed, `length_penalty`), Triton generate's `beam_width` (TensorRT-LLM's outputs: one
+text and `cum_log_probs` per beam) and what beam search refuses rather than ignores."""
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+PROMPT = [5, 9, 17, 33, 2, 40]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
+
+
+def hf_beams(hf, ids, width, max_tokens, **kw) -> tuple[list[list[int]], list[float]]:
+    """transformers' beams (generated tokens, padding removed) and their scores."""
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                     dtype=torch.long),
+                      num_beams=width, num_return_sequences=width, do_sample=False,
+                      max_new_tokens=max_tokens, return_dict_in_generate=True,
+                      output_scores=True, pad_token_id=1, eos_token_id=1, **kw)
+    beams = []
+    for row in out.sequences.tolist():
+        gen = row[len(ids):]
+        while gen and gen[-1] == 1 and len(gen) > 1 and gen[-2] == 1:
+            gen.pop()  # (padding after an EOS)
+        beams.append(gen)
+    return beams, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("kw", [{}, {"length_penalty": 0.5}])
+def test_completions_equal_transformers(client, tiny_models, kw):
+    path, hf = tiny_models("llama")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    want, _ = hf_beams(hf.eval(), PROMPT, 3, 7, **kw)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, n=3,
+                                     extra_body={"use_beam_search": True, **kw})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [tok.decode(b, skip_special_tokens=True)
+                                              for b in want]
+    assert resp.usage.completion_tokens == sum(len(b) for b in want)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=7, n=3,
+                                            stream=True, extra_body={"use_beam_search": True,
+                                                                     **kw}))
+    streamed = {c.choices[0].index: c.choices[0].text for c in chunks}
+    assert [streamed[i] for i in range(3)] == [c.text for c in resp.choices]
+
+
+def test_chat_beams_are_the_rendered_prompts_beams(client, server):
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    ids = httpx.post(server + "/tokenize", json={"model": "tiny", "messages": messages}
+                     ).json()["tokens"]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, n=2,
+                                          extra_body={"use_beam_search": True})
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=5, n=2,
+                                      extra_body={"use_beam_search": True})
+    assert [c.message.content for c in chat.choices] == [c.text for c in plain.choices]
+    assert all(c.finish_reason in ("stop", "length") for c in chat.choices)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+    ({"use_beam_search": True, "logprobs": 2}, "logprobs"),
+    ({"use_beam_search": True, "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"use_beam_search": True, "guided_regex": "[0-9]+"}, "guided_regex"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+    ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping"),
+])
+def test_what_beam_search_refuses(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2,
+                                  extra_body=extra)
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_triton_beam_width_and_cum_log_probs(server, tiny_models):
+    path, hf = tiny_models("llama")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    text = "Paris is the capital"
+    want, scores = hf_beams(hf.eval(), tok.encode(text), 3, 6)
+    body = {"text_input": text, "max_tokens": 6, "beam_width": 3, "return_log_probs": True,
+            "exclude_input_in_output": True}
+    out = httpx.post(server + "/v2/models/tiny/generate", json=body).json()
+    assert out["text_output"] == [tok.decode(b, skip_special_tokens=True) for b in want]
+    assert out["cum_log_probs"] == pytest.approx([s * len(b) for s, b in zip(scores, want)],
+                                                 abs=1e-3)
+    assert [len(lp) for lp in out["output_log_probs"]] == [len(b) for b in want]
+    two = httpx.post(server + "/v2/models/tiny/generate",
+                     json={**body, "num_return_sequences": 2}).json()
+    assert two["text_output"] == out["text_output"][:2]
+    stream = httpx.post(server + "/v2/models/tiny/generate_stream", json=body).text
+    events = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: ")]
+    assert [e["text_output"] for e in events] == [out["text_output"]]
+
+
+@pytest.mark.parametrize("extra, text", [
+    ({"beam_width": 2, "stop_words": ["x"]}, "stop_words"),
+    ({"beam_width": 2, "num_return_sequences": 3}, "num_return_sequences"),
+    ({"num_return_sequences": 2}, "num_return_sequences"),
+    ({"beam_width": 0}, "beam_width"), ({"beam_width": 99}, "beam_width"),
+    ({"length_penalty": 0.5}, "length_penalty"),
+])
+def test_triton_beam_errors(server, extra, text):
+    r = httpx.post(server + "/v2/models/tiny/generate",
+                   json={"text_input": "hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400 and text in r.json()["error"]
