@@ -92,3 +92,28 @@ def test_num_return_sequences_and_bad_params():
                 dict(beam_width=2, max_tokens=3, early_stopping="sometimes")):
         with pytest.raises(InvalidParameter):
             BeamSearchParams(**bad)
+
+
+def test_n_completions_and_beams_share_the_prompt_blocks(tiny_models):
+    """n samples of one prompt compute its full blocks once (the others hit them in the same
+    step) and sample exactly what each would alone; beam steps reuse the prompt's and the
+    beams' earlier blocks."""
+    from tokenmill import SamplingParams
+
+    prompt = {"prompt_token_ids": [(i * 37) % 500 + 2 for i in range(100)]}  # 6 full blocks
+    with LLM(tiny_models("llama")[0], kv_cache_memory_gib=0.02) as llm:
+        kv = llm.engine.core.scheduler.kv_cache
+        out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8),
+                           use_tqdm=False)[0]
+        full = 99 // kv.block_size * kv.block_size
+        assert (kv.num_queried_tokens, kv.num_hit_tokens) == (400, 3 * full)
+        for i, c in enumerate(out.outputs):
+            kv.reset_prefix_cache()
+            alone = llm.generate(prompt, SamplingParams(temperature=1.0, seed=3 + i,
+                                                        max_tokens=8), use_tqdm=False)[0]
+            assert alone.outputs[0].token_ids == c.token_ids
+        kv.reset_prefix_cache()
+        queried, hit = kv.num_queried_tokens, kv.num_hit_tokens
+        llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=20))
+        steps_queried = kv.num_queried_tokens - queried
+        assert kv.num_hit_tokens - hit >= 0.8 * steps_queried  # (all but the last blocks)
