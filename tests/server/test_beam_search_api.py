@@ -114,3 +114,23 @@ def test_triton_beam_errors(server, extra, text):
     r = httpx.post(server + "/v2/models/tiny/generate",
                    json={"text_input": "hi", "max_tokens": 4, **extra})
     assert r.status_code == 400 and text in r.json()["error"]
+
+
+def test_best_of_returns_the_n_likeliest_samples(client):
+    """best_of=4, n=2: the 2 of the 4 seeded samples (the same as n=4 with that seed draws)
+    with the highest cumulative logprob, best first; usage counts all 4."""
+    args = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11)
+    four = client.completions.create(**args, n=4, logprobs=0)
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(**args, n=2, best_of=4)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)  # (not asked for)
+    assert best.usage.completion_tokens == four.usage.completion_tokens
+    with_lp = client.completions.create(**args, n=2, best_of=4, logprobs=1)
+    assert [c.text for c in with_lp.choices] == [c.text for c in best.choices]
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in with_lp.choices)
+    for extra, text in (({"n": 3, "best_of": 2}, "at least n"),
+                        ({"n": 1, "best_of": 2, "stream": True}, "streamed")):
+        with pytest.raises(openai.BadRequestError, match=text):
+            client.completions.create(**{**args, **extra})

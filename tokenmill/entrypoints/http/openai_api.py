@@ -207,9 +207,12 @@ class _Responder:
             finals[i] = out
         choices, generated = [], 0
         for i in range(len(self.jobs)):
-            for c in finals[i].outputs:
-                generated += len(c.token_ids)
-                choice = {"index": i * self.n + c.index, "finish_reason": c.finish_reason,
+            outputs = finals[i].outputs
+            generated += sum(len(c.token_ids) for c in outputs)
+            if len(outputs) > self.n:  # best_of: the n with the highest cumulative logprob
+                outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[:self.n]
+            for k, c in enumerate(outputs):
+                choice = {"index": i * self.n + k, "finish_reason": c.finish_reason,
                           "stop_reason": c.stop_reason, "logprobs": None}
                 if self.chat:
                     choice["message"], has_calls = self.output.message(c.text)
@@ -221,7 +224,7 @@ class _Responder:
                 else:
                     prefix = self.jobs[i].prompt_text if self.echo else ""
                     choice["text"] = (prefix or "") + c.text
-                    if c.logprobs is not None:
+                    if c.logprobs is not None and self.req.logprobs is not None:
                         choice["logprobs"] = _completion_logprobs(c, 0, len(c.token_ids),
                                                                   len(prefix or ""))
                 choices.append(choice)

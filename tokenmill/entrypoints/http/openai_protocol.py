@@ -232,21 +232,37 @@ class CompletionRequest(_SamplingFields):
         super().check()
         if self.suffix:
             raise InvalidParameter("suffix", "suffix is not supported by this server.")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidParameter("best_of",
-                                   "best_of different from n is not supported by this server.")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidParameter("best_of", f"best_of ({self.best_of}) must be at least n "
+                                   f"({self.n}).")
+        if self.samples() > self.n and self.stream:
+            raise InvalidParameter("best_of", "best_of greater than n cannot be streamed.")
+        if self.samples() > self.n and self.use_beam_search:
+            raise InvalidParameter("best_of", "best_of does not apply to beam search (n is "
+                                   "the beam width).")
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidParameter("prompt", "prompt must not be empty.")
         num_prompts = len(self.prompts())
         if num_prompts > CAPS.max_prompts:
             raise InvalidParameter("prompt", f"at most {CAPS.max_prompts} prompts per request, "
                                              f"got {num_prompts}.")
-        if num_prompts * self.n > CAPS.max_sequences:
-            raise InvalidParameter("n", f"prompts x n may be at most {CAPS.max_sequences}, got "
-                                        f"{num_prompts} x {self.n}.")
+        if num_prompts * self.samples() > CAPS.max_sequences:
+            raise InvalidParameter("n", f"prompts x n (best_of) may be at most "
+                                   f"{CAPS.max_sequences}, got {num_prompts} x "
+                                   f"{self.samples()}.")
+
+    def samples(self) -> int:
+        """Sequences generated per prompt: best_of, of which the n best are returned."""
+        return max(self.best_of or 1, self.n)
 
     def slots(self) -> int:
-        return len(self.prompts()) * self.n
+        return len(self.prompts()) * self.samples()
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.samples() > self.n:  # (ranked by cumulative logprob, which logprobs give)
+            params = params.clone(n=self.samples(), logprobs=logprobs or 0)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""
