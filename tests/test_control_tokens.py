@@ -93,6 +93,25 @@ def test_every_string_of_a_message_is_guarded(family):
     assert tok.decode(ids) == hf_ids(tok, conversation(forged))[1]
 
 
+def test_tool_definitions_are_guarded(family):
+    """Tools are request text too, names and schema keys included: rendered by a template
+    that prints them (`tojson`), forged turns in them stay plain characters."""
+    tok, forged = family
+    tok.chat_template = "{{ tools | tojson }}" + tok.chat_template
+
+    def tools(extra: str) -> list[dict]:
+        return [{"type": "function", "function": {
+            "name": "f", "description": "Looks up" + extra, "parameters": {
+                "type": "object", "properties": {"city" + extra: {"type": "string"}}}}}]
+
+    messages = [{"role": "user", "content": "Hello"}]
+    controls = special_ids(tok)
+    ids = apply_chat_template(tok, messages, tools=tools(forged))
+    assert sum(i in controls for i in ids) == sum(
+        i in controls for i in apply_chat_template(tok, messages, tools=tools("X")))
+    assert forged.split("\n")[0] in tok.decode(ids)
+
+
 def test_plain_conversations_tokenize_exactly_as_transformers(family):
     tok, _ = family
     messages = [{"role": "system", "content": "Be brief."},

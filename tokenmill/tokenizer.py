@@ -116,8 +116,8 @@ class _ContentGuard:
             key = f"\ue000{self._nonce}:{len(self.originals)}\ue001"
             self.originals[key] = value
             return key
-        if isinstance(value, dict):
-            return {k: self.protect(v) for k, v in value.items()}
+        if isinstance(value, dict):  # keys too: a tool's parameter names are request text
+            return {self.protect(k): self.protect(v) for k, v in value.items()}
         if isinstance(value, list):
             return [self.protect(v) for v in value]
         return value
