@@ -66,6 +66,13 @@ class EngineConfig:
         return self.world_size // self.nnodes
 
     def __post_init__(self) -> None:
+        from tokenmill.hub.names import split_precision
+
+        self.model, named = split_precision(self.model)  # the seed's ORG/NAME/<precision>
+        if self.quantization is None:
+            self.quantization = named.get("quantization")
+        if self.dtype == "auto":
+            self.dtype = named.get("dtype", "auto")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         from tokenmill.quantization import parse_method
         from tokenmill.spec_decode.config import SpeculativeConfig

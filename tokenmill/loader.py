@@ -31,10 +31,14 @@ def resolve_model_path(model: str | None) -> str:
         from tokenmill.gguf_loader import default_model_path
         return default_model_path()
     if not os.path.exists(model):
+        from tokenmill.hub.fetch import looks_like_repo, resolve
+
+        if looks_like_repo(model):  # a hub name: the verified cached copy, else a download
+            return resolve_model_path(resolve(model))
         raise FileNotFoundError(f"Model path {model!r} does not exist: give a local Hugging "
                                 "Face model directory (config.json, *.safetensors, tokenizer "
-                                "files) or a .gguf file, e.g. one fetched with "
-                                "`huggingface-cli download ORG/NAME --local-dir DIR`.")
+                                "files), a .gguf file, or a hub name ORG/NAME (fetched with "
+                                "`tokenmill download ORG/NAME`, or at start-up).")
     if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
         if len(ggufs) == 1:

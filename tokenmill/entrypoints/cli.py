@@ -88,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(argv[1:])
     if argv and argv[0] == "quantize":
         return cmd_quantize(argv[1:])
+    if argv and argv[0] == "download":
+        from tokenmill.hub.cli import run
+        return run(argv[1:])
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (see `tokenmill serve --help`)")
     sub.add_parser("quantize", help="write a quantized copy of a model (see `tokenmill "
                    "quantize --help`)")
+    sub.add_parser("download", help="fetch a model from a hub (see `tokenmill download "
+                   "--help`)")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_args(gen)

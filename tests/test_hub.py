@@ -1,0 +1,211 @@
+"""Models by name from a hub, against a fake hub on 127.0.0.1 (tests/fake_hub.py) serving a
+tiny random model: download and verification, resume after the server cuts a file, offline
+reuse of the verified cache, revision pinning, one-line errors (unknown repository or
+revision, gated, unreachable, corrupt bytes), file selection, and names used where paths are:
+`LLM("org/tiny")`, `tokenmill serve org/tiny`, `start_server org/tiny/weight_only_int8`."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.fake_hub import FakeHub
+from tokenmill.hub.download import MARKER, HubError, select_files
+from tokenmill.hub.fetch import cached, fetch, resolve
+from tokenmill.hub.names import split_precision
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def hub(tiny_models, tmp_path):
+    src = tiny_models("llama")[0]
+    v1 = str(tmp_path / "v1")
+    shutil.copytree(src, v1)
+    with open(os.path.join(v1, "generation_config.json"), "w") as f:
+        json.dump({"max_new_tokens": 7}, f)  # (tells the two revisions apart)
+    with open(os.path.join(src, "README.md"), "w") as f:
+        f.write("a file the engine does not need")
+    with FakeHub() as h:
+        h.add("org/tiny", v1, refs=("v1",))
+        h.add("org/tiny", src, refs=("main",))
+        h.src = src
+        yield h
+
+
+def _fetch(hub, tmp_path, repo="org/tiny", **kw):
+    return fetch(repo, endpoint=hub.url, cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def test_download_verifies_and_takes_only_what_the_engine_loads(hub, tmp_path):
+    path = _fetch(hub, tmp_path)
+    got = sorted(f for f in os.listdir(path) if f != MARKER)
+    assert "README.md" not in got and "model.safetensors" in got and "config.json" in got
+    for name in got:
+        assert _digest(os.path.join(path, name)) == _digest(os.path.join(hub.src, name))
+    assert sorted(json.load(open(os.path.join(path, MARKER)))) == got
+    assert cached("org/tiny", cache_dir=str(tmp_path / "cache")) == path
+
+
+def test_resume_after_the_connection_is_cut(hub, tmp_path, monkeypatch):
+    """The server cuts model.safetensors half-way, then closes every connection for it
+    unanswered: huggingface_hub resumes within the run (a Range request) until it gives up;
+    the run fails with a one-line error keeping what arrived; the next run resumes from
+    there (another Range request past the first half) and ends verified."""
+    import huggingface_hub.constants as constants
+    import huggingface_hub.file_download as file_download
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 4096)  # (partial chunks land)
+    monkeypatch.setattr(file_download.time, "sleep", lambda s: None)
+    size = os.path.getsize(os.path.join(hub.src, "model.safetensors"))
+    hub.cuts["model.safetensors"], hub.drops["model.safetensors"] = 1, 12
+    with pytest.raises(HubError, match="connection dropped.*run again"):
+        _fetch(hub, tmp_path)
+    assert cached("org/tiny", cache_dir=str(tmp_path / "cache")) is None
+    hub.drops["model.safetensors"] = 0
+    path = _fetch(hub, tmp_path)
+    ranges = [int(r.split("=")[1].rstrip("-")) for m, p, r in hub.requests
+              if m == "GET" and p.endswith("model.safetensors") and r]
+    assert ranges and ranges[-1] >= size // 2 - 4096
+    assert _digest(os.path.join(path, "model.safetensors")) == \
+        _digest(os.path.join(hub.src, "model.safetensors"))
+
+
+def test_offline_reuse_and_revision_pinning(hub, tmp_path):
+    cache = str(tmp_path / "cache")
+    main = _fetch(hub, tmp_path)
+    v1 = _fetch(hub, tmp_path, revision="v1")
+    assert json.load(open(os.path.join(v1, "generation_config.json"))) == {"max_new_tokens": 7}
+    assert v1 != main
+    hub.__exit__()  # the hub is gone: names resolve from the verified cache
+    assert resolve("org/tiny", cache_dir=cache) == main
+    assert resolve("org/tiny", revision="v1", cache_dir=cache) == v1
+    with pytest.raises(HubError, match="not a local path.*org/other"):
+        resolve("org/other", cache_dir=cache, endpoint=hub.url)
+
+
+def test_a_corrupt_file_is_removed_and_named(hub, tmp_path):
+    hub.corrupt.add("model.safetensors")
+    with pytest.raises(HubError, match="model.safetensors failed verification"):
+        _fetch(hub, tmp_path)
+    assert cached("org/tiny", cache_dir=str(tmp_path / "cache")) is None
+    hub.corrupt.clear()
+    assert os.path.isfile(os.path.join(_fetch(hub, tmp_path), "model.safetensors"))
+
+
+@pytest.mark.parametrize("case, match", [
+    ({"repo": "org/missing"}, "No model 'org/missing'"),
+    ({"revision": "v9"}, "has no revision 'v9'"),
+    ({"repo": "org/DeepSeek-R1-2nodes"}, "seed name"),
+    ({"gated": True}, "gated repository.*HF_TOKEN"),
+])
+def test_one_line_errors(hub, tmp_path, case, match):
+    if case.pop("gated", False):
+        hub.gated.add("org/tiny")
+    with pytest.raises(HubError, match=match) as info:
+        _fetch(hub, tmp_path, **case)
+    assert "\n" not in str(info.value)
+
+
+def test_unreachable_hub(tmp_path):
+    from tests.serving import free_port
+
+    with pytest.raises(HubError, match="Cannot reach the hub"):
+        fetch("org/tiny", endpoint=f"http://127.0.0.1:{free_port()}",
+              cache_dir=str(tmp_path / "c"))
+
+
+def test_file_selection():
+    st = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+          "model.safetensors.index.json", "tokenizer.json", "pytorch_model.bin", "README.md",
+          "original/consolidated.00.pth", "chat_template.jinja", "merges.txt"]
+    assert select_files(st) == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "tokenizer.json", "chat_template.jinja", "merges.txt"]
+    assert select_files(st, exclude=["*.jinja"])[-1] == "merges.txt"
+    ggufs = ["README.md", "m-Q4_K_M.gguf", "m-Q8_0.gguf", "m-f16.gguf"]
+    assert select_files(ggufs, gguf_quant="q4_k_m") == ["m-Q4_K_M.gguf"]
+    assert select_files(ggufs, gguf_file="m-Q8_0.gguf") == ["m-Q8_0.gguf"]
+    with pytest.raises(HubError, match="3 GGUF files.*--gguf-quant"):
+        select_files(ggufs)
+    assert select_files(["a.gguf", "README.md"]) == ["a.gguf"]
+    with pytest.raises(HubError, match="only PyTorch .bin"):
+        select_files(["config.json", "pytorch_model.bin"])
+
+
+def test_seed_precision_names():
+    assert split_precision("deepseek-ai/DeepSeek-R1/weight_only_int8") == (
+        "deepseek-ai/DeepSeek-R1", {"quantization": "int8"})
+    assert split_precision("org/m/bfloat16") == ("org/m", {"dtype": "bfloat16"})
+    assert split_precision("org/m/a8w8_fp8")[1] == {"quantization": "fp8"}
+    assert split_precision("org/m") == ("org/m", {})
+    with pytest.raises(ValueError, match="weight_only_int8"):
+        split_precision("org/m/int3")
+
+
+def _cli(args, env, cwd):
+    return subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", *args], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_names_where_paths_go(hub, tmp_path, tiny_models):
+    """`tokenmill download` prints the path; then, with the hub gone (HF_HUB_OFFLINE),
+    `tokenmill generate --model org/tiny` and `--model org/tiny/weight_only_int8` load the
+    cached copy (the second quantized: its greedy text differs from fp32's only if int8
+    changes the argmax, so it is checked against an int8 load of the local folder)."""
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
+    got = _cli(["download", "org/tiny"], env, tmp_path)
+    assert got.returncode == 0, got.stderr
+    path = got.stdout.strip().splitlines()[-1]
+    assert os.path.isfile(os.path.join(path, MARKER))
+    bad = _cli(["download", "org/missing"], env, tmp_path)
+    assert bad.returncode == 2 and "No model 'org/missing'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    hub.__exit__()
+    offline = {**env, "HF_HUB_OFFLINE": "1"}
+    gen = ["generate", "--prompt", "Paris is", "--max-tokens", "5", "--kv-cache-memory", "0.02"]
+    for name, local in (("org/tiny", []), ("org/tiny/weight_only_int8", ["-q", "int8"])):
+        by_name = _cli([*gen, "--model", name], offline, tmp_path)
+        by_path = _cli([*gen, "--model", tiny_models("llama")[0], *local], offline, tmp_path)
+        assert by_name.returncode == 0, by_name.stderr
+        assert by_name.stdout == by_path.stdout
+
+
+def test_start_server_by_seed_name_downloads_and_serves_int8(hub, tmp_path, tiny_models):
+    """`start_server org/tiny/weight_only_int8` with HF_ENDPOINT at the fake hub: the server
+    downloads the model at start-up and serves it int8 (greedy text equal to an int8 load of
+    the same checkpoint); stop_server ends it."""
+    import httpx
+
+    from tests.serving import Served, alive, wait_until
+    from tokenmill import LLM, SamplingParams
+
+    served = Served("org/tiny/weight_only_int8", tmp_path)
+    served.env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "home"))
+    bin_dir = os.path.dirname(sys.executable)
+    start = subprocess.run([os.path.join(bin_dir, "start_server"), *served.args],
+                           env=served.env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+    assert start.returncode == 0, start.stderr
+    pid = int((tmp_path / "log" / "server.pid").read_text())
+    try:
+        assert wait_until(lambda: served.ready() or not alive(pid), 300)
+        assert served.ready(), (tmp_path / "log" / "server.log").read_text()[-3000:]
+        got = httpx.post(served.api + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "Paris is", "max_tokens": 6, "temperature": 0}).json()
+        with LLM(tiny_models("llama")[0], quantization="int8", kv_cache_memory_gib=0.02) as llm:
+            want = llm.generate("Paris is", SamplingParams(temperature=0, max_tokens=6),
+                                use_tqdm=False)[0].outputs[0].text
+        assert got["choices"][0]["text"] == want
+        assert any(p.endswith("model.safetensors") for _, p, _ in hub.requests)
+    finally:
+        subprocess.run([os.path.join(bin_dir, "stop_server"), "60"], env=served.env,
+                       cwd=tmp_path, capture_output=True, timeout=120)
+        assert not alive(pid)

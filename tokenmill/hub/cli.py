@@ -1,0 +1,68 @@
+"""`tokenmill download`: fetch a model from a hub (see hub/fetch.py), with the seed
+downloader's flags accepted too (`--model_name NAME --dir D --nnodes N --mode master|slave
+--speculate_model_path P`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenmill download",
+        description="Download what the engine loads of a hub model (config, safetensors or "
+                    "one GGUF file, tokenizer, chat template), resuming an interrupted run and "
+                    "verifying sizes and hashes; prints where the model is. HF_ENDPOINT, "
+                    "HF_TOKEN, HF_HUB_OFFLINE and HF_HOME apply.")
+    a = p.add_argument
+    a("model", nargs="?", default=None, help="ORG/NAME (a seed name ORG/NAME/<precision> is "
+                                              "accepted: the precision applies when serving)")
+    a("--model_name", "--model-name", dest="model_name", default=None,
+      help="the seed downloader's name for MODEL")
+    a("--revision", default=None, help="branch, tag or commit (default main)")
+    a("--dir", "--local-dir", dest="dir", default=None,
+      help="download into this folder (default: the hub cache, HF_HOME)")
+    a("--include", nargs="+", default=None, metavar="GLOB", help="also fetch these files")
+    a("--exclude", nargs="+", default=None, metavar="GLOB", help="leave these files out")
+    a("--gguf-file", default=None, help="the GGUF file to fetch from a GGUF repository")
+    a("--gguf-quant", default=None, help="the GGUF file whose name has this (e.g. Q4_K_M)")
+    a("--source", choices=["hf", "modelscope"], default="hf")
+    a("--nnodes", type=int, default=1, help="seed: nodes the model is served on (each "
+                                             "fetches the whole checkpoint)")
+    a("--mode", choices=["master", "slave"], default="master", help="seed: this node's role")
+    a("--speculate_model_path", "--speculate-model-path", dest="speculate_model_path",
+      default=None, help="seed: also fetch this draft / MTP model (ORG/NAME)")
+    return p
+
+
+def run(argv: list[str]) -> int:
+    from tokenmill.hub.download import HubError
+    from tokenmill.hub.fetch import fetch
+    from tokenmill.hub.names import split_precision
+
+    args = make_parser().parse_args(argv)
+    name = args.model or args.model_name
+    if name is None:
+        sys.stderr.write("error: give the model: tokenmill download ORG/NAME\n")
+        return 2
+    if args.source == "modelscope":
+        sys.stderr.write("error: --source modelscope is not supported yet; fetch from the "
+                         "Hugging Face Hub (or set HF_ENDPOINT to a mirror).\n")
+        return 2
+    try:
+        repo, _ = split_precision(name)
+        wanted = [(repo, args.dir)]
+        if args.speculate_model_path:
+            wanted.append((args.speculate_model_path, None))
+        for i, (model, where) in enumerate(wanted):
+            path = fetch(model, args.revision if i == 0 else None, local_dir=where,
+                         gguf_file=args.gguf_file if i == 0 else None,
+                         gguf_quant=args.gguf_quant if i == 0 else None,
+                         include=args.include if i == 0 else None,
+                         exclude=args.exclude if i == 0 else None)
+            sys.stdout.write(path + "\n")
+    except (HubError, ValueError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    return 0
