@@ -209,3 +209,27 @@ def test_start_server_by_seed_name_downloads_and_serves_int8(hub, tmp_path, tiny
         subprocess.run([os.path.join(bin_dir, "stop_server"), "60"], env=served.env,
                        cwd=tmp_path, capture_output=True, timeout=120)
         assert not alive(pid)
+
+
+def test_the_seed_downloaders_flags_and_md5_check(hub, tmp_path):
+    """`--model_name ORG/NAME/<precision> --dir D --nnodes 2 --mode slave
+    --speculate_model_path P`: the model lands in D/ORG/NAME, the precision is named for
+    serving, P links to the model (its MTP layers are its own). MD5_CHECK=1 hashes files
+    already there again: one changed in place is found, removed and fetched again."""
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "home")}
+    seed = ["download", "--model_name", "org/tiny/weight_only_int8", "--dir", "dl",
+            "--nnodes", "2", "--mode", "slave", "--speculate_model_path", "mtp"]
+    got = _cli(seed, env, tmp_path)
+    assert got.returncode == 0, got.stderr
+    folder = tmp_path / "dl" / "org" / "tiny"
+    assert got.stdout.strip() == str(folder) and "--quantization int8" in got.stderr
+    assert os.path.realpath(tmp_path / "mtp") == str(folder)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))  # (same size: only hashing finds it)
+    assert _cli(seed, env, tmp_path).returncode == 0  # trusted as verified before
+    checked = _cli(seed, {**env, "MD5_CHECK": "1"}, tmp_path)
+    assert checked.returncode == 2 and "model.safetensors failed verification" in checked.stderr
+    assert _cli(seed, {**env, "MD5_CHECK": "1"}, tmp_path).returncode == 0
+    assert _digest(str(weights)) == _digest(os.path.join(hub.src, "model.safetensors"))

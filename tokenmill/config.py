@@ -312,3 +312,11 @@ def share_metrics_dir(path: str) -> None:
     import os
 
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
+def md5_check(environ=None) -> bool:
+    """The seed downloader's MD5_CHECK=1: files already present are hashed again (tokenmill
+    checks sha256 / git blob ids, which the hub publishes, rather than md5)."""
+    import os
+
+    return bool(_Env(os.environ if environ is None else environ).flag("MD5_CHECK"))

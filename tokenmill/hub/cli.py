@@ -1,6 +1,6 @@
 """`tokenmill download`: fetch a model from a hub (see hub/fetch.py), with the seed
 downloader's flags accepted too (`--model_name NAME --dir D --nnodes N --mode master|slave
---speculate_model_path P`)."""
+--speculate_model_path P`, `MD5_CHECK=1`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def make_parser() -> argparse.ArgumentParser:
       help="the seed downloader's name for MODEL")
     a("--revision", default=None, help="branch, tag or commit (default main)")
     a("--dir", "--local-dir", dest="dir", default=None,
-      help="download into this folder (default: the hub cache, HF_HOME)")
+      help="download into this folder (default: the hub cache, HF_HOME); with --model_name "
+           "(the seed's form) into DIR/ORG/NAME, DIR defaulting to downloads")
     a("--include", nargs="+", default=None, metavar="GLOB", help="also fetch these files")
     a("--exclude", nargs="+", default=None, metavar="GLOB", help="leave these files out")
     a("--gguf-file", default=None, help="the GGUF file to fetch from a GGUF repository")
@@ -32,11 +33,15 @@ def make_parser() -> argparse.ArgumentParser:
                                              "fetches the whole checkpoint)")
     a("--mode", choices=["master", "slave"], default="master", help="seed: this node's role")
     a("--speculate_model_path", "--speculate-model-path", dest="speculate_model_path",
-      default=None, help="seed: also fetch this draft / MTP model (ORG/NAME)")
+      default=None, help="seed: where the MTP model goes (a link to the model: its MTP "
+                         "layers are in its own checkpoint)")
     return p
 
 
 def run(argv: list[str]) -> int:
+    import os
+
+    from tokenmill.config import md5_check
     from tokenmill.hub.download import HubError
     from tokenmill.hub.fetch import fetch
     from tokenmill.hub.names import split_precision
@@ -51,18 +56,27 @@ def run(argv: list[str]) -> int:
                          "Hugging Face Hub (or set HF_ENDPOINT to a mirror).\n")
         return 2
     try:
-        repo, _ = split_precision(name)
-        wanted = [(repo, args.dir)]
+        repo, precision = split_precision(name)
+        # hf style: exactly --dir (default: the hub cache); the seed's: <dir>/<ORG/NAME>
+        where = args.dir if args.model and not args.model_name \
+            else os.path.join(args.dir or "downloads", repo)
+        path = fetch(repo, args.revision, local_dir=where, gguf_file=args.gguf_file,
+                     gguf_quant=args.gguf_quant, include=args.include, exclude=args.exclude,
+                     recheck=md5_check())
+        sys.stdout.write(path + "\n")
+        if precision:
+            flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in precision.items())
+            sys.stderr.write(f"serve it at {name.rsplit('/', 1)[1]}: tokenmill serve {path} "
+                             f"{flags} (or tokenmill serve {name})\n")
         if args.speculate_model_path:
-            wanted.append((args.speculate_model_path, None))
-        for i, (model, where) in enumerate(wanted):
-            path = fetch(model, args.revision if i == 0 else None, local_dir=where,
-                         gguf_file=args.gguf_file if i == 0 else None,
-                         gguf_quant=args.gguf_quant if i == 0 else None,
-                         include=args.include if i == 0 else None,
-                         exclude=args.exclude if i == 0 else None)
-            sys.stdout.write(path + "\n")
-    except (HubError, ValueError) as exc:
+            # MTP layers are part of the model's own checkpoint: the seed's
+            # SPECULATE_MODEL_PATH then names the model itself
+            target = args.speculate_model_path
+            if not os.path.exists(target):
+                os.symlink(os.path.abspath(path), target)
+            sys.stderr.write(f"{target} -> {path} (MTP layers are read from the model's own "
+                             "checkpoint)\n")
+    except (HubError, ValueError, OSError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     return 0

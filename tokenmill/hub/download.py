@@ -91,12 +91,19 @@ def _sha(path: str, algo: str, prefix: bytes = b"") -> str:
     return h.hexdigest()
 
 
-def verify(root: str, remote: list[RemoteFile]) -> None:
+def verify(root: str, remote: list[RemoteFile], recheck: bool = False) -> None:
     """Checks each file under `root` against the hub's size and hash; a bad one is removed
-    (a rerun fetches it again) and named in the HubError."""
+    (a rerun fetches it again) and named in the HubError. Files the snapshot's marker already
+    records as verified with these hashes (and still of that size) are not hashed again
+    unless `recheck`."""
+    known = {} if recheck else _marker(root)
     for r in remote:
         path = os.path.join(root, r.name)
         size = os.path.getsize(path)
+        entry = known.get(r.name)
+        if entry == {"size": r.size, "sha256": r.sha256, "blob_id": r.blob_id} \
+                and size == r.size:
+            continue
         problem = None
         if r.size is not None and size != r.size:
             problem = f"{size} bytes where the hub lists {r.size}"
@@ -118,12 +125,19 @@ def verify(root: str, remote: list[RemoteFile]) -> None:
     os.replace(os.path.join(root, MARKER + ".tmp"), os.path.join(root, MARKER))
 
 
-def verified_files(root: str) -> list[str] | None:
-    """The files a verified snapshot holds (None: not verified, or a file went missing)."""
+def _marker(root: str) -> dict:
     try:
         with open(os.path.join(root, MARKER)) as f:
-            files = json.load(f)
+            found = json.load(f)
     except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def verified_files(root: str) -> list[str] | None:
+    """The files a verified snapshot holds (None: not verified, or a file went missing)."""
+    files = _marker(root)
+    if not files:
         return None
     for name, meta in files.items():
         path = os.path.join(root, name)

@@ -79,7 +79,8 @@ def remote_files(repo: str, revision: str | None, endpoint: str | None, token) -
 def fetch(repo: str, revision: str | None = None, local_dir: str | None = None,
           gguf_file: str | None = None, gguf_quant: str | None = None,
           include: list[str] | None = None, exclude: list[str] | None = None,
-          endpoint: str | None = None, cache_dir: str | None = None, token=None) -> str:
+          endpoint: str | None = None, cache_dir: str | None = None, token=None,
+          recheck: bool = False) -> str:
     """Downloads what the engine needs of `repo` and verifies it; returns what to load (the
     folder, or the GGUF file)."""
     from huggingface_hub import snapshot_download
@@ -96,7 +97,7 @@ def fetch(repo: str, revision: str | None = None, local_dir: str | None = None,
         raise _explain(exc, repo, revision, endpoint) from None
     if (revision or "main") != commit and local_dir is None:
         _write_ref(cache_dir, repo, revision or "main", commit)
-    verify(root, [f for f in files if f.name in chosen])
+    verify(root, [f for f in files if f.name in chosen], recheck)
     return model_location(root, chosen)
 
 
