@@ -5,10 +5,10 @@ transformers' in float; blocks kept quantized give the tokens of the same file e
 
 import pytest
 import torch
-from gguf_writer import write_gguf
 from helpers import hf_greedy, make_model
 
 from tokenmill import LLM, SamplingParams, csrc, gguf_loader
+from tokenmill.convert.gguf_writer import write_gguf
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8]]
 # tiny model -> llama.cpp architecture

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf_writer import write_gguf
 from helpers import make_model
 
 from tokenmill import LLM, SamplingParams, csrc, gguf_loader
+from tokenmill.convert.gguf_writer import write_gguf
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization import schemes
 from tokenmill.quantization.gguf_blocks import BLOCKS

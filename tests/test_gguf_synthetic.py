@@ -5,10 +5,10 @@ import types
 import numpy as np
 import pytest
 import torch
-from gguf_writer import write_gguf
 from helpers import head_dim
 
 from tokenmill import csrc, gguf_loader
+from tokenmill.convert.gguf_writer import write_gguf
 from tokenmill.quantization import schemes
 
 

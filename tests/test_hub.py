@@ -50,7 +50,8 @@ def test_download_verifies_and_takes_only_what_the_engine_loads(hub, tmp_path):
     assert "README.md" not in got and "model.safetensors" in got and "config.json" in got
     for name in got:
         assert _digest(os.path.join(path, name)) == _digest(os.path.join(hub.src, name))
-    assert sorted(json.load(open(os.path.join(path, MARKER)))) == got
+    with open(os.path.join(path, MARKER)) as f:
+        assert sorted(json.load(f)) == got
     assert cached("org/tiny", cache_dir=str(tmp_path / "cache")) == path
 
 
@@ -82,7 +83,8 @@ def test_offline_reuse_and_revision_pinning(hub, tmp_path):
     cache = str(tmp_path / "cache")
     main = _fetch(hub, tmp_path)
     v1 = _fetch(hub, tmp_path, revision="v1")
-    assert json.load(open(os.path.join(v1, "generation_config.json"))) == {"max_new_tokens": 7}
+    with open(os.path.join(v1, "generation_config.json")) as f:
+        assert json.load(f) == {"max_new_tokens": 7}
     assert v1 != main
     hub.__exit__()  # the hub is gone: names resolve from the verified cache
     assert resolve("org/tiny", cache_dir=cache) == main

@@ -147,9 +147,9 @@ def test_gguf_mixture_of_experts_files(tiny_models, tmp_path, monkeypatch, arch,
     dense layer without a router): transformers' tokens in float; Q8_0 / Q4_1 experts kept
     as blocks give the tokens of the same file expanded to float."""
     from gguf import GGMLQuantizationType
-    from gguf_writer import write_gguf
 
     from tokenmill import csrc, gguf_loader
+    from tokenmill.convert.gguf_writer import write_gguf
 
     hf_path, hf = tiny_models(arch)
     path = str(tmp_path / f"{arch}.gguf")

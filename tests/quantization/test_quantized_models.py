@@ -181,9 +181,9 @@ def test_int8_kv_attention_matches_the_reference_backend():
 def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, method,
                                                   int_dot, monkeypatch):
     from gguf import GGMLQuantizationType
-    from gguf_writer import write_gguf
 
     from tokenmill import gguf_loader
+    from tokenmill.convert.gguf_writer import write_gguf
 
     hf_path, hf = tiny_models("llama")
     path = str(tmp_path / f"{qtype}.gguf")
@@ -210,9 +210,9 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
     Qwen2 Q4_K_M file's K projection come out a fraction of its width); the MLP's Q5_0 gate
     and up are served as they are stored."""
     from gguf import GGMLQuantizationType as Q
-    from gguf_writer import write_gguf
 
     from tokenmill import gguf_loader
+    from tokenmill.convert.gguf_writer import write_gguf
 
     hf_path, hf = tiny_models("qwen2")
     path = str(tmp_path / "mixed.gguf")
@@ -236,7 +236,7 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
 
 
 def gguf_leaf(hf_name: str) -> str:
-    from gguf_writer import LAYER_MAP
+    from tokenmill.convert.gguf_writer import LAYER_MAP
 
     return LAYER_MAP.get(hf_name.split(".", 3)[-1], "")
 

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "download":
         from tokenmill.hub.cli import run
         return run(argv[1:])
+    if argv and argv[0] == "convert":
+        from tokenmill.convert.cli import run as convert
+        return convert(argv[1:])
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (see `tokenmill serve --help`)")
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                    "quantize --help`)")
     sub.add_parser("download", help="fetch a model from a hub (see `tokenmill download "
                    "--help`)")
+    sub.add_parser("convert", help="HF <-> GGUF (see `tokenmill convert --help`)")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_args(gen)

@@ -1,10 +1,18 @@
 """GGUF files as llama.cpp's converter (convert_hf_to_gguf.py) writes them, from a
-transformers model's tensors: the tests' stand-in for downloaded GGUF files."""
+transformers model's tensors: what `tokenmill convert --to gguf` writes, and the tests'
+stand-in for downloaded GGUF files. Q and K rows permuted for llama.cpp's rope, Gemma norms
+stored as 1 + w, experts stacked, MLA's kv_b split in two, the metadata keys llama.cpp reads;
+the tokenizer (BPE) and chat template in the metadata when given."""
+
+from __future__ import annotations
 
 import numpy as np
-from helpers import head_dim
 
 from tokenmill import gguf_archs
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 LAYER_MAP = {v: k for k, v in gguf_archs.LAYER_NAMES.items()}
 
@@ -37,15 +45,19 @@ def llama3_rope_factors(config, rope) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path, arch, state, config, qtype=None, blocks=None):
+def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=None):
     """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
     GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
     2-D weights in that block format, quantized by gguf-py, or, with `blocks(kind, shape)`,
-    as the blocks it returns (gguf-py cannot write the K-quants: random ones stand in)."""
+    as the blocks it returns (gguf-py cannot write the K-quants: random ones stand in).
+    `tokenizer`: a transformers fast BPE tokenizer to store (vocabulary, merges, special
+    ids, chat template)."""
     import gguf
     from gguf.quants import quantize
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if tokenizer is not None:
+        write_tokenizer(writer, tokenizer, config.vocab_size)
     rope = _rope(config)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -200,3 +212,48 @@ def _deepseek2_keys(writer, config):
 
 _ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys,
               "phi3": _phi3_keys, "deepseek2": _deepseek2_keys}
+
+
+def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer (GPT-2 style: Llama 3, Qwen, SmolLM, ...) as llama.cpp's
+    `tokenizer.ggml.*` keys: tokens in id order with their types (control for special
+    tokens, user-defined for other added ones), merges, special ids, the chat template. The
+    list is padded to the embedding's `vocab_size` rows with unused `[PAD{i}]` entries, as
+    llama.cpp's converter does (llama.cpp checks that the two agree)."""
+    import json
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = state.get("model", {})
+    if model.get("type") != "BPE" or model.get("merges") is None:
+        raise ValueError("Only byte-level BPE tokenizers (tokenizer.json of type BPE) can be "
+                         "written to GGUF yet.")
+    vocab = tokenizer.get_vocab()
+    size = max(max(vocab.values()) + 1, vocab_size)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf_token_type("unused")] * size
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, gguf_token_type("normal")
+    for added in state.get("added_tokens", []):
+        types[added["id"]] = gguf_token_type("control" if added.get("special")
+                                             else "user_defined")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for name in ("bos", "eos", "unk", "pad"):
+        token_id = getattr(tokenizer, f"{name}_token_id", None)
+        if token_id is not None:
+            getattr(writer, f"add_{name}_token_id")(token_id)
+    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    if getattr(tokenizer, "chat_template", None):
+        writer.add_chat_template(tokenizer.chat_template)
+
+
+def gguf_token_type(kind: str) -> int:
+    import gguf
+
+    return {"normal": gguf.TokenType.NORMAL, "control": gguf.TokenType.CONTROL,
+            "user_defined": gguf.TokenType.USER_DEFINED,
+            "unused": gguf.TokenType.UNUSED}[kind]

@@ -1,0 +1,103 @@
+"""`tokenmill convert`: HF safetensors -> GGUF (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1:
+the block types gguf-py writes), and GGUF -> an HF folder (safetensors, config.json, the
+tokenizer and chat template from the file's metadata, weights dequantized to float32).
+A model argument may be a hub name, as everywhere."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenmill convert",
+        description="Convert a model between formats: an HF folder to one GGUF file (as "
+                    "llama.cpp's convert_hf_to_gguf.py writes it: llama.cpp and tokenmill "
+                    "read it), or a GGUF file to an HF folder.")
+    p.add_argument("model", help="HF folder, .gguf file or hub name ORG/NAME")
+    p.add_argument("out", help="the .gguf file, or the HF folder, to write")
+    p.add_argument("--outtype", choices=OUTTYPES, default="f16",
+                   help="GGUF weight type of 2-D tensors (norms and biases stay f32; a row "
+                        "that is no whole number of blocks stays float, as llama.cpp's)")
+    return p
+
+
+def _gguf_arch(hf_architecture: str) -> str:
+    from tokenmill.gguf_archs import ARCHITECTURES
+
+    if hf_architecture == "DeepseekV3ForCausalLM":
+        return "deepseek2"
+    for arch, (hf, _) in ARCHITECTURES.items():
+        if hf == hf_architecture:
+            return arch
+    supported = sorted({hf for hf, _ in ARCHITECTURES.values()} | {"DeepseekV3ForCausalLM"})
+    raise ValueError(f"{hf_architecture} cannot be written to GGUF; supported: "
+                     f"{', '.join(supported)}.")
+
+
+def to_gguf(model: str, out: str, outtype: str) -> None:
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tokenmill.convert.gguf_writer import write_gguf
+
+    config = AutoConfig.from_pretrained(model)
+    arch = _gguf_arch((config.architectures or [""])[0])
+    state: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(model, name)))
+    if not state:
+        raise ValueError(f"{model} has no *.safetensors weights.")
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # (llama.cpp's files tie by leaving it out)
+    kind = {"f32": None, "f16": gguf.GGMLQuantizationType.F16,
+            "bf16": gguf.GGMLQuantizationType.BF16}.get(outtype)
+    if outtype not in ("f32", "f16", "bf16"):
+        kind = getattr(gguf.GGMLQuantizationType, outtype.upper())
+    tmp = out + ".tmp"
+    write_gguf(tmp, arch, state, config, qtype=kind,
+               tokenizer=AutoTokenizer.from_pretrained(model))
+    os.replace(tmp, out)  # (a half-written file never has the final name)
+
+
+def to_hf(model: str, out: str) -> None:
+    from safetensors.torch import save_file
+
+    from tokenmill.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+
+    config = load_gguf_config(model)
+    tmp = out.rstrip("/") + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    weights = {name: w.contiguous() for name, w in iter_gguf_weights(model, config)}
+    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    load_gguf_tokenizer(model).save_pretrained(tmp)
+    if os.path.exists(out):
+        raise ValueError(f"{out} exists; give a new folder.")
+    os.replace(tmp, out)
+
+
+def run(argv: list[str]) -> int:
+    from tokenmill.loader import is_gguf, resolve_model_path
+
+    args = make_parser().parse_args(argv)
+    try:
+        model = resolve_model_path(args.model)
+        if is_gguf(model):
+            to_hf(model, args.out)
+        else:
+            if not args.out.endswith(".gguf"):
+                raise ValueError("The output of an HF model is a .gguf file: name it *.gguf.")
+            to_gguf(model, args.out, args.outtype)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    sys.stdout.write(args.out + "\n")
+    return 0
