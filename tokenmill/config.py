@@ -47,6 +47,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
     tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
+    log_requests: bool = False  # access lines carry prompt and output text
     # vLLM flags given that have no effect here: (flag, why), logged once at start-up
     ignored_flags: tuple[tuple[str, str], ...] = ()
 
@@ -208,6 +209,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         **node_settings(args, env, tp * pp),
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
+        "log_format": args.log_format or "text", "log_level": args.log_level or "info",
     }
     engine = EngineConfig(**engine_kwargs)
     ports = {name: port for name, new, old in _PORT_ENV
@@ -230,6 +232,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        log_requests=bool(args.log_requests),
         ignored_flags=tuple(flag for name, flag in _IGNORED.items()
                             if getattr(args, name) is not None),
         **ports)

@@ -56,6 +56,9 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     node_addr: str | None = None
+    # How its processes log (logs.py): text | json; debug | info | warning | error
+    log_format: str = "text"
+    log_level: str = "info"
 
     @property
     def world_size(self) -> int:

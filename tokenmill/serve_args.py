@@ -96,6 +96,11 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "deepseek_v3",
                                      "pythonic"], help="chat: tool calls read from the output "
                                                        "(enables tool_choice auto)")
+    a("--log-format", choices=["text", "json"], default=None,
+      help="log lines as text (default) or one JSON object each")
+    a("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    a("--log-requests", action="store_true", default=None,
+      help="access lines carry the prompt and output text (default: counts only)")
     a("--enable-auto-tool-choice", action="store_true", default=None,
       help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
     return p

@@ -17,6 +17,7 @@ import time
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.logs import configure_logging
 
 logger = logging.getLogger("tokenmill.distributed.worker")
 
@@ -70,10 +71,11 @@ def run(spec: WorkerSpec) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                                                   "%(message)s")
+                                                   "%(message)s")  # (until the spec says)
     # Ctrl-C and `stop_server` reach the whole process group; rank 0 stops this one.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=WorkerSpec)
+    configure_logging(spec.config.log_format, spec.config.log_level)
     sys.stdin.close()
     if spec.parent_pid is not None:
         _exit_with_parent(spec.parent_pid)

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.engine import request_log
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
@@ -125,6 +126,7 @@ class AsyncLLM:
             reservation.consume(params.n)
         finished = False
         timer = _RequestTimer(self.metrics, len(prompt_token_ids))
+        request_log.started(prompt_token_ids)
         try:
             child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
             for i, child_id in enumerate(child_ids):
@@ -139,6 +141,7 @@ class AsyncLLM:
                     raise item
                 finished = item.finished
                 timer.output(item)
+                request_log.produced(item, finished)
                 yield item
                 if finished:
                     return

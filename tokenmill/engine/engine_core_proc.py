@@ -29,6 +29,7 @@ from tokenmill.engine.protocol import (
     EngineCoreRequest,
     RequestType,
 )
+from tokenmill.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,7 @@ class EngineCoreProc:
 def run_engine_core(config: EngineConfig, model_path: str, address: str,
                     ready: Connection) -> None:
     """Process entry point: load the model, report readiness (or the error), then loop."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                                                   "%(message)s")
+    configure_logging(config.log_format, config.log_level)
     # Ctrl-C and `stop_server` reach the whole process group; the server that owns this
     # process drains first and then stops it with a SHUTDOWN message (or kills it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -22,6 +22,7 @@ import uvicorn
 from tokenmill.engine.async_engine import EngineDeadError, ShutdownError
 from tokenmill.entrypoints.http.server import build_state, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+from tokenmill.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ KEEP_ALIVE_S = 30
 
 
 def make_server(app, host: str = "127.0.0.1", port: int = 0) -> QuietServer:
+    # (log_config None: uvicorn's own lines go through the process's logging, logs.py)
     return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                      access_log=False, timeout_graceful_shutdown=5,
+                                      log_config=None, access_log=False,
+                                      timeout_graceful_shutdown=5,
                                       timeout_keep_alive=KEEP_ALIVE_S))
 
 
@@ -84,8 +87,7 @@ async def _until_idle(state: ServerState, deadline: float) -> None:
 def run_api_worker(settings: ApiSettings, sock: socket.socket, ready: Connection,
                    shutdown_timeout: float) -> None:
     """Process entry point of one HTTP worker."""
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format, settings.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     asyncio.run(_worker(settings, sock, ready, shutdown_timeout))
 

@@ -36,6 +36,7 @@ from tokenmill.entrypoints.http.server import build_state, create_health_app, cr
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.kserve import start_grpc_server
 from tokenmill.loader import resolve_model_path
+from tokenmill.logs import configure_logging
 from tokenmill.metrics import Metrics, multiprocess_registry
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ class ServeProcess:
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,
                 reasoning_parser=config.reasoning_parser,
-                tool_call_parser=config.tool_call_parser)
+                tool_call_parser=config.tool_call_parser, log_requests=config.log_requests,
+                log_format=config.engine.log_format, log_level=config.engine.log_level)
             registry, metrics = self._metrics()
             state = await build_state(settings, metrics)
             if config.use_warmup:
@@ -234,8 +236,7 @@ class ServeProcess:
 
 
 def run_server(config: ServerConfig) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.engine.log_format, config.engine.log_level)
     for flag, why in config.ignored_flags:
         logger.info("%s: accepted, no effect here (%s)", flag, why)
     if config.engine.node_rank > 0:  # ranks only: node 0 serves every port

@@ -15,6 +15,7 @@ from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.entrypoints.auth import ApiKey
 from tokenmill.entrypoints.http import native_api, openai_api, tokenize_api, triton_api
+from tokenmill.entrypoints.http.access_log import AccessLog
 from tokenmill.entrypoints.http.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -123,6 +124,8 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
+    app.add_middleware(AccessLog, log_requests=settings.log_requests,  # (outermost)
+                       get_tokenizer=lambda: app.state.server.tokenizer)
     key = ApiKey(settings.api_key) if settings.api_key else None
 
     def authorized(request: Request) -> bool:

@@ -50,6 +50,9 @@ class ApiSettings:
     trust_request_chat_template: bool = False
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    log_requests: bool = False  # access lines carry the prompt and output text
+    log_format: str = "text"  # text | json (API worker processes configure their logging)
+    log_level: str = "info"
     # data-parallel replicas beyond the first (engine_address): requests are routed among all
     more_engine_addresses: tuple[str, ...] = ()
 

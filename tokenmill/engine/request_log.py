@@ -1,0 +1,46 @@
+"""What the engine requests made for one API request consumed, for its access-log line: the
+API's middleware opens a `RequestRecord` in a context variable, `AsyncLLM.generate` adds to it
+(every engine request the handler makes, beams and `n` included), the middleware writes the
+line when the response has been sent."""
+
+from __future__ import annotations
+
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+current: ContextVar[RequestRecord | None] = ContextVar("tokenmill_request_record",
+                                                       default=None)
+
+
+@dataclass
+class RequestRecord:
+    start: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token: float | None = None  # monotonic time of the first generated token
+    prompts: list[list[int]] = field(default_factory=list)  # (kept for --log-requests)
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+
+def started(prompt_token_ids: list[int]) -> None:
+    record = current.get()
+    if record is not None:
+        record.prompt_tokens += len(prompt_token_ids)
+        record.prompts.append(list(prompt_token_ids))
+
+
+def produced(output, final: bool) -> None:
+    """One RequestOutput of an engine request of the current API request."""
+    record = current.get()
+    if record is None:
+        return
+    if record.first_token is None and any(c.token_ids for c in output.outputs):
+        record.first_token = time.monotonic()
+    if final:
+        record.output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        record.outputs.extend(c.text for c in output.outputs)

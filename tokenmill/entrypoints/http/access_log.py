@@ -1,0 +1,64 @@
+"""One access line per API request (`AccessLog` middleware: request id, method, route,
+status, prompt and output tokens, time to first token, total time; the prompt and output
+text only with `--log-requests`); as JSON (`--log-format json`) its fields are top-level
+keys of the line (logs.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from tokenmill.engine import request_log
+
+logger = logging.getLogger("tokenmill.access")
+# Paths whose requests are not logged (probes would drown the requests that matter).
+QUIET_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/metrics")
+
+
+class AccessLog:
+    """ASGI middleware: one `tokenmill.access` line per HTTP request, written once the last
+    byte of its response went out (streams included)."""
+
+    def __init__(self, app, log_requests: bool = False, get_tokenizer=None) -> None:
+        self.app, self.log_requests, self.get_tokenizer = app, log_requests, get_tokenizer
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in QUIET_PATHS:
+            return await self.app(scope, receive, send)
+        record = request_log.RequestRecord()
+        token = request_log.current.set(record)
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] \
+            or uuid.uuid4().hex
+        status = 500
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            request_log.current.reset(token)
+            self._write(record, request_id, scope, status)
+
+    def _write(self, record, request_id, scope, status) -> None:
+        fields = {"request_id": request_id, "method": scope["method"], "route": scope["path"],
+                  "status": status, "prompt_tokens": record.prompt_tokens,
+                  "output_tokens": record.output_tokens,
+                  "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
+                  "total_s": round(time.monotonic() - record.start, 4)}
+        if self.log_requests and self.get_tokenizer is not None:
+            tokenizer = self.get_tokenizer()
+            fields["prompt"] = [tokenizer.decode(ids) for ids in record.prompts]
+            fields["output"] = record.outputs
+        text = " ".join(f"{k}={v}" for k, v in fields.items()
+                        if k not in ("prompt", "output"))
+        if "prompt" in fields:
+            text += f" prompt={json.dumps(fields['prompt'], ensure_ascii=False)} " \
+                    f"output={json.dumps(fields['output'], ensure_ascii=False)}"
+        logger.info(text, extra=fields)
