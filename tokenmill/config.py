@@ -48,6 +48,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
     tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
     log_requests: bool = False  # access lines carry prompt and output text
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: one span per request
     # vLLM flags given that have no effect here: (flag, why), logged once at start-up
     ignored_flags: tuple[tuple[str, str], ...] = ()
 
@@ -233,6 +234,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         log_requests=bool(args.log_requests),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         ignored_flags=tuple(flag for name, flag in _IGNORED.items()
                             if getattr(args, name) is not None),
         **ports)

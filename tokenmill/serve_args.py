@@ -101,6 +101,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     a("--log-requests", action="store_true", default=None,
       help="access lines carry the prompt and output text (default: counts only)")
+    a("--otlp-traces-endpoint", default=None, metavar="URL",
+      help="export one OpenTelemetry span per request over OTLP/HTTP (e.g. "
+           "http://collector:4318/v1/traces)")
     a("--enable-auto-tool-choice", action="store_true", default=None,
       help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
     return p

@@ -126,7 +126,7 @@ class AsyncLLM:
             reservation.consume(params.n)
         finished = False
         timer = _RequestTimer(self.metrics, len(prompt_token_ids))
-        request_log.started(prompt_token_ids)
+        request_log.started(prompt_token_ids, params)
         try:
             child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
             for i, child_id in enumerate(child_ids):

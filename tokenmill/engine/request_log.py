@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 current: ContextVar[RequestRecord | None] = ContextVar("tokenmill_request_record",
                                                        default=None)
@@ -21,17 +22,21 @@ class RequestRecord:
     first_token: float | None = None  # monotonic time of the first generated token
     prompts: list[list[int]] = field(default_factory=list)  # (kept for --log-requests)
     outputs: list[str] = field(default_factory=list)
+    params: Any = None  # the first engine request's SamplingParams (traces)
+    metrics: dict | None = None  # the first finished engine request's timestamps (traces)
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.start
 
 
-def started(prompt_token_ids: list[int]) -> None:
+def started(prompt_token_ids: list[int], params: Any = None) -> None:
     record = current.get()
     if record is not None:
         record.prompt_tokens += len(prompt_token_ids)
         record.prompts.append(list(prompt_token_ids))
+        if record.params is None:
+            record.params = params
 
 
 def produced(output, final: bool) -> None:
@@ -42,5 +47,7 @@ def produced(output, final: bool) -> None:
     if record.first_token is None and any(c.token_ids for c in output.outputs):
         record.first_token = time.monotonic()
     if final:
+        if record.metrics is None:
+            record.metrics = dict(getattr(output, "metrics", None) or {})
         record.output_tokens += sum(len(c.token_ids) for c in output.outputs)
         record.outputs.extend(c.text for c in output.outputs)

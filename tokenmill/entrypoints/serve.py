@@ -88,6 +88,7 @@ class ServeProcess:
                 trust_request_chat_template=config.trust_request_chat_template,
                 reasoning_parser=config.reasoning_parser,
                 tool_call_parser=config.tool_call_parser, log_requests=config.log_requests,
+                otlp_traces_endpoint=config.otlp_traces_endpoint,
                 log_format=config.engine.log_format, log_level=config.engine.log_level)
             registry, metrics = self._metrics()
             state = await build_state(settings, metrics)

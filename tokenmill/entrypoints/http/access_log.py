@@ -21,8 +21,10 @@ class AccessLog:
     """ASGI middleware: one `tokenmill.access` line per HTTP request, written once the last
     byte of its response went out (streams included)."""
 
-    def __init__(self, app, log_requests: bool = False, get_tokenizer=None) -> None:
+    def __init__(self, app, log_requests: bool = False, get_tokenizer=None, tracer=None,
+                 model: str | None = None) -> None:
         self.app, self.log_requests, self.get_tokenizer = app, log_requests, get_tokenizer
+        self.tracer, self.model = tracer, model  # (--otlp-traces-endpoint: tracing.py)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in QUIET_PATHS:
@@ -44,9 +46,13 @@ class AccessLog:
             await self.app(scope, receive, sending)
         finally:
             request_log.current.reset(token)
-            self._write(record, request_id, scope, status)
+            fields = self._write(record, request_id, scope, status)
+            if self.tracer is not None:
+                self.tracer.request_span({k.decode("latin-1"): v.decode("latin-1")
+                                          for k, v in headers.items()}, record, fields,
+                                         self.model)
 
-    def _write(self, record, request_id, scope, status) -> None:
+    def _write(self, record, request_id, scope, status) -> dict:
         fields = {"request_id": request_id, "method": scope["method"], "route": scope["path"],
                   "status": status, "prompt_tokens": record.prompt_tokens,
                   "output_tokens": record.output_tokens,
@@ -62,3 +68,4 @@ class AccessLog:
             text += f" prompt={json.dumps(fields['prompt'], ensure_ascii=False)} " \
                     f"output={json.dumps(fields['output'], ensure_ascii=False)}"
         logger.info(text, extra=fields)
+        return fields

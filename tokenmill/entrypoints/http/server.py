@@ -28,6 +28,7 @@ from tokenmill.entrypoints.http.request_body import (
     read_body,
 )
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+from tokenmill.entrypoints.http.tracing import Tracer
 from tokenmill.loader import load_tokenizer
 from tokenmill.metrics import REJECT_STATUS, Metrics
 from tokenmill.tokenizer import eos_token_ids
@@ -119,13 +120,17 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
         yield
         if state is None:
             await app.state.server.engine.shutdown()
+        if tracer is not None:
+            tracer.shutdown()
 
     # No trailing-slash redirects: their Location is built from the client's Host header.
     app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
+    tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
     app.add_middleware(AccessLog, log_requests=settings.log_requests,  # (outermost)
-                       get_tokenizer=lambda: app.state.server.tokenizer)
+                       get_tokenizer=lambda: app.state.server.tokenizer, tracer=tracer,
+                       model=settings.served_model_names[0])
     key = ApiKey(settings.api_key) if settings.api_key else None
 
     def authorized(request: Request) -> bool:

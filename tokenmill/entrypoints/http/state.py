@@ -51,6 +51,7 @@ class ApiSettings:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     log_requests: bool = False  # access lines carry the prompt and output text
+    otlp_traces_endpoint: str | None = None  # one span per request (tracing.py)
     log_format: str = "text"  # text | json (API worker processes configure their logging)
     log_level: str = "info"
     # data-parallel replicas beyond the first (engine_address): requests are routed among all
