@@ -21,8 +21,6 @@ import signal
 import socket
 import tempfile
 
-from prometheus_client import make_asgi_app
-
 from tokenmill.config import ServerConfig, check_ports_free
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.core_client import start_engine_core_process
@@ -32,6 +30,7 @@ from tokenmill.entrypoints.api_worker import (
     run_api_worker,
     wait_started,
 )
+from tokenmill.entrypoints.http.dashboard import metrics_app
 from tokenmill.entrypoints.http.server import build_state, create_health_app, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.kserve import start_grpc_server
@@ -101,7 +100,7 @@ class ServeProcess:
                 tasks.append(asyncio.create_task(service.serve()))
             else:
                 await self._start_workers(settings)
-            metrics_server = make_server(make_asgi_app(registry), config.host,
+            metrics_server = make_server(metrics_app(registry), config.host,
                                          config.metrics_port)
             servers.append(metrics_server)
             tasks.append(asyncio.create_task(metrics_server.serve()))

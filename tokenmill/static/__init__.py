@@ -1,0 +1,1 @@
+"""Files the package serves (the metrics port's dashboard)."""
