@@ -99,27 +99,39 @@ def openai_beam_events(body: dict, chat: bool, include_usage: bool) -> AsyncIter
     return events()
 
 
+async def searched(request, search, reservation, error) -> tuple:
+    """(the search's result, None), or (None, the response to send instead): `error(message,
+    status)` for a request the engine refused (400) or a dead engine (503), 499 when the
+    client left first. The reservation ends either way."""
+    from fastapi.responses import Response
+
+    from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+    from tokenmill.entrypoints.http.streaming import unless_disconnected
+
+    try:
+        found = await unless_disconnected(request, search)
+    except EngineRequestError as exc:
+        return None, error(str(exc), 400)
+    except EngineDeadError as exc:
+        return None, error(str(exc), 503)
+    finally:
+        reservation.cancel()
+    return (found, None) if found is not None else (None, Response(status_code=499))
+
+
 async def beam_response(state, chat: bool, req, jobs: list, beams: BeamSearchParams,
                         reservation, request, output=None):
     """The OpenAI response to a `use_beam_search` request (`jobs`: the prompts)."""
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
-    from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
     from tokenmill.entrypoints.http.openai_api import error_response
-    from tokenmill.entrypoints.http.streaming import unless_disconnected
 
     prompts = [job.ids for job in jobs]
-    try:
-        found = await unless_disconnected(request, search_all(
-            state, prompts, beams, f"beam-{uuid.uuid4().hex}", reservation))
-    except EngineRequestError as exc:
-        return error_response(str(exc), 400)
-    except EngineDeadError as exc:
-        return error_response(str(exc), 503)
-    finally:
-        reservation.cancel()
-    if found is None:
-        return Response(status_code=499)
+    found, failed = await searched(request, search_all(
+        state, prompts, beams, f"beam-{uuid.uuid4().hex}", reservation), reservation,
+        error_response)
+    if failed is not None:
+        return failed
     body = openai_beam_body(chat, req, prompts, found, output,
                             req.model or state.served_model_name)
     if not req.stream:

@@ -354,17 +354,13 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
 async def _beam_route(request: Request, state: ServerState, ids: list[int], options: dict,
                       head: dict, streaming: bool, reservation) -> Response:
     """beam_width > 1: the search's beams in one response (streamed: in one event)."""
-    try:
-        beams = await unless_disconnected(request, run_async(
-            state.engine, ids, options["beams"], f"beam-{uuid.uuid4().hex}", reservation))
-    except EngineRequestError as exc:
-        return error(str(exc), 400)
-    except EngineDeadError as exc:
-        return error(str(exc), 503)
-    finally:
-        reservation.cancel()
-    if beams is None:
-        return Response(status_code=499)
+    from tokenmill.entrypoints.http.beam_api import searched
+
+    beams, failed = await searched(request, run_async(
+        state.engine, ids, options["beams"], f"beam-{uuid.uuid4().hex}", reservation),
+        reservation, error)
+    if failed is not None:
+        return failed
     out = {**head, **beam_fields(beams, options)}
     if not streaming:
         return JSONResponse(out)
