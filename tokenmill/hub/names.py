@@ -23,6 +23,6 @@ def split_precision(model: str | None) -> tuple[str | None, dict[str, str]]:
     if len(parts) != 3 or not all(parts) or model.startswith((".", "~")):
         return model, {}
     if parts[2] not in PRECISIONS:
-        raise ValueError(f"Model name {model!r}: its last part must be a precision, one of "
-                         f"{', '.join(PRECISIONS)} (or give ORG/NAME, or a local path).")
+        raise ValueError(f"Model {model!r} is not a local path; as a hub name ORG/NAME/"
+                         f"<precision> its last part must be one of {', '.join(PRECISIONS)}.")
     return "/".join(parts[:2]), PRECISIONS[parts[2]]
