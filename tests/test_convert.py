@@ -109,3 +109,39 @@ def test_llama_cpp_reads_the_file_alike(tiny_models, tmp_path):
             ours = llm.generate({"prompt_token_ids": ids}, SamplingParams(
                 temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
         assert ours.outputs[0].token_ids == theirs
+
+
+def test_q4_k_output(tiny_models, tmp_path):
+    """q4_k: llama.cpp's Q4_K blocks (written by kquants.py; 256-wide rows, so a wider tiny
+    model): gguf-py decodes them within 4-bit error, tokenmill serves the file as it is and
+    decodes the greedy tokens transformers' reading of it does."""
+    pytest.importorskip("accelerate")
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import make_model
+    from tokenmill.convert.kquants import quantize_q4_k
+
+    w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
+    back = dequantize(quantize_q4_k(w), gguf.GGMLQuantizationType.Q4_K).reshape(w.shape)
+    assert np.sqrt(((back - w) ** 2).mean()) < 0.1 * np.sqrt((w ** 2).mean())
+    src = str(tmp_path / "wide")
+    make_model(src, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    out = str(tmp_path / "q4k.gguf")
+    done = _convert(src, out, "--outtype", "q4_k")
+    assert done.returncode == 0, done.stderr
+    reader = gguf.GGUFReader(out)
+    kinds = {t.name: t.tensor_type for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_K
+    assert kinds["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_K
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q4k.gguf",
+                                              dtype=torch.float32).eval()
+    ids = PROMPTS[0]["prompt_token_ids"]
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                       attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                       pad_token_id=1, eos_token_id=None)[0, len(ids):].tolist()
+    with LLM(out, kv_cache_memory_gib=0.02) as llm:
+        got = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want

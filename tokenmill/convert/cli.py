@@ -1,5 +1,5 @@
-"""`tokenmill convert`: HF safetensors -> GGUF (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1:
-the block types gguf-py writes), and GGUF -> an HF folder (safetensors, config.json, the
+"""`tokenmill convert`: HF safetensors -> GGUF (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1
+written by gguf-py, q4_k by kquants.py), and GGUF -> an HF folder (safetensors, config.json, the
 tokenizer and chat template from the file's metadata, weights dequantized to float32).
 A model argument may be a hub name, as everywhere."""
 
@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
 
 
 def make_parser() -> argparse.ArgumentParser:

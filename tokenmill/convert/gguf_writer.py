@@ -53,7 +53,6 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
     `tokenizer`: a transformers fast BPE tokenizer to store (vocabulary, merges, special
     ids, chat template)."""
     import gguf
-    from gguf.quants import quantize
 
     writer = gguf.GGUFWriter(str(path), arch)
     if tokenizer is not None:
@@ -83,7 +82,7 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
         kind = qtype(gname) if callable(qtype) else qtype
         # (as the converter, a row that is no whole number of blocks stays float)
         if kind is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
-            raw = (quantize(np.ascontiguousarray(w), kind) if blocks is None
+            raw = (_encode(np.ascontiguousarray(w), kind) if blocks is None
                    else blocks(kind, w.shape))
             writer.add_tensor(gname, raw, raw_dtype=kind)
         else:
@@ -92,6 +91,18 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _encode(w: np.ndarray, kind) -> np.ndarray:
+    """`w` in block type `kind`: Q4_K by kquants.py, the rest by gguf-py."""
+    import gguf
+    from gguf.quants import quantize
+
+    if kind == gguf.GGMLQuantizationType.Q4_K:
+        from tokenmill.convert.kquants import quantize_q4_k
+
+        return quantize_q4_k(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1)
+    return quantize(w, kind)
 
 
 def _rope(config) -> dict:
