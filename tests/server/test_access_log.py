@@ -1,5 +1,6 @@
-"""Logs: one access line per request (id, route, status, prompt and output tokens, TTFT,
-total time) whose counts equal the response's usage, streams included; probes not logged;
+"""Logs: one access line per request, HTTP and gRPC (id, route, status, prompt and output
+tokens, TTFT, total time) whose counts equal the response's usage, streams included; probes
+not logged;
 the prompt and output text only with --log-requests; `--log-format json`: every line of a
 real `tokenmill serve` run parses, lifecycle lines included."""
 
@@ -57,15 +58,28 @@ def test_log_requests_adds_the_text(engine_address, caplog):
 
 
 def test_json_log_format_of_a_real_server(tiny_models, tmp_path):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
     served = Served(tiny_models("llama")[0], tmp_path, "--log-format", "json")
     with served.running():
         httpx.post(served.api + "/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                          "max_tokens": 2})
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports['grpc']}")
+        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"),
+                  grpcclient.InferInput("max_tokens", [1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([b"hello"], dtype=object))
+        inputs[1].set_data_from_numpy(np.array([3], dtype=np.int32))
+        client.infer("ensemble", inputs, request_id="g-1")
+        client.close()
     lines = [json.loads(x) for x in served.process.stdout.read().decode().splitlines()
              if x.strip()]
     messages = " | ".join(x["message"] for x in lines)
     assert all({"time", "level", "logger", "message"} <= set(x) for x in lines)
     for part in ("loading", "tokenmill serving", "tokenmill stopped"):
         assert part in messages, messages[-2000:]
-    [access] = [x for x in lines if x["logger"] == "tokenmill.access"]
+    access, grpc = [x for x in lines if x["logger"] == "tokenmill.access"]
     assert access["route"] == "/v1/completions" and access["output_tokens"] == 2
+    assert (grpc["method"], grpc["route"], grpc["status"]) == ("GRPC", "ModelInfer ensemble",
+                                                               "OK")
+    assert grpc["request_id"] == "g-1" and grpc["output_tokens"] == 3

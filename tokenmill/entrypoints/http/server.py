@@ -61,7 +61,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        reasoning=ReasoningParser(settings.reasoning_parser)
                        if settings.reasoning_parser else None,
                        tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
-                       if settings.tool_call_parser else None)
+                       if settings.tool_call_parser else None,
+                       log_requests=settings.log_requests)
 
 
 def is_native(body: dict) -> bool:

@@ -71,6 +71,7 @@ class ServerState:
     trust_request_chat_template: bool = False
     reasoning: Any = None  # a ReasoningParser (entrypoints/http/reasoning.py), or None
     tool_parser: Any = None  # a ToolParser (tool_calls/parsers.py): tool_choice auto, or None
+    log_requests: bool = False  # access lines (HTTP and gRPC) carry prompt and output text
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None

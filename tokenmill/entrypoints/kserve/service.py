@@ -25,8 +25,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from tokenmill import beam_search
+from tokenmill.engine import request_log
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http import native_api, native_protocol, triton_api
+from tokenmill.entrypoints.http.access_log import write_line
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json
 from tokenmill.entrypoints.http.server import readiness
 from tokenmill.entrypoints.http.state import ServerState
@@ -182,16 +184,31 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _run(self, request: pb.ModelInferRequest,
                    streaming: bool) -> AsyncIterator[pb.ModelInferResponse]:
-        """The responses of one request; a refusal is counted in the rejection metric."""
+        """The responses of one request; a refusal is counted in the rejection metric; its
+        access line (access_log.py) is written when it ends."""
         state = self.get_state()
+        record = request_log.RequestRecord()
+        token = request_log.current.set(record)
+        status = "OK"
         try:
             async for response in self._responses(request, streaming, state):
                 yield response
         except GrpcError as exc:
+            status = exc.code.name
             reason = _REJECT_REASONS.get(exc.code)
             if state is not None and reason is not None:
                 state.reject(reason)
             raise
+        except BaseException:
+            status = "CANCELLED"
+            raise
+        finally:
+            with contextlib.suppress(ValueError):  # (ended in another context)
+                request_log.current.reset(token)
+            tokenizer = state.tokenizer if state is not None and state.log_requests else None
+            write_line(record, request.id or uuid.uuid4().hex, "GRPC",
+                       f"{'ModelStreamInfer' if streaming else 'ModelInfer'} "
+                       f"{request.model_name}", status, tokenizer)
 
     async def _responses(self, request: pb.ModelInferRequest, streaming: bool,
                          state: ServerState | None) -> AsyncIterator[pb.ModelInferResponse]:
