@@ -194,10 +194,16 @@ class Served:
         self.process = None
 
     def start(self):
-        self.process = subprocess.Popen(
-            [sys.executable, *self.entry, *self.args],
-            env=self.env, cwd=self.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own process group, like a terminal job
+        # Output goes to a file, not a pipe: a server logs a line per request, and a pipe
+        # nobody reads fills up (64 KiB) and blocks it. `process.stdout` reads the file (the
+        # tests read it once the server has exited).
+        log_path = os.path.join(str(self.cwd), f"served-{self.ports['port']}.log")
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, *self.entry, *self.args],
+                env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)  # its own process group, like a terminal job
+        self.process.stdout = open(log_path, "rb")  # noqa: SIM115 (closed with the process)
         return self
 
     def ready(self) -> bool:

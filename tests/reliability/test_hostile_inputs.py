@@ -62,7 +62,8 @@ def test_triton_temperature_is_checked_even_when_greedy(server, value):
 @pytest.mark.parametrize("field,value", [
     ("top_p", 1.5), ("top_k", -1), ("top_p", "0.9"), ("min_tokens", -1), ("min_length", 1.5),
     ("presence_penalty", 3), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
-    ("pad_id", -1), ("seed", -1), ("length_penalty", "x"), ("beam_width", 4),
+    ("pad_id", -1), ("seed", -1), ("length_penalty", "x"), ("beam_width", 0),
+    ("beam_width", 17), ("num_return_sequences", 2),
 ])
 def test_triton_inputs_are_type_and_range_checked(server, field, value):
     resp = triton(server, {"text_input": "hi", "max_tokens": 2, field: value})
@@ -169,7 +170,7 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_alone(server, server_th
 
 # Unsupported fields -------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [
-    ("guided_whitespace_pattern", " "), ("use_beam_search", True),
+    ("guided_whitespace_pattern", " "),
     ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1),
     ("functions", [{"name": "f"}]),
 ])

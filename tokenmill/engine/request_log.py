@@ -20,7 +20,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     first_token: float | None = None  # monotonic time of the first generated token
-    prompts: list[list[int]] = field(default_factory=list)  # (kept for --log-requests)
+    keep_text: bool = False  # (--log-requests) keep the prompts and outputs below
+    prompts: list[list[int]] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     params: Any = None  # the first engine request's SamplingParams (traces)
     metrics: dict | None = None  # the first finished engine request's timestamps (traces)
@@ -34,7 +35,8 @@ def started(prompt_token_ids: list[int], params: Any = None) -> None:
     record = current.get()
     if record is not None:
         record.prompt_tokens += len(prompt_token_ids)
-        record.prompts.append(list(prompt_token_ids))
+        if record.keep_text:
+            record.prompts.append(list(prompt_token_ids))
         if record.params is None:
             record.params = params
 
@@ -50,4 +52,5 @@ def produced(output, final: bool) -> None:
         if record.metrics is None:
             record.metrics = dict(getattr(output, "metrics", None) or {})
         record.output_tokens += sum(len(c.token_ids) for c in output.outputs)
-        record.outputs.extend(c.text for c in output.outputs)
+        if record.keep_text:
+            record.outputs.extend(c.text for c in output.outputs)

@@ -187,7 +187,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """The responses of one request; a refusal is counted in the rejection metric; its
         access line (access_log.py) is written when it ends."""
         state = self.get_state()
-        record = request_log.RequestRecord()
+        record = request_log.RequestRecord(keep_text=state is not None and state.log_requests)
         token = request_log.current.set(record)
         status = "OK"
         try:
