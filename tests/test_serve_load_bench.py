@@ -158,11 +158,10 @@ def test_duration_mode_openai_cli(fake_server, tmp_path, monkeypatch, capsys):
     assert printed and json.loads(printed[-1][len("RESULT "):]) == result
 
     assert result["mode"] == "duration" and result["seconds"] >= 2
-    assert result["requests"] == fake.n > 8  # cycled through the 8-prompt pool
-    assert result["completed"] == fake.did["ok"]
-    assert result["failures"] == fake.failures()
-    assert set(result["failures"]) == {"http_503", "garbled", "incomplete", "stream_error",
-                                       "read_timeout"}
+    assert fake.n > 8  # cycled through the 8-prompt pool
+    _check_fates(result, fake)
+    assert set(fake.failures()) == {"http_503", "garbled", "incomplete", "stream_error",
+                                    "read_timeout"}
     assert result["mean_output_tokens"] == TOKENS  # from the usage chunk
     assert result["finish_reasons"] == {"length": fake.did["ok"]}
     _check_latencies(result)
@@ -176,6 +175,20 @@ def test_duration_mode_openai_cli(fake_server, tmp_path, monkeypatch, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _check_fates(result: dict, fake: FakeServer) -> None:
+    """Every request the server began is counted with its fate; a busy machine may also let
+    the client give up (timeout, dropped connection) on one the server had not begun yet:
+    counted by the client only, as such a failure."""
+    extra = result["requests"] - fake.n
+    client, server = result["failures"], fake.failures()
+    assert extra >= 0 and result["completed"] == fake.did["ok"]
+    assert all(client.get(kind, 0) >= n for kind, n in server.items()), (client, server)
+    assert sum(client.values()) - sum(server.values()) == extra, (client, server)
+    assert set(client) - set(server) <= {"read_timeout", "connect_error",
+                                         "remote_protocol_error", "read_error",
+                                         "pool_timeout"}
+
+
 def test_ramp_mode_native(fake_server):
     fake, url = fake_server
     fake.reset()
@@ -185,9 +198,8 @@ def test_ramp_mode_native(fake_server):
         max_concurrency=6, endpoint="native", timeout=CLIENT_TIMEOUT, seed=1))
     expected = serve_load.arrival_times(5.0, 25.0, 2, True, random.Random(1))
     assert result["mode"] == "ramp"
-    assert result["requests"] == fake.n == len(expected)
-    assert result["completed"] == fake.did["ok"]
-    assert result["failures"] == fake.failures()
+    assert result["requests"] == len(expected)
+    _check_fates(result, fake)
     assert result["finish_reasons"] == {"length": fake.did["ok"]}
     assert fake.max_in_flight <= 6
     _check_latencies(result)
