@@ -53,22 +53,30 @@ def test_hf_to_gguf_to_hf_at_f32_keeps_every_token(tiny_models, tmp_path, arch):
     assert _tokens(back) == want
 
 
+def _transformers_greedy(folder: str, name: str) -> list[int]:
+    """transformers' greedy tokens after PROMPTS[0] from the GGUF file (dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                              dtype=torch.float32).eval()
+    ids = PROMPTS[0]["prompt_token_ids"]
+    return hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                       attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                       pad_token_id=1, eos_token_id=None)[0, len(ids):].tolist()
+
+
+def _tokenmill_greedy(path: str) -> list[int]:
+    with LLM(path, kv_cache_memory_gib=0.02) as llm:
+        return llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_quantized_gguf_equals_transformers_reading_it(tiny_models, tmp_path):
     pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
 
     src = tiny_models("llama")[0]
     out = str(tmp_path / "q8.gguf")
     assert _convert(src, out, "--outtype", "q8_0").returncode == 0
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q8.gguf",
-                                              dtype=torch.float32).eval()
-    ids = PROMPTS[0]["prompt_token_ids"]
-    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                       attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                       pad_token_id=1, eos_token_id=None)[0, len(ids):].tolist()
-    with LLM(out, kv_cache_memory_gib=0.02) as llm:
-        got = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert got == want
+    assert _tokenmill_greedy(out) == _transformers_greedy(str(tmp_path), "q8.gguf")
     assert os.path.getsize(out) < os.path.getsize(os.path.join(src, "model.safetensors")) / 3
 
 
@@ -119,7 +127,6 @@ def test_q4_k_output(tiny_models, tmp_path):
     import gguf
     import numpy as np
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
 
     from tests.helpers import make_model
     from tokenmill.convert.kquants import quantize_q4_k
@@ -136,12 +143,4 @@ def test_q4_k_output(tiny_models, tmp_path):
     kinds = {t.name: t.tensor_type for t in reader.tensors}
     assert kinds["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_K
     assert kinds["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_K
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q4k.gguf",
-                                              dtype=torch.float32).eval()
-    ids = PROMPTS[0]["prompt_token_ids"]
-    want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                       attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                       pad_token_id=1, eos_token_id=None)[0, len(ids):].tolist()
-    with LLM(out, kv_cache_memory_gib=0.02) as llm:
-        got = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert got == want
+    assert _tokenmill_greedy(out) == _transformers_greedy(str(tmp_path), "q4k.gguf")

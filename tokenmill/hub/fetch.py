@@ -29,9 +29,9 @@ _TRANSPORT = {"TransportError", "TimeoutException", "NetworkError", "RemoteProto
 
 def _explain(exc: BaseException, repo: str, revision: str | None, endpoint: str | None
              ) -> HubError:
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
-    where = endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    where = endpoint or constants.ENDPOINT  # (HF_ENDPOINT, as huggingface_hub read it)
     if isinstance(exc, errors.GatedRepoError):
         return HubError(f"{repo} is a gated repository: accept its terms on the hub and set "
                         "HF_TOKEN to a token with access.")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
@@ -66,7 +67,7 @@ def _json_values(text: str, separator: str = "") -> list | None:
         values.append(value)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Base: `markers` open a tool-call section anywhere in the text; `leading` ones only at
     its start (after whitespace)."""
 
@@ -114,8 +115,9 @@ class ToolParser:
             return text, []
         return text[:start].rstrip() or None, calls
 
+    @abstractmethod
     def parse_section(self, section: str) -> list[ToolCall]:
-        raise NotImplementedError
+        """The calls of a whole section (starting at its marker); [] if it is not one."""
 
     def complete_calls(self, section: str) -> list[ToolCall]:
         """The calls of an unfinished section that can no longer change (streamed before the
