@@ -58,7 +58,9 @@ class ServeProcess:
         health = make_server(create_health_app(lambda: self.state), config.host,
                              config.health_port)
         servers, tasks = [health], [asyncio.create_task(health.serve())]
-        model_path = resolve_model_path(config.engine.model)
+        # (off the loop: a hub name may mean a long download, and the health port answers
+        # liveness meanwhile)
+        model_path = await asyncio.to_thread(resolve_model_path, config.engine.model)
         logger.info("loading %s (health port %d answers meanwhile)", model_path,
                     config.health_port)
         start = asyncio.ensure_future(self._start_engines(model_path))
