@@ -1,6 +1,8 @@
 """Every command a newcomer may type answers `--help` (exit 0, a usage line), and a bad
-argument is a usage error, not a traceback."""
+argument is a usage error, not a traceback; every module is in a package an install
+includes."""
 
+import pathlib
 import subprocess
 import sys
 
@@ -19,12 +21,14 @@ def launcher(name: str) -> list[str]:
     (_CLI, "usage: tokenmill"), ([*_CLI, "serve"], "usage: tokenmill serve"),
     ([*_CLI, "generate"], "usage: tokenmill generate"),
     ([*_CLI, "quantize"], "usage: tokenmill quantize"),
+    ([*_CLI, "convert"], "usage: tokenmill convert"),
+    ([*_CLI, "download"], "usage: tokenmill download"),
     ([*_CLI, "bench", "offline"], "usage: offline_throughput.py"),
     ([*_CLI, "bench", "serve"], "usage: serve_load.py"),
     (launcher("start_server_main"), "usage: start_server"),
     (launcher("stop_server_main"), "usage: stop_server"),
-], ids=["tokenmill", "serve", "generate", "quantize", "bench-offline", "bench-serve",
-        "start_server", "stop_server"])
+], ids=["tokenmill", "serve", "generate", "quantize", "convert", "download", "bench-offline",
+        "bench-serve", "start_server", "stop_server"])
 def test_every_entry_point_answers_help(command, usage):
     done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -36,3 +40,17 @@ def test_stop_server_with_a_bad_timeout_is_a_usage_error(tmp_path):
                           text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and "invalid float value: 'soon'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_every_module_is_in_a_package_an_install_includes():
+    """pyproject's `packages.find` (setuptools) takes folders with an __init__.py only: a
+    folder without one works from a checkout and is missing from a wheel."""
+    from setuptools import find_packages
+
+    import tokenmill
+
+    root = pathlib.Path(tokenmill.__file__).parent.parent
+    found = set(find_packages(str(root), include=["tokenmill*"]))
+    folders = {p.parent.relative_to(root).as_posix().replace("/", ".")
+               for p in (root / "tokenmill").rglob("*.py")}
+    assert folders <= found, sorted(folders - found)

@@ -142,6 +142,56 @@ def test_file_selection():
         select_files(["config.json", "pytorch_model.bin"])
 
 
+def test_a_node_selects_its_ranks_files():
+    files = ["config.json", "tokenmill_sharding.json", "tokenizer.json"] + \
+        [f"rank{r}.safetensors" for r in range(4)]
+    assert select_files(files, node=(1, 2)) == [
+        "config.json", "tokenmill_sharding.json", "tokenizer.json", "rank2.safetensors",
+        "rank3.safetensors"]
+    assert select_files(files, node=(0, 4))[-1] == "rank0.safetensors"
+    assert select_files(files) == select_files(files, node=(0, 1)) == files
+    with pytest.raises(HubError, match="sharded for 4 ranks, which 3 nodes cannot share"):
+        select_files(files, node=(0, 3))
+    plain = ["config.json", "model.safetensors"]  # (not pre-sharded: every node takes all)
+    assert select_files(plain, node=(1, 2)) == plain
+
+
+def test_a_node_fetches_only_its_share_of_a_sharded_checkpoint(tiny_models, tmp_path):
+    """`tokenmill download --nnodes 2 --mode slave` of a folder written by `tokenmill
+    convert --tp-size 2`: node 1's rank file and the small files, never rank 0's; the cached
+    copy counts as fetched for node 1 only, until node 0's share is fetched too."""
+    from tokenmill.entrypoints.cli import main as cli
+
+    sharded = str(tmp_path / "tp2")
+    assert cli(["convert", tiny_models("llama")[0], sharded, "--tp-size", "2"]) == 0
+    home = tmp_path / "home"
+    with FakeHub() as h:
+        h.add("org/tiny-tp2", sharded)
+        env = {**os.environ, "HF_ENDPOINT": h.url, "HF_HOME": str(home)}
+        got = _cli(["download", "org/tiny-tp2", "--nnodes", "2", "--mode", "slave"], env,
+                   tmp_path)
+        assert got.returncode == 0, got.stderr
+        path = got.stdout.strip()
+        assert "rank1.safetensors" in os.listdir(path)
+        assert "rank0.safetensors" not in os.listdir(path)
+        assert "tokenmill_sharding.json" in os.listdir(path)
+        assert not any("rank0" in p for _, p, _ in h.requests)
+        assert _digest(os.path.join(path, "rank1.safetensors")) == \
+            _digest(os.path.join(sharded, "rank1.safetensors"))
+        hub_cache = str(home / "hub")
+        assert cached("org/tiny-tp2", cache_dir=hub_cache, node=(1, 2)) == path
+        assert cached("org/tiny-tp2", cache_dir=hub_cache, node=(0, 2)) is None
+        assert cached("org/tiny-tp2", cache_dir=hub_cache) is None  # (one node: all ranks)
+        bad = _cli(["download", "org/tiny-tp2", "--nnodes", "3", "--mode", "slave"], env,
+                   tmp_path)
+        assert bad.returncode == 2 and "--node-rank" in bad.stderr
+        got = _cli(["download", "org/tiny-tp2", "--nnodes", "2", "--node-rank", "0"], env,
+                   tmp_path)
+        assert got.returncode == 0, got.stderr
+    assert cached("org/tiny-tp2", cache_dir=hub_cache, node=(0, 2)) == path
+    assert cached("org/tiny-tp2", cache_dir=hub_cache) == path
+
+
 def test_seed_precision_names():
     assert split_precision("deepseek-ai/DeepSeek-R1/weight_only_int8") == (
         "deepseek-ai/DeepSeek-R1", {"quantization": "int8"})
@@ -227,9 +277,11 @@ def test_the_seed_downloaders_flags_and_md5_check(hub, tmp_path):
     assert got.stdout.strip() == str(folder) and "--quantization int8" in got.stderr
     assert os.path.realpath(tmp_path / "mtp") == str(folder)
     weights = folder / "model.safetensors"
-    data = bytearray(weights.read_bytes())
+    data, before = bytearray(weights.read_bytes()), weights.stat()
     data[-1] ^= 1
-    weights.write_bytes(bytes(data))  # (same size: only hashing finds it)
+    weights.write_bytes(bytes(data))  # (same size and time: only hashing finds it;
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # huggingface_hub
+    # re-hashes a local file changed after its download, whatever MD5_CHECK says)
     assert _cli(seed, env, tmp_path).returncode == 0  # trusted as verified before
     checked = _cli(seed, {**env, "MD5_CHECK": "1"}, tmp_path)
     assert checked.returncode == 2 and "model.safetensors failed verification" in checked.stderr

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.convert import sharded
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import CheckpointSlice, RowParallelLinear, choose_linear_kernels
 from tokenmill.models.registry import build_model
@@ -26,7 +27,9 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, node: tuple[int, int] | None = None) -> str:
+    """What to load for a model argument (a path, or a hub name fetched as needed; `node`
+    (node_rank, nnodes): of a pre-sharded checkpoint, that node's ranks' files only)."""
     if model is None:
         from tokenmill.gguf_loader import default_model_path
         return default_model_path()
@@ -34,7 +37,7 @@ def resolve_model_path(model: str | None) -> str:
         from tokenmill.hub.fetch import looks_like_repo, resolve
 
         if looks_like_repo(model):  # a hub name: the verified cached copy, else a download
-            return resolve_model_path(resolve(model))
+            return resolve_model_path(resolve(model, node=node))
         raise FileNotFoundError(f"Model path {model!r} does not exist: give a local Hugging "
                                 "Face model directory (config.json, *.safetensors, tokenizer "
                                 "files), a .gguf file, or a hub name ORG/NAME (fetched with "
@@ -126,13 +129,38 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     with torch.device(device):
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
-    if quant is not None and tp.size > 1:  # quantized at load: whole-row scales for slices
+    # quantized at load, or shard files being written: whole-row scales for slices
+    if (quant is not None or float_weights) and tp.size > 1:
         for module in model.modules():
             if isinstance(module, RowParallelLinear):
                 module.wants_row_absmax = True
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
+    if sharded.is_sharded(path):  # this rank's own file (convert/sharded.py)
+        loaded, stored = sharded.load_rank(model, path), False
+    else:
+        loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf)
+    expected = {name for name, _ in model.named_parameters()}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"Checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}.")
+    if quant is not None and not stored:
+        qmodel.quantize_linears(model, quant)
+    if float_weights:
+        return model.eval()
+    kernels = choose_linear_kernels(model)
+    logger.info("Linear kernels: %s; weights %.1f MiB", kernels,
+                qmodel.weight_bytes(model) / 2**20)
+    model.eval()
+    return model
+
+
+def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantConfig | None,
+                     keep_gguf: bool) -> tuple[set[str], bool]:
+    """The parameters loaded from a checkpoint, and whether it held quantized tensors."""
+    from tokenmill.quantization import model as qmodel
+
     stored: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[str, dict[int | None, qmodel.QuantizedShard]] = {}
     # (a pipeline stage reads only its own layers' tensors)
@@ -148,19 +176,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         loaded |= qmodel.load_kernels(model, quant, stored)
     loaded |= qmodel.load_shards(model, shards)
     _share_tied_rows(model, loaded)
-    expected = {name for name, _ in model.named_parameters()}
-    missing = expected - loaded
-    if missing:
-        raise ValueError(f"Checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}.")
-    if quant is not None and not stored:
-        qmodel.quantize_linears(model, quant)
-    if float_weights:
-        return model.eval()
-    kernels = choose_linear_kernels(model)
-    logger.info("Linear kernels: %s; weights %.1f MiB", kernels,
-                qmodel.weight_bytes(model) / 2**20)
-    model.eval()
-    return model
+    return loaded, bool(stored)
 
 
 def _share_tied_rows(model: nn.Module, loaded: set[str]) -> None:

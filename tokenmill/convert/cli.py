@@ -1,6 +1,7 @@
 """`tokenmill convert`: HF safetensors -> GGUF (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1
-written by gguf-py, q4_k by kquants.py), and GGUF -> an HF folder (safetensors, config.json, the
-tokenizer and chat template from the file's metadata, weights dequantized to float32).
+written by gguf-py, q4_k by kquants.py), GGUF -> an HF folder (safetensors, config.json, the
+tokenizer and chat template from the file's metadata, weights dequantized to float32), and
+either -> a pre-sharded tensor / pipeline-parallel folder (`--tp-size`, sharded.py).
 A model argument may be a hub name, as everywhere."""
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--outtype", choices=OUTTYPES, default="f16",
                    help="GGUF weight type of 2-D tensors (norms and biases stay f32; a row "
                         "that is no whole number of blocks stays float, as llama.cpp's)")
+    p.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=None,
+                   help="write a folder pre-sharded for this many tensor-parallel ranks: "
+                        "rank{i}.safetensors, each rank's share only, loaded as it is")
+    p.add_argument("--pp-size", "--pp_size", dest="pp_size", type=int, default=1,
+                   help="with --tp-size: pipeline stages too (rank = stage x tp + tp rank)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tp-size: MoE experts whole per rank, as served with "
+                        "--enable-expert-parallel")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="with --tp-size: the files' float type (default the source's)")
     return p
 
 
@@ -90,7 +101,14 @@ def run(argv: list[str]) -> int:
     args = make_parser().parse_args(argv)
     try:
         model = resolve_model_path(args.model)
-        if is_gguf(model):
+        if args.tp_size is not None or args.pp_size != 1:
+            import torch
+
+            from tokenmill.convert import sharded
+            sharded.write(model, args.out, args.tp_size or 1, args.pp_size,
+                          args.enable_expert_parallel,
+                          getattr(torch, args.dtype) if args.dtype else None)
+        elif is_gguf(model):
             to_hf(model, args.out)
         else:
             if not args.out.endswith(".gguf"):

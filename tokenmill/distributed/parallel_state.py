@@ -182,16 +182,24 @@ def get_tp_group() -> TensorParallelGroup:
 
 
 @contextlib.contextmanager
-def single_rank():
-    """Layers built inside see a world of one rank (whole weights, no collectives): a
-    speculative draft model that rank 0 runs alone beside a tensor-parallel target."""
+def as_rank(rank: int = 0, tp_size: int = 1, pp_size: int = 1, expert_parallel: bool = False):
+    """Layers built inside are those of `rank` of a tp_size x pp_size world, without joining
+    one (no collectives: nothing may run them). A world of one: a speculative draft model that
+    rank 0 runs alone beside a tensor-parallel target (`single_rank`); any rank: the shard
+    files `tokenmill convert --tp-size` writes, one rank after another in one process."""
     global _GROUP, _WORLD
     saved = _GROUP, _WORLD
-    _GROUP, _WORLD = TensorParallelGroup(), World()
+    _GROUP = TensorParallelGroup(rank % tp_size, tp_size, expert_parallel=expert_parallel)
+    _WORLD = World(rank, tp_size, pp_size)
     try:
         yield
     finally:
         _GROUP, _WORLD = saved
+
+
+def single_rank():
+    """Layers built inside see a world of one rank (whole weights, no collectives)."""
+    return as_rank()
 
 
 def get_world() -> World:

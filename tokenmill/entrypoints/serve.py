@@ -60,7 +60,8 @@ class ServeProcess:
         servers, tasks = [health], [asyncio.create_task(health.serve())]
         # (off the loop: a hub name may mean a long download, and the health port answers
         # liveness meanwhile)
-        model_path = await asyncio.to_thread(resolve_model_path, config.engine.model)
+        model_path = await asyncio.to_thread(resolve_model_path, config.engine.model,
+                                             _node(config.engine))
         logger.info("loading %s (health port %d answers meanwhile)", model_path,
                     config.health_port)
         start = asyncio.ensure_future(self._start_engines(model_path))
@@ -237,13 +238,19 @@ class ServeProcess:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _node(engine) -> tuple[int, int] | None:
+    """This node's place, for fetching a pre-sharded checkpoint's share by name."""
+    return (engine.node_rank, engine.nnodes) if engine.nnodes > 1 else None
+
+
 def run_server(config: ServerConfig) -> int:
     configure_logging(config.engine.log_format, config.engine.log_level)
     for flag, why in config.ignored_flags:
         logger.info("%s: accepted, no effect here (%s)", flag, why)
     if config.engine.node_rank > 0:  # ranks only: node 0 serves every port
         from tokenmill.distributed.executor import serve_other_node
-        return serve_other_node(config.engine, resolve_model_path(config.engine.model))
+        return serve_other_node(config.engine, resolve_model_path(config.engine.model,
+                                                                  _node(config.engine)))
     check_ports_free(config)
     code = asyncio.run(ServeProcess(config).run())
     logger.info("tokenmill stopped (exit code %d)", code)

@@ -1,6 +1,7 @@
 """`tokenmill download`: fetch a model from a hub (see hub/fetch.py), with the seed
 downloader's flags accepted too (`--model_name NAME --dir D --nnodes N --mode master|slave
---speculate_model_path P`, `MD5_CHECK=1`)."""
+--speculate_model_path P`, `MD5_CHECK=1`); on several nodes a pre-sharded checkpoint's node
+share only."""
 
 from __future__ import annotations
 
@@ -29,9 +30,14 @@ def make_parser() -> argparse.ArgumentParser:
     a("--gguf-file", default=None, help="the GGUF file to fetch from a GGUF repository")
     a("--gguf-quant", default=None, help="the GGUF file whose name has this (e.g. Q4_K_M)")
     a("--source", choices=["hf", "modelscope"], default="hf")
-    a("--nnodes", type=int, default=1, help="seed: nodes the model is served on (each "
-                                             "fetches the whole checkpoint)")
-    a("--mode", choices=["master", "slave"], default="master", help="seed: this node's role")
+    a("--nnodes", type=int, default=1, help="nodes the model is served on: of a checkpoint "
+                                             "pre-sharded by `tokenmill convert --tp-size`, "
+                                             "each node fetches only its ranks' files (any "
+                                             "other: all of it)")
+    a("--mode", choices=["master", "slave"], default="master",
+      help="seed: this node's role (master = node 0; slave = node 1 of 2)")
+    a("--node-rank", type=int, default=None, help="this node's index (past 2 nodes; like "
+                                                   "`tokenmill serve --node-rank`)")
     a("--speculate_model_path", "--speculate-model-path", dest="speculate_model_path",
       default=None, help="seed: where the MTP model goes (a link to the model: its MTP "
                          "layers are in its own checkpoint)")
@@ -56,13 +62,14 @@ def run(argv: list[str]) -> int:
                          "Hugging Face Hub (or set HF_ENDPOINT to a mirror).\n")
         return 2
     try:
+        node = _node(args)
         repo, precision = split_precision(name)
         # hf style: exactly --dir (default: the hub cache); the seed's: <dir>/<ORG/NAME>
         where = args.dir if args.model and not args.model_name \
             else os.path.join(args.dir or "downloads", repo)
         path = fetch(repo, args.revision, local_dir=where, gguf_file=args.gguf_file,
                      gguf_quant=args.gguf_quant, include=args.include, exclude=args.exclude,
-                     recheck=md5_check())
+                     recheck=md5_check(), node=node)
         sys.stdout.write(path + "\n")
         if precision:
             flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in precision.items())
@@ -80,3 +87,20 @@ def run(argv: list[str]) -> int:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     return 0
+
+
+def _node(args) -> tuple[int, int] | None:
+    if args.nnodes < 1:
+        raise ValueError("--nnodes must be at least 1.")
+    if args.nnodes == 1:
+        return None
+    rank = args.node_rank
+    if rank is None:
+        if args.mode == "slave" and args.nnodes > 2:
+            raise ValueError(f"--mode slave of {args.nnodes} nodes: give this node's "
+                             "--node-rank.")
+        rank = 0 if args.mode == "master" else 1
+    if not 0 <= rank < args.nnodes:
+        raise ValueError(f"--node-rank {rank} is not one of the {args.nnodes} nodes (0.."
+                         f"{args.nnodes - 1}).")
+    return rank, args.nnodes

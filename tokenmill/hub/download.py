@@ -41,8 +41,10 @@ class RemoteFile:
 
 
 def select_files(files: list[str], gguf_file: str | None = None, gguf_quant: str | None = None,
-                 include: list[str] | None = None, exclude: list[str] | None = None) -> list[str]:
-    """The files of a repository the engine needs (see the module docstring)."""
+                 include: list[str] | None = None, exclude: list[str] | None = None,
+                 node: tuple[int, int] | None = None) -> list[str]:
+    """The files of a repository the engine needs (see the module docstring); `node`
+    (node_rank, nnodes): of a pre-sharded checkpoint, only that node's ranks' files."""
     top = [f for f in files if "/" not in f]
     ggufs = [f for f in files if f.endswith(".gguf")]
     safetensors = [f for f in top if fnmatch.fnmatch(f, "*.safetensors")]
@@ -54,6 +56,8 @@ def select_files(files: list[str], gguf_file: str | None = None, gguf_quant: str
                 if any(f.endswith(".bin") for f in top) else ""
             raise HubError(f"The repository has no *.safetensors or *.gguf weights{hint}.")
         chosen = [f for f in top if any(fnmatch.fnmatch(f, p) for p in WEIGHTS + SMALL)]
+    if node is not None:
+        chosen = [f for f in chosen if f not in others_rank_files(files, *node)]
     chosen += [f for f in files if include and any(fnmatch.fnmatch(f, p) for p in include)]
     chosen = [f for f in dict.fromkeys(chosen)
               if not (exclude and any(fnmatch.fnmatch(f, p) for p in exclude))]
@@ -61,6 +65,24 @@ def select_files(files: list[str], gguf_file: str | None = None, gguf_quant: str
         raise HubError("No file of the repository is left to fetch (check --include / "
                        "--exclude).")
     return chosen
+
+
+def others_rank_files(files: list[str], node_rank: int, nnodes: int) -> set[str]:
+    """The rank files of a pre-sharded checkpoint (convert/sharded.py) that other nodes load:
+    node k runs world ranks [k x R / nnodes, (k + 1) x R / nnodes) of R. Empty for any other
+    checkpoint."""
+    from tokenmill.convert.sharded import SHARDING, rank_file
+
+    if SHARDING not in files or nnodes <= 1:
+        return set()
+    ranks = 0
+    while rank_file(ranks) in files:
+        ranks += 1
+    if ranks % nnodes or not 0 <= node_rank < nnodes:
+        raise HubError(f"The checkpoint is sharded for {ranks} ranks, which {nnodes} nodes "
+                       "cannot share equally; shard it for a multiple of the node count.")
+    per = ranks // nnodes
+    return {rank_file(r) for r in range(ranks) if r // per != node_rank}
 
 
 def _pick_gguf(ggufs: list[str], name: str | None, quant: str | None) -> list[str]:
@@ -119,9 +141,13 @@ def verify(root: str, remote: list[RemoteFile], recheck: bool = False) -> None:
                 os.remove(target)  # (the cache's blob behind the snapshot's link)
             raise HubError(f"{r.name} failed verification ({problem}); it was removed, run "
                            "the download again.")
+    # (files verified before stay recorded: another node's share fetched into this folder)
+    entries = {name: meta for name, meta in _marker(root).items()
+               if os.path.isfile(os.path.join(root, name))}
+    entries |= {r.name: {"size": r.size, "sha256": r.sha256, "blob_id": r.blob_id}
+                for r in remote}
     with open(os.path.join(root, MARKER + ".tmp"), "w") as f:
-        json.dump({r.name: {"size": r.size, "sha256": r.sha256, "blob_id": r.blob_id}
-                   for r in remote}, f)
+        json.dump(entries, f)
     os.replace(os.path.join(root, MARKER + ".tmp"), os.path.join(root, MARKER))
 
 
@@ -134,10 +160,14 @@ def _marker(root: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def verified_files(root: str) -> list[str] | None:
-    """The files a verified snapshot holds (None: not verified, or a file went missing)."""
+def verified_files(root: str, node: tuple[int, int] | None = None) -> list[str] | None:
+    """The files a verified snapshot holds (None: not verified, a file went missing, or
+    fewer of a pre-sharded checkpoint's rank files than `node` (node_rank, nnodes) needs:
+    another node's share)."""
     files = _marker(root)
     if not files:
+        return None
+    if any(_needed_ranks(root, node) - set(files)):
         return None
     for name, meta in files.items():
         path = os.path.join(root, name)
@@ -145,6 +175,19 @@ def verified_files(root: str) -> list[str] | None:
                                         and os.path.getsize(path) != meta["size"]):
             return None
     return list(files)
+
+
+def _needed_ranks(root: str, node: tuple[int, int] | None) -> set[str]:
+    from tokenmill.convert.sharded import SHARDING, is_sharded, layout
+
+    try:
+        if not is_sharded(root):
+            return set()
+        names = list(layout(root)["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"(an unreadable sharding file)"}
+    return set(names) - others_rank_files(names + [SHARDING], *node) \
+        if node is not None else set(names)
 
 
 def model_location(root: str, files: list[str]) -> str:

@@ -80,14 +80,16 @@ def fetch(repo: str, revision: str | None = None, local_dir: str | None = None,
           gguf_file: str | None = None, gguf_quant: str | None = None,
           include: list[str] | None = None, exclude: list[str] | None = None,
           endpoint: str | None = None, cache_dir: str | None = None, token=None,
-          recheck: bool = False) -> str:
+          recheck: bool = False, node: tuple[int, int] | None = None) -> str:
     """Downloads what the engine needs of `repo` and verifies it; returns what to load (the
-    folder, or the GGUF file)."""
+    folder, or the GGUF file). `node` (node_rank, nnodes): of a pre-sharded checkpoint only
+    that node's ranks' files."""
     from huggingface_hub import snapshot_download
 
     try:
         commit, files = remote_files(repo, revision, endpoint, token)
-        chosen = select_files([f.name for f in files], gguf_file, gguf_quant, include, exclude)
+        chosen = select_files([f.name for f in files], gguf_file, gguf_quant, include, exclude,
+                              node)
         root = snapshot_download(repo, revision=commit, local_dir=local_dir,
                                  cache_dir=cache_dir, allow_patterns=chosen,
                                  endpoint=endpoint, token=token)
@@ -116,8 +118,8 @@ def _repo_cache(repo: str, cache_dir: str | None) -> str:
     return os.path.join(cache_dir or constants.HF_HUB_CACHE, f"models--{repo.replace('/', '--')}")
 
 
-def cached(repo: str, revision: str | None = None, cache_dir: str | None = None
-           ) -> str | None:
+def cached(repo: str, revision: str | None = None, cache_dir: str | None = None,
+           node: tuple[int, int] | None = None) -> str | None:
     """What to load of a verified snapshot of `repo` in the cache, or None. (Read from the
     cache's layout: huggingface_hub's own offline lookup wants every file of the repository,
     and only those the engine needs were fetched.)"""
@@ -129,7 +131,7 @@ def cached(repo: str, revision: str | None = None, cache_dir: str | None = None
     except OSError:
         pass  # (a commit given as the revision)
     snapshot = os.path.join(root, "snapshots", commit)
-    files = verified_files(snapshot) if os.path.isdir(snapshot) else None
+    files = verified_files(snapshot, node) if os.path.isdir(snapshot) else None
     return None if files is None else model_location(snapshot, files)
 
 
@@ -141,7 +143,7 @@ def looks_like_repo(name: str) -> bool:
 
 def resolve(name: str, revision: str | None = None, **kwargs) -> str:
     """A hub name -> the local path to load: the verified cached copy, else a download."""
-    path = cached(name, revision, kwargs.get("cache_dir"))
+    path = cached(name, revision, kwargs.get("cache_dir"), kwargs.get("node"))
     if path is not None:
         return path
     logger.info("downloading %s from the hub", name)

@@ -1,0 +1,1 @@
+"""Model format conversions: `tokenmill convert` (cli.py)."""
