@@ -19,8 +19,8 @@ float: each block's integers kept, its scales split out.
   offset per group of 32 (the int8 kernel adds the offsets times the activations' group
   sums): exact.
 - Q2_K (256-blocks of 16 groups of 16 x 2 bits, 4-bit scales and mins times fp16 d and dmin)
-  -> int4, groups of 16, the products d sc and dmin m rounded to fp16 (the int4 kernels'
-  scale type): within 2^-11 of each group's scale.
+  -> int8 q (0..3) with a float32 scale d sc and offset -dmin m per group of 16: exact (the
+  int4 kernels' float16 scales would round them, and their compiled forms take groups of 32).
 Each function takes a weight's [N, bytes per row] uint8 rows and returns the kernel tensors
 (rows = output channels)."""
 
@@ -31,14 +31,13 @@ import torch
 
 from tokenmill.config import CpuKernelSettings
 from tokenmill.quantization.kquant_kernels import q5_servable
-from tokenmill.quantization.schemes import pack_int4
 
 # block type -> (weights a block, bytes a block)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
           "Q5_1": (32, 24), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144),
           "Q5_K": (256, 176), "Q2_K": (256, 84)}
 METHODS = {"Q8_0": "int8", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q3_K": "int8", "Q5_K": "int8",
-           "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int4", "Q4_K": "q4k", "Q6_K": "q6k"}
+           "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int8", "Q4_K": "q4k", "Q6_K": "q6k"}
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
@@ -190,10 +189,10 @@ def _q2_k(blocks, n, k):
     # each 128 inputs: 4 shifts x (16 from bytes 0..15, 16 from bytes 16..31)
     shifts = np.arange(0, 8, 2, dtype=np.uint8).reshape(4, 1)
     q = ((qs[..., None, :] >> shifts[None, None, None]) & 3).reshape(n, k)
-    scale = (d[..., None] * (sc & 0x0F)).reshape(n, k // 16).astype(np.float16)
-    mins = (-(dmin[..., None] * (sc >> 4))).reshape(n, k // 16).astype(np.float16)
-    return {"qweight": pack_int4(torch.from_numpy(q.astype(np.uint8))),
-            "scale": torch.from_numpy(scale), "min": torch.from_numpy(mins)}
+    scale = (d[..., None] * (sc & 0x0F)).reshape(n, k // 16).astype(np.float32)
+    offset = (-(dmin[..., None] * (sc >> 4))).reshape(n, k // 16).astype(np.float32)
+    return {"qweight": torch.from_numpy(q.astype(np.int8)), "scale": torch.from_numpy(scale),
+            "offset": torch.from_numpy(offset)}
 
 
 _CONVERT = {"Q8_0": _q8_0, "Q4_0": lambda b, n, k: _q4(b, n, k, False),

@@ -153,7 +153,8 @@ class Int8Kernel(_PanelKernel):
         self.group = k // scale.shape[1]
         self.fast = self._on_fast_cpu() and self.group % 8 == 0
         self.int_dot = self.fast and self._int_dot(k, self.group)
-        self.triton = self._on_triton_gpu(k)
+        # (the Triton kernel reads one scale per 32 inputs)
+        self.triton = self._on_triton_gpu(k) and self.group % 32 == 0
         offset = {} if self.offset is None else {"offset": self.offset}
         # the panels also take groups of 16 (GGUF Q6_K / Q3_K), which gemm.c's integer-dot
         # kernel does not
@@ -248,9 +249,10 @@ class Int4Kernel(_PanelKernel):
         scale, mins = tensors["scale"].half(), tensors["min"].half()
         self.out_features, k = qweight.shape[0], qweight.shape[1] * 2
         self.group = k // scale.shape[1]
-        self.fast = self._on_fast_cpu()
+        # (the compiled int4 kernels step through a group 32 inputs at a time)
+        self.fast = self._on_fast_cpu() and self.group % 32 == 0
         self.int_dot = self.fast and self._int_dot(k, self.group, groups_of_32_only=True)
-        self.triton = self._on_triton_gpu(k)
+        self.triton = self._on_triton_gpu(k) and self.group % 32 == 0
         # the panels take any group that is a multiple of 32 (gemm.c's int16 kernel: only 32)
         self._keep({"qweight": qweight, "scale": scale, "min": mins},
                    self.fast and self._int_dot(k, self.group) and csrc.vnni_native())
