@@ -119,28 +119,97 @@ def test_llama_cpp_reads_the_file_alike(tiny_models, tmp_path):
         assert ours.outputs[0].token_ids == theirs
 
 
-def test_q4_k_output(tiny_models, tmp_path):
-    """q4_k: llama.cpp's Q4_K blocks (written by kquants.py; 256-wide rows, so a wider tiny
-    model): gguf-py decodes them within 4-bit error, tokenmill serves the file as it is and
-    decodes the greedy tokens transformers' reading of it does."""
-    pytest.importorskip("accelerate")
+# (bounds ~1.15x the relative RMS errors of llama.cpp's own pure-type quantizer measured on
+# random weights: 0.296, 0.151, 0.071, 0.036, 0.018; ours 0.328, 0.155, 0.078, 0.038, 0.019)
+@pytest.mark.parametrize("kind,bound", [("Q2_K", 0.35), ("Q3_K", 0.17), ("Q4_K", 0.085),
+                                        ("Q5_K", 0.042), ("Q6_K", 0.021)])
+def test_k_quant_blocks_decode_within_their_bits(kind, bound):
+    """kquants.py's blocks, read back by gguf-py's dequantizer (llama.cpp's layout): the
+    error of their bit width on Gaussian rows, zero rows exact, a constant block and a
+    single outlier of either sign kept to float16 precision."""
     import gguf
     import numpy as np
     from gguf.quants import dequantize
 
-    from tests.helpers import make_model
-    from tokenmill.convert.kquants import quantize_q4_k
+    from tokenmill.convert.kquants import BLOCK_BYTES, QUANTIZERS
 
     w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32)
-    back = dequantize(quantize_q4_k(w), gguf.GGMLQuantizationType.Q4_K).reshape(w.shape)
-    assert np.sqrt(((back - w) ** 2).mean()) < 0.1 * np.sqrt((w ** 2).mean())
-    src = str(tmp_path / "wide")
-    make_model(src, "llama", hidden_size=256, intermediate_size=512, head_dim=64)
-    out = str(tmp_path / "q4k.gguf")
-    done = _convert(src, out, "--outtype", "q4_k")
+    w[3] = 0.0
+    w[4, :256] = 5.0
+    w[5, 7], w[6, 300] = 40.0, -40.0
+    blocks = QUANTIZERS[kind](w)
+    assert blocks.shape == (16, 2 * BLOCK_BYTES[kind])
+    back = dequantize(blocks, getattr(gguf.GGMLQuantizationType, kind)).reshape(w.shape)
+    gauss = [r for r in range(16) if r not in (3, 4, 5, 6)]
+    rel = np.sqrt(((back[gauss] - w[gauss]) ** 2).mean() / (w[gauss] ** 2).mean())
+    assert rel < bound
+    assert not back[3].any()
+    assert np.abs(back[4, :256] - 5.0).max() < 0.01
+    assert abs(back[5, 7] - 40.0) < 0.1 and abs(back[6, 300] + 40.0) < 0.1
+
+
+WIDE = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64, "num_hidden_layers": 8}
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A tiny llama whose rows are whole 256-value K-quant blocks but the down projection's
+    (384 inputs: llama.cpp's fallback types), with 8 layers for the mixes' layer choice."""
+    from tests.helpers import make_model
+
+    src = str(tmp_path_factory.mktemp("wide") / "wide")
+    make_model(src, "llama", **WIDE)
+    return src
+
+
+@pytest.mark.parametrize("outtype", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m",
+                                     "q5_k_m"])
+def test_k_quant_outputs(wide_model, tmp_path, outtype):
+    """--outtype q2_k .. q6_k, q4_k_m, q5_k_m: every 2-D weight in the type (or the mix's), rows of
+    no whole block in llama.cpp's fallback type; tokenmill serves the file and decodes the
+    greedy tokens transformers' reading of it does."""
+    pytest.importorskip("accelerate")
+    import gguf
+
+    from tokenmill.convert.mixes import FALLBACK, MIXES, OUTTYPES
+
+    T = gguf.GGMLQuantizationType
+    out = str(tmp_path / f"{outtype}.gguf")
+    done = _convert(wide_model, out, "--outtype", outtype)
     assert done.returncode == 0, done.stderr
-    reader = gguf.GGUFReader(out)
-    kinds = {t.name: t.tensor_type for t in reader.tensors}
-    assert kinds["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q4_K
-    assert kinds["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_K
-    assert _tokenmill_greedy(out) == _transformers_greedy(str(tmp_path), "q4k.gguf")
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    base = OUTTYPES[outtype]
+    assert kinds["blk.1.attn_q.weight"] == kinds["blk.2.ffn_up.weight"] == base
+    assert kinds["blk.0.attn_norm.weight"] == T.F32
+    downs = {kinds[f"blk.{i}.ffn_down.weight"] for i in range(8)}  # (384-wide rows)
+    if outtype not in MIXES:
+        assert downs == {FALLBACK[base]}
+    else:  # (the LM head and some layers' value / down projections in Q6_K)
+        assert kinds["output.weight"] == T.Q6_K
+        assert {kinds[f"blk.{i}.attn_v.weight"] for i in range(8)} == {T.Q6_K, base}
+        assert downs == {FALLBACK[T.Q6_K], FALLBACK[base]}
+    assert _tokenmill_greedy(out) == _transformers_greedy(str(tmp_path), f"{outtype}.gguf")
+
+
+@pytest.mark.skipif(not os.path.exists(LLAMA_CPP), reason="no llama-cpp-python beside us")
+def test_k_m_mixes_are_llama_cpps(wide_model, tmp_path):
+    """Where llama.cpp (llama-cpp-python) is installed: its llama-quantize of our f16 file to
+    Q4_K_M / Q5_K_M gives every tensor the type our --outtype q4_k_m / q5_k_m gives it."""
+    import gguf
+
+    def kinds(path):
+        return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+    f16 = str(tmp_path / "f16.gguf")
+    assert _convert(wide_model, f16, "--outtype", "f16").returncode == 0
+    for mix in ("q4_k_m", "q5_k_m"):
+        ours, theirs = str(tmp_path / f"ours-{mix}.gguf"), str(tmp_path / f"theirs-{mix}.gguf")
+        assert _convert(wide_model, ours, "--outtype", mix).returncode == 0
+        script = ("import sys, llama_cpp as l\np = l.llama_model_quantize_default_params()\n"
+                  f"p.ftype = l.LLAMA_FTYPE_MOSTLY_{mix.upper()}\n"
+                  "sys.exit(l.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), "
+                  "p))")
+        done = subprocess.run([LLAMA_CPP, "-c", script, f16, theirs], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert kinds(ours) == kinds(theirs)

@@ -1,7 +1,8 @@
 """`tokenmill convert`: HF safetensors -> GGUF (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1
-written by gguf-py, q4_k by kquants.py), GGUF -> an HF folder (safetensors, config.json, the
-tokenizer and chat template from the file's metadata, weights dequantized to float32), and
-either -> a pre-sharded tensor / pipeline-parallel folder (`--tp-size`, sharded.py).
+written by gguf-py; q2_k .. q6_k by kquants.py; llama.cpp's q4_k_m / q5_k_m mixes as
+mixes.py chooses), GGUF -> an HF folder (safetensors, config.json, the tokenizer and chat
+template from the file's metadata, weights dequantized to float32), and either -> a
+pre-sharded tensor / pipeline-parallel folder (`--tp-size`, sharded.py).
 A model argument may be a hub name, as everywhere."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import os
 import sys
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
+from tokenmill.convert.mixes import OUTTYPES
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -21,9 +22,10 @@ def make_parser() -> argparse.ArgumentParser:
                     "read it), or a GGUF file to an HF folder.")
     p.add_argument("model", help="HF folder, .gguf file or hub name ORG/NAME")
     p.add_argument("out", help="the .gguf file, or the HF folder, to write")
-    p.add_argument("--outtype", choices=OUTTYPES, default="f16",
-                   help="GGUF weight type of 2-D tensors (norms and biases stay f32; a row "
-                        "that is no whole number of blocks stays float, as llama.cpp's)")
+    p.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
+                   help="GGUF weight type of 2-D tensors (norms and biases stay f32); "
+                        "q4_k_m / q5_k_m: llama.cpp's mixes (some tensors Q6_K); a row that "
+                        "is no whole number of blocks takes llama.cpp's fallback type")
     p.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=None,
                    help="write a folder pre-sharded for this many tensor-parallel ranks: "
                         "rank{i}.safetensors, each rank's share only, loaded as it is")
@@ -51,7 +53,6 @@ def _gguf_arch(hf_architecture: str) -> str:
 
 
 def to_gguf(model: str, out: str, outtype: str) -> None:
-    import gguf
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -68,12 +69,8 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
         raise ValueError(f"{model} has no *.safetensors weights.")
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # (llama.cpp's files tie by leaving it out)
-    kind = {"f32": None, "f16": gguf.GGMLQuantizationType.F16,
-            "bf16": gguf.GGMLQuantizationType.BF16}.get(outtype)
-    if outtype not in ("f32", "f16", "bf16"):
-        kind = getattr(gguf.GGMLQuantizationType, outtype.upper())
     tmp = out + ".tmp"
-    write_gguf(tmp, arch, state, config, qtype=kind,
+    write_gguf(tmp, arch, state, config, outtype=outtype,
                tokenizer=AutoTokenizer.from_pretrained(model))
     os.replace(tmp, out)  # (a half-written file never has the final name)
 

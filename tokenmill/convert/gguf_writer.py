@@ -45,14 +45,19 @@ def llama3_rope_factors(config, rope) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=None):
+def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=None,
+               outtype=None):
     """A GGUF of `state` as llama.cpp's converter writes it; `qtype` (a gguf
     GGMLQuantizationType, or a function of the GGUF tensor name giving one or None) stores
-    2-D weights in that block format, quantized by gguf-py, or, with `blocks(kind, shape)`,
-    as the blocks it returns (gguf-py cannot write the K-quants: random ones stand in).
-    `tokenizer`: a transformers fast BPE tokenizer to store (vocabulary, merges, special
-    ids, chat template)."""
+    2-D weights in that block format (K-quants by kquants.py, the rest by gguf-py), or, with
+    `blocks(kind, shape)`, as the blocks it returns (random ones standing in); `outtype` (a
+    `tokenmill convert --outtype`) chooses each tensor's type instead, as mixes.py says.
+    A row that is no whole number of a type's blocks takes llama.cpp's fallback type, or
+    stays float. `tokenizer`: a transformers fast BPE tokenizer to store (vocabulary, merges,
+    special ids, chat template)."""
     import gguf
+
+    from tokenmill.convert import mixes
 
     writer = gguf.GGUFWriter(str(path), arch)
     if tokenizer is not None:
@@ -78,10 +83,18 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     extra = _ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
     layer_map = {v: k for k, v in gguf_archs.layer_names(arch).items()}
-    for gname, w in [*_tensors(arch, state, config, layer_map), *extra.items()]:
+    items = [*_tensors(arch, state, config, layer_map), *extra.items()]
+    if outtype is not None:
+        qtype = mixes.plan(outtype, [n for n, w in items if w.ndim >= 2],
+                           getattr(config, "num_local_experts", None)
+                           or getattr(config, "num_experts", None)
+                           or getattr(config, "n_routed_experts", None) or 0).get
+        if mixes.file_type(outtype) is not None:
+            writer.add_file_type(mixes.file_type(outtype))
+    for gname, w in items:
         kind = qtype(gname) if callable(qtype) else qtype
-        # (as the converter, a row that is no whole number of blocks stays float)
-        if kind is not None and w.ndim >= 2 and w.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+        kind = mixes.fitting(kind, w.shape[-1]) if w.ndim >= 2 else None
+        if kind is not None:
             raw = (_encode(np.ascontiguousarray(w), kind) if blocks is None
                    else blocks(kind, w.shape))
             writer.add_tensor(gname, raw, raw_dtype=kind)
@@ -94,14 +107,13 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
 
 
 def _encode(w: np.ndarray, kind) -> np.ndarray:
-    """`w` in block type `kind`: Q4_K by kquants.py, the rest by gguf-py."""
-    import gguf
+    """`w` in block type `kind`: K-quants by kquants.py, the rest by gguf-py."""
     from gguf.quants import quantize
 
-    if kind == gguf.GGMLQuantizationType.Q4_K:
-        from tokenmill.convert.kquants import quantize_q4_k
+    from tokenmill.convert.kquants import QUANTIZERS
 
-        return quantize_q4_k(w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1)
+    if kind.name in QUANTIZERS:
+        return QUANTIZERS[kind.name](w.reshape(-1, w.shape[-1])).reshape(*w.shape[:-1], -1)
     return quantize(w, kind)
 
 
