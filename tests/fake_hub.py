@@ -1,7 +1,9 @@
 """A fake model hub on 127.0.0.1: the Hugging Face Hub endpoints huggingface_hub calls to
 download (`/api/models/{repo}[/revision/{rev}]`, `HEAD|GET /{repo}/resolve/{rev}/{file}` with
-Range), serving folders as repositories. Faults on demand: cut a file's connection mid-way
-(a number of times), serve wrong bytes for a file, mark a repository gated."""
+Range) and ModelScope's that modelscope calls (`/api/v1/models/{repo}/repo/files`,
+`/api/v1/models/{repo}/repo?Revision=&FilePath=`), serving folders as repositories. Faults on
+demand: cut a file's connection mid-way (a number of times), serve wrong bytes for a file,
+mark a repository gated."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import os
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 LFS = (".safetensors", ".gguf", ".bin")
 
@@ -105,6 +107,8 @@ class FakeHub:
             def _route(self) -> None:
                 path = unquote(urlparse(self.path).path)
                 hub.requests.append((self.command, path, self.headers.get("Range")))
+                if path.startswith("/api/v1/"):
+                    return self._modelscope(path)
                 api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?",
                                    path)
                 file = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
@@ -131,6 +135,44 @@ class FakeHub:
                 if local is None:
                     return self._error(404, "EntryNotFound")
                 with open(local, "rb") as f:
+                    self._send_file(repo, sha, name, f.read())
+
+            def _modelscope(self, path: str) -> None:
+                """ModelScope's endpoints (what modelscope's snapshot_download calls):
+                `repo/files` (the listing with sizes and sha256) and `repo?FilePath=`."""
+                found = re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)(/repo(?:/files)?)?", path)
+                repo = found.group(1) if found else None
+                if repo is None or repo not in hub.repos:
+                    body = json.dumps({"Code": 10010205001, "Success": False,
+                                       "Message": "model not exist"}).encode()
+                    self.send_response(404)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    return self.wfile.write(body) if self.command != "HEAD" else None
+                query = parse_qs(urlparse(self.path).query)
+                sha = hub._commit(repo, query.get("Revision", ["master"])[0])
+                if sha is None:
+                    return self._error(404, "RevisionNotFound")
+                files = hub._files(hub.repos[repo]["commits"][sha])
+                if found.group(2) == "/repo/files":
+                    listing = []
+                    for name, local in sorted(files.items()):
+                        with open(local, "rb") as f:
+                            data = f.read()
+                        listing.append({"Name": name.rsplit("/", 1)[-1], "Path": name,
+                                        "Type": "blob", "Size": len(data), "Revision": sha,
+                                        "Sha256": hashlib.sha256(data).hexdigest()})
+                    return self._json({"Code": 200, "Success": True,
+                                       "Data": {"Files": listing}})
+                if found.group(2) != "/repo":
+                    return self._json({"Code": 200, "Success": True,
+                                       "Data": {"Path": repo.split("/")[0],
+                                                "Name": repo.split("/")[1]}})
+                name = query.get("FilePath", [""])[0]
+                if name not in files:
+                    return self._error(404, "EntryNotFound")
+                with open(files[name], "rb") as f:
                     self._send_file(repo, sha, name, f.read())
 
             def _send_file(self, repo: str, sha: str, name: str, data: bytes) -> None:

@@ -287,3 +287,53 @@ def test_the_seed_downloaders_flags_and_md5_check(hub, tmp_path):
     assert checked.returncode == 2 and "model.safetensors failed verification" in checked.stderr
     assert _cli(seed, {**env, "MD5_CHECK": "1"}, tmp_path).returncode == 0
     assert _digest(str(weights)) == _digest(os.path.join(hub.src, "model.safetensors"))
+
+
+def test_hub_source_from_the_environment():
+    from tokenmill.config import hub_source
+
+    assert hub_source({}) == "hf"
+    assert hub_source({"TOKENMILL_USE_MODELSCOPE": "1"}) == "modelscope"
+    assert hub_source({"VLLM_USE_MODELSCOPE": "True"}) == "modelscope"  # (vLLM's spelling)
+    assert hub_source({"VLLM_USE_MODELSCOPE": "false"}) == "hf"
+    with pytest.raises(ValueError, match="TOKENMILL_USE_MODELSCOPE must be 0 or 1"):
+        hub_source({"TOKENMILL_USE_MODELSCOPE": "yes"})
+
+
+def test_modelscope_source(tiny_models, tmp_path):
+    """`tokenmill download --source modelscope` against a fake ModelScope (its listing
+    endpoint and file endpoint, on 127.0.0.1): the engine's files, verified against the
+    listing's sha256; a connection cut mid-file resumes (Range); a file served corrupt is
+    never kept and the error is one line; unknown repository / revision named; then, with
+    the hub gone, TOKENMILL_USE_MODELSCOPE=1 resolves the name from the cache and generates
+    what the local folder generates."""
+    pytest.importorskip("modelscope")
+    src = tiny_models("llama")[0]
+    cache = tmp_path / "ms-cache"
+    with FakeHub() as h:
+        h.add("org/tiny", src, refs=("master",))
+        env = {**os.environ, "MODELSCOPE_ENDPOINT": h.url, "MODELSCOPE_CACHE": str(cache)}
+        h.corrupt.add("model.safetensors")
+        bad = _cli(["download", "org/tiny", "--source", "modelscope"], env, tmp_path)
+        assert bad.returncode == 2 and "sha256" in bad.stderr and "Traceback" not in bad.stderr
+        assert not any(p.name == "model.safetensors" for p in cache.rglob("*"))
+        h.corrupt.clear()
+        h.cuts["model.safetensors"] = 1
+        got = _cli(["download", "org/tiny", "--source", "modelscope"], env, tmp_path)
+        assert got.returncode == 0, got.stderr
+        path = got.stdout.strip()
+        assert any(r and r.startswith("bytes=") and r != "bytes=0-"
+                   for _, _, r in h.requests)  # (resumed past the cut)
+        for name in ("model.safetensors", "config.json", "tokenizer.json"):
+            assert _digest(os.path.join(path, name)) == _digest(os.path.join(src, name))
+        assert os.path.isfile(os.path.join(path, MARKER))
+        for args, match in ((["org/nope"], "no such model"),
+                            (["org/tiny", "--revision", "v9"], "no revision 'v9'")):
+            failed = _cli(["download", *args, "--source", "modelscope"], env, tmp_path)
+            assert failed.returncode == 2 and match in failed.stderr, failed.stderr
+    offline = {**env, "TOKENMILL_USE_MODELSCOPE": "1"}
+    gen = ["generate", "--prompt", "Paris is", "--max-tokens", "5", "--kv-cache-memory", "0.02"]
+    by_name = _cli([*gen, "--model", "org/tiny"], offline, tmp_path)
+    assert by_name.returncode == 0, by_name.stderr
+    local = _cli([*gen, "--model", src], env, tmp_path)
+    assert by_name.stdout == local.stdout and local.stdout.strip()

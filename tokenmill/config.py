@@ -325,3 +325,14 @@ def md5_check(environ=None) -> bool:
     import os
 
     return bool(_Env(os.environ if environ is None else environ).flag("MD5_CHECK"))
+
+
+def hub_source(environ=None) -> str:
+    """Where hub names are looked up: "modelscope" with TOKENMILL_USE_MODELSCOPE=1 (or vLLM's
+    VLLM_USE_MODELSCOPE=1), else "hf" (the Hugging Face Hub, or HF_ENDPOINT's mirror)."""
+    import os
+
+    env = _Env(os.environ if environ is None else environ)
+    vllm = env.raw("VLLM_USE_MODELSCOPE")  # (vLLM takes "true" / "True")
+    return "modelscope" if env.flag("TOKENMILL_USE_MODELSCOPE") or \
+        (vllm is not None and vllm[1].strip().lower() in ("1", "true")) else "hf"

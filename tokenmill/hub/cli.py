@@ -29,7 +29,10 @@ def make_parser() -> argparse.ArgumentParser:
     a("--exclude", nargs="+", default=None, metavar="GLOB", help="leave these files out")
     a("--gguf-file", default=None, help="the GGUF file to fetch from a GGUF repository")
     a("--gguf-quant", default=None, help="the GGUF file whose name has this (e.g. Q4_K_M)")
-    a("--source", choices=["hf", "modelscope"], default="hf")
+    a("--source", choices=["hf", "modelscope"], default=None,
+      help="the hub: hf (Hugging Face, HF_ENDPOINT for a mirror) or modelscope (pip install "
+           "'tokenmill[modelscope]'; MODELSCOPE_ENDPOINT); default hf, or modelscope with "
+           "TOKENMILL_USE_MODELSCOPE=1 / VLLM_USE_MODELSCOPE=true")
     a("--nnodes", type=int, default=1, help="nodes the model is served on: of a checkpoint "
                                              "pre-sharded by `tokenmill convert --tp-size`, "
                                              "each node fetches only its ranks' files (any "
@@ -47,19 +50,16 @@ def make_parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> int:
     import os
 
-    from tokenmill.config import md5_check
+    from tokenmill.config import hub_source, md5_check
     from tokenmill.hub.download import HubError
     from tokenmill.hub.fetch import fetch
     from tokenmill.hub.names import split_precision
 
     args = make_parser().parse_args(argv)
+    args.source = args.source or hub_source()
     name = args.model or args.model_name
     if name is None:
         sys.stderr.write("error: give the model: tokenmill download ORG/NAME\n")
-        return 2
-    if args.source == "modelscope":
-        sys.stderr.write("error: --source modelscope is not supported yet; fetch from the "
-                         "Hugging Face Hub (or set HF_ENDPOINT to a mirror).\n")
         return 2
     try:
         node = _node(args)
@@ -69,7 +69,7 @@ def run(argv: list[str]) -> int:
             else os.path.join(args.dir or "downloads", repo)
         path = fetch(repo, args.revision, local_dir=where, gguf_file=args.gguf_file,
                      gguf_quant=args.gguf_quant, include=args.include, exclude=args.exclude,
-                     recheck=md5_check(), node=node)
+                     recheck=md5_check(), node=node, source=args.source)
         sys.stdout.write(path + "\n")
         if precision:
             flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in precision.items())

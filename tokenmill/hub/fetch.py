@@ -1,5 +1,5 @@
-"""Fetching a model by name: the hub calls (huggingface_hub; ModelScope through `modelscope`
-when installed) and their failures as one-line errors naming the cause.
+"""Fetching a model by name: the hub calls (huggingface_hub; ModelScope through
+modelscope.py) and their failures as one-line errors naming the cause.
 
 `fetch` downloads (resuming what an interrupted run left) and verifies; `resolve` is what a
 model argument goes through: a verified snapshot in the cache is used as it is (no network),
@@ -80,10 +80,15 @@ def fetch(repo: str, revision: str | None = None, local_dir: str | None = None,
           gguf_file: str | None = None, gguf_quant: str | None = None,
           include: list[str] | None = None, exclude: list[str] | None = None,
           endpoint: str | None = None, cache_dir: str | None = None, token=None,
-          recheck: bool = False, node: tuple[int, int] | None = None) -> str:
+          recheck: bool = False, node: tuple[int, int] | None = None,
+          source: str = "hf") -> str:
     """Downloads what the engine needs of `repo` and verifies it; returns what to load (the
     folder, or the GGUF file). `node` (node_rank, nnodes): of a pre-sharded checkpoint only
-    that node's ranks' files."""
+    that node's ranks' files. `source`: "hf" or "modelscope" (modelscope.py)."""
+    if source == "modelscope":
+        from tokenmill.hub import modelscope
+        return modelscope.fetch(repo, revision, local_dir, gguf_file, gguf_quant, include,
+                                exclude, endpoint, cache_dir, token, recheck, node)
     from huggingface_hub import snapshot_download
 
     try:
@@ -119,10 +124,13 @@ def _repo_cache(repo: str, cache_dir: str | None) -> str:
 
 
 def cached(repo: str, revision: str | None = None, cache_dir: str | None = None,
-           node: tuple[int, int] | None = None) -> str | None:
+           node: tuple[int, int] | None = None, source: str = "hf") -> str | None:
     """What to load of a verified snapshot of `repo` in the cache, or None. (Read from the
     cache's layout: huggingface_hub's own offline lookup wants every file of the repository,
     and only those the engine needs were fetched.)"""
+    if source == "modelscope":
+        from tokenmill.hub import modelscope
+        return modelscope.cached(repo, revision, cache_dir, node)
     root = _repo_cache(repo, cache_dir)
     commit = revision or "main"
     try:
@@ -142,11 +150,16 @@ def looks_like_repo(name: str) -> bool:
 
 
 def resolve(name: str, revision: str | None = None, **kwargs) -> str:
-    """A hub name -> the local path to load: the verified cached copy, else a download."""
-    path = cached(name, revision, kwargs.get("cache_dir"), kwargs.get("node"))
+    """A hub name -> the local path to load: the verified cached copy, else a download (from
+    the source config.hub_source names, unless `source` is given)."""
+    from tokenmill.config import hub_source
+
+    kwargs.setdefault("source", hub_source())
+    path = cached(name, revision, kwargs.get("cache_dir"), kwargs.get("node"),
+                  kwargs["source"])
     if path is not None:
         return path
-    logger.info("downloading %s from the hub", name)
+    logger.info("downloading %s from %s", name, kwargs["source"])
     try:
         return fetch(name, revision, **kwargs)
     except HubError as exc:
