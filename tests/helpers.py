@@ -33,6 +33,28 @@ def make_tokenizer(path: str):
     return fast
 
 
+def make_spm_tokenizer(path: str):
+    """A SentencePiece-style BPE (Llama 2 / Mistral / Gemma's tokenizer.json shape): "▁" for
+    spaces and before the text, byte-fallback tokens <0x00>..<0xFF>, BOS added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import LlamaTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator([_TEXT], trainers.BpeTrainer(vocab_size=TINY_VOCAB,
+                                                         special_tokens=specials))
+    fast = LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                              unk_token="<unk>", add_bos_token=True)
+    fast.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                          "{% endfor %}")
+    fast.save_pretrained(path)
+    return fast
+
+
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
     """Saves a 2-layer GQA model of `arch` plus a tokenizer into `path`; returns the HF model."""
     import transformers as tf

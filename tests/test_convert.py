@@ -53,6 +53,78 @@ def test_hf_to_gguf_to_hf_at_f32_keeps_every_token(tiny_models, tmp_path, arch):
     assert _tokens(back) == want
 
 
+SPM_TEXTS = ["Hello world", "Paris is the capital of France.\nNew line", "émigré 🙂 naïve",
+             "tabs\tand  double  spaces", "The lazy dog</s>"]
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """A tiny llama with a SentencePiece-style BPE tokenizer, converted to an f32 GGUF."""
+    from tests.helpers import make_model, make_spm_tokenizer
+
+    root = tmp_path_factory.mktemp("spm")
+    src = str(root / "spm")
+    make_model(src, "llama")
+    make_spm_tokenizer(src)
+    done = _convert(src, str(root / "spm.gguf"), "--outtype", "f32")
+    assert done.returncode == 0, done.stderr
+    return src, str(root / "spm.gguf")
+
+
+def test_sentencepiece_tokenizer_to_gguf(spm_model):
+    """A SentencePiece BPE goes in as llama.cpp's `llama` vocabulary: byte tokens, the unknown
+    and control tokens typed, each merged token scored by its merge's rank (SentencePiece's
+    merge order), BOS added as the source adds it; transformers' reading of the file and
+    tokenmill serving it encode every text as the source does, and the f32 file decodes the
+    source's greedy tokens."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    src, out = spm_model
+    source = AutoTokenizer.from_pretrained(src)
+    fields = gguf.GGUFReader(out).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    scores = fields["tokenizer.ggml.scores"].contents()
+    kinds = {tokens[i]: gguf.TokenType(types[i]) for i in range(len(tokens))}
+    assert kinds["<0x41>"] == gguf.TokenType.BYTE and kinds["<unk>"] == gguf.TokenType.UNKNOWN
+    assert kinds["<s>"] == kinds["</s>"] == gguf.TokenType.CONTROL
+    merged = [source.convert_tokens_to_ids(m.replace(" ", "")) for m in
+              fields["tokenizer.ggml.merges"].contents()[:20]]
+    assert all(scores[a] > scores[b] for a, b in zip(merged, merged[1:]))
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is True
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(out),
+                                           gguf_file=os.path.basename(out))
+    with LLM(out, kv_cache_memory_gib=0.02) as llm:
+        served = llm.get_tokenizer()
+        for text in SPM_TEXTS:
+            assert theirs.encode(text) == served.encode(text) == source.encode(text), text
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == _tokens(src)
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.expanduser(
+    "~/.cache/tokenmill-peers/llamacpp/bin/python")), reason="no llama-cpp-python beside us")
+def test_llama_cpp_tokenizes_a_sentencepiece_file_alike(spm_model):
+    """Where llama.cpp (llama-cpp-python) is installed: it tokenizes every text with the
+    converted SentencePiece vocabulary as the source tokenizer does (BOS included)."""
+    from transformers import AutoTokenizer
+
+    src, out = spm_model
+    script = ("import json, sys\nfrom llama_cpp import Llama\n"
+              "llm = Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)\n"
+              "print(json.dumps([llm.tokenize(t.encode(), add_bos=True, special=True) "
+              "for t in json.loads(sys.argv[2])]))")
+    done = subprocess.run([os.path.expanduser("~/.cache/tokenmill-peers/llamacpp/bin/python"),
+                           "-c", script, out, json.dumps(SPM_TEXTS)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    source = AutoTokenizer.from_pretrained(src)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == \
+        [source.encode(t) for t in SPM_TEXTS]
+
+
 def _transformers_greedy(folder: str, name: str) -> list[int]:
     """transformers' greedy tokens after PROMPTS[0] from the GGUF file (dequantized)."""
     from transformers import AutoModelForCausalLM

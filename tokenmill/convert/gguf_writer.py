@@ -6,6 +6,8 @@ the tokenizer (BPE) and chat template in the metadata when given."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from tokenmill import gguf_archs
@@ -238,18 +240,22 @@ _ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys
 
 
 def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer (GPT-2 style: Llama 3, Qwen, SmolLM, ...) as llama.cpp's
-    `tokenizer.ggml.*` keys: tokens in id order with their types (control for special
-    tokens, user-defined for other added ones), merges, special ids, the chat template. The
-    list is padded to the embedding's `vocab_size` rows with unused `[PAD{i}]` entries, as
-    llama.cpp's converter does (llama.cpp checks that the two agree)."""
+    """A tokenizer as llama.cpp's `tokenizer.ggml.*` keys: tokens in id order with their
+    types (control for special tokens, user-defined for other added ones), the special ids,
+    the chat template. A byte-level BPE (GPT-2 style: Llama 3, Qwen, SmolLM, ...) as `gpt2`
+    with its merges; a SentencePiece BPE (tokenizer.json of type BPE with byte fallback:
+    Llama 2, Mistral, Gemma, Phi-3, ...) as `llama` with scores (each merged token's score is
+    minus its merge's rank, the order SentencePiece merges in) and byte tokens. The list is
+    padded to the embedding's `vocab_size` rows with unused `[PAD{i}]` entries, as llama.cpp's
+    converter does (llama.cpp checks that the two agree)."""
     import json
 
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     model = state.get("model", {})
     if model.get("type") != "BPE" or model.get("merges") is None:
-        raise ValueError("Only byte-level BPE tokenizers (tokenizer.json of type BPE) can be "
-                         "written to GGUF yet.")
+        raise ValueError("Only BPE tokenizers (tokenizer.json of type BPE: byte-level, or "
+                         "SentencePiece's with byte fallback) can be written to GGUF yet.")
+    spm = bool(model.get("byte_fallback"))
     vocab = tokenizer.get_vocab()
     size = max(max(vocab.values()) + 1, vocab_size)
     tokens = [f"[PAD{i}]" for i in range(size)]
@@ -259,24 +265,72 @@ def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:
     for added in state.get("added_tokens", []):
         types[added["id"]] = gguf_token_type("control" if added.get("special")
                                              else "user_defined")
+    if spm:  # (byte-fallback pieces <0x00>..<0xFF>, however the tokenizer lists them)
+        for text, i in vocab.items():
+            if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text):
+                types[i] = gguf_token_type("byte")
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if spm:
+        scores = [0.0] * size
+        for rank, merge in reversed(list(enumerate(merges))):  # (the first merge wins)
+            merged = vocab.get(merge.replace(" ", "", 1))
+            if merged is not None:
+                scores[merged] = -float(rank)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if unk is not None:
+            types[unk] = gguf_token_type("unknown")
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)  # (llama.cpp merges by score; transformers reads these)
+        writer.add_add_space_prefix(_adds_space_prefix(state))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
     for name in ("bos", "eos", "unk", "pad"):
         token_id = getattr(tokenizer, f"{name}_token_id", None)
         if token_id is not None:
             getattr(writer, f"add_{name}_token_id")(token_id)
-    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    add_bos, add_eos = _adds_bos_eos(tokenizer)
+    writer.add_add_bos_token(add_bos)
+    if spm:
+        writer.add_add_eos_token(add_eos)
     if getattr(tokenizer, "chat_template", None):
         writer.add_chat_template(tokenizer.chat_template)
+
+
+def _adds_bos_eos(tokenizer) -> tuple[bool, bool]:
+    """Whether encoding puts BOS before / EOS after the text (read from what it does: the
+    `add_bos_token` attribute is not kept by every tokenizer class)."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a")
+    extra = len(full) > len(plain)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return (extra and bos is not None and full[0] == bos,
+            extra and eos is not None and full[-1] == eos)
+
+
+def _adds_space_prefix(state: dict) -> bool:
+    """Whether the SentencePiece tokenizer puts "▁" before the text (a Prepend normalizer, or
+    a Metaspace pre-tokenizer that prepends)."""
+    def parts(node):
+        if not node:
+            return []
+        return [p for child in node.get("normalizers") or node.get("pretokenizers") or []
+                for p in parts(child)] or [node]
+    return any(p.get("type") == "Prepend" for p in parts(state.get("normalizer"))) or any(
+        p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never"
+        for p in parts(state.get("pre_tokenizer")))
 
 
 def gguf_token_type(kind: str) -> int:
     import gguf
 
     return {"normal": gguf.TokenType.NORMAL, "control": gguf.TokenType.CONTROL,
-            "user_defined": gguf.TokenType.USER_DEFINED,
-            "unused": gguf.TokenType.UNUSED}[kind]
+            "user_defined": gguf.TokenType.USER_DEFINED, "unused": gguf.TokenType.UNUSED,
+            "byte": gguf.TokenType.BYTE, "unknown": gguf.TokenType.UNKNOWN}[kind]
