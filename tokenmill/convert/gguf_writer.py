@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import torch
 
 from tokenmill import gguf_archs
 
@@ -128,6 +129,7 @@ def _rope(config) -> dict:
 def _tensors(arch, state, config, layer_map):
     """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
     state = dict(state)
+    _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
         gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]
         state[name.replace("gate_up_proj", "gate_exps")] = gate
@@ -157,6 +159,22 @@ def _tensors(arch, state, config, layer_map):
         elif arch == "llama" and rest.startswith("self_attn.k_proj"):
             w = llama_cpp_permute(w, config.num_key_value_heads)
         yield f"blk.{layer}.{layer_map[rest]}", w
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _stack_experts(state: dict) -> None:
+    """Per-expert tensors (checkpoints as the hub ships them, and as transformers saves
+    them) stacked into llama.cpp's one tensor per layer and kind, in expert order."""
+    groups: dict[tuple[str, str], dict[int, object]] = {}
+    for name in [n for n in state if _EXPERT.fullmatch(n)]:
+        prefix, expert, kind = _EXPERT.fullmatch(name).groups()
+        groups.setdefault((prefix, kind), {})[int(expert)] = state.pop(name)
+    for (prefix, kind), parts in groups.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError(f"{prefix}: experts {sorted(parts)} are not 0..{len(parts) - 1}.")
+        state[f"{prefix}.{kind}_exps"] = torch.stack([parts[e] for e in range(len(parts))])
 
 
 def _llama_keys(writer, config):
