@@ -125,11 +125,13 @@ def test_llama_cpp_tokenizes_a_sentencepiece_file_alike(spm_model):
         [source.encode(t) for t in SPM_TEXTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_mixture_of_experts_round_trip(tiny_models, tmp_path, arch):
     """A MoE checkpoint as the hub ships it (one tensor per expert) -> GGUF (llama.cpp's one
-    tensor per layer and kind) -> HF (per expert again): transformers' logits of the result
-    equal the source's, and tokenmill decodes the same greedy tokens from all three."""
+    tensor per layer and kind; DeepSeek's MLA `kv_b` in two halves) -> HF (per expert again,
+    DeepSeek's names): transformers' logits of the result equal the source's, and tokenmill
+    decodes the same greedy tokens from all three (the `deepseek2` file's tokenizer read from
+    its metadata, which transformers' GGUF config reader refuses)."""
     from transformers import AutoModelForCausalLM
 
     src, hf = tiny_models(arch)

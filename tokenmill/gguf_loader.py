@@ -250,7 +250,20 @@ def _expert_weights(tensor: Any, pattern: str, keep_quantized: bool
 
 
 def load_gguf_tokenizer(path: str) -> Any:
-    """transformers builds the fast tokenizer and chat template from the GGUF metadata."""
+    """transformers builds the fast tokenizer and chat template from the GGUF metadata. For
+    an architecture whose GGUF config transformers does not read (DeepSeek's `deepseek2`),
+    the tokenizer is built from the same metadata by transformers' GGUF tokenizer reader
+    alone (it does not depend on the architecture's config)."""
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
-                                         gguf_file=os.path.basename(path))
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                             gguf_file=os.path.basename(path))
+    except ValueError as exc:
+        if "not supported yet" not in str(exc):
+            raise
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config)

@@ -84,6 +84,9 @@ def to_hf(model: str, out: str) -> None:
     tmp = out.rstrip("/") + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     weights = {name: w.contiguous() for name, w in iter_gguf_weights(model, config)}
+    if config.model_type.startswith("deepseek"):  # (transformers' DeepSeek: plural)
+        weights = {n.replace(".shared_expert.", ".shared_experts."): w
+                   for n, w in weights.items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
     load_gguf_tokenizer(model).save_pretrained(tmp)
