@@ -125,24 +125,53 @@ def test_llama_cpp_tokenizes_a_sentencepiece_file_alike(spm_model):
         [source.encode(t) for t in SPM_TEXTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
-def test_mixture_of_experts_round_trip(tiny_models, tmp_path, arch):
-    """A MoE checkpoint as the hub ships it (one tensor per expert) -> GGUF (llama.cpp's one
-    tensor per layer and kind; DeepSeek's MLA `kv_b` in two halves) -> HF (per expert again,
-    DeepSeek's names): transformers' logits of the result equal the source's, and tokenmill
-    decodes the same greedy tokens from all three (the `deepseek2` file's tokenizer read from
-    its metadata, which transformers' GGUF config reader refuses)."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "qwen2", "mistral",
+                                  "gemma2", "gemma3", "phi3", "llama3"])
+def test_round_trip_through_gguf(tiny_models, tmp_path, arch):
+    """HF -> GGUF f32 -> HF for every architecture the converter writes: transformers' logits
+    of the result equal the source's over a prompt past Llama-3 scaling's original context,
+    and tokenmill decodes the same greedy tokens from all three. What each needs: MoE
+    checkpoints as the hub ships them (one tensor per expert) stacked into llama.cpp's one
+    tensor per layer and kind and split again (DeepSeek's MLA `kv_b` in two halves, its
+    `shared_experts` name, the `deepseek2` file's tokenizer read from its metadata); Mistral
+    written as llama.cpp's `llama` (Q/K rows permuted); Phi-3's rope settings complete;
+    Llama 3.1's scaling parameters recovered from the file's `rope_freqs`."""
     from transformers import AutoModelForCausalLM
 
     src, hf = tiny_models(arch)
-    out, back = str(tmp_path / "moe.gguf"), str(tmp_path / "back")
-    assert _convert(src, out, "--outtype", "f32").returncode == 0
-    assert _convert(out, back).returncode == 0
+    out, back = str(tmp_path / "m.gguf"), str(tmp_path / "back")
+    done = _convert(src, out, "--outtype", "f32")
+    assert done.returncode == 0, done.stderr
+    done = _convert(out, back)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
     again = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPTS[0]["prompt_token_ids"]])
+    ids = torch.tensor([list(range(3, 120))])
     with torch.no_grad():
-        assert torch.equal(again(ids).logits, hf(ids).logits)
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
     assert _tokens(out) == _tokens(back) == _tokens(src)
+
+
+def test_llama3_rope_factors_are_transformers():
+    """The `rope_freqs` written for Llama 3.1 scaling (rope_theta 500000, as the real models)
+    equal transformers' own ratio of unscaled to scaled frequencies, and the parameters are
+    found again from them."""
+    import numpy as np
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tokenmill.convert.gguf_writer import llama3_rope_factors, llama3_rope_from_factors
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    config = tf.LlamaConfig(hidden_size=4096, num_attention_heads=32,
+                            max_position_embeddings=131072, rope_parameters=rope)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128)
+    ours = llama3_rope_factors(config, rope)
+    np.testing.assert_allclose(ours, (plain / scaled).numpy(), rtol=1e-5)
+    assert llama3_rope_from_factors(config, {"rope_theta": 500000.0,
+                                             "freq_factors": list(ours)}) == rope
 
 
 def _transformers_greedy(folder: str, name: str) -> list[int]:

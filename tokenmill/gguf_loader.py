@@ -84,6 +84,7 @@ def load_gguf_config(path: str) -> Any:
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
         dtype="float32",
     )
     rope: dict[str, Any] = {"rope_type": "default",
@@ -105,6 +106,9 @@ def load_gguf_config(path: str) -> Any:
     # transformers >= 5 keeps rope settings in `rope_parameters` (and `rope_scaling` is an
     # alias of it there); older versions use `rope_theta` + `rope_scaling`.
     if hasattr(config, "rope_parameters"):
+        old = config.rope_parameters or {}
+        if "partial_rotary_factor" in old and "full_attention" not in rope:  # (Phi-3's)
+            rope.setdefault("partial_rotary_factor", old["partial_rotary_factor"])
         config.rope_parameters = rope
     else:
         if "full_attention" in rope:  # Gemma 3: the local layers' base, the global settings

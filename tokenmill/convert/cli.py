@@ -44,6 +44,8 @@ def _gguf_arch(hf_architecture: str) -> str:
 
     if hf_architecture == "DeepseekV3ForCausalLM":
         return "deepseek2"
+    if hf_architecture == "MistralForCausalLM":  # (as llama.cpp's converter writes it)
+        return "llama"
     for arch, (hf, _) in ARCHITECTURES.items():
         if hf == hf_architecture:
             return arch
@@ -61,6 +63,11 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
 
     config = AutoConfig.from_pretrained(model)
     arch = _gguf_arch((config.architectures or [""])[0])
+    window = getattr(config, "sliding_window", None)
+    if arch == "llama" and window and window < config.max_position_embeddings:
+        sys.stderr.write(f"warning: llama.cpp's llama files have no sliding window; this "
+                         f"model's ({window} tokens) is dropped, as llama.cpp's converter "
+                         "drops it.\n")
     state: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(model)):
         if name.endswith(".safetensors"):
@@ -81,6 +88,17 @@ def to_hf(model: str, out: str) -> None:
     from tokenmill.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 
     config = load_gguf_config(model)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if "freq_factors" in rope:  # (Llama 3.1 files: transformers wants the parameters)
+        from tokenmill.convert.gguf_writer import llama3_rope_from_factors
+
+        found = llama3_rope_from_factors(config, rope)
+        if found is None:
+            sys.stderr.write("warning: the file's rope_freqs match no Llama-3 scaling; "
+                             "config.json keeps them as `freq_factors` (tokenmill reads them, "
+                             "transformers does not).\n")
+        else:
+            config.rope_parameters = found
     tmp = out.rstrip("/") + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     weights = {name: w.contiguous() for name, w in iter_gguf_weights(model, config)}
@@ -89,10 +107,31 @@ def to_hf(model: str, out: str) -> None:
                    for n, w in weights.items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
-    load_gguf_tokenizer(model).save_pretrained(tmp)
+    _save_tokenizer(load_gguf_tokenizer(model), tmp)
     if os.path.exists(out):
         raise ValueError(f"{out} exists; give a new folder.")
     os.replace(tmp, out)
+
+
+def _save_tokenizer(tokenizer, folder: str) -> None:
+    """The tokenizer as its class saves it, or, where that class does not load back what it
+    saved (transformers names the class after the architecture: a Gemma class rebuilds its
+    own pipeline around a byte-level vocabulary), as the generic fast tokenizer with the same
+    tokenizer.json."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer.save_pretrained(folder)
+    probe = "Paris is the capital of France. 1234 émigré\n  x"
+    try:
+        if AutoTokenizer.from_pretrained(folder).encode(probe) == tokenizer.encode(probe):
+            return
+    except Exception:  # (any failure of that class: the generic one below)
+        pass
+    specials = {k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "unk_token",
+                                                   "pad_token") if getattr(tokenizer, k)}
+    generic = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, **specials)
+    generic.chat_template = tokenizer.chat_template
+    generic.save_pretrained(folder)
 
 
 def run(argv: list[str]) -> int:

@@ -31,8 +31,8 @@ def llama3_rope_factors(config, rope) -> np.ndarray:
     import math
 
     dim = head_dim(config)
-    freqs = 1.0 / (getattr(config, "rope_theta", None) or 10000.0) ** (
-        np.arange(0, dim, 2, dtype=np.float32) / dim)
+    theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     old = rope["original_max_position_embeddings"]
     out = []
@@ -154,9 +154,9 @@ def _tensors(arch, state, config, layer_map):
             yield f"blk.{layer}.attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1).copy()
             yield f"blk.{layer}.attn_v_b.weight", kv_b[:, nope:].copy()
             continue
-        if arch == "llama" and rest.startswith("self_attn.q_proj"):
+        if arch in gguf_archs.PERMUTED_QK and rest.startswith("self_attn.q_proj"):
             w = llama_cpp_permute(w, config.num_attention_heads)
-        elif arch == "llama" and rest.startswith("self_attn.k_proj"):
+        elif arch in gguf_archs.PERMUTED_QK and rest.startswith("self_attn.k_proj"):
             w = llama_cpp_permute(w, config.num_key_value_heads)
         yield f"blk.{layer}.{layer_map[rest]}", w
 
@@ -175,6 +175,20 @@ def _stack_experts(state: dict) -> None:
         if sorted(parts) != list(range(len(parts))):
             raise ValueError(f"{prefix}: experts {sorted(parts)} are not 0..{len(parts) - 1}.")
         state[f"{prefix}.{kind}_exps"] = torch.stack([parts[e] for e in range(len(parts))])
+
+
+def llama3_rope_from_factors(config, rope: dict) -> dict | None:
+    """The Llama-3 scaling parameters that give a file's `rope_freqs` (llama.cpp keeps only
+    the factors), searched among the values Llama 3.x models use; None if none fits."""
+    want = np.asarray(rope["freq_factors"], dtype=np.float64)
+    for old in [2 ** k for k in range(13, 5, -1)] + [2 ** k for k in range(14, 18)]:
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (0.5, 4.0)):
+            guess = {"rope_type": "llama3", "rope_theta": rope["rope_theta"],
+                     "factor": float(want.max()), "low_freq_factor": low,
+                     "high_freq_factor": high, "original_max_position_embeddings": old}
+            if np.allclose(llama3_rope_factors(config, guess), want, rtol=1e-5, atol=1e-6):
+                return guess
+    return None
 
 
 def _llama_keys(writer, config):
