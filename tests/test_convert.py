@@ -125,8 +125,8 @@ def test_llama_cpp_tokenizes_a_sentencepiece_file_alike(spm_model):
         [source.encode(t) for t in SPM_TEXTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "qwen2", "mistral",
-                                  "gemma2", "gemma3", "phi3", "llama3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "qwen2",
+                                  "mistral", "gemma2", "gemma3", "phi3", "llama3"])
 def test_round_trip_through_gguf(tiny_models, tmp_path, arch):
     """HF -> GGUF f32 -> HF for every architecture the converter writes: transformers' logits
     of the result equal the source's over a prompt past Llama-3 scaling's original context,
@@ -134,7 +134,8 @@ def test_round_trip_through_gguf(tiny_models, tmp_path, arch):
     checkpoints as the hub ships them (one tensor per expert) stacked into llama.cpp's one
     tensor per layer and kind and split again (DeepSeek's MLA `kv_b` in two halves, its
     `shared_experts` name, the `deepseek2` file's tokenizer read from its metadata); Mistral
-    written as llama.cpp's `llama` (Q/K rows permuted); Phi-3's rope settings complete;
+    and Mixtral written as llama.cpp's `llama` (Q/K rows permuted; Mixtral's experts read
+    back as a Mixtral); Phi-3's rope settings complete;
     Llama 3.1's scaling parameters recovered from the file's `rope_freqs`."""
     from transformers import AutoModelForCausalLM
 

@@ -180,11 +180,16 @@ def _deepseek2(get, kwargs: dict) -> dict:
 
 
 def _moe_config(arch: str, get, tensor_names: set[str], layers: int) -> dict:
-    """Qwen's mixtures of experts from llama.cpp's keys; layers without a router are dense
-    (`mlp_only_layers`)."""
+    """Mixtures of experts from llama.cpp's keys: Mixtral (a `llama` file with experts), or
+    Qwen's, whose layers without a router are dense (`mlp_only_layers`)."""
     experts = get("expert_count", None)
     if not experts or arch == "deepseek2":
         return {}
+    if arch == "llama":  # (llama.cpp writes Mixtral as `llama` with experts)
+        return {"architectures": ["MixtralForCausalLM"], "_config_class": "MixtralConfig",
+                "num_local_experts": int(experts),
+                "num_experts_per_tok": int(get("expert_used_count", 2)),
+                "sliding_window": None}
     shared = get("expert_shared_feed_forward_length", None)
     return {
         "num_experts": int(experts),

@@ -145,3 +145,7 @@ def test_wrong_layout_missing_file_and_foreign_tensor_are_named(tp2, tmp_path, c
     assert "exists" in capsys.readouterr().err
     assert cli(["convert", src, str(tmp_path / "one"), "--tp-size", "1"]) == 2
     assert "2 or more ranks" in capsys.readouterr().err
+    assert cli(["convert", src, str(tmp_path / "q"), "--tp-size", "2", "--outtype", "q8_0"]) == 2
+    assert "--dtype" in capsys.readouterr().err  # (a GGUF type means nothing for shards)
+    assert cli(["convert", src, str(tmp_path / "x.gguf"), "--dtype", "bfloat16"]) == 2
+    assert "--tp-size" in capsys.readouterr().err

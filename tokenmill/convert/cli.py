@@ -22,8 +22,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "read it), or a GGUF file to an HF folder.")
     p.add_argument("model", help="HF folder, .gguf file or hub name ORG/NAME")
     p.add_argument("out", help="the .gguf file, or the HF folder, to write")
-    p.add_argument("--outtype", choices=list(OUTTYPES), default="f16",
-                   help="GGUF weight type of 2-D tensors (norms and biases stay f32); "
+    p.add_argument("--outtype", choices=list(OUTTYPES), default=None,
+                   help="GGUF weight type of 2-D tensors (default f16; norms and biases f32); "
                         "q4_k_m / q5_k_m: llama.cpp's mixes (some tensors Q6_K); a row that "
                         "is no whole number of blocks takes llama.cpp's fallback type")
     p.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=None,
@@ -44,12 +44,13 @@ def _gguf_arch(hf_architecture: str) -> str:
 
     if hf_architecture == "DeepseekV3ForCausalLM":
         return "deepseek2"
-    if hf_architecture == "MistralForCausalLM":  # (as llama.cpp's converter writes it)
-        return "llama"
+    if hf_architecture in ("MistralForCausalLM", "MixtralForCausalLM"):  # (as llama.cpp's
+        return "llama"                                                   # converter does)
     for arch, (hf, _) in ARCHITECTURES.items():
         if hf == hf_architecture:
             return arch
-    supported = sorted({hf for hf, _ in ARCHITECTURES.values()} | {"DeepseekV3ForCausalLM"})
+    supported = sorted({hf for hf, _ in ARCHITECTURES.values()}
+                       | {"DeepseekV3ForCausalLM", "MixtralForCausalLM"})
     raise ValueError(f"{hf_architecture} cannot be written to GGUF; supported: "
                      f"{', '.join(supported)}.")
 
@@ -105,12 +106,23 @@ def to_hf(model: str, out: str) -> None:
     if config.model_type.startswith("deepseek"):  # (transformers' DeepSeek: plural)
         weights = {n.replace(".shared_expert.", ".shared_experts."): w
                    for n, w in weights.items()}
+    if config.model_type == "mixtral":  # (Mixtral checkpoints' own names)
+        weights = {_mixtral_checkpoint_name(n): w for n, w in weights.items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
     _save_tokenizer(load_gguf_tokenizer(model), tmp)
     if os.path.exists(out):
         raise ValueError(f"{out} exists; give a new folder.")
     os.replace(tmp, out)
+
+
+def _mixtral_checkpoint_name(name: str) -> str:
+    if ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for ours, theirs in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
+        name = name.replace(ours, theirs)
+    return name
 
 
 def _save_tokenizer(tokenizer, folder: str) -> None:
@@ -139,8 +151,15 @@ def run(argv: list[str]) -> int:
 
     args = make_parser().parse_args(argv)
     try:
+        sharding = args.tp_size is not None or args.pp_size != 1
+        if not sharding and (args.dtype or args.enable_expert_parallel):
+            raise ValueError("--dtype and --enable-expert-parallel go with --tp-size / "
+                             "--pp-size (a sharded folder); a GGUF file's type is --outtype.")
+        if args.outtype is not None and (sharding or args.model.endswith(".gguf")):
+            raise ValueError("--outtype is the type of a GGUF file written from an HF model; "
+                             "a sharded folder's float type is --dtype.")
         model = resolve_model_path(args.model)
-        if args.tp_size is not None or args.pp_size != 1:
+        if sharding:
             import torch
 
             from tokenmill.convert import sharded
@@ -152,7 +171,7 @@ def run(argv: list[str]) -> int:
         else:
             if not args.out.endswith(".gguf"):
                 raise ValueError("The output of an HF model is a .gguf file: name it *.gguf.")
-            to_gguf(model, args.out, args.outtype)
+            to_gguf(model, args.out, args.outtype or "f16")
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2

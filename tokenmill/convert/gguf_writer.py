@@ -78,10 +78,12 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_vocab_size(config.vocab_size)
-    if getattr(config, "num_experts", 0):
-        writer.add_expert_count(config.num_experts)
+    experts = getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "moe_intermediate_size", None):  # (Mixtral's: feed_forward_length)
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if getattr(config, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     extra = _ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
@@ -128,7 +130,7 @@ def _rope(config) -> dict:
 
 def _tensors(arch, state, config, layer_map):
     """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
-    state = dict(state)
+    state = {_mixtral_name(n): t for n, t in state.items()}
     _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
         gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]
@@ -162,6 +164,16 @@ def _tensors(arch, state, config, layer_map):
 
 
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _mixtral_name(name: str) -> str:
+    """Mixtral's `block_sparse_moe` and experts' w1 / w3 / w2 under the names of the others."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for theirs, ours in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+        name = name.replace(theirs, ours)
+    return name
 
 
 def _stack_experts(state: dict) -> None:
