@@ -217,11 +217,11 @@ LLAMA_CPP = os.path.expanduser("~/.cache/tokenmill-peers/llamacpp/bin/python")
 @pytest.mark.skipif(not os.path.exists(LLAMA_CPP), reason="no llama-cpp-python beside us")
 def test_llama_cpp_reads_the_file_alike(tiny_models, tmp_path):
     """Where the benchmark's llama.cpp (llama-cpp-python) is installed: it loads the
-    converted f16 and q8_0 files, tokenizes as tokenmill does and decodes the same greedy
-    tokens."""
-    src = tiny_models("llama")[0]
-    for outtype in ("f16", "q8_0"):
-        out = str(tmp_path / f"{outtype}.gguf")
+    converted f16 and q8_0 files (and a Mixtral's f16 file), tokenizes as tokenmill does and
+    decodes the same greedy tokens."""
+    for arch, outtype in (("llama", "f16"), ("llama", "q8_0"), ("mixtral", "f16")):
+        src = tiny_models(arch)[0]
+        out = str(tmp_path / f"{arch}-{outtype}.gguf")
         assert _convert(src, out, "--outtype", outtype).returncode == 0
         script = ("import json, sys\nfrom llama_cpp import Llama\n"
                   "llm = Llama(model_path=sys.argv[1], n_ctx=128, verbose=False)\n"
