@@ -107,22 +107,15 @@ def to_hf(model: str, out: str) -> None:
         weights = {n.replace(".shared_expert.", ".shared_experts."): w
                    for n, w in weights.items()}
     if config.model_type == "mixtral":  # (Mixtral checkpoints' own names)
-        weights = {_mixtral_checkpoint_name(n): w for n, w in weights.items()}
+        from tokenmill.gguf_archs import mixtral_name
+
+        weights = {mixtral_name(n, to_checkpoint=True): w for n, w in weights.items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
     _save_tokenizer(load_gguf_tokenizer(model), tmp)
     if os.path.exists(out):
         raise ValueError(f"{out} exists; give a new folder.")
     os.replace(tmp, out)
-
-
-def _mixtral_checkpoint_name(name: str) -> str:
-    if ".mlp." not in name:
-        return name
-    name = name.replace(".mlp.", ".block_sparse_moe.")
-    for ours, theirs in ((".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2.")):
-        name = name.replace(ours, theirs)
-    return name
 
 
 def _save_tokenizer(tokenizer, folder: str) -> None:

@@ -130,7 +130,7 @@ def _rope(config) -> dict:
 
 def _tensors(arch, state, config, layer_map):
     """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
-    state = {_mixtral_name(n): t for n, t in state.items()}
+    state = {gguf_archs.mixtral_name(n): t for n, t in state.items()}
     _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
         gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]
@@ -164,16 +164,6 @@ def _tensors(arch, state, config, layer_map):
 
 
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-
-
-def _mixtral_name(name: str) -> str:
-    """Mixtral's `block_sparse_moe` and experts' w1 / w3 / w2 under the names of the others."""
-    if ".block_sparse_moe." not in name:
-        return name
-    name = name.replace(".block_sparse_moe.", ".mlp.")
-    for theirs, ours in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
-        name = name.replace(theirs, ours)
-    return name
 
 
 def _stack_experts(state: dict) -> None:

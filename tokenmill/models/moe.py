@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from tokenmill.gguf_archs import mixtral_name
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.llama import MLP, LlamaForCausalLM
 
@@ -40,10 +41,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         """Mixtral's `block_sparse_moe` is our `mlp`; its experts' w1 = gate, w3 = up, w2 =
-        down."""
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        for ours, theirs, shard in (("gate_up_proj", "w1", 0), ("gate_up_proj", "w3", 1),
-                                    ("down_proj", "w2", None)):
-            if f".{theirs}." in name:
-                return name.replace(f".{theirs}.", f".{ours}."), shard
-        return super().checkpoint_target(name)
+        down (gguf_archs.mixtral_name, which the converter uses too)."""
+        return super().checkpoint_target(mixtral_name(name))
