@@ -167,7 +167,8 @@ def verified_files(root: str, node: tuple[int, int] | None = None) -> list[str] 
     files = _marker(root)
     if not files:
         return None
-    if any(_needed_ranks(root, node) - set(files)):
+    needed = _needed_ranks(root, node)
+    if needed is None or needed - set(files):
         return None
     for name, meta in files.items():
         path = os.path.join(root, name)
@@ -177,7 +178,9 @@ def verified_files(root: str, node: tuple[int, int] | None = None) -> list[str] 
     return list(files)
 
 
-def _needed_ranks(root: str, node: tuple[int, int] | None) -> set[str]:
+def _needed_ranks(root: str, node: tuple[int, int] | None) -> set[str] | None:
+    """The rank files of a pre-sharded snapshot that `node` loads (every one without a node);
+    None where its sharding file cannot be read."""
     from tokenmill.convert.sharded import SHARDING, is_sharded, layout
 
     try:
@@ -185,7 +188,7 @@ def _needed_ranks(root: str, node: tuple[int, int] | None) -> set[str]:
             return set()
         names = list(layout(root)["files"])
     except (OSError, ValueError, KeyError, TypeError):
-        return {"(an unreadable sharding file)"}
+        return None
     return set(names) - others_rank_files(names + [SHARDING], *node) \
         if node is not None else set(names)
 
