@@ -85,27 +85,33 @@ def fetch(repo: str, revision: str | None = None, local_dir: str | None = None,
     """Downloads what the engine needs of `repo` and verifies it; returns what to load (the
     folder, or the GGUF file). `node` (node_rank, nnodes): of a pre-sharded checkpoint only
     that node's ranks' files. `source`: "hf" or "modelscope" (modelscope.py)."""
-    if source == "modelscope":
-        from tokenmill.hub import modelscope
-        return modelscope.fetch(repo, revision, local_dir, gguf_file, gguf_quant, include,
-                                exclude, endpoint, cache_dir, token, recheck, node)
-    from huggingface_hub import snapshot_download
+    from tokenmill.hub import modelscope
 
+    ms = source == "modelscope"
     try:
-        commit, files = remote_files(repo, revision, endpoint, token)
+        listed = modelscope.remote_files if ms else remote_files
+        pinned, files = listed(repo, revision, endpoint, token)
         chosen = select_files([f.name for f in files], gguf_file, gguf_quant, include, exclude,
                               node)
-        root = snapshot_download(repo, revision=commit, local_dir=local_dir,
-                                 cache_dir=cache_dir, allow_patterns=chosen,
-                                 endpoint=endpoint, token=token)
+        fetch_files = modelscope.download if ms else _hf_download
+        root = fetch_files(repo, pinned, chosen, local_dir, cache_dir, endpoint, token)
     except HubError:
         raise
     except Exception as exc:  # every failure of the hub or the disk, named in one line
-        raise _explain(exc, repo, revision, endpoint) from None
-    if (revision or "main") != commit and local_dir is None:
-        _write_ref(cache_dir, repo, revision or "main", commit)
+        raise (modelscope.explain(exc, repo, revision) if ms
+               else _explain(exc, repo, revision, endpoint)) from None
+    if not ms and (revision or "main") != pinned and local_dir is None:
+        _write_ref(cache_dir, repo, revision or "main", pinned)
     verify(root, [f for f in files if f.name in chosen], recheck)
     return model_location(root, chosen)
+
+
+def _hf_download(repo: str, commit: str, chosen: list[str], local_dir: str | None,
+                 cache_dir: str | None, endpoint: str | None, token) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo, revision=commit, local_dir=local_dir, cache_dir=cache_dir,
+                             allow_patterns=chosen, endpoint=endpoint, token=token)
 
 
 def _write_ref(cache_dir, repo, revision, commit) -> None:

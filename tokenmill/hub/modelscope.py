@@ -1,23 +1,17 @@
 """Models from ModelScope (`--source modelscope`, or names resolved there with
 TOKENMILL_USE_MODELSCOPE=1 / vLLM's VLLM_USE_MODELSCOPE=1), through the optional `modelscope`
 package (`pip install 'tokenmill[modelscope]'`; MODELSCOPE_ENDPOINT, MODELSCOPE_CACHE and
-MODELSCOPE_API_TOKEN are read by it). The same files are chosen as from the Hugging Face Hub
-(download.py), the same checks made: each file's size and sha256 against ModelScope's listing,
-the snapshot marked verified, failures in one line."""
+MODELSCOPE_API_TOKEN are read by it): its listing and download, which fetch.fetch runs as it
+runs the Hugging Face Hub's, so the same files are chosen (download.py) and the same checks
+made (sizes and sha256 against ModelScope's listing, the snapshot marked verified, failures in
+one line)."""
 
 from __future__ import annotations
 
 import errno
 import logging
 
-from tokenmill.hub.download import (
-    HubError,
-    RemoteFile,
-    model_location,
-    select_files,
-    verified_files,
-    verify,
-)
+from tokenmill.hub.download import HubError, RemoteFile, model_location, verified_files
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +29,9 @@ def _client():
     return HubApi, snapshot_download
 
 
-def _explain(exc: BaseException, repo: str, revision: str | None) -> HubError:
+def explain(exc: BaseException, repo: str, revision: str | None) -> HubError:
+    """A failure of modelscope or the disk as one line (`revision`: the one asked for)."""
+    revision = None if revision == DEFAULT_REVISION else revision
     names = {c.__name__ for c in type(exc).__mro__}
     if "NotExistError" in names or "NoValidRevisionError" in names:
         what = f"no revision {revision!r}" if revision else "no such model (or it is private)"
@@ -60,31 +56,26 @@ def _explain(exc: BaseException, repo: str, revision: str | None) -> HubError:
     return HubError(f"Downloading {repo} from ModelScope failed: {type(exc).__name__}.")
 
 
-def fetch(repo: str, revision: str | None = None, local_dir: str | None = None,
-          gguf_file: str | None = None, gguf_quant: str | None = None,
-          include: list[str] | None = None, exclude: list[str] | None = None,
-          endpoint: str | None = None, cache_dir: str | None = None, token=None,
-          recheck: bool = False, node: tuple[int, int] | None = None) -> str:
-    """As fetch.fetch, from ModelScope."""
-    hub_api, snapshot_download = _client()
+def remote_files(repo: str, revision: str | None, endpoint: str | None, token
+                 ) -> tuple[str, list[RemoteFile]]:
+    """The revision to download (ModelScope's snapshots are keyed by it) and the
+    repository's files with their sizes and sha256."""
+    hub_api, _ = _client()
     revision = revision or DEFAULT_REVISION
-    try:
-        listing = hub_api(endpoint=endpoint, token=token).get_model_files(
-            repo, revision=revision, recursive=True)
-        files = [RemoteFile(f.get("Path") or f.get("Name"), _size(f), f.get("Sha256") or None,
-                            None) for f in listing if (f.get("Type") or "blob") != "tree"]
-        chosen = select_files([f.name for f in files], gguf_file, gguf_quant, include, exclude,
-                              node)
-        root = snapshot_download(repo, revision=revision, cache_dir=cache_dir,
-                                 local_dir=local_dir, allow_patterns=chosen, token=token,
-                                 endpoint=endpoint)
-    except HubError:
-        raise
-    except Exception as exc:  # every failure of the hub or the disk, named in one line
-        raise _explain(exc, repo, revision if revision != DEFAULT_REVISION else None) \
-            from None
-    verify(root, [f for f in files if f.name in chosen], recheck)
-    return model_location(root, chosen)
+    listing = hub_api(endpoint=endpoint, token=token).get_model_files(
+        repo, revision=revision, recursive=True)
+    return revision, [RemoteFile(f.get("Path") or f.get("Name"), _size(f),
+                                 f.get("Sha256") or None, None)
+                      for f in listing if (f.get("Type") or "blob") != "tree"]
+
+
+def download(repo: str, revision: str, chosen: list[str], local_dir: str | None,
+             cache_dir: str | None, endpoint: str | None, token) -> str:
+    """modelscope's snapshot download of the chosen files (resumed, hashed as they come);
+    returns the snapshot folder."""
+    _, snapshot_download = _client()
+    return snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_dir=local_dir,
+                             allow_patterns=chosen, token=token, endpoint=endpoint)
 
 
 def _size(entry: dict) -> int | None:
