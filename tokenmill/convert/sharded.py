@@ -23,11 +23,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.hub.download import SMALL  # (configs, tokenizer, template: what travels along)
+
 SHARDING = "tokenmill_sharding.json"
 FORMAT = "tokenmill-sharded"
 ROW_ABSMAX = ".row_absmax"
-# what travels with the weights (as hub/download.py fetches: configs, tokenizer, template)
-_SMALL = ("*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt", "*.jinja")
 _NOT_COPIED = ("model.safetensors.index.json", SHARDING)
 
 
@@ -117,7 +117,7 @@ def _write_config(model: str, out: str, hf_config: Any, dtype: torch.dtype, gguf
         for name in sorted(os.listdir(model)):
             if os.path.isfile(os.path.join(model, name)) and not name.startswith(".") \
                     and name not in _NOT_COPIED \
-                    and any(fnmatch.fnmatch(name, p) for p in _SMALL):
+                    and any(fnmatch.fnmatch(name, p) for p in SMALL):
                 shutil.copyfile(os.path.join(model, name), os.path.join(out, name))
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
