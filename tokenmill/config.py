@@ -198,6 +198,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "seed": pick(args.seed, None, 0),
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
+        "attention_backend": pick(args.attention_backend, None, "auto"),
+        "enforce_eager": bool(args.enforce_eager),
         "speculative_config": pick(args.speculative_config, from_seed(
             env.text("SPECULATE_METHOD"), env.integer("SPECULATE_MAX_DRAFT_TOKEN_NUM"),
             env.integer("SPECULATE_MAX_NGRAM_SIZE"), env.text("SPECULATE_MODEL_PATH"),
@@ -246,7 +248,6 @@ _IGNORED = {
     "num_scheduler_steps": ("--num-scheduler-steps", "every step is scheduled anew"),
     "trust_remote_code": ("--trust-remote-code", "tokenmill never runs a checkpoint's own "
                           "code; it serves the architectures it implements"),
-    "enforce_eager": ("--enforce-eager", "no CUDA graphs are captured yet"),
     "disable_async_output_proc": ("--disable-async-output-proc",
                                   "outputs are processed in the API process already"),
 }
@@ -325,6 +326,14 @@ def md5_check(environ=None) -> bool:
     import os
 
     return bool(_Env(os.environ if environ is None else environ).flag("MD5_CHECK"))
+
+
+def triton_interpreted(environ=None) -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run in its interpreter (on the CPU)."""
+    import os
+
+    found = _Env(os.environ if environ is None else environ).raw("TRITON_INTERPRET")
+    return found is not None and found[1].strip().lower() in ("1", "true", "on", "yes")
 
 
 def hub_source(environ=None) -> str:

@@ -33,6 +33,10 @@ class EngineConfig:
     # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 K/V with per-head scales
+    # auto: triton on GPUs, torch (compiled kernels + SDPA) on the CPU; triton on the CPU runs
+    # in Triton's interpreter (TRITON_INTERPRET=1: tests)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs (GPU decode steps run op by op)
     # vLLM's --speculative-config (a dict, its JSON text, or a SpeculativeConfig); None: off
     speculative_config: Any = None
     # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
@@ -143,6 +147,9 @@ class EngineConfig:
                              f"{self.node_rank}.")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be a TCP port, got {self.master_port}.")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
+                             f"{self.attention_backend!r}.")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError("kv_cache_dtype must be 'auto' or 'int8', got "
                              f"{self.kv_cache_dtype!r}.")

@@ -41,6 +41,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "checkpoint is")
     a("--kv-cache-dtype", default=None, choices=["auto", "int8"],
       help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1)")
+    a("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+      help="auto: triton on GPUs, torch on the CPU")
     a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
     a("--speculative-config", default=None, help="JSON (env SPECULATE_METHOD, SPECULATE_*)")
     a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
@@ -75,7 +77,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
     a("--num-scheduler-steps", type=int, default=None, help="accepted, no effect (vLLM)")
     a("--trust-remote-code", action="store_true", default=None, help="accepted; no code is run")
-    a("--enforce-eager", action="store_true", default=None, help="no effect: no CUDA graphs yet")
+    a("--enforce-eager", action="store_true", default=None,
+      help="GPU: run decode steps op by op (no CUDA graphs)")
     a("--disable-async-output-proc", action="store_true", default=None, help="no effect (vLLM)")
     a("--seed", type=int, default=None)
     a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")

@@ -69,7 +69,7 @@ def test_vllm_deployment_command_line_runs_unchanged(tiny_models, tmp_path):
             "model": "tiny", "prompt": "The quick", "max_tokens": 4}).json()
         assert answer["usage"]["completion_tokens"] == 4
     log = served.process.stdout.read().decode()
-    for flag in ("--num-scheduler-steps", "--trust-remote-code", "--enforce-eager",
+    for flag in ("--num-scheduler-steps", "--trust-remote-code",
                  "--disable-async-output-proc"):
         assert f"{flag}: accepted, no effect here" in log, log[-2000:]
 

@@ -72,6 +72,8 @@ class KeptRows:
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends each query over its sequence's cache.
 
+    Backends: torch_sdpa.py (CPU, and the reference of the GPU path), triton/ (GPUs, and
+    the CPU under TRITON_INTERPRET=1), reference.py (tests).
     Shapes: q [T, Hq, D], k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] (int8
     caches: D + 4 bytes per row, see quantization/kv_cache.py); returns [T, Hq, D].
     Causality is bottom-right aligned: query i of a sequence with context c sees keys
@@ -85,8 +87,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """Attention output [T, Hq, D] for this step's queries (new K/V written first)."""
+                scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """Attention output [T, Hq, D] for this step's queries (new K/V written first);
+        `window`: a query at position p sees keys p - window + 1 .. p; `softcap`: scores ->
+        softcap * tanh(scores / softcap) (Gemma 2)."""
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

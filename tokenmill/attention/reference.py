@@ -12,7 +12,8 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 class ReferenceBackend(AttentionBackend):
     """For tests only: every other backend is compared against this one."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
@@ -25,10 +26,13 @@ class ReferenceBackend(AttentionBackend):
                                     torch.float32)
             context = meta.context_lens[s]
             for i in range(hi - lo):
-                visible = context + i + 1
+                visible = context + i + 1  # keys first .. visible - 1
+                first = 0 if window is None else max(0, visible - window)
                 for h in range(q.shape[1]):
                     kv_h = h // group
-                    scores = keys[:visible, kv_h] @ q[lo + i, h].float() * scale
+                    scores = keys[first:visible, kv_h] @ q[lo + i, h].float() * scale
+                    if softcap is not None:
+                        scores = softcap * torch.tanh(scores / softcap)
                     probs = torch.softmax(scores, dim=0)
-                    out[lo + i, h] = (probs @ values[:visible, kv_h]).to(q.dtype)
+                    out[lo + i, h] = (probs @ values[first:visible, kv_h]).to(q.dtype)
         return out

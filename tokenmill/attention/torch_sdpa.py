@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tokenmill import csrc
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.window import masked_attention
 
 
 def _group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -106,8 +107,11 @@ class TorchSDPABackend(AttentionBackend):
             plan.decode_gather = _DecodeGather(blocks, max_len, mask.view(nd, 1, 1, max_len))
         return plan.decode_gather
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if window is not None or softcap is not None:
+            return masked_attention(q, k_cache, v_cache, meta, scale, window, softcap)
         plan: _StepPlan = meta.backend_data
         num_kv_heads = k.shape[1]
         out = torch.empty_like(q)

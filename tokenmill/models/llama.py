@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
-from tokenmill.attention.window import masked_attention
 from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -93,11 +92,7 @@ class Attention(nn.Module):
             if not kept.count:
                 return x.new_empty(0, x.shape[1])
             q, k, v, meta, t = q[kept.rows], k[kept.rows], v[kept.rows], kept.meta, kept.count
-        if self.window is None and self.softcap is None:
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        else:
-            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = masked_attention(q, self.k_cache, self.v_cache, meta, self.scale,
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                    self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 

@@ -19,15 +19,6 @@ def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
     return max(0, budget_bytes // block_bytes)
 
 
-def gpu_kv_budget_bytes(device: torch.device, utilization: float) -> int:
-    """What is left for KV of `utilization` x device memory once the weights are resident.
-
-    Activation memory is not profiled yet, so `utilization` must leave room for it."""
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return int(total * utilization) - used
-
-
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device,
                       values: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:

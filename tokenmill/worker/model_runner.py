@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, KeptRows
-from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
@@ -18,6 +17,7 @@ from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
+from tokenmill.platforms import get_platform
 from tokenmill.spec_decode.rejection import verify
 from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker import kv_cache
@@ -72,12 +72,7 @@ def resolve_device(name: str, rank: int = 0, ranks_per_node: int = 1) -> torch.d
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cpu":
-        return torch.float32  # CPU 16-bit matmuls are slower than fp32 without AMX
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, config_dtype, None)
-    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return get_platform(device).default_dtype(hf_config)
 
 
 def keep_freed_cpu_memory() -> None:
@@ -107,6 +102,7 @@ class ModelRunner:
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
         self.device = resolve_device(config.device, self.world.rank, config.ranks_per_node)
+        self.platform = get_platform(self.device)
         # pipeline parallel: the hand-offs between stages
         self.link = StageLink(self.world, self.device) if self.world.pp_size > 1 else None
         if self.device.type == "cpu":
@@ -121,7 +117,7 @@ class ModelRunner:
         kv_int8 = config.kv_cache_dtype == "int8" or hasattr(hf_config,
                                                              "infer_model_cachekv_int8_type")
         self.kv_dtype = torch.int8 if kv_int8 else self.dtype
-        self.backend = TorchSDPABackend()
+        self.backend = self.platform.attention_backend(config.attention_backend)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
@@ -169,11 +165,8 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        gib = self.config.kv_cache_memory_gib
-        if self.device.type == "cuda" and gib is None:
-            budget = kv_cache.gpu_kv_budget_bytes(self.device, self.config.gpu_memory_utilization)
-        else:
-            budget = int((4.0 if gib is None else gib) * 2**30)
+        budget = self.platform.kv_budget_bytes(self.config.kv_cache_memory_gib,
+                                               self.config.gpu_memory_utilization)
         num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)
         if num_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise kv_cache_memory_gib / "

@@ -1,0 +1,61 @@
+"""`TritonBackend`: every step's attention in one launch of the Triton kernel (kernels.py),
+decodes and prompt chunks together, from tensors alone (the block table, sequence lengths
+and query offsets), so a decode step can be captured in a CUDA graph and replayed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.triton import kernels
+
+
+@dataclass
+class TritonStep:
+    """What every layer's launch of a step shares."""
+
+    q_start: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query row
+    max_query_len: int
+    splits: int  # key ranges per decode (flash-decoding); 1 with any prompt in the step
+
+
+def decode_splits(num_seqs: int, longest: int) -> int:
+    """Key ranges per sequence for a decode-only step: enough programs to fill a GPU when
+    few sequences are long; one range when keys are few (below 512) or sequences many."""
+    if longest < 512:
+        return 1
+    splits = 1
+    while splits < 16 and num_seqs * splits < 64 and longest // (splits * 2) >= 256:
+        splits *= 2
+    return splits
+
+
+class TritonBackend(AttentionBackend):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        loc = meta.query_start_loc
+        max_query_len = max((b - a for a, b in zip(loc, loc[1:])), default=0)
+        splits = 1
+        if max_query_len == 1:
+            splits = decode_splits(meta.num_seqs, max(meta.context_lens, default=0) + 1)
+        meta.backend_data = TritonStep(
+            torch.tensor(loc, dtype=torch.int32, device=meta.seq_lens.device),
+            max_query_len, splits)
+
+    @staticmethod
+    def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+        kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        step: TritonStep = meta.backend_data
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out = q.new_empty(q.shape)
+        if meta.num_seqs == 0:
+            return out
+        return kernels.paged_attention(q, k_cache, v_cache, out, meta.block_table,
+                                       meta.seq_lens, step.q_start, step.max_query_len,
+                                       scale, window, softcap, step.splits)

@@ -1,0 +1,208 @@
+"""Triton kernels over the paged KV cache: the K/V write and one attention kernel for mixed
+steps (decodes and prompt chunks with cached context in the same launch).
+
+Attention: one program per (sequence, KV head, block of query tokens). Its rows are the
+query tokens times the G query heads sharing that KV head (grouped-query attention without
+copying K/V), so a decode's G heads fill one `tl.dot`. Keys are read where they lie, a
+`BLOCK_N` run at a time through the block table, with an online softmax in float32;
+causality is bottom-right (query i of a sequence with context c sees keys 0..c+i), optionally
+limited to a sliding window and soft-capped (Gemma 2). Decode-only launches can split each
+sequence's keys over `splits` programs (flash-decoding) whose partial sums a second kernel
+merges, so a batch of one still fills the GPU on long contexts.
+
+int8 caches hold D int8 values and their float32 scale per row (quantization/kv_cache.py);
+the kernels read and write that layout. Checked on the CPU under TRITON_INTERPRET=1 against
+attention/reference.py; the same code runs on GPUs."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_kh, stride_vt,
+              stride_vh, stride_slot, stride_head, D, D_PAD: tl.constexpr, INT8: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:  # a negative slot: a padding row (CUDA-graph batches), written nowhere
+        d = tl.arange(0, D_PAD)
+        ok = d < D
+        dst = slot * stride_slot + h * stride_head
+        k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok, other=0.0)
+        if INT8:
+            k_scale = tl.maximum(tl.max(tl.abs(k.to(tl.float32)), 0) / 127.0, 1e-12)
+            v_scale = tl.maximum(tl.max(tl.abs(v.to(tl.float32)), 0) / 127.0, 1e-12)
+            # round half to even, as torch.round: the float32 magic-number trick
+            kq = (k.to(tl.float32) / k_scale + 12582912.0) - 12582912.0
+            vq = (v.to(tl.float32) / v_scale + 12582912.0) - 12582912.0
+            kq = tl.minimum(tl.maximum(kq, -127.0), 127.0)
+            vq = tl.minimum(tl.maximum(vq, -127.0), 127.0)
+            tl.store(k_cache + dst + d, kq.to(tl.int8), mask=ok)
+            tl.store(v_cache + dst + d, vq.to(tl.int8), mask=ok)
+            tl.store((k_cache + dst + D).to(tl.pointer_type(tl.float32)), k_scale)
+            tl.store((v_cache + dst + D).to(tl.pointer_type(tl.float32)), v_scale)
+        else:
+            tl.store(k_cache + dst + d, k.to(k_cache.dtype.element_ty), mask=ok)
+            tl.store(v_cache + dst + d, v.to(v_cache.dtype.element_ty), mask=ok)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] into the caches [blocks, block_size, Hkv, D (+4 for int8)] at
+    `slot_mapping` (negative slots skipped)."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    _write_kv[(t, hkv)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
+                        v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), d,
+                        D_PAD=triton.next_power_of_2(d), INT8=k_cache.dtype == torch.int8)
+
+
+@triton.jit
+def _load_rows(cache, s_off, d, D, n_ok, d_ok, INT8: tl.constexpr, dtype: tl.constexpr):
+    """[D_PAD, BLOCK_N] of the keys / values at row offsets `s_off`, in `dtype`."""
+    x = tl.load(cache + s_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                other=0)
+    if INT8:
+        scale = tl.load((cache + s_off + D).to(tl.pointer_type(tl.float32)), mask=n_ok,
+                        other=0.0)
+        return (x.to(tl.float32) * scale[None, :]).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
+def _attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, block_table, seq_lens, q_start,
+               stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
+               stride_head, scale, softcap, window, block_size, D,
+               G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+               D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+               SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr,
+               PRECISION: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pid2 = tl.program_id(2)  # the query block, or (decode splits) the key range
+    m = pid2 // SPLITS
+    split = pid2 % SPLITS
+    q_lo = tl.load(q_start + s)
+    q_len = tl.load(q_start + s + 1) - q_lo
+    if m * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens + s).to(tl.int32)
+        context = seq_len - q_len
+        r = tl.arange(0, BLOCK_Q * G_PAD)
+        tok = m * BLOCK_Q + r // G_PAD
+        head = kvh * G + r % G_PAD
+        row_ok = (tok < q_len) & (r % G_PAD < G)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < D
+        q = tl.load(q_ptr + (q_lo + tok)[:, None].to(tl.int64) * stride_qt
+                    + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        pos = context + tok  # each row's position in its sequence
+        hi = context + tl.minimum((m + 1) * BLOCK_Q, q_len)  # past the block's last query
+        lo = 0
+        if WINDOW:
+            lo = tl.maximum(context + m * BLOCK_Q - window + 1, 0)
+        lo = lo // BLOCK_N * BLOCK_N
+        if SPLITS > 1:  # this program's share of the keys, whole BLOCK_N runs
+            per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+            lo = lo + split * per
+            hi = tl.minimum(hi, lo + per)
+        m_i = tl.full((BLOCK_Q * G_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_Q * G_PAD,), tl.float32)
+        acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), tl.float32)
+        bt = block_table + s.to(tl.int64) * stride_bt
+        for start in range(lo, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            blk = tl.load(bt + n // block_size, mask=n_ok, other=0).to(tl.int64)
+            s_off = (blk * block_size + n % block_size) * stride_slot + kvh * stride_head
+            k = _load_rows(k_cache, s_off, d, D, n_ok, d_ok, INT8, q.dtype)  # [D_PAD, BLOCK_N]
+            qk = tl.dot(q, k, input_precision=PRECISION) * scale
+            if SOFTCAP:
+                qk = softcap * (2.0 * tl.sigmoid(2.0 * qk / softcap) - 1.0)  # cap * tanh
+            visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+            if WINDOW:
+                visible = visible & (n[None, :] > pos[:, None] - window)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.trans(_load_rows(v_cache, s_off, d, D, n_ok, d_ok, INT8, q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        rows = (q_lo + tok).to(tl.int64)
+        if SPLITS > 1:  # partial (max, sum, acc) per row for the merge kernel
+            idx = ((rows * (G * tl.num_programs(1)) + head) * SPLITS + split)
+            part = part_ptr + idx * (D_PAD + 2)
+            tl.store(part[:, None] + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(part + D_PAD, m_i, mask=row_ok)
+            tl.store(part + D_PAD + 1, l_i, mask=row_ok)
+        else:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
+                     + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits(part_ptr, out_ptr, stride_ot, stride_oh, H, D, D_PAD: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D_PAD)
+    part = part_ptr + ((t.to(tl.int64) * H + h) * SPLITS + sp) * (D_PAD + 2)
+    m = tl.load(part + D_PAD)
+    l_s = tl.load(part + D_PAD + 1)
+    acc = tl.load(part[:, None] + d[None, :])
+    top = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(top == float("-inf"), 0.0, top)))
+    total = tl.sum(l_s * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    q_start: torch.Tensor, max_query_len: int, scale: float,
+                    window: int | None = None, softcap: float | None = None,
+                    splits: int = 1) -> torch.Tensor:
+    """out [T, Hq, D] = attention of q [T, Hq, D] (rows of each sequence at q_start[s] ..
+    q_start[s + 1]) over its sequence's cached keys (seq_lens[s] of them, this step's
+    included). `splits` > 1 only for decode-only steps (max_query_len 1)."""
+    num_seqs = block_table.shape[0]
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    d_pad = max(16, triton.next_power_of_2(d))
+    int8 = k_cache.dtype == torch.int8
+    if int8 and d % 4:
+        raise ValueError("int8 KV caches need a head size that is a multiple of 4")
+    rows = 16 if max_query_len == 1 else 64
+    block_q = max(1, rows // g_pad)
+    if max_query_len > 1:
+        splits = 1
+    grid = (num_seqs, hkv, triton.cdiv(max_query_len, block_q) * splits)
+    part = (torch.empty(q.shape[0], hq, splits, d_pad + 2, dtype=torch.float32,
+                        device=q.device) if splits > 1 else out)
+    _attention[grid](
+        q, k_cache, v_cache, out, part, block_table, seq_lens, q_start, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), k_cache.stride(1),
+        k_cache.stride(2), scale, float(softcap or 1.0), int(window or 0),
+        k_cache.shape[1], d, G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=d_pad,
+        BLOCK_N=32 if max_query_len == 1 else 64, SPLITS=splits, SOFTCAP=softcap is not None,
+        WINDOW=window is not None, INT8=int8,
+        # float32 queries: TF32 only where torch's own matmuls would use it
+        PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+    if splits > 1:
+        _merge_splits[(q.shape[0], hq)](part, out, out.stride(0), out.stride(1), hq, d,
+                                        D_PAD=d_pad, SPLITS=splits)
+    return out

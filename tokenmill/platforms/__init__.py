@@ -1,0 +1,69 @@
+"""What depends on the device, behind one small interface: the default dtype, the attention
+backend, the KV-cache budget and whether decode steps are captured as CUDA graphs. The model
+runner asks the `Platform` of its device; models never branch on the device.
+
+Built in: cpu.py and cuda.py. An out-of-tree device (as vLLM-Ascend plugs an NPU into vLLM)
+registers its own `Platform` subclass for its torch device type, either by calling
+`register_platform` or through a `tokenmill.platforms` entry point naming the class."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend
+
+
+class Platform:
+    """The interface; cpu.py and cuda.py implement it."""
+
+    device_type = ""
+    supports_graphs = False  # decode steps captured as graphs and replayed
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def default_dtype(self, hf_config: Any) -> torch.dtype:
+        """The dtype of "auto"."""
+        raise NotImplementedError
+
+    def attention_backend(self, choice: str) -> AttentionBackend:
+        """The backend for `choice` ("auto", "torch", "triton"), or a ValueError saying why
+        this device has none of that name."""
+        raise NotImplementedError
+
+    def kv_budget_bytes(self, gib: float | None, utilization: float) -> int:
+        """Bytes for K/V blocks: `gib` when set, else this device's default."""
+        raise NotImplementedError
+
+
+_PLATFORMS: dict[str, type[Platform]] = {}
+
+
+def register_platform(cls: type[Platform]) -> type[Platform]:
+    _PLATFORMS[cls.device_type] = cls
+    return cls
+
+
+def get_platform(device: torch.device) -> Platform:
+    if device.type not in _PLATFORMS:
+        from tokenmill.platforms import cpu, cuda  # noqa: F401 - they register themselves
+
+        for point in entry_points(group="tokenmill.platforms"):
+            if point.name == device.type:
+                register_platform(point.load())
+    if device.type not in _PLATFORMS:
+        raise ValueError(f"No tokenmill platform for device type {device.type!r}; built in: "
+                         f"{', '.join(sorted(_PLATFORMS))}.")
+    return _PLATFORMS[device.type](device)
+
+
+def triton_backend() -> AttentionBackend:
+    try:
+        from tokenmill.attention.triton.backend import TritonBackend
+    except ImportError:
+        raise ValueError("attention_backend 'triton' needs the triton package "
+                         "(pip install triton)") from None
+    return TritonBackend()

@@ -1,0 +1,45 @@
+"""NVIDIA GPUs: the checkpoint's 16-bit dtype (bf16 when it names none), the Triton backend,
+the KV budget from `gpu_memory_utilization` once the weights are resident, decode steps as
+CUDA graphs (worker/cuda_graphs.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.platforms import Platform, register_platform, triton_backend
+
+
+@register_platform
+class CudaPlatform(Platform):
+    device_type = "cuda"
+    supports_graphs = True
+
+    def default_dtype(self, hf_config: Any) -> torch.dtype:
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype, None)
+        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+    def attention_backend(self, choice: str) -> AttentionBackend:
+        if choice == "torch":
+            from tokenmill.attention.torch_sdpa import TorchSDPABackend
+
+            return TorchSDPABackend()
+        try:
+            return triton_backend()
+        except ValueError:
+            if choice == "triton":
+                raise
+            from tokenmill.attention.torch_sdpa import TorchSDPABackend
+
+            return TorchSDPABackend()  # auto without triton installed
+
+    def kv_budget_bytes(self, gib: float | None, utilization: float) -> int:
+        if gib is not None:
+            return int(gib * 2**30)
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Activation memory is not profiled: `utilization` must leave room for it.
+        return int(total * utilization) - (total - free)
