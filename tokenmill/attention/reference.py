@@ -21,9 +21,10 @@ class ReferenceBackend(AttentionBackend):
             lo, hi = meta.query_start_loc[s], meta.query_start_loc[s + 1]
             seq_len = int(meta.seq_lens[s])
             n_blocks = math.ceil(seq_len / meta.block_size)
-            keys = self.gather_kv(k_cache, meta.block_table[s, :n_blocks], seq_len, torch.float32)
+            keys = self.gather_kv(k_cache, meta.block_table[s, :n_blocks], seq_len,
+                                  torch.float32).float()
             values = self.gather_kv(v_cache, meta.block_table[s, :n_blocks], seq_len,
-                                    torch.float32)
+                                    torch.float32).float()
             context = meta.context_lens[s]
             for i in range(hi - lo):
                 visible = context + i + 1  # keys first .. visible - 1

@@ -118,6 +118,8 @@ class SparseMoE(nn.Module):
     (DeepSeek-V3's `grouped_top_k`; the router holds `e_score_correction_bias`); `grouped`:
     (n_group, topk_group, routed_scaling_factor) of the DeepSeek routers."""
 
+    host_sync = True  # tokens are grouped by expert on the host: no CUDA graph capture
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
                  make_expert: Callable[[bool], nn.Module],
                  shared_expert: nn.Module | None = None,

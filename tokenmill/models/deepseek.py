@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 class MLAttention(nn.Module):
     stores_values = False  # the cache holds one latent row per token: no V cache
 
+    host_sync = True  # per-sequence loops over host lengths: no CUDA graph capture
+
     def __init__(self, config: Any, scale: float, interleaved: bool) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads

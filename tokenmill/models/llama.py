@@ -321,6 +321,14 @@ class LlamaForCausalLM(nn.Module):
     def holds(self, name: str) -> bool:
         return self.model.holds(name)
 
+    @property
+    def graphable(self) -> bool:
+        """Whether a step's forward runs without waiting on the host (a CUDA graph can hold
+        it): not with mixture-of-experts layers or latent attention (`host_sync`)."""
+        layers = [self.model.layers[i] for i in self.model.stage_layers]
+        return not any(getattr(part, "host_sync", False)
+                       for layer in layers for part in (layer.self_attn, layer.mlp))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on tensor-parallel rank 0; None on the others."""
         return self.lm_head.logits(hidden)

@@ -159,8 +159,28 @@ class ModelRunner:
             self.decode_step = None
         else:
             self.decode_step.max_rows = rows
+        self.graphs = self._decode_graphs(max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
+
+    def _decode_graphs(self, max_model_len: int):
+        """Plain decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one
+        rank, the Triton backend, no draft heads, a model whose forward has no host syncs."""
+        from tokenmill.attention.triton.backend import TritonBackend
+
+        if not (self.platform.supports_graphs and not self.config.enforce_eager
+                and self.world.size == 1 and self.heads is None and self.decode_step is None
+                and getattr(self.model, "graphable", False)
+                and isinstance(self.backend, TritonBackend)):
+            return None
+        from tokenmill.worker.cuda_graphs import DecodeGraphs
+
+        with torch.inference_mode():
+            graphs = DecodeGraphs(self.model, self.device, self.block_size,
+                                  self.config.max_num_seqs, max_model_len,
+                                  capture=self.device.type == "cuda")
+        logger.info("Decode steps as CUDA graphs for batch sizes %s", graphs.sizes)
+        return graphs
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -258,6 +278,8 @@ class ModelRunner:
         pipeline stage): on rank 0 the logits of the sampled rows and of each prompt-logprob
         range (and the final hidden states), or under pipeline parallel their pending
         receive from the last stage; None (or Nones) on the other ranks."""
+        if self.graphs is not None and self.graphs.takes(inputs):
+            return self.graphs.run(inputs), [], None
         input_ids, positions, meta = self._prepare_inputs(inputs)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored

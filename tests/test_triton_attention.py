@@ -1,0 +1,193 @@
+"""The Triton attention backend (attention/triton/) against the slow reference backend, and the
+whole engine on it against transformers; on a machine without a GPU the kernels run in
+Triton's interpreter (conftest sets TRITON_INTERPRET=1), on a GPU natively. Also the CUDA-graph
+buckets and padding (worker/cuda_graphs.py), run eagerly where there is no GPU."""
+
+import random
+
+import pytest
+import torch
+from helpers import hf_greedy, paged_step
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention.reference import ReferenceBackend
+from tokenmill.attention.triton import kernels
+from tokenmill.attention.triton.backend import TritonBackend, decode_splits
+from tokenmill.platforms.cpu import CpuPlatform
+from tokenmill.quantization.kv_cache import dequantize_kv, quantize_kv
+from tokenmill.worker.cuda_graphs import DecodeGraphs, capture_sizes
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_step(seed, seqs, num_decodes, hq, hkv, d, block_size=4, num_blocks=64,
+                dtype=torch.float32, int8=False):
+    """seqs: (context, new tokens) per sequence, decodes first; K/V of every context cached."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    meta = paged_step(seqs, block_size, num_blocks, rng, num_decodes=num_decodes)
+    for name in ("slot_mapping", "seq_lens", "block_table"):
+        setattr(meta, name, getattr(meta, name).to(DEVICE))
+    t = meta.query_start_loc[-1]
+    # q as the model passes it: a view of a wider row (token stride > Hq * D)
+    q = torch.randn(t, hq + 2, d, dtype=dtype, device=DEVICE)[:, :hq]
+    k, v = (torch.randn(t, hkv, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    caches = [torch.randn(num_blocks, block_size, hkv, d, device=DEVICE).to(dtype) * scale
+              for scale in (3, 1)]  # K and V of different magnitudes
+    if int8:
+        caches = [quantize_kv(c) for c in caches]
+    return q, k, v, caches, meta
+
+
+def both(q, k, v, caches, meta, scale, **kw):
+    """(reference output, Triton output, reference caches, Triton caches)."""
+    ref_caches = [c.clone() for c in caches]
+    ref = ReferenceBackend().forward(q, k, v, *ref_caches, meta, scale, **kw)
+    backend = TritonBackend()
+    backend.prepare(meta)
+    out_caches = [c.clone() for c in caches]
+    out = backend.forward(q, k, v, *out_caches, meta, scale, **kw)
+    return ref, out, ref_caches, out_caches
+
+
+MIXED = [(3, 1), (17, 1), (0, 1), (0, 7), (9, 5), (4, 3), (0, 20)]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 8), (4, 4, 16), (8, 1, 24), (14, 2, 64)])
+def test_mixed_steps_match_the_reference(hq, hkv, d):
+    # decodes, fresh prompts and prompt chunks with cached context in one launch; head sizes
+    # that are not powers of two, groups of 1 to 8 query heads per KV head
+    for seed in range(2):
+        q, k, v, caches, meta = random_step(seed, MIXED, 3, hq, hkv, d)
+        ref, out, ref_caches, out_caches = both(q, k, v, caches, meta, d ** -0.5)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for a, b in zip(out_caches, ref_caches):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (6, 1.5), (1, None)])
+def test_sliding_window_and_soft_capping(window, softcap):
+    seqs = [(30, 1), (3, 1), (0, 25), (12, 9)]
+    q, k, v, caches, meta = random_step(4, seqs, 2, 6, 2, 16)
+    ref, out, _, _ = both(q, k, v, caches, meta, 0.4, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_cache_rows_written_and_read():
+    q, k, v, caches, meta = random_step(5, MIXED, 3, 6, 2, 16, int8=True)
+    ref, out, ref_caches, out_caches = both(q, k, v, caches, meta, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(out_caches, ref_caches):  # the same values and scales, row for row
+        torch.testing.assert_close(dequantize_kv(a, torch.float32),
+                                   dequantize_kv(b, torch.float32), atol=1e-6, rtol=0)
+
+
+def test_half_precision_within_its_rounding():
+    q, k, v, caches, meta = random_step(6, MIXED, 3, 8, 2, 32, dtype=torch.float16)
+    ref, out, _, _ = both(q, k, v, caches, meta, 32 ** -0.5)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_split_decodes_equal_one_range():
+    # long decodes split over several programs, merged by the second kernel; an empty split
+    # (a short sequence beside long ones) contributes nothing
+    seqs = [(700, 1), (5, 1), (1300, 1)]
+    q, k, v, caches, meta = random_step(7, seqs, 3, 4, 2, 16, block_size=16, num_blocks=140)
+    kv = [c.clone() for c in caches]
+    kernels.write_kv(k, v, *kv, meta.slot_mapping)
+    q_start = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for splits in (1, 4, 16):
+        out = torch.empty_like(q)
+        kernels.paged_attention(q, *kv, out, meta.block_table, meta.seq_lens, q_start, 1, 0.3,
+                                splits=splits)
+        outs.append(out)
+    ref = ReferenceBackend().forward(q, k, v, *[c.clone() for c in caches], meta, 0.3)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert decode_splits(1, 100) == 1 and decode_splits(1, 4096) == 16
+    assert decode_splits(64, 4096) == 1 and decode_splits(8, 1024) == 4
+
+
+def test_padding_slots_are_written_nowhere():
+    k = torch.randn(3, 2, 8, device=DEVICE)
+    v = torch.randn(3, 2, 8, device=DEVICE)
+    caches = [torch.zeros(4, 4, 2, 8, device=DEVICE) for _ in range(2)]
+    kernels.write_kv(k, v, *caches, torch.tensor([5, -1, 0], device=DEVICE))
+    flat_k = caches[0].view(-1, 2, 8)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2])
+    assert int((flat_k.abs().sum((1, 2)) != 0).sum()) == 2  # nothing else touched
+
+
+# ---- the engine on the Triton backend ------------------------------------------------------
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def generate(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "phi3"])
+def test_engine_greedy_matches_transformers(tiny_models, arch):
+    # gemma2: soft-capping and a sliding window of 8 (shorter than the prompts)
+    path, hf = tiny_models(arch)
+    llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton")
+    assert isinstance(llm.engine.core.runner.backend, TritonBackend)
+    assert generate(llm, PROMPTS) == [hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+def test_chunked_prefill_prefix_hits_and_preemption(tiny_models):
+    path, hf = tiny_models("qwen2")
+    expected = [hf_greedy(hf, p, 8) for p in PROMPTS]
+    shared = list(range(100, 124))  # three blocks
+    with_prefix = [shared + PROMPTS[0], shared + PROMPTS[2]]
+    llm = LLM(path, attention_backend="triton", max_num_batched_tokens=16, block_size=8,
+              num_kv_blocks=12)  # 96 slots: the batch does not fit at once
+    assert generate(llm, PROMPTS) == expected
+    core = llm.engine.core
+    assert core.scheduler.num_preemptions > 0
+    first = generate(llm, with_prefix[:1])
+    assert generate(llm, with_prefix) == first + [hf_greedy(hf, with_prefix[1], 8)]
+    assert core.kv_cache.num_hit_tokens >= 24
+    core.kv_cache.pool.check_integrity()
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        CpuPlatform(torch.device("cpu")).attention_backend("triton")
+
+
+# ---- CUDA-graph buckets ---------------------------------------------------------------------
+
+def test_capture_sizes():
+    assert capture_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(1000)[-1] == 256
+
+
+def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
+    # Decode steps of 4, 3, 2 and 1 sequences run in buckets 4, 4, 2, 1 (eagerly here, as
+    # captured graphs on a GPU); the padding rows must change nothing.
+    path, hf = tiny_models("llama")
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4)
+    graphs = llm.engine.core.runner.graphs
+    assert isinstance(graphs, DecodeGraphs) and graphs.sizes == [1, 2, 4]
+    runs = []
+    original = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda inputs: runs.append(
+        (len(inputs.starts), graphs.bucket(len(inputs.starts)))) or original(inputs))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 6, 4, 3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(hf, p, n) for p, n in zip(PROMPTS, (9, 6, 4, 3))]
+    assert {(4, 4), (3, 4), (2, 2), (1, 1)} <= set(runs)
+    eager = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4,
+                enforce_eager=True)
+    assert eager.engine.core.runner.graphs is None

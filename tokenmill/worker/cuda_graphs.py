@@ -1,0 +1,121 @@
+"""Decode steps as CUDA graphs: the forward of an all-decode batch (embedding to logits) is
+captured once per batch-size bucket over static input buffers and replayed, so a step costs
+one graph launch instead of a Python pass issuing ~40 kernels per layer.
+
+A step of n decodes runs in the smallest bucket >= n; rows n.. are padding: token 0 at
+position 0, cache slot -1 (the Triton K/V write skips it: nothing of a real sequence is
+touched) and one key of block 0 to attend (read, never written). Only the attention backend
+that takes its metadata from tensors alone (attention/triton) can be captured.
+
+Without capture (`capture=False`: the CPU tests) the same buckets and padding run eagerly, so
+the bucketing is checked where no GPU is."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.triton.backend import TritonStep, decode_splits
+from tokenmill.worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURED = 256  # largest batch captured (larger decode batches run eagerly)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets: 1, 2, 4, 8, then every multiple of 16, up to max_num_seqs (and it)."""
+    top = min(max_num_seqs, MAX_CAPTURED)
+    sizes = [s for s in [1, 2, 4, 8, *range(16, MAX_CAPTURED + 1, 16)] if s <= top]
+    return sizes if top in sizes else sizes + [top]
+
+
+def is_plain_decode(inputs: StepInputs) -> bool:
+    """Every sequence computes exactly one token and samples it; nothing else is scored."""
+    n = len(inputs.starts)
+    return (len(inputs.token_ids) == n and len(inputs.sample_seqs) == n
+            and not inputs.prompt_seqs and inputs.num_sampled_rows == n)
+
+
+class DecodeGraphs:
+    def __init__(self, model: Any, device: torch.device, block_size: int, max_num_seqs: int,
+                 max_model_len: int, capture: bool) -> None:
+        self.model, self.device, self.block_size = model, device, block_size
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_len = max_model_len
+        top = self.sizes[-1]
+        width = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(top, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(top, width, dtype=torch.int64, device=device)
+        self.q_start = torch.arange(top + 1, dtype=torch.int32, device=device)
+        self.capture = capture
+        self.graphs: dict[int, Any] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _forward(self, n: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n], query_start_loc=list(range(n + 1)),
+            context_lens=[0] * n, seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
+            num_decodes=n, block_size=self.block_size,
+            # splits for the longest sequence a replay may hold
+            backend_data=TritonStep(self.q_start[:n + 1], 1, decode_splits(n, self.max_len)))
+        hidden = self.model(self.input_ids[:n], self.positions[:n], meta)
+        return self.model.compute_logits(hidden)
+
+    def _capture_all(self) -> None:
+        pool = None
+        for n in reversed(self.sizes):  # the largest first: the others reuse its memory
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compiles the kernels, outside any capture
+                self._forward(n)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[n] = self._forward(n)
+            pool = graph.pool()
+            self.graphs[n] = graph
+        torch.cuda.synchronize(self.device)
+
+    def bucket(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def takes(self, inputs: StepInputs) -> bool:
+        return (is_plain_decode(inputs) and self.bucket(len(inputs.starts)) is not None
+                and max(inputs.ends) <= self.max_len)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [n, vocab] of a plain decode step of n sequences (a view of the bucket's
+        output: read it before the next step)."""
+        n = len(inputs.starts)
+        size = self.bucket(n)
+        bs = self.block_size
+        width = max(len(b) for b in inputs.block_ids)
+        table = torch.tensor([b + [0] * (width - len(b)) for b in inputs.block_ids])
+        pos = torch.tensor(inputs.starts)
+        slots = table[torch.arange(n), pos // bs] * bs + pos % bs
+        # one host-to-device copy: ids, positions, slots, lengths side by side
+        staged = torch.stack([torch.tensor(inputs.token_ids), pos, slots,
+                              torch.tensor(inputs.ends)]).to(self.device, non_blocking=True)
+        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping,
+                                self.seq_lens), staged):
+            buffer[:n].copy_(row)
+        self.block_table[:n, :width].copy_(table.to(self.device, non_blocking=True))
+        # padding rows: written nowhere, one key to read (a larger step may have used them)
+        self.input_ids[n:size].zero_()
+        self.positions[n:size].zero_()
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[n:size].fill_(1)
+        self.block_table[n:size, 0].zero_()
+        if self.capture:
+            self.graphs[size].replay()
+            return self.logits[size][:n]
+        return self._forward(size)[:n]
