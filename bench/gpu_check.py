@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -121,8 +122,13 @@ def performance(root: str, quick: bool) -> dict:
     res = transformers_side(bench_model(path).to("cuda"), prompts, out_len)
     torch.cuda.empty_cache()
 
+    start = time.perf_counter()
     llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
               enable_prefix_caching=False, max_num_batched_tokens=4096)
+    res["start_s"] = time.perf_counter() - start  # load, KV cache, CUDA-graph capture
+    runner = llm.engine.core.runner
+    res["backend"] = type(runner.backend).__name__
+    res["graph_sizes"] = runner.graphs.sizes if runner.graphs is not None else None
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 
     def run(ps, p):
@@ -144,6 +150,40 @@ def performance(root: str, quick: bool) -> dict:
     res["prefill_2k_s"] = tp
     res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
     res["decode_profile"] = profile_decode(lambda: run(prompts[:1], params.clone(max_tokens=9)))
+    greedy = [o.outputs[0].token_ids for o in run(prompts[:4], params.clone(max_tokens=16))]
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    res["eager"] = eager_side(path, prompts, params, out_len, batch, greedy)
+    return res
+
+
+def eager_side(path, prompts, params, out_len, batch, greedy) -> dict:
+    """The same model op by op (no CUDA graphs), on the Triton and on the torch backend: what
+    the graphs and the kernels each bring, and whether the tokens stay the same."""
+    from tokenmill import LLM
+
+    res = {}
+    for backend in ("triton", "torch"):
+        llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
+                  enable_prefix_caching=False, max_num_batched_tokens=4096, enforce_eager=True,
+                  attention_backend=backend)
+
+        def run(ps, p):
+            return llm.generate([{"prompt_token_ids": x} for x in ps], p, use_tqdm=False)
+
+        n = 32
+        run(prompts[:2], params.clone(max_tokens=4))
+        t1 = timed(lambda: run(prompts[:1], params.clone(max_tokens=n)))
+        t0 = timed(lambda: run(prompts[:1], params.clone(max_tokens=1)))
+        res[backend] = {
+            "batch1_tok_s": (n - 1) / (t1 - t0),
+            "batch_tok_s": batch * n / timed(lambda: run(prompts, params.clone(max_tokens=n))),
+            "same_greedy_tokens_as_graphs": [o.outputs[0].token_ids for o in run(
+                prompts[:4], params.clone(max_tokens=16))] == greedy}
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     return res
 
 
