@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import os
@@ -131,9 +132,7 @@ def performance(root: str, quick: bool) -> dict:
     res["graph_sizes"] = runner.graphs.sizes if runner.graphs is not None else None
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 
-    def run(ps, p):
-        return llm.generate([{"prompt_token_ids": x} for x in ps], p, use_tqdm=False)
-
+    run = functools.partial(generate, llm)
     run(prompts[:2], params.clone(max_tokens=4))
     t1 = timed(lambda: run(prompts[:1], params))
     t0 = timed(lambda: run(prompts[:1], params.clone(max_tokens=1)))
@@ -151,11 +150,15 @@ def performance(root: str, quick: bool) -> dict:
     res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
     res["decode_profile"] = profile_decode(lambda: run(prompts[:1], params.clone(max_tokens=9)))
     greedy = [o.outputs[0].token_ids for o in run(prompts[:4], params.clone(max_tokens=16))]
-    del llm, runner
+    del llm, runner, run
     gc.collect()
     torch.cuda.empty_cache()
     res["eager"] = eager_side(path, prompts, params, out_len, batch, greedy)
     return res
+
+
+def generate(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": x} for x in prompts], params, use_tqdm=False)
 
 
 def eager_side(path, prompts, params, out_len, batch, greedy) -> dict:
@@ -169,18 +172,16 @@ def eager_side(path, prompts, params, out_len, batch, greedy) -> dict:
                   enable_prefix_caching=False, max_num_batched_tokens=4096, enforce_eager=True,
                   attention_backend=backend)
 
-        def run(ps, p):
-            return llm.generate([{"prompt_token_ids": x} for x in ps], p, use_tqdm=False)
-
         n = 32
-        run(prompts[:2], params.clone(max_tokens=4))
-        t1 = timed(lambda: run(prompts[:1], params.clone(max_tokens=n)))
-        t0 = timed(lambda: run(prompts[:1], params.clone(max_tokens=1)))
+        one, short = params.clone(max_tokens=n), params.clone(max_tokens=1)
+        generate(llm, prompts[:2], params.clone(max_tokens=4))
+        t1 = timed(functools.partial(generate, llm, prompts[:1], one))
+        t0 = timed(functools.partial(generate, llm, prompts[:1], short))
         res[backend] = {
             "batch1_tok_s": (n - 1) / (t1 - t0),
-            "batch_tok_s": batch * n / timed(lambda: run(prompts, params.clone(max_tokens=n))),
-            "same_greedy_tokens_as_graphs": [o.outputs[0].token_ids for o in run(
-                prompts[:4], params.clone(max_tokens=16))] == greedy}
+            "batch_tok_s": batch * n / timed(functools.partial(generate, llm, prompts, one)),
+            "same_greedy_tokens_as_graphs": [o.outputs[0].token_ids for o in generate(
+                llm, prompts[:4], params.clone(max_tokens=16))] == greedy}
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -92,6 +92,25 @@ def offline_llm(engine_address):
 
 
 @pytest.fixture(autouse=True)
+def _ranks_need_gpus(monkeypatch):
+    """On a GPU machine each parallel rank takes a GPU of its own: an engine of more ranks
+    per node than the machine has GPUs skips its test (it runs where there is no GPU, every
+    rank on the CPU)."""
+    if torch.cuda.is_available():
+        from tokenmill.engine_config import EngineConfig
+
+        post_init = EngineConfig.__post_init__
+
+        def check(config):
+            post_init(config)
+            if (config.device in ("auto", "cuda")
+                    and config.ranks_per_node > torch.cuda.device_count()):
+                pytest.skip(f"{config.ranks_per_node} parallel ranks need as many GPUs")
+
+        monkeypatch.setattr(EngineConfig, "__post_init__", check)
+
+
+@pytest.fixture(autouse=True)
 def _float32_on_gpu(monkeypatch):
     """The references are float32; a GPU's "auto" dtype would be bfloat16."""
     if torch.cuda.is_available():

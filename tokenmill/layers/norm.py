@@ -1,5 +1,6 @@
 """RMSNorm with an optional fused residual add, numerically HF's formula (the compiled CPU
-kernel rounds the same products; only the order of the sum of squares can differ)."""
+kernel rounds the same products; only the order of the sum of squares can differ); on GPUs
+one Triton kernel (triton_ops.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.layers import triton_ops
 from tokenmill.layers.linear import default_weight_loader
 
 
@@ -30,6 +32,9 @@ class RMSNorm(nn.Module):
                 and (residual is None or residual.is_contiguous())):
             out = csrc.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
+        if (triton_ops.usable(x) and x.dim() == 2 and x.stride(-1) == 1
+                and (residual is None or residual.stride(-1) == 1)):
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

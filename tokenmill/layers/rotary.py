@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.layers import triton_ops
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -181,7 +182,8 @@ class RotaryEmbedding(nn.Module):
 class StepRotary:
     """One step's rotation, shared by all layers: float32 on the CPU rotates in place with the
     compiled kernel (reading the tables at each token's position); otherwise the cos / signed
-    sin rows of the step's positions are gathered once and applied with torch ops."""
+    sin rows of the step's positions are gathered once and applied with torch ops (on GPUs:
+    one Triton kernel reading the tables, triton_ops.py)."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor,
                  dtype: torch.dtype) -> None:
@@ -196,6 +198,9 @@ class StepRotary:
         if self.compiled and csrc.heads_contiguous(x):
             csrc.rotary_(x, self.rotary.cos, self.rotary.signed_sin, self.positions)
             return x
+        if (triton_ops.usable(x) and x.stride(-1) == 1
+                and self.rotary.cos.shape[-1] == x.shape[-1]):
+            return triton_ops.rotary(x, self.rotary.cos, self.rotary.signed_sin, self.positions)
         if self._rows is None:  # [T, 1, D] each, gathered by the first layer that needs them
             self._rows = tuple(table[self.positions].unsqueeze(1).to(self.dtype)
                                for table in (self.rotary.cos, self.rotary.signed_sin))

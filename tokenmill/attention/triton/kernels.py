@@ -169,14 +169,20 @@ def _merge_splits(part_ptr, out_ptr, stride_ot, stride_oh, H, D, D_PAD: tl.const
              out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+# Launch settings: rows = query tokens x padded query heads per program (>= 16 for tl.dot)
+DECODE = {"rows": 16, "block_n": 32}
+PROMPT = {"rows": 64, "block_n": 64}
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     q_start: torch.Tensor, max_query_len: int, scale: float,
                     window: int | None = None, softcap: float | None = None,
-                    splits: int = 1) -> torch.Tensor:
+                    splits: int = 1, tune: dict | None = None) -> torch.Tensor:
     """out [T, Hq, D] = attention of q [T, Hq, D] (rows of each sequence at q_start[s] ..
     q_start[s + 1]) over its sequence's cached keys (seq_lens[s] of them, this step's
-    included). `splits` > 1 only for decode-only steps (max_query_len 1)."""
+    included). `splits` > 1 only for decode-only steps (max_query_len 1). `tune`: launch
+    settings (rows, block_n, num_warps, num_stages) instead of the defaults (benchmarks)."""
     num_seqs = block_table.shape[0]
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
@@ -186,8 +192,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     int8 = k_cache.dtype == torch.int8
     if int8 and d % 4:
         raise ValueError("int8 KV caches need a head size that is a multiple of 4")
-    rows = 16 if max_query_len == 1 else 64
-    block_q = max(1, rows // g_pad)
+    tune = {**(DECODE if max_query_len == 1 else PROMPT), **(tune or {})}
+    block_q = max(1, tune["rows"] // g_pad)
     if max_query_len > 1:
         splits = 1
     grid = (num_seqs, hkv, triton.cdiv(max_query_len, block_q) * splits)
@@ -198,10 +204,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), k_cache.stride(1),
         k_cache.stride(2), scale, float(softcap or 1.0), int(window or 0),
         k_cache.shape[1], d, G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=d_pad,
-        BLOCK_N=32 if max_query_len == 1 else 64, SPLITS=splits, SOFTCAP=softcap is not None,
+        BLOCK_N=tune["block_n"], SPLITS=splits, SOFTCAP=softcap is not None,
         WINDOW=window is not None, INT8=int8,
         # float32 queries: TF32 only where torch's own matmuls would use it
-        PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+        PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+        **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune})
     if splits > 1:
         _merge_splits[(q.shape[0], hq)](part, out, out.stride(0), out.stride(1), hq, d,
                                         D_PAD=d_pad, SPLITS=splits)

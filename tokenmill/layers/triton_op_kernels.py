@@ -1,0 +1,55 @@
+"""The Triton kernels of triton_ops.py (imported only when a GPU tensor needs them)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
+                  HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:  # the sum, rounded to the stream's dtype, is the new residual
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok,
+                                        other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_ptr + row * stride_r + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+@triton.jit
+def rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, stride_xt, stride_xh, stride_c,
+            D, HALF, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    pos = tl.load(pos_ptr + t)
+    src = x_ptr + t * stride_xt + h * stride_xh
+    x = tl.load(src + d, mask=ok, other=0.0)
+    rolled = tl.load(src + (d + HALF) % D, mask=ok, other=0.0)
+    dt = x.dtype
+    cos = tl.load(cos_ptr + pos * stride_c + d, mask=ok, other=0.0).to(dt)
+    sin = tl.load(sin_ptr + pos * stride_c + d, mask=ok, other=0.0).to(dt)
+    y = ((x * cos).to(dt) + (rolled * sin).to(dt)).to(dt)
+    tl.store(out_ptr + (t * tl.num_programs(1) + h) * D + d, y, mask=ok)
+
+@triton.jit
+def gated_kernel(x_ptr, out_ptr, n, stride_x, stride_o, GELU: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    if GELU:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z))
+    else:
+        act = g * tl.sigmoid(g)
+    y = act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
