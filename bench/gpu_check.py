@@ -134,21 +134,22 @@ def performance(root: str, quick: bool) -> dict:
 
     run = functools.partial(generate, llm)
     run(prompts[:2], params.clone(max_tokens=4))
-    t1 = timed(lambda: run(prompts[:1], params))
-    t0 = timed(lambda: run(prompts[:1], params.clone(max_tokens=1)))
+    t1 = timed(functools.partial(run, prompts[:1], params))
+    t0 = timed(functools.partial(run, prompts[:1], params.clone(max_tokens=1)))
     per_token = (t1 - t0) / (out_len - 1)
     res["batch1_tok_s"] = 1 / per_token
     res["batch1_roofline_tok_s"] = None  # filled by the caller from the measured bandwidth
-    res["batch_tok_s"] = batch * out_len / timed(lambda: run(prompts, params))
+    res["batch_tok_s"] = batch * out_len / timed(functools.partial(run, prompts, params))
     run([long_prompt], params.clone(max_tokens=1))
-    tp = timed(lambda: run([long_prompt], params.clone(max_tokens=1)), 3)
+    tp = timed(functools.partial(run, [long_prompt], params.clone(max_tokens=1)), 3)
     # 2·params per token for the linears (the tied LM head runs once, on the last token) plus
     # causal attention's QK and PV: 2·2·(L²/2)·heads·head_dim per layer
     linear = 2 * (res["params"] - 151936 * 896) * len(long_prompt)
     attn = 24 * 2 * 2 * (len(long_prompt) ** 2 / 2) * 14 * 64
     res["prefill_2k_s"] = tp
     res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
-    res["decode_profile"] = profile_decode(lambda: run(prompts[:1], params.clone(max_tokens=9)))
+    res["decode_profile"] = profile_decode(functools.partial(
+        run, prompts[:1], params.clone(max_tokens=9)))
     greedy = [o.outputs[0].token_ids for o in run(prompts[:4], params.clone(max_tokens=16))]
     del llm, runner, run
     gc.collect()

@@ -64,6 +64,12 @@ class EngineConfig:
     log_format: str = "text"
     log_level: str = "info"
 
+    def token_budget(self, max_model_len: int) -> int:
+        """Tokens one step may hold (the scheduler's budget)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size

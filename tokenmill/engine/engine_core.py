@@ -122,9 +122,7 @@ class EngineCore:
 
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, kv_window(self.hf_config))
-        budget = config.max_num_batched_tokens
-        if budget is None:
-            budget = 2048 if config.enable_chunked_prefill else max(2048, self.max_model_len)
+        budget = config.token_budget(self.max_model_len)
         if not config.enable_chunked_prefill and budget < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
                              f"({self.max_model_len}) when chunked prefill is off.")

@@ -8,6 +8,7 @@ registers its own `Platform` subclass for its torch device type, either by calli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -34,9 +35,14 @@ class Platform:
         this device has none of that name."""
         raise NotImplementedError
 
-    def kv_budget_bytes(self, gib: float | None, utilization: float) -> int:
-        """Bytes for K/V blocks: `gib` when set, else this device's default."""
+    def kv_budget_bytes(self, gib: float | None, utilization: float,
+                        profile: Callable[[], None] | None = None) -> int:
+        """Bytes for K/V blocks: `gib` when set, else this device's default; `profile` runs
+        the largest step once (its activations must fit beside the cache)."""
         raise NotImplementedError
+
+    def setup_process(self) -> None:
+        """Once per process that runs a model on this device, before loading it."""
 
 
 _PLATFORMS: dict[str, type[Platform]] = {}

@@ -1,5 +1,6 @@
 """NVIDIA GPUs: the checkpoint's 16-bit dtype (bf16 when it names none), the Triton backend,
-the KV budget from `gpu_memory_utilization` once the weights are resident, decode steps as
+the KV budget from `gpu_memory_utilization` once the weights are resident and the largest
+step's activations measured, decode steps as
 CUDA graphs (worker/cuda_graphs.py)."""
 
 from __future__ import annotations
@@ -37,9 +38,20 @@ class CudaPlatform(Platform):
 
             return TorchSDPABackend()  # auto without triton installed
 
-    def kv_budget_bytes(self, gib: float | None, utilization: float) -> int:
+    def kv_budget_bytes(self, gib, utilization, profile=None) -> int:
+        """`utilization` x the card, less what is in use (weights, CUDA context, torch's
+        cache) and the peak the largest step allocates above that (`profile`; CUDA graphs'
+        decode buffers are not counted)."""
         if gib is not None:
             return int(gib * 2**30)
+        activations = 0
+        if profile is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            profile()
+            torch.cuda.synchronize(self.device)
+            activations = torch.cuda.max_memory_allocated(self.device) - before
+            torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Activation memory is not profiled: `utilization` must leave room for it.
-        return int(total * utilization) - (total - free)
+        return int(total * utilization) - (total - free) - activations

@@ -75,25 +75,6 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return get_platform(device).default_dtype(hf_config)
 
 
-def keep_freed_cpu_memory() -> None:
-    """Make glibc keep freed step buffers instead of returning them to the OS.
-
-    A prompt step allocates activations of tens of MB; by default glibc serves those with fresh
-    mmaps and unmaps them on free, so every such buffer page-faults again on the next use
-    (the first 2048-token step of the default model took 4.7 s instead of 3.2 s). Buffers below
-    32 MB (glibc's maximum) now come from the heap, and the heap is not trimmed."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 * 2**20)
-        libc.mallopt(m_trim_threshold, 2**31 - 1)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to tune
-        pass
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
                  max_model_len: int) -> None:
@@ -105,8 +86,7 @@ class ModelRunner:
         self.platform = get_platform(self.device)
         # pipeline parallel: the hand-offs between stages
         self.link = StageLink(self.world, self.device) if self.world.pp_size > 1 else None
-        if self.device.type == "cpu":
-            keep_freed_cpu_memory()
+        self.platform.setup_process()
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
@@ -137,14 +117,11 @@ class ModelRunner:
         self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype, values)
+        self.heads = self.decode_step = self.graphs = None  # (set below)
+        self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
-        self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks())
-        caches = kv_cache.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
-                                            attn.num_kv_heads, attn.head_dim, self.kv_dtype,
-                                            self.device, values)
-        for layer, (k, v) in zip(layers, caches, strict=True):
-            layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
-        self.heads = None  # draft heads run after each step (MTP, EAGLE)
+        self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks(max_model_len))
+        self._bind_cache(self.num_blocks)
         if heads is not None:
             from tokenmill.spec_decode.heads import HeadDrafter
 
@@ -182,11 +159,36 @@ class ModelRunner:
         logger.info("Decode steps as CUDA graphs for batch sizes %s", graphs.sizes)
         return graphs
 
-    def _decide_num_blocks(self) -> int:
+    def _bind_cache(self, num_blocks: int) -> None:
+        """A KV cache of `num_blocks` blocks for every attention layer."""
+        attn = self._layers[0]
+        caches = kv_cache.allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
+                                            attn.num_kv_heads, attn.head_dim, self.kv_dtype,
+                                            self.device, self._values)
+        for layer, (k, v) in zip(self._layers, caches, strict=True):
+            layer.k_cache, layer.v_cache, layer.backend = k, v, self.backend
+
+    def profile_step(self, max_model_len: int) -> None:
+        """The largest step the scheduler sends (its token budget as one prompt) over a
+        throwaway cache of its size: the activations the KV budget must leave room for."""
+        n = min(self.config.token_budget(max_model_len), max_model_len)
+        blocks = -(-n // self.block_size)
+        bound = [(layer.k_cache, layer.v_cache, layer.backend) for layer in self._layers]
+        self._bind_cache(blocks)
+        inputs = StepInputs([0] * n, [0], [n], [list(range(blocks))], [0], [], [], [1])
+        with torch.inference_mode():
+            self.run(inputs, b"")
+        for layer, (k, v, backend) in zip(self._layers, bound):  # (none yet at start-up)
+            layer.k_cache, layer.v_cache, layer.backend = k, v, backend
+
+    def _decide_num_blocks(self, max_model_len: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        profile = None
+        if self.world.size == 1:  # (ranks would have to profile in step: not yet)
+            profile = lambda: self.profile_step(max_model_len)  # noqa: E731
         budget = self.platform.kv_budget_bytes(self.config.kv_cache_memory_gib,
-                                               self.config.gpu_memory_utilization)
+                                               self.config.gpu_memory_utilization, profile)
         num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)
         if num_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise kv_cache_memory_gib / "

@@ -1,0 +1,72 @@
+"""platforms/: which platform a device gets, an out-of-tree one registered, the GPU's KV
+budget arithmetic (with torch.cuda's memory readings faked), and the profiling step that
+budget measures."""
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.platforms import _PLATFORMS, Platform, get_platform, register_platform
+from tokenmill.platforms.cpu import CpuPlatform
+from tokenmill.platforms.cuda import CudaPlatform
+
+
+def test_cpu_platform_and_an_unknown_device():
+    platform = get_platform(torch.device("cpu"))
+    assert isinstance(platform, CpuPlatform)
+    assert platform.default_dtype(None) == torch.float32
+    assert isinstance(platform.attention_backend("auto"), TorchSDPABackend)
+    assert platform.kv_budget_bytes(None, 0.9) == 4 * 2**30
+    assert platform.kv_budget_bytes(0.5, 0.9) == 2**29
+    with pytest.raises(ValueError, match="No tokenmill platform for device type 'meta'"):
+        get_platform(torch.device("meta"))
+
+
+def test_an_out_of_tree_platform_plugs_in(monkeypatch):
+    monkeypatch.setitem(_PLATFORMS, "meta", None)  # restored afterwards
+
+    @register_platform
+    class MetaPlatform(Platform):
+        device_type = "meta"
+
+        def default_dtype(self, hf_config):
+            return torch.float16
+
+    platform = get_platform(torch.device("meta"))
+    assert isinstance(platform, MetaPlatform) and platform.default_dtype(None) == torch.float16
+
+
+def test_gpu_budget_leaves_the_largest_steps_activations(monkeypatch):
+    gib = 2**30
+    state = {"allocated": 3 * gib, "peak": 3 * gib}
+
+    def profile():  # the largest step: 1.5 GiB above the weights at its peak
+        state["peak"] = state["allocated"] + int(1.5 * gib)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (76 * gib, 80 * gib))
+    cuda = CudaPlatform(torch.device("cuda", 0))
+    # 0.9 x 80 GiB, less 4 GiB in use, less the step's 1.5 GiB
+    assert cuda.kv_budget_bytes(None, 0.9, profile) == int(72 * gib) - 4 * gib - int(1.5 * gib)
+    assert cuda.kv_budget_bytes(None, 0.9) == int(72 * gib) - 4 * gib
+    assert cuda.kv_budget_bytes(2.0, 0.9, profile) == 2 * gib  # an explicit size wins
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "qwen2_moe"])
+def test_profiling_step_runs_and_leaves_the_cache_alone(tiny_models, arch):
+    path, hf = tiny_models(arch)
+    llm = LLM(path, kv_cache_memory_gib=0.01, max_num_batched_tokens=96)
+    runner = llm.engine.core.runner
+    caches = [layer.k_cache for layer in runner._layers]
+    runner.profile_step(llm.engine.core.max_model_len)
+    assert all(layer.k_cache is k for layer, k in zip(runner._layers, caches))
+    prompt = list(range(10, 70))
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
