@@ -9,7 +9,8 @@ import torch
 from helpers import hf_greedy, make_model, paged_step
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.deepseek import mla_attention, mla_reference
+from tokenmill.attention.mla import mla_attention
+from tokenmill.models.deepseek import mla_reference
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 

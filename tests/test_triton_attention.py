@@ -53,10 +53,12 @@ def both(q, k, v, caches, meta, scale, **kw):
 MIXED = [(3, 1), (17, 1), (0, 1), (0, 7), (9, 5), (4, 3), (0, 20)]
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 8), (4, 4, 16), (8, 1, 24), (14, 2, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 8), (4, 4, 16), (8, 1, 24), (14, 2, 64),
+                                      (40, 2, 16)])
 def test_mixed_steps_match_the_reference(hq, hkv, d):
     # decodes, fresh prompts and prompt chunks with cached context in one launch; head sizes
-    # that are not powers of two, groups of 1 to 8 query heads per KV head
+    # that are not powers of two, groups of 1 to 20 query heads per KV head (more than 16: a
+    # KV head's query heads split over two programs)
     for seed in range(2):
         q, k, v, caches, meta = random_step(seed, MIXED, 3, hq, hkv, d)
         ref, out, ref_caches, out_caches = both(q, k, v, caches, meta, d ** -0.5)
@@ -110,6 +112,24 @@ def test_split_decodes_equal_one_range():
     assert decode_splits(64, 4096) == 1 and decode_splits(8, 1024) == 4
 
 
+@pytest.mark.parametrize("heads,rank,rope", [(4, 32, 16), (20, 64, 8)])
+def test_latent_attention_matches_torch(heads, rank, rope):
+    # DeepSeek's MLA: one cached row of latent | rotary key per token, values the latents
+    from tokenmill.attention.mla import mla_attention
+
+    seqs = [(9, 1), (0, 1), (30, 1), (0, 12), (7, 5)]
+    _, _, _, caches, meta = random_step(8, seqs, 3, 1, 1, rank + rope)
+    cache = caches[0]
+    t = meta.query_start_loc[-1]
+    q_latent = torch.randn(t, heads, rank, device=DEVICE)
+    q_pe = torch.randn(t, heads, rope, device=DEVICE)
+    ref = mla_attention(q_latent, q_pe, cache, meta, rank, 0.2)
+    backend = TritonBackend()
+    backend.prepare(meta)
+    torch.testing.assert_close(backend.mla(q_latent, q_pe, cache, meta, rank, 0.2), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_padding_slots_are_written_nowhere():
     k = torch.randn(3, 2, 8, device=DEVICE)
     v = torch.randn(3, 2, 8, device=DEVICE)
@@ -131,9 +151,11 @@ def generate(llm, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "phi3", "deepseek_v3",
+                                  "deepseek_v2"])
 def test_engine_greedy_matches_transformers(tiny_models, arch):
-    # gemma2: soft-capping and a sliding window of 8 (shorter than the prompts)
+    # gemma2: soft-capping and a sliding window of 8 (shorter than the prompts); deepseek:
+    # latent attention
     path, hf = tiny_models(arch)
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton")
     assert isinstance(llm.engine.core.runner.backend, TritonBackend)

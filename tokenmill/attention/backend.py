@@ -93,6 +93,15 @@ class AttentionBackend(ABC):
         `window`: a query at position p sees keys p - window + 1 .. p; `softcap`: scores ->
         softcap * tanh(scores / softcap) (Gemma 2)."""
 
+    def mla(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+            meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
+        """DeepSeek's latent attention: [T, heads, rank] softmax-weighted latents of the rows
+        (latent | rotary key) cached before; queries q_latent [T, heads, rank] (absorbed)
+        and q_pe [T, heads, rope]. Default: torch ops (attention/mla.py)."""
+        from tokenmill.attention.mla import mla_attention
+
+        return mla_attention(q_latent, q_pe, cache, meta, rank, scale)
+
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionMetadata, KeptRows
+from tokenmill.attention.mla import future_keys, sequence_rows
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import RMSNorm
@@ -96,43 +97,9 @@ class MLAttention(nn.Module):
         q_pe = self._rotate(rope, q[..., self.nope:])
         w_uk, w_uv = self.absorbed()
         q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk)
-        out = mla_attention(q_latent, q_pe, self.k_cache, meta, self.rank, self.scale)
+        out = self.backend.mla(q_latent, q_pe, self.k_cache, meta, self.rank, self.scale)
         out = torch.einsum("thr,hvr->thv", out, w_uv)
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
-
-
-def _sequence_rows(cache: torch.Tensor, meta: AttentionMetadata, s: int) -> torch.Tensor:
-    """Sequence s's cached rows [seq_len, row] (its blocks in order)."""
-    length = int(meta.seq_lens[s])
-    blocks = meta.block_table[s, : -(-length // meta.block_size)]
-    return cache[blocks].reshape(-1, cache.shape[-1])[:length]
-
-
-def _future(n: int, length: int, device: torch.device) -> torch.Tensor:
-    """[n, length] True where a key lies after its query (the n queries are the sequence's
-    last positions): masked out."""
-    keys = torch.arange(length, device=device)
-    return keys.unsqueeze(0) > keys[length - n:].unsqueeze(1)
-
-
-def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                  meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
-    """Attention over the latent cache: [T, heads, rank] softmax-weighted latents for queries
-    already in the latent space; each sequence's queries see its keys up to their own
-    position (causal)."""
-    out = torch.empty_like(q_latent)
-    loc = meta.query_start_loc
-    for s in range(meta.num_seqs):
-        start, end = loc[s], loc[s + 1]
-        rows = _sequence_rows(cache, meta, s).to(q_latent.dtype)
-        c, k_pe = rows[:, :rank], rows[:, rank:]
-        scores = (torch.einsum("qhr,kr->hqk", q_latent[start:end], c)
-                  + torch.einsum("qhd,kd->hqk", q_pe[start:end], k_pe)) * scale
-        n, length = end - start, rows.shape[0]
-        mask = _future(n, length, scores.device)
-        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1)
-        out[start:end] = torch.einsum("hqk,kr->qhr", probs.to(c.dtype), c)
-    return out
 
 
 def mla_reference(layer: MLAttention, q: torch.Tensor, q_pe: torch.Tensor,
@@ -144,14 +111,14 @@ def mla_reference(layer: MLAttention, q: torch.Tensor, q_pe: torch.Tensor,
     loc = meta.query_start_loc
     for s in range(meta.num_seqs):
         start, end = loc[s], loc[s + 1]
-        rows = _sequence_rows(layer.k_cache, meta, s)
+        rows = sequence_rows(layer.k_cache, meta, s)
         c, k_pe = rows[:, : layer.rank], rows[:, layer.rank:]
         k_nope = torch.einsum("kr,hnr->khn", c, w_uk)
         v = torch.einsum("kr,hvr->khv", c, w_uv)
         n, length = end - start, rows.shape[0]
         scores = (torch.einsum("qhn,khn->hqk", q[start:end], k_nope)
                   + torch.einsum("qhd,kd->hqk", q_pe[start:end], k_pe)) * layer.scale
-        mask = _future(n, length, scores.device)
+        mask = future_keys(n, length, scores.device)
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
         out[start:end] = torch.einsum("hqk,khv->qhv", probs, v)
     return out

@@ -47,6 +47,17 @@ class TritonBackend(AttentionBackend):
     def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
+    def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float):
+        # one query row of latent | rotary parts against the cache rows; values: the latents
+        step: TritonStep = meta.backend_data
+        q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+        out = q_latent.new_empty(q_latent.shape)
+        if meta.num_seqs == 0:
+            return out
+        return kernels.paged_attention(q, cache, cache, out, meta.block_table, meta.seq_lens,
+                                       step.q_start, step.max_query_len, scale,
+                                       splits=step.splits)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None):
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

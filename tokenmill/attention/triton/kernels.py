@@ -77,13 +77,14 @@ def _load_rows(cache, s_off, d, D, n_ok, d_ok, INT8: tl.constexpr, dtype: tl.con
 @triton.jit
 def _attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, block_table, seq_lens, q_start,
                stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
-               stride_head, scale, softcap, window, block_size, D,
-               G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-               D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-               SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, INT8: tl.constexpr,
-               PRECISION: tl.constexpr):
+               stride_head, scale, softcap, window, block_size, D, DV, HQ,
+               G: tl.constexpr, HEAD_BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr,
+               D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               SPLITS: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+               INT8: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // tl.cdiv(G, HEAD_BLOCK)  # (KV head, block of its query heads)
+    first_head = tl.program_id(1) % tl.cdiv(G, HEAD_BLOCK) * HEAD_BLOCK
     pid2 = tl.program_id(2)  # the query block, or (decode splits) the key range
     m = pid2 // SPLITS
     split = pid2 % SPLITS
@@ -92,12 +93,15 @@ def _attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, block_table, seq_lens
     if m * BLOCK_Q < q_len:
         seq_len = tl.load(seq_lens + s).to(tl.int32)
         context = seq_len - q_len
-        r = tl.arange(0, BLOCK_Q * G_PAD)
-        tok = m * BLOCK_Q + r // G_PAD
-        head = kvh * G + r % G_PAD
-        row_ok = (tok < q_len) & (r % G_PAD < G)
+        r = tl.arange(0, BLOCK_Q * HEAD_BLOCK)
+        tok = m * BLOCK_Q + r // HEAD_BLOCK
+        g = first_head + r % HEAD_BLOCK
+        head = kvh * G + g
+        row_ok = (tok < q_len) & (g < G)
         d = tl.arange(0, D_PAD)
         d_ok = d < D
+        dv = tl.arange(0, DV_PAD)
+        dv_ok = dv < DV
         q = tl.load(q_ptr + (q_lo + tok)[:, None].to(tl.int64) * stride_qt
                     + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -111,9 +115,9 @@ def _attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, block_table, seq_lens
             per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
             lo = lo + split * per
             hi = tl.minimum(hi, lo + per)
-        m_i = tl.full((BLOCK_Q * G_PAD,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_Q * G_PAD,), tl.float32)
-        acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), tl.float32)
+        m_i = tl.full((BLOCK_Q * HEAD_BLOCK,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_Q * HEAD_BLOCK,), tl.float32)
+        acc = tl.zeros((BLOCK_Q * HEAD_BLOCK, DV_PAD), tl.float32)
         bt = block_table + s.to(tl.int64) * stride_bt
         for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
@@ -133,21 +137,20 @@ def _attention(q_ptr, k_cache, v_cache, out_ptr, part_ptr, block_table, seq_lens
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.trans(_load_rows(v_cache, s_off, d, D, n_ok, d_ok, INT8, q.dtype))
+            v = tl.trans(_load_rows(v_cache, s_off, dv, DV, n_ok, dv_ok, INT8, q.dtype))
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m_i = m_new
         rows = (q_lo + tok).to(tl.int64)
         if SPLITS > 1:  # partial (max, sum, acc) per row for the merge kernel
-            idx = ((rows * (G * tl.num_programs(1)) + head) * SPLITS + split)
-            part = part_ptr + idx * (D_PAD + 2)
-            tl.store(part[:, None] + d[None, :], acc, mask=row_ok[:, None])
-            tl.store(part + D_PAD, m_i, mask=row_ok)
-            tl.store(part + D_PAD + 1, l_i, mask=row_ok)
+            part = part_ptr + ((rows * HQ + head) * SPLITS + split) * (DV_PAD + 2)
+            tl.store(part[:, None] + dv[None, :], acc, mask=row_ok[:, None])
+            tl.store(part + DV_PAD, m_i, mask=row_ok)
+            tl.store(part + DV_PAD + 1, l_i, mask=row_ok)
         else:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh
-                     + d[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & d_ok[None, :])
+                     + dv[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
@@ -182,39 +185,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     q_start: torch.Tensor, max_query_len: int, scale: float,
                     window: int | None = None, softcap: float | None = None,
                     splits: int = 1, tune: dict | None = None) -> torch.Tensor:
-    """out [T, Hq, D] = attention of q [T, Hq, D] (rows of each sequence at q_start[s] ..
+    """out [T, Hq, Dv] = attention of q [T, Hq, D] (rows of each sequence at q_start[s] ..
     q_start[s + 1]) over its sequence's cached keys (seq_lens[s] of them, this step's
-    included). `splits` > 1 only for decode-only steps (max_query_len 1). `tune`: launch
-    settings (rows, block_n, num_warps, num_stages) instead of the defaults (benchmarks)."""
+    included); values are the first Dv = out.shape[-1] entries of each v_cache row (Dv = D,
+    or DeepSeek's latent attention: v_cache is k_cache, its rows latent | rotary key, the
+    values the latents). `splits` > 1 only for decode-only steps (max_query_len 1). `tune`:
+    launch settings (rows, block_n, num_warps, num_stages) instead of the defaults."""
     num_seqs = block_table.shape[0]
-    hq, d = q.shape[1], q.shape[2]
+    hq, d, dv = q.shape[1], q.shape[2], out.shape[2]
     hkv = k_cache.shape[2]
     g = hq // hkv
-    g_pad = triton.next_power_of_2(g)
-    d_pad = max(16, triton.next_power_of_2(d))
+    head_block = min(triton.next_power_of_2(g), 16)
     int8 = k_cache.dtype == torch.int8
     if int8 and d % 4:
         raise ValueError("int8 KV caches need a head size that is a multiple of 4")
     base = DECODE if max_query_len == 1 else (
         PROMPT_16BIT if q.dtype in (torch.float16, torch.bfloat16) and q.is_cuda else PROMPT)
     tune = {**base, **(tune or {})}
-    block_q = max(1, tune["rows"] // g_pad)
+    block_q = max(1, tune["rows"] // head_block)
     if max_query_len > 1:
         splits = 1
-    grid = (num_seqs, hkv, triton.cdiv(max_query_len, block_q) * splits)
-    part = (torch.empty(q.shape[0], hq, splits, d_pad + 2, dtype=torch.float32,
+    d_pad, dv_pad = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    grid = (num_seqs, hkv * triton.cdiv(g, head_block),
+            triton.cdiv(max_query_len, block_q) * splits)
+    part = (torch.empty(q.shape[0], hq, splits, dv_pad + 2, dtype=torch.float32,
                         device=q.device) if splits > 1 else out)
     _attention[grid](
         q, k_cache, v_cache, out, part, block_table, seq_lens, q_start, q.stride(0),
         q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), k_cache.stride(1),
         k_cache.stride(2), scale, float(softcap or 1.0), int(window or 0),
-        k_cache.shape[1], d, G=g, G_PAD=g_pad, BLOCK_Q=block_q, D_PAD=d_pad,
-        BLOCK_N=tune["block_n"], SPLITS=splits, SOFTCAP=softcap is not None,
-        WINDOW=window is not None, INT8=int8,
+        k_cache.shape[1], d, dv, hq, G=g, HEAD_BLOCK=head_block, BLOCK_Q=block_q,
+        D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_N=tune["block_n"], SPLITS=splits,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, INT8=int8,
         # float32 queries: TF32 only where torch's own matmuls would use it
         PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
         **{k: tune[k] for k in ("num_warps", "num_stages") if k in tune})
     if splits > 1:
-        _merge_splits[(q.shape[0], hq)](part, out, out.stride(0), out.stride(1), hq, d,
-                                        D_PAD=d_pad, SPLITS=splits)
+        _merge_splits[(q.shape[0], hq)](part, out, out.stride(0), out.stride(1), hq, dv,
+                                        D_PAD=dv_pad, SPLITS=splits)
     return out

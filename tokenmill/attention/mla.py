@@ -1,0 +1,44 @@
+"""DeepSeek's latent attention (MLA) over the paged cache in torch ops: each cached row is
+one latent (`rank` values) and one rotary key; queries come already absorbed into the latent
+space. The backends' `mla` (attention/backend.py) runs this; the Triton backend runs its
+kernel instead (attention/triton), checked against this."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.backend import AttentionMetadata
+
+
+def sequence_rows(cache: torch.Tensor, meta: AttentionMetadata, s: int) -> torch.Tensor:
+    """Sequence s's cached rows [seq_len, row] (its blocks in order)."""
+    length = int(meta.seq_lens[s])
+    blocks = meta.block_table[s, : -(-length // meta.block_size)]
+    return cache[blocks].reshape(-1, cache.shape[-1])[:length]
+
+
+def future_keys(n: int, length: int, device: torch.device) -> torch.Tensor:
+    """[n, length] True where a key lies after its query (the n queries are the sequence's
+    last positions): masked out."""
+    keys = torch.arange(length, device=device)
+    return keys.unsqueeze(0) > keys[length - n:].unsqueeze(1)
+
+
+def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
+    """Attention over the latent cache: [T, heads, rank] softmax-weighted latents for queries
+    already in the latent space; each sequence's queries see its keys up to their own
+    position (causal)."""
+    out = torch.empty_like(q_latent)
+    loc = meta.query_start_loc
+    for s in range(meta.num_seqs):
+        start, end = loc[s], loc[s + 1]
+        rows = sequence_rows(cache, meta, s).to(q_latent.dtype)
+        c, k_pe = rows[:, :rank], rows[:, rank:]
+        scores = (torch.einsum("qhr,kr->hqk", q_latent[start:end], c)
+                  + torch.einsum("qhd,kd->hqk", q_pe[start:end], k_pe)) * scale
+        n, length = end - start, rows.shape[0]
+        mask = future_keys(n, length, scores.device)
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1)
+        out[start:end] = torch.einsum("hqk,kr->qhr", probs.to(c.dtype), c)
+    return out
