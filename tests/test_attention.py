@@ -144,3 +144,38 @@ def test_prompt_kernel_declines_head_sizes_it_does_not_take():
     assert not csrc.prompt_attention(q, cache[0], cache[1], meta.block_table,
                                      TorchSDPABackend._prompt_rows(meta), 0.3,
                                      torch.empty_like(q))
+
+
+@pytest.mark.parametrize("compiled", BACKENDS)
+def test_fp8_cache_matches_reference_over_the_same_rounded_rows(compiled):
+    # the torch backend over float8 e4m3 caches (no compiled kernel reads them): decodes and
+    # prompt chunks with context read the rounded rows as the reference does
+    q, k, v, cache, meta = random_step(11, 4, [(9, 5), (4, 3)], block_size=8, d=16)
+    fp8 = [c.to(torch.float8_e4m3fn) for c in cache]
+    ref = ReferenceBackend().forward(q, k, v, *(c.clone() for c in fp8), meta, 0.3)
+    out = TorchSDPABackend(compiled).forward(q, k, v, *(c.clone() for c in fp8), meta, 0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_cache_engine(tiny_models):
+    """--kv-cache-dtype fp8: a quarter of float32's bytes per block; the prompt's own token
+    (attended unrounded) as transformers', later ones close to the float cache's."""
+    from helpers import hf_greedy
+
+    from tokenmill import LLM, SamplingParams
+
+    path, hf = tiny_models("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    prompt = list(range(10, 70))
+    outs = {}
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(path, kv_cache_memory_gib=0.01, kv_cache_dtype=kv)
+        outs[kv] = (llm.engine.core.runner.block_bytes, llm.generate(
+            {"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0])
+    (full, exact), (small, fp8) = outs["auto"], outs["fp8_e4m3"]
+    assert small * 4 == full
+    assert fp8.token_ids[0] == exact.token_ids[0] == hf_greedy(hf, prompt, 1)[0]
+    same = [i for i in range(8) if fp8.token_ids[:i + 1] == exact.token_ids[:i + 1]]
+    diffs = [abs(fp8.logprobs[i][t].logprob - exact.logprobs[i][t].logprob)
+             for i in same for t in [exact.token_ids[i]]]
+    assert max(diffs) < 0.5

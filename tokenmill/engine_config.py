@@ -32,7 +32,9 @@ class EngineConfig:
     # Weights: int8 | int4 | a8w8 | fp8 (aliases: weight_only_int8, wint4, ...), quantized at
     # load time; None: as the checkpoint is (a `tokenmill quantize` output loads quantized).
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: int8 K/V with per-head scales
+    # auto: the model dtype; int8: int8 K/V with a scale per row and head; fp8 (fp8_e4m3):
+    # float8 e4m3 K/V, unscaled (vLLM's default scale of 1.0)
+    kv_cache_dtype: str = "auto"
     # auto: triton on GPUs, torch (compiled kernels + SDPA) on the CPU; triton on the CPU runs
     # in Triton's interpreter (TRITON_INTERPRET=1: tests)
     attention_backend: str = "auto"
@@ -156,6 +158,8 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}.")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError("kv_cache_dtype must be 'auto' or 'int8', got "
+        if self.kv_cache_dtype == "fp8_e4m3":  # (vLLM's other name of it)
+            self.kv_cache_dtype = "fp8"
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError("kv_cache_dtype must be 'auto', 'int8' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}.")

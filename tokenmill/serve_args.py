@@ -39,8 +39,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--quantization", "-q", default=None,
       help="int8, int4, a8w8 or fp8 (also weight_only_int8, weight_only_int4); default: as the "
            "checkpoint is")
-    a("--kv-cache-dtype", default=None, choices=["auto", "int8"],
-      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1)")
+    a("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
+      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1); fp8: float8 e4m3 K/V")
     a("--attention-backend", default=None, choices=["auto", "torch", "triton"],
       help="auto: triton on GPUs, torch on the CPU")
     a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")

@@ -106,20 +106,30 @@ class AttentionBackend(ABC):
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if (csrc.usable(k) and k_cache.device.type == "cpu"
+                and k_cache.dtype in (torch.float32, torch.int8)
                 and csrc.heads_contiguous(k) and csrc.heads_contiguous(v)):
             csrc.write_kv(k, v, k_cache, v_cache, slot_mapping)
             return
         for new, cache in ((k, k_cache), (v, v_cache)):
             if cache.dtype == torch.int8:
                 new = quantize_kv(new)
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
+            AttentionBackend.store_rows(cache.view(-1, *cache.shape[2:]), slot_mapping, new)
+
+    @staticmethod
+    def store_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """flat[slots] = rows in the cache's dtype (float8 copied as bytes: torch has no
+        float8 index_copy_ on the CPU)."""
+        rows = rows.to(flat.dtype)
+        if flat.element_size() == 1 and flat.dtype != torch.int8:
+            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+        flat.index_copy_(0, slots, rows)
 
     @staticmethod
     def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
         """The blocks' K or V, [n, block_size, Hkv, D] in `dtype` (dequantized from int8)."""
         blocks = cache.index_select(0, block_ids)
-        return dequantize_kv(blocks, dtype) if cache.dtype == torch.int8 else blocks
+        return dequantize_kv(blocks, dtype) if cache.dtype == torch.int8 else blocks.to(dtype)
 
     @classmethod
     def gather_kv(cls, cache: torch.Tensor, block_ids: torch.Tensor, length: int,

@@ -117,7 +117,7 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         loc = meta.query_start_loc
-        if nd and self._compiled_decode(q):
+        if nd and self._compiled_decode(q) and k_cache.dtype in (torch.float32, torch.int8):
             # q may be a view of the qkv output (read in place); out's first rows are contiguous
             decodes = q[:nd] if csrc.heads_contiguous(q) else q[:nd].contiguous()
             csrc.paged_decode_attention(decodes, k_cache, v_cache, meta.block_table,

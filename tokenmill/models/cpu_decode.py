@@ -237,6 +237,10 @@ class CpuDecodeStep:
             return "this feed-forward block runs in Python"
         if not all(isinstance(m.act, SiluAndMul) for layer in stage for m in _mlps(layer)):
             return "activations other than SiLU run in Python"
+        if any(getattr(layer.self_attn, "k_cache", None) is not None
+               and layer.self_attn.k_cache.dtype not in (torch.float32, torch.int8)
+               for layer in stage):
+            return "the compiled kernels read float32 or int8 K/V caches"
         if not all(isinstance(layer.self_attn, Attention) for layer in stage):
             return "latent attention runs in Python"
         if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None

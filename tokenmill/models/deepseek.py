@@ -85,8 +85,8 @@ class MLAttention(nn.Module):
         latent = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(latent[:, : self.rank].contiguous())
         k_pe = self._rotate(rope, latent[:, self.rank:].reshape(t, 1, self.rope_dim))
-        rows = torch.cat([c, k_pe.reshape(t, self.rope_dim)], dim=-1).to(self.k_cache.dtype)
-        self.k_cache.view(-1, self.head_dim).index_copy_(0, meta.slot_mapping, rows)
+        rows = torch.cat([c, k_pe.reshape(t, self.rope_dim)], dim=-1)
+        self.backend.store_rows(self.k_cache.view(-1, self.head_dim), meta.slot_mapping, rows)
         if kept is not None:
             if not kept.count:
                 return x.new_empty(0, x.shape[1])

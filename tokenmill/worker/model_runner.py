@@ -96,7 +96,8 @@ class ModelRunner:
         # The seed's 3.0 checkpoints mark an int8 KV cache in config.json; it wins over "auto".
         kv_int8 = config.kv_cache_dtype == "int8" or hasattr(hf_config,
                                                              "infer_model_cachekv_int8_type")
-        self.kv_dtype = torch.int8 if kv_int8 else self.dtype
+        self.kv_dtype = (torch.int8 if kv_int8 else torch.float8_e4m3fn
+                         if config.kv_cache_dtype == "fp8" else self.dtype)
         self.backend = self.platform.attention_backend(config.attention_backend)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)

@@ -65,13 +65,15 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @triton.jit
 def _load_rows(cache, s_off, d, D, n_ok, d_ok, INT8: tl.constexpr, dtype: tl.constexpr):
     """[D_PAD, BLOCK_N] of the keys / values at row offsets `s_off`, in `dtype`."""
-    x = tl.load(cache + s_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
-                other=0)
+    ok = n_ok[None, :] & d_ok[:, None]
     if INT8:
+        x = tl.load(cache + s_off[None, :] + d[:, None], mask=ok, other=0)
         scale = tl.load((cache + s_off + D).to(tl.pointer_type(tl.float32)), mask=n_ok,
                         other=0.0)
         return (x.to(tl.float32) * scale[None, :]).to(dtype)
-    return x.to(dtype)
+    # (no `other`: Triton's interpreter cannot fill a float8 load with it)
+    x = tl.load(cache + s_off[None, :] + d[:, None], mask=ok)
+    return tl.where(ok, x.to(dtype), 0.0)
 
 
 @triton.jit
