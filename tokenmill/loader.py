@@ -17,6 +17,7 @@ from tokenmill import csrc
 from tokenmill.convert import sharded
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import CheckpointSlice, RowParallelLinear, choose_linear_kernels
+from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config, fp8_blocks
 
@@ -150,6 +151,9 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     if float_weights:
         return model.eval()
     kernels = choose_linear_kernels(model)
+    for module in model.modules():  # GPU float experts: grouped Triton matmuls
+        if isinstance(module, SparseMoE):
+            module.fuse_experts()
     logger.info("Linear kernels: %s; weights %.1f MiB", kernels,
                 qmodel.weight_bytes(model) / 2**20)
     model.eval()

@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward block: a router picks each token's top-k experts; tokens are
 grouped by expert and each active expert runs once over its tokens, its weighted outputs added
-back in place. Experts are ordinary MLPs of linear layers, so every kernel and quantization a
+back in place (on GPUs: two grouped Triton matmuls, layers/fused_moe.py). Experts are ordinary
+MLPs of linear layers, so every kernel and quantization a
 `Linear` has serves them, and a decode step reads only the active experts' weights. Under
 tensor parallel each expert's intermediate size is split as an MLP's is, or, with expert
 parallel, each rank holds whole experts (1/tp of them); either way the experts' (and the
@@ -118,8 +119,6 @@ class SparseMoE(nn.Module):
     (DeepSeek-V3's `grouped_top_k`; the router holds `e_score_correction_bias`); `grouped`:
     (n_group, topk_group, routed_scaling_factor) of the DeepSeek routers."""
 
-    host_sync = True  # tokens are grouped by expert on the host: no CUDA graph capture
-
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
                  make_expert: Callable[[bool], nn.Module],
                  shared_expert: nn.Module | None = None,
@@ -140,10 +139,26 @@ class SparseMoE(nn.Module):
             make_expert(not self.expert_parallel) if self.holds_expert(e) else OtherRankExpert()
             for e in range(num_experts))
         self.shared_expert = shared_expert
+        self.fused = None  # FusedExperts (layers/fused_moe.py), set by `fuse_experts`
         self.shared_expert_gate = Linear(hidden, 1) if gated_shared else None
         if self.shared_expert_gate is not None:
             self.shared_expert_gate.keep_float = True
             self.shared_expert_gate.keep_weight = True  # (one row: the decode step reads it)
+
+    @property
+    def host_sync(self) -> bool:
+        """Whether the forward waits on the host (no CUDA graph): the per-expert loop does."""
+        return self.fused is None
+
+    def fuse_experts(self, force: bool = False) -> None:
+        """Run the experts as two grouped Triton matmuls where they can (GPU float experts
+        held on this rank; `force`: on any device, for tests under TRITON_INTERPRET)."""
+        from tokenmill.layers.fused_moe import FusedExperts
+
+        if self.expert_parallel or not FusedExperts.servable(self.experts):
+            return
+        if force or self.experts[0].down_proj.weight.is_cuda:
+            self.fused = FusedExperts(self.experts)
 
     def holds_expert(self, expert: int) -> bool:
         return not self.expert_parallel or expert % self.tp.size == self.tp.rank
@@ -162,7 +177,10 @@ class SparseMoE(nn.Module):
             weights, ids = softmax_top_k(logits, self.top_k, self.renormalize)
             if scaling != 1.0:
                 weights = weights * scaling
-        out = grouped_experts(x, weights, ids, self.experts)
+        if self.fused is not None:
+            out = self.fused(x, weights, ids)
+        else:
+            out = grouped_experts(x, weights, ids, self.experts)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

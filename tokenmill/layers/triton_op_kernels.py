@@ -53,3 +53,36 @@ def gated_kernel(x_ptr, out_ptr, n, stride_x, stride_o, GELU: tl.constexpr, BLOC
         act = g * tl.sigmoid(g)
     y = act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def grouped_matmul_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, expert_ptr, weights_ptr, rows,
+                          a_per_slot, N, K, stride_a, stride_we, stride_wn, stride_o,
+                          HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """One block of BLOCK_M (token, expert) slots, all of one expert, times BLOCK_N of its
+    output columns (fused_moe.py)."""
+    b = tl.program_id(0)
+    expert = tl.load(expert_ptr + b)
+    if expert >= 0:
+        m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(slots_ptr + m)
+        ok = slot < rows
+        a_row = tl.where(ok, slot // a_per_slot, 0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        kk = tl.arange(0, BLOCK_K)
+        w = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + kk < K
+            a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_a + (k0 + kk)[None, :],
+                        mask=ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w + n[None, :].to(tl.int64) * stride_wn + (k0 + kk)[:, None],
+                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc += tl.dot(a, wt.to(a.dtype), input_precision=PRECISION)
+        if HAS_WEIGHTS:
+            acc *= tl.load(weights_ptr + slot, mask=ok, other=0.0)[:, None]
+        tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_o + n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])

@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 class MLAttention(nn.Module):
     stores_values = False  # the cache holds one latent row per token: no V cache
 
-    host_sync = True  # per-sequence loops over host lengths: no CUDA graph capture
+    @property
+    def host_sync(self) -> bool:
+        """The torch ops loop over sequences on the host; a graph-safe backend does not."""
+        return not getattr(self.backend, "graph_safe", False)
 
     def __init__(self, config: Any, scale: float, interleaved: bool) -> None:
         super().__init__()

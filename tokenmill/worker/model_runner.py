@@ -144,19 +144,21 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int):
         """Plain decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one
         rank, the Triton backend, no draft heads, a model whose forward has no host syncs."""
-        from tokenmill.attention.triton.backend import TritonBackend
-
         if not (self.platform.supports_graphs and not self.config.enforce_eager
                 and self.world.size == 1 and self.heads is None and self.decode_step is None
-                and getattr(self.model, "graphable", False)
-                and isinstance(self.backend, TritonBackend)):
+                and getattr(self.backend, "graph_safe", False)
+                and getattr(self.model, "graphable", False)):
             return None
         from tokenmill.worker.cuda_graphs import DecodeGraphs
 
-        with torch.inference_mode():
-            graphs = DecodeGraphs(self.model, self.device, self.block_size,
-                                  self.config.max_num_seqs, max_model_len,
-                                  capture=self.device.type == "cuda")
+        try:
+            with torch.inference_mode():
+                graphs = DecodeGraphs(self.model, self.device, self.block_size,
+                                      self.config.max_num_seqs, max_model_len,
+                                      capture=self.device.type == "cuda")
+        except RuntimeError as exc:  # (a forward that cannot be captured: run it eagerly)
+            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
+            return None
         logger.info("Decode steps as CUDA graphs for batch sizes %s", graphs.sizes)
         return graphs
 

@@ -33,6 +33,8 @@ def decode_splits(num_seqs: int, longest: int) -> int:
 
 
 class TritonBackend(AttentionBackend):
+    graph_safe = True  # reads only tensors: a CUDA graph can hold its launches
+
     def prepare(self, meta: AttentionMetadata) -> None:
         loc = meta.query_start_loc
         max_query_len = max((b - a for a, b in zip(loc, loc[1:])), default=0)
@@ -46,6 +48,10 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def store_rows(flat, slots, rows) -> None:
+        kernels.write_rows(rows.contiguous(), flat, slots)
 
     def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float):
         # one query row of latent | rotary parts against the cache rows; values: the latents

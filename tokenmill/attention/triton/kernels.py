@@ -62,6 +62,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                         D_PAD=triton.next_power_of_2(d), INT8=k_cache.dtype == torch.int8)
 
 
+def write_rows(rows: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor) -> None:
+    """rows [T, D] into flat [slots, D] (one row per slot, as DeepSeek's latent cache) at
+    `slots` (negative slots skipped)."""
+    if rows.shape[0]:
+        _write_kv[(rows.shape[0], 1)](rows, rows, flat, flat, slots, rows.stride(0), 0,
+                                      rows.stride(0), 0, flat.stride(0), 0, rows.shape[1],
+                                      D_PAD=triton.next_power_of_2(rows.shape[1]),
+                                      INT8=False)
+
+
 @triton.jit
 def _load_rows(cache, s_off, d, D, n_ok, d_ok, INT8: tl.constexpr, dtype: tl.constexpr):
     """[D_PAD, BLOCK_N] of the keys / values at row offsets `s_off`, in `dtype`."""
