@@ -49,14 +49,16 @@ def hardware() -> dict:
 
 
 def correctness(root: str) -> dict:
-    """Tiny random models: greedy tokens from tokenmill on cuda equal transformers' on cuda."""
+    """Tiny random models: greedy tokens from tokenmill on cuda (CUDA graphs where the model
+    takes them: the MoE model on fused experts, DeepSeek's latent attention) equal
+    transformers' on cuda."""
     from helpers import make_model
 
     from tokenmill import LLM, SamplingParams
 
     out = {}
     prompts = [[5, 9, 17, 33, 2, 8], [7] * 40, list(range(3, 120))]
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "deepseek_v3"):
         path = os.path.join(root, arch)
         hf = make_model(path, arch).to("cuda")
         refs = []
@@ -70,10 +72,12 @@ def correctness(root: str) -> dict:
         got = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
-        out[arch] = {"equal": got == refs, "matching_prefix": [
+        runner = llm.engine.core.runner
+        out[arch] = {"graphs": runner.graphs is not None, "equal": got == refs,
+                     "matching_prefix": [
             next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
             for g, r in zip(got, refs)]}
-        del llm, hf
+        del llm, hf, runner
         torch.cuda.empty_cache()
     return out
 
