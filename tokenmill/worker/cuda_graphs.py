@@ -90,7 +90,8 @@ class DecodeGraphs:
 
     def takes(self, inputs: StepInputs) -> bool:
         return (is_plain_decode(inputs) and self.bucket(len(inputs.starts)) is not None
-                and max(inputs.ends) <= self.max_len)
+                and max(inputs.ends) <= self.max_len
+                and max(len(b) for b in inputs.block_ids) <= self.block_table.shape[1])
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [n, vocab] of a plain decode step of n sequences (a view of the bucket's
