@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40))]
 
@@ -87,6 +88,7 @@ def test_mtp_layers_are_kept_and_one_step_matches_transformers(tmp_path):
         t = 12
         attn = mtp.block.self_attn
         attn.k_cache = torch.zeros(4, 16, 1, attn.head_dim)
+        attn.backend = TorchSDPABackend()  # (as the runner binds it with the cache)
         meta = paged_step([(0, t)], 16, 4, random.Random(0))
         embeds = torch.randn(t, hf.config.hidden_size)
         previous = torch.randn(t, hf.config.hidden_size)

@@ -294,3 +294,24 @@ def test_the_default_model_follows_every_schema():
             for out in llm.chat([messages] * 2, params, use_tqdm=False):
                 assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
                 _valid(out.outputs[0].text, schema)
+
+
+def test_extreme_penalty_and_a_fully_banned_grammar_never_stop_the_engine(llm):
+    """A repetition penalty of 5e-324 pushes scores past float range (the sampler keeps a
+    distribution: the choice is still honoured); bans that leave a grammar no token end that
+    request as aborted, and the request beside it finishes as if alone."""
+    choice = SamplingParams(max_tokens=8, seed=1, repetition_penalty=5e-324,
+                            structured_outputs={"choice": ["yes", "no"]})
+    (out,) = llm.generate("Answer: yes", choice, use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no")
+    tokenizer = llm.get_tokenizer()
+    assert all(len(tokenizer.encode(w, add_special_tokens=False)) == 1 for w in ("a", "b"))
+    banned = SamplingParams(max_tokens=8, temperature=0, bad_words=["a", "b"],
+                            structured_outputs={"choice": ["a", "b"]})
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = llm.generate("Hello there", plain, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(["Is it?", "Hello there"], [banned, plain], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert outs[1].outputs[0].token_ids == alone
+    assert llm.generate("Answer: yes", choice, use_tqdm=False)[0].outputs[0].text in (
+        "yes", "no")  # the engine still serves

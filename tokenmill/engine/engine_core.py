@@ -279,11 +279,21 @@ class EngineCore:
                  if s.request.status.finished or s.request.num_preemptions != s.preemptions}
         updated = self.scheduler.update_from_output(step, result.sampled)
         # Structured outputs: each grammar takes its request's new tokens; a grammar ends
-        # only on a stop token, so a request ignoring EOS ends there too.
-        done = [request.request_id for request, count in updated
-                if request.grammar is not None and count
-                and advance(request, request.output_token_ids[-count:])]
+        # only on a stop token, so a request ignoring EOS ends there too. A token the grammar
+        # refuses (nothing was left to sample) ends its request as aborted.
+        done, broken = [], []
+        for request, count in updated:
+            if request.grammar is not None and count:
+                state = advance(request, request.output_token_ids[-count:])
+                if state is None:
+                    logger.warning("Request %s: its sampled token breaks its grammar (no "
+                                   "allowed token was left); it is aborted.",
+                                   request.request_id)
+                    broken.append(request.request_id)
+                elif state:
+                    done.append(request.request_id)
         self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests(broken, RequestStatus.FINISHED_ABORTED)
         if self.proposer is not None:
             self.proposer.pending = result.drafts
             self.proposer.propose([r for r, _ in updated], self.scheduler.num_running)

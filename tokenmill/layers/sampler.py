@@ -91,7 +91,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Each row's sampling distribution: its temperature, then top-k / top-p / min-p."""
     temperature = batch.temperature.clamp(min=1e-5).unsqueeze(1)
-    return torch.softmax(apply_top_k_top_p_min_p(logits / temperature, batch), dim=-1)
+    # Scores past float range (a tiny repetition penalty divides by ~0) count as the largest
+    # finite one: softmax would make NaNs of them. Masked (-inf) scores stay out.
+    scaled = (logits / temperature).nan_to_num(
+        nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
+    return torch.softmax(apply_top_k_top_p_min_p(scaled, batch), dim=-1)
 
 
 def adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

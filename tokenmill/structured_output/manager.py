@@ -164,10 +164,12 @@ def mask_drafted(logits: torch.Tensor, request: Request, drafts: list[int]) -> N
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
 
-def advance(request: Request, tokens: list[int]) -> bool:
+def advance(request: Request, tokens: list[int]) -> bool | None:
     """The request's matcher takes the tokens sampled for it; True once its grammar is
-    complete (it took a stop token). A grammar waiting for the end of a reasoning section
-    starts with the tokens after it, once the output holds it."""
+    complete (it took a stop token), None if a token breaks it (a row whose every token was
+    masked, as by bans or penalties that leave no finite score: the caller ends the request,
+    never the engine). A grammar waiting for the end of a reasoning section starts with the
+    tokens after it, once the output holds it."""
     state, matcher = request.grammar, request.grammar.matcher
     if not state.active:
         output = request.output_token_ids
@@ -180,9 +182,8 @@ def advance(request: Request, tokens: list[int]) -> bool:
     for token in tokens:
         if matcher.is_terminated():
             break
-        if not matcher.accept_token(token):  # (a masked row cannot get here)
-            raise RuntimeError(f"token {token} breaks the grammar of request "
-                               f"{request.request_id}")
+        if not matcher.accept_token(token):
+            return None
     return matcher.is_terminated()
 
 
