@@ -51,7 +51,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor,
     """out[s] = a[s // a_per_slot] @ w[expert of s]^T (times weights[s]) for every slot s <
     rows: [rows, N]."""
     out = torch.zeros(rows, w.shape[1], dtype=a.dtype, device=a.device)
-    kernels = triton_ops._kernels()
+    kernels = triton_ops.kernels()
     n, k = w.shape[1], w.shape[2]
     block_n = 64
     grid = (block_expert.shape[0], -(-n // block_n))

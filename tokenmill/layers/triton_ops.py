@@ -14,7 +14,7 @@ import torch
 
 
 @functools.cache
-def _kernels() -> ModuleType | None:
+def kernels() -> ModuleType | None:
     try:
         from tokenmill.layers import triton_op_kernels
     except ImportError:  # no triton (a CPU-only install)
@@ -24,7 +24,7 @@ def _kernels() -> ModuleType | None:
 
 def usable(x: torch.Tensor) -> bool:
     """Whether `x` (a GPU tensor, with triton installed) takes these kernels."""
-    return x.is_cuda and _kernels() is not None
+    return x.is_cuda and kernels() is not None
 
 
 def _next_power_of_2(n: int) -> int:
@@ -40,7 +40,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                       device=x.device)
     res = residual if residual is not None else x
     if x.shape[0]:
-        _kernels().add_rms_norm_kernel[(x.shape[0],)](
+        kernels().add_rms_norm_kernel[(x.shape[0],)](
             x, res, weight, out, n, eps, x.stride(0), res.stride(0), out.stride(0),
             HAS_RES=residual is not None, BLOCK=_next_power_of_2(n))
     return out if residual is None else (out, residual)
@@ -53,7 +53,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
     t, h, d = x.shape
     out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
     if t:
-        _kernels().rotary_kernel[(t, h)](x, cos, signed_sin, positions, out, x.stride(0),
+        kernels().rotary_kernel[(t, h)](x, cos, signed_sin, positions, out, x.stride(0),
                                          x.stride(1), cos.stride(0), d, d // 2,
                                          BLOCK=_next_power_of_2(d))
     return out
@@ -65,6 +65,6 @@ def gated(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = min(1024, _next_power_of_2(n))
     if x.shape[0]:
-        _kernels().gated_kernel[(x.shape[0], -(-n // block))](
+        kernels().gated_kernel[(x.shape[0], -(-n // block))](
             x, out, n, x.stride(0), out.stride(0), GELU=gelu, BLOCK=block)
     return out
