@@ -34,6 +34,12 @@ def test_an_out_of_tree_platform_plugs_in(monkeypatch):
         def default_dtype(self, hf_config):
             return torch.float16
 
+        def attention_backend(self, choice):
+            return TorchSDPABackend()
+
+        def kv_budget_bytes(self, gib, utilization, profile=None):
+            return 2**20
+
     platform = get_platform(torch.device("meta"))
     assert isinstance(platform, MetaPlatform) and platform.default_dtype(None) == torch.float16
 

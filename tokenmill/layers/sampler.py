@@ -52,8 +52,13 @@ def banned_by_bad_words(output_ids: list[int], words: list[list[int]]) -> list[i
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.repetition_penalty is not None:
-        penalty = batch.repetition_penalty.unsqueeze(1)
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # A penalty near 0 (float32 rounds 5e-324 to 0, and -inf * 0 is NaN) is taken as the
+        # smallest normal float; the scores it divides past float range stop where dividing
+        # by the smallest temperature (1e-5) stays finite, so softmax makes no NaNs of them.
+        finfo = torch.finfo(logits.dtype)
+        penalty = batch.repetition_penalty.clamp(min=finfo.tiny).unsqueeze(1)
+        top = finfo.max * 1e-5
+        scaled = torch.where(logits > 0, (logits / penalty).clamp(max=top), logits * penalty)
         logits = torch.where(batch.seen_mask, scaled, logits)
     if batch.frequency_penalty is not None:
         logits = logits - batch.frequency_penalty.unsqueeze(1) * batch.output_counts
@@ -91,11 +96,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Each row's sampling distribution: its temperature, then top-k / top-p / min-p."""
     temperature = batch.temperature.clamp(min=1e-5).unsqueeze(1)
-    # Scores past float range (a tiny repetition penalty divides by ~0) count as the largest
-    # finite one: softmax would make NaNs of them. Masked (-inf) scores stay out.
-    scaled = (logits / temperature).nan_to_num(
-        nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
-    return torch.softmax(apply_top_k_top_p_min_p(scaled, batch), dim=-1)
+    return torch.softmax(apply_top_k_top_p_min_p(logits / temperature, batch), dim=-1)
 
 
 def adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -8,6 +8,7 @@ registers its own `Platform` subclass for its torch device type, either by calli
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend
 
 
-class Platform:
+class Platform(ABC):
     """The interface; cpu.py and cuda.py implement it."""
 
     device_type = ""
@@ -26,23 +27,25 @@ class Platform:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    @abstractmethod
     def default_dtype(self, hf_config: Any) -> torch.dtype:
         """The dtype of "auto"."""
-        raise NotImplementedError
 
+    @abstractmethod
     def attention_backend(self, choice: str) -> AttentionBackend:
         """The backend for `choice` ("auto", "torch", "triton"), or a ValueError saying why
         this device has none of that name."""
-        raise NotImplementedError
 
+    @abstractmethod
     def kv_budget_bytes(self, gib: float | None, utilization: float,
                         profile: Callable[[], None] | None = None) -> int:
         """Bytes for K/V blocks: `gib` when set, else this device's default; `profile` runs
         the largest step once (its activations must fit beside the cache)."""
-        raise NotImplementedError
 
     def setup_process(self) -> None:
-        """Once per process that runs a model on this device, before loading it."""
+        """Once per process that runs a model on this device, before loading it (default:
+        nothing)."""
+        return None
 
 
 _PLATFORMS: dict[str, type[Platform]] = {}

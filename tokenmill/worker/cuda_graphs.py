@@ -33,13 +33,6 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes if top in sizes else sizes + [top]
 
 
-def is_plain_decode(inputs: StepInputs) -> bool:
-    """Every sequence computes exactly one token and samples it; nothing else is scored."""
-    n = len(inputs.starts)
-    return (len(inputs.token_ids) == n and len(inputs.sample_seqs) == n
-            and not inputs.prompt_seqs and inputs.num_sampled_rows == n)
-
-
 class DecodeGraphs:
     def __init__(self, model: Any, device: torch.device, block_size: int, max_num_seqs: int,
                  max_model_len: int, capture: bool) -> None:
@@ -89,7 +82,7 @@ class DecodeGraphs:
         return next((s for s in self.sizes if s >= n), None)
 
     def takes(self, inputs: StepInputs) -> bool:
-        return (is_plain_decode(inputs) and self.bucket(len(inputs.starts)) is not None
+        return (inputs.plain_decode and self.bucket(len(inputs.starts)) is not None
                 and max(inputs.ends) <= self.max_len
                 and max(len(b) for b in inputs.block_ids) <= self.block_table.shape[1])
 

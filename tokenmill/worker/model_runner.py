@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -189,7 +190,7 @@ class ModelRunner:
             return self.config.num_kv_blocks
         profile = None
         if self.world.size == 1:  # (ranks would have to profile in step: not yet)
-            profile = lambda: self.profile_step(max_model_len)  # noqa: E731
+            profile = functools.partial(self.profile_step, max_model_len)
         budget = self.platform.kv_budget_bytes(self.config.kv_cache_memory_gib,
                                                self.config.gpu_memory_utilization, profile)
         num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)

@@ -52,6 +52,14 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         return all(end - start in (1, counts.get(i)) for i, (start, end)
                    in enumerate(zip(self.starts, self.ends)))
 
+    @property
+    def plain_decode(self) -> bool:
+        """Every sequence computes exactly one token and samples it; nothing else is scored
+        (what a CUDA-graph decode step runs)."""
+        n = len(self.starts)
+        return (len(self.token_ids) == n and len(self.sample_seqs) == n
+                and not self.prompt_seqs and self.num_sampled_rows == n)
+
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
 

@@ -53,26 +53,25 @@ class TritonBackend(AttentionBackend):
     def store_rows(flat, slots, rows) -> None:
         kernels.write_rows(rows.contiguous(), flat, slots)
 
-    def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float):
-        # one query row of latent | rotary parts against the cache rows; values: the latents
+    @staticmethod
+    def _attend(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         step: TritonStep = meta.backend_data
-        q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
-        out = q_latent.new_empty(q_latent.shape)
-        if meta.num_seqs == 0:
-            return out
-        return kernels.paged_attention(q, cache, cache, out, meta.block_table, meta.seq_lens,
-                                       step.q_start, step.max_query_len, scale,
-                                       splits=step.splits)
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        step: TritonStep = meta.backend_data
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        out = q.new_empty(q.shape)
         if meta.num_seqs == 0:
             return out
         return kernels.paged_attention(q, k_cache, v_cache, out, meta.block_table,
                                        meta.seq_lens, step.q_start, step.max_query_len,
                                        scale, window, softcap, step.splits)
+
+    def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float):
+        # one query row of latent | rotary parts against the cache rows; values: the latents
+        q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+        return self._attend(q, cache, cache, q_latent.new_empty(q_latent.shape), meta, scale)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None):
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        return self._attend(q, k_cache, v_cache, q.new_empty(q.shape), meta, scale, window,
+                            softcap)

@@ -22,8 +22,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_row(x, cache, dst, d, ok, D, INT8: tl.constexpr):
+    """One (token, head) row into the cache at offset `dst`; int8: its values and scale."""
+    if INT8:
+        scale = tl.maximum(tl.max(tl.abs(x.to(tl.float32)), 0) / 127.0, 1e-12)
+        # round half to even, as torch.round: the float32 magic-number trick
+        q = (x.to(tl.float32) / scale + 12582912.0) - 12582912.0
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        tl.store(cache + dst + d, q.to(tl.int8), mask=ok)
+        tl.store((cache + dst + D).to(tl.pointer_type(tl.float32)), scale)
+    else:
+        tl.store(cache + dst + d, x.to(cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_kh, stride_vt,
-              stride_vh, stride_slot, stride_head, D, D_PAD: tl.constexpr, INT8: tl.constexpr):
+              stride_vh, stride_slot, stride_head, D, D_PAD: tl.constexpr, INT8: tl.constexpr,
+              HAS_V: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
@@ -32,22 +47,10 @@ def _write_kv(k_ptr, v_ptr, k_cache, v_cache, slots, stride_kt, stride_kh, strid
         ok = d < D
         dst = slot * stride_slot + h * stride_head
         k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok, other=0.0)
-        if INT8:
-            k_scale = tl.maximum(tl.max(tl.abs(k.to(tl.float32)), 0) / 127.0, 1e-12)
-            v_scale = tl.maximum(tl.max(tl.abs(v.to(tl.float32)), 0) / 127.0, 1e-12)
-            # round half to even, as torch.round: the float32 magic-number trick
-            kq = (k.to(tl.float32) / k_scale + 12582912.0) - 12582912.0
-            vq = (v.to(tl.float32) / v_scale + 12582912.0) - 12582912.0
-            kq = tl.minimum(tl.maximum(kq, -127.0), 127.0)
-            vq = tl.minimum(tl.maximum(vq, -127.0), 127.0)
-            tl.store(k_cache + dst + d, kq.to(tl.int8), mask=ok)
-            tl.store(v_cache + dst + d, vq.to(tl.int8), mask=ok)
-            tl.store((k_cache + dst + D).to(tl.pointer_type(tl.float32)), k_scale)
-            tl.store((v_cache + dst + D).to(tl.pointer_type(tl.float32)), v_scale)
-        else:
-            tl.store(k_cache + dst + d, k.to(k_cache.dtype.element_ty), mask=ok)
-            tl.store(v_cache + dst + d, v.to(v_cache.dtype.element_ty), mask=ok)
+        _store_row(k, k_cache, dst, d, ok, D, INT8)
+        if HAS_V:  # (without: one cache of rows, DeepSeek's latents)
+            v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok, other=0.0)
+            _store_row(v, v_cache, dst, d, ok, D, INT8)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,7 +62,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     _write_kv[(t, hkv)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1),
                         v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), d,
-                        D_PAD=triton.next_power_of_2(d), INT8=k_cache.dtype == torch.int8)
+                        D_PAD=triton.next_power_of_2(d), INT8=k_cache.dtype == torch.int8,
+                        HAS_V=True)
 
 
 def write_rows(rows: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor) -> None:
@@ -69,7 +73,7 @@ def write_rows(rows: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor) -> N
         _write_kv[(rows.shape[0], 1)](rows, rows, flat, flat, slots, rows.stride(0), 0,
                                       rows.stride(0), 0, flat.stride(0), 0, rows.shape[1],
                                       D_PAD=triton.next_power_of_2(rows.shape[1]),
-                                      INT8=False)
+                                      INT8=False, HAS_V=False)
 
 
 @triton.jit
