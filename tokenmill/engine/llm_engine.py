@@ -112,8 +112,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.client.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step: the results of the requests it advanced (`final_only`: of those
+        it finished; the offline `LLM` builds no result a request has not finished)."""
         outputs = self.client.get_output()
-        results, stopped = self.output_processor.process_outputs(outputs)
+        results, stopped = self.output_processor.process_outputs(outputs, final_only)
         self.client.finish_requests(stopped)
         return results

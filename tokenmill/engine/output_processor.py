@@ -107,10 +107,11 @@ class OutputProcessor:
         n = len(state.completions)
         return [child_request_id(state.request_id, c.index, n) for c in state.completions]
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
+    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated results and the engine-core ids stopped here by a stop string
-        (the caller must finish them in the core)."""
+        """Returns the updated results (`final_only`: only the finished requests') and the
+        engine-core ids stopped here by a stop string (the caller must finish them in the
+        core)."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
         for out in outputs:
@@ -137,8 +138,10 @@ class OutputProcessor:
                 del self._children[out.request_id]
         results = []
         for request_id, state in touched.items():
-            results.append(self._request_output(state))
-            if state.finished:
+            finished = state.finished
+            if finished or not final_only:
+                results.append(self._request_output(state))
+            if finished:
                 del self._requests[request_id]
         return results, stopped
 

@@ -111,7 +111,7 @@ class LLM:
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                   dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

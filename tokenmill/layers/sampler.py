@@ -26,10 +26,13 @@ class SamplingBatch:
     bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)  # logit_bias
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, None = not asked
+    # every row greedy: known on the host from the requests' settings (the runner passes it;
+    # reading it back from `temperature` would wait for the device)
+    all_greedy: bool | None = None
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+    def __post_init__(self) -> None:
+        if self.all_greedy is None:
+            self.all_greedy = bool((self.temperature == 0).all())
 
 
 @dataclass

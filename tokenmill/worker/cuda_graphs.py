@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.attention.triton.backend import TritonStep, decode_splits
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Any, device: torch.device, block_size: int, max_num_seqs: int,
-                 max_model_len: int, capture: bool) -> None:
-        self.model, self.device, self.block_size = model, device, block_size
+    def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
+                 block_size: int, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """`backend`: a graph-safe one (its `graph_step` gives the metadata a replay reads
+        from the static buffers)."""
+        self.model, self.backend, self.device = model, backend, device
+        self.block_size = block_size
         self.sizes = capture_sizes(max_num_seqs)
         self.max_len = max_model_len
         top = self.sizes[-1]
@@ -58,8 +61,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:n], query_start_loc=list(range(n + 1)),
             context_lens=[0] * n, seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
             num_decodes=n, block_size=self.block_size,
-            # splits for the longest sequence a replay may hold
-            backend_data=TritonStep(self.q_start[:n + 1], 1, decode_splits(n, self.max_len)))
+            backend_data=self.backend.graph_step(self.q_start[:n + 1], self.max_len))
         hidden = self.model(self.input_ids[:n], self.positions[:n], meta)
         return self.model.compute_logits(hidden)
 
@@ -91,18 +93,16 @@ class DecodeGraphs:
         output: read it before the next step)."""
         n = len(inputs.starts)
         size = self.bucket(n)
-        bs = self.block_size
-        width = max(len(b) for b in inputs.block_ids)
-        table = torch.tensor([b + [0] * (width - len(b)) for b in inputs.block_ids])
-        pos = torch.tensor(inputs.starts)
-        slots = table[torch.arange(n), pos // bs] * bs + pos % bs
+        positions, slots, table = inputs.layout(self.block_size)
         # one host-to-device copy: ids, positions, slots, lengths side by side
-        staged = torch.stack([torch.tensor(inputs.token_ids), pos, slots,
-                              torch.tensor(inputs.ends)]).to(self.device, non_blocking=True)
+        staged = torch.from_numpy(np.stack([np.asarray(inputs.token_ids), positions, slots,
+                                            np.asarray(inputs.ends)])
+                                  ).to(self.device, non_blocking=True)
         for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping,
                                 self.seq_lens), staged):
             buffer[:n].copy_(row)
-        self.block_table[:n, :width].copy_(table.to(self.device, non_blocking=True))
+        self.block_table[:n, :table.shape[1]].copy_(
+            torch.from_numpy(table).to(self.device, non_blocking=True))
         # padding rows: written nowhere, one key to read (a larger step may have used them)
         self.input_ids[n:size].zero_()
         self.positions[n:size].zero_()

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, KeptRows
@@ -154,7 +155,7 @@ class ModelRunner:
 
         try:
             with torch.inference_mode():
-                graphs = DecodeGraphs(self.model, self.device, self.block_size,
+                graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size,
                                       self.config.max_num_seqs, max_model_len,
                                       capture=self.device.type == "cuda")
         except RuntimeError as exc:  # (a forward that cannot be captured: run it eagerly)
@@ -351,33 +352,24 @@ class ModelRunner:
                 self.link.stop_next()
 
     def _prepare_inputs(self, inputs: StepInputs):
-        ids = inputs.token_ids
-        pos: list[int] = []
-        query_start_loc = [0]
-        for start, end in zip(inputs.starts, inputs.ends):
-            pos.extend(range(start, end))
-            query_start_loc.append(len(pos))
-        max_blocks = max(len(b) for b in inputs.block_ids)
-        table = [b + [0] * (max_blocks - len(b)) for b in inputs.block_ids]
-        dev = self.device
-        block_table = torch.tensor(table, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        new_tokens = [end - start for start, end in zip(inputs.starts, inputs.ends)]
-        counts = torch.tensor(new_tokens, device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(new_tokens), device=dev), counts)
-        bs = self.block_size
-        slot_mapping = block_table[seq_index, positions // bs] * bs + positions % bs
+        positions, slots, table = inputs.layout(self.block_size)
+        # the host's numbers to the device in three copies that do not wait for it
+        staged = torch.from_numpy(np.stack([np.asarray(inputs.token_ids), positions, slots])
+                                  ).to(self.device, non_blocking=True)
+        ends = torch.tensor(inputs.ends, dtype=torch.int64).to(self.device, non_blocking=True)
+        query_start_loc = [0, *itertools.accumulate(
+            end - start for start, end in zip(inputs.starts, inputs.ends))]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=staged[2],
             query_start_loc=query_start_loc,
             context_lens=list(inputs.starts),
-            seq_lens=torch.tensor(inputs.ends, dtype=torch.int64, device=dev),
-            block_table=block_table,
-            num_decodes=sum(1 for n in new_tokens if n == 1),
-            block_size=bs,
+            seq_lens=ends,
+            block_table=torch.from_numpy(table).to(self.device, non_blocking=True),
+            num_decodes=sum(1 for a, b in zip(inputs.starts, inputs.ends) if b - a == 1),
+            block_size=self.block_size,
         )
         self.backend.prepare(meta)
-        return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
+        return staged[0], staged[1], meta
 
     def _score_prompt(self, s: ScheduledRequest, logits: torch.Tensor,
                       out: RunnerOutput) -> None:

@@ -71,10 +71,12 @@ class RequestSampling:
             values = [getattr(p, name) for p in params]
             if all(v == neutral for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return on_device(values, dtype, dev)
 
+        temperatures = [p.temperature for p in params]
         batch = SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            temperature=on_device(temperatures, torch.float32, dev),
+            all_greedy=not any(temperatures),
             top_p=column("top_p", 1.0), top_k=column("top_k", 0, torch.int64),
             min_p=column("min_p", 0.0),
             repetition_penalty=column("repetition_penalty", 1.0),
@@ -87,11 +89,11 @@ class RequestSampling:
                                           device=dev)
             for row, r in enumerate(requests):
                 seen = r.prompt_token_ids + r.output_token_ids
-                batch.seen_mask[row, torch.tensor(seen, device=dev)] = True
+                batch.seen_mask[row, on_device(seen, torch.int64, dev)] = True
         if batch.frequency_penalty is not None or batch.presence_penalty is not None:
             batch.output_counts = torch.zeros(len(params), self.vocab_size, device=dev)
             for row, r in enumerate(requests):
-                out_ids = torch.tensor(r.output_token_ids, dtype=torch.int64, device=dev)
+                out_ids = on_device(r.output_token_ids, torch.int64, dev)
                 batch.output_counts[row].index_add_(
                     0, out_ids, torch.ones(len(out_ids), device=dev))
         for row, (r, p) in enumerate(zip(requests, params)):
@@ -109,6 +111,13 @@ class RequestSampling:
             if gen is not None:
                 batch.generators[row] = gen
         return batch
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device (a
+    `torch.tensor(..., device=cuda)` synchronizes the stream: a step's work queued behind
+    the forward would wait for it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _context_dependent(request: Request) -> bool:

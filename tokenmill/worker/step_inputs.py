@@ -4,6 +4,7 @@ rank 0 from the scheduler's output and broadcast once per step as msgpack bytes 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from tokenmill.core.scheduler import ScheduledRequest
 
@@ -59,6 +60,20 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         n = len(self.starts)
         return (len(self.token_ids) == n and len(self.sample_seqs) == n
                 and not self.prompt_seqs and self.num_sampled_rows == n)
+
+    def layout(self, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """On the host: each new token's position, the cache slot its K/V goes to (its
+        block's id x block_size + offset), and the block table padded with block 0."""
+        counts = np.subtract(self.ends, self.starts)
+        first = np.cumsum(counts) - counts  # each sequence's first row
+        seq = np.repeat(np.arange(len(counts)), counts)
+        positions = np.arange(len(seq)) - first[seq] + np.asarray(self.starts)[seq]
+        width = max(len(b) for b in self.block_ids)
+        table = np.zeros((len(counts), width), dtype=np.int64)
+        for row, blocks in enumerate(self.block_ids):
+            table[row, :len(blocks)] = blocks
+        slots = table[seq, positions // block_size] * block_size + positions % block_size
+        return positions, slots, table
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)

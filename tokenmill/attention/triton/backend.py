@@ -46,6 +46,13 @@ class TritonBackend(AttentionBackend):
             max_query_len, splits)
 
     @staticmethod
+    def graph_step(q_start: torch.Tensor, longest: int) -> TritonStep:
+        """The step data of a captured decode batch (one query row per sequence, offsets in
+        the static `q_start`), its key ranges split for the longest sequence a replay may
+        hold."""
+        return TritonStep(q_start, 1, decode_splits(len(q_start) - 1, longest))
+
+    @staticmethod
     def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 

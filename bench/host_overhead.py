@@ -1,0 +1,98 @@
+"""Host time per decode step: the engine's Python around a forward that costs ~nothing.
+
+The tests' 2-layer, 64-wide random Qwen2 model and byte-level BPE tokenizer
+(tests/helpers.py, built with transformers and tokenizers; no download) make the forward
+negligible, so a decode step's time is the engine's own work: scheduling, the step's inputs,
+sampling, output processing. On a GPU that work is not overlapped with the device's (the
+engine waits for each step's tokens before it schedules the next), so it adds to every
+decode step; here it is measured on the CPU, where the same Python runs.
+
+    python bench/host_overhead.py [--out bench/results/host-overhead-DATE.json]
+
+Reports the median over the all-decode steps of `LLMEngine.step()` (the serving path: every
+advanced request's result built) for batches of 1, 8 and 64 sequences (greedy; and batch 1
+with temperature / top-p / a repetition penalty), in milliseconds of wall time and of the
+calling thread's CPU time, each the least of `--repeats` runs' medians (a busy machine only
+adds time), and `--profile` prints the top functions by own time for batch 1."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def step_times(llm, batch: int, params, steps: int) -> list[float]:
+    engine = llm.engine
+    for i in range(batch):
+        engine.add_request(None, {"prompt_token_ids": [5 + i % 100] * 16}, params)
+    wall, cpu = [], []
+    for _ in range(steps + 2):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        engine.step()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return wall[2:], cpu[2:]  # (the first steps run the prompts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+
+    from helpers import make_model
+
+    from tokenmill import LLM, SamplingParams
+
+    path = os.path.join(tempfile.mkdtemp(), "tiny")
+    make_model(path, "qwen2")
+    llm = LLM(path, kv_cache_memory_gib=0.25, enable_prefix_caching=False)
+    greedy = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
+    sampled = greedy.clone(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1)
+    step_times(llm, 8, greedy, 20)  # warm-up
+    cases = {"batch1_greedy": (1, greedy), "batch8_greedy": (8, greedy),
+             "batch64_greedy": (64, greedy), "batch1_sampled": (1, sampled)}
+    results = {}
+    for name, (batch, params) in cases.items():
+        # the least of the repeats' medians: a busy (shared) machine only adds time
+        runs = [step_times(llm, batch, params, args.steps) for _ in range(args.repeats)]
+        wall = [statistics.median(w) * 1e3 for w, _ in runs]
+        cpu = [statistics.median(c) * 1e3 for _, c in runs]
+        results[name] = {"ms_per_step": round(min(wall), 4),
+                         "thread_cpu_ms_per_step": round(min(cpu), 4),
+                         "medians_ms": [round(m, 4) for m in wall]}
+        print(f"{name:16s} {min(wall):.3f} ms/step, engine thread's CPU {min(cpu):.3f} ms "
+              f"(wall medians {', '.join(f'{m:.3f}' for m in wall)})")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        step_times(llm, 1, greedy, args.steps)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(),
+                       "command": " ".join(["python"] + sys.argv),
+                       "machine": f"{platform.processor() or platform.machine()}, "
+                                  f"{os.cpu_count()} CPUs",
+                       "steps": args.steps, "repeats": args.repeats, "results": results},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The engine's host-side work per step (what bounds a GPU's batch-1 decode): each shortcut
+against the obvious computation it replaces."""
+
+import random
+
+import pytest
+import torch
+from helpers import make_spm_tokenizer, make_tokenizer
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.request import Request
+from tokenmill.tokenizer import token_decoder
+from tokenmill.worker.sampling import RequestSampling
+from tokenmill.worker.step_inputs import StepInputs
+
+
+@pytest.mark.parametrize("make", [make_tokenizer, make_spm_tokenizer])
+@pytest.mark.parametrize("skip", [True, False])
+def test_token_decoder_equals_the_tokenizers_decode(tmp_path, make, skip):
+    tokenizer = make(str(tmp_path))
+    rng = random.Random(0)
+    decode = token_decoder(tokenizer, skip)
+    for n in [0, 1, 2, 5, 30]:  # special tokens and partial UTF-8 byte tokens included
+        for _ in range(20):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
+            assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_token_decoder_keeps_the_wrappers_space_clean_up(tmp_path):
+    tokenizer = make_tokenizer(str(tmp_path))
+    tokenizer.clean_up_tokenization_spaces = True
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tokenizer.encode("Paris , France . Tokens !", add_special_tokens=False)
+    want = tokenizer.decode(ids, skip_special_tokens=True)
+    assert want != tokenizer._tokenizer.decode(ids)  # (the clean-up changed something)
+    assert token_decoder(tokenizer)(ids) == want
+
+
+def test_step_layout_equals_the_per_token_formula():
+    rng = random.Random(1)
+    bs = 4
+    starts, ends, blocks = [], [], []
+    for _ in range(7):
+        start = rng.randrange(0, 30)
+        end = start + rng.choice([1, 1, rng.randrange(1, 12)])  # decodes and prompt chunks
+        starts.append(start)
+        ends.append(end)
+        blocks.append(rng.sample(range(100), -(-end // bs)))
+    inputs = StepInputs([0] * sum(e - s for s, e in zip(starts, ends)), starts, ends, blocks,
+                        [], [], [], [])
+    positions, slots, table = inputs.layout(bs)
+    want_pos = [p for s, e in zip(starts, ends) for p in range(s, e)]
+    want_slots = [b[p // bs] * bs + p % bs for s, e, b in zip(starts, ends, blocks)
+                  for p in range(s, e)]
+    assert positions.tolist() == want_pos and slots.tolist() == want_slots
+    width = max(len(b) for b in blocks)
+    assert table.tolist() == [b + [0] * (width - len(b)) for b in blocks]
+
+
+@pytest.mark.parametrize("temperatures", [[0.0, 0.0], [0.0, 0.7], [1.0]])
+def test_all_greedy_known_on_the_host(temperatures):
+    requests = [Request(f"r{i}", [3, 4], SamplingParams(temperature=t))
+                for i, t in enumerate(temperatures)]
+    batch = RequestSampling(64, torch.device("cpu")).batch(requests)
+    assert batch.all_greedy == bool((batch.temperature == 0).all())
+    assert batch.temperature.tolist() == pytest.approx(temperatures)
+
+
+def test_final_only_steps_build_only_finished_results(tiny_models):
+    llm = LLM(tiny_models("llama")[0], kv_cache_memory_gib=0.05)
+    engine = llm.engine
+    engine.add_request("short", {"prompt_token_ids": [5, 6]},
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request("long", {"prompt_token_ids": [7, 8]},
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    seen = []
+    for _ in range(20):
+        if not engine.has_unfinished_requests():
+            break
+        seen += [(out.request_id, out.finished) for out in engine.step(final_only=True)]
+    assert seen == [("short", True), ("long", True)]
+    cumulative = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}],
+                              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)
+    assert len(cumulative[1].outputs[0].token_ids) == 6
