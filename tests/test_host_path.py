@@ -40,9 +40,10 @@ def test_step_layout_equals_the_per_token_formula():
     rng = random.Random(1)
     bs = 4
     starts, ends, blocks = [], [], []
-    for _ in range(7):
+    for _ in range(30):
         start = rng.randrange(0, 30)
-        end = start + rng.choice([1, 1, rng.randrange(1, 12)])  # decodes and prompt chunks
+        # decodes and prompt chunks, within a block or across several
+        end = start + rng.choice([1, 1, rng.randrange(1, 12), rng.randrange(1, 40)])
         starts.append(start)
         ends.append(end)
         blocks.append(rng.sample(range(100), -(-end // bs)))
@@ -52,9 +53,9 @@ def test_step_layout_equals_the_per_token_formula():
     want_pos = [p for s, e in zip(starts, ends) for p in range(s, e)]
     want_slots = [b[p // bs] * bs + p % bs for s, e, b in zip(starts, ends, blocks)
                   for p in range(s, e)]
-    assert positions.tolist() == want_pos and slots.tolist() == want_slots
+    assert positions == want_pos and slots == want_slots
     width = max(len(b) for b in blocks)
-    assert table.tolist() == [b + [0] * (width - len(b)) for b in blocks]
+    assert table == [b + [0] * (width - len(b)) for b in blocks]
 
 
 @pytest.mark.parametrize("temperatures", [[0.0, 0.0], [0.0, 0.7], [1.0]])

@@ -35,22 +35,25 @@ class EngineHeartbeat(msgspec.Struct, array_like=True):
 
 
 class StepClock:
-    """Times the engine's steps (its loop thread calls start/stop); `heartbeat()` may be
-    called from any thread: it reads only one tuple, replaced whole."""
+    """Times the engine's steps (its loop thread calls start/stop: a few attribute writes, so
+    a step pays nothing for it); `heartbeat()` may be called from any thread: it reads one
+    tuple, replaced whole, and a copy of the recent durations (taken whole under the GIL),
+    and works out the expected duration there."""
 
     def __init__(self) -> None:
         self._recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=_WINDOW)
-        self._current: tuple[float, int, float | None] | None = None
+        self._current: tuple[float, int] | None = None  # the running step: start, tokens
 
-    def expected(self, tokens: int) -> float | None:
+    def expected(self, tokens: int, recent=None) -> float | None:
         """What a step of `tokens` should take, from the recent ones: each scaled up
         linearly to `tokens` if it was smaller, taken as is if it was larger; the largest."""
-        if not self._recent:
+        recent = self._recent if recent is None else recent
+        if not recent:
             return None
-        return max(d * max(1.0, tokens / max(n, 1)) for n, d in self._recent)
+        return max(d * max(1.0, tokens / max(n, 1)) for n, d in recent)
 
     def start(self, tokens: int) -> None:
-        self._current = (time.monotonic(), tokens, self.expected(tokens))
+        self._current = (time.monotonic(), tokens)
 
     def stop(self) -> None:
         current, self._current = self._current, None
@@ -61,8 +64,9 @@ class StepClock:
         current = self._current
         if current is None:
             return EngineHeartbeat()
-        started, tokens, expected = current
-        return EngineHeartbeat(True, time.monotonic() - started, tokens, expected)
+        started, tokens = current
+        return EngineHeartbeat(True, time.monotonic() - started, tokens,
+                               self.expected(tokens, tuple(self._recent)))
 
 
 class Liveness:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
@@ -95,14 +94,13 @@ class DecodeGraphs:
         size = self.bucket(n)
         positions, slots, table = inputs.layout(self.block_size)
         # one host-to-device copy: ids, positions, slots, lengths side by side
-        staged = torch.from_numpy(np.stack([np.asarray(inputs.token_ids), positions, slots,
-                                            np.asarray(inputs.ends)])
-                                  ).to(self.device, non_blocking=True)
+        staged = torch.tensor([inputs.token_ids, positions, slots, inputs.ends]).to(
+            self.device, non_blocking=True)
         for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping,
                                 self.seq_lens), staged):
             buffer[:n].copy_(row)
-        self.block_table[:n, :table.shape[1]].copy_(
-            torch.from_numpy(table).to(self.device, non_blocking=True))
+        self.block_table[:n, :len(table[0])].copy_(
+            torch.tensor(table).to(self.device, non_blocking=True))
         # padding rows: written nowhere, one key to read (a larger step may have used them)
         self.input_ids[n:size].zero_()
         self.positions[n:size].zero_()

@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, KeptRows
@@ -354,8 +353,8 @@ class ModelRunner:
     def _prepare_inputs(self, inputs: StepInputs):
         positions, slots, table = inputs.layout(self.block_size)
         # the host's numbers to the device in three copies that do not wait for it
-        staged = torch.from_numpy(np.stack([np.asarray(inputs.token_ids), positions, slots])
-                                  ).to(self.device, non_blocking=True)
+        staged = torch.tensor([inputs.token_ids, positions, slots]).to(self.device,
+                                                                        non_blocking=True)
         ends = torch.tensor(inputs.ends, dtype=torch.int64).to(self.device, non_blocking=True)
         query_start_loc = [0, *itertools.accumulate(
             end - start for start, end in zip(inputs.starts, inputs.ends))]
@@ -364,7 +363,7 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             context_lens=list(inputs.starts),
             seq_lens=ends,
-            block_table=torch.from_numpy(table).to(self.device, non_blocking=True),
+            block_table=torch.tensor(table).to(self.device, non_blocking=True),
             num_decodes=sum(1 for a, b in zip(inputs.starts, inputs.ends) if b - a == 1),
             block_size=self.block_size,
         )
