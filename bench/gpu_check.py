@@ -154,6 +154,8 @@ def performance(root: str, quick: bool) -> dict:
     res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
     res["decode_profile"] = profile_decode(functools.partial(
         run, prompts[:1], params.clone(max_tokens=9)))
+    res["decode_split"] = host_and_device(runner, functools.partial(
+        run, prompts[:1], params.clone(max_tokens=9)), 8)
     greedy = [o.outputs[0].token_ids for o in run(prompts[:4], params.clone(max_tokens=16))]
     del llm, runner, run
     gc.collect()
@@ -190,6 +192,41 @@ def eager_side(path, prompts, params, out_len, batch, greedy) -> dict:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    return res
+
+
+def host_and_device(runner, fn, steps: int) -> dict:
+    """A decode step's device time (one replay of the batch-1 and batch-64 graphs, timed by
+    CUDA events) beside what the engine spends per token in all: the rest is host work the
+    device waits through. And how often the host waits for the device over `steps` decode
+    steps (torch's sync debug mode warns at each wait; one per step, for the tokens, is the
+    least a step can do)."""
+    import warnings
+
+    res = {}
+    graphs = runner.graphs
+    for size in (1, 64):
+        if graphs is None or size not in graphs.graphs:
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphs.graphs[size].replay()
+        start.record()
+        for _ in range(20):
+            graphs.graphs[size].replay()
+        end.record()
+        end.synchronize()
+        res[f"graph_replay_ms_batch{size}"] = start.elapsed_time(end) / 20
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message).splitlines()[0][:80] for w in caught
+             if "synchroniz" in str(w.message)]
+    res["host_waits_per_decode_step"] = len(waits) / steps
+    res["host_wait_kinds"] = sorted(set(waits))
     return res
 
 
