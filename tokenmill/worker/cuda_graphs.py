@@ -43,10 +43,9 @@ class DecodeGraphs:
         self.max_len = max_model_len
         top = self.sizes[-1]
         width = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(top, dtype=torch.int64, device=device)
+        # ids, positions, slots and lengths of each row: one buffer, refilled by one copy
+        self.rows = torch.tensor([[0] * top, [0] * top, [-1] * top, [1] * top], device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.rows
         self.block_table = torch.zeros(top, width, dtype=torch.int64, device=device)
         self.q_start = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.capture = capture
@@ -93,20 +92,13 @@ class DecodeGraphs:
         n = len(inputs.starts)
         size = self.bucket(n)
         positions, slots, table = inputs.layout(self.block_size)
-        # one host-to-device copy: ids, positions, slots, lengths side by side
-        staged = torch.tensor([inputs.token_ids, positions, slots, inputs.ends]).to(
-            self.device, non_blocking=True)
-        for buffer, row in zip((self.input_ids, self.positions, self.slot_mapping,
-                                self.seq_lens), staged):
-            buffer[:n].copy_(row)
-        self.block_table[:n, :len(table[0])].copy_(
+        pad = size - n  # padding rows: token 0 at position 0, written nowhere, one key read
+        staged = torch.tensor([inputs.token_ids + [0] * pad, positions + [0] * pad,
+                               slots + [-1] * pad, inputs.ends + [1] * pad])
+        self.rows[:, :size].copy_(staged.to(self.device, non_blocking=True))
+        table += [[0] * len(table[0])] * pad
+        self.block_table[:size, :len(table[0])].copy_(
             torch.tensor(table).to(self.device, non_blocking=True))
-        # padding rows: written nowhere, one key to read (a larger step may have used them)
-        self.input_ids[n:size].zero_()
-        self.positions[n:size].zero_()
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[n:size].fill_(1)
-        self.block_table[n:size, 0].zero_()
         if self.capture:
             self.graphs[size].replay()
             return self.logits[size][:n]
