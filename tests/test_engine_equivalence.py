@@ -4,17 +4,9 @@ import random
 
 import pytest
 
-from tokenmill import LLM as _LLM
-from tokenmill import SamplingParams
+from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def LLM(*args, **kwargs):  # noqa: N802
-    """float32 on every device: a GPU's default (bf16) rounds differently for each batch
-    shape, so no engine's greedy tokens are batch-invariant there; scheduling is what these
-    tests vary, not precision."""
-    return _LLM(*args, dtype="float32", **kwargs)
 
 
 @pytest.fixture(scope="module")

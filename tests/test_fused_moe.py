@@ -49,9 +49,78 @@ def test_fused_experts_match_the_loop(tokens, top_k, experts):
     ref = grouped_experts(x, weights, ids, mlps)
     assert FusedExperts.servable(mlps)
     fused = FusedExperts(mlps)
-    assert mlps[1].down_proj.weight.data_ptr() == fused.w2[1].data_ptr()  # views, no copy
+    assert mlps[1].down_proj.weight.data_ptr() == fused.w2.w[1].data_ptr()  # views, no copy
     torch.testing.assert_close(fused(x, weights, ids), ref, atol=1e-5, rtol=1e-5)
     assert BLOCK_M >= 16  # (tl.dot's smallest tile)
+
+
+class _WideCfg:
+    hidden_size, intermediate_size, mlp_bias = 64, 128, False
+
+
+@pytest.mark.parametrize("method,group", [("int8", None), ("int8", 32), ("int4", 32),
+                                          ("int4", 64)])
+def test_quantized_fused_experts_match_the_loop(method, group):
+    """int8 (per channel or per group) and int4 experts, dequantized in the kernel, against
+    the loop over each expert's own quantized kernel (the same rounded weights)."""
+    from tokenmill.quantization.linear_kernels import Int4Kernel, Int8Kernel
+
+    torch.manual_seed(3)
+    mlps = torch.nn.ModuleList(MLP(_WideCfg()) for _ in range(6)).to(DEVICE)
+    for m in mlps:
+        for layer in (m.gate_up_proj, m.down_proj):
+            weight = layer.weight.data.normal_(0, 0.3)
+            layer.use_kernel(Int8Kernel.from_weight(weight, group) if method == "int8"
+                             else Int4Kernel.from_weight(weight, group))
+    x = torch.randn(21, 64, device=DEVICE)
+    weights, ids = softmax_top_k(torch.randn(21, 6, device=DEVICE), 2, True)
+    ref = grouped_experts(x, weights, ids, mlps)
+    assert FusedExperts.servable(mlps)
+    fused = FusedExperts(mlps)
+    assert fused.w2.quant == (8 if method == "int8" else 4)
+    # the experts' kernels read views of the stacks: no second copy
+    assert mlps[4].gate_up_proj.kernel.qweight.data_ptr() == fused.w13.w[4].data_ptr()
+    torch.testing.assert_close(grouped_experts(x, weights, ids, mlps), ref)
+    # (the loop's compiled CPU kernels may round activations to int16 per 32 inputs)
+    torch.testing.assert_close(fused(x, weights, ids), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_experts_with_gguf_offsets_keep_the_loop():
+    from tokenmill.quantization.linear_kernels import Int8Kernel
+
+    mlps = torch.nn.ModuleList(MLP(_WideCfg()) for _ in range(2))
+    for m in mlps:
+        for layer in (m.gate_up_proj, m.down_proj):
+            q = torch.randint(0, 32, layer.weight.shape, dtype=torch.int8)
+            groups = layer.weight.shape[1] // 32
+            layer.use_kernel(Int8Kernel({"qweight": q, "scale": torch.rand(q.shape[0], groups),
+                                         "offset": torch.rand(q.shape[0], groups)}))
+    assert not FusedExperts.servable(mlps)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_moe_model_on_fused_experts_equals_the_loop(tiny_models, monkeypatch,
+                                                              method):
+    from tokenmill.layers.linear import CpuPackedKernel
+
+    path = tiny_models("qwen3_moe")[0]
+    prompts = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 50))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(fused: bool):
+        llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton",
+                  quantization=method)
+        blocks = [m for m in llm.engine.core.runner.model.modules()
+                  if isinstance(m, SparseMoE)]
+        assert blocks and all((b.fused is not None) == fused for b in blocks)
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    looped = run(False)
+    fuse = SparseMoE.fuse_experts
+    monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: fuse(self, force=True))
+    monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
+    assert run(True) == looped
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])

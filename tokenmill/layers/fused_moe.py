@@ -5,8 +5,10 @@ row blocks (`align`), each program multiplies one block of rows by its expert's 
 Nothing waits on the host, so a decode step with experts can be a CUDA graph; the per-expert
 loop of layers/moe.py (`grouped_experts`) is the reference it is tested against.
 
-Serves float experts (the dense kernel) held whole or split across tensor-parallel ranks; an
-expert-parallel block or quantized experts keep the per-expert loop."""
+Serves float, int8 and int4 experts (weight-only: dequantized in registers, so weights cross
+memory at 1 or 1/2 byte each) held whole or split across tensor-parallel ranks; an
+expert-parallel block, GGUF blocks with offsets and FP8 / activation-quantized experts keep
+the per-expert loop."""
 
 from __future__ import annotations
 
@@ -45,56 +47,100 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     return slots, block_expert
 
 
-def grouped_matmul(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor,
+class ExpertStack:
+    """One projection of every expert stacked [E, ...]: float weights, or int8 / int4
+    weights (quantization/linear_kernels.py's layouts) with their scales (and int4 mins).
+    The experts' layers keep views of the stacks: no second copy."""
+
+    QUANT = {"DenseKernel": 0, "Int8Kernel": 8, "Int4Kernel": 4}
+
+    def __init__(self, layers: list) -> None:
+        kernel = layers[0].kernel
+        self.quant = self.QUANT[type(kernel).__name__]
+        self.scale = self.min = None
+        if self.quant == 0:
+            self.w = torch.stack([layer.weight.detach() for layer in layers])
+            for i, layer in enumerate(layers):
+                layer.weight.data = self.w[i]
+            self.k = self.group = self.w.shape[2]
+            return
+        names = ["qweight", "scale"] + (["min"] if self.quant == 4 else [])
+        stacks = {name: torch.stack([layer.kernel.tensors[name] for layer in layers])
+                  for name in names}
+        for i, layer in enumerate(layers):
+            layer.kernel.tensors = {name: stack[i] for name, stack in stacks.items()}
+        self.w, self.scale, self.min = stacks["qweight"], stacks["scale"], stacks.get("min")
+        self.group = kernel.group
+        self.k = self.scale.shape[2] * self.group
+
+    @classmethod
+    def servable(cls, layers: list) -> bool:
+        """Same kernel type throughout, no biases; quantized: one group size, a multiple of
+        32, no per-group offsets. (CPU panels, which only the forced tests meet, are unpacked
+        into the stacks.)"""
+        kernel = layers[0].kernel
+        name = type(kernel).__name__
+        if name not in cls.QUANT or any(type(layer.kernel) is not type(kernel)
+                                         or layer.bias is not None for layer in layers):
+            return False
+        if name == "DenseKernel":
+            return all(layer.weight is not None for layer in layers)
+        return kernel.group % 32 == 0 and all(
+            getattr(layer.kernel, "offset", None) is None and layer.kernel.group == kernel.group
+            for layer in layers)
+
+    @property
+    def out_features(self) -> int:
+        return self.w.shape[1]
+
+
+def grouped_matmul(a: torch.Tensor, w: ExpertStack, slots: torch.Tensor,
                    block_expert: torch.Tensor, rows: int, a_per_slot: int,
                    weights: torch.Tensor | None = None) -> torch.Tensor:
     """out[s] = a[s // a_per_slot] @ w[expert of s]^T (times weights[s]) for every slot s <
     rows: [rows, N]."""
-    out = torch.zeros(rows, w.shape[1], dtype=a.dtype, device=a.device)
+    out = torch.zeros(rows, w.out_features, dtype=a.dtype, device=a.device)
     kernels = triton_ops.kernels()
-    n, k = w.shape[1], w.shape[2]
     block_n = 64
-    grid = (block_expert.shape[0], -(-n // block_n))
+    grid = (block_expert.shape[0], -(-w.out_features // block_n))
+    scale = w.scale if w.scale is not None else w.w
     kernels.grouped_matmul_kernel[grid](
-        a, w, out, slots, block_expert, weights if weights is not None else a, rows,
-        a_per_slot, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        HAS_WEIGHTS=weights is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=32,
+        a, w.w, scale, w.min if w.min is not None else scale, out, slots, block_expert,
+        weights if weights is not None else a, rows, a_per_slot, w.out_features, w.k,
+        w.k // w.group, w.group, a.stride(0), w.w.stride(0), w.w.stride(1),
+        scale.stride(0), out.stride(0), QUANT=w.quant, HAS_WEIGHTS=weights is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=32,
         PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
     return out
 
 
 class FusedExperts:
-    """The stacked weights of a block's experts (the experts' own weights become views of
-    them: no second copy) and the fused forward."""
+    """The stacked weights of a block's experts and the fused forward."""
 
     def __init__(self, experts: nn.ModuleList) -> None:
-        self.w13 = torch.stack([e.gate_up_proj.weight.detach() for e in experts])
-        self.w2 = torch.stack([e.down_proj.weight.detach() for e in experts])
-        for i, e in enumerate(experts):
-            e.gate_up_proj.weight.data = self.w13[i]
-            e.down_proj.weight.data = self.w2[i]
+        self.w13 = ExpertStack([e.gate_up_proj for e in experts])
+        self.w2 = ExpertStack([e.down_proj for e in experts])
         self.gelu = type(experts[0].act).__name__ == "GeluTanhAndMul"
 
     @staticmethod
     def servable(experts: nn.ModuleList) -> bool:
-        """Float experts of the dense kernel, no biases, one gated activation, all here."""
+        """Experts of one servable kind (float, int8 or int4 weights), one gated activation,
+        all here."""
         from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
-        from tokenmill.layers.linear import DenseKernel
 
-        for e in experts:
-            layers = (getattr(e, "gate_up_proj", None), getattr(e, "down_proj", None))
-            if any(layer is None or type(layer.kernel) is not DenseKernel
-                   or layer.weight is None or layer.bias is not None for layer in layers):
-                return False
-            if type(e.act) not in (SiluAndMul, GeluTanhAndMul) or type(e.act) is not type(
-                    experts[0].act):
-                return False
-        return True
+        layers = [(getattr(e, "gate_up_proj", None), getattr(e, "down_proj", None))
+                  for e in experts]
+        if any(layer is None for pair in layers for layer in pair):
+            return False
+        if any(type(e.act) not in (SiluAndMul, GeluTanhAndMul)
+               or type(e.act) is not type(experts[0].act) for e in experts):
+            return False
+        return all(ExpertStack.servable([pair[i] for pair in layers]) for i in (0, 1))
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                  ) -> torch.Tensor:
         t, k = ids.shape
-        slots, block_expert = align(ids, self.w13.shape[0])
+        slots, block_expert = align(ids, self.w13.w.shape[0])
         rows = t * k
         h = grouped_matmul(x, self.w13, slots, block_expert, rows, k)
         act = triton_ops.gated(h, self.gelu)

@@ -151,13 +151,16 @@ class SparseMoE(nn.Module):
         return self.fused is None
 
     def fuse_experts(self, force: bool = False) -> None:
-        """Run the experts as two grouped Triton matmuls where they can (GPU float experts
-        held on this rank; `force`: on any device, for tests under TRITON_INTERPRET)."""
+        """Run the experts as two grouped Triton matmuls where they can (GPU experts of
+        float, int8 or int4 weights held on this rank; `force`: on any device, for tests
+        under TRITON_INTERPRET)."""
         from tokenmill.layers.fused_moe import FusedExperts
 
         if self.expert_parallel or not FusedExperts.servable(self.experts):
             return
-        if force or self.experts[0].down_proj.weight.is_cuda:
+        layer = self.experts[0].down_proj
+        held = layer.weight if layer.weight is not None else layer.kernel.qweight
+        if force or held.is_cuda:
             self.fused = FusedExperts(self.experts)
 
     def holds_expert(self, expert: int) -> bool:

@@ -56,13 +56,16 @@ def gated_kernel(x_ptr, out_ptr, n, stride_x, stride_o, GELU: tl.constexpr, BLOC
 
 
 @triton.jit
-def grouped_matmul_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, expert_ptr, weights_ptr, rows,
-                          a_per_slot, N, K, stride_a, stride_we, stride_wn, stride_o,
+def grouped_matmul_kernel(a_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, slots_ptr, expert_ptr,
+                          weights_ptr, rows, a_per_slot, N, K, groups, group, stride_a,
+                          stride_we, stride_wn, stride_se, stride_o, QUANT: tl.constexpr,
                           HAS_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
     """One block of BLOCK_M (token, expert) slots, all of one expert, times BLOCK_N of its
-    output columns (fused_moe.py)."""
+    output columns (fused_moe.py). QUANT 0: float weights; 8: int8 with a scale per group of
+    `group` inputs; 4: int4 in the Q4 layout (byte j of a 32-input block: input j low nibble,
+    j + 16 high) with a scale and a min per group; dequantized in registers (BLOCK_K 32)."""
     b = tl.program_id(0)
     expert = tl.load(expert_ptr + b)
     if expert >= 0:
@@ -74,14 +77,30 @@ def grouped_matmul_kernel(a_ptr, w_ptr, out_ptr, slots_ptr, expert_ptr, weights_
         n_ok = n < N
         kk = tl.arange(0, BLOCK_K)
         w = w_ptr + expert.to(tl.int64) * stride_we
+        se = expert.to(tl.int64) * stride_se + n * groups  # each column's first scale
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + kk < K
             a = tl.load(a_ptr + a_row[:, None].to(tl.int64) * stride_a + (k0 + kk)[None, :],
                         mask=ok[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w + n[None, :].to(tl.int64) * stride_wn + (k0 + kk)[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc += tl.dot(a, wt.to(a.dtype), input_precision=PRECISION)
+            if QUANT == 4:
+                byte = tl.load(w + n[None, :].to(tl.int64) * stride_wn
+                               + (k0 // 2 + kk % 16)[:, None], mask=n_ok[None, :], other=0)
+                q = tl.where((kk >= 16)[:, None], byte >> 4, byte & 0x0F).to(tl.float32)
+            else:
+                q = tl.load(w + n[None, :].to(tl.int64) * stride_wn + (k0 + kk)[:, None],
+                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if QUANT == 0:
+                wt = q.to(a.dtype)
+            else:
+                g = k0 // group
+                scale = tl.load(scale_ptr + se + g, mask=n_ok, other=0.0).to(tl.float32)
+                wt = q.to(tl.float32) * scale[None, :]
+                if QUANT == 4:
+                    low = tl.load(min_ptr + se + g, mask=n_ok, other=0.0).to(tl.float32)
+                    wt = wt + low[None, :]
+                wt = wt.to(a.dtype)
+            acc += tl.dot(a, wt, input_precision=PRECISION)
         if HAS_WEIGHTS:
             acc *= tl.load(weights_ptr + slot, mask=ok, other=0.0)[:, None]
         tl.store(out_ptr + slot[:, None].to(tl.int64) * stride_o + n[None, :],
