@@ -110,12 +110,19 @@ def _ranks_need_gpus(monkeypatch):
         monkeypatch.setattr(EngineConfig, "__post_init__", check)
 
 
-@pytest.fixture(autouse=True)
-def _float32_on_gpu(monkeypatch):
-    """The references are float32; a GPU's "auto" dtype would be bfloat16."""
-    if torch.cuda.is_available():
-        from tokenmill.worker import model_runner
+@pytest.fixture(autouse=True, scope="session")
+def _float32_on_gpu():
+    """The references are float32; a GPU's "auto" dtype would be bfloat16. Session-wide, so
+    engines built by module- and session-scoped fixtures (set up before any function-scoped
+    one) get it too: a module's float32 engines once met a bf16 baseline built by its
+    fixture, whose rounding differs by batch shape."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from tokenmill.worker import model_runner
 
-        resolve = model_runner.resolve_dtype
-        monkeypatch.setattr(model_runner, "resolve_dtype", lambda name, *a: resolve(
+    resolve = model_runner.resolve_dtype
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "resolve_dtype", lambda name, *a: resolve(
             "float32" if name == "auto" else name, *a))
+        yield
