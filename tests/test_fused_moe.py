@@ -85,6 +85,30 @@ def test_quantized_fused_experts_match_the_loop(method, group):
     torch.testing.assert_close(fused(x, weights, ids), ref, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_fused_experts_are_weight_only(per_channel):
+    """float8 experts: their weights (channel or tensor scales) dequantized in the kernel,
+    activations kept as they are; against the loop over the dequantized weights."""
+    from tokenmill.quantization.activation_kernels import Fp8Kernel
+
+    torch.manual_seed(4)
+    mlps = torch.nn.ModuleList(MLP(_WideCfg()) for _ in range(5)).to(DEVICE)
+    ref_mlps = torch.nn.ModuleList(MLP(_WideCfg()) for _ in range(5)).to(DEVICE)
+    for m, r in zip(mlps, ref_mlps):
+        for layer, ref in ((m.gate_up_proj, r.gate_up_proj), (m.down_proj, r.down_proj)):
+            kernel = Fp8Kernel.from_weight(layer.weight.data.normal_(0, 0.3), per_channel)
+            ref.weight.data = kernel.dequantize()
+            layer.use_kernel(kernel)
+    x = torch.randn(13, 64, device=DEVICE)
+    weights, ids = softmax_top_k(torch.randn(13, 5, device=DEVICE), 2, True)
+    assert FusedExperts.servable(mlps)
+    fused = FusedExperts(mlps)
+    assert mlps[2].down_proj.kernel.qweight.data_ptr() == fused.w2.w[2].data_ptr()
+    torch.testing.assert_close(fused(x, weights, ids),
+                               grouped_experts(x, weights, ids, ref_mlps),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_experts_with_gguf_offsets_keep_the_loop():
     from tokenmill.quantization.linear_kernels import Int8Kernel
 

@@ -5,10 +5,10 @@ row blocks (`align`), each program multiplies one block of rows by its expert's 
 Nothing waits on the host, so a decode step with experts can be a CUDA graph; the per-expert
 loop of layers/moe.py (`grouped_experts`) is the reference it is tested against.
 
-Serves float, int8 and int4 experts (weight-only: dequantized in registers, so weights cross
-memory at 1 or 1/2 byte each) held whole or split across tensor-parallel ranks; an
-expert-parallel block, GGUF blocks with offsets and FP8 / activation-quantized experts keep
-the per-expert loop."""
+Serves float, int8, int4 and float8 experts (weight-only: dequantized in registers, so
+weights cross memory at 1 or 1/2 byte each) held whole or split across tensor-parallel
+ranks; an expert-parallel block, GGUF blocks with offsets and int8-activation (a8w8) experts
+keep the per-expert loop."""
 
 from __future__ import annotations
 
@@ -49,10 +49,12 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 
 class ExpertStack:
     """One projection of every expert stacked [E, ...]: float weights, or int8 / int4
-    weights (quantization/linear_kernels.py's layouts) with their scales (and int4 mins).
-    The experts' layers keep views of the stacks: no second copy."""
+    weights (quantization/linear_kernels.py's layouts) with their scales (and int4 mins), or
+    float8 weights with their channel scales, run weight-only (activations stay 16-bit, as
+    vLLM's fp8 Marlin path; the per-expert loop rounds them through e4m3 too). The experts'
+    layers keep views of the stacks: no second copy."""
 
-    QUANT = {"DenseKernel": 0, "Int8Kernel": 8, "Int4Kernel": 4}
+    QUANT = {"DenseKernel": 0, "Int8Kernel": 8, "Fp8Kernel": 8, "Int4Kernel": 4}
 
     def __init__(self, layers: list) -> None:
         kernel = layers[0].kernel
@@ -62,6 +64,14 @@ class ExpertStack:
             self.w = torch.stack([layer.weight.detach() for layer in layers])
             for i, layer in enumerate(layers):
                 layer.weight.data = self.w[i]
+            self.k = self.group = self.w.shape[2]
+            return
+        if type(kernel).__name__ == "Fp8Kernel":  # (one scale per channel, or per tensor)
+            self.w = torch.stack([layer.kernel.qweight for layer in layers])
+            self.scale = torch.stack([layer.kernel.scale.reshape(-1, 1).expand(
+                self.w.shape[1], 1) for layer in layers]).contiguous()
+            for i, layer in enumerate(layers):
+                layer.kernel.qweight = layer.kernel.tensors["qweight"] = self.w[i]
             self.k = self.group = self.w.shape[2]
             return
         names = ["qweight", "scale"] + (["min"] if self.quant == 4 else [])
@@ -85,6 +95,8 @@ class ExpertStack:
             return False
         if name == "DenseKernel":
             return all(layer.weight is not None for layer in layers)
+        if name == "Fp8Kernel":
+            return kernel.qweight.shape[1] % 32 == 0
         return kernel.group % 32 == 0 and all(
             getattr(layer.kernel, "offset", None) is None and layer.kernel.group == kernel.group
             for layer in layers)

@@ -63,9 +63,9 @@ def grouped_matmul_kernel(a_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, slots_ptr, 
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
     """One block of BLOCK_M (token, expert) slots, all of one expert, times BLOCK_N of its
-    output columns (fused_moe.py). QUANT 0: float weights; 8: int8 with a scale per group of
-    `group` inputs; 4: int4 in the Q4 layout (byte j of a 32-input block: input j low nibble,
-    j + 16 high) with a scale and a min per group; dequantized in registers (BLOCK_K 32)."""
+    output columns (fused_moe.py). QUANT 0: float weights; 8: int8 or float8 with a scale per
+    group of `group` inputs; 4: int4 in the Q4 layout (byte j of a 32-input block: input j
+    low nibble, j + 16 high) with a scale and a min per group. Dequantized in registers."""
     b = tl.program_id(0)
     expert = tl.load(expert_ptr + b)
     if expert >= 0:
@@ -88,8 +88,11 @@ def grouped_matmul_kernel(a_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, slots_ptr, 
                                + (k0 // 2 + kk % 16)[:, None], mask=n_ok[None, :], other=0)
                 q = tl.where((kk >= 16)[:, None], byte >> 4, byte & 0x0F).to(tl.float32)
             else:
+                w_ok = n_ok[None, :] & k_ok[:, None]
+                # (no `other`: Triton's interpreter cannot fill a float8 load with it)
                 q = tl.load(w + n[None, :].to(tl.int64) * stride_wn + (k0 + kk)[:, None],
-                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                            mask=w_ok)
+                q = tl.where(w_ok, q.to(tl.float32), 0.0)
             if QUANT == 0:
                 wt = q.to(a.dtype)
             else:
