@@ -196,26 +196,26 @@ def eager_side(path, prompts, params, out_len, batch, greedy) -> dict:
 
 
 def host_and_device(runner, fn, steps: int) -> dict:
-    """A decode step's device time (one replay of the batch-1 and batch-64 graphs, timed by
-    CUDA events) beside what the engine spends per token in all: the rest is host work the
-    device waits through. And how often the host waits for the device over `steps` decode
-    steps (torch's sync debug mode warns at each wait; one per step, for the tokens, is the
-    least a step can do)."""
+    """A decode step's device time (one replay of each batch-1 and batch-64 graph variant,
+    timed by CUDA events; the variant is the attention's key-split count) beside what the
+    engine spends per token in all: the rest is host work the device waits through. And how
+    often the host waits for the device over `steps` decode steps (torch's sync debug mode
+    warns at each wait; one per step, for the tokens, is the least a step can do)."""
     import warnings
 
     res = {}
     graphs = runner.graphs
-    for size in (1, 64):
-        if graphs is None or size not in graphs.graphs:
+    for (size, variant), graph in (graphs.graphs if graphs is not None else {}).items():
+        if size not in (1, 64):
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graphs.graphs[size].replay()
+        graph.replay()
         start.record()
         for _ in range(20):
-            graphs.graphs[size].replay()
+            graph.replay()
         end.record()
         end.synchronize()
-        res[f"graph_replay_ms_batch{size}"] = start.elapsed_time(end) / 20
+        res[f"graph_replay_ms_batch{size}_variant{variant}"] = start.elapsed_time(end) / 20
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")

@@ -5,7 +5,9 @@ one graph launch instead of a Python pass issuing ~40 kernels per layer.
 A step of n decodes runs in the smallest bucket >= n; rows n.. are padding: token 0 at
 position 0, cache slot -1 (the Triton K/V write skips it: nothing of a real sequence is
 touched) and one key of block 0 to attend (read, never written). Only the attention backend
-that takes its metadata from tensors alone (attention/triton) can be captured.
+that takes its metadata from tensors alone (attention/triton) can be captured. A bucket may
+hold a few variants of its launches (the backend's `graph_variant`: the Triton backend splits
+long sequences' keys over several programs, which short ones do not need), each its own graph.
 
 Without capture (`capture=False`: the CPU tests) the same buckets and padding run eagerly, so
 the bucketing is checked where no GPU is."""
@@ -49,37 +51,51 @@ class DecodeGraphs:
         self.block_table = torch.zeros(top, width, dtype=torch.int64, device=device)
         self.q_start = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.capture = capture
-        self.graphs: dict[int, Any] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}  # (bucket, variant) -> graph
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         if capture:
             self._capture_all()
 
-    def _forward(self, n: int) -> torch.Tensor:
+    def _forward(self, n: int, variant: int) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=list(range(n + 1)),
             context_lens=[0] * n, seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
             num_decodes=n, block_size=self.block_size,
-            backend_data=self.backend.graph_step(self.q_start[:n + 1], self.max_len))
+            backend_data=self.backend.graph_step(self.q_start[:n + 1], variant))
         hidden = self.model(self.input_ids[:n], self.positions[:n], meta)
         return self.model.compute_logits(hidden)
+
+    def variants(self, n: int) -> list[int]:
+        """The backend's launch variants captured for bucket n: the one for short sequences
+        and the one for the longest a replay may hold (the same where they agree)."""
+        return sorted({self.backend.graph_variant(n, 1),
+                       self.backend.graph_variant(n, self.max_len)})
 
     def _capture_all(self) -> None:
         pool = None
         for n in reversed(self.sizes):  # the largest first: the others reuse its memory
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # compiles the kernels, outside any capture
-                self._forward(n)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[n] = self._forward(n)
-            pool = graph.pool()
-            self.graphs[n] = graph
+            for variant in self.variants(n):
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):  # compiles the kernels, outside any capture
+                    self._forward(n, variant)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[n, variant] = self._forward(n, variant)
+                pool = graph.pool()
+                self.graphs[n, variant] = graph
         torch.cuda.synchronize(self.device)
 
     def bucket(self, n: int) -> int | None:
         return next((s for s in self.sizes if s >= n), None)
+
+    def variant(self, size: int, longest: int) -> int:
+        """The captured variant of bucket `size` for sequences of up to `longest` keys: the
+        backend's choice, else the one captured for the longest (it serves every length)."""
+        choice = self.backend.graph_variant(size, longest)
+        captured = self.variants(size)
+        return choice if choice in captured else captured[-1]
 
     def takes(self, inputs: StepInputs) -> bool:
         return (inputs.plain_decode and self.bucket(len(inputs.starts)) is not None
@@ -99,7 +115,8 @@ class DecodeGraphs:
         table += [[0] * len(table[0])] * pad
         self.block_table[:size, :len(table[0])].copy_(
             torch.tensor(table).to(self.device, non_blocking=True))
+        variant = self.variant(size, max(inputs.ends))
         if self.capture:
-            self.graphs[size].replay()
-            return self.logits[size][:n]
-        return self._forward(size)[:n]
+            self.graphs[size, variant].replay()
+            return self.logits[size, variant][:n]
+        return self._forward(size, variant)[:n]

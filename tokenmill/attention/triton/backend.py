@@ -46,11 +46,16 @@ class TritonBackend(AttentionBackend):
             max_query_len, splits)
 
     @staticmethod
-    def graph_step(q_start: torch.Tensor, longest: int) -> TritonStep:
+    def graph_variant(num_seqs: int, longest: int) -> int:
+        """Which launch a captured decode batch of `num_seqs` sequences of up to `longest`
+        keys runs best as: its split count (any count is correct for any length)."""
+        return decode_splits(num_seqs, longest)
+
+    @staticmethod
+    def graph_step(q_start: torch.Tensor, variant: int) -> TritonStep:
         """The step data of a captured decode batch (one query row per sequence, offsets in
-        the static `q_start`), its key ranges split for the longest sequence a replay may
-        hold."""
-        return TritonStep(q_start, 1, decode_splits(len(q_start) - 1, longest))
+        the static `q_start`) as launch `variant` (`graph_variant`)."""
+        return TritonStep(q_start, 1, variant)
 
     @staticmethod
     def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
