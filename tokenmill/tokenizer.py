@@ -175,8 +175,6 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
                  skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         self._decode = token_decoder(tokenizer, skip_special_tokens)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix = 0

@@ -136,8 +136,8 @@ class FusedExperts:
 
     @staticmethod
     def servable(experts: nn.ModuleList) -> bool:
-        """Experts of one servable kind (float, int8 or int4 weights), one gated activation,
-        all here."""
+        """Experts of one servable kind (float, int8, int4 or float8 weights), one gated
+        activation, all here."""
         from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 
         layers = [(getattr(e, "gate_up_proj", None), getattr(e, "down_proj", None))

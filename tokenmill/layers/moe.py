@@ -152,8 +152,8 @@ class SparseMoE(nn.Module):
 
     def fuse_experts(self, force: bool = False) -> None:
         """Run the experts as two grouped Triton matmuls where they can (GPU experts of
-        float, int8 or int4 weights held on this rank; `force`: on any device, for tests
-        under TRITON_INTERPRET)."""
+        float, int8, int4 or float8 weights held on this rank; `force`: on any device, for
+        tests under TRITON_INTERPRET)."""
         from tokenmill.layers.fused_moe import FusedExperts
 
         if self.expert_parallel or not FusedExperts.servable(self.experts):

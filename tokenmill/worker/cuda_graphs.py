@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.worker.step_inputs import StepInputs, on_device
 
 logger = logging.getLogger(__name__)
 
@@ -109,12 +109,12 @@ class DecodeGraphs:
         size = self.bucket(n)
         positions, slots, table = inputs.layout(self.block_size)
         pad = size - n  # padding rows: token 0 at position 0, written nowhere, one key read
-        staged = torch.tensor([inputs.token_ids + [0] * pad, positions + [0] * pad,
-                               slots + [-1] * pad, inputs.ends + [1] * pad])
-        self.rows[:, :size].copy_(staged.to(self.device, non_blocking=True))
+        self.rows[:, :size].copy_(on_device(
+            [inputs.token_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
+             inputs.ends + [1] * pad], torch.int64, self.device))
         table += [[0] * len(table[0])] * pad
-        self.block_table[:size, :len(table[0])].copy_(
-            torch.tensor(table).to(self.device, non_blocking=True))
+        self.block_table[:size, :len(table[0])].copy_(on_device(table, torch.int64,
+                                                                self.device))
         variant = self.variant(size, max(inputs.ends))
         if self.capture:
             self.graphs[size, variant].replay()

@@ -23,7 +23,7 @@ from tokenmill.spec_decode.rejection import verify
 from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker import kv_cache
 from tokenmill.worker.sampling import RequestSampling
-from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.worker.step_inputs import StepInputs, on_device
 
 logger = logging.getLogger(__name__)
 
@@ -353,17 +353,15 @@ class ModelRunner:
     def _prepare_inputs(self, inputs: StepInputs):
         positions, slots, table = inputs.layout(self.block_size)
         # the host's numbers to the device in three copies that do not wait for it
-        staged = torch.tensor([inputs.token_ids, positions, slots]).to(self.device,
-                                                                        non_blocking=True)
-        ends = torch.tensor(inputs.ends, dtype=torch.int64).to(self.device, non_blocking=True)
+        staged = on_device([inputs.token_ids, positions, slots], torch.int64, self.device)
         query_start_loc = [0, *itertools.accumulate(
             end - start for start, end in zip(inputs.starts, inputs.ends))]
         meta = AttentionMetadata(
             slot_mapping=staged[2],
             query_start_loc=query_start_loc,
             context_lens=list(inputs.starts),
-            seq_lens=ends,
-            block_table=torch.tensor(table).to(self.device, non_blocking=True),
+            seq_lens=on_device(inputs.ends, torch.int64, self.device),
+            block_table=on_device(table, torch.int64, self.device),
             num_decodes=sum(1 for a, b in zip(inputs.starts, inputs.ends) if b - a == 1),
             block_size=self.block_size,
         )

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.layers.sampler import SamplingBatch, adjusted, banned_by_bad_words, draw
+from tokenmill.worker.step_inputs import on_device
 
 
 class RequestSampling:
@@ -111,13 +112,6 @@ class RequestSampling:
             if gen is not None:
                 batch.generators[row] = gen
         return batch
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied without waiting for the device (a
-    `torch.tensor(..., device=cuda)` synchronizes the stream: a step's work queued behind
-    the forward would wait for it)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _context_dependent(request: Request) -> bool:
