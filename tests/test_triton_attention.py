@@ -234,10 +234,10 @@ def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
     assert {(4, 4), (3, 4), (2, 2), (1, 1)} <= set(runs)
     # short sequences run the variant without key splits; a longer one the variant captured
     # for the longest a replay may hold (1024 keys: 4 splits), which serves every length
-    assert graphs.variants(1) == [1, decode_splits(1, 1024)] == [1, 4]
+    assert graphs.variants[1] == [1, decode_splits(1, 1024)] == [1, 4]
     assert graphs.variant(1, 40) == 1
     assert graphs.variant(1, 600) == graphs.variant(1, 1024) == 4
-    assert graphs.variants(4) == [1, decode_splits(4, 1024)]
+    assert graphs.variants[4] == [1, decode_splits(4, 1024)]
     # both variants of a bucket compute the same step (the buffers hold the last one's rows)
     with torch.inference_mode():
         torch.testing.assert_close(graphs._forward(1, 4), graphs._forward(1, 1))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tokenmill import csrc
+from tokenmill.host_to_device import on_device
 from tokenmill.quantization.kv_cache import dequantize_kv, quantize_kv
 
 
@@ -54,8 +55,8 @@ class KeptRows:
         """The last rows of sequences `seqs` (indices into meta's sequences)."""
         loc = meta.query_start_loc
         dev = meta.seq_lens.device
-        rows = torch.tensor([loc[i + 1] - 1 for i in seqs], dtype=torch.int64, device=dev)
-        chosen = torch.tensor(seqs, dtype=torch.int64, device=dev)
+        rows = on_device([loc[i + 1] - 1 for i in seqs], torch.int64, dev)
+        chosen = on_device(seqs, torch.int64, dev)
         kept = AttentionMetadata(
             slot_mapping=meta.slot_mapping[rows],
             query_start_loc=list(range(len(seqs) + 1)),

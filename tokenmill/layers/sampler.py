@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill import csrc
+from tokenmill.host_to_device import on_device
 
 
 @dataclass
@@ -107,7 +108,7 @@ def adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     added, banned tokens (min_tokens, bad words) out (in place when no penalty applies)."""
     logits = apply_penalties(logits, batch)
     for row, ids, values in batch.bias:
-        logits[row, ids] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        logits[row, ids] += on_device(values, logits.dtype, logits.device)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
     return logits

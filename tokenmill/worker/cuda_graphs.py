@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.worker.step_inputs import StepInputs, on_device
+from tokenmill.host_to_device import on_device
+from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.rows
         self.block_table = torch.zeros(top, width, dtype=torch.int64, device=device)
         self.q_start = torch.arange(top + 1, dtype=torch.int32, device=device)
+        # the backend's launch variants captured per bucket: the one for short sequences and
+        # the one for the longest a replay may hold (one where they agree)
+        self.variants = {n: sorted({backend.graph_variant(n, 1),
+                                    backend.graph_variant(n, max_model_len)})
+                         for n in self.sizes}
         self.capture = capture
         self.graphs: dict[tuple[int, int], Any] = {}  # (bucket, variant) -> graph
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -65,16 +71,10 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:n], self.positions[:n], meta)
         return self.model.compute_logits(hidden)
 
-    def variants(self, n: int) -> list[int]:
-        """The backend's launch variants captured for bucket n: the one for short sequences
-        and the one for the longest a replay may hold (the same where they agree)."""
-        return sorted({self.backend.graph_variant(n, 1),
-                       self.backend.graph_variant(n, self.max_len)})
-
     def _capture_all(self) -> None:
         pool = None
         for n in reversed(self.sizes):  # the largest first: the others reuse its memory
-            for variant in self.variants(n):
+            for variant in self.variants[n]:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):  # compiles the kernels, outside any capture
@@ -94,7 +94,7 @@ class DecodeGraphs:
         """The captured variant of bucket `size` for sequences of up to `longest` keys: the
         backend's choice, else the one captured for the longest (it serves every length)."""
         choice = self.backend.graph_variant(size, longest)
-        captured = self.variants(size)
+        captured = self.variants[size]
         return choice if choice in captured else captured[-1]
 
     def takes(self, inputs: StepInputs) -> bool:

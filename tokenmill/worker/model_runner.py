@@ -15,6 +15,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
+from tokenmill.host_to_device import on_device
 from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
@@ -23,7 +24,7 @@ from tokenmill.spec_decode.rejection import verify
 from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker import kv_cache
 from tokenmill.worker.sampling import RequestSampling
-from tokenmill.worker.step_inputs import StepInputs, on_device
+from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import dataclasses
 import torch
 
 from tokenmill.core.request import Request
+from tokenmill.host_to_device import on_device
 from tokenmill.layers.sampler import SamplingBatch, adjusted, banned_by_bad_words, draw
-from tokenmill.worker.step_inputs import on_device
 
 
 class RequestSampling:

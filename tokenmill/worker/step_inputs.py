@@ -1,11 +1,9 @@
 """What every tensor-parallel rank needs to run one step's forward, as plain lists: built by
-rank 0 from the scheduler's output and broadcast once per step as msgpack bytes (no pickles);
-`on_device` takes the host's lists to the device without waiting for it."""
+rank 0 from the scheduler's output and broadcast once per step as msgpack bytes (no pickles)."""
 
 from __future__ import annotations
 
 import msgspec
-import torch
 
 from tokenmill.core.scheduler import ScheduledRequest
 
@@ -92,13 +90,6 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def decode(cls, data: bytes) -> StepInputs:
         return _DECODER.decode(data)
-
-
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied without waiting for the device (a
-    `torch.tensor(..., device=cuda)` synchronizes the stream: a step's work queued behind
-    the forward would wait for it)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.attention.triton import kernels
+from tokenmill.host_to_device import on_device
 
 
 @dataclass
@@ -42,7 +43,7 @@ class TritonBackend(AttentionBackend):
         if max_query_len == 1:
             splits = decode_splits(meta.num_seqs, max(meta.context_lens, default=0) + 1)
         meta.backend_data = TritonStep(
-            torch.tensor(loc, dtype=torch.int32, device=meta.seq_lens.device),
+            on_device(loc, torch.int32, meta.seq_lens.device),
             max_query_len, splits)
 
     @staticmethod
