@@ -159,11 +159,16 @@ def _active_sizes(hf_dir: str) -> dict[str, int]:
     of their size (each token runs k of them); everything else whole."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get(
-        "n_routed_experts")
-    share = cfg["num_experts_per_tok"] / experts if experts else 1.0
+    share = _expert_share(cfg)
     return {key: round(n * share) if ".experts." in key else n
             for key, n in _tensor_sizes(hf_dir).items()}
+
+
+def _expert_share(cfg: dict) -> float:
+    """top-k / routed experts (1 for a dense model)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get(
+        "n_routed_experts")
+    return cfg["num_experts_per_tok"] / experts if experts else 1.0
 
 
 def active_params(hf_dir: str) -> int:
@@ -180,18 +185,33 @@ class Shape:
     layers: int
     q_width: int  # heads x head_dim: each (query, key) pair costs 4 x q_width FLOPs a layer
     kv_width: int  # kv heads x head_dim: the K and V values a token keeps per layer
+    # a mixture of experts: every routed expert's weights (all layers), and top-k / experts,
+    # the share of them a token runs (its FLOPs: layer_params counts that share)
+    routed_params: int = 0
+    routed_share: float = 1.0
+
+    def pass_params(self, tokens: int) -> float:
+        """Weights a pass over `tokens` tokens reads: all of a dense model; of the routed
+        experts, those any token picks, 1 - (1 - k/E)^tokens of them when tokens pick
+        independently and evenly (a batch-32 decode step of 8 of 32 experts reads all but
+        1e-4 of them, where counting each token's k read 8)."""
+        unread = (1.0 - self.routed_share) ** tokens
+        return (self.layer_params - self.routed_params * (self.routed_share - (1.0 - unread))
+                + self.head_params)
 
 
 def model_shape(hf_dir: str) -> Shape:
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    sizes = _active_sizes(hf_dir)  # (a token's FLOPs and reads: its active experts only)
+    sizes = _active_sizes(hf_dir)  # (a token's FLOPs: its active experts only)
     layer_params = sum(n for key, n in sizes.items() if ".layers." in key)
     head = sizes.get("lm_head.weight") or sizes["model.embed_tokens.weight"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    routed = sum(n for key, n in _tensor_sizes(hf_dir).items() if ".experts." in key)
     return Shape(layer_params, head, cfg["num_hidden_layers"],
-                 cfg["num_attention_heads"] * head_dim, kv_heads * head_dim)
+                 cfg["num_attention_heads"] * head_dim, kv_heads * head_dim,
+                 routed_params=routed, routed_share=_expert_share(cfg) if routed else 1.0)
 
 
 class Passes:
@@ -199,15 +219,17 @@ class Passes:
 
     def __init__(self, shape: Shape, gflops: float, bandwidth_gbs: float) -> None:
         self.shape, self.rate, self.bandwidth = shape, gflops * 1e9, bandwidth_gbs * 1e9
-        self.weight_bytes = (shape.layer_params + shape.head_params) * FP32
         self.kv_token_bytes = 2 * shape.kv_width * shape.layers * FP32
         self.flops = 0.0  # totals over every pass costed so far
         self.kv_bytes = 0.0
 
-    def _take(self, flops: float, kv_bytes: float) -> float:
+    def weight_bytes(self, tokens: int) -> float:
+        return self.shape.pass_params(tokens) * FP32
+
+    def _take(self, flops: float, kv_bytes: float, tokens: int) -> float:
         self.flops += flops
         self.kv_bytes += kv_bytes
-        return max(flops / self.rate, (self.weight_bytes + kv_bytes) / self.bandwidth)
+        return max(flops / self.rate, (self.weight_bytes(tokens) + kv_bytes) / self.bandwidth)
 
     def prefill(self, prompts: int, length: int) -> float:
         """Seconds for one pass over `prompts` fresh prompts of `length` tokens, each sampling
@@ -216,14 +238,15 @@ class Passes:
         pairs = length * (length + 1) // 2  # causal (query, key) pairs per prompt
         flops = prompts * (length * 2 * s.layer_params + 2 * s.head_params
                            + pairs * 4 * s.q_width * s.layers)
-        return self._take(flops, prompts * length * self.kv_token_bytes)  # K/V written
+        return self._take(flops, prompts * length * self.kv_token_bytes,  # K/V written
+                          prompts * length)
 
     def decode(self, rows: int, context: int) -> float:
         """Seconds for one decode pass of `rows` sequences, each attending over `context`
         tokens (its new one included)."""
         s = self.shape
         flops = rows * (2 * (s.layer_params + s.head_params) + context * 4 * s.q_width * s.layers)
-        return self._take(flops, rows * context * self.kv_token_bytes)
+        return self._take(flops, rows * context * self.kv_token_bytes, rows)
 
     def request_batch(self, rows: int, input_len: int, output_len: int) -> float:
         """`rows` equal requests that start together: one prompt pass, then output_len - 1
@@ -253,7 +276,9 @@ def ceilings(shape: Shape, gflops: float, bandwidth_gbs: float, *, num_prompts: 
     w3_s = sum(w3.request_batch(min(w3_concurrency, w3_requests - start), input_len, output_len)
                for start in range(0, w3_requests, w3_concurrency))
     passes = math.ceil(w3_requests * output_len / w3_concurrency)
-    any_s = max(w3.flops / w3.rate, (passes * w3.weight_bytes + w3.kv_bytes) / w3.bandwidth)
+    # (a mixture of experts: each pass as a decode step of `w3_concurrency` rows)
+    any_s = max(w3.flops / w3.rate,
+                (passes * w3.weight_bytes(w3_concurrency) + w3.kv_bytes) / w3.bandwidth)
     tokens = w3_requests * output_len
     return {"w1": {"out_tps": round(num_prompts * output_len / w1_s, 1)},
             "w2": {"decode_tps": round((w2_output_len - 1) / w2_decode_s, 1),

@@ -57,6 +57,31 @@ def test_model_shape_counts_what_the_hf_model_holds(tmp_path):
         assert shape.q_width == cfg.num_attention_heads * head_dim
         assert shape.kv_width == cfg.num_key_value_heads * head_dim
         assert shape.layers == cfg.num_hidden_layers
+        assert shape.routed_params == 0 and shape.pass_params(64) == shape.pass_params(1)
+
+
+def test_model_shape_counts_a_mixture_of_experts_routed_weights(tmp_path):
+    model = make_model(str(tmp_path / "moe"), "qwen3_moe")
+    shape = roofline.model_shape(str(tmp_path / "moe"))
+    cfg = model.config
+    routed = sum(p.numel() for layer in model.model.layers for p in layer.mlp.experts.parameters())
+    every = sum(p.numel() for p in model.model.layers.parameters())
+    share = cfg.num_experts_per_tok / cfg.num_experts
+    assert routed > 0 and shape.routed_params == routed and shape.routed_share == share
+    # a token's FLOPs count its k experts; a pass of many tokens reads every expert
+    assert shape.layer_params == pytest.approx(every - routed * (1 - share), abs=8)
+    assert shape.pass_params(1) == pytest.approx(shape.layer_params + shape.head_params)
+    assert shape.pass_params(10_000) == pytest.approx(every + shape.head_params, abs=8)
+
+
+def _weights(shape, tokens) -> float:
+    """Bytes a pass over `tokens` tokens reads: each routed expert unread with probability
+    (1 - k/E) per token, token after token; the rest of the model whole."""
+    unread = 1.0
+    for _ in range(tokens):
+        unread *= 1.0 - shape.routed_share
+    dense = shape.layer_params - shape.routed_params * shape.routed_share
+    return (dense + shape.routed_params * (1.0 - unread) + shape.head_params) * 4
 
 
 def _counted(shape, rate, bandwidth, passes) -> tuple[float, float, float]:
@@ -72,7 +97,7 @@ def _counted(shape, rate, bandwidth, passes) -> tuple[float, float, float]:
             flops += 2 * shape.head_params if samples else 0
             kv = cached + new if cached else new  # decode reads its context; a prompt writes
             kv_read += kv * 2 * shape.kv_width * shape.layers * 4
-        weights = (shape.layer_params + shape.head_params) * 4
+        weights = _weights(shape, sum(new for new, _, _ in seqs))
         seconds += max(flops / (rate * 1e9), (weights + kv_read) / (bandwidth * 1e9))
         total_flops += flops
         kv_bytes += kv_read
@@ -88,10 +113,23 @@ def _waves(requests, at_once, input_len, output_len):
     return passes
 
 
+DENSE = roofline.Shape(layer_params=1_000_000, head_params=300_000, layers=4, q_width=64,
+                       kv_width=32)
+# 8 experts of 2 active, 1.6 M parameters in all of them: a token runs 400 k of them
+MOE = roofline.Shape(layer_params=1_000_000, head_params=300_000, layers=4, q_width=64,
+                     kv_width=32, routed_params=1_600_000, routed_share=0.25)
+
+
+def test_a_mixture_of_experts_pass_reads_the_experts_its_tokens_pick():
+    assert MOE.pass_params(1) == 1_000_000 + 300_000  # one token: its 2 experts
+    assert MOE.pass_params(2) == pytest.approx(_weights(MOE, 2) / 4)  # 1 - 0.75^2 of them
+    assert MOE.pass_params(4096) == pytest.approx(1_000_000 - 400_000 + 1_600_000 + 300_000)
+    assert DENSE.pass_params(1) == DENSE.pass_params(4096) == 1_300_000
+
+
+@pytest.mark.parametrize("shape", [DENSE, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("rate, bandwidth", [(200.0, 30.0), (200.0, 0.5), (1.0, 1000.0)])
-def test_workload_ceilings_equal_a_token_by_token_count(rate, bandwidth):
-    shape = roofline.Shape(layer_params=1_000_000, head_params=300_000, layers=4, q_width=64,
-                           kv_width=32)
+def test_workload_ceilings_equal_a_token_by_token_count(rate, bandwidth, shape):
     args = dict(num_prompts=6, input_len=10, output_len=5, w2_output_len=7, w3_requests=7,
                 w3_concurrency=3)
     got = roofline.ceilings(shape, rate, bandwidth, **args)
@@ -106,7 +144,7 @@ def test_workload_ceilings_equal_a_token_by_token_count(rate, bandwidth):
     assert got["w3"]["out_tps"] == pytest.approx(7 * 5 / w3, abs=0.06)
     # any schedule: all FLOPs at the rate, or 12 passes' weights (7 x 5 passes of requests, at
     # most 3 in flight) and every K/V byte at the bandwidth, whichever is longer
-    weights = (shape.layer_params + shape.head_params) * 4
+    weights = _weights(shape, 3)  # (a mixture of experts: passes of 3 decode rows)
     any_s = max(flops / (rate * 1e9), (12 * weights + kv_bytes) / (bandwidth * 1e9))
     assert got["w3"]["any_schedule_out_tps"] == pytest.approx(7 * 5 / any_s, abs=0.06)
     assert got["w3"]["any_schedule_out_tps"] >= got["w3"]["out_tps"]
