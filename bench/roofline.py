@@ -195,23 +195,24 @@ class Shape:
         experts, those any token picks, 1 - (1 - k/E)^tokens of them when tokens pick
         independently and evenly (a batch-32 decode step of 8 of 32 experts reads all but
         1e-4 of them, where counting each token's k read 8)."""
-        unread = (1.0 - self.routed_share) ** tokens
-        return (self.layer_params - self.routed_params * (self.routed_share - (1.0 - unread))
-                + self.head_params)
+        dense = self.layer_params - self.routed_params * self.routed_share
+        touched = 1.0 - (1.0 - self.routed_share) ** tokens
+        return dense + self.routed_params * touched + self.head_params
 
 
 def model_shape(hf_dir: str) -> Shape:
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    sizes = _active_sizes(hf_dir)  # (a token's FLOPs: its active experts only)
-    layer_params = sum(n for key, n in sizes.items() if ".layers." in key)
+    sizes, share = _tensor_sizes(hf_dir), _expert_share(cfg)
+    routed = sum(n for key, n in sizes.items() if ".experts." in key)
+    # a token's FLOPs: its active experts only
+    layer_params = sum(n for key, n in sizes.items() if ".layers." in key) - routed * (1 - share)
     head = sizes.get("lm_head.weight") or sizes["model.embed_tokens.weight"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    routed = sum(n for key, n in _tensor_sizes(hf_dir).items() if ".experts." in key)
-    return Shape(layer_params, head, cfg["num_hidden_layers"],
+    return Shape(round(layer_params), head, cfg["num_hidden_layers"],
                  cfg["num_attention_heads"] * head_dim, kv_heads * head_dim,
-                 routed_params=routed, routed_share=_expert_share(cfg) if routed else 1.0)
+                 routed_params=routed, routed_share=share if routed else 1.0)
 
 
 class Passes:

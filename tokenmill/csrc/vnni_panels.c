@@ -93,17 +93,17 @@ typedef struct {
 
 int64_t tm_vnni_native(void) { return 1; }
 
-/* Software prefetch: the lines of the block PREFETCH_BLOCKS ahead and its group's factors
- * (past the panel's end: the next panel's, which this thread runs next). The hardware
- * prefetcher alone streamed a batch-1 decode's weights at ~60 % of the read bandwidth on an
- * Intel Xeon (AVX-512 VNNI); with it the Qwen3-MoE Q8_0 decode went 54 -> 68 tok/s
- * (bench/NOTES.md, 2026-11-27). `per_group` -2: int8 groups of 16 (two scales a block). */
+/* Software prefetch: block b + PREFETCH_BLOCKS's lines and its group's factors (past the
+ * panel's end: the next panel's, which this thread runs next). The hardware prefetcher alone
+ * streamed a batch-1 decode's weights at ~60 % of the read bandwidth on an Intel Xeon
+ * (AVX-512 VNNI); with it the Qwen3-MoE Q8_0 decode went 54 -> 68 tok/s (bench/NOTES.md,
+ * 2026-11-27). */
 #define PREFETCH_BLOCKS 8
-INLINE void prefetch_ahead(panel pn, const void *wb, int64_t b, int64_t block_bytes,
-                           int64_t per_group, const int int4) {
-    const char *ahead = (const char *)wb + PREFETCH_BLOCKS * block_bytes;
+INLINE void prefetch_ahead(panel pn, int64_t b, int64_t block_bytes, int64_t group,
+                           const int int4) {
+    const char *ahead = (const char *)pn.w + (b + PREFETCH_BLOCKS) * block_bytes;
     for (int64_t l = 0; l < block_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-    const int64_t g = (per_group < 0 ? 2 * b : b / per_group) * VP;
+    const int64_t g = (b + PREFETCH_BLOCKS) * 32 / group * VP; /* its (first) group's factors */
     _mm_prefetch((const char *)pn.scale + g * (int4 ? 2 : 4), _MM_HINT_T0);
     if (int4) _mm_prefetch((const char *)(pn.min + g), _MM_HINT_T0);
 }
@@ -130,8 +130,7 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const void *wb = (const uint8_t *)pn.w + b * block_bytes;
-        prefetch_ahead(pn, wb, b + PREFETCH_BLOCKS, block_bytes, parts == 2 ? -2 : per_group,
-                       int4);
+        prefetch_ahead(pn, b, block_bytes, group, int4);
         for (int part = 0; part < parts; part++) {
             __m512i sum[PANEL_ROWS];
             for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
