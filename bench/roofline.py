@@ -154,14 +154,15 @@ def count_params(hf_dir: str) -> int:
     return sum(_tensor_sizes(hf_dir).values())
 
 
-def _active_sizes(hf_dir: str) -> dict[str, int]:
-    """Parameters a token reads: a mixture of experts' routed experts count top-k / experts
-    of their size (each token runs k of them); everything else whole."""
+def _config(hf_dir: str) -> dict:
     with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    share = _expert_share(cfg)
-    return {key: round(n * share) if ".experts." in key else n
-            for key, n in _tensor_sizes(hf_dir).items()}
+        return json.load(f)
+
+
+def _active_sizes(sizes: dict[str, int], share: float) -> dict[str, int]:
+    """Parameters a token reads: a mixture of experts' routed experts count `share` (top-k /
+    experts) of their size (each token runs k of them); everything else whole."""
+    return {key: round(n * share) if ".experts." in key else n for key, n in sizes.items()}
 
 
 def _expert_share(cfg: dict) -> float:
@@ -173,7 +174,7 @@ def _expert_share(cfg: dict) -> float:
 
 def active_params(hf_dir: str) -> int:
     """`count_params` of what one token reads (all of a dense model)."""
-    return sum(_active_sizes(hf_dir).values())
+    return sum(_active_sizes(_tensor_sizes(hf_dir), _expert_share(_config(hf_dir))).values())
 
 
 @dataclass(frozen=True)
@@ -201,16 +202,15 @@ class Shape:
 
 
 def model_shape(hf_dir: str) -> Shape:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = _config(hf_dir)
     sizes, share = _tensor_sizes(hf_dir), _expert_share(cfg)
     routed = sum(n for key, n in sizes.items() if ".experts." in key)
-    # a token's FLOPs: its active experts only
-    layer_params = sum(n for key, n in sizes.items() if ".layers." in key) - routed * (1 - share)
+    active = _active_sizes(sizes, share)  # (a token's FLOPs: its active experts only)
+    layer_params = sum(n for key, n in active.items() if ".layers." in key)
     head = sizes.get("lm_head.weight") or sizes["model.embed_tokens.weight"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return Shape(round(layer_params), head, cfg["num_hidden_layers"],
+    return Shape(layer_params, head, cfg["num_hidden_layers"],
                  cfg["num_attention_heads"] * head_dim, kv_heads * head_dim,
                  routed_params=routed, routed_share=share if routed else 1.0)
 

@@ -9,7 +9,5 @@ import torch
 
 
 def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied without waiting for the device (a
-    `torch.tensor(..., device=cuda)` synchronizes the stream: a step's work queued behind
-    the forward would wait for it)."""
+    """A host list as a tensor on `device`, copied without waiting for the device."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
