@@ -160,7 +160,11 @@ def performance(root: str, quick: bool) -> dict:
     del llm, runner, run
     gc.collect()
     torch.cuda.empty_cache()
-    res["eager"] = eager_side(path, prompts, params, out_len, batch, greedy)
+    res["eager"] = other_engines(path, prompts, params, batch, greedy, {
+        "triton": {"enforce_eager": True, "attention_backend": "triton"},
+        "torch": {"enforce_eager": True, "attention_backend": "torch"}}, 32)
+    res["async_scheduling"] = other_engines(path, prompts, params, batch, greedy, {
+        "graphs": {"async_scheduling": True}}, out_len)["graphs"]
     return res
 
 
@@ -205,27 +209,31 @@ def generate(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": x} for x in prompts], params, use_tqdm=False)
 
 
-def eager_side(path, prompts, params, out_len, batch, greedy) -> dict:
-    """The same model op by op (no CUDA graphs), on the Triton and on the torch backend: what
-    the graphs and the kernels each bring, and whether the tokens stay the same."""
+def other_engines(path, prompts, params, batch, greedy, engines: dict, n: int) -> dict:
+    """The same model under other engine settings (`engines`: name -> LLM keyword arguments),
+    `n` tokens per request: op by op (no CUDA graphs) on the Triton and on the torch backend,
+    what the graphs and the kernels each bring; asynchronous scheduling, what overlapping the
+    host's work with the device's brings (and the host waits left per decode step); whether
+    the tokens stay the same."""
     from tokenmill import LLM
 
     res = {}
-    for backend in ("triton", "torch"):
+    for name, settings in engines.items():
         llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
-                  enable_prefix_caching=False, max_num_batched_tokens=4096, enforce_eager=True,
-                  attention_backend=backend)
-
-        n = 32
+                  enable_prefix_caching=False, max_num_batched_tokens=4096, **settings)
         one, short = params.clone(max_tokens=n), params.clone(max_tokens=1)
         generate(llm, prompts[:2], params.clone(max_tokens=4))
         t1 = timed(functools.partial(generate, llm, prompts[:1], one))
         t0 = timed(functools.partial(generate, llm, prompts[:1], short))
-        res[backend] = {
+        res[name] = {
             "batch1_tok_s": (n - 1) / (t1 - t0),
             "batch_tok_s": batch * n / timed(functools.partial(generate, llm, prompts, one)),
             "same_greedy_tokens_as_graphs": [o.outputs[0].token_ids for o in generate(
                 llm, prompts[:4], params.clone(max_tokens=16))] == greedy}
+        if settings.get("async_scheduling"):
+            res[name]["decode_split"] = host_and_device(
+                llm.engine.core.runner, functools.partial(
+                    generate, llm, prompts[:1], params.clone(max_tokens=9)), 8)
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -7,7 +7,7 @@ sampling, output processing. On a GPU that work is not overlapped with the devic
 engine waits for each step's tokens before it schedules the next), so it adds to every
 decode step; here it is measured on the CPU, where the same Python runs.
 
-    python bench/host_overhead.py [--out bench/results/host-overhead-DATE.json]
+    python bench/host_overhead.py [--async-scheduling] [--out bench/results/host-overhead-DATE.json]
 
 Reports the median over the all-decode steps of `LLMEngine.step()` (the serving path: every
 advanced request's result built) for batches of 1, 8 and 64 sequences (greedy; and batch 1
@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="the engine with async_scheduling=True (on a CPU nothing "
+                             "overlaps: this measures what the asynchronous path costs)")
     args = parser.parse_args()
 
     from helpers import make_model
@@ -61,7 +64,8 @@ def main() -> None:
 
     path = os.path.join(tempfile.mkdtemp(), "tiny")
     make_model(path, "qwen2")
-    llm = LLM(path, kv_cache_memory_gib=0.25, enable_prefix_caching=False)
+    llm = LLM(path, kv_cache_memory_gib=0.25, enable_prefix_caching=False,
+              async_scheduling=args.async_scheduling)
     greedy = SamplingParams(temperature=0, max_tokens=args.steps + 4, ignore_eos=True)
     sampled = greedy.clone(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1)
     step_times(llm, 8, greedy, 20)  # warm-up
@@ -90,7 +94,8 @@ def main() -> None:
                        "command": " ".join(["python"] + sys.argv),
                        "machine": f"{platform.processor() or platform.machine()}, "
                                   f"{os.cpu_count()} CPUs",
-                       "steps": args.steps, "repeats": args.repeats, "results": results},
+                       "steps": args.steps, "repeats": args.repeats,
+                       "async_scheduling": args.async_scheduling, "results": results},
                       f, indent=1)
 
 

@@ -225,8 +225,8 @@ def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
     assert isinstance(graphs, DecodeGraphs) and graphs.sizes == [1, 2, 4]
     runs = []
     original = graphs.run
-    monkeypatch.setattr(graphs, "run", lambda inputs: runs.append(
-        (len(inputs.starts), graphs.bucket(len(inputs.starts)))) or original(inputs))
+    monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: runs.append(
+        (len(inputs.starts), graphs.bucket(len(inputs.starts)))) or original(inputs, fill))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 6, 4, 3)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [

@@ -200,6 +200,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
         "attention_backend": pick(args.attention_backend, None, "auto"),
         "enforce_eager": bool(args.enforce_eager),
+        "async_scheduling": bool(args.async_scheduling),
         "speculative_config": pick(args.speculative_config, from_seed(
             env.text("SPECULATE_METHOD"), env.integer("SPECULATE_MAX_DRAFT_TOKEN_NUM"),
             env.integer("SPECULATE_MAX_NGRAM_SIZE"), env.text("SPECULATE_MODEL_PATH"),

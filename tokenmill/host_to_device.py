@@ -1,7 +1,8 @@
-"""Host lists to the device without synchronizing it. `torch.tensor(values, device=cuda)`
-copies with a stream synchronization: every step input built that way made the host wait
-for the forward still queued on the GPU. These copies are ordered on the stream like any
-kernel, and the host goes on."""
+"""Copies between host and device that do not synchronize them. Host lists to the device:
+`torch.tensor(values, device=cuda)` copies with a stream synchronization, so every step input
+built that way made the host wait for the forward still queued on the GPU; `on_device`'s
+copies are ordered on the stream like any kernel, and the host goes on. Device results to
+the host: `HostCopy` waits only when the values are read."""
 
 from __future__ import annotations
 
@@ -11,3 +12,24 @@ import torch
 def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`, copied without waiting for the device."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host: the copy is queued behind the work
+    that computes them and the host goes on; `tolist()` waits for that copy alone (on the
+    CPU there is nothing to wait for)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event = None
+        if tensor.device.type == "cpu":
+            self._host = tensor
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._event = torch.Event(tensor.device)
+        self._event.record()
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

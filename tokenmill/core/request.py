@@ -64,6 +64,9 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified for this request, and accepted
     num_accepted_tokens: int = 0
     grammar: Any = None  # structured outputs: its GrammarState (structured_output/manager.py)
+    # tokens sampled by steps in flight, not appended yet (one per such step; asynchronous
+    # scheduling launches the next step, computing at that token's position, before it lands)
+    num_pending: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,6 +79,24 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def samples_from_history(self) -> bool:
+        """Whether sampling its next token reads the tokens before it (penalties, bad words,
+        a `min_tokens` still to reach)."""
+        p = self.sampling_params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or bool(p.bad_words_token_ids)
+                or self.num_output_tokens < p.min_tokens)
+
+    @property
+    def may_run_ahead(self) -> bool:
+        """Whether its next step may be scheduled before its pending token is on the host
+        (asynchronous scheduling): nothing of that step needs the token but the forward,
+        which takes it from the device."""
+        p = self.sampling_params
+        return (not self.samples_from_history and self.grammar is None
+                and p.logprobs is None and p.prompt_logprobs is None)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -112,6 +112,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_probs = [], None
+        request.num_pending = 0  # (the result of a step in flight is dropped)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -128,10 +129,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ---------------------------------------------------------------------
-    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None, run_ahead: bool = False) -> SchedulerOutput:
         """`max_seqs`: at most this many sequences in the step (a pipeline micro-batch's
         share). A running request whose last step is still in flight (its next token not
-        sampled yet) has nothing to compute and is left out."""
+        on the host yet) is left out, unless `run_ahead` (asynchronous scheduling) and the
+        request allows it (`Request.may_run_ahead`, and that token cannot be its last): then
+        it decodes at that token's position, the runner taking the token from the device."""
         budget = self.config.max_num_batched_tokens
         max_seqs = max_seqs or self.config.max_num_seqs
         lookahead = self.config.num_lookahead_tokens
@@ -141,8 +144,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or len(scheduled) >= max_seqs:  # (< 0: drafts still in flight)
+            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens,
+                          budget)
+            if (num_new <= 0 or len(scheduled) >= max_seqs  # (< 0: drafts still in flight)
+                    or request.num_pending and not (run_ahead and self._runs_ahead(request))):
                 i += 1
                 continue
             drafts, probs = request.spec_token_ids, request.spec_probs
@@ -189,12 +194,24 @@ class Scheduler:
             budget -= num_new
 
         for s in scheduled:
-            s.request.num_computed_tokens = s.end
-            s.preemptions = s.request.num_preemptions
-            s.block_ids = self.kv_cache.block_ids(s.request.request_id)
+            request = s.request
+            if s.end - len(s.drafts) == request.num_tokens + request.num_pending:
+                request.num_pending += 1  # (the step samples its next token)
+            request.num_computed_tokens = s.end
+            s.preemptions = request.num_preemptions
+            s.block_ids = self.kv_cache.block_ids(request.request_id)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output
+
+    def _runs_ahead(self, request: Request) -> bool:
+        """Its pending token is not its last (max_tokens, the model's length) and its next
+        step needs none of its tokens on the host."""
+        max_tokens = request.sampling_params.max_tokens
+        return (request.may_run_ahead
+                and (max_tokens is None
+                     or request.num_output_tokens + request.num_pending < max_tokens)
+                and request.num_tokens + request.num_pending < self.config.max_model_len)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
@@ -212,6 +229,7 @@ class Scheduler:
             if (tokens is None or request.status != RequestStatus.RUNNING
                     or request.num_preemptions != s.preemptions):
                 continue  # a prompt chunk that is not the last one, or aborted meanwhile
+            request.num_pending -= 1
             if s.drafts:
                 accepted = len(tokens) - 1
                 request.num_computed_tokens = s.end - len(s.drafts) + accepted

@@ -134,8 +134,11 @@ class EngineCore:
             self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
-        # (bench/tensor_parallel.py sets 1 to measure one at a time)
-        self.batch_queue = collections.deque() if self.runner.world.pp_size > 1 else None
+        # (bench/tensor_parallel.py sets 1 to measure one at a time); asynchronous
+        # scheduling: the step running and the next one, launched before it lands
+        self.run_ahead = config.async_scheduling
+        self.batch_queue = (collections.deque()
+                            if self.runner.world.pp_size > 1 or self.run_ahead else None)
         self.max_in_flight = self.runner.world.pp_size
         # structured outputs: constrained requests wait there while their grammar compiles
         self.structured = StructuredOutputs(config.tokenizer or model_path,
@@ -230,6 +233,8 @@ class EngineCore:
             step = self.scheduler.schedule()
             return self._outputs(step, self._timed(self.runner.execute, step,
                                                    step.num_batched_tokens))
+        if self.run_ahead:
+            return self._step_ahead()
         if len(queue) < self.max_in_flight:
             # each micro-batch takes its share of the requests, so the next has some too
             share = -(-(self.scheduler.num_running + self.scheduler.num_waiting)
@@ -245,6 +250,29 @@ class EngineCore:
         step, launched = queue.popleft()
         return self._outputs(step, self._timed(self.runner.complete, launched,
                                                len(launched.inputs.token_ids)))
+
+    def _step_ahead(self) -> list[EngineCoreOutput]:
+        """Asynchronous scheduling: schedule and launch the next step while the last one
+        runs (its decodes take their pending tokens on the device), then wait for the last
+        one. While a running request needs its tokens on the host to be scheduled or
+        sampled (`Request.may_run_ahead`), steps run one at a time instead."""
+        queue = self.batch_queue
+        if not queue or self._may_run_ahead():
+            step = self.scheduler.schedule(run_ahead=True)
+            # (an empty step launches nothing; the runner still forgets finished requests)
+            launched = self._timed(self.runner.launch, step, step.num_batched_tokens)
+            if launched is not None:
+                queue.append((step, launched))
+                if len(queue) == 1 and self._may_run_ahead():
+                    return []  # (the next call launches another, then completes this one)
+        if not queue:
+            return []
+        step, launched = queue.popleft()
+        return self._outputs(step, self._timed(self.runner.complete, launched,
+                                               len(launched.inputs.token_ids)))
+
+    def _may_run_ahead(self) -> bool:
+        return all(r.may_run_ahead for r in self.scheduler.running)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Constrained requests whose grammar compiled join the scheduler; those whose

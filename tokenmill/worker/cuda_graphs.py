@@ -102,9 +102,10 @@ class DecodeGraphs:
                 and max(inputs.ends) <= self.max_len
                 and max(len(b) for b in inputs.block_ids) <= self.block_table.shape[1])
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, fill=None) -> torch.Tensor:
         """Logits [n, vocab] of a plain decode step of n sequences (a view of the bucket's
-        output: read it before the next step)."""
+        output: read it before the next step). `fill`: writes tokens still on the device
+        into the step's input ids (asynchronous scheduling: ModelRunner._fill)."""
         n = len(inputs.starts)
         size = self.bucket(n)
         positions, slots, table = inputs.layout(self.block_size)
@@ -112,6 +113,8 @@ class DecodeGraphs:
         self.rows[:, :size].copy_(on_device(
             [inputs.token_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
              inputs.ends + [1] * pad], torch.int64, self.device))
+        if fill is not None:
+            fill(self.input_ids[:n])
         table += [[0] * len(table[0])] * pad
         self.block_table[:size, :len(table[0])].copy_(on_device(table, torch.int64,
                                                                 self.device))

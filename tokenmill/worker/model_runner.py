@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,45 +15,15 @@ from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.host_to_device import on_device
-from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.platforms import get_platform
-from tokenmill.spec_decode.rejection import verify
-from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker import kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
 
 logger = logging.getLogger(__name__)
-
-# (top ids, top logprobs, chosen logprob, chosen rank) of one position
-PositionLogprobs = tuple[list[int], list[float], float, int]
-
-
-@dataclass
-class Launched:
-    """A step whose forward has started: its logits here, or on their way (`pending`)."""
-
-    scheduled: list[ScheduledRequest]
-    inputs: StepInputs
-    logits: torch.Tensor | None = None
-    prompt_logits: list[torch.Tensor] = field(default_factory=list)
-    pending: PendingLogits | None = None
-    hidden: torch.Tensor | None = None  # every row's final hidden state (draft heads)
-
-
-@dataclass
-class RunnerOutput:
-    # per request: its sampled token (with draft tokens: the accepted ones and the next), and
-    # where asked their logprobs
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    # request id -> (first prompt position scored, one entry per scored position)
-    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
-    # draft heads: request id -> (draft tokens for its next step, their distributions)
-    drafts: dict[str, tuple[list[int], Any]] = field(default_factory=dict)
-
 
 def resolve_device(name: str, rank: int = 0, ranks_per_node: int = 1) -> torch.device:
     """The device of parallel rank `rank`: on GPUs, one GPU per rank of a node (cuda:N
@@ -84,6 +53,10 @@ class ModelRunner:
         # joined before the model is built (distributed/executor.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
+        # asynchronous scheduling: steps sampled as they launch; the latest one's tokens on
+        # the device and each request's row there (the next step's inputs read them)
+        self.run_ahead = config.async_scheduling
+        self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
         self.device = resolve_device(config.device, self.world.rank, config.ranks_per_node)
         self.platform = get_platform(self.device)
         # pipeline parallel: the hand-offs between stages
@@ -225,69 +198,74 @@ class ModelRunner:
         data = inputs.encode() if self.world.size > 1 else b""
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
         self.tp.broadcast_bytes(data)
-        result = self.run(inputs, data)
+        result = self.run(inputs, data, self._fill(scheduled) if self.run_ahead else None)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
         logits, prompt_logits, hidden = result
-        return Launched(scheduled, inputs, logits, prompt_logits,
-                        hidden=hidden if self.heads is not None else None)
+        launched = Launched(scheduled, inputs, logits, prompt_logits,
+                            hidden=hidden if self.heads is not None else None)
+        if self.run_ahead:  # sampled now, so the next step can launch before this one lands
+            self._draw(launched)
+        return launched
+
+    def _fill(self, scheduled: list[ScheduledRequest]):
+        """Asynchronous scheduling: the step's rows at a position whose token the previous
+        step sampled and the host has not seen (StepInputs holds 0 there), as a function
+        that copies those tokens into the step's input ids on the device; None if none."""
+        rows, sources, row = [], [], 0
+        for s in scheduled:
+            known = s.request.num_tokens
+            if s.end - len(s.drafts) > known:
+                rows.append(row + known - s.start)
+                sources.append(self.previous[1][s.request.request_id])
+            row += s.num_new_tokens
+        if not rows:
+            return None
+        tokens = self.previous[0]
+        if rows == sources == list(range(len(tokens))):  # (steady decoding: one copy)
+            return lambda input_ids: input_ids[:len(rows)].copy_(tokens)
+        rows_t, sources_t = (on_device(x, torch.int64, self.device) for x in (rows, sources))
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, rows_t, tokens.index_select(0, sources_t).to(input_ids.dtype))
+        return fill
 
     @torch.inference_mode()
     def complete(self, launched: Launched) -> RunnerOutput:
-        """Sample a launched step (its logits awaited first under pipeline parallel)."""
+        """Sample a launched step, unless it was at launch (its logits awaited first under
+        pipeline parallel), and wait for its tokens."""
         inputs, scheduled = launched.inputs, launched.scheduled
-        logits, prompt_logits = launched.logits, launched.prompt_logits
         if launched.pending is not None:
             got = launched.pending.wait()
-            logits, prompt_logits = (got[0], got[1:]) if inputs.sample_seqs else (None, got)
+            launched.logits, launched.prompt_logits = ((got[0], got[1:]) if inputs.sample_seqs
+                                                       else (None, got))
         self.in_flight -= 1
-        out = RunnerOutput()
-        if logits is not None:
-            logits = logits.float()
-            requests = [scheduled[i] for i in inputs.sample_seqs]
-            # each sequence's last rows (1, or 1 + its drafts: speculative decoding)
-            ends = list(itertools.accumulate(inputs.sample_counts))
-            plain = [j for j, n in enumerate(inputs.sample_counts) if n == 1]
-            if plain:
-                rows = [ends[j] - 1 for j in plain]
-                chosen = [requests[j].request for j in plain]
-                batch = self.sampling.batch(chosen)
-                rows_logits = logits[rows] if len(rows) < len(logits) else logits
-                mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
-                result = sample(rows_logits, batch, self.generator)
-                for row, (j, token) in enumerate(zip(plain, result.token_ids.tolist())):
-                    rid = requests[j].request.request_id
-                    out.sampled[rid] = [token]
-                    if row in result.logprobs:
-                        out.logprobs[rid] = [result.logprobs[row]]
-            for j, n in enumerate(inputs.sample_counts):
-                if n > 1:
-                    s, rows = requests[j], logits[ends[j] - n:ends[j]]
-                    if s.request.grammar is not None:  # (structured outputs)
-                        mask_drafted(rows, s.request, s.drafts)
-                    params, rid = s.request.sampling_params, s.request.request_id
-                    tokens = out.sampled[rid] = verify(
-                        rows, self.sampling.drafted_batch(s.request, s.drafts), s.drafts,
-                        self.sampling.generator(s.request) or self.generator, s.draft_probs)
-                    if params.logprobs is not None:  # of each emitted token, at its row
-                        scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),
-                                                 [params.logprobs] * len(tokens))
-                        out.logprobs[rid] = [scored[i] for i in range(len(tokens))]
-        for i, scored in zip(inputs.prompt_seqs, prompt_logits):
-            self._score_prompt(scheduled[i], scored.float(), out)
+        if launched.drawn is None:
+            self._draw(launched)
+        out = launched.results()
+        for i, scored in zip(inputs.prompt_seqs, launched.prompt_logits):
+            score_prompt(scheduled[i], scored, out)
         if launched.hidden is not None:
             out.drafts = self.heads.after_step(scheduled, inputs, launched.hidden, out.sampled)
         return out
 
-    def run(self, inputs: StepInputs, data: bytes
+    def _draw(self, launched: Launched) -> None:
+        token_ids = draw(launched, self.sampling, self.generator)
+        if self.run_ahead and token_ids is not None:  # (the next step's inputs read them)
+            self.previous = token_ids, {rid: i for i, rid in enumerate(launched.tokens[1])}
+
+    def run(self, inputs: StepInputs, data: bytes, fill=None
             ) -> tuple[torch.Tensor | None, list, torch.Tensor] | PendingLogits | None:
         """The forward every rank runs (`data`: the inputs' bytes, handed on to the next
-        pipeline stage): on rank 0 the logits of the sampled rows and of each prompt-logprob
-        range (and the final hidden states), or under pipeline parallel their pending
-        receive from the last stage; None (or Nones) on the other ranks."""
+        pipeline stage; `fill`: what `_fill` returns): on rank 0 the logits of the sampled
+        rows and of each prompt-logprob range (and the final hidden states), or under
+        pipeline parallel their pending receive from the last stage; None (or Nones) on the
+        other ranks."""
         if self.graphs is not None and self.graphs.takes(inputs):
-            return self.graphs.run(inputs), [], None
+            return self.graphs.run(inputs, fill), [], None
         input_ids, positions, meta = self._prepare_inputs(inputs)
+        if fill is not None:
+            fill(input_ids)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.link
@@ -368,14 +346,3 @@ class ModelRunner:
         )
         self.backend.prepare(meta)
         return staged[0], staged[1], meta
-
-    def _score_prompt(self, s: ScheduledRequest, logits: torch.Tensor,
-                      out: RunnerOutput) -> None:
-        """Logprobs of prompt tokens start+1 .. end (those this chunk's logits predict)."""
-        request = s.request
-        logprobs = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor(request.prompt_token_ids[s.start + 1:s.start + 1 + len(logits)],
-                               device=self.device)
-        k = request.sampling_params.prompt_logprobs
-        scored = top_logprobs(logprobs, targets, [k] * len(targets))
-        out.prompt_logprobs[request.request_id] = (s.start + 1, scored)

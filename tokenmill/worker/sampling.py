@@ -43,7 +43,7 @@ class RequestSampling:
     def drafted_batch(self, request: Request, drafts: list[int]) -> SamplingBatch:
         """The rows verifying `drafts`: row j as if drafts 1 .. j were already output (its
         penalties, min_tokens and bad-word bans; the request's own generator)."""
-        if not _context_dependent(request):
+        if not request.samples_from_history:
             return self.batch([request] * (len(drafts) + 1))
         return self.batch([dataclasses.replace(
             request, output_token_ids=request.output_token_ids + drafts[:j])
@@ -113,10 +113,3 @@ class RequestSampling:
                 batch.generators[row] = gen
         return batch
 
-
-def _context_dependent(request: Request) -> bool:
-    """Whether the request's sampling depends on the tokens before a position."""
-    p = request.sampling_params
-    return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-            or p.presence_penalty != 0.0 or bool(p.bad_words_token_ids)
-            or request.num_output_tokens < p.min_tokens)

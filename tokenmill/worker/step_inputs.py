@@ -27,8 +27,11 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
             request = s.request
             first = len(token_ids)
             end = s.end - len(s.drafts)  # (drafts: after the request's tokens)
-            token_ids.extend(request.token_ids(s.start, end) + s.drafts)
-            if end == request.num_tokens:
+            # a position past the host's tokens (asynchronous scheduling) holds 0 until the
+            # runner fills in the token its previous step sampled
+            known = min(end, request.num_tokens)
+            token_ids.extend(request.token_ids(s.start, known) + [0] * (end - known) + s.drafts)
+            if end >= request.num_tokens:
                 sample_seqs.append(i)
                 sample_counts.append(1 + len(s.drafts))
             if request.sampling_params.prompt_logprobs is not None:

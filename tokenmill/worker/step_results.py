@@ -1,0 +1,114 @@
+"""A launched step and what it yields: its logits sampled (`draw`: plain rows' tokens left on
+the device with their copy to the host started, drafted rows verified) and its prompt
+tokens scored (`score_prompt`); `RunnerOutput` is what the engine core gets back."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tokenmill.core.scheduler import ScheduledRequest
+from tokenmill.distributed.pipeline import PendingLogits
+from tokenmill.host_to_device import HostCopy
+from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
+from tokenmill.spec_decode.rejection import verify
+from tokenmill.structured_output.manager import mask_drafted, mask_rows
+from tokenmill.worker.sampling import RequestSampling
+from tokenmill.worker.step_inputs import StepInputs
+
+# (top ids, top logprobs, chosen logprob, chosen rank) of one position
+PositionLogprobs = tuple[list[int], list[float], float, int]
+
+
+@dataclass
+class RunnerOutput:
+    # per request: its sampled token (with draft tokens: the accepted ones and the next), and
+    # where asked their logprobs
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # request id -> (first prompt position scored, one entry per scored position)
+    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
+    # draft heads: request id -> (draft tokens for its next step, their distributions)
+    drafts: dict[str, tuple[list[int], Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Launched:
+    """A step whose forward has started: its logits here, or on their way (`pending`)."""
+
+    scheduled: list[ScheduledRequest]
+    inputs: StepInputs
+    logits: torch.Tensor | None = None
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)
+    pending: PendingLogits | None = None
+    hidden: torch.Tensor | None = None  # every row's final hidden state (draft heads)
+    # once sampled (`draw`): its results but the plain rows' tokens, and those on their way
+    # to the host with their requests' ids
+    drawn: RunnerOutput | None = None
+    tokens: tuple[HostCopy, list[str]] | None = None
+
+    def results(self) -> RunnerOutput:
+        """The drawn results with the plain rows' tokens (waiting for their copy)."""
+        out = self.drawn
+        if self.tokens is not None:
+            tokens, request_ids = self.tokens
+            for rid, token in zip(request_ids, tokens.tolist()):
+                out.sampled[rid] = [token]
+        return out
+
+
+def draw(launched: Launched, sampling: RequestSampling,
+         generator: torch.Generator) -> torch.Tensor | None:
+    """Sample the step's logits: returns the plain rows' tokens (on the device, one per
+    request of `launched.tokens`; their copy to the host started); drafted rows are
+    verified into `launched.drawn`."""
+    inputs, scheduled = launched.inputs, launched.scheduled
+    out = launched.drawn = RunnerOutput()
+    if launched.logits is None:
+        return None
+    logits = launched.logits.float()
+    requests = [scheduled[i] for i in inputs.sample_seqs]
+    # each sequence's last rows (1, or 1 + its drafts: speculative decoding)
+    ends = list(itertools.accumulate(inputs.sample_counts))
+    plain = [j for j, n in enumerate(inputs.sample_counts) if n == 1]
+    token_ids = None
+    if plain:
+        rows = [ends[j] - 1 for j in plain]
+        chosen = [requests[j].request for j in plain]
+        batch = sampling.batch(chosen)
+        rows_logits = logits[rows] if len(rows) < len(logits) else logits
+        mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
+        result = sample(rows_logits, batch, generator)
+        token_ids = result.token_ids
+        request_ids = [r.request_id for r in chosen]
+        launched.tokens = HostCopy(token_ids), request_ids
+        for row, scored in result.logprobs.items():
+            out.logprobs[request_ids[row]] = [scored]
+    for j, n in enumerate(inputs.sample_counts):
+        if n > 1:
+            s, rows = requests[j], logits[ends[j] - n:ends[j]]
+            if s.request.grammar is not None:  # (structured outputs)
+                mask_drafted(rows, s.request, s.drafts)
+            params, rid = s.request.sampling_params, s.request.request_id
+            tokens = out.sampled[rid] = verify(
+                rows, sampling.drafted_batch(s.request, s.drafts), s.drafts,
+                sampling.generator(s.request) or generator, s.draft_probs)
+            if params.logprobs is not None:  # of each emitted token, at its row
+                scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),
+                                         [params.logprobs] * len(tokens))
+                out.logprobs[rid] = [scored[i] for i in range(len(tokens))]
+    return token_ids
+
+
+def score_prompt(s: ScheduledRequest, logits: torch.Tensor, out: RunnerOutput) -> None:
+    """Logprobs of prompt tokens start+1 .. end (those this chunk's logits predict)."""
+    request = s.request
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(request.prompt_token_ids[s.start + 1:s.start + 1 + len(logits)],
+                           device=logits.device)
+    k = request.sampling_params.prompt_logprobs
+    scored = top_logprobs(logprobs, targets, [k] * len(targets))
+    out.prompt_logprobs[request.request_id] = (s.start + 1, scored)
