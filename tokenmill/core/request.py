@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,8 +95,15 @@ class Request:
         """Whether its next step may be scheduled before its pending token is on the host
         (asynchronous scheduling): nothing of that step needs the token but the forward,
         which takes it from the device."""
+        return (self._settings_run_ahead and self.grammar is None
+                and len(self.output_token_ids) >= self.sampling_params.min_tokens)
+
+    @functools.cached_property
+    def _settings_run_ahead(self) -> bool:
+        """The part of `may_run_ahead` its sampling settings decide (asked every step)."""
         p = self.sampling_params
-        return (not self.samples_from_history and self.grammar is None
+        return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                and p.presence_penalty == 0.0 and not p.bad_words_token_ids
                 and p.logprobs is None and p.prompt_logprobs is None)
 
     def token_ids(self, start: int, end: int) -> list[int]:

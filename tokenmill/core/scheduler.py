@@ -36,6 +36,9 @@ class ScheduledRequest:
     # in num_new_tokens); the step's verification keeps those the target agrees with
     drafts: list[int] = field(default_factory=list)
     draft_probs: Any = None  # the distributions they were drawn from (None: one-hot)
+    # asynchronous scheduling: a decode at the position of the token its request's step in
+    # flight samples (the runner takes that token on the device)
+    ahead: bool = False
 
     @property
     def end(self) -> int:
@@ -165,7 +168,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
-                                                  drafts=drafts, draft_probs=probs))
+                                                  drafts=drafts, draft_probs=probs,
+                                                  ahead=request.num_pending > 0))
                 budget -= num_new
                 i += 1
                 continue
@@ -207,11 +211,11 @@ class Scheduler:
     def _runs_ahead(self, request: Request) -> bool:
         """Its pending token is not its last (max_tokens, the model's length) and its next
         step needs none of its tokens on the host."""
+        outputs = len(request.output_token_ids) + request.num_pending
         max_tokens = request.sampling_params.max_tokens
-        return (request.may_run_ahead
-                and (max_tokens is None
-                     or request.num_output_tokens + request.num_pending < max_tokens)
-                and request.num_tokens + request.num_pending < self.config.max_model_len)
+        return ((max_tokens is None or outputs < max_tokens)
+                and len(request.prompt_token_ids) + outputs < self.config.max_model_len
+                and request.may_run_ahead)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:

@@ -212,13 +212,12 @@ class ModelRunner:
         """Asynchronous scheduling: the step's rows at a position whose token the previous
         step sampled and the host has not seen (StepInputs holds 0 there), as a function
         that copies those tokens into the step's input ids on the device; None if none."""
-        rows, sources, row = [], [], 0
-        for s in scheduled:
-            known = s.request.num_tokens
-            if s.end - len(s.drafts) > known:
-                rows.append(row + known - s.start)
-                sources.append(self.previous[1][s.request.request_id])
-            row += s.num_new_tokens
+        rows, sources = [], []
+        index = self.previous[1] if self.previous else None
+        for i, s in enumerate(scheduled):
+            if s.ahead:  # (a one-token decode: decodes come first, so sequence i is row i)
+                rows.append(i)
+                sources.append(index[s.request.request_id])
         if not rows:
             return None
         tokens = self.previous[0]
