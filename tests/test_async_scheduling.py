@@ -267,6 +267,15 @@ def test_preempting_a_request_drops_its_pending_token():
     assert [r.request_id for r, _ in updated] == ["a"] and b.output_token_ids == []
 
 
+def test_serve_flag():
+    from tokenmill.config import build_server_config
+
+    assert build_server_config(["--async-scheduling"], {}).engine.async_scheduling
+    assert not build_server_config([], {}).engine.async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling"):
+        build_server_config(["--async-scheduling", "--tensor-parallel-size", "2"], {})
+
+
 def test_config_refuses_what_it_cannot_run_with():
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
