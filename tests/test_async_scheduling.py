@@ -123,12 +123,13 @@ def test_seeded_sampling_unchanged(tiny_models, prompts):
 
 def test_requests_that_need_their_tokens_run_one_step_at_a_time(tiny_models, prompts,
                                                                  monkeypatch):
-    # penalties, bad words, min_tokens and logprobs read a request's tokens (or the host's
+    # penalties, min_tokens, logprobs and grammars read a request's tokens (or the host's
     # sample) before its next step: while one runs, steps do not overlap
     path = tiny_models("qwen2")[0]
     params = [greedy(10), greedy(10, repetition_penalty=1.3), greedy(10, logprobs=2),
-              greedy(10, presence_penalty=0.5), greedy(10, min_tokens=6),
-              greedy(10), greedy(10)]
+              greedy(10, bad_words=["ab"]), greedy(10, min_tokens=6),
+              greedy(10, structured_outputs={"choice": ["red apple", "green pear"]}),
+              greedy(10)]
     sync_llm = LLM(path, kv_cache_memory_gib=0.05)
     sync = sync_llm.generate(prompts, params, use_tqdm=False)
     llm = LLM(path, kv_cache_memory_gib=0.05, async_scheduling=True)

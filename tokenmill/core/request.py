@@ -85,26 +85,29 @@ class Request:
     def samples_from_history(self) -> bool:
         """Whether sampling its next token reads the tokens before it (penalties, bad words,
         a `min_tokens` still to reach)."""
-        p = self.sampling_params
-        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                or p.presence_penalty != 0.0 or bool(p.bad_words_token_ids)
-                or self.num_output_tokens < p.min_tokens)
+        return (self._penalized
+                or len(self.output_token_ids) < self.sampling_params.min_tokens)
 
     @property
     def may_run_ahead(self) -> bool:
         """Whether its next step may be scheduled before its pending token is on the host
         (asynchronous scheduling): nothing of that step needs the token but the forward,
-        which takes it from the device."""
-        return (self._settings_run_ahead and self.grammar is None
+        which takes it from the device (no history read, no logprobs, no grammar)."""
+        return (not self._penalized and not self._scored and self.grammar is None
                 and len(self.output_token_ids) >= self.sampling_params.min_tokens)
 
     @functools.cached_property
-    def _settings_run_ahead(self) -> bool:
-        """The part of `may_run_ahead` its sampling settings decide (asked every step)."""
+    def _penalized(self) -> bool:
+        """Penalties or bad words: its sampling reads its tokens at every step."""
         p = self.sampling_params
-        return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-                and p.presence_penalty == 0.0 and not p.bad_words_token_ids
-                and p.logprobs is None and p.prompt_logprobs is None)
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or bool(p.bad_words_token_ids))
+
+    @functools.cached_property
+    def _scored(self) -> bool:
+        """Logprobs of its samples or of its prompt are asked for."""
+        p = self.sampling_params
+        return p.logprobs is not None or p.prompt_logprobs is not None
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
