@@ -137,6 +137,7 @@ class EngineCore:
         # (bench/tensor_parallel.py sets 1 to measure one at a time); asynchronous
         # scheduling: the step running and the next one, launched before it lands
         self.run_ahead = config.async_scheduling
+        self.ahead = True  # (every running request let the last launch run ahead)
         self.batch_queue = (collections.deque()
                             if self.runner.world.pp_size > 1 or self.run_ahead else None)
         self.max_in_flight = self.runner.world.pp_size
@@ -245,11 +246,7 @@ class EngineCore:
                 queue.append((step, launched))
                 if len(queue) < self.max_in_flight:
                     return []
-        if not queue:
-            return []
-        step, launched = queue.popleft()
-        return self._outputs(step, self._timed(self.runner.complete, launched,
-                                               len(launched.inputs.token_ids)))
+        return self._complete_oldest()
 
     def _step_ahead(self) -> list[EngineCoreOutput]:
         """Asynchronous scheduling: schedule and launch the next step while the last one
@@ -257,22 +254,26 @@ class EngineCore:
         one. While a running request needs its tokens on the host to be scheduled or
         sampled (`Request.may_run_ahead`), steps run one at a time instead."""
         queue = self.batch_queue
-        if not queue or self._may_run_ahead():
+        if not queue or self.ahead:
             step = self.scheduler.schedule(run_ahead=True)
             # (an empty step launches nothing; the runner still forgets finished requests)
             launched = self._timed(self.runner.launch, step, step.num_batched_tokens)
+            # Asked once per launch, the requests it admitted included: until the next one,
+            # running requests only finish or come nearer their min_tokens, never the reverse.
+            self.ahead = all(r.may_run_ahead for r in self.scheduler.running)
             if launched is not None:
                 queue.append((step, launched))
-                if len(queue) == 1 and self._may_run_ahead():
+                if len(queue) == 1 and self.ahead:
                     return []  # (the next call launches another, then completes this one)
-        if not queue:
+        return self._complete_oldest()
+
+    def _complete_oldest(self) -> list[EngineCoreOutput]:
+        """Wait for the oldest step in flight (if any) and turn its results into outputs."""
+        if not self.batch_queue:
             return []
-        step, launched = queue.popleft()
+        step, launched = self.batch_queue.popleft()
         return self._outputs(step, self._timed(self.runner.complete, launched,
                                                len(launched.inputs.token_ids)))
-
-    def _may_run_ahead(self) -> bool:
-        return all(r.may_run_ahead for r in self.scheduler.running)
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Constrained requests whose grammar compiled join the scheduler; those whose
