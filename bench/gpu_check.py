@@ -172,7 +172,10 @@ def prefill_7b_shape(root: str) -> dict:
     """Prefill efficiency where it can be high: 4 layers of Llama-2-7B's shape (4096 wide,
     11008 MLP, 32 heads of 128), random bf16 weights, one 2048-token prompt. A prompt's work
     is per layer, so 4 layers measure the same share of peak as 32 would, at an eighth of the
-    weights. FLOPs: 2 x the layers' parameters per token, plus causal attention's QK and PV."""
+    weights. FLOPs: 2 x the layers' parameters per token, plus causal attention's QK and PV.
+    And batch-1 decode of the same layers, synchronous and with asynchronous scheduling:
+    per layer a 7B model's kernels and bytes, so the share of the bandwidth roofline a 7B
+    model would reach (its bytes per token: the layers, the final norm and the LM head)."""
     import transformers as tf
     from helpers import make_tokenizer
 
@@ -198,11 +201,25 @@ def prefill_7b_shape(root: str) -> dict:
     run()
     seconds = timed(run, 3)
     flops = 2 * layer_params * 2048 + 4 * 2 * 2 * (2048 ** 2 / 2) * 32 * 128
+    res = {"layer_params": layer_params, "prefill_2k_s": seconds,
+           "prefill_2k_tflops": flops / seconds / 1e12,
+           "decode_read_bytes": 2 * (layer_params + 4096 + 32000 * 4096)}
+    short = [prompt[:128].tolist()]
+    for name in ("batch1_tok_s", "batch1_async_tok_s"):
+        if name == "batch1_async_tok_s":
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+            llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5,
+                      seed=0, enable_prefix_caching=False, async_scheduling=True)
+        generate(llm, short, one.clone(max_tokens=8))
+        t1 = timed(functools.partial(generate, llm, short, one.clone(max_tokens=65)))
+        t0 = timed(functools.partial(generate, llm, short, one))
+        res[name] = 64 / (t1 - t0)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return {"layer_params": layer_params, "prefill_2k_s": seconds,
-            "prefill_2k_tflops": flops / seconds / 1e12}
+    return res
 
 
 def generate(llm, prompts, params):
@@ -308,6 +325,9 @@ def main() -> None:
         result[name]["seconds"] = time.perf_counter() - start
         print(json.dumps({name: result[name]}, indent=1), flush=True)
     hw, perf = result["hardware"], result["performance"]
+    if "copy_gbps" in hw and "async_scheduling" in perf:
+        perf["async_scheduling"]["batch1_of_roofline"] = (
+            perf["async_scheduling"]["batch1_tok_s"] * perf["weight_bytes"] / hw["copy_gbps"] / 1e9)
     if "copy_gbps" in hw and "weight_bytes" in perf:
         perf["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / perf["weight_bytes"]
         perf["batch1_of_roofline"] = perf["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
@@ -316,6 +336,10 @@ def main() -> None:
     big = result["prefill_7b_shape"]
     if "bf16_matmul_tflops" in hw and "prefill_2k_tflops" in big:
         big["prefill_of_peak"] = big["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
+    if "copy_gbps" in hw and "batch1_async_tok_s" in big:
+        big["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / big["decode_read_bytes"]
+        for name in ("batch1_tok_s", "batch1_async_tok_s"):
+            big[name.replace("tok_s", "of_roofline")] = big[name] / big["batch1_roofline_tok_s"]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
