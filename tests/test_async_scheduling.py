@@ -113,6 +113,28 @@ def test_stops_found_one_step_late_change_nothing(tiny_models, prompts):
     assert all(len(tokens) <= 2 + i % 5 + 1 for i, (tokens, _) in enumerate(got))
 
 
+def test_min_tokens_counts_the_pending_token(tiny_models, prompts, monkeypatch):
+    # min_tokens bans stop tokens while fewer outputs precede the one being drawn; running
+    # ahead, one of those is still on the device. Each request's stop token is its own greedy
+    # token at index m = min_tokens: banned one token too long, the output would differ.
+    path = tiny_models("qwen2")[0]
+    plain = LLM(path, kv_cache_memory_gib=0.05).generate(prompts, greedy(12), use_tqdm=False)
+    ms = [1 + i % 4 for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=12, min_tokens=m,
+                             stop_token_ids=[o.outputs[0].token_ids[m]])
+              for m, o in zip(ms, plain)]
+    sync_llm = LLM(path, kv_cache_memory_gib=0.05)
+    sync = results(sync_llm.generate(prompts, params, use_tqdm=False))
+    llm = LLM(path, kv_cache_memory_gib=0.05, async_scheduling=True)
+    log = record_steps(monkeypatch, llm.engine.core.runner)
+    assert results(llm.generate(prompts, params, use_tqdm=False)) == sync
+    assert overlapped(log) >= 3
+    # where the stop token did not come up earlier, the synchronous engine stops right at it
+    for m, o, (tokens, reason) in zip(ms, plain, sync):
+        if o.outputs[0].token_ids[m] not in o.outputs[0].token_ids[:m]:
+            assert (len(tokens), reason) == (m + 1, "stop")
+
+
 def test_seeded_sampling_unchanged(tiny_models, prompts):
     # each request's own generator draws in the same order either way
     params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True,
@@ -123,11 +145,11 @@ def test_seeded_sampling_unchanged(tiny_models, prompts):
 
 def test_requests_that_need_their_tokens_run_one_step_at_a_time(tiny_models, prompts,
                                                                  monkeypatch):
-    # penalties, min_tokens, logprobs and grammars read a request's tokens (or the host's
+    # penalties, bad words, logprobs and grammars read a request's tokens (or the host's
     # sample) before its next step: while one runs, steps do not overlap
     path = tiny_models("qwen2")[0]
     params = [greedy(10), greedy(10, repetition_penalty=1.3), greedy(10, logprobs=2),
-              greedy(10, bad_words=["ab"]), greedy(10, min_tokens=6),
+              greedy(10, bad_words=["ab"]), greedy(10, presence_penalty=0.5),
               greedy(10, structured_outputs={"choice": ["red apple", "green pear"]}),
               greedy(10)]
     sync_llm = LLM(path, kv_cache_memory_gib=0.05)

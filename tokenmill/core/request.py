@@ -89,12 +89,19 @@ class Request:
                 or len(self.output_token_ids) < self.sampling_params.min_tokens)
 
     @property
+    def num_outputs_before_draw(self) -> int:
+        """While a step samples its next token: its output tokens before that one, those of
+        earlier steps still in flight included (its pending count less that step's own);
+        `min_tokens` bans by it."""
+        return len(self.output_token_ids) + max(self.num_pending - 1, 0)
+
+    @property
     def may_run_ahead(self) -> bool:
         """Whether its next step may be scheduled before its pending token is on the host
         (asynchronous scheduling): nothing of that step needs the token but the forward,
-        which takes it from the device (no history read, no logprobs, no grammar)."""
-        return (not self._penalized and not self._scored and self.grammar is None
-                and len(self.output_token_ids) >= self.sampling_params.min_tokens)
+        which takes it from the device (no tokens read for penalties or bad words, no
+        logprobs, no grammar; `min_tokens` counts pending tokens)."""
+        return not self._penalized and not self._scored and self.grammar is None
 
     @functools.cached_property
     def _penalized(self) -> bool:

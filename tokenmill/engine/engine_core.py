@@ -259,7 +259,7 @@ class EngineCore:
             # (an empty step launches nothing; the runner still forgets finished requests)
             launched = self._timed(self.runner.launch, step, step.num_batched_tokens)
             # Asked once per launch, the requests it admitted included: until the next one,
-            # running requests only finish or come nearer their min_tokens, never the reverse.
+            # running requests can only finish, which never turns the answer to no.
             self.ahead = all(r.may_run_ahead for r in self.scheduler.running)
             if launched is not None:
                 queue.append((step, launched))

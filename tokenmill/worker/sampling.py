@@ -98,7 +98,7 @@ class RequestSampling:
                 batch.output_counts[row].index_add_(
                     0, out_ids, torch.ones(len(out_ids), device=dev))
         for row, (r, p) in enumerate(zip(requests, params)):
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_outputs_before_draw < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
                 if banned:
                     batch.banned.append((row, banned))
