@@ -135,6 +135,25 @@ def test_min_tokens_counts_the_pending_token(tiny_models, prompts, monkeypatch):
             assert (len(tokens), reason) == (m + 1, "stop")
 
 
+def test_penalties_count_the_pending_token(tiny_models, prompts, monkeypatch):
+    # a decode running ahead samples with its latest token still on the device: the
+    # penalties take it from there
+    path = tiny_models("qwen2")[0]
+    kinds = [{"repetition_penalty": 1.5}, {"presence_penalty": 1.5},
+             {"frequency_penalty": 1.0}, {"repetition_penalty": 1.2, "frequency_penalty": 0.5},
+             {}]
+    params = [greedy(14, **kinds[i % len(kinds)]) for i in range(len(prompts))]
+    sync = results(LLM(path, kv_cache_memory_gib=0.05).generate(prompts, params,
+                                                                use_tqdm=False))
+    llm = LLM(path, kv_cache_memory_gib=0.05, async_scheduling=True)
+    log = record_steps(monkeypatch, llm.engine.core.runner)
+    assert results(llm.generate(prompts, params, use_tqdm=False)) == sync
+    assert overlapped(log) >= 10
+    # (and the penalties change these outputs: without them the test would prove nothing)
+    assert sync != results(LLM(path, kv_cache_memory_gib=0.05).generate(
+        prompts, greedy(14), use_tqdm=False))
+
+
 def test_seeded_sampling_unchanged(tiny_models, prompts):
     # each request's own generator draws in the same order either way
     params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True,
@@ -145,11 +164,11 @@ def test_seeded_sampling_unchanged(tiny_models, prompts):
 
 def test_requests_that_need_their_tokens_run_one_step_at_a_time(tiny_models, prompts,
                                                                  monkeypatch):
-    # penalties, bad words, logprobs and grammars read a request's tokens (or the host's
-    # sample) before its next step: while one runs, steps do not overlap
+    # bad words, logprobs and grammars read a request's tokens (or the host's sample) before
+    # its next step: while one runs, steps do not overlap
     path = tiny_models("qwen2")[0]
-    params = [greedy(10), greedy(10, repetition_penalty=1.3), greedy(10, logprobs=2),
-              greedy(10, bad_words=["ab"]), greedy(10, presence_penalty=0.5),
+    params = [greedy(10), greedy(10, bad_words=["ab"]), greedy(10, logprobs=2),
+              greedy(10, prompt_logprobs=1), greedy(10),
               greedy(10, structured_outputs={"choice": ["red apple", "green pear"]}),
               greedy(10)]
     sync_llm = LLM(path, kv_cache_memory_gib=0.05)
@@ -248,13 +267,13 @@ def scheduler(max_len=256):
 def test_pending_decode_runs_ahead_only_when_asked_and_allowed():
     s = scheduler()
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4)))
-    s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=4, repetition_penalty=1.2)))
+    s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=4, logprobs=1)))
     first = s.schedule()
     assert [x.request.num_pending for x in first.scheduled] == [1, 1]
     assert s.schedule().empty  # both tokens pending: nothing to run synchronously
     ahead = s.schedule(run_ahead=True)
     assert [(x.request.request_id, x.start, x.num_new_tokens) for x in ahead.scheduled] == [
-        ("a", 3, 1)]  # b's penalty needs its tokens
+        ("a", 3, 1)]  # b's logprobs go to the host at each step
     assert s.requests["a"].num_pending == 2 and s.requests["a"].num_computed_tokens == 4
     s.update_from_output(first, {"a": [7], "b": [8]})
     assert (s.requests["a"].num_pending, s.requests["b"].num_pending) == (1, 0)

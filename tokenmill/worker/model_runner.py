@@ -249,7 +249,7 @@ class ModelRunner:
         return out
 
     def _draw(self, launched: Launched) -> None:
-        token_ids = draw(launched, self.sampling, self.generator)
+        token_ids = draw(launched, self.sampling, self.generator, self.previous)
         if self.run_ahead and token_ids is not None:  # (the next step's inputs read them)
             self.previous = token_ids, {rid: i for i, rid in enumerate(launched.tokens[1])}
 

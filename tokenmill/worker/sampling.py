@@ -63,6 +63,18 @@ class RequestSampling:
         tokens, probs = draw(adjusted(logits, batch), batch, generator)
         return tokens.tolist(), probs
 
+    def count_in_flight(self, batch: SamplingBatch, rows: list[tuple[int, int]],
+                        tokens: torch.Tensor) -> None:
+        """Penalties of rows whose request's latest token is still on the device (a step in
+        flight sampled it, asynchronous scheduling): (row, its index in `tokens`) pairs."""
+        rows_t, sources = (on_device(list(x), torch.int64, self.device) for x in zip(*rows))
+        latest = tokens.index_select(0, sources).to(torch.int64)
+        if batch.seen_mask is not None:
+            batch.seen_mask[rows_t, latest] = True
+        if batch.output_counts is not None:
+            batch.output_counts.index_put_((rows_t, latest), torch.ones(
+                len(rows), device=self.device), accumulate=True)
+
     def batch(self, requests: list[Request]) -> SamplingBatch:
         """One row per entry of `requests` (a request may fill several rows: its drafts')."""
         dev = self.device

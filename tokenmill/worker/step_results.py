@@ -60,11 +60,13 @@ class Launched:
         return out
 
 
-def draw(launched: Launched, sampling: RequestSampling,
-         generator: torch.Generator) -> torch.Tensor | None:
+def draw(launched: Launched, sampling: RequestSampling, generator: torch.Generator,
+         previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor | None:
     """Sample the step's logits: returns the plain rows' tokens (on the device, one per
     request of `launched.tokens`; their copy to the host started); drafted rows are
-    verified into `launched.drawn`."""
+    verified into `launched.drawn`. `previous`: the last step's tokens on the device and
+    each request's row there, which the penalties of the step's decodes that ran ahead of
+    them count (asynchronous scheduling)."""
     inputs, scheduled = launched.inputs, launched.scheduled
     out = launched.drawn = RunnerOutput()
     if launched.logits is None:
@@ -79,6 +81,11 @@ def draw(launched: Launched, sampling: RequestSampling,
         rows = [ends[j] - 1 for j in plain]
         chosen = [requests[j].request for j in plain]
         batch = sampling.batch(chosen)
+        if batch.seen_mask is not None or batch.output_counts is not None:
+            ahead = [(row, previous[1][requests[j].request.request_id])
+                     for row, j in enumerate(plain) if requests[j].ahead]
+            if ahead:
+                sampling.count_in_flight(batch, ahead, previous[0])
         rows_logits = logits[rows] if len(rows) < len(logits) else logits
         mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
         result = sample(rows_logits, batch, generator)
