@@ -154,6 +154,23 @@ def test_penalties_count_the_pending_token(tiny_models, prompts, monkeypatch):
         prompts, greedy(14), use_tqdm=False))
 
 
+def test_logprobs_run_ahead(tiny_models, prompts, monkeypatch):
+    # sample and prompt logprobs are computed with the step and read on the host with its
+    # tokens: the same values, steps still overlapping
+    path = tiny_models("qwen2")[0]
+    params = [greedy(10, logprobs=i % 3, prompt_logprobs=(i + 1) % 3 or None)
+              for i in range(len(prompts))]
+    sync = LLM(path, kv_cache_memory_gib=0.05).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, kv_cache_memory_gib=0.05, async_scheduling=True)
+    log = record_steps(monkeypatch, llm.engine.core.runner)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert results(got) == results(sync)
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in sync]
+    assert [o.prompt_logprobs for o in got] == [o.prompt_logprobs for o in sync]
+    assert all(o.outputs[0].logprobs for o in got[1::3])
+    assert overlapped(log) >= 8
+
+
 def test_seeded_sampling_unchanged(tiny_models, prompts):
     # each request's own generator draws in the same order either way
     params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True,
@@ -164,20 +181,18 @@ def test_seeded_sampling_unchanged(tiny_models, prompts):
 
 def test_requests_that_need_their_tokens_run_one_step_at_a_time(tiny_models, prompts,
                                                                  monkeypatch):
-    # bad words, logprobs and grammars read a request's tokens (or the host's sample) before
-    # its next step: while one runs, steps do not overlap
+    # bad words and grammars read a request's tokens on the host before its next step: while
+    # one runs, steps do not overlap
     path = tiny_models("qwen2")[0]
-    params = [greedy(10), greedy(10, bad_words=["ab"]), greedy(10, logprobs=2),
-              greedy(10, prompt_logprobs=1), greedy(10),
+    params = [greedy(10), greedy(10, bad_words=["ab"]), greedy(10), greedy(10),
               greedy(10, structured_outputs={"choice": ["red apple", "green pear"]}),
-              greedy(10)]
+              greedy(10), greedy(10, bad_words=["c d"])]
     sync_llm = LLM(path, kv_cache_memory_gib=0.05)
     sync = sync_llm.generate(prompts, params, use_tqdm=False)
     llm = LLM(path, kv_cache_memory_gib=0.05, async_scheduling=True)
     log = record_steps(monkeypatch, llm.engine.core.runner)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert results(got) == results(sync)
-    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in sync]
     assert overlapped(log) == 0
     # with only plain requests left, they overlap again
     log.clear()
@@ -267,13 +282,13 @@ def scheduler(max_len=256):
 def test_pending_decode_runs_ahead_only_when_asked_and_allowed():
     s = scheduler()
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=4)))
-    s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=4, logprobs=1)))
+    s.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=4, bad_words_token_ids=[[9]])))
     first = s.schedule()
     assert [x.request.num_pending for x in first.scheduled] == [1, 1]
     assert s.schedule().empty  # both tokens pending: nothing to run synchronously
     ahead = s.schedule(run_ahead=True)
     assert [(x.request.request_id, x.start, x.num_new_tokens) for x in ahead.scheduled] == [
-        ("a", 3, 1)]  # b's logprobs go to the host at each step
+        ("a", 3, 1)]  # b's bad words are matched against its tokens on the host
     assert s.requests["a"].num_pending == 2 and s.requests["a"].num_computed_tokens == 4
     s.update_from_output(first, {"a": [7], "b": [8]})
     assert (s.requests["a"].num_pending, s.requests["b"].num_pending) == (1, 0)

@@ -100,8 +100,8 @@ class Request:
         """Whether its next step may be scheduled before its pending token is on the host
         (asynchronous scheduling): nothing of that step needs the token but the forward
         and the penalties, which take it from the device (no bad words, which match the
-        tokens on the host; no logprobs; no grammar). `min_tokens` counts pending tokens."""
-        return not self._reads_host_tokens and self.grammar is None
+        tokens on the host; no grammar). `min_tokens` counts pending tokens."""
+        return not self.sampling_params.bad_words_token_ids and self.grammar is None
 
     @functools.cached_property
     def _penalized(self) -> bool:
@@ -109,14 +109,6 @@ class Request:
         p = self.sampling_params
         return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                 or p.presence_penalty != 0.0 or bool(p.bad_words_token_ids))
-
-    @functools.cached_property
-    def _reads_host_tokens(self) -> bool:
-        """Bad words (matched against its tokens on the host), or logprobs of its samples or
-        of its prompt (their values go to the host at each step)."""
-        p = self.sampling_params
-        return (bool(p.bad_words_token_ids) or p.logprobs is not None
-                or p.prompt_logprobs is not None)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

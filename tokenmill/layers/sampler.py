@@ -161,13 +161,21 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
                  ks: list[int]) -> list[tuple[list[int], list[float], float, int]]:
     """For each row: top-k ids and logprobs, the chosen token's logprob and its rank (1-based)."""
+    return logprob_lists(logprob_parts(logprobs, chosen, max(ks)), ks)
+
+
+def logprob_parts(logprobs: torch.Tensor, chosen: torch.Tensor, k_max: int) -> tuple:
+    """`top_logprobs` on the device: each row's top-`k_max` ids and logprobs (None for 0),
+    the chosen token's logprob and its rank."""
     chosen_lp = logprobs.gather(1, chosen.to(logprobs.device).unsqueeze(1)).squeeze(1)
     ranks = (logprobs > chosen_lp.unsqueeze(1)).sum(dim=1) + 1
-    k_max = max(ks)
     top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max else (None, None)
-    out = []
-    for i, k in enumerate(ks):
-        ids = top_ids[i, :k].tolist() if k else []
-        vals = top_vals[i, :k].tolist() if k else []
-        out.append((ids, vals, float(chosen_lp[i]), int(ranks[i])))
-    return out
+    return top_ids, top_vals, chosen_lp, ranks
+
+
+def logprob_lists(parts: tuple, ks: list[int]) -> list[tuple[list[int], list[float], float, int]]:
+    """`logprob_parts` as host lists, row i's top `ks[i]` (the parts: tensors, or anything
+    with a `tolist()` such as their copies on the way to the host)."""
+    top_ids, top_vals, chosen_lp, ranks = (None if p is None else p.tolist() for p in parts)
+    return [(top_ids[i][:k] if k else [], top_vals[i][:k] if k else [], chosen_lp[i], ranks[i])
+            for i, k in enumerate(ks)]

@@ -13,7 +13,13 @@ import torch
 from tokenmill.core.scheduler import ScheduledRequest
 from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.host_to_device import HostCopy
-from tokenmill.layers.sampler import gather_logprobs, sample, top_logprobs
+from tokenmill.layers.sampler import (
+    gather_logprobs,
+    logprob_lists,
+    logprob_parts,
+    sample,
+    top_logprobs,
+)
 from tokenmill.spec_decode.rejection import verify
 from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker.sampling import RequestSampling
@@ -45,18 +51,25 @@ class Launched:
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     pending: PendingLogits | None = None
     hidden: torch.Tensor | None = None  # every row's final hidden state (draft heads)
-    # once sampled (`draw`): its results but the plain rows' tokens, and those on their way
-    # to the host with their requests' ids
+    # once sampled (`draw`): its results but the plain rows' tokens and logprobs, and those
+    # on their way to the host: (tokens, their requests' ids), (logprob parts, the ids of the
+    # requests asking, how many top logprobs each)
     drawn: RunnerOutput | None = None
     tokens: tuple[HostCopy, list[str]] | None = None
+    logprobs: tuple[tuple, list[str], list[int]] | None = None
 
     def results(self) -> RunnerOutput:
-        """The drawn results with the plain rows' tokens (waiting for their copy)."""
+        """The drawn results with the plain rows' tokens and logprobs (waiting for their
+        copies)."""
         out = self.drawn
         if self.tokens is not None:
             tokens, request_ids = self.tokens
             for rid, token in zip(request_ids, tokens.tolist()):
                 out.sampled[rid] = [token]
+        if self.logprobs is not None:
+            parts, request_ids, ks = self.logprobs
+            for rid, scored in zip(request_ids, logprob_lists(parts, ks)):
+                out.logprobs[rid] = [scored]
         return out
 
 
@@ -88,12 +101,17 @@ def draw(launched: Launched, sampling: RequestSampling, generator: torch.Generat
                 sampling.count_in_flight(batch, ahead, previous[0])
         rows_logits = logits[rows] if len(rows) < len(logits) else logits
         mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
-        result = sample(rows_logits, batch, generator)
-        token_ids = result.token_ids
+        # logprobs computed here and read on the host with the tokens (`results`)
+        ks, batch.num_logprobs = batch.num_logprobs, [None] * len(chosen)
+        token_ids = sample(rows_logits, batch, generator).token_ids
         request_ids = [r.request_id for r in chosen]
         launched.tokens = HostCopy(token_ids), request_ids
-        for row, scored in result.logprobs.items():
-            out.logprobs[request_ids[row]] = [scored]
+        asked = [i for i, k in enumerate(ks) if k is not None]
+        if asked:
+            parts = logprob_parts(torch.log_softmax(rows_logits[asked], dim=-1),
+                                  token_ids[asked], max(ks[i] for i in asked))
+            launched.logprobs = (tuple(None if p is None else HostCopy(p) for p in parts),
+                                 [request_ids[i] for i in asked], [ks[i] for i in asked])
     for j, n in enumerate(inputs.sample_counts):
         if n > 1:
             s, rows = requests[j], logits[ends[j] - n:ends[j]]
