@@ -39,8 +39,9 @@ class SamplingBatch:
 @dataclass
 class SampleResult:
     token_ids: torch.Tensor  # [N]
-    # Per row asking for logprobs: (top ids, top logprobs, chosen logprob, chosen rank).
-    logprobs: dict[int, tuple[list[int], list[float], float, int]]
+    # the rows asking for logprobs, still on the device (`logprob_rows`; `logprob_lists`
+    # lists them on the host); None when no row asks
+    logprobs: tuple[list[int], tuple, list[int]] | None
 
 
 def banned_by_bad_words(output_ids: list[int], words: list[list[int]]) -> list[int]:
@@ -135,7 +136,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
            generator: torch.Generator | None = None) -> SampleResult:
     """logits [N, V] float32 -> one token per row (greedy rows take the argmax)."""
     token_ids, _ = draw(adjusted(logits, batch), batch, generator)
-    return SampleResult(token_ids, gather_logprobs(logits, token_ids, batch.num_logprobs))
+    return SampleResult(token_ids, logprob_rows(logits, token_ids, batch.num_logprobs))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -147,15 +148,26 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                     num_logprobs: list[int | None]) -> dict:
+def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor,
+                 num_logprobs: list[int | None]) -> tuple[list[int], tuple, list[int]] | None:
+    """The rows asking for logprobs, their `logprob_parts` (on the device) and how many top
+    logprobs each asks; None when no row asks."""
     rows = [i for i, n in enumerate(num_logprobs) if n is not None]
     if not rows:
-        return {}
+        return None
+    ks = [num_logprobs[r] for r in rows]
     logprobs = torch.log_softmax(logits[rows], dim=-1)
-    chosen = token_ids[rows]
-    return {row: v for row, v in zip(rows, top_logprobs(logprobs, chosen,
-                                                        [num_logprobs[r] for r in rows]))}
+    return rows, logprob_parts(logprobs, token_ids[rows], max(ks)), ks
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_logprobs: list[int | None]) -> dict:
+    """Row -> (top ids, top logprobs, chosen logprob, rank) of the rows asking, on the host."""
+    asked = logprob_rows(logits, token_ids, num_logprobs)
+    if asked is None:
+        return {}
+    rows, parts, ks = asked
+    return dict(zip(rows, logprob_lists(parts, ks)))
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,

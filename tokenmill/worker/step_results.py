@@ -13,13 +13,7 @@ import torch
 from tokenmill.core.scheduler import ScheduledRequest
 from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.host_to_device import HostCopy
-from tokenmill.layers.sampler import (
-    gather_logprobs,
-    logprob_lists,
-    logprob_parts,
-    sample,
-    top_logprobs,
-)
+from tokenmill.layers.sampler import gather_logprobs, logprob_lists, sample, top_logprobs
 from tokenmill.spec_decode.rejection import verify
 from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker.sampling import RequestSampling
@@ -101,17 +95,14 @@ def draw(launched: Launched, sampling: RequestSampling, generator: torch.Generat
                 sampling.count_in_flight(batch, ahead, previous[0])
         rows_logits = logits[rows] if len(rows) < len(logits) else logits
         mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
-        # logprobs computed here and read on the host with the tokens (`results`)
-        ks, batch.num_logprobs = batch.num_logprobs, [None] * len(chosen)
-        token_ids = sample(rows_logits, batch, generator).token_ids
+        result = sample(rows_logits, batch, generator)
+        token_ids = result.token_ids
         request_ids = [r.request_id for r in chosen]
         launched.tokens = HostCopy(token_ids), request_ids
-        asked = [i for i, k in enumerate(ks) if k is not None]
-        if asked:
-            parts = logprob_parts(torch.log_softmax(rows_logits[asked], dim=-1),
-                                  token_ids[asked], max(ks[i] for i in asked))
+        if result.logprobs is not None:  # (read on the host with the tokens: `results`)
+            asked, parts, ks = result.logprobs
             launched.logprobs = (tuple(None if p is None else HostCopy(p) for p in parts),
-                                 [request_ids[i] for i in asked], [ks[i] for i in asked])
+                                 [request_ids[i] for i in asked], ks)
     for j, n in enumerate(inputs.sample_counts):
         if n > 1:
             s, rows = requests[j], logits[ends[j] - n:ends[j]]
