@@ -85,8 +85,7 @@ class Request:
     def samples_from_history(self) -> bool:
         """Whether sampling its next token reads the tokens before it (penalties, bad words,
         a `min_tokens` still to reach)."""
-        return (self._penalized
-                or len(self.output_token_ids) < self.sampling_params.min_tokens)
+        return self._penalized or self.num_outputs_before_draw < self.sampling_params.min_tokens
 
     @property
     def num_outputs_before_draw(self) -> int:
