@@ -161,8 +161,6 @@ def performance(root: str, quick: bool) -> dict:
     attn = 24 * 2 * 2 * (len(long_prompt) ** 2 / 2) * 14 * 64
     res["prefill_2k_s"] = tp
     res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
-    res["decode_profile"] = profile_decode(functools.partial(
-        run, prompts[:1], params.clone(max_tokens=9)))
     res["decode_split"] = host_and_device(runner, functools.partial(
         run, prompts[:1], params.clone(max_tokens=9)), 8)
     greedy = [o.outputs[0].token_ids for o in run(prompts[:4], params.clone(max_tokens=16))]
@@ -228,7 +226,11 @@ def prefill_7b_shape(root: str) -> dict:
         return decode(llm)
 
     res["batch1_tok_s"] = decode(llm)
-    del llm
+    # the step's device time and its kernels: a 32-layer model's share of the roofline follows
+    split = functools.partial(host_and_device, llm.engine.core.runner, functools.partial(
+        generate, llm, short, one.clone(max_tokens=9)), 8)
+    res["decode_split"] = guarded(split)
+    del llm, run, split
     gc.collect()
     torch.cuda.empty_cache()
     res["batch1_async_tok_s"] = guarded(decode_async)
@@ -307,6 +309,50 @@ def host_and_device(runner, fn, steps: int) -> dict:
     return res
 
 
+def kernels(root: str) -> dict:
+    """Profiles, last (after every timing: a profiler once left the eager engines timed after
+    it slower): for the 0.5B model and the 7B-shaped layers, the host ops and kernel count of a
+    short batch-1 request, and the kernels of one batch-1 decode graph replay."""
+    from tokenmill import LLM, SamplingParams
+
+    res = {}
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    for name in ("qwen05b", "llama7b_4layers"):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            continue
+        llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
+                  enable_prefix_caching=False)
+        run = functools.partial(generate, llm, [list(range(2, 130))], params)
+        run()
+        graphs = llm.engine.core.runner.graphs
+        one = [g for (size, _), g in (graphs.graphs if graphs is not None else {}).items()
+               if size == 1]
+        res[name] = {"decode_profile": guarded(functools.partial(profile_decode, run)),
+                     "batch1_replay_kernels": guarded(functools.partial(replay_kernels, one[0]))
+                     if one else None}
+        del llm, run, graphs, one
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+def replay_kernels(graph) -> dict:
+    """Where one batch-1 decode step's device time goes: the kernels of one graph replay,
+    grouped by name, with their total device time (what a faster step must shrink)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {"kernels": sum(e.count for e in kernels),
+            "device_us": round(sum(e.self_device_time_total for e in kernels)),
+            "top": [[e.key[:70], e.count, round(e.self_device_time_total)]
+                    for e in kernels[:20]]}
+
+
 def profile_decode(fn) -> dict:
     """Where batch-1 decode's time goes: the ops with the most CPU time over one short
     request, and how many kernels it launched."""
@@ -325,13 +371,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections",
+                    default="hardware,correctness,performance,prefill_7b_shape,kernels",
+                    help="comma-separated subset to run (a rerun of the ones that failed)")
     args = ap.parse_args()
     result = {"date": datetime.date.today().isoformat(),
               "command": "python " + " ".join(sys.argv)}
     root = tempfile.mkdtemp()
     for name, fn in (("hardware", hardware), ("correctness", lambda: correctness(root)),
                      ("performance", lambda: performance(root, args.quick)),
-                     ("prefill_7b_shape", lambda: prefill_7b_shape(root))):
+                     ("prefill_7b_shape", lambda: prefill_7b_shape(root)),
+                     ("kernels", lambda: kernels(root))):
+        if name not in args.sections.split(","):
+            result[name] = {}
+            continue
         start = time.perf_counter()
         try:
             result[name] = fn()

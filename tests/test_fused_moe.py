@@ -140,8 +140,10 @@ def test_quantized_moe_model_on_fused_experts_equals_the_loop(tiny_models, monke
         return [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
-    looped = run(False)
     fuse = SparseMoE.fuse_experts
+    # the per-expert loop as the reference, on a GPU too (where experts fuse by default)
+    monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: None)
+    looped = run(False)
     monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: fuse(self, force=True))
     monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
     assert run(True) == looped
