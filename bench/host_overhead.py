@@ -13,7 +13,8 @@ Reports the median over the all-decode steps of `LLMEngine.step()` (the serving 
 advanced request's result built) for batches of 1, 8 and 64 sequences (greedy; and batch 1
 with temperature / top-p / a repetition penalty), in milliseconds of wall time and of the
 calling thread's CPU time, each the least of `--repeats` runs' medians (a busy machine only
-adds time), and `--profile` prints the top functions by own time for batch 1."""
+adds time), and `--profile` prints the top functions by own time for batch 1
+(`--profile-batch N`: for N sequences)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-batch", type=int, default=1,
+                        help="the batch size --profile profiles (default 1)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the engine with async_scheduling=True (on a CPU nothing "
                              "overlaps: this measures what the asynchronous path costs)")
@@ -85,7 +88,7 @@ def main() -> None:
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        step_times(llm, 1, greedy, args.steps)
+        step_times(llm, args.profile_batch, greedy, args.steps)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     if args.out:

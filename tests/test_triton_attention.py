@@ -109,8 +109,9 @@ def test_split_decodes_equal_one_range():
     ref = ReferenceBackend().forward(q, k, v, *[c.clone() for c in caches], meta, 0.3)
     for out in outs:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert decode_splits(1, 100) == 1 and decode_splits(1, 4096) == 16
-    assert decode_splits(64, 4096) == 1 and decode_splits(8, 1024) == 4
+    assert decode_splits(1, 40) == 1 and decode_splits(1, 100) == 2
+    assert decode_splits(1, 4096) == decode_splits(1, 1024) == 16
+    assert decode_splits(64, 4096) == 1 and decode_splits(8, 1024) == 8
 
 
 @pytest.mark.parametrize("heads,rank,rope", [(4, 32, 16), (20, 64, 8)])
@@ -233,14 +234,14 @@ def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
         hf_greedy(hf, p, n) for p, n in zip(PROMPTS, (9, 6, 4, 3))]
     assert {(4, 4), (3, 4), (2, 2), (1, 1)} <= set(runs)
     # short sequences run the variant without key splits; a longer one the variant captured
-    # for the longest a replay may hold (1024 keys: 4 splits), which serves every length
-    assert graphs.variants[1] == [1, decode_splits(1, 1024)] == [1, 4]
+    # for the longest a replay may hold (1024 keys: 16 splits), which serves every length
+    assert graphs.variants[1] == [1, decode_splits(1, 1024)] == [1, 16]
     assert graphs.variant(1, 40) == 1
-    assert graphs.variant(1, 600) == graphs.variant(1, 1024) == 4
+    assert graphs.variant(1, 100) == graphs.variant(1, 1024) == 16  # (2 not captured)
     assert graphs.variants[4] == [1, decode_splits(4, 1024)]
     # both variants of a bucket compute the same step (the buffers hold the last one's rows)
     with torch.inference_mode():
-        torch.testing.assert_close(graphs._forward(1, 4), graphs._forward(1, 1))
+        torch.testing.assert_close(graphs._forward(1, 16), graphs._forward(1, 1))
     eager = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4,
                 enforce_eager=True)
     assert eager.engine.core.runner.graphs is None
