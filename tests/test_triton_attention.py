@@ -163,6 +163,46 @@ def test_padding_slots_are_written_nowhere():
     assert int((flat_k.abs().sum((1, 2)) != 0).sum()) == 2  # nothing else touched
 
 
+@pytest.mark.parametrize("seqs,runs", [([(0, 7), (0, 7), (0, 20)], [(0, 2), (2, 3)]),
+                                       ([(0, 5)], [(0, 1)]),
+                                       ([(0, 9), (0, 3), (0, 3)], [(0, 1), (1, 3)])])
+def test_fresh_prompt_steps_through_sdpa_equal_the_kernel(seqs, runs):
+    # the CUDA platform's choice for steps of fresh prompts only: SDPA over the step's own
+    # K/V (one call per run of equal lengths), the same K/V written to the cache
+    q, k, v, caches, meta = random_step(3, seqs, 0, 6, 2, 16)
+    ref, kernel_out, _, kernel_caches = both(q, k, v, caches, meta, 0.3)
+    backend = TritonBackend(fresh_sdpa=True)
+    backend.prepare(meta)
+    assert meta.backend_data.fresh_runs == runs
+    out_caches = [c.clone() for c in caches]
+    out = backend.forward(q, k, v, *out_caches, meta, 0.3)
+    torch.testing.assert_close(out, kernel_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(out_caches, kernel_caches))
+
+
+def test_steps_sdpa_cannot_serve_stay_on_the_kernel(monkeypatch):
+    from tokenmill.attention.triton import backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "fresh_prompt_attention", None)  # (never called)
+    sdpa = TritonBackend(fresh_sdpa=True)
+    # a decode or a prompt chunk with cached context in the step: all of it on the kernel
+    for seqs, decodes in (([(3, 1), (0, 7)], 1), ([(0, 7), (4, 3)], 0)):
+        q, k, v, caches, meta = random_step(5, seqs, decodes, 4, 2, 16)
+        ref, out, *_ = both(q, k, v, caches, meta, 0.3)
+        sdpa.prepare(meta)
+        assert meta.backend_data.fresh_runs is None
+        torch.testing.assert_close(sdpa.forward(q, k, v, *caches, meta, 0.3), ref,
+                                   atol=1e-5, rtol=1e-5)
+    # soft-capping and sliding windows (Gemma 2): masks SDPA's causal call does not have
+    q, k, v, caches, meta = random_step(6, [(0, 12)], 0, 4, 2, 16)
+    for kw in ({"softcap": 5.0}, {"window": 4}):
+        ref, _, _, _ = both(q, k, v, caches, meta, 0.3, **kw)
+        sdpa.prepare(meta)
+        torch.testing.assert_close(sdpa.forward(q, k, v, *[c.clone() for c in caches], meta,
+                                                0.3, **kw), ref, atol=1e-5, rtol=1e-5)
+
+
 # ---- the engine on the Triton backend ------------------------------------------------------
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
@@ -183,6 +223,22 @@ def test_engine_greedy_matches_transformers(tiny_models, arch):
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton")
     assert isinstance(llm.engine.core.runner.backend, TritonBackend)
     assert generate(llm, PROMPTS) == [hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+def test_engine_with_fresh_prompts_through_sdpa(tiny_models, monkeypatch):
+    # as on a GPU: fresh prompts' steps through SDPA, later chunks and decodes on the kernel
+    from tokenmill.attention.triton import backend as triton_backend
+
+    calls = []
+    original = triton_backend.fresh_prompt_attention
+    monkeypatch.setattr(triton_backend, "fresh_prompt_attention",
+                        lambda *a: calls.append(a[-2]) or original(*a))
+    path, hf = tiny_models("qwen2")
+    llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton",
+              max_num_batched_tokens=48)  # the 60-token prompt: a fresh chunk, then the rest
+    llm.engine.core.runner.backend.fresh_sdpa = True
+    assert generate(llm, PROMPTS) == [hf_greedy(hf, p, 8) for p in PROMPTS]
+    assert calls  # (the layers of the first step)
 
 
 def test_chunked_prefill_prefix_hits_and_preemption(tiny_models):

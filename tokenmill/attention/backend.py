@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill import csrc
 from tokenmill.host_to_device import on_device
@@ -68,6 +69,37 @@ class KeptRows:
         )
         backend.prepare(kept)
         return cls(rows, kept)
+
+
+def fresh_prompt_runs(meta: AttentionMetadata) -> list[tuple[int, int]]:
+    """(first sequence, last + 1) runs of consecutive fresh prompts (no cached context) of
+    equal length: their keys and values are exactly the step's own, attended as one batch."""
+    runs: list[tuple[int, int]] = []
+    loc = meta.query_start_loc
+    for s in range(meta.num_decodes, meta.num_seqs):
+        if meta.context_lens[s] != 0:
+            continue
+        if runs and runs[-1][1] == s and loc[s + 1] - loc[s] == loc[s] - loc[s - 1]:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+def fresh_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, loc: list[int], runs: list[tuple[int, int]],
+                           scale: float) -> None:
+    """out's rows of the fresh prompts in `runs` (`fresh_prompt_runs`): causal SDPA over the
+    step's own k, v (cuDNN / flash kernels on a GPU), one call per run of equal lengths."""
+    for first, end in runs:
+        lo, hi, n = loc[first], loc[end], end - first
+        t = (hi - lo) // n
+        out[lo:hi] = F.scaled_dot_product_attention(
+            q[lo:hi].view(n, t, *q.shape[1:]).transpose(1, 2),
+            k[lo:hi].view(n, t, *k.shape[1:]).transpose(1, 2),
+            v[lo:hi].view(n, t, *v.shape[1:]).transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=True,
+        ).transpose(1, 2).reshape(hi - lo, *q.shape[1:])
 
 
 class AttentionBackend(ABC):

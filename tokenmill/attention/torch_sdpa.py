@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import csrc
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    fresh_prompt_attention,
+    fresh_prompt_runs,
+)
 from tokenmill.attention.window import masked_attention
 
 
@@ -68,18 +73,7 @@ class TorchSDPABackend(AttentionBackend):
                 and csrc.heads_contiguous(q))
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        nd = meta.num_decodes
-        runs: list[tuple[int, int]] = []
-        loc = meta.query_start_loc
-        for s in range(nd, meta.num_seqs):
-            if meta.context_lens[s] != 0:
-                continue
-            if (runs and runs[-1][1] == s
-                    and loc[s + 1] - loc[s] == loc[s] - loc[s - 1]):
-                runs[-1] = (runs[-1][0], s + 1)
-            else:
-                runs.append((s, s + 1))
-        meta.backend_data = _StepPlan(runs)
+        meta.backend_data = _StepPlan(fresh_prompt_runs(meta))
 
     @staticmethod
     def _prompt_rows(meta: AttentionMetadata) -> torch.Tensor:
@@ -130,17 +124,8 @@ class TorchSDPABackend(AttentionBackend):
             if csrc.prompt_attention(q[lo:], k_cache, v_cache, meta.block_table[nd:],
                                      self._prompt_rows(meta), scale, out[lo:]):
                 return out
-        for first, end in plan.fresh_runs:
-            # Fresh prompts: their K/V are exactly this step's k, v; no cache read needed.
-            # Equal lengths go through SDPA as one batch.
-            lo, hi, n = loc[first], loc[end], end - first
-            t = (hi - lo) // n
-            out[lo:hi] = F.scaled_dot_product_attention(
-                q[lo:hi].view(n, t, *q.shape[1:]).transpose(1, 2),
-                k[lo:hi].view(n, t, *k.shape[1:]).transpose(1, 2),
-                v[lo:hi].view(n, t, *v.shape[1:]).transpose(1, 2),
-                is_causal=True, scale=scale, enable_gqa=True,
-            ).transpose(1, 2).reshape(hi - lo, *q.shape[1:])
+        # fresh prompts: their K/V are exactly this step's k, v; no cache read needed
+        fresh_prompt_attention(q, k, v, out, loc, plan.fresh_runs, scale)
         for s in range(nd, meta.num_seqs):
             context = meta.context_lens[s]
             if context == 0:

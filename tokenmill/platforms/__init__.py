@@ -69,10 +69,10 @@ def get_platform(device: torch.device) -> Platform:
     return _PLATFORMS[device.type](device)
 
 
-def triton_backend() -> AttentionBackend:
+def triton_backend(fresh_sdpa: bool = False) -> AttentionBackend:
     try:
         from tokenmill.attention.triton.backend import TritonBackend
     except ImportError:
         raise ValueError("attention_backend 'triton' needs the triton package "
                          "(pip install triton)") from None
-    return TritonBackend()
+    return TritonBackend(fresh_sdpa)

@@ -30,7 +30,7 @@ class CudaPlatform(Platform):
 
             return TorchSDPABackend()
         try:
-            return triton_backend()
+            return triton_backend(fresh_sdpa=True)
         except ValueError:
             if choice == "triton":
                 raise
