@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py, then the GPU tests.
 # Usage: bash bench/gpu_check.sh [OUTDIR]   (default bench/results); set TESTS_S to bound the
-# test part in seconds (default 300). Wheels for packages the machine lacks may sit in .whl/.
+# test part in seconds (default 300). Wheels for what the machine lacks: `bash
+# bench/gpu_wheels.sh` here puts them in .whl/ (and CI's test references in .whl/ref/).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-bench/results}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
+install() {  # wheels dir, target
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    --target "$2" "$1"/*.whl
+}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  install .whl /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+if ls .whl/ref/*.whl >/dev/null 2>&1 && install .whl/ref /tmp/ref \
+    && PYTHONPATH=/tmp/ref:${PYTHONPATH:-} python3 -c "import transformers, xgrammar, torch"; then
+  export PYTHONPATH=/tmp/ref:${PYTHONPATH:-}
+else
+  echo "no usable reference wheels in .whl/ref: the machine's own transformers"
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton',
+  triton.__version__, 'transformers', transformers.__version__)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
 stamp=$(date -u +%Y-%m-%d)

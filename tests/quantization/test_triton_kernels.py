@@ -48,3 +48,22 @@ def test_kernels_route_gpu_weights_to_triton(kernel, monkeypatch):
     x = torch.randn(3, 64, device=device)
     torch.testing.assert_close(k.apply(layer, x), k.reference(layer, x), rtol=1e-4, atol=1e-4)
     assert calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9),
+                    reason="torch._scaled_mm needs float8 units (Ada / Hopper)")
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_fp8_weights_through_scaled_mm_on_the_gpu(per_channel, rows):
+    # --quantization fp8 on a GPU with float8 units: torch._scaled_mm at decode (1 row) and
+    # prompt row counts, against the same rounding done by dequantizing
+    from tokenmill.quantization.activation_kernels import Fp8Kernel
+
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(128, 96).to(device, torch.bfloat16)
+    k = Fp8Kernel.from_weight(lin.weight.detach(), per_channel)
+    assert k.name == "fp8-scaled-mm"
+    x = torch.randn(rows, 128, device=device, dtype=torch.bfloat16)
+    torch.testing.assert_close(k.apply(lin, x).float(), k.reference(lin, x).float(),
+                               rtol=2e-2, atol=2e-2)
