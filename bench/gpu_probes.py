@@ -1,0 +1,107 @@
+"""What the GPU checklist (gpu_check.py) measures with: a part guarded so its failure keeps
+the section's other numbers, wall time around CUDA syncs, a decode step's device time (graph
+replays) beside its host waits, profiles of host ops and of a graph replay's kernels, and the
+device step's share of the bandwidth roofline."""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+
+def guarded(fn) -> dict:
+    """A part of a section that has never run on a GPU: its failure is recorded in its place
+    instead of taking the section's other numbers with it."""
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a checklist reports every part
+        return {"error": traceback.format_exc()[-3000:]}
+
+
+def timed(fn, reps: int = 1) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def generate(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": x} for x in prompts], params, use_tqdm=False)
+
+
+def host_and_device(runner, fn, steps: int) -> dict:
+    """A decode step's device time (one replay of each batch-1 and batch-64 graph variant,
+    timed by CUDA events; the variant is the attention's key-split count) beside what the
+    engine spends per token in all: the rest is host work the device waits through. And how
+    often the host waits for the device over `steps` decode steps (torch's sync debug mode
+    warns at each wait; one per step, for the tokens, is the least a step can do)."""
+    import warnings
+
+    res = {}
+    graphs = runner.graphs
+    for (size, variant), graph in (graphs.graphs if graphs is not None else {}).items():
+        if size not in (1, 64):
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        res[f"graph_replay_ms_batch{size}_variant{variant}"] = start.elapsed_time(end) / 20
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = [str(w.message).splitlines()[0][:80] for w in caught
+             if "synchroniz" in str(w.message)]
+    res["host_waits_per_decode_step"] = len(waits) / steps
+    res["host_wait_kinds"] = sorted(set(waits))
+    return res
+
+
+def replay_kernels(graph) -> dict:
+    """Where one batch-1 decode step's device time goes: the kernels of one graph replay,
+    grouped by name, with their total device time (what a faster step must shrink)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {"kernels": sum(e.count for e in kernels),
+            "device_us": round(sum(e.self_device_time_total for e in kernels)),
+            "top": [[e.key[:70], e.count, round(e.self_device_time_total)]
+                    for e in kernels[:20]]}
+
+
+def profile_decode(fn) -> dict:
+    """Where batch-1 decode's time goes: the ops with the most CPU time over one short
+    request, and how many kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    return {"cuda_kernels": kernels, "top_self_cpu_us": [
+        [e.key[:60], e.count, round(e.self_cpu_time_total)] for e in top]}
+
+
+def device_share(section: dict, roofline_tok_s: float) -> float | None:
+    """The device's batch-1 step alone (its fastest graph replay) as a share of the roofline:
+    what a model whose host work is hidden (asynchronous scheduling, or a 32-layer model's
+    longer steps) can reach."""
+    split = section.get("decode_split", {})
+    replays = [v for k, v in split.items() if k.startswith("graph_replay_ms_batch1_")]
+    return 1e3 / min(replays) / roofline_tok_s if replays else None
