@@ -163,17 +163,15 @@ def test_padding_slots_are_written_nowhere():
     assert int((flat_k.abs().sum((1, 2)) != 0).sum()) == 2  # nothing else touched
 
 
-@pytest.mark.parametrize("seqs,runs", [([(0, 7), (0, 7), (0, 20)], [(0, 2), (2, 3)]),
-                                       ([(0, 5)], [(0, 1)]),
-                                       ([(0, 9), (0, 3), (0, 3)], [(0, 1), (1, 3)])])
-def test_fresh_prompt_steps_through_sdpa_equal_the_kernel(seqs, runs):
-    # the CUDA platform's choice for steps of fresh prompts only: SDPA over the step's own
-    # K/V (one call per run of equal lengths), the same K/V written to the cache
+@pytest.mark.parametrize("seqs", [[(0, 7), (0, 7), (0, 7)], [(0, 5)], [(0, 20)] * 2])
+def test_fresh_prompt_steps_through_sdpa_equal_the_kernel(seqs):
+    # the CUDA platform's choice for a step of fresh prompts of one length: one SDPA call
+    # over the step's own K/V, the same K/V written to the cache
     q, k, v, caches, meta = random_step(3, seqs, 0, 6, 2, 16)
     ref, kernel_out, _, kernel_caches = both(q, k, v, caches, meta, 0.3)
     backend = TritonBackend(fresh_sdpa=True)
     backend.prepare(meta)
-    assert meta.backend_data.fresh_runs == runs
+    assert meta.backend_data.fresh_runs == [(0, len(seqs))]
     out_caches = [c.clone() for c in caches]
     out = backend.forward(q, k, v, *out_caches, meta, 0.3)
     torch.testing.assert_close(out, kernel_out, atol=1e-5, rtol=1e-5)
@@ -186,8 +184,10 @@ def test_steps_sdpa_cannot_serve_stay_on_the_kernel(monkeypatch):
 
     monkeypatch.setattr(triton_backend, "fresh_prompt_attention", None)  # (never called)
     sdpa = TritonBackend(fresh_sdpa=True)
-    # a decode or a prompt chunk with cached context in the step: all of it on the kernel
-    for seqs, decodes in (([(3, 1), (0, 7)], 1), ([(0, 7), (4, 3)], 0)):
+    # a decode or a prompt chunk with cached context in the step, or fresh prompts of
+    # several lengths (one launch, not one SDPA call per length): all of it on the kernel
+    for seqs, decodes in (([(3, 1), (0, 7)], 1), ([(0, 7), (4, 3)], 0),
+                          ([(0, 7), (0, 7), (0, 20)], 0)):
         q, k, v, caches, meta = random_step(5, seqs, decodes, 4, 2, 16)
         ref, out, *_ = both(q, k, v, caches, meta, 0.3)
         sdpa.prepare(meta)
@@ -237,8 +237,15 @@ def test_engine_with_fresh_prompts_through_sdpa(tiny_models, monkeypatch):
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton",
               max_num_batched_tokens=48)  # the 60-token prompt: a fresh chunk, then the rest
     llm.engine.core.runner.backend.fresh_sdpa = True
-    assert generate(llm, PROMPTS) == [hf_greedy(hf, p, 8) for p in PROMPTS]
-    assert calls  # (the layers of the first step)
+    layers = llm.engine.core.hf_config.num_hidden_layers
+    prompts = [PROMPTS[1], list(range(300, 320)), list(range(400, 420))]
+    # the long prompt alone (its first chunk through SDPA), then two fresh prompts of one
+    # length in one step (one SDPA call for both), then all of them with different lengths;
+    # (the last layer attends only the sampled rows, as decodes: on the kernel)
+    assert generate(llm, prompts[:1]) == [hf_greedy(hf, prompts[0], 8)]
+    assert generate(llm, prompts[1:]) == [hf_greedy(hf, p, 8) for p in prompts[1:]]
+    assert calls == [[(0, 1)]] * (layers - 1) + [[(0, 2)]] * (layers - 1)
+    assert generate(llm, prompts + PROMPTS) == [hf_greedy(hf, p, 8) for p in prompts + PROMPTS]
 
 
 def test_chunked_prefill_prefix_hits_and_preemption(tiny_models):

@@ -1,8 +1,8 @@
 """`TritonBackend`: every step's attention in one launch of the Triton kernel (kernels.py),
 decodes and prompt chunks together, from tensors alone (the block table, sequence lengths
 and query offsets), so a decode step can be captured in a CUDA graph and replayed. A step of
-fresh prompts only (no decodes, no cached context) may go to SDPA instead (`fresh_sdpa`: the
-CUDA platform's choice, where SDPA runs cuDNN / flash kernels)."""
+fresh prompts of one length only (no decodes, no cached context) may go to SDPA instead
+(`fresh_sdpa`: the CUDA platform's choice, where SDPA runs cuDNN / flash kernels)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class TritonStep:
     q_start: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query row
     max_query_len: int
     splits: int  # key ranges per decode (flash-decoding); 1 with any prompt in the step
-    fresh_runs: list[tuple[int, int]] | None = None  # all fresh prompts, SDPA's (fresh_sdpa)
+    fresh_runs: list[tuple[int, int]] | None = None  # fresh prompts of one length: SDPA's
 
 
 def decode_splits(num_seqs: int, longest: int) -> int:
@@ -46,9 +46,12 @@ class TritonBackend(AttentionBackend):
     graph_safe = True  # reads only tensors: a CUDA graph can hold its launches
 
     def __init__(self, fresh_sdpa: bool = False) -> None:
-        # steps of fresh prompts only through SDPA over the step's own K/V: on an H100 cuDNN's
+        # a step of fresh prompts of one length (a long prompt's first chunk, a batch of equal
+        # prompts) through one SDPA call per layer over the step's own K/V: on an H100 cuDNN's
         # causal SDPA took 0.039 ms for a 2048-token prompt's layer, the kernel 0.071 ms
-        # (bench/attention_sweep.py); the kernel stays the reference beside it
+        # (bench/attention_sweep.py). Prompts of several lengths stay on the kernel's one
+        # launch (one SDPA call per length would multiply the launches); the kernel stays
+        # the reference beside it
         self.fresh_sdpa = fresh_sdpa
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -57,11 +60,13 @@ class TritonBackend(AttentionBackend):
         splits = 1
         if max_query_len == 1:
             splits = decode_splits(meta.num_seqs, max(meta.context_lens, default=0) + 1)
-        fresh = (self.fresh_sdpa and max_query_len > 1 and meta.num_decodes == 0
-                 and not any(meta.context_lens))
+        runs = None
+        if self.fresh_sdpa and max_query_len > 1 and meta.num_decodes == 0:
+            runs = fresh_prompt_runs(meta)  # SDPA takes the step if it is one call per layer
+            if runs != [(0, meta.num_seqs)]:
+                runs = None
         meta.backend_data = TritonStep(
-            on_device(loc, torch.int32, meta.seq_lens.device),
-            max_query_len, splits, fresh_prompt_runs(meta) if fresh else None)
+            on_device(loc, torch.int32, meta.seq_lens.device), max_query_len, splits, runs)
 
     @staticmethod
     def graph_variant(num_seqs: int, longest: int) -> int:
