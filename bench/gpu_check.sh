@@ -27,6 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].lower())")
 stamp=$(date -u +%Y-%m-%d)
 python3 bench/gpu_check.py --out "$out/gpu-$card-$stamp.json" ${QUICK:+--quick}
+timeout 150 python3 bench/gemv_sweep.py --out "$out/gemv-sweep-$card-$stamp.json"
 timeout "${TESTS_S:-300}" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cacheprovider --timeout 120 \
   tests/test_triton_attention.py tests/test_triton_ops.py tests/test_fused_moe.py tests/test_platforms.py tests/quantization/test_triton_kernels.py tests/test_models.py tests/test_engine_equivalence.py \
   tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_sampling.py tests/test_spec_decode.py tests/test_async_scheduling.py \

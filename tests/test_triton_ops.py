@@ -64,3 +64,19 @@ def test_gated_activations(dtype, gelu):
 
 def test_used_only_for_gpu_tensors():
     assert not triton_ops.usable(torch.zeros(2))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("setting", [(8, 128, 1, 4), (16, 128, 3, 4), (32, 256, 2, 4)])
+def test_skinny_matmul_of_the_sweep_matches_linear(rows, setting):
+    # bench/gemv_sweep.py's kernel (column blocks, K ranges summed by atomics), measured
+    # against cuBLAS on GPUs before the engine would use it; 300 inputs: a partial K block
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    import gemv_sweep
+
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 300, device=DEVICE), torch.randn(70, 300, device=DEVICE)
+    assert gemv_sweep.check(x, w, setting)
