@@ -7,14 +7,15 @@ sampling, output processing. On a GPU that work is not overlapped with the devic
 engine waits for each step's tokens before it schedules the next), so it adds to every
 decode step; here it is measured on the CPU, where the same Python runs.
 
-    python bench/host_overhead.py [--async-scheduling] [--out bench/results/host-overhead-DATE.json]
+    python bench/host_overhead.py [--async-scheduling] [--final-only]
+        [--out bench/results/host-overhead-DATE.json]
 
 Reports the median over the all-decode steps of `LLMEngine.step()` (the serving path: every
-advanced request's result built) for batches of 1, 8 and 64 sequences (greedy; and batch 1
-with temperature / top-p / a repetition penalty), in milliseconds of wall time and of the
-calling thread's CPU time, each the least of `--repeats` runs' medians (a busy machine only
-adds time), and `--profile` prints the top functions by own time for batch 1
-(`--profile-batch N`: for N sequences)."""
+advanced request's result built; `--final-only`: the offline `LLM`'s steps) for batches of
+1, 8 and 64 sequences (greedy; and batch 1 with temperature / top-p / a repetition penalty),
+in milliseconds of wall time and of the calling thread's CPU time, each the least of
+`--repeats` runs' medians (a busy machine only adds time), and `--profile` prints the top
+functions by own time for batch 1 (`--profile-batch N`: for N sequences)."""
 
 from __future__ import annotations
 
@@ -33,14 +34,15 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
-def step_times(llm, batch: int, params, steps: int) -> list[float]:
+def step_times(llm, batch: int, params, steps: int, final_only: bool = False
+               ) -> list[float]:
     engine = llm.engine
     for i in range(batch):
         engine.add_request(None, {"prompt_token_ids": [5 + i % 100] * 16}, params)
     wall, cpu = [], []
     for _ in range(steps + 2):
         start, start_cpu = time.perf_counter(), time.thread_time()
-        engine.step()
+        engine.step(final_only)
         wall.append(time.perf_counter() - start)
         cpu.append(time.thread_time() - start_cpu)
     while engine.has_unfinished_requests():
@@ -56,6 +58,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-batch", type=int, default=1,
                         help="the batch size --profile profiles (default 1)")
+    parser.add_argument("--final-only", action="store_true",
+                        help="steps as the offline LLM runs them: only finished requests' "
+                             "results built (and their text)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the engine with async_scheduling=True (on a CPU nothing "
                              "overlaps: this measures what the asynchronous path costs)")
@@ -77,7 +82,8 @@ def main() -> None:
     results = {}
     for name, (batch, params) in cases.items():
         # the least of the repeats' medians: a busy (shared) machine only adds time
-        runs = [step_times(llm, batch, params, args.steps) for _ in range(args.repeats)]
+        runs = [step_times(llm, batch, params, args.steps, args.final_only)
+                for _ in range(args.repeats)]
         wall = [statistics.median(w) * 1e3 for w, _ in runs]
         cpu = [statistics.median(c) * 1e3 for _, c in runs]
         results[name] = {"ms_per_step": round(min(wall), 4),
@@ -98,7 +104,8 @@ def main() -> None:
                        "machine": f"{platform.processor() or platform.machine()}, "
                                   f"{os.cpu_count()} CPUs",
                        "steps": args.steps, "repeats": args.repeats,
-                       "async_scheduling": args.async_scheduling, "results": results},
+                       "async_scheduling": args.async_scheduling,
+                       "final_only": args.final_only, "results": results},
                       f, indent=1)
 
 

@@ -84,3 +84,46 @@ def test_final_only_steps_build_only_finished_results(tiny_models):
                               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                               use_tqdm=False)
     assert len(cumulative[1].outputs[0].token_ids) == 6
+
+
+def test_final_only_steps_defer_the_text_and_give_the_same_results(tiny_models):
+    # the offline LLM detokenizes a request once, when it finishes: the same text and tokens
+    # as the serving path's per-step detokenization, stop tokens trimmed or kept, n > 1
+    llm = LLM(tiny_models("llama")[0], kv_cache_memory_gib=0.05)
+    engine = llm.engine
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    stop = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids[5]
+    cases = [greedy, greedy.clone(stop_token_ids=[stop]),
+             greedy.clone(stop_token_ids=[stop], include_stop_str_in_output=True),
+             greedy.clone(skip_special_tokens=False),
+             SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=12),
+             greedy.clone(stop=["zz"])]  # (a stop string: detokenized every step)
+
+    def per_step(params):
+        engine.add_request("r", prompt, params)
+        last = None
+        for _ in range(40):
+            if not engine.has_unfinished_requests():
+                break
+            last = engine.step()[-1]
+        return last
+
+    tokenizer = engine.tokenizer
+    for params in cases:
+        want = per_step(params)
+        got = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert [(c.text, c.token_ids, c.finish_reason) for c in got.outputs] == [
+            (c.text, c.token_ids, c.finish_reason) for c in want.outputs]
+        assert got.outputs[0].text  # (something was decoded)
+    assert want.outputs[0].text == tokenizer.decode(want.outputs[0].token_ids,
+                                                    skip_special_tokens=True)
+    # deferred mid-way, then an abort: its text covers every token so far
+    engine.add_request("a", prompt, greedy)
+    for _ in range(4):
+        engine.step(final_only=True)
+    completion = engine.output_processor._children["a"][1]
+    assert completion.undecoded == len(completion.token_ids) >= 2
+    engine.abort_request(["a"])
+    assert completion.undecoded == 0 and completion.detokenizer.text == tokenizer.decode(
+        completion.token_ids, skip_special_tokens=True)
