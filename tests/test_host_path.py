@@ -127,3 +127,35 @@ def test_final_only_steps_defer_the_text_and_give_the_same_results(tiny_models):
     engine.abort_request(["a"])
     assert completion.undecoded == 0 and completion.detokenizer.text == tokenizer.decode(
         completion.token_ids, skip_special_tokens=True)
+
+
+def test_sampling_batch_equals_the_per_request_settings():
+    # a step's sampling columns and per-row extras (min_tokens bans, logit bias, seeded
+    # generators) for a random mix of requests: against each request's own parameters
+    rng = random.Random(3)
+    options = [{}, {"temperature": 0.7}, {"top_p": 0.8, "temperature": 1.0}, {"top_k": 5},
+               {"min_p": 0.1}, {"repetition_penalty": 1.2}, {"frequency_penalty": 0.5},
+               {"presence_penalty": -0.3}, {"min_tokens": 4, "stop_token_ids": [9]},
+               {"logit_bias": {3: 2.0}}, {"seed": 7, "temperature": 0.9}, {"seed": 7}]
+    for trial in range(30):
+        picked = [rng.choice(options) for _ in range(rng.randrange(1, 9))]
+        requests = [Request(f"r{trial}-{i}", [3, 4], SamplingParams(max_tokens=9, **o))
+                    for i, o in enumerate(picked)]
+        for r in requests:
+            r.output_token_ids.extend(rng.randrange(20) for _ in range(rng.randrange(6)))
+        batch = RequestSampling(64, torch.device("cpu")).batch(requests)
+        params = [r.sampling_params for r in requests]
+        for name, neutral in [("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                              ("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                              ("presence_penalty", 0.0)]:
+            values = [getattr(p, name) for p in params]
+            got = getattr(batch, name)
+            assert (got is None) == all(v == neutral for v in values)
+            if got is not None:
+                assert got.tolist() == pytest.approx(values)
+        assert batch.temperature.tolist() == pytest.approx([p.temperature for p in params])
+        assert batch.banned == [(i, [9]) for i, (r, p) in enumerate(zip(requests, params))
+                                if len(r.output_token_ids) < p.min_tokens]
+        assert batch.bias == [(i, [3], [2.0]) for i, p in enumerate(params) if p.logit_bias]
+        assert sorted(batch.generators) == [i for i, p in enumerate(params)
+                                            if p.seed is not None and p.temperature > 0]
