@@ -34,20 +34,24 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
-def step_times(llm, batch: int, params, steps: int, final_only: bool = False
-               ) -> list[float]:
+def step_times(llm, batch: int, params, steps: int, final_only: bool = False,
+               prompt_len: int = 16) -> list[float]:
     engine = llm.engine
     for i in range(batch):
-        engine.add_request(None, {"prompt_token_ids": [5 + i % 100] * 16}, params)
+        engine.add_request(None, {"prompt_token_ids": [5 + i % 100] * prompt_len}, params)
+    # the steps that run the prompts first (chunks of the step's token budget), untimed
+    budget = engine.core.scheduler.config.max_num_batched_tokens
+    for _ in range(-(-batch * prompt_len // budget) + 1):
+        engine.step(final_only)
     wall, cpu = [], []
-    for _ in range(steps + 2):
+    for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
         engine.step(final_only)
         wall.append(time.perf_counter() - start)
         cpu.append(time.thread_time() - start_cpu)
     while engine.has_unfinished_requests():
         engine.step()
-    return wall[2:], cpu[2:]  # (the first steps run the prompts)
+    return wall, cpu
 
 
 def main() -> None:
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-batch", type=int, default=1,
                         help="the batch size --profile profiles (default 1)")
+    parser.add_argument("--prompt-len", type=int, default=16,
+                        help="tokens per prompt (long ones: a step's block tables grow)")
     parser.add_argument("--final-only", action="store_true",
                         help="steps as the offline LLM runs them: only finished requests' "
                              "results built (and their text)")
@@ -82,7 +88,7 @@ def main() -> None:
     results = {}
     for name, (batch, params) in cases.items():
         # the least of the repeats' medians: a busy (shared) machine only adds time
-        runs = [step_times(llm, batch, params, args.steps, args.final_only)
+        runs = [step_times(llm, batch, params, args.steps, args.final_only, args.prompt_len)
                 for _ in range(args.repeats)]
         wall = [statistics.median(w) * 1e3 for w, _ in runs]
         cpu = [statistics.median(c) * 1e3 for _, c in runs]
@@ -105,7 +111,8 @@ def main() -> None:
                                   f"{os.cpu_count()} CPUs",
                        "steps": args.steps, "repeats": args.repeats,
                        "async_scheduling": args.async_scheduling,
-                       "final_only": args.final_only, "results": results},
+                       "final_only": args.final_only, "prompt_len": args.prompt_len,
+                       "results": results},
                       f, indent=1)
 
 

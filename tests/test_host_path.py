@@ -55,7 +55,10 @@ def test_step_layout_equals_the_per_token_formula():
                   for p in range(s, e)]
     assert positions == want_pos and slots == want_slots
     width = max(len(b) for b in blocks)
-    assert table == [b + [0] * (width - len(b)) for b in blocks]
+    assert table.dtype == torch.int64
+    assert table.tolist() == [b + [0] * (width - len(b)) for b in blocks]
+    padded = inputs.layout(bs, rows=len(blocks) + 3)[2]  # (a graph bucket's padding rows)
+    assert padded.tolist() == table.tolist() + [[0] * width] * 3
 
 
 @pytest.mark.parametrize("temperatures", [[0.0, 0.0], [0.0, 0.7], [1.0]])

@@ -108,16 +108,14 @@ class DecodeGraphs:
         into the step's input ids (asynchronous scheduling: ModelRunner._fill)."""
         n = len(inputs.starts)
         size = self.bucket(n)
-        positions, slots, table = inputs.layout(self.block_size)
+        positions, slots, table = inputs.layout(self.block_size, size)
         pad = size - n  # padding rows: token 0 at position 0, written nowhere, one key read
         self.rows[:, :size].copy_(on_device(
             [inputs.token_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
              inputs.ends + [1] * pad], torch.int64, self.device))
         if fill is not None:
             fill(self.input_ids[:n])
-        table += [[0] * len(table[0])] * pad
-        self.block_table[:size, :len(table[0])].copy_(on_device(table, torch.int64,
-                                                                self.device))
+        self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
         variant = self.variant(size, max(inputs.ends))
         if self.capture:
             self.graphs[size, variant].replay()

@@ -339,7 +339,7 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             context_lens=list(inputs.starts),
             seq_lens=on_device(inputs.ends, torch.int64, self.device),
-            block_table=on_device(table, torch.int64, self.device),
+            block_table=table.to(self.device, non_blocking=True),
             num_decodes=sum(1 for a, b in zip(inputs.starts, inputs.ends) if b - a == 1),
             block_size=self.block_size,
         )

