@@ -61,3 +61,34 @@ def test_prefix_caching_off_and_prompt_logprobs_skip_cache():
     assert kv.allocate_slots(req("a", range(10)), 10)
     r = Request("b", list(range(10)), SamplingParams(prompt_logprobs=1))
     assert kv.get_computed_blocks(r)[1] == 0
+
+
+def test_block_ids_follow_the_blocks_through_hits_windows_and_frees():
+    # the ids a step's table takes, kept beside the blocks, against the blocks themselves
+    import random
+
+    rng = random.Random(5)
+    for window in (None, 6):
+        kv = KVCacheManager(num_blocks=40, block_size=4, window=window)
+        live: dict[str, Request] = {}
+        for step in range(300):
+            if live and rng.random() < 0.15:  # a request finishes or is preempted
+                kv.free(live.pop(rng.choice(sorted(live))))
+            elif len(live) < 5 and rng.random() < 0.3:  # a new one, maybe sharing a prefix
+                r = req(f"r{step}", [1, 2, 3, 4, 5, 6, 7, 8][:rng.randrange(9)]
+                        + [rng.randrange(50) for _ in range(rng.randrange(1, 12))])
+                hits, cached = kv.get_computed_blocks(r)
+                if kv.allocate_slots(r, r.num_tokens - cached, hits):
+                    r.num_computed_tokens = r.num_tokens
+                    live[r.request_id] = r
+            elif live:  # a decode
+                r = live[rng.choice(sorted(live))]
+                r.output_token_ids.append(rng.randrange(50))
+                if kv.allocate_slots(r, 1):
+                    r.num_computed_tokens += 1
+                else:
+                    r.output_token_ids.pop()
+            for rid in live:
+                assert kv.block_ids(rid) == [0 if b is None else b.block_id
+                                             for b in kv._blocks[rid]]
+        assert kv._ids.keys() == kv._blocks.keys()

@@ -24,6 +24,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}
+        # each request's block ids as its step's table row takes them (dropped ones 0), kept
+        # beside its blocks: read every step, so not rebuilt block by block each time
+        self._ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens, for metrics.
         self.num_queried_tokens = 0
@@ -37,7 +40,7 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [0 if b is None else b.block_id for b in self._blocks.get(request_id, ())]
+        return list(self._ids.get(request_id, ()))
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
@@ -89,9 +92,11 @@ class KVCacheManager:
                 del self._blocks[request.request_id]
             return False
         self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
+        new = computed_blocks
         if num_needed > 0:
-            blocks.extend(self.pool.get_new_blocks(num_needed))
+            new = computed_blocks + self.pool.get_new_blocks(num_needed)
+        blocks.extend(new)
+        self._ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
         if self.enable_prefix_caching:
             # KV for every token below `total` is written this step, so those full blocks can
             # serve other requests from the next step on (not positions past the request's
@@ -112,14 +117,17 @@ class KVCacheManager:
         end = max(0, first_position - self.window + 1) // self.block_size
         start = self._num_dropped.get(request_id, 0)
         dropped = [blocks[i] for i in range(start, end) if blocks[i] is not None]
+        ids = self._ids[request_id]
         for i in range(start, end):
             blocks[i] = None
+            ids[i] = 0
         if end > start:
             self._num_dropped[request_id] = end
         self.pool.free_blocks(reversed(dropped))
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
+        self._ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_dropped.pop(request.request_id, None)
         if blocks:
