@@ -23,7 +23,6 @@ class _Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    undecoded: int = 0  # last tokens not yet detokenized (final-only steps defer the text)
     spec_tokens: tuple[int, int] = (0, 0)  # drafts verified, accepted
     kv_blocks: tuple[int, int] = (0, 0)  # from the prefix cache, filled (when finished)
     finish_reason: str | None = None
@@ -101,9 +100,6 @@ class OutputProcessor:
         for c in state.completions:
             if c.finish_reason is None:
                 c.finish_reason = str(FinishReason.ABORT)
-            if c.undecoded:  # (the text of tokens a final-only step deferred)
-                c.detokenizer.add_tokens(c.token_ids[-c.undecoded:], final=True)
-                c.undecoded = 0
         return self._request_output(state)
 
     @staticmethod
@@ -115,8 +111,7 @@ class OutputProcessor:
                         ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the updated results (`final_only`: only the finished requests') and the
         engine-core ids stopped here by a stop string (the caller must finish them in the
-        core). With `final_only`, a request without stop strings is detokenized once, when
-        it finishes (nobody reads its text before), not a few tokens per step."""
+        core)."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
         for out in outputs:
@@ -137,7 +132,7 @@ class OutputProcessor:
                 for token, lp in zip(out.new_token_ids, out.new_logprobs):
                     completion.logprobs.append(self._position_logprobs(token, lp))
                     completion.cumulative_logprob += lp[2]
-            if self._update_text(completion, out, defer=final_only):
+            if self._update_text(completion, out):
                 stopped.append(out.request_id)
             if completion.finish_reason is not None:
                 del self._children[out.request_id]
@@ -164,19 +159,10 @@ class OutputProcessor:
         if out.kv_blocks is not None:
             completion.kv_blocks = tuple(out.kv_blocks)
 
-    def _update_text(self, completion: _Completion, out: EngineCoreOutput,
-                     defer: bool = False) -> bool:
-        """Detokenize new tokens (`defer`: not yet, unless it finishes or has stop strings;
-        they are detokenized with the next tokens that are), apply stop strings; True if a
-        stop string ended it here."""
+    def _update_text(self, completion: _Completion, out: EngineCoreOutput) -> bool:
+        """Detokenize new tokens, apply stop strings; True if a stop string ended it here."""
         params = completion.params
         new_ids = out.new_token_ids
-        if defer and out.finish_reason is None and not params.stop:
-            completion.undecoded += len(new_ids)
-            return False
-        if completion.undecoded:
-            new_ids = completion.token_ids[-(completion.undecoded + len(new_ids)):]
-            completion.undecoded = 0
         ended_by_token = (out.finish_reason == FinishReason.STOP and out.stop_reason is None
                           or isinstance(out.stop_reason, int))
         if ended_by_token and not params.include_stop_str_in_output:
