@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_probes import (  # noqa: E402
     device_share,
+    environment,
     generate,
     guarded,
     host_and_device,
@@ -33,6 +34,9 @@ from gpu_probes import (  # noqa: E402
     replay_kernels,
     timed,
 )
+
+# engines whose 16-bit linears run decode steps on the Triton skinny matmul (config.py)
+SKINNY = {"TOKENMILL_GPU_SKINNY_LINEAR": "1"}
 
 
 def hardware() -> dict:
@@ -166,6 +170,10 @@ def performance(root: str, quick: bool) -> dict:
     res["async_scheduling"] = guarded(lambda: other_engines(
         path, prompts, params, batch, greedy, {"graphs": {"async_scheduling": True}},
         out_len)["graphs"])
+    # decode's linears through the Triton skinny matmul instead of cuBLAS (the same graphs)
+    res["skinny_linear"] = guarded(lambda: other_engines(
+        path, prompts, params, batch, greedy, {"skinny_linear": {"env": SKINNY}},
+        out_len)["skinny_linear"])
     return res
 
 
@@ -218,6 +226,14 @@ def prefill_7b_shape(root: str) -> dict:
                   enable_prefix_caching=False, async_scheduling=True)
         return decode(llm)
 
+    def decode_skinny() -> dict:
+        with environment(SKINNY):
+            llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5,
+                      seed=0, enable_prefix_caching=False)
+        return {"batch1_tok_s": decode(llm), "decode_split": host_and_device(
+            llm.engine.core.runner, functools.partial(generate, llm, short,
+                                                      one.clone(max_tokens=9)), 8)}
+
     res["batch1_tok_s"] = decode(llm)
     # the step's device time and its kernels: a 32-layer model's share of the roofline follows
     split = functools.partial(host_and_device, llm.engine.core.runner, functools.partial(
@@ -227,6 +243,9 @@ def prefill_7b_shape(root: str) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     res["batch1_async_tok_s"] = guarded(decode_async)
+    gc.collect()
+    torch.cuda.empty_cache()
+    res["skinny_linear"] = guarded(decode_skinny)
     gc.collect()
     torch.cuda.empty_cache()
     return res
@@ -242,8 +261,11 @@ def other_engines(path, prompts, params, batch, greedy, engines: dict, n: int) -
 
     res = {}
     for name, settings in engines.items():
-        llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
-                  enable_prefix_caching=False, max_num_batched_tokens=4096, **settings)
+        settings = dict(settings)
+        with environment(settings.pop("env", {})):
+            llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5,
+                      seed=0, enable_prefix_caching=False, max_num_batched_tokens=4096,
+                      **settings)
         one, short = params.clone(max_tokens=n), params.clone(max_tokens=1)
         generate(llm, prompts[:2], params.clone(max_tokens=4))
         t1 = timed(functools.partial(generate, llm, prompts[:1], one))
@@ -253,7 +275,7 @@ def other_engines(path, prompts, params, batch, greedy, engines: dict, n: int) -
             "batch_tok_s": batch * n / timed(functools.partial(generate, llm, prompts, one)),
             "same_greedy_tokens_as_graphs": [o.outputs[0].token_ids for o in generate(
                 llm, prompts[:4], params.clone(max_tokens=16))] == greedy}
-        if settings.get("async_scheduling"):
+        if settings.get("async_scheduling") or name == "skinny_linear":
             res[name]["decode_split"] = host_and_device(
                 llm.engine.core.runner, functools.partial(
                     generate, llm, prompts[:1], params.clone(max_tokens=9)), 8)
@@ -326,6 +348,11 @@ def main() -> None:
         perf["batch_vs_hf"] = perf["batch_tok_s"] / perf["hf_batch_tok_s"]
         perf["prefill_of_peak"] = perf["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
         perf["batch1_device_of_roofline"] = device_share(perf, perf["batch1_roofline_tok_s"])
+        skinny = perf.get("skinny_linear", {})
+        if "batch1_tok_s" in skinny:
+            skinny["batch1_of_roofline"] = skinny["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
+            skinny["batch1_device_of_roofline"] = device_share(skinny,
+                                                               perf["batch1_roofline_tok_s"])
     big = result["prefill_7b_shape"]
     if "bf16_matmul_tflops" in hw and "prefill_2k_tflops" in big:
         big["prefill_of_peak"] = big["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
@@ -336,6 +363,11 @@ def main() -> None:
                 big[name.replace("tok_s", "of_roofline")] = (big[name]
                                                              / big["batch1_roofline_tok_s"])
         big["batch1_device_of_roofline"] = device_share(big, big["batch1_roofline_tok_s"])
+        skinny = big.get("skinny_linear", {})
+        if "batch1_tok_s" in skinny:
+            skinny["batch1_of_roofline"] = skinny["batch1_tok_s"] / big["batch1_roofline_tok_s"]
+            skinny["batch1_device_of_roofline"] = device_share(skinny,
+                                                               big["batch1_roofline_tok_s"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -1,14 +1,32 @@
 """What the GPU checklist (gpu_check.py) measures with: a part guarded so its failure keeps
 the section's other numbers, wall time around CUDA syncs, a decode step's device time (graph
 replays) beside its host waits, profiles of host ops and of a graph replay's kernels, and the
-device step's share of the bandwidth roofline."""
+device step's share of the bandwidth roofline, and environment variables set while an engine
+is built."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import traceback
 
 import torch
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Environment variables set while an engine is built (its kernel choices), then restored."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def guarded(fn) -> dict:

@@ -66,11 +66,91 @@ def test_used_only_for_gpu_tensors():
     assert not triton_ops.usable(torch.zeros(2))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("setting,splits", [((4, 128, 4), 1), ((16, 128, 4), 1),
+                                            ((32, 256, 4), 1), ((16, 128, 4), 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_linear(rows, setting, splits, bias):
+    # decode's linears (layers/linear.py SkinnyKernel): every launch shape against F.linear;
+    # 300 inputs and 70 outputs leave partial K and column blocks; splits: K ranges summed by
+    # atomics (bench/gemv_sweep.py's variant)
+    if rows > 1 and setting[0] < 16:
+        pytest.skip("tl.dot takes 16 columns at least (the engine's row settings have them)")
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 300 + 4, device=DEVICE)[:, :300]  # strided rows
+    w = torch.randn(70, 300, device=DEVICE)
+    b = torch.randn(70, device=DEVICE) if bias else None
+    out = triton_ops.skinny_linear(x, w, b, setting, splits)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_linear_engine_settings_are_valid():
+    # every autotuned setting of the engine's (tried on a GPU at the first call) computes the
+    # product: one-row settings with one row, 16-row ones with 2 and 16
+    kernels = triton_ops.kernels()
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 520, device=DEVICE), torch.randn(40, device=DEVICE)
+    for rows, settings in ((1, kernels.ONE_ROW_SETTINGS), (2, kernels.ROWS_SETTINGS),
+                           (16, kernels.ROWS_SETTINGS)):
+        x = torch.randn(rows, 520, device=DEVICE)
+        for setting in settings:
+            torch.testing.assert_close(triton_ops.skinny_linear(x, w, b, setting),
+                                       F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotuning times launches on a GPU")
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_skinny_linear_autotuned_in_a_cuda_graph(rows):
+    # the engine's path: the settings timed on the first call, then captured and replayed
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1152, 896, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(1152, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), w.float(), b.float())
+    eager = triton_ops.skinny_linear(x, w, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_ops.skinny_linear(x, w, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(eager.float(), ref, atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()),
+                               atol=2e-2, rtol=1.6e-2)
+
+
+def test_skinny_kernel_chosen_only_where_asked(monkeypatch):
+    from tokenmill.layers import linear
+
+    layer = linear.Linear(8, 4)
+    layer.weight.data = torch.randn(4, 8, dtype=torch.float16)  # (CPU-packed: float32 only)
+    monkeypatch.setattr(linear.SkinnyKernel, "supports", staticmethod(lambda layer: True))
+    monkeypatch.delenv("TOKENMILL_GPU_SKINNY_LINEAR", raising=False)
+    linear.choose_linear_kernels(layer)
+    assert type(layer.kernel) is linear.DenseKernel
+    monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "1")
+    linear.choose_linear_kernels(layer)
+    assert isinstance(layer.kernel, linear.SkinnyKernel)
+    for rows in (3, 20):  # the Triton kernel (interpreted here), then F.linear past 16 rows
+        x = torch.randn(rows, 8, dtype=torch.float16)
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()),
+                                   atol=2e-3, rtol=2e-3)
+    monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "yes")
+    with pytest.raises(ValueError, match="TOKENMILL_GPU_SKINNY_LINEAR must be 0 or 1"):
+        linear.choose_linear_kernels(linear.Linear(8, 4))
+
+
+def test_skinny_kernel_not_for_cpu_weights():
+    from tokenmill.layers import linear
+
+    layer = linear.Linear(8, 4)
+    assert not linear.SkinnyKernel.supports(layer)
+
+
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("setting", [(8, 128, 1, 4), (16, 128, 3, 4), (32, 256, 2, 4)])
+@pytest.mark.parametrize("setting", [(16, 128, 1, 4), (32, 256, 2, 4)])
 def test_skinny_matmul_of_the_sweep_matches_linear(rows, setting):
-    # bench/gemv_sweep.py's kernel (column blocks, K ranges summed by atomics), measured
-    # against cuBLAS on GPUs before the engine would use it; 300 inputs: a partial K block
+    # bench/gemv_sweep.py times the engine's kernel by setting (K ranges summed by atomics
+    # too) against cuBLAS on GPUs; its correctness check, here in the interpreter
     import os
     import sys
 
@@ -80,3 +160,35 @@ def test_skinny_matmul_of_the_sweep_matches_linear(rows, setting):
     torch.manual_seed(rows)
     x, w = torch.randn(rows, 300, device=DEVICE), torch.randn(70, 300, device=DEVICE)
     assert gemv_sweep.check(x, w, setting)
+
+
+def test_engine_with_the_skinny_kernel(tiny_models, monkeypatch):
+    # the engine as on a GPU with TOKENMILL_GPU_SKINNY_LINEAR=1: every 16-bit linear's
+    # decode steps (and short prompts) through the kernel (qwen2: biased q|k|v), longer
+    # prompts through F.linear; the same tokens as the engine on F.linear alone
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers import linear
+
+    path, _ = tiny_models("qwen2")
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 30)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def tokens() -> tuple[list[list[int]], list[str]]:
+        llm = LLM(path, dtype="float16", kv_cache_memory_gib=0.01, attention_backend="triton")
+        kinds = sorted({type(m.kernel).__name__ for m in llm.engine.core.runner.model.modules()
+                        if isinstance(m, linear.Linear)})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], kinds
+
+    plain, kinds = tokens()
+    assert kinds == ["DenseKernel"]
+    calls = []
+    original = triton_ops.skinny_linear
+    monkeypatch.setattr(triton_ops, "skinny_linear",
+                        lambda x, *a, **k: calls.append(x.shape[0]) or original(x, *a, **k))
+    monkeypatch.setattr(linear.SkinnyKernel, "supports", staticmethod(lambda layer: True))
+    monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "1")
+    skinny, kinds = tokens()
+    assert kinds == ["SkinnyKernel"]
+    assert skinny == plain
+    assert calls and max(calls) <= 16

@@ -312,6 +312,22 @@ class CpuKernelSettings:
                    gguf_compact=environ.get("TOKENMILL_GGUF_COMPACT", "1") != "0")
 
 
+@dataclass(frozen=True)
+class GpuKernelSettings:
+    """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1 sends 16-bit
+    linear layers' steps of up to 16 rows through the Triton skinny matmul instead of cuBLAS
+    (layers/linear.py SkinnyKernel; off until a GPU run shows it faster end to end)."""
+
+    skinny_linear: bool = False
+
+    @classmethod
+    def from_env(cls, environ=None) -> GpuKernelSettings:
+        import os
+
+        env = _Env(os.environ if environ is None else environ)
+        return cls(skinny_linear=bool(env.flag("TOKENMILL_GPU_SKINNY_LINEAR")))
+
+
 def share_metrics_dir(path: str) -> None:
     """Point PROMETHEUS_MULTIPROC_DIR at `path` for this process and the HTTP workers it
     spawns afterwards (they inherit the environment; prometheus_client reads the variable when

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.config import GpuKernelSettings
 from tokenmill.distributed.parallel_state import divide, get_tp_group
+from tokenmill.layers import triton_ops
 
 
 class CheckpointSlice:
@@ -53,6 +55,28 @@ class DenseKernel:
         """The compiled decode step's description of this kernel (csrc.LinearForm); None:
         it has none, so the step runs layer by layer in Python."""
         return None
+
+
+class SkinnyKernel(DenseKernel):
+    """16-bit weights on a GPU: steps of up to 16 rows (decodes) through the Triton skinny
+    matmul (triton_ops.skinny_linear), more rows through F.linear (cuBLAS), which stays the
+    reference beside it. On an H200 cuBLAS took 22.6 us per layer of the 0.5B model's batch-1
+    decode for 7 us worth of weight bytes: its tiles leave most of the card idle on 896-1152
+    outputs. Chosen where TOKENMILL_GPU_SKINNY_LINEAR=1 (config.GpuKernelSettings)."""
+
+    name = "triton-skinny"
+
+    @staticmethod
+    def supports(layer: Linear) -> bool:
+        w = layer.weight
+        return (w is not None and w.device.type == "cuda" and w.stride(-1) == 1
+                and w.dtype in (torch.float16, torch.bfloat16) and triton_ops.usable(w))
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and x.shape[0] <= triton_ops.SKINNY_MAX_ROWS and x.stride(-1) == 1
+                and x.dtype == layer.weight.dtype):
+            return triton_ops.skinny_linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer.weight, layer.bias)
 
 
 def _check_width(layer: nn.Module, x: torch.Tensor) -> None:
@@ -320,11 +344,15 @@ def choose_linear_kernels(model: nn.Module) -> dict[str, int]:
     """After loading: give every `Linear` the fastest kernel its device and dtype have.
     Returns how many layers got each kernel (logged by the loader)."""
     counts: dict[str, int] = {}
+    skinny = GpuKernelSettings.from_env().skinny_linear
     for module in model.modules():
         if isinstance(module, Linear):
             # (a layer whose float weight is read directly, as MLA's kv_b_proj, stays as is)
             if (isinstance(module.kernel, DenseKernel) and CpuPackedKernel.supports(module)
                     and not getattr(module, "keep_weight", False)):
                 module.use_kernel(CpuPackedKernel(module))
+            elif (skinny and type(module.kernel) is DenseKernel
+                  and SkinnyKernel.supports(module)):
+                module.kernel = SkinnyKernel()  # (reads the layer's own weight)
             counts[module.kernel.name] = counts.get(module.kernel.name, 0) + 1
     return counts
