@@ -163,6 +163,50 @@ def test_padding_slots_are_written_nowhere():
     assert int((flat_k.abs().sum((1, 2)) != 0).sum()) == 2  # nothing else touched
 
 
+@pytest.mark.parametrize("dtype,cache", [(torch.float32, "same"), (torch.float16, "same"),
+                                         (torch.float32, "int8"), (torch.float16, "int8")])
+@pytest.mark.parametrize("q_heads", [6, 0])
+def test_rotation_and_kv_write_in_one_launch(dtype, cache, q_heads):
+    # TritonBackend.rotate_and_write (one kernel) against the default (the rotation, then
+    # write_kv): the same rotated q and k, the same cache bytes; a padding slot written
+    # nowhere; q_heads 0: only K heads (models with q/k norms rotate q on their own)
+    from tokenmill.layers.rotary import RotaryEmbedding, StepRotary
+
+    torch.manual_seed(q_heads)
+    t, hkv, d = 5, 2, 16
+    rotary = RotaryEmbedding(d, 64, {"rope_type": "default", "rope_theta": 10000.0},
+                             64).to(DEVICE)
+    rope = StepRotary(rotary, torch.tensor([0, 9, 63, 4, 4], device=DEVICE), dtype)
+    rope.compiled = False  # (the torch ops as the reference, not the CPU's in-place kernel)
+    qkv = torch.randn(t, (q_heads + 2 * hkv) * d + 3, device=DEVICE).to(dtype)  # wider rows
+    x = qkv[:, : (q_heads + hkv) * d].view(t, q_heads + hkv, d)
+    v = qkv[:, (q_heads + hkv) * d: (q_heads + 2 * hkv) * d].view(t, hkv, d)
+    caches = [torch.zeros(4, 4, hkv, d, device=DEVICE).to(dtype) for _ in range(2)]
+    if cache == "int8":
+        caches = [quantize_kv(c) for c in caches]
+    slots = torch.tensor([5, -1, 0, 15, 7], device=DEVICE)
+    ref_caches = [c.clone() for c in caches]
+    ref_q, ref_k = AttentionBackend.rotate_and_write(TritonBackend(), rope, x, v, *ref_caches,
+                                                     slots, q_heads)
+    q, k = TritonBackend().rotate_and_write(rope, x, v, *caches, slots, q_heads)
+    assert q.shape == (t, q_heads, d) and k.shape == (t, hkv, d)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-3, rtol=2e-3)
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
+    for mine, theirs in zip(caches, ref_caches):
+        if cache == "int8":  # (a value on a rounding edge may round the other way)
+            assert (mine[..., :d].int() - theirs[..., :d].int()).abs().max() <= 1
+            mine, theirs = dequantize_kv(mine, torch.float32), dequantize_kv(theirs,
+                                                                             torch.float32)
+            torch.testing.assert_close(mine, theirs, atol=0.05, rtol=0)
+        else:
+            torch.testing.assert_close(mine, theirs, **tol)
+    flat = caches[0][..., :d].reshape(16, -1)  # (int8: the values; zero rows' scales are not)
+    written = torch.zeros(16, dtype=torch.bool, device=DEVICE)
+    written[[5, 0, 15, 7]] = True
+    assert not flat[~written].any()  # the padding row (slot -1) went nowhere
+
+
 @pytest.mark.parametrize("seqs", [[(0, 7), (0, 7), (0, 7)], [(0, 5)], [(0, 20)] * 2])
 def test_fresh_prompt_steps_through_sdpa_equal_the_kernel(seqs):
     # the CUDA platform's choice for a step of fresh prompts of one length: one SDPA call

@@ -117,14 +117,33 @@ class AttentionBackend(ABC):
         recompute (masks, gather indices) into `meta.backend_data`. Default: nothing."""
         meta.backend_data = None
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        """Attention output [T, Hq, D] for this step's queries (new K/V written first);
-        `window`: a query at position p sees keys p - window + 1 .. p; `softcap`: scores ->
-        softcap * tanh(scores / softcap) (Gemma 2)."""
+        """The new K/V written, then `attend`."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention output [T, Hq, D] for this step's queries, their K/V (k, v) already in
+        the caches; `window`: a query at position p sees keys p - window + 1 .. p; `softcap`:
+        scores -> softcap * tanh(scores / softcap) (Gemma 2)."""
+
+    def rotate_and_write(self, rope, x: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, q_heads + Hkv, D] (q heads, then K heads, not rotated yet) rotated by `rope`
+        (layers/rotary.py StepRotary) and the rotated K with v written to the caches: (q, k).
+        Default: the rotation, then write_kv; a backend may do both in one kernel."""
+        x = rope(x)
+        q, k = x.split([q_heads, x.shape[1] - q_heads], dim=1)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
 
     def mla(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
             meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:

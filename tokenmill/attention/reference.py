@@ -12,9 +12,8 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 class ReferenceBackend(AttentionBackend):
     """For tests only: every other backend is compared against this one."""
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None, softcap: float | None = None):
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         for s in range(meta.num_seqs):

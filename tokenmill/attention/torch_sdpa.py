@@ -101,9 +101,8 @@ class TorchSDPABackend(AttentionBackend):
             plan.decode_gather = _DecodeGather(blocks, max_len, mask.view(nd, 1, 1, max_len))
         return plan.decode_gather
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None, softcap: float | None = None):
         if window is not None or softcap is not None:
             return masked_attention(q, k_cache, v_cache, meta, scale, window, softcap)
         plan: _StepPlan = meta.backend_data

@@ -192,6 +192,14 @@ class StepRotary:
                          and positions.device.type == "cpu")
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def tables(self, x: torch.Tensor):
+        """(cos, signed_sin, positions) for a kernel that rotates x [T, H, D] itself (rows of
+        D contiguous, a full-width table), else None."""
+        cos = self.rotary.cos
+        if x.stride(-1) != 1 or cos.shape[-1] != x.shape[-1] or cos.device != x.device:
+            return None
+        return cos, self.rotary.signed_sin, self.positions
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated by each token's position (q and k heads can go together); may
         rotate x in place and return it."""

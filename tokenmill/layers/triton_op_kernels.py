@@ -22,20 +22,26 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 @triton.jit
+def rotate_row(src, cos_ptr, sin_ptr, pos, stride_c, d, ok, D, HALF):
+    """One head's row at `src` rotated to position `pos` (x * cos + roll(x) * signed_sin in
+    x's dtype, as rotary.py); masked lanes 0. Also used by the attention's fused K/V write."""
+    x = tl.load(src + d, mask=ok, other=0.0)
+    rolled = tl.load(src + (d + HALF) % D, mask=ok, other=0.0)
+    dt = x.dtype
+    cos = tl.load(cos_ptr + pos * stride_c + d, mask=ok, other=0.0).to(dt)
+    sin = tl.load(sin_ptr + pos * stride_c + d, mask=ok, other=0.0).to(dt)
+    return ((x * cos).to(dt) + (rolled * sin).to(dt)).to(dt)
+
+
+@triton.jit
 def rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, stride_xt, stride_xh, stride_c,
             D, HALF, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
     ok = d < D
-    pos = tl.load(pos_ptr + t)
-    src = x_ptr + t * stride_xt + h * stride_xh
-    x = tl.load(src + d, mask=ok, other=0.0)
-    rolled = tl.load(src + (d + HALF) % D, mask=ok, other=0.0)
-    dt = x.dtype
-    cos = tl.load(cos_ptr + pos * stride_c + d, mask=ok, other=0.0).to(dt)
-    sin = tl.load(sin_ptr + pos * stride_c + d, mask=ok, other=0.0).to(dt)
-    y = ((x * cos).to(dt) + (rolled * sin).to(dt)).to(dt)
+    y = rotate_row(x_ptr + t * stride_xt + h * stride_xh, cos_ptr, sin_ptr,
+                   tl.load(pos_ptr + t), stride_c, d, ok, D, HALF)
     tl.store(out_ptr + (t * tl.num_programs(1) + h) * D + d, y, mask=ok)
 
 @triton.jit

@@ -77,23 +77,23 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
-        if self.q_norm is None:
-            # q and k heads side by side in one view: one rotary pass for both.
-            qk = rope(qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads, -1))
-            q, k = qk.split([q_heads, kv_heads], dim=1)
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1))
-            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
-            q, k = rope(q), rope(k)
         v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, -1)
+        caches = (self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.q_norm is None:
+            # q and k heads side by side in one view: one rotary pass for both (and, where
+            # the backend can, the K/V write in the same kernel)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads, -1)
+            q, k = self.backend.rotate_and_write(rope, qk, v, *caches, q_heads)
+        else:
+            q = rope(self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1)))
+            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
+            k = self.backend.rotate_and_write(rope, k, v, *caches, 0)[1]
         if kept is not None:  # every row's K/V is cached; only the kept rows attend
-            # (the backend writes the kept rows' K/V once more: the same values, a row each)
-            self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             if not kept.count:
                 return x.new_empty(0, x.shape[1])
             q, k, v, meta, t = q[kept.rows], k[kept.rows], v[kept.rows], kept.meta, kept.count
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                   self.window, self.softcap)
+        out = self.backend.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                  self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

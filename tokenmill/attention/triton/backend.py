@@ -84,6 +84,15 @@ class TritonBackend(AttentionBackend):
     def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
+    def rotate_and_write(self, rope, x, v, k_cache, v_cache, slot_mapping, q_heads):
+        # one launch for the rotation and the K/V write where the rotation is a table lookup
+        tables = rope.tables(x)
+        if tables is None or v.stride(-1) != 1:
+            return super().rotate_and_write(rope, x, v, k_cache, v_cache, slot_mapping,
+                                            q_heads)
+        out = kernels.rotary_write_kv(x, v, *tables, k_cache, v_cache, slot_mapping, q_heads)
+        return out.split([q_heads, x.shape[1] - q_heads], dim=1)
+
     @staticmethod
     def store_rows(flat, slots, rows) -> None:
         kernels.write_rows(rows.contiguous(), flat, slots)
@@ -103,9 +112,8 @@ class TritonBackend(AttentionBackend):
         q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
         return self._attend(q, cache, cache, q_latent.new_empty(q_latent.shape), meta, scale)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None):
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None, softcap: float | None = None):
         runs = meta.backend_data.fresh_runs if meta.num_seqs else None
         if runs is not None and window is None and softcap is None:
             out = q.new_empty(q.shape)

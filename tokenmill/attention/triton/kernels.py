@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_op_kernels import rotate_row
+
 
 @triton.jit
 def _store_row(x, cache, dst, d, ok, D, INT8: tl.constexpr):
@@ -64,6 +66,49 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                         v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), d,
                         D_PAD=triton.next_power_of_2(d), INT8=k_cache.dtype == torch.int8,
                         HAS_V=True)
+
+
+@triton.jit
+def _rotary_write_kv(x_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, out_ptr, k_cache, v_cache, slots,
+                     stride_xt, stride_xh, stride_vt, stride_vh, stride_c, stride_slot,
+                     stride_head, Q_HEADS, D, HALF, D_PAD: tl.constexpr, INT8: tl.constexpr):
+    """Program (token, head) of x = [T, q heads | KV heads, D]: the head rotated into out;
+    a KV head's rotated row is its K, written to the cache with the token's V row."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D_PAD)
+    ok = d < D
+    y = rotate_row(x_ptr + t * stride_xt + h * stride_xh, cos_ptr, sin_ptr,
+                   tl.load(pos_ptr + t), stride_c, d, ok, D, HALF)
+    tl.store(out_ptr + (t * tl.num_programs(1) + h) * D + d, y, mask=ok)
+    if h >= Q_HEADS:
+        slot = tl.load(slots + t).to(tl.int64)
+        if slot >= 0:  # (a negative slot: a graph batch's padding row)
+            kv = h - Q_HEADS
+            dst = slot * stride_slot + kv * stride_head
+            _store_row(y, k_cache, dst, d, ok, D, INT8)
+            v = tl.load(v_ptr + t * stride_vt + kv * stride_vh + d, mask=ok, other=0.0)
+            _store_row(v, v_cache, dst, d, ok, D, INT8)
+
+
+def rotary_write_kv(x: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    signed_sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_heads: int) -> torch.Tensor:
+    """x [T, q_heads + Hkv, D] (q heads, then K heads; rows of D contiguous) rotated to each
+    token's position into a new tensor, as triton_ops.rotary, and in the same launch the
+    rotated K heads and v [T, Hkv, D] written to the caches at `slot_mapping`, as write_kv
+    (one launch instead of two)."""
+    t, h, d = x.shape
+    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    if t:
+        _rotary_write_kv[(t, h)](x, v, cos, signed_sin, positions, out, k_cache, v_cache,
+                                 slot_mapping, x.stride(0), x.stride(1), v.stride(0),
+                                 v.stride(1), cos.stride(0), k_cache.stride(1),
+                                 k_cache.stride(2), q_heads, d, d // 2,
+                                 D_PAD=triton.next_power_of_2(d),
+                                 INT8=k_cache.dtype == torch.int8)
+    return out
 
 
 def write_rows(rows: torch.Tensor, flat: torch.Tensor, slots: torch.Tensor) -> None:
