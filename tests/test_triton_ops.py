@@ -84,6 +84,27 @@ def test_skinny_linear_matches_linear(rows, setting, splits, bias):
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_gated_matches_the_product_then_the_gated_kernel(dtype, rows, bias):
+    # a merged gate|up layer's product and SiLU gating in one launch (MLP._gated), rounded
+    # as F.linear's 16-bit product and then the gated kernel round
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 300, device=DEVICE).to(dtype)
+    w = (torch.randn(2 * 70, 300, device=DEVICE) * 0.1).to(dtype)
+    b = torch.randn(2 * 70, device=DEVICE).to(dtype) if bias else None
+    setting = (4, 128, 4) if rows == 1 else (16, 128, 4)
+    out = triton_ops.skinny_linear(x, w, b, setting, gated=True)
+    product = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    gate, up = product.chunk(2, dim=-1)
+    ref = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    assert out.shape == (rows, 70)
+    # (float32: the products' sums in another order; 16-bit: that, and a rounding step)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else exact(dtype)
+    torch.testing.assert_close(out, ref, **tol)
+
+
 def test_skinny_linear_engine_settings_are_valid():
     # every autotuned setting of the engine's (tried on a GPU at the first call) computes the
     # product: one-row settings with one row, 16-row ones with 2 and 16
@@ -192,3 +213,8 @@ def test_engine_with_the_skinny_kernel(tiny_models, monkeypatch):
     assert kinds == ["SkinnyKernel"]
     assert skinny == plain
     assert calls and max(calls) <= 16
+    seen = []
+    monkeypatch.setattr(triton_ops, "skinny_linear", lambda x, *a, gated=False, **k:
+                        seen.append(gated) or original(x, *a, gated=gated, **k))
+    assert tokens()[0] == plain
+    assert True in seen  # the MLP's gate|up and SiLU in one launch

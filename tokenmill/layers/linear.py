@@ -72,11 +72,22 @@ class SkinnyKernel(DenseKernel):
         return (w is not None and w.device.type == "cuda" and w.stride(-1) == 1
                 and w.dtype in (torch.float16, torch.bfloat16) and triton_ops.usable(w))
 
+    @staticmethod
+    def _takes(layer: Linear, x: torch.Tensor) -> bool:
+        return (x.dim() == 2 and x.shape[0] <= triton_ops.SKINNY_MAX_ROWS and x.stride(-1) == 1
+                and x.dtype == layer.weight.dtype)
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[0] <= triton_ops.SKINNY_MAX_ROWS and x.stride(-1) == 1
-                and x.dtype == layer.weight.dtype):
+        if self._takes(layer, x):
             return triton_ops.skinny_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate|up layer in the same launch as its product (the
+        gated kernel's launch and the [M, 2I] product saved); None past 16 rows."""
+        if not self._takes(layer, x) or layer.out_features % 2:
+            return None
+        return triton_ops.skinny_linear(x, layer.weight, layer.bias, gated=True)
 
 
 def _check_width(layer: nn.Module, x: torch.Tensor) -> None:

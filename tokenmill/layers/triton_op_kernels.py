@@ -117,20 +117,11 @@ def grouped_matmul_kernel(a_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, slots_ptr, 
 
 
 @triton.jit
-def skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, per_split, stride_xm, stride_wn,
-                         stride_ym, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[:M, cols] (+)= x[:M, ks] @ w[cols, ks]^T (+ bias) for one block of BLOCK_N output
-    columns and one range of `per_split` inputs (ATOMIC: ranges summed into a float32 y).
-    BLOCK_M 1: products accumulated elementwise, summed once at the end (no tensor cores for
-    one row); 16: tl.dot."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
-    col_ok = cols < N
-    row_ok = rows < M
-    k_lo = tl.program_id(1) * per_split
-    k_hi = tl.minimum(k_lo + per_split, K)
-    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+def _skinny_products(x_ptr, w_rows, rows, row_ok, col_ok, k_lo, k_hi, stride_xm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] float32 sums over inputs k_lo..k_hi of x's rows times the weight
+    rows at `w_rows`. BLOCK_M 1: products accumulated elementwise, summed once at the end
+    (no tensor cores for one row); 16: tl.dot."""
     if BLOCK_M == 1:
         part = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -149,11 +140,40 @@ def skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, per_split, stride_
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(x, tl.trans(w))
+    return acc
+
+
+@triton.jit
+def skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, per_split, stride_xm, stride_wn,
+                         stride_ym, HAS_BIAS: tl.constexpr, ATOMIC: tl.constexpr,
+                         GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """y[:M, cols] (+)= x[:M, ks] @ w[cols, ks]^T (+ bias) for one block of BLOCK_N output
+    columns and one range of `per_split` inputs (ATOMIC: ranges summed into a float32 y).
+    GATED: w = [gate | up] (2N rows) and y = silu(gate product) * (up product), rounded as
+    the gated kernel rounds the two products' outputs (the [M, 2N] product never stored)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    row_ok = rows < M
+    k_lo = tl.program_id(1) * per_split
+    k_hi = tl.minimum(k_lo + per_split, K)
+    acc = _skinny_products(x_ptr, w_ptr + cols[:, None].to(tl.int64) * stride_wn, rows, row_ok,
+                           col_ok, k_lo, k_hi, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if ATOMIC:  # added by the first K range only
             b = b * (tl.program_id(1) == 0).to(tl.float32)
         acc += b[None, :]
+    if GATED:
+        up = _skinny_products(x_ptr, w_ptr + (cols + N)[:, None].to(tl.int64) * stride_wn,
+                              rows, row_ok, col_ok, k_lo, k_hi, stride_xm, BLOCK_M, BLOCK_N,
+                              BLOCK_K)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        dt = y_ptr.dtype.element_ty
+        gate = acc.to(dt).to(tl.float32)
+        acc = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up.to(dt).to(tl.float32)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     ok = row_ok[:, None] & col_ok[None, :]
     if ATOMIC:
@@ -176,7 +196,8 @@ def _quick_bench(fn, quantiles):
 
 def _autotuned(settings):
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in settings]
-    return triton.autotune(configs, key=["N", "K"], do_bench=_quick_bench)(skinny_linear_kernel)
+    return triton.autotune(configs, key=["N", "K", "HAS_BIAS", "GATED"],
+                           do_bench=_quick_bench)(skinny_linear_kernel)
 
 
 skinny_one_row = _autotuned(ONE_ROW_SETTINGS)

@@ -74,16 +74,17 @@ SKINNY_MAX_ROWS = 16
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  setting: tuple[int, int, int] | None = None,
-                  splits: int = 1) -> torch.Tensor:
+                  setting: tuple[int, int, int] | None = None, splits: int = 1,
+                  gated: bool = False) -> torch.Tensor:
     """x [M <= 16, K] @ weight [N, K]^T (+ bias) for decode's few rows (rows of x and of the
     weight contiguous): narrow column blocks fill the GPU where cuBLAS's tiles leave it idle
     (F.linear is the reference). `setting` (BLOCK_N, BLOCK_K, warps): that launch (tests,
     bench/gemv_sweep.py); None: the autotuned one for the layer's shape (the first one on the
-    CPU, in the interpreter). `splits` > 1 (with a
-    setting): K ranges summed in float32 by atomics (measured by the sweep only)."""
+    CPU, in the interpreter). `splits` > 1 (with a setting): K ranges summed in float32 by
+    atomics (measured by the sweep only). `gated`: weight = [gate | up] and the result
+    silu(x @ gate^T) * (x @ up^T), [M, N / 2], as `gated(..., gelu=False)` of the product."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m == 0:
         return x.new_empty(0, n)
     block_m = 1 if m == 1 else SKINNY_MAX_ROWS
@@ -95,16 +96,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         kernel = kernels().skinny_one_row if m == 1 else kernels().skinny_rows
         kernel[lambda meta: (triton_cdiv(n, meta["BLOCK_N"]), 1)](
             x, weight, bias_arg, y, m, n, k, k, x.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, ATOMIC=False, BLOCK_M=block_m)
+            HAS_BIAS=bias is not None, ATOMIC=False, GATED=gated, BLOCK_M=block_m)
         return y
+    if gated and splits > 1:
+        raise ValueError("a gated product cannot be split over K ranges")
     block_n, block_k, warps = setting
     per_split = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if splits > 1
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
     kernels().skinny_linear_kernel[(triton_cdiv(n, block_n), triton_cdiv(k, per_split))](
         x, weight, bias_arg, y, m, n, k, per_split, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ATOMIC=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps)
+        HAS_BIAS=bias is not None, ATOMIC=splits > 1, GATED=gated, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y.to(x.dtype) if splits > 1 else y
 
 
