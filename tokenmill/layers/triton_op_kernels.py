@@ -196,8 +196,11 @@ def _quick_bench(fn, quantiles):
 
 def _autotuned(settings):
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in settings]
-    return triton.autotune(configs, key=["N", "K", "HAS_BIAS", "GATED"],
-                           do_bench=_quick_bench)(skinny_linear_kernel)
+    key = ["N", "K", "HAS_BIAS", "GATED"]
+    try:
+        return triton.autotune(configs, key=key, do_bench=_quick_bench)(skinny_linear_kernel)
+    except TypeError:  # an older Triton without `do_bench`: its default timing
+        return triton.autotune(configs, key=key)(skinny_linear_kernel)
 
 
 skinny_one_row = _autotuned(ONE_ROW_SETTINGS)
