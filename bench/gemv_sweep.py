@@ -1,14 +1,14 @@
-"""Skinny matmuls (decode's 1-16 rows x a 16-bit weight) against cuBLAS: the engine's kernel
-behind TOKENMILL_GPU_SKINNY_LINEAR=1 (layers/triton_ops.py), off until measured. On the H200 a batch-1 decode step of the 0.5B model spent 22.6 us per
-layer in cuBLAS's four projections, which read 29.7 MB (7 us at the card's bandwidth), because
-its narrow outputs (896, 1152 columns) give too few thread blocks to fill the card
-(`bench/results/README.md`, 2026-11-27). This sweeps that Triton kernel, which splits the outputs
-into narrow column blocks and, optionally, the inputs into K ranges summed with atomics, over
-the decode shapes of Qwen2-0.5B and Llama-2-7B, and reports each shape's time by cuBLAS
-(`F.linear`), by the engine's autotuned launch and by the best setting, all replayed in CUDA
-graphs as the engine runs them; for gate|up also cuBLAS + the gated kernel against the gated
-product in one launch.
-Every setting is first checked against `F.linear`.
+"""Skinny matmuls (decode's 1-16 rows x a 16-bit weight) against cuBLAS: the engine's kernel behind
+TOKENMILL_GPU_SKINNY_LINEAR=1 (layers/triton_ops.py), off until measured. On the H200 a batch-1
+decode step of the 0.5B model spent 22.6 us per layer in cuBLAS's four projections, which read
+29.7 MB (7 us at the card's bandwidth), because its narrow outputs (896, 1152 columns) give too
+few thread blocks to fill the card (`bench/results/README.md`, 2026-11-27). This sweeps that
+Triton kernel, which splits the outputs into narrow column blocks and, optionally, the inputs
+into K ranges summed with atomics, over the decode shapes of Qwen2-0.5B and Llama-2-7B, and
+reports each shape's time by cuBLAS (`F.linear`), by the engine's autotuned launch and by the
+best setting, all replayed in CUDA graphs as the engine runs them; for gate|up also cuBLAS + the
+gated kernel against the gated product in one launch. Every setting is first checked against
+`F.linear`.
 
     python bench/gemv_sweep.py [--out bench/results/gemv-sweep-<card>-<date>.json] [--rows 1]
 

@@ -140,17 +140,17 @@ def test_skinny_linear_autotuned_in_a_cuda_graph(rows):
 
 
 def test_skinny_kernel_chosen_only_where_asked(monkeypatch):
-    from tokenmill.layers import linear
+    from tokenmill.layers import linear, skinny
 
     layer = linear.Linear(8, 4)
     layer.weight.data = torch.randn(4, 8, dtype=torch.float16)  # (CPU-packed: float32 only)
-    monkeypatch.setattr(linear.SkinnyKernel, "supports", staticmethod(lambda layer: True))
+    monkeypatch.setattr(skinny.SkinnyKernel, "supports", staticmethod(lambda layer: True))
     monkeypatch.delenv("TOKENMILL_GPU_SKINNY_LINEAR", raising=False)
     linear.choose_linear_kernels(layer)
     assert type(layer.kernel) is linear.DenseKernel
     monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "1")
     linear.choose_linear_kernels(layer)
-    assert isinstance(layer.kernel, linear.SkinnyKernel)
+    assert isinstance(layer.kernel, skinny.SkinnyKernel)
     for rows in (3, 20):  # the Triton kernel (interpreted here), then F.linear past 16 rows
         x = torch.randn(rows, 8, dtype=torch.float16)
         torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.weight.float()),
@@ -160,11 +160,39 @@ def test_skinny_kernel_chosen_only_where_asked(monkeypatch):
         linear.choose_linear_kernels(linear.Linear(8, 4))
 
 
+def test_skinny_kernel_kept_only_where_timed_faster(monkeypatch):
+    # per (row count, shape): the faster of the two, timed once; nothing timed (cuBLAS, not
+    # kept) while a graph is captured; a kernel failing on the card leaves cuBLAS, kept
+    from tokenmill.layers import skinny
+
+    monkeypatch.setattr(skinny, "_FASTER", {})
+    times = []
+
+    def timed(mine, theirs):
+        def run():
+            times.append((mine, theirs))
+            return mine, theirs
+        return run
+
+    assert skinny.prefer_skinny("a", False, timed(1.0, 2.0))
+    assert skinny.prefer_skinny("a", False, timed(9.0, 2.0))  # kept: not timed again
+    assert not skinny.prefer_skinny("b", False, timed(3.0, 2.0))
+    assert times == [(1.0, 2.0), (3.0, 2.0)]
+    assert not skinny.prefer_skinny("c", True, timed(1.0, 2.0))  # capturing
+    assert "c" not in skinny._FASTER and len(times) == 2
+
+    def broken():
+        raise RuntimeError("no bf16 dot on this card")
+
+    assert not skinny.prefer_skinny("d", False, broken)
+    assert skinny._FASTER["d"] is False
+
+
 def test_skinny_kernel_not_for_cpu_weights():
-    from tokenmill.layers import linear
+    from tokenmill.layers import linear, skinny
 
     layer = linear.Linear(8, 4)
-    assert not linear.SkinnyKernel.supports(layer)
+    assert not skinny.SkinnyKernel.supports(layer)
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -188,7 +216,7 @@ def test_engine_with_the_skinny_kernel(tiny_models, monkeypatch):
     # decode steps (and short prompts) through the kernel (qwen2: biased q|k|v), longer
     # prompts through F.linear; the same tokens as the engine on F.linear alone
     from tokenmill import LLM, SamplingParams
-    from tokenmill.layers import linear
+    from tokenmill.layers import linear, skinny
 
     path, _ = tiny_models("qwen2")
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 30)]
@@ -207,7 +235,7 @@ def test_engine_with_the_skinny_kernel(tiny_models, monkeypatch):
     original = triton_ops.skinny_linear
     monkeypatch.setattr(triton_ops, "skinny_linear",
                         lambda x, *a, **k: calls.append(x.shape[0]) or original(x, *a, **k))
-    monkeypatch.setattr(linear.SkinnyKernel, "supports", staticmethod(lambda layer: True))
+    monkeypatch.setattr(skinny.SkinnyKernel, "supports", staticmethod(lambda layer: True))
     monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "1")
     skinny, kinds = tokens()
     assert kinds == ["SkinnyKernel"]

@@ -314,9 +314,9 @@ class CpuKernelSettings:
 
 @dataclass(frozen=True)
 class GpuKernelSettings:
-    """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1 sends 16-bit
-    linear layers' steps of up to 16 rows through the Triton skinny matmul instead of cuBLAS
-    (layers/linear.py SkinnyKernel; off until a GPU run shows it faster end to end)."""
+    """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1 lets 16-bit
+    linear layers run steps of up to 16 rows on the Triton skinny matmul where it is timed
+    faster than cuBLAS (layers/skinny.py; off until a GPU run shows it faster end to end)."""
 
     skinny_linear: bool = False
 

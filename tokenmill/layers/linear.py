@@ -10,7 +10,6 @@ from torch import nn
 from tokenmill import csrc
 from tokenmill.config import GpuKernelSettings
 from tokenmill.distributed.parallel_state import divide, get_tp_group
-from tokenmill.layers import triton_ops
 
 
 class CheckpointSlice:
@@ -55,39 +54,6 @@ class DenseKernel:
         """The compiled decode step's description of this kernel (csrc.LinearForm); None:
         it has none, so the step runs layer by layer in Python."""
         return None
-
-
-class SkinnyKernel(DenseKernel):
-    """16-bit weights on a GPU: steps of up to 16 rows (decodes) through the Triton skinny
-    matmul (triton_ops.skinny_linear), more rows through F.linear (cuBLAS), which stays the
-    reference beside it. On an H200 cuBLAS took 22.6 us per layer of the 0.5B model's batch-1
-    decode for 7 us worth of weight bytes: its tiles leave most of the card idle on 896-1152
-    outputs. Chosen where TOKENMILL_GPU_SKINNY_LINEAR=1 (config.GpuKernelSettings)."""
-
-    name = "triton-skinny"
-
-    @staticmethod
-    def supports(layer: Linear) -> bool:
-        w = layer.weight
-        return (w is not None and w.device.type == "cuda" and w.stride(-1) == 1
-                and w.dtype in (torch.float16, torch.bfloat16) and triton_ops.usable(w))
-
-    @staticmethod
-    def _takes(layer: Linear, x: torch.Tensor) -> bool:
-        return (x.dim() == 2 and x.shape[0] <= triton_ops.SKINNY_MAX_ROWS and x.stride(-1) == 1
-                and x.dtype == layer.weight.dtype)
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self._takes(layer, x):
-            return triton_ops.skinny_linear(x, layer.weight, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
-
-    def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up of a merged gate|up layer in the same launch as its product (the
-        gated kernel's launch and the [M, 2I] product saved); None past 16 rows."""
-        if not self._takes(layer, x) or layer.out_features % 2:
-            return None
-        return triton_ops.skinny_linear(x, layer.weight, layer.bias, gated=True)
 
 
 def _check_width(layer: nn.Module, x: torch.Tensor) -> None:
@@ -354,6 +320,8 @@ class QKVLinear(MergedLinear):
 def choose_linear_kernels(model: nn.Module) -> dict[str, int]:
     """After loading: give every `Linear` the fastest kernel its device and dtype have.
     Returns how many layers got each kernel (logged by the loader)."""
+    from tokenmill.layers.skinny import SkinnyKernel
+
     counts: dict[str, int] = {}
     skinny = GpuKernelSettings.from_env().skinny_linear
     for module in model.modules():

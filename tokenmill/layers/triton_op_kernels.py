@@ -183,15 +183,17 @@ def skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, per_split, stride_
 
 
 # The engine's settings (BLOCK_N, BLOCK_K, warps) of skinny_linear_kernel, one set per row
-# shape, each layer shape timed once on its first call (outside any CUDA-graph capture: the
-# graphs' eager warm-up pass makes that call). One row: narrow column blocks so that even
-# 896 outputs make 56-224 programs; 2-16 rows: tl.dot needs 16 columns at least.
+# shape, each layer shape timed once on its first call, outside any CUDA-graph capture
+# (layers/skinny.py). One row: narrow column blocks so that even 896 outputs make 56-224
+# programs; 2-16 rows: tl.dot needs 16 columns at least.
 ONE_ROW_SETTINGS = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8)]
 ROWS_SETTINGS = [(16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4)]
 
 
 def _quick_bench(fn, quantiles):
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+    # replayed in a CUDA graph, as decode steps run: timed launch by launch, a few-microsecond
+    # kernel would measure the host's launch cost, the same for every setting
+    return triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=quantiles)
 
 
 def _autotuned(settings):
