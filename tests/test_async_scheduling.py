@@ -334,12 +334,15 @@ def test_serve_flag():
     assert build_server_config(["--async-scheduling"], {}).engine.async_scheduling
     assert not build_server_config([], {}).engine.async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
-        build_server_config(["--async-scheduling", "--tensor-parallel-size", "2"], {})
+        build_server_config(["--async-scheduling", "--pipeline-parallel-size", "2"], {})
+    # tensor parallel: tests/distributed/test_tensor_parallel.py runs it
+    assert build_server_config(["--async-scheduling", "--tensor-parallel-size", "2"],
+                               {}).engine.async_scheduling
 
 
 def test_config_refuses_what_it_cannot_run_with():
     with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+        EngineConfig(async_scheduling=True, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling=True, speculative_config={"method": "ngram",
                                                                  "num_speculative_tokens": 2})

@@ -40,7 +40,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs (GPU decode steps run op by op)
     # schedule and launch the next step while the current one runs, its decodes reading
-    # their tokens on the device (one rank, no speculative decoding)
+    # their tokens on the device (no pipeline parallel, no speculative decoding)
     async_scheduling: bool = False
     # vLLM's --speculative-config (a dict, its JSON text, or a SpeculativeConfig); None: off
     speculative_config: Any = None
@@ -161,10 +161,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}.")
-        if self.async_scheduling and (self.world_size > 1 or self.speculative_config):
-            raise ValueError("async_scheduling (--async-scheduling) runs on one rank without "
-                             "speculative decoding: drop it, or tensor / pipeline parallel and "
-                             "--speculative-config.")
+        if self.async_scheduling and (self.pipeline_parallel_size > 1
+                                      or self.speculative_config):
+            raise ValueError("async_scheduling (--async-scheduling) runs without pipeline "
+                             "parallel and speculative decoding: drop it, or "
+                             "--pipeline-parallel-size and --speculative-config.")
         if self.kv_cache_dtype == "fp8_e4m3":  # (vLLM's other name of it)
             self.kv_cache_dtype = "fp8"
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):

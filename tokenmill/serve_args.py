@@ -80,7 +80,7 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--enforce-eager", action="store_true", default=None,
       help="GPU: run decode steps op by op (no CUDA graphs)")
     a("--async-scheduling", action="store_true", default=None,
-      help="schedule the next step while the current one runs (one rank, no drafts)")
+      help="schedule the next step while the current one runs (no pipeline stages, no drafts)")
     a("--disable-async-output-proc", action="store_true", default=None, help="no effect (vLLM)")
     a("--seed", type=int, default=None)
     a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")

@@ -12,6 +12,7 @@ from helpers import hf_greedy, make_model, write_calibration
 
 from tests.distributed.checks import worker_ranks
 from tests.serving import alive, wait_until
+from tests.test_async_scheduling import overlapped, record_steps
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.distributed.parallel_state import get_world, init_parallel
 from tokenmill.entrypoints.cli import main as cli
@@ -98,6 +99,73 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_one_rank(tiny_models):
         stats = llm.engine.core.stats()
     assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+def test_asynchronous_scheduling_on_two_ranks_matches_one_rank(tiny_models, monkeypatch):
+    # the next step launched before the last one's tokens reach the host: rank 0 fills them
+    # in on the device and every rank takes its input ids from there. Greedy and seeded
+    # sampling, different lengths (requests finishing while others run ahead), a stop
+    # string (a request that needs its text on the host runs one step at a time), and
+    # chunked prefill with preemption
+    path, _ = tiny_models("qwen2")
+    prompts = [[5, 17, 99, 200, 3], list(range(10, 70)), [7, 8], list(range(300, 333))]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=7,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zz"]),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=15, ignore_eos=True)]
+    engine = {"max_num_batched_tokens": 32, "num_kv_blocks": 12}
+
+    def run(**more):
+        with LLM(path, **engine, **more) as llm:
+            log = record_steps(monkeypatch, llm.engine.core.runner)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                use_tqdm=False)
+            return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs], log
+
+    one, log = run()
+    assert overlapped(log) == 0
+    two, log = run(tensor_parallel_size=2, async_scheduling=True)
+    assert overlapped(log) > 0  # steps launched before the last one's tokens were read
+    assert two == one
+    assert not worker_pids()
+
+
+def test_step_bytes_travel_over_the_host_group_where_there_is_one():
+    # on GPUs the step's inputs go over a gloo group of the host (no device sync); tensors
+    # of the step (input ids) over the device's group
+    from tokenmill.distributed.parallel_state import TensorParallelGroup
+
+    class Done:
+        def wait(self):
+            return True
+
+    class Group:  # a stand-in for rank 0's peer: what it would send is rank 0's data
+        def __init__(self, name, log, sent=None):
+            self.name, self.log, self.sent = name, log, sent
+
+        def broadcast(self, x, root):
+            self.log.append((self.name, x.device.type, tuple(x.shape)))
+            if self.sent is None:  # (on rank 0, the root: its own tensors stay)
+                pass
+            elif x.numel() == 1 and x.dtype == torch.int64:
+                x.fill_(len(self.sent))
+            elif x.dtype == torch.uint8:
+                x.copy_(torch.frombuffer(bytearray(self.sent), dtype=torch.uint8))
+            return Done()
+
+    log = []
+    receiver = TensorParallelGroup(1, 2, Group("device", log), torch.device("cpu"),
+                                   host=Group("host", log, b"step"))
+    assert receiver.broadcast_bytes(None) == b"step"
+    assert log == [("host", "cpu", (1,)), ("host", "cpu", (4,))]
+    log.clear()
+    receiver.broadcast(torch.zeros(3, dtype=torch.int64))
+    assert log == [("device", "cpu", (3,))]
+    log.clear()
+    plain = TensorParallelGroup(0, 2, Group("device", log), torch.device("cpu"))
+    assert plain.broadcast_bytes(b"xy") == b"xy"
+    assert [name for name, *_ in log] == ["device", "device"]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

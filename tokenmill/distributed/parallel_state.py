@@ -35,6 +35,9 @@ class TensorParallelGroup:
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - where collectives' tensors live
     shm: Any = None  # ShmAllReduce of ranks on one node (CPU float32 sums), else the backend's
     expert_parallel: bool = False  # MoE layers: whole experts per rank (layers/moe.py)
+    # on GPUs: a gloo group of the same ranks for the host's bytes (a step's inputs), so
+    # sending them never waits for the device (NCCL's length would be read with .item())
+    host: Any = None
 
     @property
     def is_first(self) -> bool:
@@ -60,17 +63,26 @@ class TensorParallelGroup:
         if self.size == 1:
             assert data is not None
             return data
+        backend, device = (self.host, _CPU) if self.host is not None else (self.backend,
+                                                                            self.device)
         length = torch.tensor([len(data) if self.is_first else 0], dtype=torch.int64,
-                              device=self.device)
-        self.backend.broadcast(length, 0).wait()
+                              device=device)
+        backend.broadcast(length, 0).wait()
         if not length.item():
             return b""
         if self.is_first:
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         else:
-            buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self.backend.broadcast(buffer, 0).wait()
+            buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+        backend.broadcast(buffer, 0).wait()
         return data if self.is_first else buffer.cpu().numpy().tobytes()
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` into every rank's `x` (same shape and dtype), in place; on GPUs
+        ordered on the stream, the host not waiting."""
+        if self.size > 1:
+            self.backend.broadcast(x, 0).wait()
+        return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `x` side by side along the last dimension, on rank 0 only (None on the
@@ -241,8 +253,10 @@ def init_parallel(rank: int, tp_size: int, rendezvous: str, timeout_s: float,
     stage, tp_rank = divmod(rank, tp_size)
     tp = world if pp_size == 1 else _backend(dist.PrefixStore(f"tp{stage}", store), tp_rank,
                                              tp_size, cuda, host)
+    host_group = (_backend(dist.PrefixStore(f"host{stage}", store), tp_rank, tp_size, False,
+                           host) if cuda else None)
     _GROUP = TensorParallelGroup(tp_rank, tp_size, tp, device,
-                                 expert_parallel=expert_parallel)
+                                 expert_parallel=expert_parallel, host=host_group)
     path = shm_paths[stage] if shm_paths else None
     shm = _attach_shm(path, tp_rank, tp_size) if tp_size > 1 and not cuda else None
     if shm is not None:

@@ -265,6 +265,10 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
+        if self.run_ahead and self.tp.size > 1:
+            # (asynchronous scheduling: only rank 0 holds the tokens its previous step
+            # sampled, still on the device; every rank takes its filled ids from there)
+            self.tp.broadcast(input_ids)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.link
