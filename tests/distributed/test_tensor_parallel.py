@@ -114,19 +114,21 @@ def test_asynchronous_scheduling_on_two_ranks_matches_one_rank(tiny_models, monk
                              ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=["zz"]),
               SamplingParams(temperature=0.7, seed=5, max_tokens=15, ignore_eos=True)]
-    engine = {"max_num_batched_tokens": 32, "num_kv_blocks": 12}
+    engine = {"max_num_batched_tokens": 32, "num_kv_blocks": 8}  # 8 blocks: a preemption
 
     def run(**more):
         with LLM(path, **engine, **more) as llm:
             log = record_steps(monkeypatch, llm.engine.core.runner)
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                 use_tqdm=False)
-            return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs], log
+            stats = llm.engine.core.stats()
+            return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs], log, stats
 
-    one, log = run()
+    one, log, _ = run()
     assert overlapped(log) == 0
-    two, log = run(tensor_parallel_size=2, async_scheduling=True)
+    two, log, stats = run(tensor_parallel_size=2, async_scheduling=True)
     assert overlapped(log) > 0  # steps launched before the last one's tokens were read
+    assert stats.num_preemptions > 0
     assert two == one
     assert not worker_pids()
 
