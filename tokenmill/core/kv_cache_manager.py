@@ -79,6 +79,17 @@ class KVCacheManager:
         and `num_lookahead` slots past them (a proposer's rows).
 
         Returns False, changing nothing, when the pool is too small right now."""
+        if not computed_blocks and self.window is None:
+            # the common decode: its blocks hold the new token and no block fills up for the
+            # prefix cache, so nothing changes (what the full path below would find, faster)
+            blocks = self._blocks.get(request.request_id)
+            if blocks:
+                total = request.num_computed_tokens + num_new_tokens
+                if total + num_lookahead <= len(blocks) * self.block_size and (
+                        not self.enable_prefix_caching
+                        or min(total, request.num_tokens) // self.block_size
+                        <= self._num_cached_blocks.get(request.request_id, 0)):
+                    return True
         computed_blocks = computed_blocks or []
         blocks = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
