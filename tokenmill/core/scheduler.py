@@ -28,7 +28,8 @@ class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_new_tokens: int
-    block_ids: list[int] = field(default_factory=list)  # the request's whole block table
+    # the request's whole block table: a copy of its own (StepInputs keeps it as it is)
+    block_ids: list[int] = field(default_factory=list)
     # the request's preemption count when scheduled: a result that comes back after the
     # request was preempted (a pipeline micro-batch still in flight then) is dropped
     preemptions: int = 0

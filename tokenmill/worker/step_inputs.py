@@ -43,7 +43,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                     prompt_seqs.append(i)
                     prompt_rows.append((first, last - s.start))
         return cls(token_ids, [s.start for s in scheduled], [s.end for s in scheduled],
-                   [list(s.block_ids) for s in scheduled], sample_seqs, prompt_seqs,
+                   [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
                    prompt_rows, sample_counts)
 
     @property
