@@ -313,6 +313,19 @@ def kernels(root: str) -> dict:
     return res
 
 
+def guarded_part(section: dict, name: str) -> dict:
+    """A part of a section that may have failed (its error in its place): {} if it did."""
+    part = section.get(name, {})
+    return part if "batch1_tok_s" in part else {}
+
+
+def shares(part: dict, roofline_tok_s: float) -> None:
+    """A measured engine's batch-1 rate and device step as shares of the roofline."""
+    if part:
+        part["batch1_of_roofline"] = part["batch1_tok_s"] / roofline_tok_s
+        part["batch1_device_of_roofline"] = device_share(part, roofline_tok_s)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -348,11 +361,7 @@ def main() -> None:
         perf["batch_vs_hf"] = perf["batch_tok_s"] / perf["hf_batch_tok_s"]
         perf["prefill_of_peak"] = perf["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
         perf["batch1_device_of_roofline"] = device_share(perf, perf["batch1_roofline_tok_s"])
-        skinny = perf.get("skinny_linear", {})
-        if "batch1_tok_s" in skinny:
-            skinny["batch1_of_roofline"] = skinny["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
-            skinny["batch1_device_of_roofline"] = device_share(skinny,
-                                                               perf["batch1_roofline_tok_s"])
+        shares(guarded_part(perf, "skinny_linear"), perf["batch1_roofline_tok_s"])
     big = result["prefill_7b_shape"]
     if "bf16_matmul_tflops" in hw and "prefill_2k_tflops" in big:
         big["prefill_of_peak"] = big["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
@@ -363,11 +372,7 @@ def main() -> None:
                 big[name.replace("tok_s", "of_roofline")] = (big[name]
                                                              / big["batch1_roofline_tok_s"])
         big["batch1_device_of_roofline"] = device_share(big, big["batch1_roofline_tok_s"])
-        skinny = big.get("skinny_linear", {})
-        if "batch1_tok_s" in skinny:
-            skinny["batch1_of_roofline"] = skinny["batch1_tok_s"] / big["batch1_roofline_tok_s"]
-            skinny["batch1_device_of_roofline"] = device_share(skinny,
-                                                               big["batch1_roofline_tok_s"])
+        shares(guarded_part(big, "skinny_linear"), big["batch1_roofline_tok_s"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

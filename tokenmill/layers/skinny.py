@@ -69,17 +69,27 @@ class SkinnyKernel(DenseKernel):
 
     name = "triton-skinny"
 
+    def __init__(self) -> None:
+        # this layer's choices by (rows, gated): read on every eager call, so kept here
+        # rather than looked up by the shape's whole key each time
+        self._chosen: dict[tuple[int, bool], bool] = {}
+
     @staticmethod
     def supports(layer: Linear) -> bool:
         w = layer.weight
         return (w is not None and w.device.type == "cuda" and w.stride(-1) == 1
                 and w.dtype in (torch.float16, torch.bfloat16) and triton_ops.usable(w))
 
-    @staticmethod
-    def _takes(layer: Linear, x: torch.Tensor, gated: bool) -> bool:
-        return (x.dim() == 2 and x.shape[0] <= triton_ops.SKINNY_MAX_ROWS
-                and x.stride(-1) == 1 and x.dtype == layer.weight.dtype
-                and _faster(x, layer.weight, layer.bias, gated))
+    def _takes(self, layer: Linear, x: torch.Tensor, gated: bool) -> bool:
+        if not (x.dim() == 2 and x.shape[0] <= triton_ops.SKINNY_MAX_ROWS
+                and x.stride(-1) == 1 and x.dtype == layer.weight.dtype):
+            return False
+        chosen = self._chosen.get((x.shape[0], gated))
+        if chosen is None:
+            chosen = _faster(x, layer.weight, layer.bias, gated)
+            if not x.is_cuda or not torch.cuda.is_current_stream_capturing():
+                self._chosen[x.shape[0], gated] = chosen  # (a capture's answer is not kept)
+        return chosen
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self._takes(layer, x, False):
