@@ -28,7 +28,7 @@ def prefer_skinny(key: tuple, capturing: bool,
     """The cached choice for `key`, else `timings()` = (skinny, cuBLAS) compared once and
     kept. While a CUDA graph is captured nothing can be timed: cuBLAS, not kept (the graphs'
     eager warm-up pass makes the first call of each shape). A kernel that fails here (an old
-    card, a Triton without the feature): cuBLAS, kept, logged once."""
+    card, a Triton without the feature): cuBLAS, kept, logged."""
     if key in _FASTER:
         return _FASTER[key]
     if capturing:
