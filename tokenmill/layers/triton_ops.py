@@ -83,6 +83,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     CPU, in the interpreter). `splits` > 1 (with a setting): K ranges summed in float32 by
     atomics (measured by the sweep only). `gated`: weight = [gate | up] and the result
     silu(x @ gate^T) * (x @ up^T), [M, N / 2], as `gated(..., gelu=False)` of the product."""
+    from triton import cdiv  # (present: this runs only where kernels() loaded)
+
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if m == 0:
@@ -94,22 +96,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if setting is None:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
         kernel = kernels().skinny_one_row if m == 1 else kernels().skinny_rows
-        kernel[lambda meta: (triton_cdiv(n, meta["BLOCK_N"]), 1)](
+        kernel[lambda meta: (cdiv(n, meta["BLOCK_N"]), 1)](
             x, weight, bias_arg, y, m, n, k, k, x.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, ATOMIC=False, GATED=gated, BLOCK_M=block_m)
         return y
     if gated and splits > 1:
         raise ValueError("a gated product cannot be split over K ranges")
     block_n, block_k, warps = setting
-    per_split = triton_cdiv(triton_cdiv(k, splits), block_k) * block_k
+    per_split = cdiv(cdiv(k, splits), block_k) * block_k
     y = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if splits > 1
          else torch.empty(m, n, dtype=x.dtype, device=x.device))
-    kernels().skinny_linear_kernel[(triton_cdiv(n, block_n), triton_cdiv(k, per_split))](
+    kernels().skinny_linear_kernel[(cdiv(n, block_n), cdiv(k, per_split))](
         x, weight, bias_arg, y, m, n, k, per_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, ATOMIC=splits > 1, GATED=gated, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y.to(x.dtype) if splits > 1 else y
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
