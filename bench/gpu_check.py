@@ -30,6 +30,7 @@ from gpu_probes import (  # noqa: E402
     generate,
     guarded,
     host_and_device,
+    kernel_time,
     profile_decode,
     replay_kernels,
     timed,
@@ -158,6 +159,9 @@ def performance(root: str, quick: bool) -> dict:
     attn = 24 * 2 * 2 * (len(long_prompt) ** 2 / 2) * 14 * 64
     res["prefill_2k_s"] = tp
     res["prefill_2k_tflops"] = (linear + attn) / tp / 1e12
+    res["prefill_2k_kernels"] = guarded(functools.partial(
+        kernel_time, functools.partial(run, [long_prompt], params.clone(max_tokens=1))))
+    device_tflops(res, linear + attn)
     res["decode_split"] = host_and_device(runner, functools.partial(
         run, prompts[:1], params.clone(max_tokens=9)), 8)
     greedy = [o.outputs[0].token_ids for o in run(prompts[:4], params.clone(max_tokens=16))]
@@ -175,6 +179,14 @@ def performance(root: str, quick: bool) -> dict:
         path, prompts, params, batch, greedy, {"skinny_linear": {"env": SKINNY}},
         out_len)["skinny_linear"])
     return res
+
+
+def device_tflops(res: dict, flops: float) -> None:
+    """The 2k prefill's FLOPs over its kernels' device time alone: the share of peak the
+    device reached, apart from the host's time before its first kernel and after its last."""
+    device_us = res["prefill_2k_kernels"].get("device_us")
+    if device_us:
+        res["prefill_2k_device_tflops"] = flops / device_us / 1e6
 
 
 def prefill_7b_shape(root: str) -> dict:
@@ -212,7 +224,9 @@ def prefill_7b_shape(root: str) -> dict:
     flops = 2 * layer_params * 2048 + 4 * 2 * 2 * (2048 ** 2 / 2) * 32 * 128
     res = {"layer_params": layer_params, "prefill_2k_s": seconds,
            "prefill_2k_tflops": flops / seconds / 1e12,
+           "prefill_2k_kernels": guarded(functools.partial(kernel_time, run)),
            "decode_read_bytes": 2 * (layer_params + 4096 + 32000 * 4096)}
+    device_tflops(res, flops)
     short = [prompt[:128].tolist()]
 
     def decode(llm) -> float:
@@ -360,11 +374,17 @@ def main() -> None:
         perf["batch1_of_roofline"] = perf["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
         perf["batch_vs_hf"] = perf["batch_tok_s"] / perf["hf_batch_tok_s"]
         perf["prefill_of_peak"] = perf["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
+        if "prefill_2k_device_tflops" in perf:
+            perf["prefill_device_of_peak"] = (perf["prefill_2k_device_tflops"]
+                                              / hw["bf16_matmul_tflops"])
         perf["batch1_device_of_roofline"] = device_share(perf, perf["batch1_roofline_tok_s"])
         shares(guarded_part(perf, "skinny_linear"), perf["batch1_roofline_tok_s"])
     big = result["prefill_7b_shape"]
     if "bf16_matmul_tflops" in hw and "prefill_2k_tflops" in big:
         big["prefill_of_peak"] = big["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
+        if "prefill_2k_device_tflops" in big:
+            big["prefill_device_of_peak"] = (big["prefill_2k_device_tflops"]
+                                             / hw["bf16_matmul_tflops"])
     if "copy_gbps" in hw and "batch1_tok_s" in big:
         big["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / big["decode_read_bytes"]
         for name in ("batch1_tok_s", "batch1_async_tok_s"):

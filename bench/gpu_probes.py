@@ -89,10 +89,17 @@ def host_and_device(runner, fn, steps: int) -> dict:
 def replay_kernels(graph) -> dict:
     """Where one batch-1 decode step's device time goes: the kernels of one graph replay,
     grouped by name, with their total device time (what a faster step must shrink)."""
+    return kernel_time(graph.replay)
+
+
+def kernel_time(fn) -> dict:
+    """The kernels `fn` runs, grouped by name, and their total device time: beside `fn`'s
+    wall time (measured without the profiler), what is left is time the device waited for
+    the host (a 2k-token prefill's scheduling and inputs, before its first kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
+        fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)

@@ -100,7 +100,8 @@ def main() -> None:
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        step_times(llm, args.profile_batch, greedy, args.steps)
+        step_times(llm, args.profile_batch, greedy, args.steps, args.final_only,
+                   args.prompt_len)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     if args.out:

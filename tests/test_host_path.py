@@ -3,6 +3,7 @@ against the obvious computation it replaces."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_spm_tokenizer, make_tokenizer
@@ -53,12 +54,34 @@ def test_step_layout_equals_the_per_token_formula():
     want_pos = [p for s, e in zip(starts, ends) for p in range(s, e)]
     want_slots = [b[p // bs] * bs + p % bs for s, e, b in zip(starts, ends, blocks)
                   for p in range(s, e)]
-    assert positions == want_pos and slots == want_slots
+    assert positions.tolist() == want_pos and slots.tolist() == want_slots  # (numpy)
     width = max(len(b) for b in blocks)
-    assert table.dtype == torch.int64
+    assert table.dtype == np.int64
     assert table.tolist() == [b + [0] * (width - len(b)) for b in blocks]
     padded = inputs.layout(bs, rows=len(blocks) + 3)[2]  # (a graph bucket's padding rows)
     assert padded.tolist() == table.tolist() + [[0] * width] * 3
+    # one token per sequence (the decodes' shortcut)
+    decodes = StepInputs([0] * len(starts), starts, [s + 1 for s in starts], blocks,
+                         [], [], [], [])
+    positions, slots, _ = decodes.layout(bs)
+    assert positions == starts  # (lists)
+    assert slots == [b[p // bs] * bs + p % bs for p, b in zip(starts, blocks)]
+
+
+@pytest.mark.parametrize("lengths", [[1, 1, 1], [3, 1, 2], [2048], [5, 2, 7]])
+def test_step_inputs_staged_in_one_array(lengths):
+    bs = 16
+    starts = [7 * i for i in range(len(lengths))]
+    ends = [s + n for s, n in zip(starts, lengths)]
+    blocks = [list(range(100 * i, 100 * i + -(-e // bs))) for i, e in enumerate(ends)]
+    token_ids = list(range(3, 3 + sum(lengths)))
+    inputs = StepInputs(token_ids, starts, ends, blocks, [], [], [], [])
+    packed, parts, table = inputs.staged(bs)
+    positions, slots, want_table = inputs.layout(bs)
+    assert [packed[p].tolist() for p in parts] == [
+        token_ids, np.asarray(positions).tolist(), np.asarray(slots).tolist(), ends]
+    assert all(p.start % 2 == 0 for p in parts)  # (16-byte aligned on the device)
+    assert (table == want_table).all()
 
 
 @pytest.mark.parametrize("temperatures", [[0.0, 0.0], [0.0, 0.7], [1.0]])

@@ -56,8 +56,12 @@ def test_bad_prompts_raise_and_leave_engine_clean(llm):
         llm.generate({"prompt_token_ids": [3] * 256}, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
-    with pytest.raises(ValueError, match="token ids"):
-        llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+    for ids in ([10**9], [5, -1, 6], [5, 6, 10**9]):
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+            llm.generate({"prompt_token_ids": ids}, use_tqdm=False)
+    for ids in ([5, 6.0], [5, "6"], [None]):
+        with pytest.raises(ValueError, match="must be a list of integers"):
+            llm.generate({"prompt_token_ids": ids}, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([{"text": "x"}], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()

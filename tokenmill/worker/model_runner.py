@@ -333,19 +333,20 @@ class ModelRunner:
                 self.link.stop_next()
 
     def _prepare_inputs(self, inputs: StepInputs):
-        positions, slots, table = inputs.layout(self.block_size)
-        # the host's numbers to the device in three copies that do not wait for it
-        staged = on_device([inputs.token_ids, positions, slots], torch.int64, self.device)
+        packed, parts, table = inputs.staged(self.block_size)
+        # the host's numbers to the device in two copies that do not wait for it
+        staged = on_device(packed, torch.int64, self.device)
+        input_ids, positions, slots, seq_lens = (staged[part] for part in parts)
         query_start_loc = [0, *itertools.accumulate(
             end - start for start, end in zip(inputs.starts, inputs.ends))]
         meta = AttentionMetadata(
-            slot_mapping=staged[2],
+            slot_mapping=slots,
             query_start_loc=query_start_loc,
             context_lens=list(inputs.starts),
-            seq_lens=on_device(inputs.ends, torch.int64, self.device),
-            block_table=table.to(self.device, non_blocking=True),
+            seq_lens=seq_lens,
+            block_table=on_device(table, torch.int64, self.device),
             num_decodes=sum(1 for a, b in zip(inputs.starts, inputs.ends) if b - a == 1),
             block_size=self.block_size,
         )
         self.backend.prepare(meta)
-        return staged[0], staged[1], meta
+        return input_ids, positions, meta
