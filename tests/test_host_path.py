@@ -176,3 +176,54 @@ def test_sampling_batch_equals_the_per_request_settings():
         assert batch.bias == [(i, [3], [2.0]) for i, p in enumerate(params) if p.logit_bias]
         assert sorted(batch.generators) == [i for i, p in enumerate(params)
                                             if p.seed is not None and p.temperature > 0]
+
+
+def _batch_fields(batch) -> dict:
+    """A SamplingBatch as plain values (tensors listed, generators by identity)."""
+    out = {}
+    for name, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        elif name == "generators":
+            value = {row: id(gen) for row, gen in value.items()}
+        out[name] = value
+    return out
+
+
+def test_sampling_batch_reused_across_steps_equals_a_fresh_one():
+    """The rows' settings are built once while the same requests run in the same order; what
+    the tokens so far decide (min_tokens and bad-word bans, penalty counts) and finished
+    seeded rows are still redone every step: equal to a batch built from scratch."""
+    from tokenmill.core.request import RequestStatus
+
+    def request(i, **kw):
+        r = Request(f"r{i}", [3, 4, 5], SamplingParams(**kw))
+        r.status = RequestStatus.RUNNING
+        return r
+
+    requests = [
+        request(0, temperature=0),
+        request(1, temperature=0.7, top_p=0.9, seed=3),
+        request(2, temperature=1.0, min_tokens=2, stop_token_ids=[7]),
+        request(3, temperature=0.5, bad_words=None, repetition_penalty=1.2,
+                frequency_penalty=0.3, logit_bias={9: 2.0}),
+        request(4, temperature=0.9, seed=5, top_k=4),
+    ]
+    requests[3].sampling_params.bad_words_token_ids = [[6, 8], [11]]
+    cached = RequestSampling(64, torch.device("cpu"))
+    reused = 0
+    for step in range(5):
+        if step == 3:
+            requests[4].status = RequestStatus.FINISHED_ABORTED  # (in flight when aborted)
+        if step == 4:
+            requests = requests[1:]  # a request left: the settings are built anew
+        before = cached._settings
+        got = cached.batch(list(requests))
+        reused += cached._settings is before
+        fresh = RequestSampling(64, torch.device("cpu"))
+        fresh._generators = cached._generators  # (the seeded rows' generators, as they are)
+        want = fresh.batch(list(requests))
+        assert _batch_fields(got) == _batch_fields(want), step
+        for r in requests:
+            r.output_token_ids.append(6 if step % 2 == 0 else 8)
+    assert reused == 3  # steps 1-3 reused step 0's settings; step 4 did not

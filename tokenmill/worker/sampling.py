@@ -5,6 +5,7 @@ target's runner and a draft model's)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 
@@ -21,6 +22,8 @@ class RequestSampling:
         self.device = device
         self.seed_offset = seed_offset
         self._generators: dict[str, torch.Generator] = {}
+        # the last `batch` call's requests and their settings (`_settings_of`)
+        self._settings: tuple[list[Request], _Settings] | None = None
 
     def drop(self, request_ids) -> None:
         """Forget finished requests' generators."""
@@ -77,6 +80,44 @@ class RequestSampling:
 
     def batch(self, requests: list[Request]) -> SamplingBatch:
         """One row per entry of `requests` (a request may fill several rows: its drafts')."""
+        if (self._settings is None or len(requests) != len(self._settings[0])
+                or not all(map(operator.is_, requests, self._settings[0]))):
+            self._settings = list(requests), self._settings_of(requests)
+        settings = self._settings[1]
+        dev = self.device
+        batch = dataclasses.replace(settings.batch, banned=[],
+                                    generators=dict(settings.batch.generators))
+        if batch.repetition_penalty is not None:
+            batch.seen_mask = torch.zeros(len(requests), self.vocab_size, dtype=torch.bool,
+                                          device=dev)
+            for row, r in enumerate(requests):
+                seen = r.prompt_token_ids + r.output_token_ids
+                batch.seen_mask[row, on_device(seen, torch.int64, dev)] = True
+        if batch.frequency_penalty is not None or batch.presence_penalty is not None:
+            batch.output_counts = torch.zeros(len(requests), self.vocab_size, device=dev)
+            for row, r in enumerate(requests):
+                out_ids = on_device(r.output_token_ids, torch.int64, dev)
+                batch.output_counts[row].index_add_(
+                    0, out_ids, torch.ones(len(out_ids), device=dev))
+        for row in settings.banning_rows:
+            r = requests[row]
+            p = r.sampling_params
+            if r.num_outputs_before_draw < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
+                if banned:
+                    batch.banned.append((row, banned))
+            if p.bad_words_token_ids:
+                banned = banned_by_bad_words(r.output_token_ids, p.bad_words_token_ids)
+                if banned:
+                    batch.banned.append((row, banned))
+        for row in list(batch.generators):
+            if requests[row].status.finished:  # (its token is dropped: see `generator`)
+                del batch.generators[row]
+        return batch
+
+    def _settings_of(self, requests: list[Request]) -> _Settings:
+        """What the rows' parameters alone decide (the same while the same requests run in
+        the same order, as in steady decoding: built once, not every step)."""
         dev = self.device
         params = [r.sampling_params for r in requests]
 
@@ -97,31 +138,19 @@ class RequestSampling:
             presence_penalty=column("presence_penalty", 0.0),
             num_logprobs=[p.logprobs for p in params],
         )
-        if batch.repetition_penalty is not None:
-            batch.seen_mask = torch.zeros(len(params), self.vocab_size, dtype=torch.bool,
-                                          device=dev)
-            for row, r in enumerate(requests):
-                seen = r.prompt_token_ids + r.output_token_ids
-                batch.seen_mask[row, on_device(seen, torch.int64, dev)] = True
-        if batch.frequency_penalty is not None or batch.presence_penalty is not None:
-            batch.output_counts = torch.zeros(len(params), self.vocab_size, device=dev)
-            for row, r in enumerate(requests):
-                out_ids = on_device(r.output_token_ids, torch.int64, dev)
-                batch.output_counts[row].index_add_(
-                    0, out_ids, torch.ones(len(out_ids), device=dev))
+        banning_rows = []
         for row, (r, p) in enumerate(zip(requests, params)):
-            if r.num_outputs_before_draw < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else p.eos_token_ids)
-                if banned:
-                    batch.banned.append((row, banned))
-            if p.bad_words_token_ids:
-                banned = banned_by_bad_words(r.output_token_ids, p.bad_words_token_ids)
-                if banned:
-                    batch.banned.append((row, banned))
+            if p.min_tokens or p.bad_words_token_ids:
+                banning_rows.append(row)
             if p.logit_bias:
                 batch.bias.append((row, list(p.logit_bias), list(p.logit_bias.values())))
             gen = self.generator(r)
             if gen is not None:
                 batch.generators[row] = gen
-        return batch
+        return _Settings(batch, banning_rows)
 
+
+@dataclasses.dataclass
+class _Settings:
+    batch: SamplingBatch  # the rows' settings; no penalty counts, bans or finished rows
+    banning_rows: list[int]  # rows whose bans depend on the tokens so far (min_tokens, bad words)
