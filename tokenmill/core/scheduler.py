@@ -146,22 +146,24 @@ class Scheduler:
         preempted = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens + request.num_pending - request.num_computed_tokens,
-                          budget)
+        running, allocate = self.running, self.kv_cache.allocate_slots
+        while i < len(running) and budget > 0:
+            request = running[i]
+            pending = request.num_pending
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             if (num_new <= 0 or len(scheduled) >= max_seqs  # (< 0: drafts still in flight)
-                    or request.num_pending and not (run_ahead and self._runs_ahead(request))):
+                    or pending and not (run_ahead and self._runs_ahead(request))):
                 i += 1
                 continue
             drafts, probs = request.spec_token_ids, request.spec_probs
-            request.spec_token_ids, request.spec_probs = [], None
+            if drafts or probs is not None:  # (proposers assign new lists, never append)
+                request.spec_token_ids, request.spec_probs = [], None
             if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
                 drafts = drafts[:budget - 1]
                 num_new += len(drafts)
-            else:
+            elif drafts or probs is not None:
                 drafts, probs = [], None
-            while not self.kv_cache.allocate_slots(request, num_new, num_lookahead=lookahead):
+            while not allocate(request, num_new, None, lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -170,7 +172,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
                                                   drafts=drafts, draft_probs=probs,
-                                                  ahead=request.num_pending > 0))
+                                                  ahead=pending > 0))
                 budget -= num_new
                 i += 1
                 continue
@@ -198,13 +200,15 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
 
+        block_ids = self.kv_cache.block_ids
         for s in scheduled:
             request = s.request
-            if s.end - len(s.drafts) == request.num_tokens + request.num_pending:
+            end = s.start + s.num_new_tokens
+            if end - len(s.drafts) == request.num_tokens + request.num_pending:
                 request.num_pending += 1  # (the step samples its next token)
-            request.num_computed_tokens = s.end
+            request.num_computed_tokens = end
             s.preemptions = request.num_preemptions
-            s.block_ids = self.kv_cache.block_ids(request.request_id)
+            s.block_ids = block_ids(request.request_id)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output

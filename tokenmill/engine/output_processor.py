@@ -113,7 +113,9 @@ class OutputProcessor:
         engine-core ids stopped here by a stop string (the caller must finish them in the
         core)."""
         touched: dict[str, _RequestState] = {}
+        finished: list[_RequestState] = []
         stopped: list[str] = []
+        now = time.time()
         for out in outputs:
             entry = self._children.get(out.request_id)
             if entry is None:
@@ -124,7 +126,7 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, *out.prompt_logprobs)
             if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
-            self._note_metrics(state, completion, out)
+            self._note_metrics(state, completion, out, now)
             if not out.new_token_ids:
                 continue
             completion.token_ids.extend(out.new_token_ids)
@@ -136,24 +138,23 @@ class OutputProcessor:
                 stopped.append(out.request_id)
             if completion.finish_reason is not None:
                 del self._children[out.request_id]
-        results = []
-        for request_id, state in touched.items():
-            finished = state.finished
-            if finished or not final_only:
-                results.append(self._request_output(state))
-            if finished:
-                del self._requests[request_id]
+                if state.finished:  # (its last completion ended: once per request)
+                    finished.append(state)
+        results = [self._request_output(state)
+                   for state in (finished if final_only else touched.values())]
+        for state in finished:
+            del self._requests[state.request_id]
         return results, stopped
 
     @staticmethod
     def _note_metrics(state: _RequestState, completion: _Completion,
-                      out: EngineCoreOutput) -> None:
+                      out: EngineCoreOutput, now: float) -> None:
         times = state.times
         if out.queue_time is not None and "first_scheduled_time" not in times:
             times["first_scheduled_time"] = times["arrival_time"] + out.queue_time
         if out.new_token_ids:
-            times.setdefault("first_token_time", time.time())
-            times["last_token_time"] = time.time()
+            times.setdefault("first_token_time", now)
+            times["last_token_time"] = now
         if out.spec_tokens is not None:
             completion.spec_tokens = tuple(out.spec_tokens)
         if out.kv_blocks is not None:
@@ -163,9 +164,9 @@ class OutputProcessor:
         """Detokenize new tokens, apply stop strings; True if a stop string ended it here."""
         params = completion.params
         new_ids = out.new_token_ids
-        ended_by_token = (out.finish_reason == FinishReason.STOP and out.stop_reason is None
-                          or isinstance(out.stop_reason, int))
-        if ended_by_token and not params.include_stop_str_in_output:
+        if out.finish_reason is not None and not params.include_stop_str_in_output and (
+                out.finish_reason == FinishReason.STOP and out.stop_reason is None
+                or isinstance(out.stop_reason, int)):
             new_ids = new_ids[:-1]  # EOS / stop token: not part of the text
         detok = completion.detokenizer
         before = len(detok.text)

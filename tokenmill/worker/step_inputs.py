@@ -27,16 +27,21 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         token_ids: list[int] = []
         sample_seqs, prompt_seqs, prompt_rows, sample_counts = [], [], [], []
         for i, s in enumerate(scheduled):
-            request = s.request
+            request, drafts = s.request, s.drafts
             first = len(token_ids)
-            end = s.end - len(s.drafts)  # (drafts: after the request's tokens)
+            end = s.start + s.num_new_tokens - len(drafts)  # (drafts: after its tokens)
+            num_tokens = request.num_tokens
             # a position past the host's tokens (asynchronous scheduling) holds 0 until the
             # runner fills in the token its previous step sampled
-            known = min(end, request.num_tokens)
-            token_ids.extend(request.token_ids(s.start, known) + [0] * (end - known) + s.drafts)
-            if end >= request.num_tokens:
+            known = min(end, num_tokens)
+            token_ids += request.token_ids(s.start, known)
+            if end > known:
+                token_ids += [0] * (end - known)
+            if drafts:
+                token_ids += drafts
+            if end >= num_tokens:
                 sample_seqs.append(i)
-                sample_counts.append(1 + len(s.drafts))
+                sample_counts.append(1 + len(drafts))
             if request.sampling_params.prompt_logprobs is not None:
                 # rows start .. last-1 predict prompt tokens start+1 .. last
                 last = min(s.end, request.num_prompt_tokens - 1)
