@@ -295,10 +295,12 @@ class ModelRunner:
             return pending
         logits = None
         if sample_rows:
-            # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order
-            rows = hidden if kept is not None else hidden[
-                [meta.query_start_loc[i + 1] - n + r
-                 for i, n in zip(sample_rows, inputs.sample_counts) for r in range(n)]]
+            # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order;
+            # so does a step whose every row is sampled (decodes)
+            rows = hidden if kept is not None or inputs.num_sampled_rows == len(hidden) \
+                else hidden[[meta.query_start_loc[i + 1] - n + r
+                             for i, n in zip(sample_rows, inputs.sample_counts)
+                             for r in range(n)]]
             logits = self.model.compute_logits(rows)
         prompt_logits = [self.model.compute_logits(hidden[first:first + n])
                          for first, n in inputs.prompt_rows]
