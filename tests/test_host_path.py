@@ -10,7 +10,7 @@ from helpers import make_spm_tokenizer, make_tokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
-from tokenmill.tokenizer import token_decoder
+from tokenmill.tokenizer import _UNSET, IncrementalDetokenizer, token_decoder
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 
@@ -25,6 +25,32 @@ def test_token_decoder_equals_the_tokenizers_decode(tmp_path, make, skip):
         for _ in range(20):
             ids = [rng.randrange(len(tokenizer)) for _ in range(n)]
             assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("make", [make_tokenizer, make_spm_tokenizer])
+@pytest.mark.parametrize("skip", [True, False])
+def test_streamed_detokenizer_equals_the_python_steps(tmp_path, make, skip):
+    """The detokenizer through `tokenizers`' DecodeStream gives the reference steps' deltas,
+    call by call: random ids (special tokens, partial UTF-8 byte tokens) in random chunks
+    after random prompts (some ending in an incomplete character), flushed at the end."""
+    tokenizer = make(str(tmp_path))
+    tokenizer.clean_up_tokenization_spaces = False  # (decoded by the backend as it is)
+    rng = random.Random(2)
+    streamed = 0
+    for _ in range(300):
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 8))]
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 30))]
+        fast = IncrementalDetokenizer(tokenizer, prompt, skip)
+        reference = IncrementalDetokenizer(tokenizer, prompt, skip)
+        reference._start_stream = lambda: None
+        cuts = sorted(rng.sample(range(len(ids) + 1), min(3, len(ids) + 1)))
+        chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)])]
+        for i, chunk in enumerate(chunks):
+            final = i == len(chunks) - 1
+            streamed += final and fast._stream not in (None, _UNSET)  # (still streaming)
+            assert fast.add_tokens(chunk, final) == reference.add_tokens(chunk, final)
+        assert fast.text == reference.text
+    assert streamed > 100  # (most prompts' text ends in a whole character)
 
 
 def test_token_decoder_keeps_the_wrappers_space_clean_up(tmp_path):
