@@ -8,13 +8,15 @@ engine waits for each step's tokens before it schedules the next), so it adds to
 decode step; here it is measured on the CPU, where the same Python runs.
 
     python bench/host_overhead.py [--async-scheduling] [--final-only]
-        [--out bench/results/host-overhead-DATE.json]
+        [--prompt-len-host N] [--out bench/results/host-overhead-DATE.json]
 
 Reports the median over the all-decode steps of `LLMEngine.step()` (the serving path: every
 advanced request's result built; `--final-only`: the offline `LLM`'s steps) for batches of
 1, 8 and 64 sequences (greedy; and batch 1 with temperature / top-p / a repetition penalty),
 in milliseconds of wall time and of the calling thread's CPU time, each the least of
-`--repeats` runs' medians (a busy machine only adds time), and `--profile` prints the top
+`--repeats` runs' medians (a busy machine only adds time); the host's share of one 2048-token
+prompt's `generate()` (`--prompt-len-host`: its wall time less the model's forward); and
+`--profile` prints the top
 functions by own time for batch 1 (`--profile-batch N`: for N sequences)."""
 
 from __future__ import annotations
@@ -54,6 +56,48 @@ def step_times(llm, batch: int, params, steps: int, final_only: bool = False,
     return wall, cpu
 
 
+def prompt_host_ms(root: str, length: int, reps: int = 20) -> dict:
+    """A `length`-token prompt's `generate()` (max_tokens=1) and, of it, the model's forward:
+    the rest is the host's work around one long prompt (checks, scheduling, the step's
+    inputs, sampling, outputs), which on a GPU comes before its first kernel or after its
+    last. Medians over `reps` calls."""
+    import random
+
+    from helpers import make_model
+
+    from tokenmill import LLM, SamplingParams
+
+    path = os.path.join(root, "tiny_long")
+    make_model(path, "qwen2", max_position_embeddings=length + 64)
+    llm = LLM(path, kv_cache_memory_gib=0.25, enable_prefix_caching=False,
+              max_num_batched_tokens=length, max_model_len=length + 64)
+    model = llm.engine.core.runner.model
+    forward, spent = model.forward, []
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    model.forward = timed_forward
+    rng = random.Random(0)
+    prompt = {"prompt_token_ids": [rng.randrange(5, 200) for _ in range(length)]}
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    walls, rests = [], []
+    for i in range(reps + 3):
+        spent.clear()
+        start = time.perf_counter()
+        llm.generate([prompt], one, use_tqdm=False)
+        wall = time.perf_counter() - start
+        if i >= 3:  # (warm-up)
+            walls.append(wall * 1e3)
+            rests.append((wall - sum(spent)) * 1e3)
+    return {"generate_ms": round(statistics.median(walls), 4),
+            "host_ms": round(statistics.median(rests), 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -67,6 +111,9 @@ def main() -> None:
     parser.add_argument("--final-only", action="store_true",
                         help="steps as the offline LLM runs them: only finished requests' "
                              "results built (and their text)")
+    parser.add_argument("--prompt-len-host", type=int, default=2048,
+                        help="also time the host's work around one prompt of this many "
+                             "tokens (0: skip)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="the engine with async_scheduling=True (on a CPU nothing "
                              "overlaps: this measures what the asynchronous path costs)")
@@ -97,6 +144,11 @@ def main() -> None:
                          "medians_ms": [round(m, 4) for m in wall]}
         print(f"{name:16s} {min(wall):.3f} ms/step, engine thread's CPU {min(cpu):.3f} ms "
               f"(wall medians {', '.join(f'{m:.3f}' for m in wall)})")
+    if args.prompt_len_host:
+        name = f"prompt{args.prompt_len_host}"
+        results[name] = prompt_host_ms(os.path.dirname(path), args.prompt_len_host)
+        print(f"{name:16s} generate {results[name]['generate_ms']:.3f} ms, of which the "
+              f"host's (not the forward) {results[name]['host_ms']:.3f} ms")
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
