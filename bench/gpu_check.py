@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_probes import (  # noqa: E402
     device_share,
+    device_tflops,
     environment,
     generate,
     guarded,
@@ -179,14 +180,6 @@ def performance(root: str, quick: bool) -> dict:
         path, prompts, params, batch, greedy, {"skinny_linear": {"env": SKINNY}},
         out_len)["skinny_linear"])
     return res
-
-
-def device_tflops(res: dict, flops: float) -> None:
-    """The 2k prefill's FLOPs over its kernels' device time alone: the share of peak the
-    device reached, apart from the host's time before its first kernel and after its last."""
-    device_us = res["prefill_2k_kernels"].get("device_us")
-    if device_us:
-        res["prefill_2k_device_tflops"] = flops / device_us / 1e6
 
 
 def prefill_7b_shape(root: str) -> dict:

@@ -130,3 +130,12 @@ def device_share(section: dict, roofline_tok_s: float) -> float | None:
     split = section.get("decode_split", {})
     replays = [v for k, v in split.items() if k.startswith("graph_replay_ms_batch1_")]
     return 1e3 / min(replays) / roofline_tok_s if replays else None
+
+
+def device_tflops(res: dict, flops: float) -> None:
+    """The 2k prefill's FLOPs over its kernels' device time alone (`kernel_time`): the share
+    of peak the device reached, apart from the host's time before its first kernel and
+    after its last."""
+    device_us = res["prefill_2k_kernels"].get("device_us")
+    if device_us:
+        res["prefill_2k_device_tflops"] = flops / device_us / 1e6

@@ -158,11 +158,11 @@ class Scheduler:
             drafts, probs = request.spec_token_ids, request.spec_probs
             if drafts or probs is not None:  # (proposers assign new lists, never append)
                 request.spec_token_ids, request.spec_probs = [], None
-            if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
-                drafts = drafts[:budget - 1]
-                num_new += len(drafts)
-            elif drafts or probs is not None:
-                drafts, probs = [], None
+                if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
+                    drafts = drafts[:budget - 1]
+                    num_new += len(drafts)
+                else:
+                    drafts, probs = [], None
             while not allocate(request, num_new, None, lookahead):
                 victim = self.running.pop()
                 self._preempt(victim)
