@@ -1,8 +1,8 @@
 """What the GPU checklist (gpu_check.py) measures with: a part guarded so its failure keeps
 the section's other numbers, wall time around CUDA syncs, a decode step's device time (graph
-replays) beside its host waits, profiles of host ops and of a graph replay's kernels, and the
-device step's share of the bandwidth roofline, and environment variables set while an engine
-is built."""
+replays) beside its host waits, profiles of host ops and of the kernels of a graph replay or
+of any call (a 2k prefill: its device-only TFLOP/s), the device step's share of the bandwidth
+roofline, and environment variables set while an engine is built."""
 
 from __future__ import annotations
 
