@@ -264,7 +264,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        n_out = request.num_output_tokens
+        n_out = len(request.output_token_ids)  # (per token of every request: no properties)
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in params.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -273,6 +273,6 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.prompt_token_ids) + n_out >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -303,9 +303,11 @@ class EngineCore:
             self.clock.stop()
 
     def _outputs(self, step: SchedulerOutput, result) -> list[EngineCoreOutput]:
-        # (a micro-batch's requests may have been aborted or preempted while it ran)
+        # (a micro-batch's requests may have been aborted or preempted while it ran: their
+        # prompt logprobs are dropped)
         stale = {s.request.request_id for s in step.scheduled
-                 if s.request.status.finished or s.request.num_preemptions != s.preemptions}
+                 if s.request.status.finished or s.request.num_preemptions != s.preemptions
+                 } if result.prompt_logprobs else set()
         updated = self.scheduler.update_from_output(step, result.sampled)
         # Structured outputs: each grammar takes its request's new tokens; a grammar ends
         # only on a stop token, so a request ignoring EOS ends there too. A token the grammar
