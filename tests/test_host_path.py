@@ -49,6 +49,11 @@ def test_streamed_detokenizer_equals_the_python_steps(tmp_path, make, skip):
             final = i == len(chunks) - 1
             streamed += final and fast._stream not in (None, _UNSET)  # (still streaming)
             assert fast.add_tokens(chunk, final) == reference.add_tokens(chunk, final)
+        # the text kept in pieces: its length and any tail as the joined text's (read
+        # before `text`, which joins the pieces)
+        assert fast.text_length == len(reference.text)
+        assert [fast.tail(k) for k in range(len(reference.text) + 2)] == [
+            reference.text[k:] for k in range(len(reference.text) + 2)]
         assert fast.text == reference.text
     assert streamed > 100  # (most prompts' text ends in a whole character)
 

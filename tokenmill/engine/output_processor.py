@@ -169,7 +169,7 @@ class OutputProcessor:
                 or isinstance(out.stop_reason, int)):
             new_ids = new_ids[:-1]  # EOS / stop token: not part of the text
         detok = completion.detokenizer
-        before = len(detok.text)
+        before = detok.text_length
         detok.add_tokens(new_ids, final=out.finish_reason is not None)
         if out.finish_reason is not None:
             completion.finish_reason = str(FinishReason(out.finish_reason))
@@ -178,8 +178,9 @@ class OutputProcessor:
             return False
         longest = max(len(s) for s in params.stop)
         search_from = max(0, before - longest + 1)
-        hits = [(detok.text.find(s, search_from), s) for s in params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
+        tail = detok.tail(search_from)  # (the new text and what a stop string may span)
+        hits = [(search_from + i, s) for i, s in ((tail.find(s), s) for s in params.stop)
+                if i >= 0]
         if not hits:
             return False
         index, stop = min(hits)
