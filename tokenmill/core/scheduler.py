@@ -164,7 +164,7 @@ class Scheduler:
                 else:
                     drafts, probs = [], None
             while not allocate(request, num_new, None, lookahead):
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -203,7 +203,7 @@ class Scheduler:
         block_ids = self.kv_cache.block_ids
         for s in scheduled:
             request = s.request
-            end = s.start + s.num_new_tokens
+            end = s.end
             if end - len(s.drafts) == request.num_tokens + request.num_pending:
                 request.num_pending += 1  # (the step samples its next token)
             request.num_computed_tokens = end
@@ -264,7 +264,7 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        n_out = len(request.output_token_ids)  # (per token of every request: no properties)
+        n_out = request.num_output_tokens
         if n_out >= params.min_tokens:
             if not params.ignore_eos and token in params.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
@@ -273,6 +273,6 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if len(request.prompt_token_ids) + n_out >= self.config.max_model_len:
+        if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

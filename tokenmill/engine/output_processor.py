@@ -179,8 +179,7 @@ class OutputProcessor:
         longest = max(len(s) for s in params.stop)
         search_from = max(0, before - longest + 1)
         tail = detok.tail(search_from)  # (the new text and what a stop string may span)
-        hits = [(search_from + i, s) for i, s in ((tail.find(s), s) for s in params.stop)
-                if i >= 0]
+        hits = [(search_from + i, s) for s in params.stop if (i := tail.find(s)) >= 0]
         if not hits:
             return False
         index, stop = min(hits)

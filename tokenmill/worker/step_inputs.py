@@ -29,7 +29,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         for i, s in enumerate(scheduled):
             request, drafts = s.request, s.drafts
             first = len(token_ids)
-            end = s.start + s.num_new_tokens - len(drafts)  # (drafts: after its tokens)
+            end = s.end - len(drafts)  # (drafts: after the request's tokens)
             num_tokens = request.num_tokens
             # a position past the host's tokens (asynchronous scheduling) holds 0 until the
             # runner fills in the token its previous step sampled
