@@ -23,6 +23,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.outputs import OutputKind
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 
 _NEG = -1.0e9  # transformers' "cannot be chosen" offset
@@ -167,7 +168,8 @@ async def run_async(engine, prompt: list[int], params: BeamSearchParams,
         final = None
         async for out in engine.generate(tokens, step_params(search),
                                          request_id=f"{request_id}-beam{next(counter)}",
-                                         reservation=reservation):
+                                         reservation=reservation,
+                                         output_kind=OutputKind.FINAL_ONLY):
             final = out
         return top_pairs(final.outputs[0].logprobs[0], search.k)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -43,3 +44,52 @@ class RequestOutput:
     # (those passed so far); num_draft_tokens / num_accepted_tokens (speculative decoding);
     # kv_cache_reused_blocks / kv_cache_total_blocks (once finished)
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class OutputKind(enum.Enum):
+    """What each result of a streamed request holds (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # text, ids and logprobs new since the previous result
+    FINAL_ONLY = 2  # one result, once the request finished
+
+
+class OutputSum:
+    """Delta results of one request added up; `output()` is the sum so far (the text joined
+    only then). Several deltas a slow reader missed become one; a cumulative or final reader
+    gets the whole. Each completion's last finish reason, stop reason and cumulative logprob
+    win, as do the request's last metrics, prompt logprobs and cached-token count."""
+
+    def __init__(self) -> None:
+        self.last: RequestOutput | None = None
+        self._parts: dict[int, tuple[list[str], list[int], list | None]] = {}
+
+    def add(self, delta: RequestOutput) -> None:
+        self.last = delta
+        for c in delta.outputs:
+            parts = self._parts.get(c.index)
+            if parts is None:
+                parts = self._parts[c.index] = ([], [], None if c.logprobs is None else [])
+            if c.text:
+                parts[0].append(c.text)
+            parts[1].extend(c.token_ids)
+            if c.logprobs is not None:
+                parts[2].extend(c.logprobs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(parts[1]) for parts in self._parts.values())
+
+    def output(self) -> RequestOutput:
+        last, outputs = self.last, []
+        for c in last.outputs:
+            texts, ids, logprobs = self._parts[c.index]
+            if len(texts) > 1:
+                texts[:] = ["".join(texts)]
+            outputs.append(CompletionOutput(
+                c.index, texts[0] if texts else "", list(ids), c.finish_reason,
+                None if logprobs is None else list(logprobs), c.stop_reason,
+                c.cumulative_logprob))
+        return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs,
+                             last.finished, last.prompt_logprobs, last.num_cached_tokens,
+                             last.metrics)

@@ -27,7 +27,6 @@ from tokenmill.entrypoints.http.openai_protocol import (
 )
 from tokenmill.entrypoints.http.prompts import PromptEncoder
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json_object
-from tokenmill.entrypoints.http.streaming import DeltaTracker
 from tokenmill.entrypoints.kserve import tensors
 from tokenmill.entrypoints.kserve.ensemble import ensemble_fields
 from tokenmill.sampling_params import SamplingParams
@@ -485,8 +484,9 @@ def test_incremental_detokenizer_matches_decode(tokenizer, data):
 @given(data=st.data())
 def test_stop_strings_never_leak_from_stream_deltas(tokenizer, data):
     """Engine-core outputs through the real OutputProcessor (stop strings applied to the
-    decoded text) into a DeltaTracker: what streams before the end is always a prefix of the
-    final text, so a stop string never reaches the client unless asked for."""
+    decoded text) as delta results, beside the same outputs as cumulative ones: what streams
+    before the end is always a prefix of the cumulative text, so a stop string never reaches
+    the client unless asked for, and the deltas add up to the cumulative result."""
     vocab = len(tokenizer)
     ids = data.draw(st.lists(st.integers(2, vocab - 1), min_size=1, max_size=24), "ids")
     text = tokenizer.decode(ids)
@@ -497,19 +497,22 @@ def test_stop_strings_never_leak_from_stream_deltas(tokenizer, data):
                                            min_size=1, max_size=2), "stops")
     include = data.draw(st.booleans(), "include_stop_str_in_output")
     params = SamplingParams(max_tokens=len(ids), stop=stops, include_stop_str_in_output=include)
-    processor = OutputProcessor(tokenizer)
-    [child] = processor.add_request("r", None, [5, 6], params)
-    tracker = DeltaTracker(params.stop)
+    processor, reference = OutputProcessor(tokenizer), OutputProcessor(tokenizer)
+    [child] = processor.add_request("r", None, [5, 6], params, delta=True)
+    reference.add_request("r", None, [5, 6], params)
     chunks = [chunk for chunk in _chunks(data.draw, ids) if chunk]
-    streamed = ""
+    streamed, streamed_ids = "", []
     for i, chunk in enumerate(chunks):
         # The engine core marks the last token of a max_tokens-long output LENGTH.
         finish = int(FinishReason.LENGTH) if i == len(chunks) - 1 else None
         [result], _ = processor.process_outputs([EngineCoreOutput(child, chunk, finish)])
-        c = result.outputs[0]
+        [whole], _ = reference.process_outputs([EngineCoreOutput(child, chunk, finish)])
+        d, c = result.outputs[0], whole.outputs[0]
+        assert (d.finish_reason, d.stop_reason) == (c.finish_reason, c.stop_reason)
         finished = c.finish_reason is not None
-        delta, _, _ = tracker.update(c, finished)
-        streamed += delta
+        streamed += d.text
+        streamed_ids += d.token_ids
+        assert streamed_ids == c.token_ids
         if finished:
             break
         assert c.text.startswith(streamed)

@@ -18,7 +18,7 @@ from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.metrics import Metrics
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import OutputKind, OutputSum, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import bad_words_token_ids
 
@@ -108,9 +108,13 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, prompt: str | None = None,
-                       reservation: Any = None) -> AsyncIterator[RequestOutput]:
+                       reservation: Any = None,
+                       output_kind: OutputKind = OutputKind.CUMULATIVE
+                       ) -> AsyncIterator[RequestOutput]:
         """`reservation`: the API's admission reservation (`consume(n)`), handed over once
-        the request counts as in flight here."""
+        the request counts as in flight here. `output_kind`: cumulative results, deltas
+        (what streaming APIs send: each costs O(new) however long the output; deltas a slow
+        reader missed come as one), or only the final result."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
@@ -119,32 +123,39 @@ class AsyncLLM:
         bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params = params.clone(eos_token_ids=list(self.eos_token_ids),
                               bad_words_token_ids=bad_ids)
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()  # delta results, or the error that ends it
         self._queues[request_id] = queue
         self._num_sequences += params.n
         if reservation is not None:
             reservation.consume(params.n)
         finished = False
         timer = _RequestTimer(self.metrics, len(prompt_token_ids))
+        total = OutputSum()
         request_log.started(prompt_token_ids, params)
         try:
-            child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params)
+            child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params,
+                                                   delta=True)
             for i, child_id in enumerate(child_ids):
                 child_params = params.for_child(i)
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic()))
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    timer.finish("error")
-                    raise item
-                finished = item.finished
-                timer.output(item)
-                request_log.produced(item, finished)
-                yield item
-                if finished:
-                    return
+            while not finished:
+                deltas = [await queue.get()]
+                while not queue.empty():  # (what came while the reader was busy)
+                    deltas.append(queue.get_nowait())
+                for item in deltas:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        timer.finish("error")
+                        raise item
+                    total.add(item)
+                    timer.output(item)
+                    finished = item.finished
+                request_log.produced(total, finished)
+                if output_kind is OutputKind.DELTA:
+                    yield deltas[0] if len(deltas) == 1 else _summed(deltas)
+                elif finished or output_kind is OutputKind.CUMULATIVE:
+                    yield total.output()
         finally:
             self._queues.pop(request_id, None)
             self._num_sequences -= params.n
@@ -192,6 +203,9 @@ class AsyncLLM:
                     if queue is not None:
                         queue.put_nowait(result)
                 await self.client.finish_requests(stopped)
+                # readers run before the next batch (a batch already received would not
+                # let them: each would then get several steps' deltas as one)
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure here means no more outputs
@@ -257,19 +271,19 @@ class _RequestTimer:
         if self.metrics is not None:
             self.metrics.request_ended(disconnected)
 
-    def output(self, out: RequestOutput) -> None:
+    def output(self, delta: RequestOutput) -> None:
         if self.metrics is None:
             return
         now = time.monotonic()
-        tokens = sum(len(c.token_ids) for c in out.outputs)
-        if tokens > self.num_tokens:
+        new = sum(len(c.token_ids) for c in delta.outputs)
+        if new:
             if self.num_tokens == 0:
                 self.metrics.first_token(now - self.start)
             else:
                 self.metrics.inter_token(now - self.last)
-            self.num_tokens, self.last = tokens, now
-        if out.finished:
-            reasons = {c.finish_reason for c in out.outputs}
+            self.num_tokens, self.last = self.num_tokens + new, now
+        if delta.finished:
+            reasons = {c.finish_reason for c in delta.outputs}
             self.finish("length" if reasons == {"length"} else "stop")
 
     def finish(self, outcome: str) -> None:
@@ -278,6 +292,13 @@ class _RequestTimer:
         self.done = True
         self.metrics.request_finished(outcome, self.num_prompt_tokens, self.num_tokens,
                                       time.monotonic() - self.start)
+
+
+def _summed(deltas: list[RequestOutput]) -> RequestOutput:
+    summed = OutputSum()
+    for delta in deltas:
+        summed.add(delta)
+    return summed.output()
 
 
 def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:

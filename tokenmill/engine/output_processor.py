@@ -27,11 +27,31 @@ class _Completion:
     kv_blocks: tuple[int, int] = (0, 0)  # from the prefix cache, filled (when finished)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # delta outputs: characters held back while running (they may become a stop string),
+    # and the characters and tokens already handed out
+    hold: int = 0
+    sent_text: int = 0
+    sent_ids: int = 0
 
     def output(self) -> CompletionOutput:
+        logprobs = None if self.logprobs is None else list(self.logprobs)
         return CompletionOutput(self.index, self.detokenizer.text, list(self.token_ids),
-                                self.finish_reason, self.logprobs, self.stop_reason,
+                                self.finish_reason, logprobs, self.stop_reason,
                                 self.cumulative_logprob)
+
+    def delta(self) -> CompletionOutput:
+        """What came since the last delta: the new text (less the last `hold` characters
+        while running: a stop string found later never reaches the caller), ids and
+        logprobs. O(new), however long the output."""
+        detok, sent = self.detokenizer, self.sent_text
+        end = detok.text_length if self.finish_reason is not None \
+            else max(sent, detok.text_length - self.hold)
+        text = detok.tail(sent)[:end - sent] if end > sent else ""
+        first = self.sent_ids
+        self.sent_text, self.sent_ids = end, len(self.token_ids)
+        logprobs = None if self.logprobs is None else self.logprobs[first:]
+        return CompletionOutput(self.index, text, self.token_ids[first:], self.finish_reason,
+                                logprobs, self.stop_reason, self.cumulative_logprob)
 
 
 @dataclass
@@ -42,6 +62,7 @@ class _RequestState:
     completions: list[_Completion]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    delta: bool = False  # results carry what came since the last one (see _Completion.delta)
     # epoch seconds: arrival_time, first_scheduled_time, first_token_time, last_token_time
     times: dict[str, float] = field(default_factory=dict)
 
@@ -61,16 +82,19 @@ class OutputProcessor:
         self._children: dict[str, tuple[_RequestState, _Completion]] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[str]:
-        """Registers a request; returns the engine-core ids of its `n` sequences."""
-        state = _RequestState(request_id, prompt, prompt_token_ids, [],
+                    params: SamplingParams, delta: bool = False) -> list[str]:
+        """Registers a request; returns the engine-core ids of its `n` sequences. `delta`:
+        its results carry only what is new since the previous one (a long output's results
+        then cost the same at its end as at its start)."""
+        state = _RequestState(request_id, prompt, prompt_token_ids, [], delta=delta,
                               times={"arrival_time": time.time()})
+        hold = max((len(s) for s in params.stop), default=1) - 1
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         ids = []
         for i in range(params.n):
             completion = _Completion(i, params, IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens))
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens), hold=hold)
             if params.logprobs is not None:
                 completion.logprobs, completion.cumulative_logprob = [], 0.0
             state.completions.append(completion)
@@ -213,6 +237,7 @@ class OutputProcessor:
             metrics[name] = sum(c.spec_tokens[i] for c in state.completions)
         for i, name in enumerate(("kv_cache_reused_blocks", "kv_cache_total_blocks")):
             metrics[name] = sum(c.kv_blocks[i] for c in state.completions)
+        outputs = [c.delta() if state.delta else c.output() for c in state.completions]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
-                             [c.output() for c in state.completions], state.finished,
+                             outputs, state.finished,
                              state.prompt_logprobs, state.num_cached_tokens, metrics)

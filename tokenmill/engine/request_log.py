@@ -41,16 +41,16 @@ def started(prompt_token_ids: list[int], params: Any = None) -> None:
             record.params = params
 
 
-def produced(output, final: bool) -> None:
-    """One RequestOutput of an engine request of the current API request."""
+def produced(total, final: bool) -> None:
+    """An engine request of the current API request advanced: `total` is its `OutputSum`."""
     record = current.get()
     if record is None:
         return
-    if record.first_token is None and any(c.token_ids for c in output.outputs):
+    if record.first_token is None and total.num_tokens:
         record.first_token = time.monotonic()
     if final:
         if record.metrics is None:
-            record.metrics = dict(getattr(output, "metrics", None) or {})
-        record.output_tokens += sum(len(c.token_ids) for c in output.outputs)
+            record.metrics = dict(total.last.metrics or {})
+        record.output_tokens += total.num_tokens
         if record.keep_text:
-            record.outputs.extend(c.text for c in output.outputs)
+            record.outputs.extend(c.text for c in total.output().outputs)

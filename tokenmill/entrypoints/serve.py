@@ -196,10 +196,12 @@ class ServeProcess:
                 os.kill(worker.pid, sig)
 
     async def _warmup(self, state: ServerState) -> None:
+        from tokenmill.outputs import OutputKind
         from tokenmill.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        async for _ in state.engine.generate([1] * 8, params, request_id="warmup"):
+        async for _ in state.engine.generate([1] * 8, params, request_id="warmup",
+                                             output_kind=OutputKind.FINAL_ONLY):
             pass
 
     async def _watch(self, processes, state: ServerState) -> None:

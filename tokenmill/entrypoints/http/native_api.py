@@ -29,21 +29,19 @@ from tokenmill.entrypoints.http.native_protocol import (
 )
 from tokenmill.entrypoints.http.openai_api import RETRY_AFTER_S
 from tokenmill.entrypoints.http.state import ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
-from tokenmill.outputs import RequestOutput
+from tokenmill.entrypoints.http.streaming import json_line, unless_disconnected
+from tokenmill.outputs import CompletionOutput, OutputKind
 
 
 def _now() -> str:
     return datetime.datetime.now().isoformat(sep=" ", timespec="microseconds")
 
 
-def _visible_ids(out: RequestOutput) -> list[int]:
-    """Generated ids without the EOS / stop token that ended the sequence (seed behaviour)."""
-    c = out.outputs[0]
-    ids = list(c.token_ids)
-    if c.finish_reason == "stop" and (c.stop_reason is None or isinstance(c.stop_reason, int)):
-        ids = ids[:-1]
-    return ids
+def _ends_with_stop_token(c: CompletionOutput) -> bool:
+    """Whether the EOS / stop token that ended the sequence is its last id (not shown: seed
+    behaviour)."""
+    return c.finish_reason == "stop" and (c.stop_reason is None
+                                          or isinstance(c.stop_reason, int))
 
 
 def error_body(req_id: str | None, message: str, status: int) -> dict:
@@ -63,11 +61,14 @@ def error_response(body: dict, message: str, status: int,
 
 async def _messages(req: NativeRequest, state: ServerState,
                     received: str) -> AsyncIterator[dict]:
-    """One message per engine step: the new text and ids since the previous message."""
-    tracker = DeltaTracker(req.params.stop)
+    """One message per engine step (several steps' when the reader fell behind): the new
+    text and ids since the previous message."""
     started = time.monotonic()
     stream = state.engine.generate(req.prompt_token_ids, req.params, request_id=req.req_id,
-                                   reservation=req.reservation)
+                                   reservation=req.reservation, output_kind=OutputKind.DELTA)
+    texts: list[str] = []  # everything so far, for the last message
+    ids: list[int] = []
+    generated = 0
     async with contextlib.aclosing(stream):
         while True:
             try:
@@ -83,8 +84,13 @@ async def _messages(req: NativeRequest, state: ServerState,
                                  "seconds.", 504)
                 return
             c = out.outputs[0]
-            ids = _visible_ids(out) if out.finished else list(c.token_ids)
-            text, new_ids, first = tracker.update(c, out.finished, ids)
+            first, text = len(ids), c.text
+            ids += c.token_ids
+            texts.append(text)
+            generated += len(c.token_ids)
+            if out.finished and c.token_ids and _ends_with_stop_token(c):
+                ids.pop()
+            new_ids = ids[first:]
 
             def message(text: str, new_ids: list[int], send_idx: int, end: bool) -> dict:
                 m = {"req_id": req.req_id, "token": text, "token_ids": new_ids,
@@ -103,13 +109,12 @@ async def _messages(req: NativeRequest, state: ServerState,
             if text or new_ids:
                 yield message(text, new_ids, first, False)
             final = message("", [], len(ids), True)
-            final.update(tokens_all=c.text, tokens_all_ids=ids, tokens_all_num=len(ids),
-                         finish_reason=c.finish_reason)
+            final.update(tokens_all="".join(texts), tokens_all_ids=ids,
+                         tokens_all_num=len(ids), finish_reason=c.finish_reason)
             if req.return_usage:
                 final["usage"] = {"prompt_tokens": len(req.prompt_token_ids),
-                                  "completion_tokens": len(c.token_ids),
-                                  "total_tokens": len(req.prompt_token_ids)
-                                  + len(c.token_ids)}
+                                  "completion_tokens": generated,
+                                  "total_tokens": len(req.prompt_token_ids) + generated}
             yield final
 
 

@@ -24,8 +24,8 @@ from tokenmill.entrypoints.http.openai_protocol import (
 )
 from tokenmill.entrypoints.http.reasoning import constraint_start
 from tokenmill.entrypoints.http.state import Reservation, ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, merge, unless_disconnected
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.entrypoints.http.streaming import json_line, merge, unless_disconnected
+from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -185,9 +185,9 @@ class _Responder:
         self.model = req.model or state.served_model_name
         self.n = req.n
 
-    def _streams(self) -> list[AsyncIterator[RequestOutput]]:
+    def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
-                                           reservation=self.reservation)
+                                           reservation=self.reservation, output_kind=kind)
                 for i, job in enumerate(self.jobs)]
 
     def _usage(self, completion_tokens: int) -> dict:
@@ -203,7 +203,7 @@ class _Responder:
 
     async def whole(self) -> Response:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in merge(self._streams()):
+        async for i, out in merge(self._streams(OutputKind.FINAL_ONLY)):
             finals[i] = out
         choices, generated = [], 0
         for i in range(len(self.jobs)):
@@ -236,7 +236,6 @@ class _Responder:
         options = self.req.stream_options
         include_usage = options is not None and options.include_usage
         continuous = options is not None and options.continuous_usage_stats
-        trackers: dict[tuple[int, int], DeltaTracker] = {}
         chats: dict[tuple[int, int], ChatDeltas] = {}  # (reasoning and tool calls)
         counts: dict[tuple[int, int], int] = {}  # generated tokens per (prompt, choice)
         ended: set[tuple[int, int]] = set()
@@ -247,14 +246,14 @@ class _Responder:
                         yield self._sse(self._envelope([{
                             "index": i * self.n + k, "logprobs": None, "finish_reason": None,
                             "delta": {"role": "assistant", "content": ""}}], chunk=True))
-            async for i, out in merge(self._streams()):
-                for c in out.outputs:
+            async for i, out in merge(self._streams(OutputKind.DELTA)):
+                for c in out.outputs:  # (each with what is new since the last)
                     key = (i, c.index)
                     if key in ended:
                         continue
-                    tracker = trackers.setdefault(key, DeltaTracker(self.jobs[i].params.stop))
                     done = c.finish_reason is not None
-                    text, new_ids, first = tracker.update(c, done)
+                    text, new_ids, first = c.text, c.token_ids, counts.get(key, 0)
+                    counts[key] = first + len(new_ids)
                     delta = None
                     if self.chat:
                         deltas = chats.setdefault(key, self.output.stream())
@@ -266,7 +265,6 @@ class _Responder:
                                                                         deltas.has_calls())
                     elif not text and not new_ids and not done:
                         continue
-                    counts[key] = len(c.token_ids)
                     if done:
                         ended.add(key)
                     chunk = self._chunk(i, c, text, first, done, delta)
@@ -285,6 +283,7 @@ class _Responder:
 
     def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool,
                delta: dict | None = None) -> dict:
+        """`c`: a delta; `first`: the index of its first token in the whole choice."""
         end = len(c.token_ids)
         choice = {"index": i * self.n + c.index, "logprobs": None,
                   "finish_reason": c.finish_reason if done else None,
@@ -292,12 +291,12 @@ class _Responder:
         if self.chat:
             choice["delta"] = delta or ({} if done else {"content": ""})
             if c.logprobs is not None:
-                choice["logprobs"] = _chat_logprobs(c, first, end, self.top_logprobs)
+                choice["logprobs"] = _chat_logprobs(c, 0, end, self.top_logprobs)
         else:
             prefix = self.jobs[i].prompt_text or "" if self.echo and first == 0 else ""
             choice["text"] = prefix + text
             if c.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(c, first, end, 0)
+                choice["logprobs"] = _completion_logprobs(c, 0, end, 0)
         return self._envelope([choice], chunk=True)
 
     @staticmethod

@@ -1,5 +1,7 @@
-"""Pieces every streaming API shares: text deltas that never leak a stop string, merging the
-streams of several prompts, and cancelling work when the HTTP client goes away."""
+"""Pieces every streaming API shares: JSON lines no client splits, merging the streams of
+several prompts, and cancelling work when the HTTP client goes away. (The text deltas they
+send come from the engine: `OutputKind.DELTA`, which holds back what may become a stop
+string.)"""
 
 from __future__ import annotations
 
@@ -10,8 +12,6 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
-
-from tokenmill.outputs import CompletionOutput
 
 T = TypeVar("T")
 
@@ -26,29 +26,6 @@ def json_line(obj) -> str:
     """One JSON document that no client can split: raw UTF-8 (as vLLM sends) except the
     line-breaking characters above."""
     return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKERS)
-
-
-class DeltaTracker:
-    """Turns one completion's cumulative text/ids into deltas. While running, it holds back
-    the last `len(longest stop string) - 1` characters: they may still become a stop string,
-    which must never reach the client (the final output has it removed)."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent_text = 0
-        self.sent_ids = 0
-
-    def update(self, completion: CompletionOutput, finished: bool,
-               token_ids: list[int] | None = None) -> tuple[str, list[int], int]:
-        """Returns (new text, new ids, index of the first new id)."""
-        ids = completion.token_ids if token_ids is None else token_ids
-        text = completion.text
-        end = len(text) if finished else max(self.sent_text, len(text) - self.hold)
-        delta = text[self.sent_text:end]
-        first = self.sent_ids
-        new_ids = list(ids[first:])
-        self.sent_text, self.sent_ids = end, len(ids)
-        return delta, new_ids, first
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -23,7 +23,8 @@ from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.prompts import PromptTooLong
 from tokenmill.entrypoints.http.request_body import BodyError, read_body
 from tokenmill.entrypoints.http.state import ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker, json_line, unless_disconnected
+from tokenmill.entrypoints.http.streaming import json_line, unless_disconnected
+from tokenmill.outputs import OutputKind
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.structured_output.params import StructuredOutputsParams
 
@@ -236,8 +237,8 @@ async def parse_fields(fields: dict, state: ServerState
     return ids, sampling, options
 
 
-def logprob_fields(c, start: int) -> dict:
-    chosen = [pos[t].logprob for t, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:])]
+def logprob_fields(c) -> dict:
+    chosen = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or [])]
     return {"output_log_probs": chosen, "cum_log_probs": c.cumulative_logprob or 0.0}
 
 
@@ -292,10 +293,13 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
         if options["beams"] is not None:
             return await _beam_route(request, state, ids, options, head, streaming,
                                      reservation)
-        stream = state.engine.generate(ids, params, reservation=reservation)
         if streaming:
-            return StreamingResponse(_events(stream, params, options, head),
+            stream = state.engine.generate(ids, params, reservation=reservation,
+                                           output_kind=OutputKind.DELTA)
+            return StreamingResponse(_events(stream, options, head),
                                      media_type="text/event-stream")
+        stream = state.engine.generate(ids, params, reservation=reservation,
+                                       output_kind=OutputKind.FINAL_ONLY)
 
         async def whole() -> Response:
             last = None
@@ -304,7 +308,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             c = last.outputs[0]
             out = {**head, "text_output": options["echo"] + c.text}
             if options["log_probs"]:
-                out.update(logprob_fields(c, 0))
+                out.update(logprob_fields(c))
             if options["perf"]:
                 out.update(perf_fields(last))
             return JSONResponse(out)
@@ -372,18 +376,16 @@ async def _beam_route(request: Request, state: ServerState, ids: list[int], opti
     return StreamingResponse(one(), media_type="text/event-stream")
 
 
-async def _events(stream: AsyncIterator, params: SamplingParams, options: dict,
-                  head: dict) -> AsyncIterator[str]:
-    tracker = DeltaTracker(params.stop)
+async def _events(stream: AsyncIterator, options: dict, head: dict) -> AsyncIterator[str]:
+    """`stream`: delta results."""
     try:
         async for out in stream:
             c = out.outputs[0]
-            text, _, first = tracker.update(c, out.finished)
-            if not text and not out.finished:
+            if not c.text and not out.finished:
                 continue
-            event = {**head, "text_output": text}
+            event = {**head, "text_output": c.text}
             if options["log_probs"]:
-                event.update(logprob_fields(c, first))
+                event.update(logprob_fields(c))
             if options["perf"]:
                 event.update(perf_fields(out))
             yield f"data: {json_line(event)}\n\n"

@@ -32,10 +32,10 @@ from tokenmill.entrypoints.http.access_log import write_line
 from tokenmill.entrypoints.http.request_body import BodyError, parse_json
 from tokenmill.entrypoints.http.server import readiness
 from tokenmill.entrypoints.http.state import ServerState
-from tokenmill.entrypoints.http.streaming import DeltaTracker
 from tokenmill.entrypoints.kserve import tensors
 from tokenmill.entrypoints.kserve.ensemble import ensemble_fields, ensemble_metadata
 from tokenmill.metrics import REJECT_STATUS
+from tokenmill.outputs import OutputKind
 
 SEED_MODEL = "model"
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -334,22 +334,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             yield await self._beams(state, ids, options, out_shape, reservation), True
             return
         stream_deltas = streaming and options["stream"]
-        tracker = DeltaTracker(params.stop)
-        generate = state.engine.generate(ids, params, reservation=reservation)
+        generate = state.engine.generate(
+            ids, params, reservation=reservation,
+            output_kind=OutputKind.DELTA if stream_deltas else OutputKind.FINAL_ONLY)
         async with contextlib.aclosing(generate):
             async for out in generate:
                 c = out.outputs[0]
-                if stream_deltas:
-                    text, _, first = tracker.update(c, out.finished)
-                    if not text and not out.finished:
-                        continue
-                else:
-                    if not out.finished:
-                        continue
-                    text, first = options["echo"] + c.text, 0
+                if stream_deltas and not c.text and not out.finished:
+                    continue
+                text = c.text if stream_deltas else options["echo"] + c.text
                 outputs = [tensors.bytes_output("text_output", [text.encode()], out_shape)]
                 if options["log_probs"]:
-                    lp = triton_api.logprob_fields(c, first)
+                    lp = triton_api.logprob_fields(c)
                     outputs.append(tensors.fp32_output("cum_log_probs",
                                                        [lp["cum_log_probs"]], [1]))
                     outputs.append(tensors.fp32_output(
