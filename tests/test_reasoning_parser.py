@@ -5,7 +5,11 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.http.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.entrypoints.http.reasoning import (
+    ReasoningParser,
+    ReasoningStream,
+    WholeTextReasoningStream,
+)
 
 CASES = {
     "deepseek_r1": [
@@ -39,6 +43,25 @@ def test_whole_and_streamed_splits(name):
                 got[0] += r
                 got[1] += c
             assert tuple(got) == want, (text, pieces)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
+    """Texts made of tags, parts of tags and whitespace, cut at random: every piece's deltas
+    equal the reference's, which splits the whole text so far again each time."""
+    parser = ReasoningParser(name)
+    rng = random.Random(1)
+    parts = ["<think>", "</think>", "<th", "ink>", "</", "</th", "<", ">", " ", "\n", "a",
+             "think", "/"]
+    for _ in range(3000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) \
+            if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
+        fast, slow = ReasoningStream(parser), WholeTextReasoningStream(parser)
+        for k, piece in enumerate(pieces):
+            done = k == len(pieces) - 1
+            assert fast.feed(piece, done) == slow.feed(piece, done), (text, pieces, k)
 
 
 def test_unknown_parser():

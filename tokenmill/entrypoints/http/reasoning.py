@@ -66,7 +66,41 @@ def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
 
 
 class ReasoningStream:
-    """One streamed choice: each new piece of text -> (reasoning delta, content delta)."""
+    """One streamed choice: each new piece of text -> (reasoning delta, content delta), the
+    same as `WholeTextReasoningStream` gives, in time proportional to the piece: only the
+    text that may still be (part of) a tag is kept. An R1-style think section runs to tens of
+    thousands of tokens; splitting all of it again at every step cost O(length) each."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.opening = ""  # the start, while it may still be the opening tag
+        self.thinking: bool | None = None  # None: not yet known
+        self.pending = ""  # reasoning held back: it may be the start of the end tag
+
+    def feed(self, delta: str, done: bool) -> tuple[str, str]:
+        if self.thinking is None:
+            self.opening += delta
+            head = self.opening.lstrip()
+            if not done and START.startswith(head) and head != START:
+                return "", ""  # (maybe the opening tag, not yet whole)
+            opened = head.startswith(START)
+            self.thinking = opened or self.parser.name != "qwen3"
+            delta = head[len(START):] if opened else self.opening
+            self.opening = ""
+        if not self.thinking:
+            return "", delta
+        text = self.pending + delta
+        end = text.find(END)
+        if end >= 0:
+            self.thinking, self.pending = False, ""
+            return text[:end], text[end + len(END):]
+        keep = 0 if done else _partial_suffix(text, END)
+        self.pending = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+
+class WholeTextReasoningStream:
+    """The reference `ReasoningStream`: the whole text so far split again at each piece."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
