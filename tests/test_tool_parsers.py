@@ -9,7 +9,7 @@ import random
 import pytest
 
 from tokenmill.tool_calls.parsers import PARSERS, ToolCall, get_parser
-from tokenmill.tool_calls.stream import ToolCallStream
+from tokenmill.tool_calls.stream import ToolCallStream, WholeTextToolCallStream
 
 W = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
 T = ToolCall("get_time", "{}")
@@ -113,6 +113,30 @@ def test_content_that_only_looks_like_a_marker_is_sent():
     stream = ToolCallStream(get_parser("hermes"))
     assert stream.feed("a <tool", False) == ("a", [])  # (held: may open a call)
     assert stream.feed("box> b", False) == (" <toolbox> b", [])
+
+
+@pytest.mark.parametrize("name", list(PARSERS))
+def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
+    """Random texts of markers, their parts, whitespace, JSON and the recorded outputs, cut
+    at random: every piece's content and calls equal the reference's, which searches the
+    whole text so far again each time."""
+    rng = random.Random(2)
+    parser = get_parser(name)
+    markers = [*parser.markers, *parser.leading, *DS, "</tool_call>", "[ARGS]"]
+    parts = [*markers, *(m[:len(m) // 2] for m in markers), *(m[len(m) // 2:] for m in markers),
+             " ", "\n", "  \n", "text", '{"name": "get_time", "arguments": {}}', "[", "]",
+             "get_time()", ";"]
+    texts = [t for c in CASES + MALFORMED if c[0] == name for t in [c[1]]]
+    for k in range(1500):
+        text = texts[k % len(texts)] if k < 4 * len(texts) else \
+            "".join(rng.choice(parts) for _ in range(rng.randint(0, 10)))
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) \
+            if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
+        fast, slow = ToolCallStream(get_parser(name)), WholeTextToolCallStream(get_parser(name))
+        for i, piece in enumerate(pieces):
+            done = i == len(pieces) - 1
+            assert fast.feed(piece, done) == slow.feed(piece, done), (text, pieces, i)
 
 
 def test_unknown_parser_and_every_name_builds():

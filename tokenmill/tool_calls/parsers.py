@@ -84,15 +84,17 @@ class ToolParser(ABC):
         self.special_markers = any(m in special for m in self.markers + self.leading)
         return self
 
-    def section_start(self, text: str) -> int | None:
-        """Where the tool-call section starts in `text` (it may still be incomplete)."""
+    def section_start(self, text: str, leading: bool = True) -> int | None:
+        """Where the tool-call section starts in `text` (it may still be incomplete).
+        `leading=False`: `text` is not the output's start, so only `markers` can open it."""
         found = [i for m in self.markers if (i := text.find(m)) >= 0]
-        head = len(text) - len(text.lstrip())
-        if any(text.startswith(m, head) for m in self.leading):
-            found.append(head)
+        if leading:
+            head = len(text) - len(text.lstrip())
+            if any(text.startswith(m, head) for m in self.leading):
+                found.append(head)
         return min(found) if found else None
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, leading: bool = True) -> int:
         """Where text that may still become a section's start begins (len(text): none)."""
         hold = len(text)
         for m in self.markers:
@@ -100,9 +102,10 @@ class ToolParser(ABC):
                 if text.endswith(m[:n]):
                     hold = min(hold, len(text) - n)
                     break
-        head = len(text) - len(text.lstrip())
-        if any(m.startswith(text[head:]) for m in self.leading):
-            hold = min(hold, head)  # (only whitespace so far, or a leading marker's start)
+        if leading:
+            head = len(text) - len(text.lstrip())
+            if any(m.startswith(text[head:]) for m in self.leading):
+                hold = min(hold, head)  # (only whitespace so far, or a leading marker's start)
         return hold
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
