@@ -1,0 +1,173 @@
+"""The API process's work per engine step for long outputs (R1-style reasoning runs to tens
+of thousands of tokens), which must stay below the device's step time or the API process
+becomes the bottleneck of every stream.
+
+    python bench/api_outputs.py [--batch 64] [--lengths 1000,8000,32000] [--out FILE]
+
+For `--batch` sequences that have each generated L tokens (the tests' byte-level BPE
+tokenizer, random ids; no model), the median milliseconds per step, over 30 steps of one
+new token per sequence, of:
+- `processor_cumulative` / `processor_delta`: `OutputProcessor.process_outputs` building
+  cumulative results (the offline path; serving's before delta results) or delta results;
+- `reasoning_whole_text` / `reasoning_stream`: one `--reasoning-parser deepseek_r1` split of
+  each sequence's new text (the whole-text reference or the incremental stream);
+- `async_llm_delta`: the whole API side: AsyncLLM over a scripted engine-core client
+  (tests/scripted_client.py), each step's outputs processed and handed to `--batch` readers
+  of delta results, each feeding the incremental reasoning split, until all have read.
+Each number is the least of `--repeats` runs' medians."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+STEPS = 30
+
+
+def _steps(rng, batch, vocab, length):
+    """(warm-up chunks of 100 tokens up to `length`, then STEPS one-token steps)."""
+    warm = [[[rng.randrange(3, vocab) for _ in range(100)] for _ in range(batch)]
+            for _ in range(length // 100)]
+    timed = [[[rng.randrange(3, vocab)] for _ in range(batch)] for _ in range(STEPS)]
+    return warm, timed
+
+
+def processor_ms(tokenizer, batch, length, delta, seed=0):
+    from tokenmill.engine.output_processor import OutputProcessor
+    from tokenmill.engine.protocol import EngineCoreOutput
+    from tokenmill.sampling_params import SamplingParams
+
+    warm, timed = _steps(random.Random(seed), batch, len(tokenizer) - 8, length)
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=10 ** 6)
+    ids = [processor.add_request(f"r{i}", None, [5] * 16, params, delta=delta)[0]
+           for i in range(batch)]
+    for step in warm:
+        processor.process_outputs([EngineCoreOutput(c, t) for c, t in zip(ids, step)])
+    times = []
+    for step in timed:
+        outs = [EngineCoreOutput(c, t) for c, t in zip(ids, step)]
+        start = time.perf_counter()
+        processor.process_outputs(outs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def reasoning_ms(tokenizer, batch, length, whole_text, seed=0):
+    from tokenmill.entrypoints.http.reasoning import (
+        ReasoningParser,
+        ReasoningStream,
+        WholeTextReasoningStream,
+    )
+
+    parser = ReasoningParser("deepseek_r1")
+    cls = WholeTextReasoningStream if whole_text else ReasoningStream
+    warm, timed = _steps(random.Random(seed), batch, len(tokenizer) - 8, length)
+    streams = [cls(parser) for _ in range(batch)]
+    for step in warm:
+        for stream, ids in zip(streams, step):
+            stream.feed(tokenizer.decode(ids), False)
+    texts = [[tokenizer.decode(ids) for ids in step] for step in timed]
+    times = []
+    for step in texts:
+        start = time.perf_counter()
+        for stream, text in zip(streams, step):
+            stream.feed(text, False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def async_llm_ms(tokenizer, batch, length, seed=0):
+    from tests.scripted_client import ScriptedClient
+    from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.protocol import EngineCoreOutput
+    from tokenmill.entrypoints.http.reasoning import ReasoningParser, ReasoningStream
+    from tokenmill.outputs import OutputKind
+    from tokenmill.sampling_params import SamplingParams
+
+    warm, timed = _steps(random.Random(seed), batch, len(tokenizer) - 8, length)
+    parser = ReasoningParser("deepseek_r1")
+
+    async def body():
+        client = ScriptedClient()
+        llm = AsyncLLM(client, tokenizer, [2])
+        await llm.start()
+        read = [0]
+        everyone = asyncio.Event()
+
+        async def reader(i):
+            stream = ReasoningStream(parser)
+            async for out in llm.generate([5] * 16, SamplingParams(max_tokens=10 ** 6),
+                                          request_id=f"r{i}", output_kind=OutputKind.DELTA):
+                stream.feed(out.outputs[0].text, out.finished)
+                read[0] += 1
+                if read[0] == batch:
+                    everyone.set()
+
+        tasks = [asyncio.create_task(reader(i)) for i in range(batch)]
+        while len(client.added) < batch:
+            await asyncio.sleep(0)
+        ids = list(client.added)
+        times = []
+        for k, step in enumerate(warm + timed):
+            read[0] = 0
+            everyone.clear()
+            outs = [EngineCoreOutput(c, t) for c, t in zip(ids, step)]
+            start = time.perf_counter()
+            client.send(outs)
+            await asyncio.wait_for(everyone.wait(), 60)
+            if k >= len(warm):
+                times.append(time.perf_counter() - start)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await llm.shutdown()
+        return statistics.median(times) * 1e3
+
+    return asyncio.run(body())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lengths", default="1000,8000,32000")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    from tests.helpers import make_tokenizer
+
+    tokenizer = make_tokenizer(tempfile.mkdtemp())
+    cases = {"processor_cumulative": lambda n: processor_ms(tokenizer, args.batch, n, False),
+             "processor_delta": lambda n: processor_ms(tokenizer, args.batch, n, True),
+             "reasoning_whole_text": lambda n: reasoning_ms(tokenizer, args.batch, n, True),
+             "reasoning_stream": lambda n: reasoning_ms(tokenizer, args.batch, n, False),
+             "async_llm_delta": lambda n: async_llm_ms(tokenizer, args.batch, n)}
+    results = {}
+    for length in (int(x) for x in args.lengths.split(",")):
+        row = {name: round(min(run(length) for _ in range(args.repeats)), 3)
+               for name, run in cases.items()}
+        results[str(length)] = row
+        print(f"L={length}: " + ", ".join(f"{k} {v} ms" for k, v in row.items()), flush=True)
+    if args.out:
+        record = {"command": "python bench/api_outputs.py " + " ".join(sys.argv[1:]),
+                  "date": datetime.date.today().isoformat(), "machine": platform.processor()
+                  or platform.machine(), "cpus": os.cpu_count(), "batch": args.batch,
+                  "ms_per_step": results}
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
