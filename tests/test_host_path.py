@@ -10,6 +10,7 @@ from helpers import make_spm_tokenizer, make_tokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
+from tokenmill.text_buffer import TextBuffer
 from tokenmill.tokenizer import _UNSET, IncrementalDetokenizer, token_decoder
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
@@ -258,3 +259,26 @@ def test_sampling_batch_reused_across_steps_equals_a_fresh_one():
         for r in requests:
             r.output_token_ids.append(6 if step % 2 == 0 else 8)
     assert reused == 3  # steps 1-3 reused step 0's settings; step 4 did not
+
+
+def test_text_buffer_equals_a_plain_string():
+    """Random appends (empty ones, runs past the 64-piece merge), tails from every start,
+    reads and replacements, against a plain string."""
+    rng = random.Random(3)
+    for _ in range(40):
+        buffer, text = TextBuffer(), ""
+        for step in range(rng.randrange(1, 400)):
+            piece = "".join(rng.choice("ab\u00e9\U0001f600 ") for _ in range(rng.randrange(0, 4)))
+            buffer.append(piece)
+            text += piece
+            assert buffer.length == len(text)
+            start = rng.randrange(len(text) + 2)
+            assert buffer.tail(start) == text[start:]
+            if step % 97 == 96:
+                assert buffer.text == text
+            if step % 151 == 150:
+                text = text[:rng.randrange(len(text) + 1)]
+                buffer.text = text
+        assert [buffer.tail(k) for k in range(len(text) + 1)] == [text[k:]
+                                                                for k in range(len(text) + 1)]
+        assert buffer.text == text

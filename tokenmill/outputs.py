@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.text_buffer import TextBuffer
+
 
 @dataclass
 class Logprob:
@@ -62,16 +64,16 @@ class OutputSum:
 
     def __init__(self) -> None:
         self.last: RequestOutput | None = None
-        self._parts: dict[int, tuple[list[str], list[int], list | None]] = {}
+        self._parts: dict[int, tuple[TextBuffer, list[int], list | None]] = {}
 
     def add(self, delta: RequestOutput) -> None:
         self.last = delta
         for c in delta.outputs:
             parts = self._parts.get(c.index)
             if parts is None:
-                parts = self._parts[c.index] = ([], [], None if c.logprobs is None else [])
-            if c.text:
-                parts[0].append(c.text)
+                parts = self._parts[c.index] = (TextBuffer(), [], None if c.logprobs is None
+                                                else [])
+            parts[0].append(c.text)
             parts[1].extend(c.token_ids)
             if c.logprobs is not None:
                 parts[2].extend(c.logprobs)
@@ -83,11 +85,9 @@ class OutputSum:
     def output(self) -> RequestOutput:
         last, outputs = self.last, []
         for c in last.outputs:
-            texts, ids, logprobs = self._parts[c.index]
-            if len(texts) > 1:
-                texts[:] = ["".join(texts)]
+            text, ids, logprobs = self._parts[c.index]
             outputs.append(CompletionOutput(
-                c.index, texts[0] if texts else "", list(ids), c.finish_reason,
+                c.index, text.text, list(ids), c.finish_reason,
                 None if logprobs is None else list(logprobs), c.stop_reason,
                 c.cumulative_logprob))
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs,

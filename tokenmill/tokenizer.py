@@ -10,6 +10,8 @@ import secrets
 import weakref
 from typing import Any
 
+from tokenmill.text_buffer import TextBuffer
+
 logger = logging.getLogger(__name__)
 
 # Prompt tokens given to the detokenizer as context, so the first generated token is decoded
@@ -185,10 +187,7 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
         self._prefix_text: str | None = None  # text of [prefix, read), until they move
-        # the text so far in pieces, joined when read: `str +=` on an attribute copies the
-        # whole text per token (5 us a token at 32k tokens, per sequence)
-        self._pieces: list[str] = []
-        self.text_length = 0
+        self._text = TextBuffer()  # (`str +=` copied the whole text per token)
         self._backend = plain_backend(tokenizer)
         self._skip = skip_special_tokens
         self._stream: Any = _UNSET  # (made on the first tokens: the prompt is checked then)
@@ -217,29 +216,24 @@ class IncrementalDetokenizer:
                 delta += self._advance(flush)
         if final and not token_ids:
             delta += self._advance(True)
-        if delta:
-            self._pieces.append(delta)
-            self.text_length += len(delta)
+        self._text.append(delta)
         return delta
 
     @property
     def text(self) -> str:
-        if len(self._pieces) != 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0]
+        return self._text.text
 
     @text.setter
     def text(self, value: str) -> None:
-        self._pieces, self.text_length = [value], len(value)
+        self._text.text = value
+
+    @property
+    def text_length(self) -> int:
+        return self._text.length
 
     def tail(self, start: int) -> str:
         """The text from character `start` on, joining only the pieces it spans."""
-        need, count = self.text_length - start, 0
-        for i in range(len(self._pieces) - 1, -1, -1):
-            count += len(self._pieces[i])
-            if count >= need:
-                return "".join(self._pieces[i:])[count - need:]
-        return self.text[start:]
+        return self._text.tail(start)
 
     def _step(self, token: int) -> str:
         """`_advance` without a flush, through the stream."""
