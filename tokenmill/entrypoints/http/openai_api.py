@@ -143,13 +143,18 @@ class _Job:
     prompt_text: str | None = None  # for echo
 
 
+def _finite(logprob: float) -> float:
+    """A banned token's -inf as vLLM sends it: -9999.0 (JSON has no infinity)."""
+    return max(logprob, -9999.0)
+
+
 def _completion_logprobs(c: CompletionOutput, start: int, end: int, text_offset: int) -> dict:
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token, position in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
         chosen = position[token]
         tokens.append(chosen.decoded_token)
-        token_logprobs.append(chosen.logprob)
-        top.append({lp.decoded_token: lp.logprob for lp in position.values()})
+        token_logprobs.append(_finite(chosen.logprob))
+        top.append({lp.decoded_token: _finite(lp.logprob) for lp in position.values()})
         offsets.append(text_offset)
         text_offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
@@ -162,9 +167,9 @@ def _chat_logprobs(c: CompletionOutput, start: int, end: int, top_n: int) -> dic
         chosen = position[token]
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
         content.append({
-            "token": chosen.decoded_token, "logprob": chosen.logprob,
+            "token": chosen.decoded_token, "logprob": _finite(chosen.logprob),
             "bytes": list((chosen.decoded_token or "").encode()),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": _finite(lp.logprob),
                               "bytes": list((lp.decoded_token or "").encode())}
                              for _, lp in ranked]})
     return {"content": content}

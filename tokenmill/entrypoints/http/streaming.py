@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 
 T = TypeVar("T")
@@ -22,10 +22,18 @@ _LINE_BREAKERS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029",
                                 "\x85": "\\u0085"})
 
 
+_encode = msgspec.json.Encoder().encode
+_BREAKER_BYTES = tuple(c.encode() for c in ("\u2028", "\u2029", "\x85"))
+
+
 def json_line(obj) -> str:
     """One JSON document that no client can split: raw UTF-8 (as vLLM sends) except the
-    line-breaking characters above."""
-    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKERS)
+    line-breaking characters above. msgspec writes it (a stream's chunk in 0.4 us, where
+    json.dumps and the escape took 8.5); a non-finite float becomes null, as pydantic writes
+    it for vLLM (json.dumps' `-Infinity` is not JSON)."""
+    data = _encode(obj)
+    text = data.decode()
+    return text.translate(_LINE_BREAKERS) if any(b in data for b in _BREAKER_BYTES) else text
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
