@@ -232,11 +232,12 @@ class OutputProcessor:
                     self._position_logprobs(state.prompt_token_ids[position], lp))
 
     def _request_output(self, state: _RequestState) -> RequestOutput:
-        metrics = dict(state.times)
-        for i, name in enumerate(("num_draft_tokens", "num_accepted_tokens")):
-            metrics[name] = sum(c.spec_tokens[i] for c in state.completions)
-        for i, name in enumerate(("kv_cache_reused_blocks", "kv_cache_total_blocks")):
-            metrics[name] = sum(c.kv_blocks[i] for c in state.completions)
+        drafts = accepted = reused = filled = 0  # (one pass: this runs per stream per step)
+        for c in state.completions:
+            drafts, accepted = drafts + c.spec_tokens[0], accepted + c.spec_tokens[1]
+            reused, filled = reused + c.kv_blocks[0], filled + c.kv_blocks[1]
+        metrics = {**state.times, "num_draft_tokens": drafts, "num_accepted_tokens": accepted,
+                   "kv_cache_reused_blocks": reused, "kv_cache_total_blocks": filled}
         outputs = [c.delta() if state.delta else c.output() for c in state.completions]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              outputs, state.finished,
