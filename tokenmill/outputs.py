@@ -60,14 +60,20 @@ class OutputSum:
     """Delta results of one request added up; `output()` is the sum so far (the text joined
     only then). Several deltas a slow reader missed become one; a cumulative or final reader
     gets the whole. Each completion's last finish reason, stop reason and cumulative logprob
-    win, as do the request's last metrics, prompt logprobs and cached-token count."""
+    win, as do the request's last metrics, prompt logprobs and cached-token count.
+    `count_only`: keeps the last delta and the token count, not the sum (a delta reader's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_only: bool = False) -> None:
         self.last: RequestOutput | None = None
+        self.num_tokens = 0
+        self.count_only = count_only
         self._parts: dict[int, tuple[TextBuffer, list[int], list | None]] = {}
 
     def add(self, delta: RequestOutput) -> None:
         self.last = delta
+        self.num_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        if self.count_only:
+            return
         for c in delta.outputs:
             parts = self._parts.get(c.index)
             if parts is None:
@@ -78,11 +84,9 @@ class OutputSum:
             if c.logprobs is not None:
                 parts[2].extend(c.logprobs)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(parts[1]) for parts in self._parts.values())
-
     def output(self) -> RequestOutput:
+        if self.count_only:
+            raise ValueError("this OutputSum keeps no outputs (count_only)")
         last, outputs = self.last, []
         for c in last.outputs:
             text, ids, logprobs = self._parts[c.index]

@@ -53,8 +53,14 @@ def test_log_requests_adds_the_text(engine_address, caplog):
     with service_thread(path, address, max_dec_len=64, log_requests=True) as thread:
         out = httpx.post(thread.base + "/v1/completions", json={
             "model": "tiny", "prompt": "Paris is", "max_tokens": 4}).json()
-    [line] = _lines(caplog)
-    assert line.prompt == ["Paris is"] and line.output == [out["choices"][0]["text"]]
+        # streamed: the engine hands out deltas; the log still gets the whole text
+        with httpx.stream("POST", thread.base + "/v1/completions", json={
+                "model": "tiny", "prompt": "Paris was", "max_tokens": 6, "stream": True}) as r:
+            streamed = "".join(json.loads(x[6:])["choices"][0]["text"] for x in r.iter_lines()
+                               if x.startswith("data: {"))
+    whole, stream = _lines(caplog)
+    assert whole.prompt == ["Paris is"] and whole.output == [out["choices"][0]["text"]]
+    assert stream.prompt == ["Paris was"] and stream.output == [streamed] and streamed
 
 
 def test_json_log_format_of_a_real_server(tiny_models, tmp_path):

@@ -130,7 +130,9 @@ class AsyncLLM:
             reservation.consume(params.n)
         finished = False
         timer = _RequestTimer(self.metrics, len(prompt_token_ids))
-        total = OutputSum()
+        # (a delta reader needs no sum: only its count, unless the request log keeps texts)
+        total = OutputSum(count_only=output_kind is OutputKind.DELTA
+                          and not request_log.keeps_text())
         request_log.started(prompt_token_ids, params)
         try:
             child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params,

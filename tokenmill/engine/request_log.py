@@ -41,6 +41,11 @@ def started(prompt_token_ids: list[int], params: Any = None) -> None:
             record.params = params
 
 
+def keeps_text() -> bool:
+    record = current.get()
+    return record is not None and record.keep_text
+
+
 def produced(total, final: bool) -> None:
     """An engine request of the current API request advanced: `total` is its `OutputSum`."""
     record = current.get()
