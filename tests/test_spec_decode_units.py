@@ -5,6 +5,7 @@ one-token-at-a-time argmax decoding, sampled verification keeps the target's dis
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,56 @@ def test_ngram_matches_the_slow_search(seed):
     k, low = rng.randrange(1, 6), rng.randrange(1, 4)
     high = low + rng.randrange(0, 4)
     assert ngram.propose(tokens, k, low, high) == ngram.propose_slow(tokens, k, low, high)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ngram_matches_the_slow_search_on_long_contexts(seed):
+    """Longer contexts over small and large vocabularies (many or few candidate places),
+    given as arrays as the proposer holds them."""
+    rng = random.Random(100 + seed)
+    vocab = rng.choice([2, 5, 50, 5000])
+    tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 3000))]
+    for _ in range(5):
+        k, low = rng.randrange(1, 8), rng.randrange(1, 5)
+        high = low + rng.randrange(0, 4)
+        assert ngram.propose(np.array(tokens), k, low, high) == \
+            ngram.propose_slow(tokens, k, low, high)
+
+
+def test_ngram_context_follows_the_request_tokens():
+    """The proposer's array of a request's tokens, extended step by step (prompt growing
+    past its capacity, several tokens a step, a request whose tokens are not what the array
+    holds), always equals the token lists."""
+    rng = random.Random(5)
+    context = ngram.Context()
+    for _ in range(30):
+        prompt = [rng.randrange(100) for _ in range(rng.randrange(0, 600))]
+        output: list[int] = []
+        for _ in range(rng.randrange(1, 40)):
+            output += [rng.randrange(100) for _ in range(rng.randrange(0, 40))]
+            got = context.update(prompt, output)
+            assert got.tolist() == prompt + output
+
+
+def test_ngram_proposer_keeps_contexts_only_of_running_requests():
+    from tokenmill.core.request import Request, RequestStatus
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.spec_decode.proposer import NgramProposer
+
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                      "prompt_lookup_min": 1})
+    proposer = NgramProposer(config, max_model_len=100)
+    requests = [Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10))
+                for i in range(2)]
+    for r in requests:
+        r.status = RequestStatus.RUNNING
+    proposer.propose(requests, num_running=2)
+    assert sorted(proposer.contexts) == ["r0", "r1"]
+    requests[0].status = RequestStatus.FINISHED_STOPPED
+    proposer.propose(requests, num_running=1)
+    assert sorted(proposer.contexts) == ["r1"]
+    proposer.release(["r1"])
+    assert proposer.contexts == {}
 
 
 def test_config_defaults_and_errors():

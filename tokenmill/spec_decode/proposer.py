@@ -57,11 +57,22 @@ class Proposer(abc.ABC):
 
 
 class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        super().__init__(config, max_model_len)
+        self.contexts: dict[str, ngram.Context] = {}  # request id -> its tokens as an array
+
     def draft(self, chosen: list[tuple[Request, int]]) -> None:
         for request, k in chosen:
-            tokens = request.prompt_token_ids + request.output_token_ids
+            context = self.contexts.get(request.request_id)
+            if context is None:
+                context = self.contexts[request.request_id] = ngram.Context()
+            tokens = context.update(request.prompt_token_ids, request.output_token_ids)
             request.spec_token_ids = ngram.propose(tokens, k, self.config.prompt_lookup_min,
                                                    self.config.prompt_lookup_max)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.contexts.pop(request_id, None)
 
 
 def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_config,
