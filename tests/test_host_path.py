@@ -282,3 +282,23 @@ def test_text_buffer_equals_a_plain_string():
         assert [buffer.tail(k) for k in range(len(text) + 1)] == [text[k:]
                                                                 for k in range(len(text) + 1)]
         assert buffer.text == text
+
+
+def test_layout_of_block_row_views_equals_that_of_lists():
+    """Step inputs over the scheduler's block-row views (int64 arrays) lay out as over plain
+    lists (decodes, prompt chunks, graph padding rows) and travel to other ranks as lists."""
+    rng = random.Random(4)
+    for _ in range(200):
+        n = rng.randrange(1, 9)
+        blocks = [rng.sample(range(1000), rng.randrange(1, 40)) for _ in range(n)]
+        ends = [rng.randrange(1, len(b) * 16 + 1) for b in blocks]
+        decode = rng.random() < 0.5
+        starts = [e - 1 if decode else rng.randrange(0, e) for e in ends]
+        tokens = [rng.randrange(100) for s, e in zip(starts, ends) for _ in range(e - s)]
+        lists = StepInputs(tokens, starts, ends, blocks, list(range(n)), [], [], [1] * n)
+        arrays = StepInputs(tokens, starts, ends, [np.array(b) for b in blocks],
+                            list(range(n)), [], [], [1] * n)
+        rows = rng.choice([0, n + 3])
+        for a, b in zip(arrays.layout(16, rows), lists.layout(16, rows)):
+            assert np.asarray(a).tolist() == np.asarray(b).tolist()
+        assert StepInputs.decode(arrays.encode()) == lists

@@ -91,4 +91,18 @@ def test_block_ids_follow_the_blocks_through_hits_windows_and_frees():
             for rid in live:
                 assert kv.block_ids(rid) == [0 if b is None else b.block_id
                                              for b in kv._blocks[rid]]
-        assert kv._ids.keys() == kv._blocks.keys()
+        assert kv._rows.keys() == kv._blocks.keys()
+
+
+def test_a_steps_block_row_view_keeps_what_it_held():
+    """The scheduler hands a step a view of each request's row: rows growing in place or into
+    a new array later never change what an earlier step's view holds."""
+    from tokenmill.core.kv_cache_manager import BlockRow
+
+    row, views, want = BlockRow(), [], []
+    for step in range(60):
+        row.extend(list(range(step * 3, step * 3 + step % 4)))
+        views.append(row.view())
+        want.append(row.view().tolist())  # (a copy, as the step saw it)
+    assert [v.tolist() for v in views] == want
+    assert row.view().tolist() == [i for s in range(60) for i in range(s * 3, s * 3 + s % 4)]

@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from tokenmill.core.block_pool import Block, BlockPool, hash_block_tokens
 from tokenmill.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class BlockRow:
+    """A request's block ids as its step's table row takes them (dropped ones 0), in an
+    int64 array grown by doubling: a step reads them as a view (a copy into its table is a
+    memcpy), where converting the list again cost O(blocks) a step (64 sequences of 32k
+    tokens: 2.4 ms). A view stays what it was when the row grows (writes land past it, or in
+    a new array)."""
+
+    __slots__ = ("array", "size")
+
+    def __init__(self) -> None:
+        self.array = np.zeros(16, dtype=np.int64)
+        self.size = 0
+
+    def extend(self, ids: list[int]) -> None:
+        end = self.size + len(ids)
+        if end > len(self.array):
+            grown = np.zeros(max(end, 2 * len(self.array)), dtype=np.int64)
+            grown[:self.size] = self.array[:self.size]
+            self.array = grown
+        self.array[self.size:end] = ids
+        self.size = end
+
+    def view(self) -> np.ndarray:
+        return self.array[:self.size]
 
 
 class KVCacheManager:
@@ -24,9 +52,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[Block]] = {}
-        # each request's block ids as its step's table row takes them (dropped ones 0), kept
-        # beside its blocks: read every step, so not rebuilt block by block each time
-        self._ids: dict[str, list[int]] = {}
+        # each request's block ids as its step's table row takes them, kept beside its blocks
+        self._rows: dict[str, BlockRow] = {}
         self._num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens, for metrics.
         self.num_queried_tokens = 0
@@ -40,7 +67,13 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return list(self._ids.get(request_id, ()))
+        row = self._rows.get(request_id)
+        return [] if row is None else row.view().tolist()
+
+    def block_row(self, request_id: str) -> np.ndarray:
+        """The request's block ids as a view (what a step's table row takes)."""
+        row = self._rows.get(request_id)
+        return _NO_BLOCKS if row is None else row.view()
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
@@ -107,7 +140,10 @@ class KVCacheManager:
         if num_needed > 0:
             new = computed_blocks + self.pool.get_new_blocks(num_needed)
         blocks.extend(new)
-        self._ids.setdefault(request.request_id, []).extend(b.block_id for b in new)
+        row = self._rows.get(request.request_id)
+        if row is None:
+            row = self._rows[request.request_id] = BlockRow()
+        row.extend([b.block_id for b in new])
         if self.enable_prefix_caching:
             # KV for every token below `total` is written this step, so those full blocks can
             # serve other requests from the next step on (not positions past the request's
@@ -128,17 +164,17 @@ class KVCacheManager:
         end = max(0, first_position - self.window + 1) // self.block_size
         start = self._num_dropped.get(request_id, 0)
         dropped = [blocks[i] for i in range(start, end) if blocks[i] is not None]
-        ids = self._ids[request_id]
         for i in range(start, end):
             blocks[i] = None
-            ids[i] = 0
+        if end > start:
+            self._rows[request_id].array[start:end] = 0
         if end > start:
             self._num_dropped[request_id] = end
         self.pool.free_blocks(reversed(dropped))
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
-        self._ids.pop(request.request_id, None)
+        self._rows.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_dropped.pop(request.request_id, None)
         if blocks:
@@ -146,3 +182,6 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)

@@ -28,8 +28,9 @@ class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_new_tokens: int
-    # the request's whole block table: a copy of its own (StepInputs keeps it as it is)
-    block_ids: list[int] = field(default_factory=list)
+    # the request's whole block table: a view of its row as it is now (kv_cache_manager
+    # BlockRow: later steps' blocks never change it; a list where built by hand)
+    block_ids: Any = field(default_factory=list)
     # the request's preemption count when scheduled: a result that comes back after the
     # request was preempted (a pipeline micro-batch still in flight then) is dropped
     preemptions: int = 0
@@ -200,7 +201,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
 
-        block_ids = self.kv_cache.block_ids
+        block_row = self.kv_cache.block_row
         for s in scheduled:
             request = s.request
             end = s.end
@@ -208,7 +209,7 @@ class Scheduler:
                 request.num_pending += 1  # (the step samples its next token)
             request.num_computed_tokens = end
             s.preemptions = request.num_preemptions
-            s.block_ids = block_ids(request.request_id)
+            s.block_ids = block_row(request.request_id)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output

@@ -15,7 +15,8 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     token_ids: list[int]  # the step's new tokens, sequence after sequence
     starts: list[int]  # per sequence: its first position computed in this step
     ends: list[int]  # per sequence: one past its last position (its KV length after the step)
-    block_ids: list[list[int]]  # per sequence: its KV blocks
+    # per sequence: its KV blocks (the scheduler's rows are int64 array views, sent as lists)
+    block_ids: list[list[int]]
     sample_seqs: list[int]  # sequences whose last row is sampled from
     prompt_seqs: list[int]  # sequences whose prompt tokens are scored (prompt logprobs)
     prompt_rows: list[tuple[int, int]]  # per prompt_seqs entry: (first row, row count)
@@ -85,7 +86,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         for i, blocks in enumerate(self.block_ids):
             table[i, :len(blocks)] = blocks
         if len(self.token_ids) == n:  # one token per sequence (decodes)
-            return self.starts, [blocks[p // block_size] * block_size + p % block_size
+            return self.starts, [int(blocks[p // block_size]) * block_size + p % block_size
                                  for p, blocks in zip(self.starts, self.block_ids)], table
         starts = np.array(self.starts, dtype=np.int64)
         lengths = np.array(self.ends, dtype=np.int64) - starts
@@ -118,6 +119,12 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         return _DECODER.decode(data)
 
 
+def _as_list(obj):
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
 _PAD = np.zeros(1, dtype=np.int64)
-_ENCODER = msgspec.msgpack.Encoder()
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_as_list)
 _DECODER = msgspec.msgpack.Decoder(StepInputs)
