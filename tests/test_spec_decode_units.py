@@ -63,18 +63,25 @@ def test_ngram_context_follows_the_request_tokens():
             assert got.tolist() == prompt + output
 
 
-def test_ngram_proposer_keeps_contexts_only_of_running_requests():
+def _running_ngram(count: int, **config):
+    """An n-gram proposer (2 drafts, 1-grams up) and `count` running requests."""
     from tokenmill.core.request import Request, RequestStatus
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.spec_decode.proposer import NgramProposer
 
     config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
-                                      "prompt_lookup_min": 1})
-    proposer = NgramProposer(config, max_model_len=100)
+                                      "prompt_lookup_min": 1, **config})
     requests = [Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10))
-                for i in range(2)]
+                for i in range(count)]
     for r in requests:
         r.status = RequestStatus.RUNNING
+    return NgramProposer(config, max_model_len=100), requests
+
+
+def test_ngram_proposer_keeps_contexts_only_of_running_requests():
+    from tokenmill.core.request import RequestStatus
+
+    proposer, requests = _running_ngram(2)
     proposer.propose(requests, num_running=2)
     assert sorted(proposer.contexts) == ["r0", "r1"]
     requests[0].status = RequestStatus.FINISHED_STOPPED
@@ -229,17 +236,7 @@ def test_metrics_from_the_cores_cumulative_counts():
 
 
 def test_proposals_stop_above_disable_by_batch_size():
-    from tokenmill.core.request import Request, RequestStatus
-    from tokenmill.sampling_params import SamplingParams
-    from tokenmill.spec_decode.proposer import NgramProposer
-
-    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
-                                      "prompt_lookup_min": 1, "disable_by_batch_size": 2})
-    proposer = NgramProposer(config, max_model_len=100)
-    requests = [Request(f"r{i}", [1, 2, 3, 1, 2], SamplingParams(max_tokens=10))
-                for i in range(3)]
-    for r in requests:
-        r.status = RequestStatus.RUNNING
+    proposer, requests = _running_ngram(3, disable_by_batch_size=2)
     proposer.propose(requests, num_running=3)
     assert all(r.spec_token_ids == [] for r in requests)
     proposer.propose(requests, num_running=2)
