@@ -3,6 +3,11 @@ from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 
+def ids(kv: KVCacheManager, request_id: str) -> list[int]:
+    """The request's block ids as a step's table row takes them."""
+    return kv.block_row(request_id).tolist()
+
+
 def req(rid, tokens):
     return Request(rid, list(tokens), SamplingParams(max_tokens=4))
 
@@ -11,23 +16,23 @@ def test_allocation_grows_by_blocks():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     r = req("a", range(6))
     assert kv.allocate_slots(r, 6)
-    assert len(kv.block_ids("a")) == 2
+    assert len(ids(kv, "a")) == 2
     r.num_computed_tokens = 6
     r.output_token_ids.append(7)
     assert kv.allocate_slots(r, 1)  # 7 tokens still fit in 2 blocks
-    assert len(kv.block_ids("a")) == 2
+    assert len(ids(kv, "a")) == 2
     r.num_computed_tokens = 7
     r.output_token_ids.append(8)
-    assert kv.allocate_slots(r, 1) and len(kv.block_ids("a")) == 2
+    assert kv.allocate_slots(r, 1) and len(ids(kv, "a")) == 2
     r.num_computed_tokens = 8
     r.output_token_ids.append(9)
-    assert kv.allocate_slots(r, 1) and len(kv.block_ids("a")) == 3
+    assert kv.allocate_slots(r, 1) and len(ids(kv, "a")) == 3
 
 
 def test_refuses_without_side_effects():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     assert not kv.allocate_slots(req("a", range(12)), 12)
-    assert kv.pool.num_free_blocks == 2 and kv.block_ids("a") == []
+    assert kv.pool.num_free_blocks == 2 and ids(kv, "a") == []
 
 
 def test_prefix_hit_full_blocks_only_and_last_token_recomputed():
@@ -36,14 +41,14 @@ def test_prefix_hit_full_blocks_only_and_last_token_recomputed():
     assert kv.allocate_slots(a, 10)
     b = req("b", list(range(8)) + [99, 98])
     hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and [h.block_id for h in hits] == kv.block_ids("a")[:2]
+    assert n == 8 and [h.block_id for h in hits] == ids(kv, "a")[:2]
     # A prompt that is exactly two cached blocks still recomputes its last block.
     c = req("c", range(8))
     _, n = kv.get_computed_blocks(c)
     assert n == 4
     assert kv.allocate_slots(b, 2, hits)
-    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
-    assert all(kv.pool.blocks[i].ref_cnt == 2 for i in kv.block_ids("a")[:2])
+    assert ids(kv, "b")[:2] == ids(kv, "a")[:2]
+    assert all(kv.pool.blocks[i].ref_cnt == 2 for i in ids(kv, "a")[:2])
     kv.free(a)
     kv.free(b)
     kv.pool.check_integrity()
@@ -89,7 +94,7 @@ def test_block_ids_follow_the_blocks_through_hits_windows_and_frees():
                 else:
                     r.output_token_ids.pop()
             for rid in live:
-                assert kv.block_ids(rid) == [0 if b is None else b.block_id
+                assert ids(kv, rid) == [0 if b is None else b.block_id
                                              for b in kv._blocks[rid]]
         assert kv._rows.keys() == kv._blocks.keys()
 
@@ -97,9 +102,9 @@ def test_block_ids_follow_the_blocks_through_hits_windows_and_frees():
 def test_a_steps_block_row_view_keeps_what_it_held():
     """The scheduler hands a step a view of each request's row: rows growing in place or into
     a new array later never change what an earlier step's view holds."""
-    from tokenmill.core.kv_cache_manager import BlockRow
+    from tokenmill.core.int_row import IntRow
 
-    row, views, want = BlockRow(), [], []
+    row, views, want = IntRow(), [], []
     for step in range(60):
         row.extend(list(range(step * 3, step * 3 + step % 4)))
         views.append(row.view())

@@ -28,8 +28,8 @@ class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_new_tokens: int
-    # the request's whole block table: a view of its row as it is now (kv_cache_manager
-    # BlockRow: later steps' blocks never change it; a list where built by hand)
+    # the request's whole block table: a view of its row as it is now
+    # (KVCacheManager.block_row; a list where built by hand)
     block_ids: Any = field(default_factory=list)
     # the request's preemption count when scheduled: a result that comes back after the
     # request was preempted (a pipeline micro-batch still in flight then) is dropped

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenmill.core.int_row import IntRow
+
 
 def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k draft tokens for the context `tokens` (prompt and output so far); [] when no
@@ -34,30 +36,23 @@ def propose(tokens: list[int] | np.ndarray, k: int, min_n: int, max_n: int) -> l
 
 
 class Context:
-    """One request's tokens as a growing int64 array (capacity doubled), extended by the
-    tokens it lacks at each step: building the array from the token lists again each step
-    cost O(length)."""
+    """One request's tokens as an `IntRow`, extended by the tokens it lacks at each step:
+    building the array from the token lists again each step cost O(length)."""
 
     def __init__(self) -> None:
-        self.array = np.empty(256, dtype=np.int64)
-        self.size = 0
+        self.row = IntRow(256)
 
     def update(self, prompt: list[int], output: list[int]) -> np.ndarray:
         """The request's tokens now (prompt then output) as an array view."""
-        total, head = len(prompt) + len(output), len(prompt)
-        if total < self.size or self.size and self.array[self.size - 1] != (
-                prompt[self.size - 1] if self.size <= head else output[self.size - 1 - head]):
-            self.size = 0  # (not what this array holds: start again)
-        if total > len(self.array):
-            grown = np.empty(max(total, 2 * len(self.array)), dtype=np.int64)
-            grown[:self.size] = self.array[:self.size]
-            self.array = grown
-        if self.size < head:
-            self.array[self.size:head] = prompt[self.size:]
-            self.size = head
-        self.array[self.size:total] = output[self.size - head:]
-        self.size = total
-        return self.array[:total]
+        row, head = self.row, len(prompt)
+        have = row.size
+        if len(prompt) + len(output) < have or have and row.array[have - 1] != (
+                prompt[have - 1] if have <= head else output[have - 1 - head]):
+            row.size = 0  # (not what this array holds: start again)
+        if row.size < head:
+            row.extend(prompt[row.size:])
+        row.extend(output[row.size - head:])
+        return row.view()
 
 
 def propose_slow(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -122,7 +122,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
 def _as_list(obj):
     if isinstance(obj, np.ndarray):
         return obj.tolist()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 _PAD = np.zeros(1, dtype=np.int64)
