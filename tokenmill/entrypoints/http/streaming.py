@@ -23,7 +23,7 @@ _LINE_BREAKERS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029",
 
 
 _encode = msgspec.json.Encoder().encode
-_BREAKER_BYTES = tuple(c.encode() for c in ("\u2028", "\u2029", "\x85"))
+_BREAKER_BYTES = tuple(chr(c).encode() for c in _LINE_BREAKERS)
 
 
 def json_line(obj) -> str:
