@@ -223,9 +223,11 @@ def _batch_fields(batch) -> dict:
 
 
 def test_sampling_batch_reused_across_steps_equals_a_fresh_one():
-    """The rows' settings are built once while the same requests run in the same order; what
-    the tokens so far decide (min_tokens and bad-word bans, penalty counts) and finished
-    seeded rows are still redone every step: equal to a batch built from scratch."""
+    """The rows' settings are built once while the same requests run in the same order, the
+    penalties' seen tokens and counts kept and updated by new tokens (a token counted while
+    still on the device, then arriving on the host, counts once); what the tokens so far
+    decide (min_tokens and bad-word bans) and finished seeded rows are still redone every
+    step: equal to a batch built from scratch."""
     from tokenmill.core.request import RequestStatus
 
     def request(i, **kw):
@@ -256,8 +258,14 @@ def test_sampling_batch_reused_across_steps_equals_a_fresh_one():
         fresh._generators = cached._generators  # (the seeded rows' generators, as they are)
         want = fresh.batch(list(requests))
         assert _batch_fields(got) == _batch_fields(want), step
-        for r in requests:
-            r.output_token_ids.append(6 if step % 2 == 0 else 8)
+        token = 6 if step % 2 == 0 else 8
+        if step in (1, 2):  # the token still on the device (asynchronous scheduling) ...
+            rows = [(row, 0) for row in range(len(requests))]
+            for sampling, batch in ((cached, got), (fresh, want)):
+                sampling.count_in_flight(batch, rows, torch.tensor([token]))
+            assert _batch_fields(got) == _batch_fields(want), step
+        for r in requests:  # ... then on the host: counted once
+            r.output_token_ids.append(token)
     assert reused == 3  # steps 1-3 reused step 0's settings; step 4 did not
 
 
