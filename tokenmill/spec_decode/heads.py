@@ -28,6 +28,7 @@ import torch
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.worker.step_sync import with_rows
 
 
 def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device) -> list:
@@ -48,13 +49,19 @@ def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device
 
 class HeadPass(msgspec.Struct, array_like=True, frozen=True):
     """One head pass, from rank 0 to the other tensor-parallel ranks."""
-    step: bytes  # StepInputs.encode() of the pass's rows
+    step: bytes  # StepInputs.encode() of the pass's rows, without their block table
     layer: int  # which head runs it
+    seqs: list[int]  # per sequence: its place in the target's step (whose table row it takes)
     rows: list[int] = []  # first pass: the target's rows the head reads
     last: list[int] = []  # first pass: each drafting request's last row (none: no drafts)
 
 
 _PASS = msgspec.msgpack.Decoder(HeadPass)
+
+
+def _received(message: HeadPass, target: StepInputs) -> StepInputs:
+    """A pass's rows as rank 0 built them, their block table taken from the target step's."""
+    return with_rows(StepInputs.decode(message.step), target, message.seqs)
 
 
 class HeadDrafter:
@@ -67,19 +74,27 @@ class HeadDrafter:
         self.layers = heads
         self.tp = runner.tp
 
-    def _send(self, message: HeadPass | None) -> None:
-        """Rank 0: the next pass to the other ranks (None: the step's drafting is over)."""
-        if self.tp.size > 1:
-            self.tp.broadcast_bytes(b"" if message is None else msgspec.msgpack.encode(message))
+    def _send(self, step: StepInputs | None = None, layer: int = 0, seqs: list[int] = (),
+              rows: list[int] = (), last: list[int] = ()) -> None:
+        """Rank 0: the next pass to the other ranks, its block table as the target step's
+        sequences it takes rows of (None: the step's drafting is over)."""
+        if self.tp.size == 1:
+            return
+        if step is None:
+            self.tp.broadcast_bytes(b"")
+            return
+        bare = msgspec.structs.replace(step, block_ids=[]).encode()
+        self.tp.broadcast_bytes(msgspec.msgpack.encode(
+            HeadPass(bare, layer, list(seqs), list(rows), list(last))))
 
-    def follow(self, hidden: torch.Tensor) -> None:
-        """Ranks other than 0, after each target step: run the passes rank 0 runs."""
+    def follow(self, hidden: torch.Tensor, target: StepInputs) -> None:
+        """Ranks other than 0, after each target step (`target`): run the passes rank 0
+        runs."""
         data = self.tp.broadcast_bytes(None)
         if not data:
             return
         first = _PASS.decode(data)
-        out, chained = self._run(0, StepInputs.decode(first.step),
-                                 self._features(hidden)[first.rows])
+        out, chained = self._run(0, _received(first, target), self._features(hidden)[first.rows])
         if not first.last:
             return
         h_out, h_chain = out[first.last], chained[first.last]
@@ -89,7 +104,7 @@ class HeadDrafter:
             if not data:
                 return
             step = _PASS.decode(data)
-            h_out, h_chain = self._run(step.layer, StepInputs.decode(step.step), h_chain)
+            h_out, h_chain = self._run(step.layer, _received(step, target), h_chain)
 
     def after_step(self, scheduled, inputs: StepInputs, hidden: torch.Tensor,
                    sampled: dict[str, list[int]]) -> dict[str, tuple[list[int], object]]:
@@ -109,20 +124,20 @@ class HeadDrafter:
             if not request.status.finished:
                 ids += nxt
                 rows.append(torch.arange(first, first + count))
-                feeds.append((start, inputs.block_ids[i]))
+                feeds.append((start, i))
                 if tokens is not None:
-                    drafting.append((len(ids) - 1, request, start + count, inputs.block_ids[i]))
+                    drafting.append((len(ids) - 1, request, start + count, i))
             first += end - start
         if not feeds:
             self._send(None)
             return {}
         step = StepInputs(ids, [start for start, _ in feeds],
                           [start + len(r) for (start, _), r in zip(feeds, rows)],
-                          [b for _, b in feeds], [], [], [], [])
+                          [inputs.block_ids[i] for _, i in feeds], [], [], [], [])
         order = torch.cat(rows)
         # (speculation off: the head's cache rows only)
         last = [row for row, _, _, _ in drafting] if len(scheduled) <= self.limit else []
-        self._send(HeadPass(step.encode(), 0, order.tolist(), last))
+        self._send(step, 0, [i for _, i in feeds], order.tolist(), last)
         out, chained = self._run(0, step, self._features(hidden)[order])
         if not last:
             return {}
@@ -135,8 +150,9 @@ class HeadDrafter:
                 step = StepInputs([d[-1] for d in drafts],
                                   [pos + j - 1 for _, _, pos, _ in drafting],
                                   [pos + j for _, _, pos, _ in drafting],
-                                  [b for _, _, _, b in drafting], [], [], [], [])
-                self._send(HeadPass(step.encode(), j % len(self.layers)))
+                                  [inputs.block_ids[i] for _, _, _, i in drafting],
+                                  [], [], [], [])
+                self._send(step, j % len(self.layers), [i for _, _, _, i in drafting])
                 h_out, h_chain = self._run(j % len(self.layers), step, h_chain)
             tokens, q = self._pick(h_out, requests)
             for row, token in enumerate(tokens):

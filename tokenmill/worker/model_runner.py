@@ -22,6 +22,7 @@ from tokenmill.worker import kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
+from tokenmill.worker.step_sync import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class ModelRunner:
         # joined before the model is built (distributed/executor.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
+        # the step messages' block tables, kept in step across ranks
+        self.steps = StepSender() if self.world.rank == 0 else StepReceiver()
         # asynchronous scheduling: steps sampled as they launch; the latest one's tokens on
         # the device and each request's row there (the next step's inputs read them)
         self.run_ahead = config.async_scheduling
@@ -190,12 +193,15 @@ class ModelRunner:
         started; under pipeline parallel this returns once stage 0's part is done, the logits
         still to come (`complete` waits for them). None: nothing to run."""
         self.sampling.drop(step.finished_ids)
+        multi = self.world.size > 1
+        if multi:
+            self.steps.release(step.finished_ids)
         if step.empty:
             return None
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs = StepInputs.of(scheduled)
-        data = inputs.encode() if self.world.size > 1 else b""
+        data = self.steps.encode(inputs, scheduled) if multi else b""
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
         self.tp.broadcast_bytes(data)
         result = self.run(inputs, data, self._fill(scheduled) if self.run_ahead else None)
@@ -323,9 +329,10 @@ class ModelRunner:
                     if self.link is not None:
                         self.link.stop_next()
                     return
-                result = self.run(StepInputs.decode(data), data)
+                inputs = self.steps.decode(data)
+                result = self.run(inputs, data)
                 if self.heads is not None and result is not None:
-                    self.heads.follow(result[2])
+                    self.heads.follow(result[2], inputs)
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' `serve_steps` to return."""

@@ -1,5 +1,6 @@
 """What every tensor-parallel rank needs to run one step's forward, as plain lists: built by
-rank 0 from the scheduler's output and broadcast once per step as msgpack bytes (no pickles)."""
+rank 0 from the scheduler's output and broadcast once per step as msgpack bytes (no pickles;
+the block table as what changed: worker/step_sync.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     token_ids: list[int]  # the step's new tokens, sequence after sequence
     starts: list[int]  # per sequence: its first position computed in this step
     ends: list[int]  # per sequence: one past its last position (its KV length after the step)
-    # per sequence: its KV blocks (the scheduler's rows are int64 array views, sent as lists)
+    # per sequence: its KV blocks (the scheduler's rows are int64 array views; the step's
+    # message to other ranks sends what changed, worker/step_sync.py)
     block_ids: list[list[int]]
     sample_seqs: list[int]  # sequences whose last row is sampled from
     prompt_seqs: list[int]  # sequences whose prompt tokens are scored (prompt logprobs)
@@ -119,12 +121,12 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         return _DECODER.decode(data)
 
 
-def _as_list(obj):
+def as_list(obj):
     if isinstance(obj, np.ndarray):
         return obj.tolist()
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
 _PAD = np.zeros(1, dtype=np.int64)
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_as_list)
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=as_list)
 _DECODER = msgspec.msgpack.Decoder(StepInputs)
