@@ -69,7 +69,7 @@ class StepSender:
                 sent = self._sent[request_id] = _Sent(self._next_key, s.preemptions)
                 self._next_key += 1
             n = len(row)  # (rows only grow; ids already sent change only to 0: a window's)
-            new.append(row[sent.length:n])
+            new.append(row[sent.length:n] if n > sent.length else [])
             sent.length = n
             zeros = sent.zeros  # (a leading id that is 0 anyway, block 0, counts too)
             while zeros < n and row[zeros] == 0:
