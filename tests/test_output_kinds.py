@@ -118,3 +118,58 @@ def test_cumulative_and_final_only_results_equal_the_offline_ones(tokenizer):
     assert step == len(script) - 1 and out.finished
     assert [(c.text, c.token_ids, c.logprobs) for c in out.outputs] == \
         [(c.text, c.token_ids, c.logprobs) for c in reference[-1].outputs]
+
+
+@pytest.mark.parametrize("interval", [1, 4, 7])
+def test_a_stream_interval_hands_on_first_tokens_then_every_n_then_the_end(tokenizer, interval):
+    """A reader that keeps up is woken at the first tokens, then once `interval` tokens are
+    held, and at the end; what it gets adds up to the offline results at each of those steps.
+    Cumulative readers ignore the interval."""
+    params = SamplingParams(n=2, max_tokens=100, logprobs=1, seed=0)
+    script = _script(interval, 14, 2)
+    reference = _reference(tokenizer, params, script)
+    expected, held = [0], 0
+    for i, step in enumerate(script[1:], 1):
+        held += sum(map(len, step))
+        if held >= interval or i == len(script) - 1:
+            expected.append(i)
+            held = 0
+
+    async def body(kind):
+        client = ScriptedClient()
+        llm = AsyncLLM(client, tokenizer, [2], stream_interval=interval)
+        await llm.start()
+        got, at = [], [None]
+
+        async def read():
+            async for out in llm.generate([5, 6, 7], params, request_id="r", output_kind=kind):
+                got.append((at[0], out))
+
+        reader = asyncio.ensure_future(read())
+        while len(client.added) < params.n:
+            await asyncio.sleep(0)
+        for i, step in enumerate(script):
+            at[0] = i
+            client.send(_outputs(client.added, step, i == len(script) - 1))
+            await client.drained()
+            for _ in range(5):  # (the reader's turn, if it was woken)
+                await asyncio.sleep(0)
+        await asyncio.wait_for(reader, 30)
+        await llm.shutdown()
+        return got
+
+    got = asyncio.run(body(OutputKind.DELTA))
+    assert [step for step, _ in got] == expected
+    texts, ids = ["", ""], [[], []]
+    for step, out in got:
+        for c in out.outputs:
+            texts[c.index] += c.text
+            ids[c.index] += c.token_ids
+        assert [(c.text, c.token_ids) for c in reference[step].outputs] == list(zip(texts, ids))
+    got = asyncio.run(body(OutputKind.CUMULATIVE))
+    assert [step for step, _ in got] == list(range(len(script)))
+
+
+def test_a_stream_interval_below_1_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="stream_interval must be an integer >= 1, got 0"):
+        AsyncLLM(ScriptedClient(), tokenizer, [2], stream_interval=0)

@@ -39,6 +39,7 @@ class ServerConfig:
     max_dec_len: int = 1024  # cap on requested new tokens
     max_seq_len: int | None = None  # cap on prompt tokens; default: max_model_len - 1
     disable_streaming: bool = False
+    stream_interval: int = 1  # a stream's chunks: its first tokens, then every N tokens, its end
     use_warmup: bool = False
     log_dir: str = "log"
     shutdown_timeout: float = 300.0  # SIGTERM: seconds to let in-flight requests finish
@@ -82,6 +83,8 @@ class ServerConfig:
             raise ValueError(f"max_seq_len must be a positive integer, got {self.max_seq_len}.")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024, got "
                              f"{self.max_request_body_bytes}.")
@@ -228,6 +231,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         max_dec_len=max_dec_len,
         max_seq_len=max_seq_len,
         disable_streaming=pick(args.disable_streaming, env.flag("DISABLE_STREAMING"), False),
+        stream_interval=pick(args.stream_interval, None, 1),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
         shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),

@@ -89,6 +89,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="queued requests before 503 (env MAX_CACHED_TASK_NUM; default 128)")
     a("--http-workers", type=int, default=None, help="env PUSH_MODE_HTTP_WORKERS (1-8)")
     a("--disable-streaming", action="store_true", default=None, help="env DISABLE_STREAMING=1")
+    a("--stream-interval", type=int, default=None,
+      help="streams send their first tokens at once, then a chunk per N new tokens, and their "
+           "end at once (default 1: every step's tokens; larger: less work per token)")
     a("--use-warmup", action="store_true", default=None, help="env USE_WARMUP=1")
     a("--log-dir", default=None, help="env FD_LOG_DIR; default log")
     a("--shutdown-timeout", type=float, default=None,

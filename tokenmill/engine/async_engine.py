@@ -47,7 +47,14 @@ class AsyncLLM:
     (client gone, task cancelled) aborts the request in the core."""
 
     def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
-                 dead_after_s: float = 10.0, metrics: Metrics | None = None) -> None:
+                 dead_after_s: float = 10.0, metrics: Metrics | None = None,
+                 stream_interval: int = 1) -> None:
+        """`stream_interval`: a delta reader (a stream) is handed its first tokens at once,
+        then results once they hold this many new tokens, and its last result at once
+        (vLLM's and SGLang's `--stream-interval`: fewer, larger chunks per stream)."""
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}.")
+        self.stream_interval = stream_interval
         self.metrics = metrics
         self.client = client
         self.tokenizer = tokenizer
@@ -56,7 +63,7 @@ class AsyncLLM:
         self.stats = SchedulerStats()  # over every replica
         self.replica_stats = [SchedulerStats() for _ in range(client.num_replicas)]
         self.liveness = [Liveness(dead_after_s) for _ in range(client.num_replicas)]
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, _Stream] = {}
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self._heartbeat_task: asyncio.Task | None = None
@@ -123,13 +130,14 @@ class AsyncLLM:
         bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params = params.clone(eos_token_ids=list(self.eos_token_ids),
                               bad_words_token_ids=bad_ids)
-        queue: asyncio.Queue = asyncio.Queue()  # delta results, or the error that ends it
-        self._queues[request_id] = queue
+        timer = _RequestTimer(self.metrics, len(prompt_token_ids))
+        # delta results, or the error that ends it
+        queue = self._queues[request_id] = _Stream(
+            timer, self.stream_interval if output_kind is OutputKind.DELTA else 1)
         self._num_sequences += params.n
         if reservation is not None:
             reservation.consume(params.n)
         finished = False
-        timer = _RequestTimer(self.metrics, len(prompt_token_ids))
         # (a delta reader needs no sum: only its count, unless the request log keeps texts)
         total = OutputSum(count_only=output_kind is OutputKind.DELTA
                           and not request_log.keeps_text())
@@ -142,16 +150,13 @@ class AsyncLLM:
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic()))
             while not finished:
-                deltas = [await queue.get()]
-                while not queue.empty():  # (what came while the reader was busy)
-                    deltas.append(queue.get_nowait())
+                deltas = await queue.take()  # (several: what came while the reader was busy)
                 for item in deltas:
                     if isinstance(item, BaseException):
                         finished = True
                         timer.finish("error")
                         raise item
                     total.add(item)
-                    timer.output(item)
                     finished = item.finished
                 request_log.produced(total, finished)
                 if output_kind is OutputKind.DELTA:
@@ -203,7 +208,7 @@ class AsyncLLM:
                 for result in results:
                     queue = self._queues.get(result.request_id)
                     if queue is not None:
-                        queue.put_nowait(result)
+                        queue.put(result)
                 await self.client.finish_requests(stopped)
                 # readers run before the next batch (a batch already received would not
                 # let them: each would then get several steps' deltas as one)
@@ -221,7 +226,7 @@ class AsyncLLM:
         if parent is not None:
             queue = self._queues.get(parent)
             if queue is not None:
-                queue.put_nowait(EngineRequestError(out.error))
+                queue.put(EngineRequestError(out.error))
             siblings = [c for c in self.processor.child_ids(parent) if c != out.request_id]
             self.processor.abort_request(parent)
             if siblings:
@@ -235,7 +240,7 @@ class AsyncLLM:
     def end_all(self, error: BaseException) -> None:
         """Every in-flight request ends with `error` (its handler aborts it in the core)."""
         for queue in self._queues.values():
-            queue.put_nowait(error)
+            queue.put(error)
 
     async def check_health(self) -> None:
         """Marks the engine dead when its heartbeats stopped or a step stalled (see
@@ -257,6 +262,40 @@ class AsyncLLM:
         self.client.close()
 
 
+class _Stream:
+    """One request's results on their way to its reader (or the error that ends it). The
+    reader wakes for every result, or with an interval for the first one with tokens, then
+    once `interval` tokens are held, and for the last one or an error. Each result's tokens
+    reach the metrics as it arrives, however long it is held."""
+
+    __slots__ = ("timer", "interval", "items", "ready", "held", "started")
+
+    def __init__(self, timer: _RequestTimer, interval: int) -> None:
+        self.timer, self.interval = timer, interval
+        self.items: list = []
+        self.ready = asyncio.Event()
+        self.held = 0  # tokens held back
+        self.started = False  # its first tokens were handed on
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        if isinstance(item, RequestOutput):
+            new = self.timer.output(item)
+            if self.interval > 1 and not item.finished:
+                self.held += new
+                if self.held < self.interval and (self.started or not new):
+                    return
+                self.started, self.held = True, 0
+        self.ready.set()
+
+    async def take(self) -> list:
+        """Every result since the last take, once there is one to hand on."""
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return items
+
+
 class _RequestTimer:
     """Feeds one request's latencies into the metrics (no-op without metrics)."""
 
@@ -273,11 +312,12 @@ class _RequestTimer:
         if self.metrics is not None:
             self.metrics.request_ended(disconnected)
 
-    def output(self, delta: RequestOutput) -> None:
-        if self.metrics is None:
-            return
-        now = time.monotonic()
+    def output(self, delta: RequestOutput) -> int:
+        """Observes a result as it arrives; returns its new tokens."""
         new = sum(len(c.token_ids) for c in delta.outputs)
+        if self.metrics is None:
+            return new
+        now = time.monotonic()
         if new:
             if self.num_tokens == 0:
                 self.metrics.first_token(now - self.start)
@@ -287,6 +327,7 @@ class _RequestTimer:
         if delta.finished:
             reasons = {c.finish_reason for c in delta.outputs}
             self.finish("length" if reasons == {"length"} else "stop")
+        return new
 
     def finish(self, outcome: str) -> None:
         if self.metrics is None or self.done:

@@ -85,6 +85,7 @@ class ServeProcess:
                 max_dec_len=config.max_dec_len, max_seq_len=config.max_seq_len,
                 max_waiting=config.max_cached_task_num,
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
+                stream_interval=config.stream_interval,
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,

@@ -44,7 +44,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
     else:
         client = AsyncMPClient(settings.engine_address)
     engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
-                      dead_after_s=settings.dead_after_s, metrics=metrics)
+                      dead_after_s=settings.dead_after_s, metrics=metrics,
+                      stream_interval=settings.stream_interval)
     await engine.start()
     # A request that can never fit the KV cache (of one replica) is refused like an
     # over-long one (400 naming the field), not queued forever.

@@ -44,6 +44,7 @@ class ApiSettings:
     max_seq_len: int | None  # None: max_model_len - 1
     max_waiting: int
     disable_streaming: bool = False
+    stream_interval: int = 1  # tokens per stream chunk after the first (AsyncLLM)
     api_key: str | None = None
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
     max_request_body_bytes: int = 2 * 1024 * 1024
