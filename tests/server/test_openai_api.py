@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import HOLD_TOKENS, wait_until
+from tests.serving import HOLD_TOKENS, service_thread, wait_until
 from tokenmill import SamplingParams
 
 
@@ -42,6 +42,24 @@ def test_streamed_completion_equals_whole_and_reports_usage(client):
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_a_stream_interval_sends_fewer_larger_chunks_of_the_same_text(engine_address, client):
+    """A second API over the same engine with `--stream-interval 5`: the stream's text and
+    tokens equal the whole response's; after the first chunk every chunk but the last holds at
+    least 5 tokens (a reader that fell behind only gets more)."""
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=23, temperature=0,
+                                      logprobs=1)
+    path, address = engine_address
+    with service_thread(path, address, stream_interval=5, max_dec_len=256) as thread:
+        chunked = openai.OpenAI(base_url=thread.base + "/v1", api_key="unused", max_retries=0)
+        chunks = [c.choices[0] for c in chunked.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=23, temperature=0, logprobs=1, stream=True)]
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    tokens = [c.logprobs.tokens for c in chunks]
+    assert sum(tokens, []) == whole.choices[0].logprobs.tokens
+    assert all(len(t) >= 5 for t in tokens[1:-1]) and 2 <= len(tokens) <= 6
+    assert chunks[-1].finish_reason == "length"
 
 
 def test_chat_matches_offline_chat_and_streams_the_same(client, offline_llm):
