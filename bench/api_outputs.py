@@ -11,16 +11,19 @@ new token per sequence, of:
   cumulative results (the offline path; serving's before delta results) or delta results;
 - `reasoning_whole_text` / `reasoning_stream`: one `--reasoning-parser deepseek_r1` split of
   each sequence's new text (the whole-text reference or the incremental stream);
-- `async_llm_delta`: the whole API side: AsyncLLM over a scripted engine-core client
-  (tests/scripted_client.py), each step's outputs processed and handed to `--batch` readers
-  of delta results, each feeding the incremental reasoning split, until all have read.
-Each number is the least of `--repeats` runs' medians."""
+- `async_llm_interval_K`: the whole API side: AsyncLLM (`stream_interval=K`) over a scripted
+  engine-core client (tests/scripted_client.py), each step's outputs processed and handed to
+  `--batch` readers of delta results, each feeding the incremental reasoning split and
+  writing its chunk's JSON line (no socket), until the output loop asks for the next step;
+  the mean over the steps (a reader with an interval wakes on some steps only).
+Each number is the least of `--repeats` runs' medians (means for the AsyncLLM ones)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import os
 import platform
@@ -32,7 +35,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-STEPS = 30
+STEPS = 32  # (a multiple of the stream intervals timed)
 
 
 def _steps(rng, batch, vocab, length):
@@ -88,11 +91,12 @@ def reasoning_ms(tokenizer, batch, length, whole_text, seed=0):
     return statistics.median(times) * 1e3
 
 
-def async_llm_ms(tokenizer, batch, length, seed=0):
+def async_llm_ms(tokenizer, batch, length, interval=1, seed=0):
     from tests.scripted_client import ScriptedClient
     from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.engine.protocol import EngineCoreOutput
     from tokenmill.entrypoints.http.reasoning import ReasoningParser, ReasoningStream
+    from tokenmill.entrypoints.http.streaming import json_line
     from tokenmill.outputs import OutputKind
     from tokenmill.sampling_params import SamplingParams
 
@@ -101,39 +105,34 @@ def async_llm_ms(tokenizer, batch, length, seed=0):
 
     async def body():
         client = ScriptedClient()
-        llm = AsyncLLM(client, tokenizer, [2])
+        llm = AsyncLLM(client, tokenizer, [2], stream_interval=interval)
         await llm.start()
-        read = [0]
-        everyone = asyncio.Event()
 
         async def reader(i):
             stream = ReasoningStream(parser)
             async for out in llm.generate([5] * 16, SamplingParams(max_tokens=10 ** 6),
                                           request_id=f"r{i}", output_kind=OutputKind.DELTA):
-                stream.feed(out.outputs[0].text, out.finished)
-                read[0] += 1
-                if read[0] == batch:
-                    everyone.set()
+                reasoning, content = stream.feed(out.outputs[0].text, out.finished)
+                json_line({"reasoning_content": reasoning, "content": content})  # (its chunk)
 
         tasks = [asyncio.create_task(reader(i)) for i in range(batch)]
         while len(client.added) < batch:
             await asyncio.sleep(0)
         ids = list(client.added)
+        await client.drained()
         times = []
         for k, step in enumerate(warm + timed):
-            read[0] = 0
-            everyone.clear()
             outs = [EngineCoreOutput(c, t) for c, t in zip(ids, step)]
             start = time.perf_counter()
             client.send(outs)
-            await asyncio.wait_for(everyone.wait(), 60)
+            await client.drained()  # (the batch processed and every reader it woke run)
             if k >= len(warm):
                 times.append(time.perf_counter() - start)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await llm.shutdown()
-        return statistics.median(times) * 1e3
+        return statistics.mean(times) * 1e3
 
     return asyncio.run(body())
 
@@ -153,7 +152,9 @@ def main() -> None:
              "processor_delta": lambda n: processor_ms(tokenizer, args.batch, n, True),
              "reasoning_whole_text": lambda n: reasoning_ms(tokenizer, args.batch, n, True),
              "reasoning_stream": lambda n: reasoning_ms(tokenizer, args.batch, n, False),
-             "async_llm_delta": lambda n: async_llm_ms(tokenizer, args.batch, n)}
+             **{f"async_llm_interval_{k}": functools.partial(async_llm_ms, tokenizer,
+                                                              args.batch, interval=k)
+                for k in (1, 4, 16)}}
     results = {}
     for length in (int(x) for x in args.lengths.split(",")):
         row = {name: round(min(run(length) for _ in range(args.repeats)), 3)

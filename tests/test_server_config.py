@@ -49,6 +49,8 @@ def test_env_values_reach_the_engine_and_flags_override_them():
     assert c.api_key == "flag" and c.model_names == ["a", "b"]
     assert c.engine.max_model_len == 4000 and not c.engine.enable_prefix_caching
     assert c.engine.kv_cache_memory_gib == 0.5
+    assert c.stream_interval == 1
+    assert build_server_config(["--stream-interval", "8"], env).stream_interval == 8
 
 
 def test_quantization_flags_and_the_seeds_int8_kv_variable():
@@ -86,6 +88,7 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     (["--dtype", "int3"], {}, "dtype must be one of"),
     (["--max-dec-len", "0"], {}, "max_dec_len must be a positive integer"),
     (["--shutdown-timeout", "-1"], {}, "shutdown_timeout must be >= 0"),
+    (["--stream-interval", "0"], {}, "stream_interval must be at least 1, got 0"),
 ])
 def test_invalid_values_fail_with_a_clear_message(argv, env, message):
     with pytest.raises(ValueError) as err:
