@@ -204,6 +204,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "attention_backend": pick(args.attention_backend, None, "auto"),
         "enforce_eager": bool(args.enforce_eager),
         "async_scheduling": bool(args.async_scheduling),
+        "generation_config": pick(args.generation_config, None, "auto"),
+        "override_generation_config": args.override_generation_config,
         "speculative_config": pick(args.speculative_config, from_seed(
             env.text("SPECULATE_METHOD"), env.integer("SPECULATE_MAX_DRAFT_TOKEN_NUM"),
             env.integer("SPECULATE_MAX_NGRAM_SIZE"), env.text("SPECULATE_MODEL_PATH"),

@@ -15,6 +15,10 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the bundled default model
     tokenizer: str | None = None  # defaults to the model's own
+    # default sampling parameters: auto (the model's generation_config.json), vllm (none) or a
+    # folder holding one; override: JSON fields over them (generation_config.py)
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit type on GPU
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -96,6 +100,9 @@ class EngineConfig:
         from tokenmill.spec_decode.config import SpeculativeConfig
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from tokenmill.generation_config import checked
+        self.override_generation_config = checked(self.generation_config,
+                                                  self.override_generation_config)
         method = getattr(self.speculative_config, "method", None)
         if method in ("mtp", "eagle", "eagle3") and self.pipeline_parallel_size > 1:
             raise ValueError(f"Speculative method {method!r} does not run with pipeline "

@@ -45,6 +45,11 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="auto: triton on GPUs, torch on the CPU")
     a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
     a("--speculative-config", default=None, help="JSON (env SPECULATE_METHOD, SPECULATE_*)")
+    a("--generation-config", default=None,
+      help="default sampling parameters of OpenAI requests and LLM: auto (the model's "
+           "generation_config.json; default), vllm (none) or a folder holding one")
+    a("--override-generation-config", default=None,
+      help="JSON fields over the generation config's, e.g. '{\"temperature\": 0.5}'")
     a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")

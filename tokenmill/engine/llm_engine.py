@@ -11,6 +11,7 @@ from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreRequest
+from tokenmill.generation_config import log_defaults, sampling_defaults
 from tokenmill.loader import load_tokenizer, resolve_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -26,6 +27,10 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path)
+        # (read before the engine loads: a bad file fails first)
+        self.sampling_defaults = sampling_defaults(self.model_path, config.generation_config,
+                                                   config.override_generation_config)
+        log_defaults(self.sampling_defaults)
         if config.data_parallel_size > 1:  # engine cores in processes of their own
             from tokenmill.distributed.dp_offline import ReplicaClient
             self.core = None

@@ -34,6 +34,7 @@ from tokenmill.entrypoints.http.dashboard import metrics_app
 from tokenmill.entrypoints.http.server import build_state, create_health_app, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.kserve import start_grpc_server
+from tokenmill.generation_config import log_defaults, sampling_defaults
 from tokenmill.loader import resolve_model_path
 from tokenmill.logs import configure_logging
 from tokenmill.metrics import Metrics, multiprocess_registry
@@ -62,6 +63,13 @@ class ServeProcess:
         # liveness meanwhile)
         model_path = await asyncio.to_thread(resolve_model_path, config.engine.model,
                                              _node(config.engine))
+        try:  # (a bad generation config fails before the engine loads)
+            defaults = sampling_defaults(model_path, config.engine.generation_config,
+                                         config.engine.override_generation_config)
+        except ValueError:
+            await self._close(servers, tasks)
+            raise
+        log_defaults(defaults)
         logger.info("loading %s (health port %d answers meanwhile)", model_path,
                     config.health_port)
         start = asyncio.ensure_future(self._start_engines(model_path))
@@ -85,7 +93,7 @@ class ServeProcess:
                 max_dec_len=config.max_dec_len, max_seq_len=config.max_seq_len,
                 max_waiting=config.max_cached_task_num,
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
-                stream_interval=config.stream_interval,
+                stream_interval=config.stream_interval, sampling_defaults=defaults,
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,

@@ -131,7 +131,9 @@ def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: i
                        f"requested {n_in + requested} tokens ({n_in} in the {what}, "
                        f"{requested} in the completion). Please reduce the length of the "
                        f"{what} or completion.", 400, "max_tokens")
-    return requested if requested is not None else min(default or room, room)
+    budget = requested if requested is not None else min(default or room, room)
+    # (the model's generation config caps every request, as vLLM's max_new_tokens default)
+    return min(budget, state.sampling_defaults.get("max_tokens", budget))
 
 
 @dataclass
@@ -336,7 +338,8 @@ async def create_completion(body: dict, request: Request, state: ServerState,
             if text is None and req.echo:
                 text = state.tokenizer.decode(ids)
             max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
-            jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs), text))
+            jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs,
+                                                      state.sampling_defaults), text))
         await state.check_structured(*req.structured())
         beams = openai_beam_params(req, min(job.params.max_tokens for job in jobs))
     except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
@@ -365,7 +368,8 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
                                  state.max_dec_len, "messages")
         top = req.top_logprobs or 0
-        params = req.sampling_params(max_tokens, top if req.logprobs else None)
+        params = req.sampling_params(max_tokens, top if req.logprobs else None,
+                                     state.sampling_defaults)
         await state.check_structured(*req.structured())
         if state.reasoning is not None and params.structured_outputs is not None:
             # the constraint applies to the answer, after the reasoning section

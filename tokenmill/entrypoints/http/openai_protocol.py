@@ -186,16 +186,17 @@ class _SamplingFields(BaseModel):
         """Engine sequences this request asks for (what admission control counts)."""
         return self.n
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        # Unset knobs take the neutral values (the seed's models ship no generation config
-        # that we read for sampling defaults).
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """Unset knobs take `defaults` (the model's generation config: generation_config.py),
+        else the neutral values."""
+        d = defaults or {}
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None
-            else self.repetition_penalty,
+            n=self.n, temperature=_given(self.temperature, d, "temperature", 1.0),
+            top_p=_given(self.top_p, d, "top_p", 1.0),
+            top_k=_given(self.top_k, d, "top_k", 0),
+            min_p=_given(self.min_p, d, "min_p", 0.0),
+            repetition_penalty=_given(self.repetition_penalty, d, "repetition_penalty", 1.0),
             frequency_penalty=self.frequency_penalty or 0.0,
             presence_penalty=self.presence_penalty or 0.0,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -218,6 +219,10 @@ class _SamplingFields(BaseModel):
         if self.logit_bias and not all(k.isascii() and k.isdigit() and len(k) <= 19
                                        for k in self.logit_bias):
             raise InvalidParameter("logit_bias", "logit_bias keys must be token ids.")
+
+
+def _given(value, defaults: dict, name: str, neutral):
+    return value if value is not None else defaults.get(name, neutral)
 
 
 class CompletionRequest(_SamplingFields):
@@ -258,8 +263,9 @@ class CompletionRequest(_SamplingFields):
     def slots(self) -> int:
         return len(self.prompts()) * self.samples()
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, logprobs)
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, defaults)
         if self.samples() > self.n:  # (ranked by cumulative logprob, which logprobs give)
             params = params.clone(n=self.samples(), logprobs=logprobs or 0)
         return params

@@ -63,7 +63,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        if settings.reasoning_parser else None,
                        tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
                        if settings.tool_call_parser else None,
-                       log_requests=settings.log_requests)
+                       log_requests=settings.log_requests,
+                       sampling_defaults=settings.sampling_defaults)
 
 
 def is_native(body: dict) -> bool:
