@@ -269,6 +269,54 @@ def test_sampling_batch_reused_across_steps_equals_a_fresh_one():
     assert reused == 3  # steps 1-3 reused step 0's settings; step 4 did not
 
 
+def test_penalty_rows_carried_across_changing_request_lists_equal_fresh_ones():
+    """Requests arrive, leave and change places while others run on, with tokens counted on
+    the device before they land: the rows carried over from the last list (and the new
+    requests' own) equal a batch built from scratch at every step."""
+    from tokenmill.core.request import RequestStatus
+
+    rng = random.Random(5)
+    options = [{"repetition_penalty": 1.3}, {"frequency_penalty": 0.4},
+               {"presence_penalty": -0.2, "repetition_penalty": 0.9}, {}]
+
+    def request(i):
+        r = Request(f"r{i}", [rng.randrange(64) for _ in range(rng.randrange(1, 6))],
+                    SamplingParams(temperature=0.7, **rng.choice(options)))
+        r.status = RequestStatus.RUNNING
+        return r
+
+    running = [request(i) for i in range(5)]
+    cached, carried = RequestSampling(64, torch.device("cpu")), 0
+    in_flight = None  # (requests, token) counted on the device last step
+    for step in range(60):
+        if step % 3 == 1:  # arrivals, departures, reordering
+            if running and rng.random() < 0.6:
+                running.pop(rng.randrange(len(running)))
+            running += [request(100 + step * 10 + k) for k in range(rng.randrange(0, 3))]
+            if rng.random() < 0.3:
+                rng.shuffle(running)
+        if in_flight is not None:  # last step's token lands on the host
+            for r in in_flight[0]:
+                r.output_token_ids.append(in_flight[1])
+            in_flight = None
+        before = cached._settings
+        got = cached.batch(list(running))
+        carried += before is not None and cached._settings is not before and any(
+            r is old for r in running for old in before[0])
+        fresh = RequestSampling(64, torch.device("cpu"))
+        want = fresh.batch(list(running))
+        assert _batch_fields(got) == _batch_fields(want), step
+        token = rng.randrange(64)
+        if running and step % 2:  # counted while on the device, lands next step
+            rows = [(row, 0) for row in range(len(running))]
+            cached.count_in_flight(got, rows, torch.tensor([token]))
+            in_flight = list(running), token
+        else:
+            for r in running:
+                r.output_token_ids.append(token)
+    assert carried > 10
+
+
 def test_text_buffer_equals_a_plain_string():
     """Random appends (empty ones, runs past the 64-piece merge), tails from every start,
     reads and replacements, against a plain string."""

@@ -117,10 +117,7 @@ class RequestSampling:
         if settings.counts is None:
             settings.counts = torch.zeros(len(requests), self.vocab_size, device=dev)
             settings.counted_upto = [0] * len(requests)
-        for rows_t, latest in settings.in_flight:
-            settings.counts.index_put_((rows_t, latest), torch.full(
-                (len(rows_t),), -1.0, device=dev), accumulate=True)
-        settings.in_flight.clear()
+        self._take_back(settings)
         rows, tokens = self._new_tokens(settings.counted_upto, requests, output_only=True)
         if rows:
             settings.counts.index_put_(
@@ -132,7 +129,10 @@ class RequestSampling:
         """One row per entry of `requests` (a request may fill several rows: its drafts')."""
         if (self._settings is None or len(requests) != len(self._settings[0])
                 or not all(map(operator.is_, requests, self._settings[0]))):
+            old = self._settings
             self._settings = list(requests), self._settings_of(requests)
+            if old is not None:
+                self._carry(*old, requests, self._settings[1])
         settings = self._settings[1]
         batch = dataclasses.replace(settings.batch, banned=[],
                                     generators=dict(settings.batch.generators))
@@ -155,6 +155,43 @@ class RequestSampling:
             if requests[row].status.finished:  # (its token is dropped: see `generator`)
                 del batch.generators[row]
         return batch
+
+    def _carry(self, old_requests: list[Request], old: _Settings, requests: list[Request],
+               new: _Settings) -> None:
+        """A changed request list: the penalties' rows of requests that were in the last one
+        move to their new rows in one gather (a request that ended or arrived changes the
+        list, nearly every step of a busy server: re-marking every request's tokens took
+        35 ms at 64 x 2k tokens on the CPU); only new requests' tokens are marked."""
+        rows = {}
+        for row, r in enumerate(old_requests):
+            rows.setdefault(id(r), row)
+        sources = [rows.get(id(r), -1) for r in requests]
+        kept = [row for row, source in enumerate(sources) if source >= 0]
+        if not kept:
+            return
+        dev = self.device
+        index = on_device([max(s, 0) for s in sources], torch.int64, dev)
+        fresh = [row for row, source in enumerate(sources) if source < 0]
+        if old.seen is not None and new.batch.repetition_penalty is not None:
+            new.seen = old.seen[index]  # (bool rows: faster than index_select on CPUs)
+            new.seen_upto = [old.seen_upto[s] if s >= 0 else 0 for s in sources]
+            if fresh:
+                new.seen[on_device(fresh, torch.int64, dev)] = False
+        if old.counts is not None and (new.batch.frequency_penalty is not None
+                                       or new.batch.presence_penalty is not None):
+            self._take_back(old)
+            new.counts = old.counts[index]
+            new.counted_upto = [old.counted_upto[s] if s >= 0 else 0 for s in sources]
+            if fresh:
+                new.counts[on_device(fresh, torch.int64, dev)] = 0
+
+    def _take_back(self, settings: _Settings) -> None:
+        """Counts added for tokens that were on the device (now on the host: counted from
+        there)."""
+        for rows_t, latest in settings.in_flight:
+            settings.counts.index_put_((rows_t, latest), torch.full(
+                (len(rows_t),), -1.0, device=self.device), accumulate=True)
+        settings.in_flight.clear()
 
     def _settings_of(self, requests: list[Request]) -> _Settings:
         """What the rows' parameters alone decide (the same while the same requests run in
