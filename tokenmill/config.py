@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine_config import EngineConfig
 from tokenmill.parallel_config import node_settings
-from tokenmill.serve_args import make_serve_parser
+from tokenmill.serve_args import IGNORED_FLAGS, check_vllm_flags, make_serve_parser
 from tokenmill.spec_decode.config import from_seed
 
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +40,8 @@ class ServerConfig:
     max_seq_len: int | None = None  # cap on prompt tokens; default: max_model_len - 1
     disable_streaming: bool = False
     stream_interval: int = 1  # a stream's chunks: its first tokens, then every N tokens, its end
+    chat_template: str | None = None  # a file or the template's text, over the tokenizer's
+    max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
     use_warmup: bool = False
     log_dir: str = "log"
     shutdown_timeout: float = 300.0  # SIGTERM: seconds to let in-flight requests finish
@@ -83,6 +85,8 @@ class ServerConfig:
             raise ValueError(f"max_seq_len must be a positive integer, got {self.max_seq_len}.")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be between 0 and 20, got {self.max_logprobs}.")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
         if self.max_request_body_bytes < 1024:
@@ -149,6 +153,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
 
     environ = os.environ if environ is None else environ
     args = make_serve_parser(**parser_text).parse_args(argv)
+    check_vllm_flags(args)
     env = _Env(environ)
 
     def pick(flag, env_value, default=None):
@@ -195,6 +200,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": block_size,
         "enable_prefix_caching": pick(args.enable_prefix_caching, None, True),
+        "enable_chunked_prefill": pick(args.enable_chunked_prefill, None, True),
         "kv_cache_memory_gib": args.kv_cache_memory,
         "gpu_memory_utilization": pick(args.gpu_memory_utilization, None, 0.9),
         "num_kv_blocks": num_kv_blocks,
@@ -234,6 +240,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         max_seq_len=max_seq_len,
         disable_streaming=pick(args.disable_streaming, env.flag("DISABLE_STREAMING"), False),
         stream_interval=pick(args.stream_interval, None, 1),
+        chat_template=args.chat_template,
+        max_logprobs=pick(args.max_logprobs, None, 20),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
         shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),
@@ -244,20 +252,11 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         tool_call_parser=args.tool_call_parser,
         log_requests=bool(args.log_requests),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
-        ignored_flags=tuple(flag for name, flag in _IGNORED.items()
+        ignored_flags=tuple(flag for name, flag in IGNORED_FLAGS.items()
                             if getattr(args, name) is not None),
         **ports)
     config.validate()
     return config
-
-
-_IGNORED = {
-    "num_scheduler_steps": ("--num-scheduler-steps", "every step is scheduled anew"),
-    "trust_remote_code": ("--trust-remote-code", "tokenmill never runs a checkpoint's own "
-                          "code; it serves the architectures it implements"),
-    "disable_async_output_proc": ("--disable-async-output-proc",
-                                  "outputs are processed in the API process already"),
-}
 
 
 def check_ports_free(config: ServerConfig) -> None:

@@ -1,5 +1,6 @@
 """The `tokenmill serve` command line (argparse): flags only, no defaults applied and no
-environment read here (config.py merges flags over the seed's variables and defaults)."""
+environment read here (config.py merges flags over the seed's variables and defaults); of
+vLLM's flags, which have no effect here and which ask for what tokenmill does not do."""
 
 from __future__ import annotations
 
@@ -119,4 +120,66 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "http://collector:4318/v1/traces)")
     a("--enable-auto-tool-choice", action="store_true", default=None,
       help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
+    _vllm_flags(a, argparse)
     return p
+
+
+def _vllm_flags(a, argparse) -> None:
+    """vLLM's flags, so its command lines run unchanged: those that mean something here, and
+    those accepted with no effect (logged once at start-up) or refused where they ask for
+    what tokenmill does not do."""
+    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+      help="prompts split across steps by the token budget (default on)")
+    a("--chat-template", default=None, metavar="FILE|TEMPLATE",
+      help="a Jinja chat template (a file, or the template's text) in place of the "
+           "tokenizer's, for every route that renders messages")
+    a("--max-logprobs", type=int, default=None,
+      help="most logprobs / top_logprobs a request may ask for (default and at most 20)")
+    a("--enable-reasoning", action="store_true", default=None,
+      help="accepted for vLLM's command lines: --reasoning-parser alone enables the split")
+    a("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+      help="fcfs only (priority is refused)")
+    a("--guided-decoding-backend", default=None,
+      help="auto or xgrammar (structured outputs run on xgrammar)")
+    a("--disable-log-requests", action="store_true", default=None, help="no effect (vLLM)")
+    a("--disable-log-stats", action="store_true", default=None, help="no effect (vLLM)")
+    a("--swap-space", type=float, default=None, help="no effect (vLLM)")
+    a("--preemption-mode", choices=["recompute", "swap"], default=None,
+      help="no effect (vLLM): preempted requests are recomputed")
+    a("--max-seq-len-to-capture", type=int, default=None, help="no effect (vLLM)")
+    a("--uvicorn-log-level", default=None, help="no effect (vLLM): see --log-level")
+    a("--disable-frontend-multiprocessing", action="store_true", default=None,
+      help="no effect (vLLM)")
+
+
+IGNORED_FLAGS = {  # vLLM's flags accepted with no effect: (flag, why), logged at start-up
+    "num_scheduler_steps": ("--num-scheduler-steps", "every step is scheduled anew"),
+    "trust_remote_code": ("--trust-remote-code", "tokenmill never runs a checkpoint's own "
+                          "code; it serves the architectures it implements"),
+    "disable_async_output_proc": ("--disable-async-output-proc",
+                                  "outputs are processed in the API process already"),
+    "enable_reasoning": ("--enable-reasoning", "--reasoning-parser alone turns the split on"),
+    "disable_log_requests": ("--disable-log-requests",
+                             "request texts are logged only with --log-requests"),
+    "disable_log_stats": ("--disable-log-stats", "no periodic stats lines are logged; "
+                          "they are on the metrics port"),
+    "swap_space": ("--swap-space", "preempted requests are recomputed, never swapped"),
+    "preemption_mode": ("--preemption-mode", "preempted requests are recomputed"),
+    "max_seq_len_to_capture": ("--max-seq-len-to-capture",
+                               "CUDA graphs hold decode steps of any context length"),
+    "uvicorn_log_level": ("--uvicorn-log-level", "every log follows --log-level"),
+    "disable_frontend_multiprocessing": ("--disable-frontend-multiprocessing",
+                                         "the API runs in its own process (--http-workers)"),
+}
+
+
+def check_vllm_flags(args) -> None:
+    """vLLM's flags that ask for what tokenmill does not do: refused, naming the flag."""
+    if args.enable_reasoning and not args.reasoning_parser:
+        raise ValueError("--enable-reasoning needs --reasoning-parser (deepseek_r1 or qwen3).")
+    if args.scheduling_policy == "priority":
+        raise ValueError("--scheduling-policy priority is not supported: requests are "
+                         "scheduled first come, first served (fcfs).")
+    if args.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        raise ValueError(f"--guided-decoding-backend {args.guided_decoding_backend!r} is not "
+                         "available: structured outputs run on xgrammar (auto or xgrammar).")

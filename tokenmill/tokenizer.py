@@ -137,6 +137,21 @@ class _ContentGuard:
         return ids
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the value itself where it is a template (as
+    vLLM reads it); a value that names no readable file and holds no template is named."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        if "{" in value or "\n" in value:
+            return value
+        raise ValueError(f"--chat-template {value!r} looks like a file, but it cannot be read "
+                         f"({exc.strerror or exc}).") from None
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True, chat_template: str | None = None,
                         **kwargs: Any) -> list[int]:

@@ -38,6 +38,7 @@ from tokenmill.generation_config import log_defaults, sampling_defaults
 from tokenmill.loader import resolve_model_path
 from tokenmill.logs import configure_logging
 from tokenmill.metrics import Metrics, multiprocess_registry
+from tokenmill.tokenizer import load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +64,10 @@ class ServeProcess:
         # liveness meanwhile)
         model_path = await asyncio.to_thread(resolve_model_path, config.engine.model,
                                              _node(config.engine))
-        try:  # (a bad generation config fails before the engine loads)
+        try:  # (a bad generation config or chat template fails before the engine loads)
             defaults = sampling_defaults(model_path, config.engine.generation_config,
                                          config.engine.override_generation_config)
+            chat_template = load_chat_template(config.chat_template)
         except ValueError:
             await self._close(servers, tasks)
             raise
@@ -94,6 +96,7 @@ class ServeProcess:
                 max_waiting=config.max_cached_task_num,
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
                 stream_interval=config.stream_interval, sampling_defaults=defaults,
+                chat_template=chat_template, max_logprobs=config.max_logprobs,
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,

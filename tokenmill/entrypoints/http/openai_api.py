@@ -94,6 +94,11 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         raise ApiError(str(exc), 400, getattr(exc, "param", None)) from None
     if check_model and req.model is not None and req.model not in state.model_names:
         raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
+    for name in ("logprobs", "top_logprobs"):  # (--max-logprobs below the schema's cap)
+        asked = getattr(req, name, None)
+        if type(asked) is int and asked > state.max_logprobs:
+            raise ApiError(f"{name} may be at most {state.max_logprobs} on this server "
+                           f"(--max-logprobs), got {asked}.", 400, name)
     vocab = state.engine.client.info.vocab_size
     if req.logit_bias and any(int(k) >= vocab for k in req.logit_bias):
         raise ApiError(f"logit_bias token ids must be in [0, {vocab}).", 400, "logit_bias")

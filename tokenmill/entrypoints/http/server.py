@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> ServerState:
     tokenizer = load_tokenizer(settings.tokenizer_path)
+    if settings.chat_template is not None:  # (--chat-template: every route renders with it)
+        tokenizer.chat_template = settings.chat_template
     if settings.more_engine_addresses:
         client = DataParallelClient([settings.engine_address, *settings.more_engine_addresses])
     else:
@@ -64,7 +66,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
                        if settings.tool_call_parser else None,
                        log_requests=settings.log_requests,
-                       sampling_defaults=settings.sampling_defaults)
+                       sampling_defaults=settings.sampling_defaults,
+                       max_logprobs=settings.max_logprobs)
 
 
 def is_native(body: dict) -> bool:

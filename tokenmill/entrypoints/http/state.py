@@ -47,6 +47,8 @@ class ApiSettings:
     stream_interval: int = 1  # tokens per stream chunk after the first (AsyncLLM)
     # OpenAI requests' unset sampling fields (generation_config.py); max_tokens caps theirs
     sampling_defaults: dict = field(default_factory=dict)
+    chat_template: str | None = None  # the template's text, over the tokenizer's
+    max_logprobs: int = 20  # OpenAI requests' logprobs / top_logprobs cap
     api_key: str | None = None
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
     max_request_body_bytes: int = 2 * 1024 * 1024
@@ -76,6 +78,7 @@ class ServerState:
     tool_parser: Any = None  # a ToolParser (tool_calls/parsers.py): tool_choice auto, or None
     log_requests: bool = False  # access lines (HTTP and gRPC) carry prompt and output text
     sampling_defaults: dict = field(default_factory=dict)  # (ApiSettings')
+    max_logprobs: int = 20
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None

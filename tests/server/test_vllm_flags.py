@@ -1,0 +1,80 @@
+"""vLLM's serve flags that R1-style deployment command lines carry: accepted, the ones that
+mean something here in effect (`--chat-template`, `--max-logprobs`, `--enable-chunked-prefill`),
+the ones with no effect logged once, and the ones asking for what tokenmill does not do
+refused by name."""
+
+import httpx
+import pytest
+
+from tests.serving import Served
+from tokenmill.config import build_server_config
+from tokenmill.loader import load_tokenizer
+from tokenmill.tokenizer import load_chat_template
+
+R1_LINE = ("--max-model-len 4096 --max-num-seqs 64 --gpu-memory-utilization 0.9 "
+           "--enable-reasoning --reasoning-parser deepseek_r1 --disable-log-requests "
+           "--enable-chunked-prefill --max-num-batched-tokens 512 --swap-space 16 "
+           "--max-seq-len-to-capture 32768 --uvicorn-log-level warning --disable-log-stats "
+           "--guided-decoding-backend xgrammar --scheduling-policy fcfs "
+           "--preemption-mode recompute --disable-frontend-multiprocessing --trust-remote-code")
+NO_EFFECT = ("--enable-reasoning", "--disable-log-requests", "--swap-space",
+             "--max-seq-len-to-capture", "--uvicorn-log-level", "--disable-log-stats",
+             "--preemption-mode", "--disable-frontend-multiprocessing", "--trust-remote-code")
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def test_an_r1_command_line_parses_with_its_flags_in_effect():
+    config = build_server_config(["/models/r1", *R1_LINE.split()], {})
+    assert config.engine.enable_chunked_prefill and config.engine.max_num_batched_tokens == 512
+    assert config.reasoning_parser == "deepseek_r1" and config.max_logprobs == 20
+    assert set(NO_EFFECT) == {flag for flag, _ in config.ignored_flags}
+    off = build_server_config(["m", "--no-enable-chunked-prefill", "--max-logprobs", "3"], {})
+    assert not off.engine.enable_chunked_prefill and off.max_logprobs == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-reasoning"], "--enable-reasoning needs --reasoning-parser"),
+    (["--scheduling-policy", "priority"], "--scheduling-policy priority is not supported"),
+    (["--guided-decoding-backend", "outlines"], "'outlines' is not available"),
+    (["--max-logprobs", "21"], "max_logprobs must be between 0 and 20, got 21"),
+])
+def test_what_is_not_done_here_is_refused_by_name(argv, message):
+    with pytest.raises(ValueError) as err:
+        build_server_config(["m", *argv], {})
+    assert message in str(err.value)
+
+
+def test_a_chat_template_is_a_file_or_the_template(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert load_chat_template(str(path)) == TEMPLATE
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="'/no/such.jinja' looks like a file, but it cannot"):
+        load_chat_template("/no/such.jinja")
+
+
+def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_models, tmp_path):
+    path = tiny_models("llama")[0]
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    served = Served(path, tmp_path, *R1_LINE.replace("4096", "512").split(),
+                    "--chat-template", str(template), "--max-logprobs", "2")
+    messages = [{"role": "user", "content": "Name a color."}]
+    with served.running():
+        tokens = httpx.post(served.api + "/tokenize", json={"messages": messages}).json()
+        chat = httpx.post(served.api + "/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 2}).json()
+        over = httpx.post(served.api + "/v1/completions", json={
+            "model": "tiny", "prompt": "Once", "max_tokens": 3, "logprobs": 3})
+    tok = load_tokenizer(path)
+    rendered = "<user>Name a color.<assistant>"
+    assert tokens["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    assert chat["usage"]["prompt_tokens"] == tokens["count"]
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
+    assert "at most 2" in over.json()["error"]["message"]
+    log = served.process.stdout.read().decode()
+    for flag in NO_EFFECT:
+        assert f"{flag}: accepted, no effect here" in log, log[-2000:]
