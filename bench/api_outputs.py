@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import functools
-import json
 import os
-import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
+
+from record import save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -162,12 +161,7 @@ def main() -> None:
         results[str(length)] = row
         print(f"L={length}: " + ", ".join(f"{k} {v} ms" for k, v in row.items()), flush=True)
     if args.out:
-        record = {"command": "python bench/api_outputs.py " + " ".join(sys.argv[1:]),
-                  "date": datetime.date.today().isoformat(), "machine": platform.processor()
-                  or platform.machine(), "cpus": os.cpu_count(), "batch": args.batch,
-                  "ms_per_step": results}
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        save(args.out, batch=args.batch, ms_per_step=results)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,22 @@
     python bench/ngram_cost.py [--batch 8] [--lengths 1000,8000,32000] [--out FILE]
 
 `--batch` running requests (8: where n-gram drafts turn off by default; `--batch 64` with
-`disable_by_batch_size` raised, as a GPU deployment might) whose contexts hold L tokens (random ids over a 32,000-token
-vocabulary: few places to narrow; over 8 tokens: many), each step one new token per request
+`disable_by_batch_size` raised, as a GPU deployment might) whose contexts hold L tokens
+(random ids over a 32,000-token vocabulary: few places to narrow; over 8 tokens: many), each
+step one new token per request
 then `NgramProposer.propose` for all of them (k=3, n-grams of 2-4 tokens), as the engine core
 calls it after each step. Median ms per step over 30 steps, least of 3 runs. No model."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
+
+from record import save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
 
@@ -65,12 +65,7 @@ def main() -> None:
             results[f"{length}_vocab{vocab}"] = round(ms, 3)
             print(f"L={length} vocab={vocab}: {ms:.3f} ms per step", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "python bench/ngram_cost.py " + " ".join(sys.argv[1:]),
-                       "date": datetime.date.today().isoformat(),
-                       "machine": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count(), "batch": args.batch,
-                       "ms_per_step": results}, f, indent=1)
+        save(args.out, batch=args.batch, ms_per_step=results)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ after. No model."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
+
+from record import save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
 
@@ -78,12 +77,7 @@ def main() -> None:
             print(f"{name} penalty, L={length}: steady {best['steady']} ms, request list "
                   f"changed {best['changed']} ms", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "python bench/penalty_cost.py " + " ".join(sys.argv[1:]),
-                       "date": datetime.date.today().isoformat(),
-                       "machine": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count(), "batch": args.batch,
-                       "ms_per_step": results}, f, indent=1)
+        save(args.out, batch=args.batch, ms_per_step=results)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,12 @@ checkout for a before / after."""
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from record import save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
 
@@ -127,12 +126,7 @@ def main() -> None:
         results[str(length)] = best
         print(f"L={length}: " + ", ".join(f"{k} {v}" for k, v in best.items()), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "python bench/step_message.py " + " ".join(sys.argv[1:]),
-                       "date": datetime.date.today().isoformat(),
-                       "machine": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count(), "batch": args.batch, "block_size": BLOCK,
-                       "ms_per_decode_step": results}, f, indent=1)
+        save(args.out, batch=args.batch, block_size=BLOCK, ms_per_decode_step=results)
 
 
 if __name__ == "__main__":
