@@ -20,7 +20,6 @@ Each number is the least of `--repeats` runs' medians (means for the AsyncLLM on
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import os
@@ -30,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from record import save  # (bench/record.py: the script's folder is on the path)
+from record import parser, save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -137,11 +136,8 @@ def async_llm_ms(tokenizer, batch, length, interval=1, seed=0):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lengths", default="1000,8000,32000")
+    ap = parser(__doc__, batch=64, lengths="1000,8000,32000")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out")
     args = ap.parse_args()
 
     from tests.helpers import make_tokenizer

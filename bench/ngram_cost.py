@@ -11,14 +11,13 @@ calls it after each step. Median ms per step over 30 steps, least of 3 runs. No 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
 import sys
 import time
 
-from record import save  # (bench/record.py: the script's folder is on the path)
+from record import parser, save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
 
@@ -53,10 +52,7 @@ def step_ms(batch: int, length: int, vocab: int, seed: int = 0) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--lengths", default="1000,8000,32000")
-    ap.add_argument("--out")
+    ap = parser(__doc__, batch=8, lengths="1000,8000,32000")
     args = ap.parse_args()
     results = {}
     for length in (int(x) for x in args.lengths.split(",")):

@@ -13,14 +13,13 @@ after. No model."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
 import sys
 import time
 
-from record import save  # (bench/record.py: the script's folder is on the path)
+from record import parser, save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
 
@@ -62,10 +61,7 @@ def step_ms(batch: int, length: int, penalty: dict, seed: int = 0) -> dict[str, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lengths", default="2000,8000")
-    ap.add_argument("--out")
+    ap = parser(__doc__, batch=64, lengths="2000,8000")
     args = ap.parse_args()
     results = {}
     for name, penalty in (("repetition", {"repetition_penalty": 1.05}),

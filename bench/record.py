@@ -1,8 +1,10 @@
-"""A benchmark's result file with how it was made: the command, date, machine and CPU count
-beside the script's own fields."""
+"""What the host-cost benchmarks share: their command line (`--batch`, `--lengths`, `--out`)
+and a result file with how it was made (the command, date, machine and CPU count beside the
+script's own fields)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -17,3 +19,12 @@ def save(path: str, **fields) -> None:
                    "date": datetime.date.today().isoformat(),
                    "machine": platform.processor() or platform.machine(),
                    "cpus": os.cpu_count(), **fields}, f, indent=1)
+
+
+def parser(doc: str, batch: int, lengths: str) -> argparse.ArgumentParser:
+    """`--batch` requests at each context length of `--lengths`, results to `--out`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--lengths", default=lengths, help="comma-separated context lengths")
+    ap.add_argument("--out", help="a JSON result file")
+    return ap

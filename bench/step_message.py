@@ -20,13 +20,12 @@ checkout for a before / after."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-from record import save  # (bench/record.py: the script's folder is on the path)
+from record import parser, save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
 
@@ -105,10 +104,7 @@ def engine_step_ms(batch: int, length: int, tp: int, block_size: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lengths", default="1000,8000,32000")
-    ap.add_argument("--out")
+    ap = parser(__doc__, batch=64, lengths="1000,8000,32000")
     ap.add_argument("--engine", action="store_true", help="time the whole engine's steps")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--length", type=int, default=2000)
