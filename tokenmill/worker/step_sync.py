@@ -6,8 +6,8 @@ blocks each) took 2.1 ms to encode on rank 0 and 3.4 ms to decode plus 2.3 ms to
 from lists on every other rank, every step.
 
 A row's key stands for one request between two preemptions (a preempted request starts a
-new row); rank 0 drops a key when its request finishes or is preempted and sends the drop
-with its next message. Messages reach every rank in the order rank 0 made them (the
+new row when it is scheduled again); rank 0 drops a key when its request finishes or starts
+a new row, and sends the drop with its next message. Messages reach every rank in the order rank 0 made them (the
 tensor-parallel broadcast, the pipeline's hand-offs), which is all the scheme relies on."""
 
 from __future__ import annotations
