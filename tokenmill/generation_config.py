@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
@@ -77,6 +78,14 @@ def sampling_defaults(model_path: str, setting: str = "auto",
                                  f"default ({exc})") from None
             defaults[ours] = value
     return defaults
+
+
+def copy_file(model_path: str, out: str) -> None:
+    """The model's generation_config.json (its sampling defaults, its extra EOS ids) into a
+    folder written from the model (`tokenmill quantize`), if it has one."""
+    source = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(source):
+        shutil.copyfile(source, os.path.join(out, "generation_config.json"))
 
 
 def log_defaults(defaults: dict[str, Any]) -> None:

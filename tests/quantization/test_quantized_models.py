@@ -256,6 +256,8 @@ def test_quantize_tool_round_trip(tmp_path, tiny_models, baseline, method, extra
     with open(f"{out}/config.json") as f:
         config = json.load(f)["quantization_config"]
     assert config["quant_method"] == "tokenmill" and config["method"] == method
+    with open(f"{out}/generation_config.json") as f, open(f"{src}/generation_config.json") as g:
+        assert json.load(f) == json.load(g)  # (its EOS ids and sampling defaults kept)
     _, tokens, logprobs = run(out)
     _, fp_tokens, fp_logprobs = run(src)
     assert mean_logprob_gap(logprobs, fp_logprobs) < TOLERANCE[method]

@@ -93,6 +93,7 @@ def save_checkpoint(model: torch.nn.Module, hf_config: Any, tokenizer: Any, out:
 
 
 def run(argv: list[str]) -> int:
+    from tokenmill import generation_config
     from tokenmill.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
     from tokenmill.quantization.calibration import calibration_samples, read_calibration_text
     from tokenmill.quantization.model import quantizable_linears, quantize_linears
@@ -122,6 +123,7 @@ def run(argv: list[str]) -> int:
             stats = calibrate(model, samples, names)
     count = quantize_linears(model, config, stats, progress=True)
     size = save_checkpoint(model, hf_config, tokenizer, args.out, config)
+    generation_config.copy_file(path, args.out)  # (the float model's EOS ids and defaults)
     print(json.dumps({"out": args.out, "method": config.method, "layers": count,
                       "bytes": size, "calibrated": stats is not None,
                       "seconds": round(time.perf_counter() - started, 1)}))

@@ -7,8 +7,9 @@ from lists on every other rank, every step.
 
 A row's key stands for one request between two preemptions (a preempted request starts a
 new row when it is scheduled again); rank 0 drops a key when its request finishes or starts
-a new row, and sends the drop with its next message. Messages reach every rank in the order rank 0 made them (the
-tensor-parallel broadcast, the pipeline's hand-offs), which is all the scheme relies on."""
+a new row, and sends the drop with its next message. Messages reach every rank in the order
+rank 0 made them (the tensor-parallel broadcast, the pipeline's hand-offs), which is all the
+scheme relies on."""
 
 from __future__ import annotations
 
