@@ -263,6 +263,27 @@ def test_start_server_by_seed_name_downloads_and_serves_int8(hub, tmp_path, tiny
         assert not alive(pid)
 
 
+def test_serve_by_name_at_a_revision_into_a_download_dir(hub, tmp_path):
+    """vLLM's `--revision` and `--download-dir`: `tokenmill serve org/tiny --revision v1`
+    fetches that revision into the folder given, and serves it with the revision's
+    generation config (v1's max_new_tokens 7 caps a request's max_tokens)."""
+    import httpx
+
+    from tests.serving import Served
+
+    downloads = tmp_path / "downloads"
+    served = Served("org/tiny", tmp_path, "--revision", "v1", "--download-dir", str(downloads))
+    served.env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "home"))
+    with served.running():
+        got = httpx.post(served.api + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "Paris is", "max_tokens": 20, "ignore_eos": True})
+    assert got.json()["usage"]["completion_tokens"] == 7
+    [snapshot] = (downloads / "models--org--tiny" / "snapshots").iterdir()
+    assert json.loads((snapshot / "generation_config.json").read_text()) == {
+        "max_new_tokens": 7}
+    assert not (tmp_path / "home" / "hub" / "models--org--tiny").exists()
+
+
 def test_the_seed_downloaders_flags_and_md5_check(hub, tmp_path):
     """`--model_name ORG/NAME/<precision> --dir D --nnodes 2 --mode slave
     --speculate_model_path P`: the model lands in D/ORG/NAME, the precision is named for

@@ -41,6 +41,8 @@ class ServerConfig:
     disable_streaming: bool = False
     stream_interval: int = 1  # a stream's chunks: its first tokens, then every N tokens, its end
     chat_template: str | None = None  # a file or the template's text, over the tokenizer's
+    disable_docs: bool = False  # no /docs, /redoc, /openapi.json
+    root_path: str = ""  # the path prefix a proxy serves the API under
     max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
     use_warmup: bool = False
     log_dir: str = "log"
@@ -211,6 +213,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "enforce_eager": bool(args.enforce_eager),
         "async_scheduling": bool(args.async_scheduling),
         "generation_config": pick(args.generation_config, None, "auto"),
+        "revision": args.revision, "download_dir": args.download_dir,
         "override_generation_config": args.override_generation_config,
         "speculative_config": pick(args.speculative_config, from_seed(
             env.text("SPECULATE_METHOD"), env.integer("SPECULATE_MAX_DRAFT_TOKEN_NUM"),
@@ -241,6 +244,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         disable_streaming=pick(args.disable_streaming, env.flag("DISABLE_STREAMING"), False),
         stream_interval=pick(args.stream_interval, None, 1),
         chat_template=args.chat_template,
+        disable_docs=bool(args.disable_fastapi_docs), root_path=args.root_path or "",
         max_logprobs=pick(args.max_logprobs, None, 20),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),

@@ -15,6 +15,8 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
 class EngineConfig:
     model: str | None = None  # HF directory, .gguf file, or None for the bundled default model
     tokenizer: str | None = None  # defaults to the model's own
+    revision: str | None = None  # a hub name's branch, tag or commit (default main)
+    download_dir: str | None = None  # where hub names are downloaded (default: the hub cache)
     # default sampling parameters: auto (the model's generation_config.json), vllm (none) or a
     # folder holding one; override: JSON fields over them (generation_config.py)
     generation_config: str = "auto"

@@ -28,9 +28,11 @@ def is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def resolve_model_path(model: str | None, node: tuple[int, int] | None = None) -> str:
-    """What to load for a model argument (a path, or a hub name fetched as needed; `node`
-    (node_rank, nnodes): of a pre-sharded checkpoint, that node's ranks' files only)."""
+def resolve_model_path(model: str | None, node: tuple[int, int] | None = None,
+                       revision: str | None = None, cache_dir: str | None = None) -> str:
+    """What to load for a model argument (a path, or a hub name fetched as needed, at
+    `revision` into `cache_dir`; `node` (node_rank, nnodes): of a pre-sharded checkpoint,
+    that node's ranks' files only)."""
     if model is None:
         from tokenmill.gguf_loader import default_model_path
         return default_model_path()
@@ -38,7 +40,7 @@ def resolve_model_path(model: str | None, node: tuple[int, int] | None = None) -
         from tokenmill.hub.fetch import looks_like_repo, resolve
 
         if looks_like_repo(model):  # a hub name: the verified cached copy, else a download
-            return resolve_model_path(resolve(model, node=node))
+            return resolve_model_path(resolve(model, revision, node=node, cache_dir=cache_dir))
         raise FileNotFoundError(f"Model path {model!r} does not exist: give a local Hugging "
                                 "Face model directory (config.json, *.safetensors, tokenizer "
                                 "files), a .gguf file, or a hub name ORG/NAME (fetched with "

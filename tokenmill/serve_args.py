@@ -27,6 +27,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="HF directory or .gguf file (env MODEL_DIR; default: bundled SmolLM2-135M)")
     a("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     a("--tokenizer", default=None)
+    a("--revision", default=None, help="a hub name's branch, tag or commit (default main)")
+    a("--download-dir", default=None, help="where hub names are downloaded (default: the "
+      "hub cache, HF_HOME)")
     a("--host", default=None, help="bind address of the HTTP ports (default 0.0.0.0)")
     a("--port", type=int, default=None, help="API port (env SERVICE_HTTP_PORT; default 9965)")
     a("--health-port", type=int, default=None, help="env HEALTH_HTTP_PORT; default 8110")
@@ -150,6 +153,16 @@ def _vllm_flags(a, argparse) -> None:
     a("--uvicorn-log-level", default=None, help="no effect (vLLM): see --log-level")
     a("--disable-frontend-multiprocessing", action="store_true", default=None,
       help="no effect (vLLM)")
+    a("--disable-fastapi-docs", action="store_true", default=None,
+      help="no /docs, /redoc or /openapi.json on the API port")
+    a("--root-path", default=None, help="the path prefix a proxy serves the API under")
+    a("--load-format", default=None, help="auto, safetensors or gguf (as the files are)")
+    a("--tokenizer-mode", default=None, help="auto or slow: no effect (the tokenizer loads as "
+      "transformers picks it)")
+    a("--compilation-config", "-O", default=None, help="no effect (vLLM)")
+    a("--additional-config", default=None, help="no effect (vllm-ascend)")
+    for flag in ("--enable-lora", "--lora-modules", "--middleware", "--hf-overrides"):
+        a(flag, nargs="*", default=None, help="refused: not supported")
 
 
 IGNORED_FLAGS = {  # vLLM's flags accepted with no effect: (flag, why), logged at start-up
@@ -170,6 +183,11 @@ IGNORED_FLAGS = {  # vLLM's flags accepted with no effect: (flag, why), logged a
     "uvicorn_log_level": ("--uvicorn-log-level", "every log follows --log-level"),
     "disable_frontend_multiprocessing": ("--disable-frontend-multiprocessing",
                                          "the API runs in its own process (--http-workers)"),
+    "load_format": ("--load-format", "weights load as their files are (safetensors, GGUF)"),
+    "tokenizer_mode": ("--tokenizer-mode", "the tokenizer loads as transformers picks it"),
+    "compilation_config": ("--compilation-config", "GPU decode steps run as CUDA graphs "
+                           "captured per batch size (--enforce-eager turns them off)"),
+    "additional_config": ("--additional-config", "vllm-ascend's options"),
 }
 
 
@@ -180,6 +198,18 @@ def check_vllm_flags(args) -> None:
     if args.scheduling_policy == "priority":
         raise ValueError("--scheduling-policy priority is not supported: requests are "
                          "scheduled first come, first served (fcfs).")
+    for name, why in (("enable_lora", "LoRA adapters are not supported"),
+                      ("lora_modules", "LoRA adapters are not supported"),
+                      ("middleware", "the server runs no code named on its command line"),
+                      ("hf_overrides", "a model's config is read as it is")):
+        if getattr(args, name) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} is refused: {why}.")
+    if args.load_format not in (None, "auto", "safetensors", "gguf"):
+        raise ValueError(f"--load-format {args.load_format!r} is not available: weights load "
+                         "from safetensors or GGUF files (never pickles).")
+    if args.tokenizer_mode not in (None, "auto", "slow", "hf"):
+        raise ValueError(f"--tokenizer-mode {args.tokenizer_mode!r} is not available: the "
+                         "tokenizer loads through transformers (auto).")
     if args.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise ValueError(f"--guided-decoding-backend {args.guided_decoding_backend!r} is not "
                          "available: structured outputs run on xgrammar (auto or xgrammar).")

@@ -30,6 +30,14 @@ def test_an_r1_command_line_parses_with_its_flags_in_effect():
     assert set(NO_EFFECT) == {flag for flag, _ in config.ignored_flags}
     off = build_server_config(["m", "--no-enable-chunked-prefill", "--max-logprobs", "3"], {})
     assert not off.engine.enable_chunked_prefill and off.max_logprobs == 3
+    more = build_server_config([
+        "org/m", "--revision", "v2", "--download-dir", "/d", "--disable-fastapi-docs",
+        "--root-path", "/api", "--load-format", "safetensors", "--tokenizer-mode", "auto",
+        "-O", "3", "--additional-config", "{}"], {})
+    assert (more.engine.revision, more.engine.download_dir) == ("v2", "/d")
+    assert more.disable_docs and more.root_path == "/api"
+    assert {flag for flag, _ in more.ignored_flags} == {
+        "--load-format", "--tokenizer-mode", "--compilation-config", "--additional-config"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -37,6 +45,12 @@ def test_an_r1_command_line_parses_with_its_flags_in_effect():
     (["--scheduling-policy", "priority"], "--scheduling-policy priority is not supported"),
     (["--guided-decoding-backend", "outlines"], "'outlines' is not available"),
     (["--max-logprobs", "21"], "max_logprobs must be between 0 and 20, got 21"),
+    (["--enable-lora"], "--enable-lora is refused: LoRA adapters are not supported"),
+    (["--lora-modules", "a=/x"], "--lora-modules is refused"),
+    (["--middleware", "pkg.mod.Middleware"], "--middleware is refused: the server runs no code"),
+    (["--hf-overrides", "{}"], "--hf-overrides is refused"),
+    (["--load-format", "pt"], "--load-format 'pt' is not available"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral' is not available"),
 ])
 def test_what_is_not_done_here_is_refused_by_name(argv, message):
     with pytest.raises(ValueError) as err:
@@ -59,7 +73,8 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     served = Served(path, tmp_path, *R1_LINE.replace("4096", "512").split(),
-                    "--chat-template", str(template), "--max-logprobs", "2")
+                    "--chat-template", str(template), "--max-logprobs", "2",
+                    "--disable-fastapi-docs", "--root-path", "/api")
     messages = [{"role": "user", "content": "Name a color."}]
     with served.running():
         tokens = httpx.post(served.api + "/tokenize", json={"messages": messages}).json()
@@ -68,6 +83,8 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
             "top_logprobs": 2}).json()
         over = httpx.post(served.api + "/v1/completions", json={
             "model": "tiny", "prompt": "Once", "max_tokens": 3, "logprobs": 3})
+        docs = [httpx.get(served.api + p).status_code for p in ("/docs", "/openapi.json")]
+        prefixed = httpx.get(served.api + "/api/v1/models").json()
     tok = load_tokenizer(path)
     rendered = "<user>Name a color.<assistant>"
     assert tokens["tokens"] == tok.encode(rendered, add_special_tokens=False)
@@ -75,6 +92,7 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
     assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
     assert "at most 2" in over.json()["error"]["message"]
+    assert docs == [404, 404] and prefixed["data"][0]["id"] == "tiny"
     log = served.process.stdout.read().decode()
     for flag in NO_EFFECT:
         assert f"{flag}: accepted, no effect here" in log, log[-2000:]

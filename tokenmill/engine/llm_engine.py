@@ -24,7 +24,8 @@ PromptType = str | dict[str, Any]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, revision=config.revision,
+                                             cache_dir=config.download_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path)
         # (read before the engine loads: a bad file fails first)

@@ -62,8 +62,7 @@ class ServeProcess:
         servers, tasks = [health], [asyncio.create_task(health.serve())]
         # (off the loop: a hub name may mean a long download, and the health port answers
         # liveness meanwhile)
-        model_path = await asyncio.to_thread(resolve_model_path, config.engine.model,
-                                             _node(config.engine))
+        model_path = await asyncio.to_thread(_model_path, config.engine)
         try:  # (a bad generation config or chat template fails before the engine loads)
             defaults = sampling_defaults(model_path, config.engine.generation_config,
                                          config.engine.override_generation_config)
@@ -97,6 +96,7 @@ class ServeProcess:
                 disable_streaming=config.disable_streaming, api_key=config.api_key,
                 stream_interval=config.stream_interval, sampling_defaults=defaults,
                 chat_template=chat_template, max_logprobs=config.max_logprobs,
+                disable_docs=config.disable_docs, root_path=config.root_path,
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,
@@ -252,9 +252,11 @@ class ServeProcess:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _node(engine) -> tuple[int, int] | None:
-    """This node's place, for fetching a pre-sharded checkpoint's share by name."""
-    return (engine.node_rank, engine.nnodes) if engine.nnodes > 1 else None
+def _model_path(engine) -> str:
+    """The model to load: a path, or a hub name fetched (at --revision, into --download-dir;
+    of a pre-sharded checkpoint, this node's share)."""
+    node = (engine.node_rank, engine.nnodes) if engine.nnodes > 1 else None
+    return resolve_model_path(engine.model, node, engine.revision, engine.download_dir)
 
 
 def run_server(config: ServerConfig) -> int:
@@ -263,8 +265,7 @@ def run_server(config: ServerConfig) -> int:
         logger.info("%s: accepted, no effect here (%s)", flag, why)
     if config.engine.node_rank > 0:  # ranks only: node 0 serves every port
         from tokenmill.distributed.executor import serve_other_node
-        return serve_other_node(config.engine, resolve_model_path(config.engine.model,
-                                                                  _node(config.engine)))
+        return serve_other_node(config.engine, _model_path(config.engine))
     check_ports_free(config)
     code = asyncio.run(ServeProcess(config).run())
     logger.info("tokenmill stopped (exit code %d)", code)

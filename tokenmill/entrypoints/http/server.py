@@ -130,7 +130,12 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
             tracer.shutdown()
 
     # No trailing-slash redirects: their Location is built from the client's Host header.
-    app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
+        if settings.disable_docs else {}
+    app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False, **docs)
+    # --root-path, as vLLM sets it: routes answer with and without the proxy's prefix, and
+    # /docs points at the prefixed openapi.json
+    app.root_path = settings.root_path
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
     tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None

@@ -48,6 +48,8 @@ class ApiSettings:
     # OpenAI requests' unset sampling fields (generation_config.py); max_tokens caps theirs
     sampling_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None  # the template's text, over the tokenizer's
+    disable_docs: bool = False  # no /docs, /redoc, /openapi.json
+    root_path: str = ""  # the path prefix a proxy serves the API under
     max_logprobs: int = 20  # OpenAI requests' logprobs / top_logprobs cap
     api_key: str | None = None
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
