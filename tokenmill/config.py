@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 from tokenmill.engine_config import EngineConfig
 from tokenmill.parallel_config import node_settings
-from tokenmill.serve_args import IGNORED_FLAGS, check_vllm_flags, make_serve_parser
+from tokenmill.serve_args import (
+    IGNORED_FLAGS,
+    check_vllm_flags,
+    cors_arguments,
+    make_serve_parser,
+)
 from tokenmill.spec_decode.config import from_seed
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +48,11 @@ class ServerConfig:
     chat_template: str | None = None  # a file or the template's text, over the tokenizer's
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json
     root_path: str = ""  # the path prefix a proxy serves the API under
+    response_role: str = "assistant"  # chat responses' role
+    request_id_headers: bool = False  # responses carry X-Request-Id
+    load_tracking: bool = False  # GET /load
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    cors: dict | None = None  # CORSMiddleware's arguments, when any CORS flag is given
     max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
     use_warmup: bool = False
     log_dir: str = "log"
@@ -245,6 +255,10 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         stream_interval=pick(args.stream_interval, None, 1),
         chat_template=args.chat_template,
         disable_docs=bool(args.disable_fastapi_docs), root_path=args.root_path or "",
+        response_role=args.response_role or "assistant",
+        request_id_headers=bool(args.enable_request_id_headers),
+        load_tracking=bool(args.enable_server_load_tracking),
+        prompt_tokens_details=bool(args.enable_prompt_tokens_details), cors=cors_arguments(args),
         max_logprobs=pick(args.max_logprobs, None, 20),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),

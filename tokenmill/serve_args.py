@@ -1,6 +1,7 @@
 """The `tokenmill serve` command line (argparse): flags only, no defaults applied and no
 environment read here (config.py merges flags over the seed's variables and defaults); of
-vLLM's flags, which have no effect here and which ask for what tokenmill does not do."""
+vLLM's flags, which have no effect here, which ask for what tokenmill does not do, and what
+its CORS flags ask of the middleware."""
 
 from __future__ import annotations
 
@@ -161,7 +162,20 @@ def _vllm_flags(a, argparse) -> None:
       "transformers picks it)")
     a("--compilation-config", "-O", default=None, help="no effect (vLLM)")
     a("--additional-config", default=None, help="no effect (vllm-ascend)")
-    for flag in ("--enable-lora", "--lora-modules", "--middleware", "--hf-overrides"):
+    a("--response-role", default=None, help="chat responses' role (default assistant)")
+    a("--enable-request-id-headers", action="store_true", default=None,
+      help="responses carry X-Request-Id (the request's own, or a new one)")
+    a("--enable-server-load-tracking", action="store_true", default=None,
+      help="GET /load answers {\"server_load\": requests in flight}")
+    a("--enable-prompt-tokens-details", action="store_true", default=None,
+      help="OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
+    for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
+        a(flag, default=None, help="CORS: a JSON list (default: no CORS headers at all)")
+    a("--allow-credentials", action="store_true", default=None, help="CORS: allow credentials")
+    a("--multi-step-stream-outputs", nargs="?", const="True", default=None,
+      help="no effect (vLLM)")
+    for flag in ("--enable-lora", "--lora-modules", "--middleware", "--hf-overrides",
+                 "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs"):
         a(flag, nargs="*", default=None, help="refused: not supported")
 
 
@@ -188,6 +202,8 @@ IGNORED_FLAGS = {  # vLLM's flags accepted with no effect: (flag, why), logged a
     "compilation_config": ("--compilation-config", "GPU decode steps run as CUDA graphs "
                            "captured per batch size (--enforce-eager turns them off)"),
     "additional_config": ("--additional-config", "vllm-ascend's options"),
+    "multi_step_stream_outputs": ("--multi-step-stream-outputs", "every step is scheduled "
+                                  "anew (see --stream-interval)"),
 }
 
 
@@ -201,7 +217,10 @@ def check_vllm_flags(args) -> None:
     for name, why in (("enable_lora", "LoRA adapters are not supported"),
                       ("lora_modules", "LoRA adapters are not supported"),
                       ("middleware", "the server runs no code named on its command line"),
-                      ("hf_overrides", "a model's config is read as it is")):
+                      ("hf_overrides", "a model's config is read as it is"),
+                      *((f"ssl_{part}", "terminate TLS in front of the server (a proxy or "
+                         "load balancer)") for part in ("keyfile", "certfile", "ca_certs",
+                                                       "cert_reqs"))):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is refused: {why}.")
     if args.load_format not in (None, "auto", "safetensors", "gguf"):
@@ -213,3 +232,25 @@ def check_vllm_flags(args) -> None:
     if args.guided_decoding_backend not in (None, "auto", "xgrammar"):
         raise ValueError(f"--guided-decoding-backend {args.guided_decoding_backend!r} is not "
                          "available: structured outputs run on xgrammar (auto or xgrammar).")
+
+
+def cors_arguments(args) -> dict | None:
+    """vLLM's CORS flags as CORSMiddleware's arguments (JSON lists; unset ones "*"), or None
+    when none is given (then no CORS headers are sent)."""
+    import json
+
+    names = ("allowed_origins", "allowed_methods", "allowed_headers")
+    if all(getattr(args, n) is None for n in names) and not args.allow_credentials:
+        return None
+    cors = {"allow_credentials": bool(args.allow_credentials)}
+    for name in names:
+        text = getattr(args, name)
+        try:
+            value = ["*"] if text is None else json.loads(text)
+        except ValueError:
+            value = None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise ValueError(f"--{name.replace('_', '-')} takes a JSON list of strings, e.g. "
+                             f"'[\"https://example.com\"]', got {text!r}.")
+        cors[name.replace("allowed", "allow")] = value
+    return cors

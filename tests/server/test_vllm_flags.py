@@ -51,11 +51,28 @@ def test_an_r1_command_line_parses_with_its_flags_in_effect():
     (["--hf-overrides", "{}"], "--hf-overrides is refused"),
     (["--load-format", "pt"], "--load-format 'pt' is not available"),
     (["--tokenizer-mode", "mistral"], "--tokenizer-mode 'mistral' is not available"),
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile is refused: terminate TLS in front"),
+    (["--allowed-origins", "*"], "--allowed-origins takes a JSON list of strings"),
 ])
 def test_what_is_not_done_here_is_refused_by_name(argv, message):
     with pytest.raises(ValueError) as err:
         build_server_config(["m", *argv], {})
     assert message in str(err.value)
+
+
+def test_without_the_flags_none_of_it_is_on(server):
+    """The shared test server, started without them: no X-Request-Id, no /load, no
+    prompt_tokens_details, no CORS headers, the docs served, role assistant."""
+    got = httpx.post(server + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    assert "x-request-id" not in got.headers
+    assert "prompt_tokens_details" not in got.json()["usage"]
+    assert got.json()["choices"][0]["message"]["role"] == "assistant"
+    assert httpx.get(server + "/load").status_code == 404
+    assert httpx.get(server + "/openapi.json").status_code == 200
+    preflight = httpx.options(server + "/v1/chat/completions", headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in preflight.headers
 
 
 def test_a_chat_template_is_a_file_or_the_template(tmp_path):
@@ -74,7 +91,11 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
     template.write_text(TEMPLATE)
     served = Served(path, tmp_path, *R1_LINE.replace("4096", "512").split(),
                     "--chat-template", str(template), "--max-logprobs", "2",
-                    "--disable-fastapi-docs", "--root-path", "/api")
+                    "--disable-fastapi-docs", "--root-path", "/api", "--response-role", "bot",
+                    "--enable-request-id-headers", "--enable-server-load-tracking",
+                    "--enable-prompt-tokens-details", "--allowed-origins",
+                    '["http://ui.example"]')
+    long_prompt = {"model": "tiny", "prompt": "Once upon a time " * 12, "max_tokens": 2}
     messages = [{"role": "user", "content": "Name a color."}]
     with served.running():
         tokens = httpx.post(served.api + "/tokenize", json={"messages": messages}).json()
@@ -85,6 +106,14 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
             "model": "tiny", "prompt": "Once", "max_tokens": 3, "logprobs": 3})
         docs = [httpx.get(served.api + p).status_code for p in ("/docs", "/openapi.json")]
         prefixed = httpx.get(served.api + "/api/v1/models").json()
+        cold, warm = (httpx.post(served.api + "/v1/completions", json=long_prompt,
+                                 headers={"X-Request-Id": f"mine-{k}"}) for k in range(2))
+        load = httpx.get(served.api + "/load").json()
+        stream = httpx.post(served.api + "/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "max_tokens": 2, "stream": True}).text
+        allowed, other = (httpx.options(served.api + "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST"})
+            for origin in ("http://ui.example", "http://elsewhere.example"))
     tok = load_tokenizer(path)
     rendered = "<user>Name a color.<assistant>"
     assert tokens["tokens"] == tok.encode(rendered, add_special_tokens=False)
@@ -93,6 +122,14 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
     assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
     assert "at most 2" in over.json()["error"]["message"]
     assert docs == [404, 404] and prefixed["data"][0]["id"] == "tiny"
+    assert chat["choices"][0]["message"]["role"] == "bot" and '"role":"bot"' in stream
+    assert [r.headers["x-request-id"] for r in (cold, warm)] == ["mine-0", "mine-1"]
+    assert over.headers["x-request-id"]  # (one made up for a request without)
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (cold, warm)]
+    assert cached[0] == 0 < cached[1] < cold.json()["usage"]["prompt_tokens"]
+    assert load == {"server_load": 0}
+    assert allowed.headers["access-control-allow-origin"] == "http://ui.example"
+    assert "access-control-allow-origin" not in other.headers
     log = served.process.stdout.read().decode()
     for flag in NO_EFFECT:
         assert f"{flag}: accepted, no effect here" in log, log[-2000:]

@@ -22,8 +22,10 @@ class AccessLog:
     byte of its response went out (streams included)."""
 
     def __init__(self, app, log_requests: bool = False, get_tokenizer=None, tracer=None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, request_id_header: bool = False) -> None:
+        """`request_id_header`: responses carry X-Request-Id (--enable-request-id-headers)."""
         self.app, self.log_requests, self.get_tokenizer = app, log_requests, get_tokenizer
+        self.request_id_header = request_id_header
         self.tracer, self.model = tracer, model  # (--otlp-traces-endpoint: tracing.py)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -40,6 +42,10 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self.request_id_header:
+                    message = {**message, "headers": [
+                        *message.get("headers", []),
+                        (b"x-request-id", request_id.encode("latin-1"))]}
             await send(message)
 
         try:

@@ -37,8 +37,9 @@ class ChatOutput:
     """How one request's choices become messages: built once per request."""
 
     def __init__(self, reasoning: ReasoningParser | None, plan: ToolPlan | None,
-                 parser: ToolParser | None) -> None:
-        self.reasoning = reasoning
+                 parser: ToolParser | None, role: str = "assistant") -> None:
+        """`role`: the messages' role (--response-role)."""
+        self.reasoning, self.role = reasoning, role
         self.plan = plan if plan is not None and plan.mode != "none" else None
         self.parser = parser
 
@@ -58,7 +59,7 @@ class ChatOutput:
 
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """(the assistant message, whether it has tool calls)."""
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(text)
             message.update(content=text or None, reasoning_content=reasoning or None)

@@ -189,13 +189,14 @@ class _Responder:
                  reservation: Reservation, echo: bool = False, top_logprobs: int = 0,
                  output: ChatOutput | None = None) -> None:
         self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
-        self.output = output or ChatOutput(state.reasoning, None, None)
+        self.output = output or ChatOutput(state.reasoning, None, None, state.response_role)
         self.reservation = reservation
         self.echo, self.top_logprobs = echo, top_logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = req.model or state.served_model_name
         self.n = req.n
+        self.cached: dict[int, int] = {}  # per job: its prompt's prefix-cache hit tokens
 
     def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
@@ -204,8 +205,11 @@ class _Responder:
 
     def _usage(self, completion_tokens: int) -> dict:
         prompt = sum(len(job.ids) for job in self.jobs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt + completion_tokens}
+        if self.state.prompt_tokens_details:  # (--enable-prompt-tokens-details)
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
+        return usage
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat \
@@ -217,6 +221,7 @@ class _Responder:
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(self._streams(OutputKind.FINAL_ONLY)):
             finals[i] = out
+            self.cached[i] = out.num_cached_tokens
         choices, generated = [], 0
         for i in range(len(self.jobs)):
             outputs = finals[i].outputs
@@ -257,8 +262,10 @@ class _Responder:
                     for k in range(self.n):
                         yield self._sse(self._envelope([{
                             "index": i * self.n + k, "logprobs": None, "finish_reason": None,
-                            "delta": {"role": "assistant", "content": ""}}], chunk=True))
+                            "delta": {"role": self.output.role, "content": ""}}],
+                            chunk=True))
             async for i, out in merge(self._streams(OutputKind.DELTA)):
+                self.cached[i] = out.num_cached_tokens
                 for c in out.outputs:  # (each with what is new since the last)
                     key = (i, c.index)
                     if key in ended:
@@ -384,7 +391,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         if reservation is not None:
             reservation.cancel()
         return api_error(exc)
-    output = ChatOutput(state.reasoning, plan, state.tool_parser)
+    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.response_role)
     if beams is not None:
         return await beam_response(state, True, req, [_Job(ids, params)], beams, reservation,
                                     request, output)

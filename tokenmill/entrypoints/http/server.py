@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from tokenmill.distributed.dp_client import DataParallelClient
@@ -67,7 +68,9 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        if settings.tool_call_parser else None,
                        log_requests=settings.log_requests,
                        sampling_defaults=settings.sampling_defaults,
-                       max_logprobs=settings.max_logprobs)
+                       max_logprobs=settings.max_logprobs,
+                       response_role=settings.response_role,
+                       prompt_tokens_details=settings.prompt_tokens_details)
 
 
 def is_native(body: dict) -> bool:
@@ -139,9 +142,12 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
     tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
-    app.add_middleware(AccessLog, log_requests=settings.log_requests,  # (outermost)
+    app.add_middleware(AccessLog, log_requests=settings.log_requests,
                        get_tokenizer=lambda: app.state.server.tokenizer, tracer=tracer,
-                       model=settings.served_model_names[0])
+                       model=settings.served_model_names[0],
+                       request_id_header=settings.request_id_headers)
+    if settings.cors is not None:  # (outermost: preflights answered before anything else)
+        app.add_middleware(CORSMiddleware, **settings.cors)
     key = ApiKey(settings.api_key) if settings.api_key else None
 
     def authorized(request: Request) -> bool:
@@ -242,6 +248,11 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     @app.get("/v1/models", dependencies=guarded)
     async def models(request: Request) -> dict:
         return openai_api.list_models(request.app.state.server)
+
+    if settings.load_tracking:  # (vLLM's --enable-server-load-tracking)
+        @app.get("/load")
+        async def load(request: Request) -> dict:
+            return {"server_load": request.app.state.server.engine.num_in_flight()}
 
     @app.get("/health")
     async def health(request: Request) -> Response:

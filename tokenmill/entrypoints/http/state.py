@@ -50,6 +50,11 @@ class ApiSettings:
     chat_template: str | None = None  # the template's text, over the tokenizer's
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json
     root_path: str = ""  # the path prefix a proxy serves the API under
+    response_role: str = "assistant"  # chat responses' role
+    request_id_headers: bool = False  # responses carry X-Request-Id
+    load_tracking: bool = False  # GET /load
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    cors: dict | None = None  # CORSMiddleware's arguments (none: no CORS headers)
     max_logprobs: int = 20  # OpenAI requests' logprobs / top_logprobs cap
     api_key: str | None = None
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
@@ -81,6 +86,8 @@ class ServerState:
     log_requests: bool = False  # access lines (HTTP and gRPC) carry prompt and output text
     sampling_defaults: dict = field(default_factory=dict)  # (ApiSettings')
     max_logprobs: int = 20
+    response_role: str = "assistant"
+    prompt_tokens_details: bool = False
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None
