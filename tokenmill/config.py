@@ -52,6 +52,7 @@ class ServerConfig:
     request_id_headers: bool = False  # responses carry X-Request-Id
     load_tracking: bool = False  # GET /load
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    tokens_as_ids: bool = False  # OpenAI logprobs show tokens as token_id:N
     cors: dict | None = None  # CORSMiddleware's arguments, when any CORS flag is given
     max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
     use_warmup: bool = False
@@ -259,6 +260,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         request_id_headers=bool(args.enable_request_id_headers),
         load_tracking=bool(args.enable_server_load_tracking),
         prompt_tokens_details=bool(args.enable_prompt_tokens_details), cors=cors_arguments(args),
+        tokens_as_ids=bool(args.return_tokens_as_token_ids),
         max_logprobs=pick(args.max_logprobs, None, 20),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),

@@ -172,6 +172,8 @@ def _vllm_flags(a, argparse) -> None:
     for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
         a(flag, default=None, help="CORS: a JSON list (default: no CORS headers at all)")
     a("--allow-credentials", action="store_true", default=None, help="CORS: allow credentials")
+    a("--return-tokens-as-token-ids", action="store_true", default=None,
+      help="OpenAI logprobs show tokens as token_id:N")
     a("--multi-step-stream-outputs", nargs="?", const="True", default=None,
       help="no effect (vLLM)")
     for flag in ("--enable-lora", "--lora-modules", "--middleware", "--hf-overrides",

@@ -293,15 +293,15 @@ def test_banned_tokens_logprobs_are_json_numbers():
     """A banned token's -inf logprob (a top-logprobs alternative under a constraint or bad
     words) goes out as vLLM sends it, -9999.0, in chat and completion logprobs, and a
     stream line never holds a non-JSON token such as -Infinity."""
-    from tokenmill.entrypoints.http.openai_api import _chat_logprobs, _completion_logprobs
+    from tokenmill.entrypoints.http.openai_logprobs import chat_logprobs, completion_logprobs
     from tokenmill.entrypoints.http.streaming import json_line
     from tokenmill.outputs import CompletionOutput, Logprob
 
     position = {7: Logprob(-0.25, 1, "a"), 9: Logprob(float("-inf"), 2, "b")}
     c = CompletionOutput(0, "a", [7], logprobs=[position])
-    chat = _chat_logprobs(c, 0, 1, 2)["content"][0]
+    chat = chat_logprobs(c, 0, 1, 2)["content"][0]
     assert [t["logprob"] for t in chat["top_logprobs"]] == [-0.25, -9999.0]
-    assert _completion_logprobs(c, 0, 1, 0)["top_logprobs"] == [{"a": -0.25, "b": -9999.0}]
+    assert completion_logprobs(c, 0, 1, 0)["top_logprobs"] == [{"a": -0.25, "b": -9999.0}]
     assert json.loads(json_line({"x": float("-inf"), "y": float("nan")})) == \
         {"x": None, "y": None}
 

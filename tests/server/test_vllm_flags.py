@@ -3,6 +3,8 @@ mean something here in effect (`--chat-template`, `--max-logprobs`, `--enable-ch
 the ones with no effect logged once, and the ones asking for what tokenmill does not do
 refused by name."""
 
+import re
+
 import httpx
 import pytest
 
@@ -94,7 +96,7 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
                     "--disable-fastapi-docs", "--root-path", "/api", "--response-role", "bot",
                     "--enable-request-id-headers", "--enable-server-load-tracking",
                     "--enable-prompt-tokens-details", "--allowed-origins",
-                    '["http://ui.example"]')
+                    '["http://ui.example"]', "--return-tokens-as-token-ids")
     long_prompt = {"model": "tiny", "prompt": "Once upon a time " * 12, "max_tokens": 2}
     messages = [{"role": "user", "content": "Name a color."}]
     with served.running():
@@ -118,7 +120,14 @@ def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_mode
     rendered = "<user>Name a color.<assistant>"
     assert tokens["tokens"] == tok.encode(rendered, add_special_tokens=False)
     assert chat["usage"]["prompt_tokens"] == tokens["count"]
-    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content[0]["top_logprobs"]) == 2
+    shown = [t["token"] for t in content] + [t["token"] for t in content[0]["top_logprobs"]]
+    assert all(re.fullmatch(r"token_id:\d+", t) for t in shown), shown
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    ids = [int(t["token"].split(":")[1]) for t in content]
+    message = chat["choices"][0]["message"]  # (the R1 reasoning split: all of it reasoning)
+    assert tok.decode(ids) == (message["reasoning_content"] or "") + (message["content"] or "")
     assert over.status_code == 400 and over.json()["error"]["param"] == "logprobs"
     assert "at most 2" in over.json()["error"]["message"]
     assert docs == [404, 404] and prefixed["data"][0]["id"] == "tiny"

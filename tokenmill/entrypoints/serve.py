@@ -100,6 +100,7 @@ class ServeProcess:
                 response_role=config.response_role, request_id_headers=config.request_id_headers,
                 load_tracking=config.load_tracking, cors=config.cors,
                 prompt_tokens_details=config.prompt_tokens_details,
+                tokens_as_ids=config.tokens_as_ids,
                 dead_after_s=config.check_health_interval,
                 max_request_body_bytes=config.max_request_body_bytes,
                 trust_request_chat_template=config.trust_request_chat_template,

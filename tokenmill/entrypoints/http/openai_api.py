@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.http.beam_api import beam_response, openai_beam_params
 from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
+from tokenmill.entrypoints.http.openai_logprobs import chat_logprobs, completion_logprobs
 from tokenmill.entrypoints.http.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -150,38 +151,6 @@ class _Job:
     prompt_text: str | None = None  # for echo
 
 
-def _finite(logprob: float) -> float:
-    """A banned token's -inf as vLLM sends it: -9999.0 (JSON has no infinity)."""
-    return max(logprob, -9999.0)
-
-
-def _completion_logprobs(c: CompletionOutput, start: int, end: int, text_offset: int) -> dict:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for token, position in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-        chosen = position[token]
-        tokens.append(chosen.decoded_token)
-        token_logprobs.append(_finite(chosen.logprob))
-        top.append({lp.decoded_token: _finite(lp.logprob) for lp in position.values()})
-        offsets.append(text_offset)
-        text_offset += len(chosen.decoded_token or "")
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
-
-
-def _chat_logprobs(c: CompletionOutput, start: int, end: int, top_n: int) -> dict:
-    content = []
-    for token, position in zip(c.token_ids[start:end], (c.logprobs or [])[start:end]):
-        chosen = position[token]
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank)[:top_n]
-        content.append({
-            "token": chosen.decoded_token, "logprob": _finite(chosen.logprob),
-            "bytes": list((chosen.decoded_token or "").encode()),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": _finite(lp.logprob),
-                              "bytes": list((lp.decoded_token or "").encode())}
-                             for _, lp in ranked]})
-    return {"content": content}
-
-
 class _Responder:
     """Builds one OpenAI response (streamed or whole) over one or more engine jobs."""
 
@@ -197,6 +166,7 @@ class _Responder:
         self.model = req.model or state.served_model_name
         self.n = req.n
         self.cached: dict[int, int] = {}  # per job: its prompt's prefix-cache hit tokens
+        self.as_ids = state.tokens_as_ids  # (--return-tokens-as-token-ids)
 
     def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
@@ -236,14 +206,14 @@ class _Responder:
                     choice["finish_reason"] = self.output.finish_reason(c.finish_reason,
                                                                         has_calls)
                     if c.logprobs is not None:
-                        choice["logprobs"] = _chat_logprobs(c, 0, len(c.token_ids),
-                                                            self.top_logprobs)
+                        choice["logprobs"] = chat_logprobs(c, 0, len(c.token_ids),
+                                                           self.top_logprobs, self.as_ids)
                 else:
                     prefix = self.jobs[i].prompt_text if self.echo else ""
                     choice["text"] = (prefix or "") + c.text
                     if c.logprobs is not None and self.req.logprobs is not None:
-                        choice["logprobs"] = _completion_logprobs(c, 0, len(c.token_ids),
-                                                                  len(prefix or ""))
+                        choice["logprobs"] = completion_logprobs(
+                            c, 0, len(c.token_ids), len(prefix or ""), self.as_ids)
                 choices.append(choice)
         body = self._envelope(sorted(choices, key=lambda ch: ch["index"]), chunk=False)
         body["usage"] = self._usage(generated)
@@ -310,12 +280,12 @@ class _Responder:
         if self.chat:
             choice["delta"] = delta or ({} if done else {"content": ""})
             if c.logprobs is not None:
-                choice["logprobs"] = _chat_logprobs(c, 0, end, self.top_logprobs)
+                choice["logprobs"] = chat_logprobs(c, 0, end, self.top_logprobs, self.as_ids)
         else:
             prefix = self.jobs[i].prompt_text or "" if self.echo and first == 0 else ""
             choice["text"] = prefix + text
             if c.logprobs is not None:
-                choice["logprobs"] = _completion_logprobs(c, 0, end, 0)
+                choice["logprobs"] = completion_logprobs(c, 0, end, 0, self.as_ids)
         return self._envelope([choice], chunk=True)
 
     @staticmethod

@@ -70,7 +70,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        sampling_defaults=settings.sampling_defaults,
                        max_logprobs=settings.max_logprobs,
                        response_role=settings.response_role,
-                       prompt_tokens_details=settings.prompt_tokens_details)
+                       prompt_tokens_details=settings.prompt_tokens_details,
+                       tokens_as_ids=settings.tokens_as_ids)
 
 
 def is_native(body: dict) -> bool:

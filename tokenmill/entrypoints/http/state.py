@@ -54,6 +54,7 @@ class ApiSettings:
     request_id_headers: bool = False  # responses carry X-Request-Id
     load_tracking: bool = False  # GET /load
     prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    tokens_as_ids: bool = False  # OpenAI logprobs show tokens as token_id:N
     cors: dict | None = None  # CORSMiddleware's arguments (none: no CORS headers)
     max_logprobs: int = 20  # OpenAI requests' logprobs / top_logprobs cap
     api_key: str | None = None
@@ -88,6 +89,7 @@ class ServerState:
     max_logprobs: int = 20
     response_role: str = "assistant"
     prompt_tokens_details: bool = False
+    tokens_as_ids: bool = False
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None
