@@ -49,8 +49,8 @@ def test_env_values_reach_the_engine_and_flags_override_them():
     assert c.api_key == "flag" and c.model_names == ["a", "b"]
     assert c.engine.max_model_len == 4000 and not c.engine.enable_prefix_caching
     assert c.engine.kv_cache_memory_gib == 0.5
-    assert c.stream_interval == 1
-    assert build_server_config(["--stream-interval", "8"], env).stream_interval == 8
+    assert c.api.stream_interval == 1
+    assert build_server_config(["--stream-interval", "8"], env).api.stream_interval == 8
 
 
 def test_quantization_flags_and_the_seeds_int8_kv_variable():

@@ -4,8 +4,9 @@ start-up. The only module that reads environment variables."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tokenmill.api_options import ApiOptions
 from tokenmill.engine_config import EngineConfig
 from tokenmill.parallel_config import node_settings
 from tokenmill.serve_args import (
@@ -44,17 +45,8 @@ class ServerConfig:
     max_dec_len: int = 1024  # cap on requested new tokens
     max_seq_len: int | None = None  # cap on prompt tokens; default: max_model_len - 1
     disable_streaming: bool = False
-    stream_interval: int = 1  # a stream's chunks: its first tokens, then every N tokens, its end
     chat_template: str | None = None  # a file or the template's text, over the tokenizer's
-    disable_docs: bool = False  # no /docs, /redoc, /openapi.json
-    root_path: str = ""  # the path prefix a proxy serves the API under
-    response_role: str = "assistant"  # chat responses' role
-    request_id_headers: bool = False  # responses carry X-Request-Id
-    load_tracking: bool = False  # GET /load
-    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
-    tokens_as_ids: bool = False  # OpenAI logprobs show tokens as token_id:N
-    cors: dict | None = None  # CORSMiddleware's arguments, when any CORS flag is given
-    max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for
+    api: ApiOptions = field(default_factory=ApiOptions)
     use_warmup: bool = False
     log_dir: str = "log"
     shutdown_timeout: float = 300.0  # SIGTERM: seconds to let in-flight requests finish
@@ -98,10 +90,7 @@ class ServerConfig:
             raise ValueError(f"max_seq_len must be a positive integer, got {self.max_seq_len}.")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
-        if not 0 <= self.max_logprobs <= 20:
-            raise ValueError(f"max_logprobs must be between 0 and 20, got {self.max_logprobs}.")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        self.api.validate()
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024, got "
                              f"{self.max_request_body_bytes}.")
@@ -253,15 +242,17 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         max_dec_len=max_dec_len,
         max_seq_len=max_seq_len,
         disable_streaming=pick(args.disable_streaming, env.flag("DISABLE_STREAMING"), False),
-        stream_interval=pick(args.stream_interval, None, 1),
         chat_template=args.chat_template,
-        disable_docs=bool(args.disable_fastapi_docs), root_path=args.root_path or "",
-        response_role=args.response_role or "assistant",
-        request_id_headers=bool(args.enable_request_id_headers),
-        load_tracking=bool(args.enable_server_load_tracking),
-        prompt_tokens_details=bool(args.enable_prompt_tokens_details), cors=cors_arguments(args),
-        tokens_as_ids=bool(args.return_tokens_as_token_ids),
-        max_logprobs=pick(args.max_logprobs, None, 20),
+        api=ApiOptions(
+            stream_interval=pick(args.stream_interval, None, 1),
+            max_logprobs=pick(args.max_logprobs, None, 20),
+            response_role=args.response_role or "assistant",
+            prompt_tokens_details=bool(args.enable_prompt_tokens_details),
+            tokens_as_ids=bool(args.return_tokens_as_token_ids),
+            request_id_headers=bool(args.enable_request_id_headers),
+            load_tracking=bool(args.enable_server_load_tracking),
+            disable_docs=bool(args.disable_fastapi_docs), root_path=args.root_path or "",
+            cors=cors_arguments(args)),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
         shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),

@@ -8,6 +8,7 @@ import pytest
 
 from tests.serving import HOLD_TOKENS, service_thread, wait_until
 from tokenmill import SamplingParams
+from tokenmill.api_options import ApiOptions
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,8 @@ def test_a_stream_interval_sends_fewer_larger_chunks_of_the_same_text(engine_add
     whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=23, temperature=0,
                                       logprobs=1)
     path, address = engine_address
-    with service_thread(path, address, stream_interval=5, max_dec_len=256) as thread:
+    with service_thread(path, address, api=ApiOptions(stream_interval=5),
+                        max_dec_len=256) as thread:
         chunked = openai.OpenAI(base_url=thread.base + "/v1", api_key="unused", max_retries=0)
         chunks = [c.choices[0] for c in chunked.completions.create(
             model="tiny", prompt=PROMPT, max_tokens=23, temperature=0, logprobs=1, stream=True)]

@@ -28,16 +28,16 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<ass
 def test_an_r1_command_line_parses_with_its_flags_in_effect():
     config = build_server_config(["/models/r1", *R1_LINE.split()], {})
     assert config.engine.enable_chunked_prefill and config.engine.max_num_batched_tokens == 512
-    assert config.reasoning_parser == "deepseek_r1" and config.max_logprobs == 20
+    assert config.reasoning_parser == "deepseek_r1" and config.api.max_logprobs == 20
     assert set(NO_EFFECT) == {flag for flag, _ in config.ignored_flags}
     off = build_server_config(["m", "--no-enable-chunked-prefill", "--max-logprobs", "3"], {})
-    assert not off.engine.enable_chunked_prefill and off.max_logprobs == 3
+    assert not off.engine.enable_chunked_prefill and off.api.max_logprobs == 3
     more = build_server_config([
         "org/m", "--revision", "v2", "--download-dir", "/d", "--disable-fastapi-docs",
         "--root-path", "/api", "--load-format", "safetensors", "--tokenizer-mode", "auto",
         "-O", "3", "--additional-config", "{}"], {})
     assert (more.engine.revision, more.engine.download_dir) == ("v2", "/d")
-    assert more.disable_docs and more.root_path == "/api"
+    assert more.api.disable_docs and more.api.root_path == "/api"
     assert {flag for flag, _ in more.ignored_flags} == {
         "--load-format", "--tokenizer-mode", "--compilation-config", "--additional-config"}
 

@@ -97,8 +97,8 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
     for name in ("logprobs", "top_logprobs"):  # (--max-logprobs below the schema's cap)
         asked = getattr(req, name, None)
-        if type(asked) is int and asked > state.max_logprobs:
-            raise ApiError(f"{name} may be at most {state.max_logprobs} on this server "
+        if type(asked) is int and asked > state.api.max_logprobs:
+            raise ApiError(f"{name} may be at most {state.api.max_logprobs} on this server "
                            f"(--max-logprobs), got {asked}.", 400, name)
     vocab = state.engine.client.info.vocab_size
     if req.logit_bias and any(int(k) >= vocab for k in req.logit_bias):
@@ -158,7 +158,7 @@ class _Responder:
                  reservation: Reservation, echo: bool = False, top_logprobs: int = 0,
                  output: ChatOutput | None = None) -> None:
         self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
-        self.output = output or ChatOutput(state.reasoning, None, None, state.response_role)
+        self.output = output or ChatOutput(state.reasoning, None, None, state.api.response_role)
         self.reservation = reservation
         self.echo, self.top_logprobs = echo, top_logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -166,7 +166,7 @@ class _Responder:
         self.model = req.model or state.served_model_name
         self.n = req.n
         self.cached: dict[int, int] = {}  # per job: its prompt's prefix-cache hit tokens
-        self.as_ids = state.tokens_as_ids  # (--return-tokens-as-token-ids)
+        self.as_ids = state.api.tokens_as_ids  # (--return-tokens-as-token-ids)
 
     def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
@@ -177,7 +177,7 @@ class _Responder:
         prompt = sum(len(job.ids) for job in self.jobs)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                  "total_tokens": prompt + completion_tokens}
-        if self.state.prompt_tokens_details:  # (--enable-prompt-tokens-details)
+        if self.state.api.prompt_tokens_details:  # (--enable-prompt-tokens-details)
             usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
         return usage
 
@@ -361,7 +361,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         if reservation is not None:
             reservation.cancel()
         return api_error(exc)
-    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.response_role)
+    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.api.response_role)
     if beams is not None:
         return await beam_response(state, True, req, [_Job(ids, params)], beams, reservation,
                                     request, output)

@@ -48,7 +48,7 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
         client = AsyncMPClient(settings.engine_address)
     engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
                       dead_after_s=settings.dead_after_s, metrics=metrics,
-                      stream_interval=settings.stream_interval)
+                      stream_interval=settings.api.stream_interval)
     await engine.start()
     # A request that can never fit the KV cache (of one replica) is refused like an
     # over-long one (400 naming the field), not queued forever.
@@ -68,10 +68,7 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        if settings.tool_call_parser else None,
                        log_requests=settings.log_requests,
                        sampling_defaults=settings.sampling_defaults,
-                       max_logprobs=settings.max_logprobs,
-                       response_role=settings.response_role,
-                       prompt_tokens_details=settings.prompt_tokens_details,
-                       tokens_as_ids=settings.tokens_as_ids)
+                       api=settings.api)
 
 
 def is_native(body: dict) -> bool:
@@ -135,20 +132,20 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
 
     # No trailing-slash redirects: their Location is built from the client's Host header.
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
-        if settings.disable_docs else {}
+        if settings.api.disable_docs else {}
     app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False, **docs)
     # --root-path, as vLLM sets it: routes answer with and without the proxy's prefix, and
     # /docs points at the prefixed openapi.json
-    app.root_path = settings.root_path
+    app.root_path = settings.api.root_path
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
     tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
     app.add_middleware(AccessLog, log_requests=settings.log_requests,
                        get_tokenizer=lambda: app.state.server.tokenizer, tracer=tracer,
                        model=settings.served_model_names[0],
-                       request_id_header=settings.request_id_headers)
-    if settings.cors is not None:  # (outermost: preflights answered before anything else)
-        app.add_middleware(CORSMiddleware, **settings.cors)
+                       request_id_header=settings.api.request_id_headers)
+    if settings.api.cors is not None:  # (outermost: preflights answered before anything else)
+        app.add_middleware(CORSMiddleware, **settings.api.cors)
     key = ApiKey(settings.api_key) if settings.api_key else None
 
     def authorized(request: Request) -> bool:
@@ -250,7 +247,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     async def models(request: Request) -> dict:
         return openai_api.list_models(request.app.state.server)
 
-    if settings.load_tracking:  # (vLLM's --enable-server-load-tracking)
+    if settings.api.load_tracking:  # (vLLM's --enable-server-load-tracking)
         @app.get("/load")
         async def load(request: Request) -> dict:
             return {"server_load": request.app.state.server.engine.num_in_flight()}

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.api_options import ApiOptions
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.entrypoints.http.prompts import PromptEncoder
 
@@ -44,19 +45,10 @@ class ApiSettings:
     max_seq_len: int | None  # None: max_model_len - 1
     max_waiting: int
     disable_streaming: bool = False
-    stream_interval: int = 1  # tokens per stream chunk after the first (AsyncLLM)
     # OpenAI requests' unset sampling fields (generation_config.py); max_tokens caps theirs
     sampling_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None  # the template's text, over the tokenizer's
-    disable_docs: bool = False  # no /docs, /redoc, /openapi.json
-    root_path: str = ""  # the path prefix a proxy serves the API under
-    response_role: str = "assistant"  # chat responses' role
-    request_id_headers: bool = False  # responses carry X-Request-Id
-    load_tracking: bool = False  # GET /load
-    prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
-    tokens_as_ids: bool = False  # OpenAI logprobs show tokens as token_id:N
-    cors: dict | None = None  # CORSMiddleware's arguments (none: no CORS headers)
-    max_logprobs: int = 20  # OpenAI requests' logprobs / top_logprobs cap
+    api: ApiOptions = field(default_factory=ApiOptions)  # (vLLM's front-end flags)
     api_key: str | None = None
     dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
     max_request_body_bytes: int = 2 * 1024 * 1024
@@ -86,10 +78,7 @@ class ServerState:
     tool_parser: Any = None  # a ToolParser (tool_calls/parsers.py): tool_choice auto, or None
     log_requests: bool = False  # access lines (HTTP and gRPC) carry prompt and output text
     sampling_defaults: dict = field(default_factory=dict)  # (ApiSettings')
-    max_logprobs: int = 20
-    response_role: str = "assistant"
-    prompt_tokens_details: bool = False
-    tokens_as_ids: bool = False
+    api: ApiOptions = field(default_factory=ApiOptions)  # (ApiSettings')
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None
