@@ -176,11 +176,18 @@ def _vllm_flags(a, argparse) -> None:
       help="OpenAI logprobs show tokens as token_id:N")
     a("--multi-step-stream-outputs", nargs="?", const="True", default=None,
       help="no effect (vLLM)")
-    for flag in ("--enable-lora", "--lora-modules", "--middleware", "--hf-overrides",
-                 "--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs"):
-        a(flag, nargs="*", default=None, help="refused: not supported")
+    for name, why in REFUSED_FLAGS.items():
+        a("--" + name.replace("_", "-"), nargs="*", default=None, help=f"refused: {why}")
 
 
+_TLS = "terminate TLS in front of the server (a proxy or load balancer)"
+REFUSED_FLAGS = {  # vLLM's flags refused whatever their value: why
+    "enable_lora": "LoRA adapters are not supported",
+    "lora_modules": "LoRA adapters are not supported",
+    "middleware": "the server runs no code named on its command line",
+    "hf_overrides": "a model's config is read as it is",
+    "ssl_keyfile": _TLS, "ssl_certfile": _TLS, "ssl_ca_certs": _TLS, "ssl_cert_reqs": _TLS,
+}
 IGNORED_FLAGS = {  # vLLM's flags accepted with no effect: (flag, why), logged at start-up
     "num_scheduler_steps": ("--num-scheduler-steps", "every step is scheduled anew"),
     "trust_remote_code": ("--trust-remote-code", "tokenmill never runs a checkpoint's own "
@@ -216,13 +223,7 @@ def check_vllm_flags(args) -> None:
     if args.scheduling_policy == "priority":
         raise ValueError("--scheduling-policy priority is not supported: requests are "
                          "scheduled first come, first served (fcfs).")
-    for name, why in (("enable_lora", "LoRA adapters are not supported"),
-                      ("lora_modules", "LoRA adapters are not supported"),
-                      ("middleware", "the server runs no code named on its command line"),
-                      ("hf_overrides", "a model's config is read as it is"),
-                      *((f"ssl_{part}", "terminate TLS in front of the server (a proxy or "
-                         "load balancer)") for part in ("keyfile", "certfile", "ca_certs",
-                                                       "cert_reqs"))):
+    for name, why in REFUSED_FLAGS.items():
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is refused: {why}.")
     if args.load_format not in (None, "auto", "safetensors", "gguf"):
