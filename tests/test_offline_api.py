@@ -51,6 +51,21 @@ def test_chat_applies_template(llm):
     assert both[0].outputs[0].token_ids == out.outputs[0].token_ids and len(both) == 2
 
 
+def test_chat_with_its_own_template(llm):
+    """`chat_template=` renders in place of the tokenizer's: the prompt is the template's
+    text, and the output what the same ids give as a plain prompt."""
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Paris is the capital of"}]
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.chat(conv, params, use_tqdm=False, chat_template=template)
+    ids = tok.encode("<user>Paris is the capital of<assistant>", add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    (plain,) = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert tok.chat_template != template  # (the tokenizer's own is untouched)
+
+
 def test_bad_prompts_raise_and_leave_engine_clean(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [3] * 256}, use_tqdm=False)

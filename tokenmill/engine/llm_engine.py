@@ -68,9 +68,10 @@ class LLMEngine:
         raise ValueError("A prompt must be a string or a dict with 'prompt_token_ids'.")
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> dict[str, Any]:
+                    chat_template: str | None = None, **template_kwargs: Any) -> dict[str, Any]:
+        """`chat_template`: in place of the tokenizer's (None: the tokenizer's)."""
         ids = apply_chat_template(self.tokenizer, messages, add_generation_prompt,
-                                  **template_kwargs)
+                                  chat_template, **template_kwargs)
         return {"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}
 
     def add_request(self, request_id: str | None, prompt: PromptType,

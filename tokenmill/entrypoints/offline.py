@@ -70,13 +70,15 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """`tools` (OpenAI's function definitions) are rendered by the chat template; the
-        output is text (read it with `tokenmill.tool_calls.parsers.get_parser(...).parse`)."""
+        output is text (read it with `tokenmill.tool_calls.parsers.get_parser(...).parse`).
+        `chat_template`: a Jinja template in place of the tokenizer's (vLLM's argument)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts = [self.engine.chat_prompt(template_messages([dict(m) for m in c]),
-                                           add_generation_prompt, **kwargs)
+                                           add_generation_prompt, chat_template, **kwargs)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
