@@ -168,24 +168,24 @@ class RequestSampling:
         for row, r in enumerate(old_requests):
             rows.setdefault(id(r), row)
         sources = [rows.get(id(r), -1) for r in requests]
-        kept = [row for row, source in enumerate(sources) if source >= 0]
-        if not kept:
+        if all(s < 0 for s in sources):
             return
-        dev = self.device
-        index = on_device([max(s, 0) for s in sources], torch.int64, dev)
+        index = on_device([max(s, 0) for s in sources], torch.int64, self.device)
         fresh = [row for row, source in enumerate(sources) if source < 0]
+        fresh_t = on_device(fresh, torch.int64, self.device) if fresh else None
+
+        def moved(rows_of: torch.Tensor, upto: list[int]) -> tuple[torch.Tensor, list[int]]:
+            taken = rows_of[index]  # (bool rows: faster than index_select on CPUs)
+            if fresh_t is not None:
+                taken[fresh_t] = 0
+            return taken, [upto[s] if s >= 0 else 0 for s in sources]
+
         if old.seen is not None and new.batch.repetition_penalty is not None:
-            new.seen = old.seen[index]  # (bool rows: faster than index_select on CPUs)
-            new.seen_upto = [old.seen_upto[s] if s >= 0 else 0 for s in sources]
-            if fresh:
-                new.seen[on_device(fresh, torch.int64, dev)] = False
+            new.seen, new.seen_upto = moved(old.seen, old.seen_upto)
         if old.counts is not None and (new.batch.frequency_penalty is not None
                                        or new.batch.presence_penalty is not None):
             self._take_back(old)
-            new.counts = old.counts[index]
-            new.counted_upto = [old.counted_upto[s] if s >= 0 else 0 for s in sources]
-            if fresh:
-                new.counts[on_device(fresh, torch.int64, dev)] = 0
+            new.counts, new.counted_upto = moved(old.counts, old.counted_upto)
 
     def _take_back(self, settings: _Settings) -> None:
         """Counts added for tokens that were on the device (now on the host: counted from
