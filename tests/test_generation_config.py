@@ -1,7 +1,8 @@
 """Default sampling parameters from a model's generation_config.json (vLLM's
 `--generation-config auto|vllm|FOLDER`, `--override-generation-config`): what is read, what is
-refused and named, and that the OpenAI API, the offline LLM and `tokenmill serve` use them
-(a request's own values win; max_new_tokens caps every request)."""
+refused and named (bad flags: test_server_config.py's table), and that the OpenAI API, the
+offline LLM and `tokenmill serve` use them (a request's own values win; max_new_tokens caps
+every request)."""
 
 import json
 import os
@@ -11,7 +12,6 @@ import pytest
 
 from tests.serving import Served, service_thread
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import build_server_config
 from tokenmill.generation_config import sampling_defaults
 
 # DeepSeek-R1's sampling fields, a top_k, a cap, and fields that are not sampling defaults
@@ -64,18 +64,6 @@ def test_a_broken_file_is_named(tmp_path):
     (model / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json is not readable JSON"):
         sampling_defaults(str(model))
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--override-generation-config", "{temperature"], "is not valid JSON"),
-    (["--override-generation-config", "[1]"], "must be a JSON object"),
-    (["--override-generation-config", '{"temprature": 1}'], "unknown field(s) temprature"),
-    (["--generation-config", ""], "generation_config must be 'auto', 'vllm' or a folder"),
-])
-def test_bad_flags_are_named(argv, message):
-    with pytest.raises(ValueError) as err:
-        build_server_config(argv, {})
-    assert message in str(err.value)
 
 
 def test_the_offline_llm_uses_them_when_given_no_params(tiny_models, tmp_path):

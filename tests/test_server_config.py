@@ -89,6 +89,23 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     (["--max-dec-len", "0"], {}, "max_dec_len must be a positive integer"),
     (["--shutdown-timeout", "-1"], {}, "shutdown_timeout must be >= 0"),
     (["--stream-interval", "0"], {}, "stream_interval must be at least 1, got 0"),
+    # the generation config's flags and vLLM's that are refused
+    (["--override-generation-config", "{temperature"], {}, "is not valid JSON"),
+    (["--override-generation-config", "[1]"], {}, "must be a JSON object"),
+    (["--override-generation-config", '{"temprature": 1}'], {}, "unknown field(s) temprature"),
+    (["--generation-config", ""], {}, "generation_config must be 'auto', 'vllm' or a folder"),
+    (["--enable-reasoning"], {}, "--enable-reasoning needs --reasoning-parser"),
+    (["--scheduling-policy", "priority"], {}, "--scheduling-policy priority is not supported"),
+    (["--guided-decoding-backend", "outlines"], {}, "'outlines' is not available"),
+    (["--max-logprobs", "21"], {}, "max_logprobs must be between 0 and 20, got 21"),
+    (["--enable-lora"], {}, "--enable-lora is refused: LoRA adapters are not supported"),
+    (["--lora-modules", "a=/x"], {}, "--lora-modules is refused"),
+    (["--middleware", "pkg.Mw"], {}, "--middleware is refused: the server runs no code"),
+    (["--hf-overrides", "{}"], {}, "--hf-overrides is refused"),
+    (["--load-format", "pt"], {}, "--load-format 'pt' is not available"),
+    (["--tokenizer-mode", "mistral"], {}, "--tokenizer-mode 'mistral' is not available"),
+    (["--ssl-keyfile", "k.pem"], {}, "--ssl-keyfile is refused: terminate TLS in front"),
+    (["--allowed-origins", "*"], {}, "--allowed-origins takes a JSON list of strings"),
 ])
 def test_invalid_values_fail_with_a_clear_message(argv, env, message):
     with pytest.raises(ValueError) as err:
