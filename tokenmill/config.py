@@ -332,16 +332,28 @@ class CpuKernelSettings:
 class GpuKernelSettings:
     """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1 lets 16-bit
     linear layers run steps of up to 16 rows on the Triton skinny matmul where it is timed
-    faster than cuBLAS (layers/skinny.py; off until a GPU run shows it faster end to end)."""
+    faster than cuBLAS (layers/skinny.py; off until a GPU run shows it faster end to end).
+    TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's float8 weights kept
+    as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py)."""
 
     skinny_linear: bool = False
+    fp8_blocks: str = "auto"
 
     @classmethod
     def from_env(cls, environ=None) -> GpuKernelSettings:
         import os
 
         env = _Env(os.environ if environ is None else environ)
-        return cls(skinny_linear=bool(env.flag("TOKENMILL_GPU_SKINNY_LINEAR")))
+        fp8_blocks = (env.text("TOKENMILL_FP8_BLOCKS") or "auto").lower()
+        if fp8_blocks not in ("auto", "keep", "dequantize"):
+            raise ValueError("Environment variable TOKENMILL_FP8_BLOCKS must be auto, keep "
+                             f"or dequantize, got {fp8_blocks!r}.")
+        return cls(skinny_linear=bool(env.flag("TOKENMILL_GPU_SKINNY_LINEAR")),
+                   fp8_blocks=fp8_blocks)
+
+    def keep_fp8_blocks(self, device) -> bool:
+        return self.fp8_blocks == "keep" or (self.fp8_blocks == "auto"
+                                             and device.type == "cuda")
 
 
 def share_metrics_dir(path: str) -> None:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.config import GpuKernelSettings
 from tokenmill.convert import sharded
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import CheckpointSlice, RowParallelLinear, choose_linear_kernels
@@ -74,9 +75,11 @@ def load_hf_config(path: str) -> Any:
 
 
 def iter_safetensors(model_dir: str, lazy: bool = False,
-                     fp8_block: tuple[int, int] | None = None) -> Iterator[tuple[str, Any]]:
+                     fp8_block: tuple[int, int] | None = None,
+                     keep_fp8: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, tensor) pairs; `lazy`: `CheckpointSlice`s that read only what a loader keeps;
-    `fp8_block`: float8 weights come dequantized with their block factors (fp8_blocks.py)."""
+    `fp8_block`: float8 weights come dequantized with their block factors, or with
+    `keep_fp8` kept as they are where a kernel serves them (fp8_blocks.py)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -90,21 +93,23 @@ def iter_safetensors(model_dir: str, lazy: bool = False,
         with safe_open(file, framework="pt") as f:
             names = list(f.keys())
             if fp8_block is not None:
-                yield from fp8_blocks.dequantized(names, f.get_slice, fp8_block, lazy)
+                yield from fp8_blocks.dequantized(names, f.get_slice, fp8_block, lazy,
+                                                  keep_fp8)
                 continue
             for name in names:
                 yield name, CheckpointSlice(f.get_slice(name)) if lazy else f.get_tensor(name)
 
 
 def iter_weights(path: str, hf_config: Any, keep_quantized: bool = False,
-                 lazy: bool = False) -> Iterator[tuple[str, Any]]:
+                 lazy: bool = False, keep_fp8: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, tensor) pairs; from GGUF with `keep_quantized`, Q8_0/Q4_0/Q4_1 linear weights
     come as `QuantizedShard`s instead of float tensors; from safetensors with `lazy`,
-    `CheckpointSlice`s (a tensor-parallel rank reads its shard only)."""
+    `CheckpointSlice`s (a tensor-parallel rank reads its shard only); a block-FP8
+    checkpoint's float8 weights with `keep_fp8` as `QuantizedShard`s."""
     if is_gguf(path):
         from tokenmill.gguf_loader import iter_gguf_weights
         return iter_gguf_weights(path, hf_config, keep_quantized)
-    return iter_safetensors(path, lazy, fp8_blocks.block_size(hf_config))
+    return iter_safetensors(path, lazy, fp8_blocks.block_size(hf_config), keep_fp8)
 
 
 def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig | None:
@@ -140,10 +145,13 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
+    # a block-FP8 checkpoint's float8 weights, served as they are (on GPUs by default)
+    keep_fp8 = (quant is None and not float_weights
+                and GpuKernelSettings.from_env().keep_fp8_blocks(device))
     if sharded.is_sharded(path):  # this rank's own file (convert/sharded.py)
         loaded, stored = sharded.load_rank(model, path), False
     else:
-        loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf)
+        loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf, keep_fp8)
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
@@ -163,7 +171,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
 
 
 def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantConfig | None,
-                     keep_gguf: bool) -> tuple[set[str], bool]:
+                     keep_gguf: bool, keep_fp8: bool) -> tuple[set[str], bool]:
     """The parameters loaded from a checkpoint, and whether it held quantized tensors."""
     from tokenmill.quantization import model as qmodel
 
@@ -171,7 +179,7 @@ def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantCo
     shards: dict[str, dict[int | None, qmodel.QuantizedShard]] = {}
     # (a pipeline stage reads only its own layers' tensors)
     lazy = get_world().size > 1
-    ours = ((name, t) for name, t in iter_weights(path, hf_config, keep_gguf, lazy)
+    ours = ((name, t) for name, t in iter_weights(path, hf_config, keep_gguf, lazy, keep_fp8)
             if model.holds(name))
     weights = qmodel.split_checkpoint(ours, model.checkpoint_target, stored, shards)
     loaded = model.load_weights(weights)

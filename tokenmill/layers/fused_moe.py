@@ -51,10 +51,12 @@ class ExpertStack:
     """One projection of every expert stacked [E, ...]: float weights, or int8 / int4
     weights (quantization/linear_kernels.py's layouts) with their scales (and int4 mins), or
     float8 weights with their channel scales, run weight-only (activations stay 16-bit, as
-    vLLM's fp8 Marlin path; the per-expert loop rounds them through e4m3 too). The experts'
-    layers keep views of the stacks: no second copy."""
+    vLLM's fp8 Marlin path; the per-expert loop rounds them through e4m3 too), or a block-FP8
+    checkpoint's float8 weights with their group scales (weight-only in the loop as well).
+    The experts' layers keep views of the stacks: no second copy."""
 
-    QUANT = {"DenseKernel": 0, "Int8Kernel": 8, "Fp8Kernel": 8, "Int4Kernel": 4}
+    QUANT = {"DenseKernel": 0, "Int8Kernel": 8, "Fp8Kernel": 8, "Fp8BlockKernel": 8,
+             "Int4Kernel": 4}
 
     def __init__(self, layers: list) -> None:
         kernel = layers[0].kernel
@@ -116,11 +118,17 @@ def grouped_matmul(a: torch.Tensor, w: ExpertStack, slots: torch.Tensor,
     block_n = 64
     grid = (block_expert.shape[0], -(-w.out_features // block_n))
     scale = w.scale if w.scale is not None else w.w
+    weights_read, quant = w.w, w.quant
+    if w.w.dtype == torch.float8_e4m3fn:
+        from tokenmill.quantization import triton_kernels as tk
+
+        mode = tk.fp8_mode(w.w.device)
+        weights_read, quant = tk.fp8_weights(w.w, mode), 9 if mode == tk.FP8_BYTES else 8
     kernels.grouped_matmul_kernel[grid](
-        a, w.w, scale, w.min if w.min is not None else scale, out, slots, block_expert,
+        a, weights_read, scale, w.min if w.min is not None else scale, out, slots, block_expert,
         weights if weights is not None else a, rows, a_per_slot, w.out_features, w.k,
         w.k // w.group, w.group, a.stride(0), w.w.stride(0), w.w.stride(1),
-        scale.stride(0), out.stride(0), QUANT=w.quant, HAS_WEIGHTS=weights is not None,
+        scale.stride(0), out.stride(0), QUANT=quant, HAS_WEIGHTS=weights is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=32,
         PRECISION="tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
     return out

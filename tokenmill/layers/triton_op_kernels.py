@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from tokenmill.quantization.triton_kernels import fp8_e4m3_values
+
 
 @triton.jit
 def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n, eps, stride_x, stride_r, stride_o,
@@ -70,8 +72,9 @@ def grouped_matmul_kernel(a_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, slots_ptr, 
                           PRECISION: tl.constexpr):
     """One block of BLOCK_M (token, expert) slots, all of one expert, times BLOCK_N of its
     output columns (fused_moe.py). QUANT 0: float weights; 8: int8 or float8 with a scale per
-    group of `group` inputs; 4: int4 in the Q4 layout (byte j of a 32-input block: input j
-    low nibble, j + 16 high) with a scale and a min per group. Dequantized in registers."""
+    group of `group` inputs; 9: the same float8 read as bytes (cards without float8 in
+    Triton); 4: int4 in the Q4 layout (byte j of a 32-input block: input j low nibble, j + 16
+    high) with a scale and a min per group. Dequantized in registers."""
     b = tl.program_id(0)
     expert = tl.load(expert_ptr + b)
     if expert >= 0:
@@ -93,6 +96,10 @@ def grouped_matmul_kernel(a_ptr, w_ptr, scale_ptr, min_ptr, out_ptr, slots_ptr, 
                 byte = tl.load(w + n[None, :].to(tl.int64) * stride_wn
                                + (k0 // 2 + kk % 16)[:, None], mask=n_ok[None, :], other=0)
                 q = tl.where((kk >= 16)[:, None], byte >> 4, byte & 0x0F).to(tl.float32)
+            elif QUANT == 9:
+                w_ok = n_ok[None, :] & k_ok[:, None]
+                q = fp8_e4m3_values(tl.load(w + n[None, :].to(tl.int64) * stride_wn
+                                            + (k0 + kk)[:, None], mask=w_ok, other=0))
             else:
                 w_ok = n_ok[None, :] & k_ok[:, None]
                 # (no `other`: Triton's interpreter cannot fill a float8 load with it)

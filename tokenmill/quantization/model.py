@@ -16,6 +16,7 @@ from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, whole
 from tokenmill.quantization import QuantConfig
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
+from tokenmill.quantization.fp8_blocks import Fp8BlockKernel
 from tokenmill.quantization.kquant_kernels import (
     Q4KKernel,
     Q6KKernel,
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 # quantization method -> the kernel that serves it
 KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel,
-                                       Q4KKernel, Q6KKernel, Q50Kernel, Q51Kernel)}
+                                       Q4KKernel, Q6KKernel, Q50Kernel, Q51Kernel,
+                                       Fp8BlockKernel)}
 # methods whose `qweight` holds two inputs a byte
 _NIBBLES = ("int4", "q4k", "q6k", "q5_0", "q5_1")
 
@@ -122,7 +124,8 @@ def load_kernels(model: nn.Module, config: QuantConfig,
             part = rank_part(module, leaves)
         except ValueError as exc:
             raise ValueError(f"Cannot split {name} across tensor-parallel ranks: {exc}") from None
-        module.use_kernel(KERNELS[config.layer_method(name)](part))
+        # (a checkpoint's tensors are read to the host; the kernel runs on the layer's device)
+        module.use_kernel(KERNELS[config.layer_method(name)](_on(part, module.weight.device)))
         replaced.add(f"{name}.weight")
     return replaced
 
@@ -191,8 +194,8 @@ def narrow_shard(shard: QuantizedShard, part: tuple[int, int, int] | None,
     """A tensor-parallel rank's part (dim, start, size) of a weight kept quantized, cut as
     `rank_part` cuts a stored layer (None where the part would split a group: dequantize;
     Q5 widened to int8 where the part's inputs are no multiple of its kernel's)."""
-    if part is None:
-        return shard
+    if part is None:  # (tensors not read yet are read whole)
+        return QuantizedShard(shard.method, {leaf: whole(t) for leaf, t in shard.tensors.items()})
     dim, start, size = part
     if dim == 0:
         return QuantizedShard(shard.method, {leaf: _output_part(t, [(start, size)], rows)
@@ -216,36 +219,46 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
     for name, by_index in shards.items():
         module = modules[name]
         if None in by_index and hasattr(module, "full_sizes"):  # one fused q|k|v / gate|up
-            whole = by_index.pop(None)  # (Phi-3's): its projections' rows, in order
-            by_index.update(enumerate(QuantizedShard(whole.method, dict(zip(
-                whole.tensors, parts))) for parts in zip(*(
-                    t.split(module.full_sizes) for t in whole.tensors.values()))))
+            fused = by_index.pop(None)  # (Phi-3's): its projections' rows, in order
+            by_index.update(enumerate(QuantizedShard(fused.method, dict(zip(
+                fused.tensors, parts))) for parts in zip(*(
+                    t.split(module.full_sizes) for t in fused.tensors.values()))))
         merged = len(by_index) > 1 or hasattr(module, "shards")
         indices = sorted(by_index)
         parts = [narrow_shard(by_index[i], module.checkpoint_slice(i if merged else None),
                               _shard_rows(by_index[i])) for i in indices]
         every = not isinstance(module, MergedLinear) or len(parts) == len(module.full_sizes)
+        # (a layer whose float weight is read directly, as MLA's kv_b_proj, or kept float)
+        every = every and not (getattr(module, "keep_weight", False)
+                               or getattr(module, "keep_float", False))
         same = every and all(p is not None for p in parts) and all(
             p.method == parts[0].method and p.tensors.keys() == parts[0].tensors.keys()
             and all(t.shape[1:] == parts[0].tensors[leaf].shape[1:]
                     for leaf, t in p.tensors.items()) for p in parts)
         if same:
-            joined = {leaf: torch.cat([p.tensors[leaf] for p in parts])
+            device = module.weight.device
+            joined = {leaf: torch.cat([p.tensors[leaf] for p in parts]).to(device)
                       for leaf in parts[0].tensors}
             module.use_kernel(KERNELS[parts[0].method](joined))
         elif every and merged and all(p is not None for p in parts):
             # formats differ (llama.cpp's Q4_K_M: v in Q6_K beside Q4_K q and k): a kernel each
-            module.use_kernel(PartsKernel([KERNELS[p.method](p.tensors) for p in parts],
-                                          module.output_sizes))
+            device = module.weight.device
+            module.use_kernel(PartsKernel([KERNELS[p.method](_on(p.tensors, device))
+                                           for p in parts], module.output_sizes))
         else:  # float, through the layer's own loaders (they cut this rank's part)
             for i in indices:
-                weight = KERNELS[by_index[i].method](by_index[i].tensors).dequantize()
+                tensors = {leaf: whole(t) for leaf, t in by_index[i].tensors.items()}
+                weight = KERNELS[by_index[i].method](tensors).dequantize()
                 if merged:
                     module.weight.weight_loader(module.weight, weight, i)
                 else:
                     module.weight.weight_loader(module.weight, weight)
         replaced.add(f"{name}.weight")
     return replaced
+
+
+def _on(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {leaf: t.to(device) for leaf, t in tensors.items()}
 
 
 def _shard_rows(shard: QuantizedShard) -> int:
