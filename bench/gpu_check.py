@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from gpu_probes import (  # noqa: E402
+    decode_rate,
     device_share,
     device_tflops,
     environment,
@@ -32,6 +33,7 @@ from gpu_probes import (  # noqa: E402
     guarded,
     host_and_device,
     kernel_time,
+    llama_7b_layers,
     profile_decode,
     replay_kernels,
     timed,
@@ -196,9 +198,7 @@ def prefill_7b_shape(root: str) -> dict:
     from tokenmill import LLM, SamplingParams
 
     path = os.path.join(root, "llama7b_4layers")
-    config = tf.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                            num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=32,
-                            max_position_embeddings=4096, eos_token_id=1, bos_token_id=0)
+    config = llama_7b_layers()
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
@@ -223,10 +223,7 @@ def prefill_7b_shape(root: str) -> dict:
     short = [prompt[:128].tolist()]
 
     def decode(llm) -> float:
-        generate(llm, short, one.clone(max_tokens=8))
-        t1 = timed(functools.partial(generate, llm, short, one.clone(max_tokens=65)))
-        t0 = timed(functools.partial(generate, llm, short, one))
-        return 64 / (t1 - t0)
+        return decode_rate(llm, short, one)
 
     def decode_async() -> float:
         llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,

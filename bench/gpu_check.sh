@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py, then the GPU tests.
+# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py, the skinny matmul
+# sweep, block-FP8 checkpoints served as float8 (bench/gpu_fp8_blocks.py), then the GPU tests.
 # Usage: bash bench/gpu_check.sh [OUTDIR]   (default bench/results); TESTS_S bounds the test
 # part in seconds (default: 240, or less so that the whole script ends within BUDGET_S = 570
 # s, one 10-minute device call). Wheels
@@ -30,12 +31,15 @@ card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1].
 stamp=$(date -u +%Y-%m-%d)
 python3 bench/gpu_check.py --out "$out/gpu-$card-$stamp.json" ${QUICK:+--quick}
 timeout 100 python3 bench/gemv_sweep.py --out "$out/gemv-sweep-$card-$stamp.json"
+timeout 150 python3 bench/gpu_fp8_blocks.py --out "$out/gpu-fp8-blocks-$card-$stamp.json"
 # the tests get what is left of BUDGET_S (default 570 s: one 10-minute device call), 240 s
 # at most, unless TESTS_S says otherwise
 left=$(( ${BUDGET_S:-570} - SECONDS ))
 tests_s=${TESTS_S:-$(( left < 240 ? (left < 30 ? 30 : left) : 240 ))}
 echo "tests bounded at ${tests_s} s (${SECONDS} s spent)"
 timeout "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cacheprovider --timeout 120 \
-  tests/test_triton_attention.py tests/test_triton_ops.py tests/test_fused_moe.py tests/test_platforms.py tests/quantization/test_triton_kernels.py tests/test_models.py tests/test_engine_equivalence.py \
+  tests/test_triton_attention.py tests/test_triton_ops.py tests/test_fused_moe.py tests/test_platforms.py tests/quantization/test_triton_kernels.py \
+  tests/quantization/test_fp8_blocks.py tests/quantization/test_quantized_models.py::test_quantize_tool_round_trip \
+  tests/test_models.py tests/test_engine_equivalence.py \
   tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_sampling.py tests/test_spec_decode.py tests/test_async_scheduling.py \
   2>&1 | tee "$out/gpu-tests-$card-$stamp.log" | grep -vE '^\s*$' | tail -40

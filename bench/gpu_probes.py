@@ -51,6 +51,28 @@ def generate(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": x} for x in prompts], params, use_tqdm=False)
 
 
+def decode_rate(llm, prompts, one) -> float:
+    """Batch-1 decode tokens per second: 65 tokens' time less one token's (the prompt's
+    prefill and the request's own costs cancel), `one` greedy params with max_tokens 1."""
+    import functools
+
+    generate(llm, prompts, one.clone(max_tokens=8))
+    t1 = timed(functools.partial(generate, llm, prompts, one.clone(max_tokens=65)))
+    t0 = timed(functools.partial(generate, llm, prompts, one))
+    return 64 / (t1 - t0)
+
+
+def llama_7b_layers(layers: int = 4):
+    """Llama-2-7B's shape (4096 wide, 11008 MLP, 32 heads of 128) with `layers` layers: per
+    layer a 7B model's kernels and bytes, at a fraction of its weights."""
+    import transformers as tf
+
+    return tf.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                          num_hidden_layers=layers, num_attention_heads=32,
+                          num_key_value_heads=32, max_position_embeddings=4096,
+                          eos_token_id=1, bos_token_id=0)
+
+
 def host_and_device(runner, fn, steps: int) -> dict:
     """A decode step's device time (one replay of each batch-1 and batch-64 graph variant,
     timed by CUDA events; the variant is the attention's key-split count) beside what the

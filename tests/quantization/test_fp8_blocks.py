@@ -168,16 +168,17 @@ def test_fp8_block_kernel_takes_triton_for_decodes_only(monkeypatch):
     from tokenmill.quantization import linear_kernels
 
     monkeypatch.setattr(linear_kernels.QuantizedKernel, "_on_triton_gpu", lambda self, k: True)
-    layer = Linear(64, 40, bias=True)
+    layer = Linear(64, 40, bias=True).to(DEVICE)
     q, scale = fp8_blocks(torch.randn(40, 64) * 0.1, (32, 32))
-    kernel = Fp8BlockKernel({"qweight": q, "scale": blocks.row_scales(scale, (32, 32), 40)})
+    kernel = Fp8BlockKernel({"qweight": q.to(DEVICE),
+                             "scale": blocks.row_scales(scale, (32, 32), 40).to(DEVICE)})
     assert kernel.triton and kernel.name == "fp8-block-triton"
     calls = []
     monkeypatch.setattr(triton_kernels, "weight_only_matmul",
                         lambda *a, f=triton_kernels.weight_only_matmul: calls.append(
                             a[0].shape[0]) or f(*a))
     for rows in (3, Fp8BlockKernel.TRITON_MAX_ROWS + 1):
-        x = torch.randn(rows, 64)
+        x = torch.randn(rows, 64, device=DEVICE)
         torch.testing.assert_close(kernel.apply(layer, x),
                                    F.linear(x, kernel.dequantize(), layer.bias),
                                    rtol=1e-4, atol=1e-4)
