@@ -4,7 +4,8 @@ factor per 128 x 128 block, served kept as float8 (TOKENMILL_FP8_BLOCKS=auto: Fp
 the weight-only Triton matmul, one byte a weight) beside the same checkpoint loaded as bf16
 weights (TOKENMILL_FP8_BLOCKS=dequantize). For each: the weights' bytes, batch-1 decode
 tok/s (and with asynchronous scheduling) against its own bandwidth roofline (the bytes a
-token reads), one 2048-token prompt's time, and the greedy tokens of one prompt (how many of
+token reads), 64 prompts of 128 tokens decoding 64 each (tok/s, prefill included), one
+2048-token prompt's time, and the greedy tokens of one prompt (how many of
 the first 32 agree between the two; bf16 rounding differs between the kernels).
 
     python bench/gpu_fp8_blocks.py --out bench/results/gpu-fp8-blocks-<card>-<date>.json
@@ -91,6 +92,10 @@ def serve(path: str, mode: str, copy_gbps: float) -> dict:
     read = res["weight_bytes"] - embed.numel() * embed.element_size()
     res["batch1_roofline_tok_s"] = copy_gbps * 1e9 / read
     res["batch1_of_roofline"] = res["batch1_tok_s"] / res["batch1_roofline_tok_s"]
+    batch = [prompt[i * 16:i * 16 + 128].tolist() for i in range(64)]
+    many = one.clone(max_tokens=64)
+    generate(llm, batch[:8], many)
+    res["batch64_tok_s"] = 64 * 64 / timed(functools.partial(generate, llm, batch, many))
     run = functools.partial(generate, llm, [prompt.tolist()], one)
     run()
     res["prefill_2k_s"] = timed(run, 3)

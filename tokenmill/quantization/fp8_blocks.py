@@ -107,13 +107,14 @@ class Fp8BlockKernel(QuantizedKernel):
     checkpoint's weights as stored, their block factors repeated per row): y = x @ (q x
     scale)^T in the activations' dtype. GPUs: quantization/triton_kernels.py's weight-only
     matmul for steps of up to `TRITON_MAX_ROWS` rows (decodes: the weights cross memory at one
-    byte each); larger steps and CPUs dequantize the layer and multiply (`reference`)."""
+    byte each); larger steps and CPUs dequantize the layer and multiply."""
 
     method = "fp8_block"
-    # rows up to which the Triton kernel runs on a GPU; larger steps dequantize and run on
-    # cuBLAS (an untuned Triton tile is far from cuBLAS where the products, not the weight
-    # bytes, bound the step; not yet measured on a GPU)
-    TRITON_MAX_ROWS = 64
+    # rows up to which the Triton kernel runs on a GPU (every decode graph's bucket, up to
+    # 256 sequences: dequantizing a layer per step would read its bytes 3x over); larger
+    # steps (prompts) dequantize and run on cuBLAS, as an untuned Triton tile is far from
+    # cuBLAS where the products, not the weight bytes, bound the step (not yet measured)
+    TRITON_MAX_ROWS = 256
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__(tensors)
