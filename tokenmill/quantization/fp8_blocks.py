@@ -94,9 +94,10 @@ def dequantized(names: list[str], get_slice, block: tuple[int, int], lazy: bool,
         scale = get_slice(scale_name)[:]
         shape = tuple(sliced.get_shape())
         if keep and keepable(shape, block):
-            weight = CheckpointSlice(sliced) if lazy else sliced[:]
+            # (read when its layer is loaded, this rank's part only: the host holds one
+            # layer's bytes at a time, not the model's)
             yield name, QuantizedShard(Fp8BlockKernel.method, {
-                "qweight": weight, "scale": row_scales(scale, block, shape[0])})
+                "qweight": CheckpointSlice(sliced), "scale": row_scales(scale, block, shape[0])})
             continue
         stored = Fp8BlockSlice(sliced, scale, block)
         yield name, stored if lazy else stored.read()
