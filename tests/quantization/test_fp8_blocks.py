@@ -212,3 +212,34 @@ def test_fp8_block_experts_fused_equal_the_loop(monkeypatch, mode):
     assert fused.w13.quant == 8 and fused.w2.group == 32
     assert mlps[1].down_proj.kernel.qweight.data_ptr() == fused.w2.w[1].data_ptr()
     torch.testing.assert_close(fused(x, weights, ids), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_block_model_on_gpu_kernels_matches_transformers(tmp_path, tiny_models,
+                                                             monkeypatch, mode):
+    """DeepSeek-V3 from a block-FP8 checkpoint as a GPU runs it: kept float8 linears on the
+    Triton matmul, float8 experts fused, latent attention in the Triton kernel, decode steps
+    in graph buckets (eager here), both ways of reading float8."""
+    from tokenmill.layers.linear import CpuPackedKernel
+    from tokenmill.layers.moe import SparseMoE
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.quantization import linear_kernels
+
+    monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "keep")
+    path, hf = fp8_checkpoint(tmp_path, tiny_models, "deepseek_v3", KEPT_BLOCK)
+    fuse = SparseMoE.fuse_experts
+    monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: fuse(self, force=True))
+    monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setattr(linear_kernels.QuantizedKernel, "_on_triton_gpu", lambda self, k: True)
+    monkeypatch.setattr(triton_kernels, "fp8_mode", lambda device: mode)
+    llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4)
+    model = llm.engine.core.runner.model
+    moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert moe and all(m.fused is not None and m.fused.w13.w.dtype == torch.float8_e4m3fn
+                       for m in moe)
+    assert model.model.layers[0].mlp.down_proj.kernel.name == "fp8-block-triton"
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in PROMPTS]
