@@ -39,15 +39,16 @@ from gpu_probes import (  # noqa: E402
 BLOCK = 128
 
 
-def write_checkpoint(path: str) -> None:
-    """The random model's safetensors with every projection in float8 blocks."""
+def write_checkpoint(path: str, device: str = "cuda", layers: int = 4) -> None:
+    """The random model's safetensors with every projection in float8 blocks (built on
+    `device`; also bench/fp8_blocks_memory.py's)."""
     import transformers as tf
     from helpers import make_tokenizer
     from safetensors.torch import save_file
 
-    config = llama_7b_layers()
+    config = llama_7b_layers(layers)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
     state = {}
     for name, w in model.state_dict().items():

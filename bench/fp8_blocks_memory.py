@@ -1,0 +1,78 @@
+"""Host memory of a block-FP8 checkpoint (DeepSeek-V3 / R1's format) kept as float8 against
+loaded as float weights, on the CPU: layers of Llama-2-7B's shape with random weights, their
+projections written as float8 with a factor per 128 x 128 block (bench/gpu_fp8_blocks.py's
+checkpoint), each mode loaded by `load_model` in a fresh process (TOKENMILL_FP8_BLOCKS=keep:
+`Fp8BlockKernel`, one byte a weight and a scale per row and 128 inputs; dequantize: bf16
+weights, as a GPU would hold them without it): the weights' bytes, the process's resident
+memory before loading and its peak after, and the load's seconds.
+
+    python bench/fp8_blocks_memory.py [--layers 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wins: a worktree)
+
+from record import save  # noqa: E402
+
+
+def child(path: str) -> dict:
+    """One load in this process (the mode from the environment)."""
+    import psutil
+    import torch
+
+    from tokenmill.loader import load_hf_config, load_model
+    from tokenmill.quantization.model import weight_bytes
+
+    config = load_hf_config(path)
+    before = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    model = load_model(path, config, torch.bfloat16, torch.device("cpu"), 64)
+    seconds = time.perf_counter() - start
+    kernels: dict[str, int] = {}
+    for module in model.modules():
+        if hasattr(module, "kernel"):
+            kernels[module.kernel.name] = kernels.get(module.kernel.name, 0) + 1
+    return {"weight_bytes": weight_bytes(model), "rss_before_load_bytes": before,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "load_s": seconds, "kernels": kernels}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--out", help="a JSON result file")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child)))
+        return
+    from gpu_fp8_blocks import write_checkpoint
+
+    path = os.path.join(tempfile.mkdtemp(), "llama7b_layers_fp8")
+    write_checkpoint(path, "cpu", args.layers)
+    result = {"layers": args.layers, "checkpoint_bytes": os.path.getsize(
+        os.path.join(path, "model.safetensors"))}
+    for mode in ("keep", "dequantize"):
+        env = {**os.environ, "TOKENMILL_FP8_BLOCKS": mode}
+        out = subprocess.run([sys.executable, __file__, "--child", path], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        result[mode] = json.loads(out.split("RESULT ", 1)[1])
+        print(mode, json.dumps(result[mode]), flush=True)
+    if args.out:
+        save(args.out, **result)
+
+
+if __name__ == "__main__":
+    main()
