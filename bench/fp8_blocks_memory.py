@@ -4,7 +4,8 @@ projections written as float8 with a factor per 128 x 128 block (bench/gpu_fp8_b
 checkpoint), each mode loaded by `load_model` in a fresh process (TOKENMILL_FP8_BLOCKS=keep:
 `Fp8BlockKernel`, one byte a weight and a scale per row and 128 inputs; dequantize: bf16
 weights, as a GPU would hold them without it): the weights' bytes, the process's resident
-memory before loading and its peak after, and the load's seconds.
+memory before loading, its peak (the checkpoint's mapped pages included) and the memory it
+holds itself after, and the load's seconds.
 
     python bench/fp8_blocks_memory.py [--layers 2] [--out FILE]
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -45,8 +45,21 @@ def child(path: str) -> dict:
         if hasattr(module, "kernel"):
             kernels[module.kernel.name] = kernels.get(module.kernel.name, 0) + 1
     return {"weight_bytes": weight_bytes(model), "rss_before_load_bytes": before,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _status("VmHWM"), "anon_rss_after_load_bytes":
+            _status("RssAnon"),
             "load_s": seconds, "kernels": kernels}
+
+
+def _status(field: str) -> int:
+    """A memory field of /proc/self/status in bytes: VmHWM, the peak resident memory
+    (getrusage's maxrss would carry over the parent's peak across the exec; it counts the
+    checkpoint's pages mapped by safetensors too), RssAnon, the memory the process holds
+    itself now."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -17,7 +18,12 @@ from tokenmill import csrc
 from tokenmill.config import GpuKernelSettings
 from tokenmill.convert import sharded
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
-from tokenmill.layers.linear import CheckpointSlice, RowParallelLinear, choose_linear_kernels
+from tokenmill.layers.linear import (
+    CheckpointSlice,
+    RowParallelLinear,
+    choose_linear_kernels,
+    deferred_weights,
+)
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config, fp8_blocks
@@ -134,7 +140,16 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     if float_weights and quant is not None:
         raise ValueError(f"Checkpoint {path!r} is already quantized ({quant.method}); "
                          "quantize the original weights.")
-    with torch.device(device):
+    # a block-FP8 checkpoint's float8 weights, served as they are (on GPUs by default): its
+    # linears get memory for a float weight only where a loader writes one
+    keep_fp8 = (quant is None and not float_weights
+                and fp8_blocks.block_size(hf_config) is not None
+                and GpuKernelSettings.from_env().keep_fp8_blocks(device))
+    # parameters made in the model's dtype (built in float32 first, a bf16 model took twice
+    # its memory on the device before loading); buffers made in float32 on purpose (the
+    # rotary tables) are converted after, as before
+    with torch.device(device), _default_dtype(dtype), (
+            deferred_weights(device) if keep_fp8 else contextlib.nullcontext()):
         model = build_model(hf_config, max_positions)
     model.to(dtype=dtype)
     # quantized at load, or shard files being written: whole-row scales for slices
@@ -145,9 +160,6 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
-    # a block-FP8 checkpoint's float8 weights, served as they are (on GPUs by default)
-    keep_fp8 = (quant is None and not float_weights
-                and GpuKernelSettings.from_env().keep_fp8_blocks(device))
     if sharded.is_sharded(path):  # this rank's own file (convert/sharded.py)
         loaded, stored = sharded.load_rank(model, path), False
     else:
@@ -168,6 +180,16 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
                 qmodel.weight_bytes(model) / 2**20)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantConfig | None,

@@ -89,21 +89,34 @@ def test_block_fp8_checkpoint_serves_the_weights_it_stands_for(tmp_path, tiny_mo
         assert [o.outputs[0].token_ids for o in outs] == expected, tp
 
 
-def _kernels(path: str) -> tuple[dict[str, str], int]:
+def _kernels(path: str, monkeypatch) -> tuple[dict[str, str], int, set[str]]:
+    """Each linear's kernel, the weights' bytes and the linears given float memory."""
+    from tokenmill.layers import linear
     from tokenmill.loader import load_hf_config, load_model
-    from tokenmill.quantization.model import weight_bytes
+    from tokenmill.models import llama
+    from tokenmill.quantization import model as qmodel
 
+    given = []
+    for module in (llama, qmodel):
+        monkeypatch.setattr(module, "materialized",
+                            lambda layer: given.append(layer) or linear.materialized(layer))
     model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), 64)
+    names = {id(module): name for name, module in model.named_modules()}
     return ({name: module.kernel.name for name, module in model.named_modules()
-             if hasattr(module, "kernel")}, weight_bytes(model))
+             if hasattr(module, "kernel")}, qmodel.weight_bytes(model),
+            {names[id(layer)] for layer in given})
 
 
 def test_kept_layers_are_float8_where_their_groups_allow(tmp_path, tiny_models, monkeypatch):
     path, _ = fp8_checkpoint(tmp_path, tiny_models, "deepseek_v3", KEPT_BLOCK)
     monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "keep")
-    kept, kept_bytes = _kernels(path)
+    kept, kept_bytes, given = _kernels(path, monkeypatch)
+    # only the layers that hold a float weight ever had memory for one (the others were
+    # built without: DeepSeek-R1's would not fit as bf16 before their float8 replaced them)
+    assert given == {name for name, kernel in kept.items() if not kernel.startswith("fp8")}
+    assert "model.layers.1.self_attn.kv_b_proj" in given
     monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "dequantize")
-    _, float_bytes = _kernels(path)
+    _, float_bytes, _ = _kernels(path, monkeypatch)
     layer = "model.layers.1."
     assert kept[layer + "mlp.experts.3.gate_up_proj"] == "fp8-block-dequant"  # (the CPU's)
     assert kept[layer + "mlp.experts.3.down_proj"] == "fp8-block-dequant"
@@ -168,7 +181,9 @@ def test_fp8_block_kernel_takes_triton_for_decodes_only(monkeypatch):
     from tokenmill.quantization import linear_kernels
 
     monkeypatch.setattr(linear_kernels.QuantizedKernel, "_on_triton_gpu", lambda self, k: True)
+    torch.manual_seed(2)
     layer = Linear(64, 40, bias=True).to(DEVICE)
+    layer.bias.data.normal_()
     q, scale = fp8_blocks(torch.randn(40, 64) * 0.1, (32, 32))
     kernel = Fp8BlockKernel({"qweight": q.to(DEVICE),
                              "scale": blocks.row_scales(scale, (32, 32), 40).to(DEVICE)})

@@ -3,6 +3,8 @@ kernels that multiply by them, chosen once after loading (never per call)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,13 +144,45 @@ class CpuPackedKernel:
         return self.packed.numel() * self.packed.element_size()
 
 
+# The device of the model being built while its linears' weights are deferred (a block-FP8
+# checkpoint kept as float8: most linears never hold a float weight).
+_DEFERRED: list[torch.device] = []
+
+
+@contextlib.contextmanager
+def deferred_weights(device: torch.device):
+    """Linear layers built inside start with their weight on the meta device (no memory);
+    `materialized` gives it memory on `device` where a loader first writes it. A weight no
+    loader writes stays meta, and the loader's missing-weights check names it."""
+    _DEFERRED.append(device)
+    try:
+        yield
+    finally:
+        _DEFERRED.pop()
+
+
+def materialized(layer: Linear) -> nn.Parameter:
+    """The layer's weight, given memory if it was deferred (same shape, dtype and loader)."""
+    weight = layer.weight
+    if weight.is_meta:
+        real = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype,
+                                        device=layer.weight_device), requires_grad=False)
+        real.weight_loader = weight.weight_loader
+        layer.weight = weight = real
+    return weight
+
+
 class Linear(nn.Module):
     """A linear layer every tensor-parallel rank holds whole (replicated)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        # (deferred: on the meta device until a loader writes it, see `deferred_weights`)
+        self.weight_device = _DEFERRED[-1] if _DEFERRED else None
+        self.weight = nn.Parameter(torch.empty(out_features, in_features,
+                                               device="meta" if _DEFERRED else None),
+                                   requires_grad=False)
         self.weight.weight_loader = default_weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -161,6 +195,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(self, x)
         return self.kernel.apply(self, x)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weight (or the kernel replacing it) lives."""
+        return self.weight_device if self.weight.is_meta else self.weight.device
 
     def use_kernel(self, kernel) -> None:
         """Switch to a kernel that holds its own copy of the weight; ours is dropped (a weight

@@ -12,7 +12,13 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, Kep
 from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from tokenmill.layers.linear import (
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    materialized,
+)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import (
     RotaryEmbedding,
@@ -357,6 +363,9 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
             param = params[target]
+            if param.is_meta:  # (a deferred linear weight: its memory now)
+                param = params[target] = materialized(
+                    self.get_submodule(target.rpartition(".")[0]))
             if shard is None:
                 param.weight_loader(param, tensor)
             else:

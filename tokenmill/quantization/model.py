@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, whole
+from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, materialized, whole
 from tokenmill.quantization import QuantConfig
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
@@ -125,7 +125,7 @@ def load_kernels(model: nn.Module, config: QuantConfig,
         except ValueError as exc:
             raise ValueError(f"Cannot split {name} across tensor-parallel ranks: {exc}") from None
         # (a checkpoint's tensors are read to the host; the kernel runs on the layer's device)
-        module.use_kernel(KERNELS[config.layer_method(name)](_on(part, module.weight.device)))
+        module.use_kernel(KERNELS[config.layer_method(name)](_on(part, module.device)))
         replaced.add(f"{name}.weight")
     return replaced
 
@@ -236,23 +236,24 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
             and all(t.shape[1:] == parts[0].tensors[leaf].shape[1:]
                     for leaf, t in p.tensors.items()) for p in parts)
         if same:
-            device = module.weight.device
+            device = module.device
             joined = {leaf: torch.cat([p.tensors[leaf] for p in parts]).to(device)
                       for leaf in parts[0].tensors}
             module.use_kernel(KERNELS[parts[0].method](joined))
         elif every and merged and all(p is not None for p in parts):
             # formats differ (llama.cpp's Q4_K_M: v in Q6_K beside Q4_K q and k): a kernel each
-            device = module.weight.device
+            device = module.device
             module.use_kernel(PartsKernel([KERNELS[p.method](_on(p.tensors, device))
                                            for p in parts], module.output_sizes))
         else:  # float, through the layer's own loaders (they cut this rank's part)
+            param = materialized(module)
             for i in indices:
                 tensors = {leaf: whole(t) for leaf, t in by_index[i].tensors.items()}
                 weight = KERNELS[by_index[i].method](tensors).dequantize()
                 if merged:
-                    module.weight.weight_loader(module.weight, weight, i)
+                    param.weight_loader(param, weight, i)
                 else:
-                    module.weight.weight_loader(module.weight, weight)
+                    param.weight_loader(param, weight)
         replaced.add(f"{name}.weight")
     return replaced
 
