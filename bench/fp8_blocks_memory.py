@@ -3,7 +3,8 @@ loaded as float weights, on the CPU: layers of Llama-2-7B's shape with random we
 projections written as float8 with a factor per 128 x 128 block (bench/gpu_fp8_blocks.py's
 checkpoint), each mode loaded by `load_model` in a fresh process (TOKENMILL_FP8_BLOCKS=keep:
 `Fp8BlockKernel`, one byte a weight and a scale per row and 128 inputs; dequantize: bf16
-weights, as a GPU would hold them without it): the weights' bytes, the process's resident
+weights, as a GPU would hold them without it): the weights' bytes, the parameters' bytes
+as the model is built (before loading: what a GPU allocates at once), the process's resident
 memory before loading, its peak (the checkpoint's mapped pages included) and the memory it
 holds itself after, and the load's seconds.
 
@@ -32,9 +33,20 @@ def child(path: str) -> dict:
     import psutil
     import torch
 
+    from tokenmill import loader
     from tokenmill.loader import load_hf_config, load_model
     from tokenmill.quantization.model import weight_bytes
 
+    built = []  # the parameters' bytes as built, before a byte is read (a GPU's allocator
+    build = loader.build_model  # takes them at once; the CPU's pages only when touched)
+
+    def counted(*args):
+        model = build(*args)
+        built.append(sum(p.numel() * p.element_size() for p in model.parameters()
+                         if not p.is_meta))
+        return model
+
+    loader.build_model = counted
     config = load_hf_config(path)
     before = psutil.Process().memory_info().rss
     start = time.perf_counter()
@@ -44,7 +56,8 @@ def child(path: str) -> dict:
     for module in model.modules():
         if hasattr(module, "kernel"):
             kernels[module.kernel.name] = kernels.get(module.kernel.name, 0) + 1
-    return {"weight_bytes": weight_bytes(model), "rss_before_load_bytes": before,
+    return {"weight_bytes": weight_bytes(model), "built_param_bytes": built[0],
+            "rss_before_load_bytes": before,
             "peak_rss_bytes": _status("VmHWM"), "anon_rss_after_load_bytes":
             _status("RssAnon"),
             "load_s": seconds, "kernels": kernels}
