@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import CheckpointSlice
-from tokenmill.quantization.linear_kernels import QuantizedKernel
+from tokenmill.quantization.linear_kernels import TensorKernel
 
 SCALE_SUFFIX = "_scale_inv"
 
@@ -103,7 +103,7 @@ def dequantized(names: list[str], get_slice, block: tuple[int, int], lazy: bool,
         yield name, stored if lazy else stored.read()
 
 
-class Fp8BlockKernel(QuantizedKernel):
+class Fp8BlockKernel(TensorKernel):
     """Weight-only float8 e4m3 with a float32 scale per row and group of inputs (a block-FP8
     checkpoint's weights as stored, their block factors repeated per row): y = x @ (q x
     scale)^T in the activations' dtype. GPUs: quantization/triton_kernels.py's weight-only
@@ -123,15 +123,6 @@ class Fp8BlockKernel(QuantizedKernel):
         self.group = k // tensors["scale"].shape[1]
         self.triton = self._on_triton_gpu(k) and self.group % 32 == 0
         self.name = "fp8-block-triton" if self.triton else "fp8-block-dequant"
-
-    # (read through `tensors`: fused experts swap in views of their stacks)
-    @property
-    def qweight(self) -> torch.Tensor:
-        return self.tensors["qweight"]
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.tensors["scale"]
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.qweight.shape

@@ -86,7 +86,20 @@ def _triton_kernels():
     return triton_kernels
 
 
-class _PanelKernel(QuantizedKernel):
+class TensorKernel(QuantizedKernel):
+    """A kernel whose `qweight` and `scale` are read through `tensors` (fused experts swap in
+    views of their stacks; panel kernels unpack them on demand)."""
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self.tensors["qweight"]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.tensors["scale"]
+
+
+class _PanelKernel(TensorKernel):
     """A weight-only kernel that, on CPUs with AVX-512 VNNI, keeps its weight only as
     csrc/vnni_panels.c's panels (16 output channels, input pairs interleaved) and multiplies
     them at every row count: ~1.6x the fp32 panel kernel's rate at prompt sizes, and ahead of
@@ -116,14 +129,6 @@ class _PanelKernel(QuantizedKernel):
     @tensors.setter
     def tensors(self, value: dict[str, torch.Tensor]) -> None:
         self._tensors = value
-
-    @property
-    def qweight(self) -> torch.Tensor:
-        return self.tensors["qweight"]
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self.tensors["scale"]
 
     def weight_bytes(self) -> int:
         if self.vnni:
