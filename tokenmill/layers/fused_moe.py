@@ -61,7 +61,7 @@ class ExpertStack:
     def __init__(self, layers: list) -> None:
         kernel = layers[0].kernel
         self.quant = self.QUANT[type(kernel).__name__]
-        self.scale = self.min = None
+        self.scale = self.min = self._read = None
         if self.quant == 0:
             self.w = torch.stack([layer.weight.detach() for layer in layers])
             for i, layer in enumerate(layers):
@@ -107,6 +107,19 @@ class ExpertStack:
     def out_features(self) -> int:
         return self.w.shape[1]
 
+    def read(self) -> tuple[torch.Tensor, int]:
+        """The weights as the kernel reads them and its QUANT code: float8 natively or as
+        bytes (quantization/triton_kernels.py), decided at the first call."""
+        if self._read is None:
+            w, quant = self.w, self.quant
+            if w.dtype == torch.float8_e4m3fn:
+                from tokenmill.quantization import triton_kernels as tk
+
+                mode = tk.fp8_mode(w.device)
+                w, quant = tk.fp8_weights(w, mode), 9 if mode == tk.FP8_BYTES else 8
+            self._read = w, quant
+        return self._read
+
 
 def grouped_matmul(a: torch.Tensor, w: ExpertStack, slots: torch.Tensor,
                    block_expert: torch.Tensor, rows: int, a_per_slot: int,
@@ -118,12 +131,7 @@ def grouped_matmul(a: torch.Tensor, w: ExpertStack, slots: torch.Tensor,
     block_n = 64
     grid = (block_expert.shape[0], -(-w.out_features // block_n))
     scale = w.scale if w.scale is not None else w.w
-    weights_read, quant = w.w, w.quant
-    if w.w.dtype == torch.float8_e4m3fn:
-        from tokenmill.quantization import triton_kernels as tk
-
-        mode = tk.fp8_mode(w.w.device)
-        weights_read, quant = tk.fp8_weights(w.w, mode), 9 if mode == tk.FP8_BYTES else 8
+    weights_read, quant = w.read()
     kernels.grouped_matmul_kernel[grid](
         a, weights_read, scale, w.min if w.min is not None else scale, out, slots, block_expert,
         weights if weights is not None else a, rows, a_per_slot, w.out_features, w.k,

@@ -123,6 +123,11 @@ class Fp8BlockKernel(TensorKernel):
         self.group = k // tensors["scale"].shape[1]
         self.triton = self._on_triton_gpu(k) and self.group % 32 == 0
         self.name = "fp8-block-triton" if self.triton else "fp8-block-dequant"
+        self.fp8_read = None  # how the Triton kernel reads float8 on this card (once)
+        if self.triton:
+            from tokenmill.quantization.triton_kernels import fp8_mode
+
+            self.fp8_read = fp8_mode(tensors["qweight"].device)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.qweight.shape
@@ -138,5 +143,5 @@ class Fp8BlockKernel(TensorKernel):
             from tokenmill.quantization.triton_kernels import weight_only_matmul
 
             return weight_only_matmul(x, self.qweight, self.scale, None, layer.bias,
-                                      self.group)
+                                      self.group, self.fp8_read)
         return F.linear(x, self.dequantize().to(x.dtype), layer.bias)

@@ -236,14 +236,12 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
             and all(t.shape[1:] == parts[0].tensors[leaf].shape[1:]
                     for leaf, t in p.tensors.items()) for p in parts)
         if same:
-            device = module.device
-            joined = {leaf: torch.cat([p.tensors[leaf] for p in parts]).to(device)
+            joined = {leaf: torch.cat([p.tensors[leaf] for p in parts])
                       for leaf in parts[0].tensors}
-            module.use_kernel(KERNELS[parts[0].method](joined))
+            module.use_kernel(KERNELS[parts[0].method](_on(joined, module.device)))
         elif every and merged and all(p is not None for p in parts):
             # formats differ (llama.cpp's Q4_K_M: v in Q6_K beside Q4_K q and k): a kernel each
-            device = module.device
-            module.use_kernel(PartsKernel([KERNELS[p.method](_on(p.tensors, device))
+            module.use_kernel(PartsKernel([KERNELS[p.method](_on(p.tensors, module.device))
                                            for p in parts], module.output_sizes))
         else:  # float, through the layer's own loaders (they cut this rank's part)
             param = materialized(module)
