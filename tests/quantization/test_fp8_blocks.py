@@ -253,7 +253,8 @@ def test_fp8_block_model_on_gpu_kernels_matches_transformers(tmp_path, tiny_mode
     moe = [m for m in model.modules() if isinstance(m, SparseMoE)]
     assert moe and all(m.fused is not None and m.fused.w13.w.dtype == torch.float8_e4m3fn
                        for m in moe)
-    assert model.model.layers[0].mlp.down_proj.kernel.name == "fp8-block-triton"
+    down = model.model.layers[0].mlp.down_proj.kernel
+    assert down.name == "fp8-block-triton" and down.fp8_read == mode
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)
