@@ -1,6 +1,6 @@
 """platforms/: which platform a device gets, an out-of-tree one registered, the GPU's KV
-budget arithmetic (with torch.cuda's memory readings faked), and the profiling step that
-budget measures."""
+budget arithmetic (with torch.cuda's memory readings faked), the profiling step that
+budget measures, and a float8 K/V cache refused by name where Triton has no float8."""
 
 import pytest
 import torch
@@ -76,3 +76,26 @@ def test_profiling_step_runs_and_leaves_the_cache_alone(tiny_models, arch):
     (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+
+
+@pytest.mark.parametrize("capability,dtype,backend,refused", [
+    ((8, 0), torch.float8_e4m3fn, "triton", True),  # A100: no float8 in Triton
+    ((8, 9), torch.float8_e4m3fn, "triton", False),
+    ((9, 0), torch.float8_e4m3fn, "triton", False),
+    ((8, 0), torch.float8_e4m3fn, "torch", False),  # torch's casts convert anywhere
+    ((8, 0), torch.bfloat16, "triton", False),
+    ((8, 0), torch.int8, "triton", False)])
+def test_float8_cache_on_cards_without_float8_in_triton_is_refused_by_name(
+        monkeypatch, capability, dtype, backend, refused):
+    pytest.importorskip("triton")
+    from tokenmill.attention.triton.backend import TritonBackend
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    platform = CudaPlatform(torch.device("cuda"))
+    chosen = TritonBackend() if backend == "triton" else TorchSDPABackend()
+    if not refused:
+        platform.check_kv_cache(dtype, chosen)
+        return
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 needs float8 .* this GPU is "
+                                         r"8\.0\. .*--attention-backend torch"):
+        platform.check_kv_cache(dtype, chosen)

@@ -42,6 +42,11 @@ class Platform(ABC):
         """Bytes for K/V blocks: `gib` when set, else this device's default; `profile` runs
         the largest step once (its activations must fit beside the cache)."""
 
+    def check_kv_cache(self, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        """A ValueError naming what to change where this device cannot keep K/V in `dtype`
+        with `backend` (default: every pairing works)."""
+        return None
+
     def setup_process(self) -> None:
         """Once per process that runs a model on this device, before loading it (default:
         nothing)."""

@@ -38,6 +38,18 @@ class CudaPlatform(Platform):
 
             return TorchSDPABackend()  # auto without triton installed
 
+    def check_kv_cache(self, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        """Triton has float8 e4m3 from compute capability 8.9 (Ada, Hopper) on: an A100's
+        kernels could neither write nor read a float8 cache (torch's ops convert anywhere)."""
+        if dtype != torch.float8_e4m3fn or type(backend).__name__ != "TritonBackend":
+            return
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"--kv-cache-dtype fp8 needs float8 in the GPU's Triton kernels "
+                             f"(compute capability 8.9 or later: Ada, Hopper); this GPU is "
+                             f"{major}.{minor}. Drop the flag, or run the torch attention "
+                             "backend (--attention-backend torch).")
+
     def kv_budget_bytes(self, gib, utilization, profile=None) -> int:
         """`utilization` x the card, less what is in use (weights, CUDA context, torch's
         cache) and the peak the largest step allocates above that (`profile`; CUDA graphs'

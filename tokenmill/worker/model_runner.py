@@ -77,6 +77,7 @@ class ModelRunner:
         self.kv_dtype = (torch.int8 if kv_int8 else torch.float8_e4m3fn
                          if config.kv_cache_dtype == "fp8" else self.dtype)
         self.backend = self.platform.attention_backend(config.attention_backend)
+        self.platform.check_kv_cache(self.kv_dtype, self.backend)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
