@@ -69,15 +69,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
-        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
-                                config.quantization)
         # The seed's 3.0 checkpoints mark an int8 KV cache in config.json; it wins over "auto".
         kv_int8 = config.kv_cache_dtype == "int8" or hasattr(hf_config,
                                                              "infer_model_cachekv_int8_type")
         self.kv_dtype = (torch.int8 if kv_int8 else torch.float8_e4m3fn
                          if config.kv_cache_dtype == "fp8" else self.dtype)
         self.backend = self.platform.attention_backend(config.attention_backend)
-        self.platform.check_kv_cache(self.kv_dtype, self.backend)
+        self.platform.check_kv_cache(self.kv_dtype, self.backend)  # (before the weights load)
+        self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
+                                config.quantization)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()

@@ -44,6 +44,7 @@ def decode_splits(num_seqs: int, longest: int) -> int:
 
 class TritonBackend(AttentionBackend):
     graph_safe = True  # reads only tensors: a CUDA graph can hold its launches
+    triton_kernels = True  # (float8 caches only where Triton has float8: platforms/cuda.py)
 
     def __init__(self, fresh_sdpa: bool = False) -> None:
         # a step of fresh prompts of one length (a long prompt's first chunk, a batch of equal
