@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.linear import CheckpointSlice
+from tokenmill.quantization import schemes
 from tokenmill.quantization.linear_kernels import TensorKernel
 
 SCALE_SUFFIX = "_scale_inv"
@@ -129,14 +130,12 @@ class Fp8BlockKernel(TensorKernel):
 
             self.fp8_read = fp8_mode(tensors["qweight"].device)
 
+    # (int8's grouped arithmetic: q x its row's scale for its group of inputs)
     def dequantize(self) -> torch.Tensor:
-        n, k = self.qweight.shape
-        grouped = self.qweight.float().view(n, k // self.group, self.group)
-        return (grouped * self.scale.float()[..., None]).view(n, k)
+        return schemes.dequantize_int8(self.qweight, self.scale)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return Fp8BlockKernel({"qweight": self.qweight[ids], "scale": self.scale[ids]}
-                              ).dequantize()
+        return schemes.dequantize_int8(self.qweight[ids], self.scale[ids])
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if self.triton and x.dim() == 2 and x.shape[0] <= self.TRITON_MAX_ROWS:
