@@ -334,7 +334,8 @@ class GpuKernelSettings:
     linear layers run steps of up to 16 rows on the Triton skinny matmul where it is timed
     faster than cuBLAS (layers/skinny.py; off until a GPU run shows it faster end to end).
     TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's float8 weights kept
-    as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py)."""
+    as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py); and
+    in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py)."""
 
     skinny_linear: bool = False
     fp8_blocks: str = "auto"
@@ -354,6 +355,10 @@ class GpuKernelSettings:
     def keep_fp8_blocks(self, device) -> bool:
         return self.fp8_blocks == "keep" or (self.fp8_blocks == "auto"
                                              and device.type == "cuda")
+
+    def fp8_blocks_in_files(self) -> bool:
+        """Whether `tokenmill convert --tp-size` writes float8 weights (files serve any device)."""
+        return self.fp8_blocks != "dequantize"
 
 
 def share_metrics_dir(path: str) -> None:

@@ -128,11 +128,13 @@ def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig 
 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_positions: int, quantization: str | None = None,
-               float_weights: bool = False) -> nn.Module:
+               float_weights: bool = False, keep_fp8: bool | None = None) -> nn.Module:
     """Build the model and load its weights; quantized as the checkpoint is, or by
     `quantization` (a method name), then every remaining linear gets its fastest kernel.
     `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
-    packing), as `tokenmill quantize` needs them."""
+    packing), as `tokenmill quantize` needs them. `keep_fp8`: a block-FP8 checkpoint's
+    float8 weights kept (default: as TOKENMILL_FP8_BLOCKS says for `device`; never with
+    `float_weights` unless asked)."""
     from tokenmill.quantization import model as qmodel
 
     quant = _quant_config(path, hf_config, quantization)
@@ -140,11 +142,16 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     if float_weights and quant is not None:
         raise ValueError(f"Checkpoint {path!r} is already quantized ({quant.method}); "
                          "quantize the original weights.")
+    blocks = fp8_blocks.block_size(hf_config) is not None
+    if blocks and quant is not None and sharded.is_sharded(path):
+        raise ValueError(f"{path} is a pre-sharded folder of float8 weights, served as they "
+                         "are (quantizing at load needs whole rows); to quantize, shard the "
+                         "original checkpoint with TOKENMILL_FP8_BLOCKS=dequantize.")
     # a block-FP8 checkpoint's float8 weights, served as they are (on GPUs by default): its
     # linears get memory for a float weight only where a loader writes one
-    keep_fp8 = (quant is None and not float_weights
-                and fp8_blocks.block_size(hf_config) is not None
-                and GpuKernelSettings.from_env().keep_fp8_blocks(device))
+    if keep_fp8 is None:
+        keep_fp8 = not float_weights and GpuKernelSettings.from_env().keep_fp8_blocks(device)
+    keep_fp8 = keep_fp8 and quant is None and blocks
     # parameters made in the model's dtype (built in float32 first, a bf16 model took twice
     # its memory on the device before loading); buffers made in float32 on purpose (the
     # rotary tables) are converted after, as before
@@ -161,9 +168,10 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
     if sharded.is_sharded(path):  # this rank's own file (convert/sharded.py)
-        loaded, stored = sharded.load_rank(model, path), False
+        loaded, stored = sharded.load_rank(model, path, keep_fp8), False
     else:
         loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf, keep_fp8)
+    model.finish_loading(loaded)
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:

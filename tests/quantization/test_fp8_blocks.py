@@ -6,6 +6,7 @@ multiplied by the Triton kernels (run by its interpreter where there is no GPU),
 they read float8: the card's conversion and bytes decoded in registers (A100s)."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -136,6 +137,61 @@ def test_bad_fp8_blocks_setting_is_named(monkeypatch):
     monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "sometimes")
     with pytest.raises(ValueError, match="TOKENMILL_FP8_BLOCKS must be auto, keep or"):
         GpuKernelSettings.from_env()
+
+
+
+def test_sharded_folder_keeps_float8(tmp_path, tiny_models, monkeypatch):
+    """`tokenmill convert --tp-size 2` of a block-FP8 DeepSeek-V3: each rank's file holds its
+    layers' float8 bytes and scales (the float ones, as MLA's kv_b_proj, as float), and the
+    folder serves the weights the original stands for, kept as float8 and dequantized; with
+    TOKENMILL_FP8_BLOCKS=dequantize the files are float, as before; quantizing float8 files
+    at load (no whole rows' maxima) is refused by name."""
+    from safetensors import safe_open
+
+    from tokenmill.convert.sharded import rank_file
+    from tokenmill.distributed.parallel_state import as_rank
+    from tokenmill.entrypoints.cli import main as cli
+    from tokenmill.loader import load_hf_config, load_model
+
+    path, hf = fp8_checkpoint(tmp_path, tiny_models, "deepseek_v3", KEPT_BLOCK)
+    kept, floats = str(tmp_path / "tp2"), str(tmp_path / "tp2-float")
+    assert cli(["convert", path, kept, "--tp-size", "2"]) == 0
+    monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "dequantize")
+    assert cli(["convert", path, floats, "--tp-size", "2"]) == 0
+    layer = "model.layers.1."
+    with safe_open(f"{kept}/{rank_file(1)}", "pt") as f:
+        assert f.get_slice(layer + "mlp.experts.3.down_proj.qweight").get_dtype() == "F8_E4M3"
+        assert f.get_slice(layer + "self_attn.kv_b_proj.weight").get_dtype() == "F32"
+    with safe_open(f"{floats}/{rank_file(1)}", "pt") as f:
+        assert f.get_slice(layer + "mlp.experts.3.down_proj.weight").get_dtype() == "F32"
+    for r in range(2):
+        assert os.path.getsize(f"{kept}/{rank_file(r)}") < \
+            0.7 * os.path.getsize(f"{floats}/{rank_file(r)}")
+    # rank 1 from its file: the same float8 layers and bytes as when cut from the original
+    monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "keep")
+    cpu = torch.device("cpu")
+    with as_rank(1, 2):
+        ours, theirs = (load_model(p, load_hf_config(p), torch.float32, cpu, 64)
+                        for p in (kept, path))
+        for (name, a), (_, b) in zip(ours.named_modules(), theirs.named_modules()):
+            if hasattr(a, "kernel") and a.kernel.name.startswith("fp8"):
+                assert torch.equal(a.kernel.qweight.view(torch.uint8),
+                                   b.kernel.qweight.view(torch.uint8)), name
+                assert torch.equal(a.kernel.scale, b.kernel.scale), name
+            elif hasattr(a, "kernel"):
+                assert not b.kernel.name.startswith("fp8"), name
+        assert ours.model.layers[1].mlp.experts[3].down_proj.kernel.name.startswith("fp8")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 10) for p in PROMPTS]
+    for keep in ("keep", "auto"):  # (auto on CPUs: dequantized as each rank loads)
+        monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", keep)
+        with LLM(kept, kv_cache_memory_gib=0.01, tensor_parallel_size=2) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, keep
+    with as_rank(0, 2), pytest.raises(ValueError, match="pre-sharded folder of float8 "
+                                                        "weights.*TOKENMILL_FP8_BLOCKS=dequ"):
+        load_model(kept, load_hf_config(kept), torch.float32, cpu, 64, quantization="int8")
 
 
 # ---- the kernels (Triton's interpreter on the CPU) -------------------------------------

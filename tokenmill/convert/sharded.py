@@ -5,11 +5,18 @@ under the names and shapes its model has after loading, so the rank copies them 
 are: no slicing, no reading of other ranks' bytes, and a node of several fetches only its own
 ranks' files (hub/download.py).
 
-A folder of them is the source's config.json (without a quantization config: float8 blocks
-are written dequantized), its tokenizer and chat template, `rank{i}.safetensors` and
-`tokenmill_sharding.json` (the layout; a server with another layout refuses the folder). A
-row-parallel layer's file keeps its unsplit rows' absolute maxima too (`*.row_absmax`), so
-quantizing at load (`--quantization int8`) gives the scales the whole checkpoint would."""
+A folder of them is the source's config.json, its tokenizer and chat template,
+`rank{i}.safetensors` and `tokenmill_sharding.json` (the layout; a server with another layout
+refuses the folder). A row-parallel layer's file keeps its unsplit rows' absolute maxima too
+(`*.row_absmax`), so quantizing at load (`--quantization int8`) gives the scales the whole
+checkpoint would.
+
+A block-FP8 source (DeepSeek-R1) keeps its float8 weights (half of bf16's bytes): a layer
+`Fp8BlockKernel` serves is written as its tensors (`X.qweight` float8, `X.scale` a float32
+factor per row and group of inputs) and the config keeps its quantization config; a rank
+serves them as float8 or dequantizes them, as TOKENMILL_FP8_BLOCKS says for its device.
+TOKENMILL_FP8_BLOCKS=dequantize when converting writes float weights instead (which
+`--quantization` can quantize at load: float8 files lack the whole rows' maxima)."""
 
 from __future__ import annotations
 
@@ -54,9 +61,10 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
     torch_dtype, float32 for GGUF)."""
     from safetensors.torch import save_file
 
+    from tokenmill.config import GpuKernelSettings
     from tokenmill.distributed.parallel_state import as_rank
     from tokenmill.loader import is_gguf, load_hf_config, load_model
-    from tokenmill.quantization import checkpoint_quant_config
+    from tokenmill.quantization import checkpoint_quant_config, fp8_blocks
 
     if tp_size < 1 or pp_size < 1 or tp_size * pp_size < 2:
         raise ValueError("--tp-size x --pp-size must be 2 or more ranks.")
@@ -67,6 +75,8 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
         raise ValueError(f"{model} is a quantized tokenmill checkpoint; shard the float "
                          "weights and quantize at load (--quantization).")
     dtype = dtype or _source_dtype(hf_config)
+    keep_fp8 = fp8_blocks.block_size(hf_config) is not None \
+        and GpuKernelSettings.from_env().fp8_blocks_in_files()
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -74,25 +84,26 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
     for rank in range(world):
         with as_rank(rank, tp_size, pp_size, expert_parallel):
             built = load_model(model, hf_config, dtype, torch.device("cpu"), 16,
-                               float_weights=True)
+                               float_weights=True, keep_fp8=keep_fp8)
             save_file(rank_tensors(built), os.path.join(tmp, rank_file(rank)),
                       metadata={"format": "pt", "rank": str(rank)})
             del built
-    _write_config(model, tmp, hf_config, dtype, is_gguf(model))
+    _write_config(model, tmp, hf_config, dtype, is_gguf(model), keep_fp8)
     with open(os.path.join(tmp, SHARDING), "w") as f:
         json.dump({"format": FORMAT, "version": 1, "tensor_parallel_size": tp_size,
                    "pipeline_parallel_size": pp_size, "enable_expert_parallel": expert_parallel,
-                   "dtype": str(dtype).removeprefix("torch."),
+                   "dtype": str(dtype).removeprefix("torch."), "fp8_blocks": keep_fp8,
                    "files": [rank_file(r) for r in range(world)]}, f, indent=1)
     os.replace(tmp, out)  # (a half-written folder never has the final name)
 
 
 def rank_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A loaded rank's parameters (before any kernel repacks them) and its row-parallel
-    layers' whole-row maxima."""
+    """A loaded rank's parameters (before any kernel repacks them), its float8 layers'
+    kernel tensors and its row-parallel layers' whole-row maxima."""
     from tokenmill.layers.linear import RowParallelLinear
+    from tokenmill.quantization.model import quantized_state_dict
 
-    tensors = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+    tensors = quantized_state_dict(model)  # (float8 layers: Fp8BlockKernel's only kernels)
     for name, module in model.named_modules():
         if isinstance(module, RowParallelLinear) and module.row_absmax is not None:
             tensors[name + ROW_ABSMAX] = module.row_absmax.contiguous()
@@ -107,7 +118,8 @@ def _source_dtype(hf_config: Any) -> torch.dtype:
         and found.itemsize >= 2 else torch.float32
 
 
-def _write_config(model: str, out: str, hf_config: Any, dtype: torch.dtype, gguf: bool) -> None:
+def _write_config(model: str, out: str, hf_config: Any, dtype: torch.dtype, gguf: bool,
+                  fp8: bool) -> None:
     from tokenmill.loader import load_tokenizer
 
     if gguf:
@@ -121,18 +133,20 @@ def _write_config(model: str, out: str, hf_config: Any, dtype: torch.dtype, gguf
                 shutil.copyfile(os.path.join(model, name), os.path.join(out, name))
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
-    config.pop("quantization_config", None)  # (float8 blocks were written dequantized)
+    if not fp8:  # (float8 blocks were written dequantized)
+        config.pop("quantization_config", None)
     config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
 
-def load_rank(model: nn.Module, path: str) -> set[str]:
+def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
     """Copies this rank's file into `model` (built for this process's place in its world);
-    returns the parameter names loaded. A folder sharded for another layout, a missing file
-    or a tensor the model lacks is a clear error."""
+    returns the parameter names loaded. Float8 layers get `Fp8BlockKernel` (`keep_fp8`) or
+    their float weights. A folder sharded for another layout, a missing file or a tensor the
+    model lacks is a clear error."""
     from tokenmill.distributed.parallel_state import get_tp_group, get_world
-    from tokenmill.layers.linear import RowParallelLinear
+    from tokenmill.layers.linear import Linear, RowParallelLinear, materialized
 
     found, world, tp = layout(path), get_world(), get_tp_group()
     want = (found.get("tensor_parallel_size"), found.get("pipeline_parallel_size"),
@@ -148,20 +162,61 @@ def load_rank(model: nn.Module, path: str) -> set[str]:
         raise ValueError(f"{file} is missing: each rank loads its own file (a node fetches "
                          "only its ranks': check the download's --nnodes / --node-rank).")
     params = dict(model.named_parameters())
-    rows = {name: m for name, m in model.named_modules() if isinstance(m, RowParallelLinear)}
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[str] = set()
+    fp8: dict[str, dict[str, torch.Tensor]] = {}  # layer -> qweight / scale
     with safe_open(file, framework="pt") as f:
         for name in list(f.keys()):  # (safe_open is not iterable)
-            if name.endswith(ROW_ABSMAX) and name[:-len(ROW_ABSMAX)] in rows:
-                rows[name[:-len(ROW_ABSMAX)]].row_absmax = f.get_tensor(name).float()
+            layer, _, leaf = name.rpartition(".")
+            if name.endswith(ROW_ABSMAX) and isinstance(linears.get(layer), RowParallelLinear):
+                linears[layer].row_absmax = f.get_tensor(name).float()
+                continue
+            if leaf in _FP8_LEAVES and f"{layer}.weight" in params:
+                fp8.setdefault(layer, {})[leaf] = f.get_tensor(name)
                 continue
             param = params.get(name)
             tensor = f.get_tensor(name)
             if param is None or param.shape != tensor.shape:
-                what = "matches no parameter" if param is None else \
-                    f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                raise ValueError(f"{file}: tensor {name!r} {what} (written by another "
-                                 "tokenmill version or for another model).")
+                _foreign(file, name, tensor, param)
+            if param.is_meta:  # (a linear built without memory: float8 layers kept)
+                param = materialized(linears[layer])
             param.data.copy_(tensor)
             loaded.add(name)
+    for layer, tensors in fp8.items():
+        _load_fp8(linears[layer], tensors, keep_fp8, file, layer)
+        loaded.add(f"{layer}.weight")
     return loaded
+
+
+_FP8_LEAVES = ("qweight", "scale")
+
+
+def _foreign(file: str, name: str, tensor: torch.Tensor, param) -> None:
+    what = "matches no parameter" if param is None else \
+        f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+    raise ValueError(f"{file}: tensor {name!r} {what} (written by another tokenmill version "
+                     "or for another model).")
+
+
+def _load_fp8(layer, tensors: dict[str, torch.Tensor], keep: bool, file: str,
+              name: str) -> None:
+    """A float8 layer's kernel tensors, served as they are (`keep`) or as float weights."""
+    from tokenmill.layers.linear import materialized
+    from tokenmill.quantization.fp8_blocks import Fp8BlockKernel
+
+    q, scale = tensors.get("qweight"), tensors.get("scale")
+    shape = tuple(layer.weight.shape)
+    if q is None or scale is None or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != shape \
+            or scale.dim() != 2 or scale.shape[0] != shape[0] or scale.shape[1] == 0 \
+            or shape[1] % scale.shape[1]:
+        got = {leaf: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+               for leaf, t in tensors.items()}
+        raise ValueError(f"{file}: layer {name!r} has float8 tensors {got}, expected a "
+                         f"float8_e4m3fn qweight of {shape} and its scale per row and group "
+                         "(written by another tokenmill version or for another model).")
+    if keep:
+        layer.use_kernel(Fp8BlockKernel({"qweight": q.to(layer.device),
+                                         "scale": scale.float().to(layer.device)}))
+    else:
+        weight = materialized(layer)
+        weight.data.copy_(Fp8BlockKernel({"qweight": q, "scale": scale.float()}).dequantize())

@@ -185,10 +185,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         # DeepSeek's shared experts are `shared_experts` (plural)
         return super().checkpoint_target(name.replace(".shared_experts.", ".shared_expert."))
 
-    def load_weights(self, weights):
-        loaded = super().load_weights(weights)
+    def finish_loading(self, loaded: set[str]) -> None:
         if len(self.mtp) and not any(name.startswith("mtp.") for name in loaded):
             logger.info("The checkpoint has no multi-token-prediction layers' tensors "
                         "(num_nextn_predict_layers=%d): none kept.", len(self.mtp))
             self.mtp = nn.ModuleList()
-        return loaded

@@ -372,3 +372,7 @@ class LlamaForCausalLM(nn.Module):
                 param.weight_loader(param, tensor, shard)
             loaded.add(target)
         return loaded
+
+    def finish_loading(self, loaded: set[str]) -> None:
+        """Called once with every parameter name loaded (from a checkpoint, or a rank's
+        pre-sharded file), before the missing ones are named."""
