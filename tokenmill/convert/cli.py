@@ -28,7 +28,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "is no whole number of blocks takes llama.cpp's fallback type")
     p.add_argument("--tp-size", "--tp_size", dest="tp_size", type=int, default=None,
                    help="write a folder pre-sharded for this many tensor-parallel ranks: "
-                        "rank{i}.safetensors, each rank's share only, loaded as it is")
+                        "rank{i}.safetensors, each rank's share only, loaded as it is (a "
+                        "block-FP8 source's float8 weights kept unless "
+                        "TOKENMILL_FP8_BLOCKS=dequantize)")
     p.add_argument("--pp-size", "--pp_size", dest="pp_size", type=int, default=1,
                    help="with --tp-size: pipeline stages too (rank = stage x tp + tp rank)")
     p.add_argument("--enable-expert-parallel", action="store_true",
