@@ -37,6 +37,7 @@ class Metrics:
         self.model_name = model_name
         self.engine_gauges = engine_gauges
         self.request_metrics = request_metrics
+        self._children: dict[tuple, object] = {}  # (metric, label values) -> labeled child
         labels = ["model_name"]
         if request_metrics:
             self._request_families(labels, self.registry)
@@ -116,7 +117,13 @@ class Metrics:
 
 
     def _m(self, metric, **labels):
-        return metric.labels(model_name=self.model_name, **labels)
+        """The labeled child, looked up once (`labels()` validates and locks on every call:
+        ~2 us, paid per streamed token by the inter-token histogram)."""
+        key = (id(metric), *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(model_name=self.model_name, **labels)
+        return child
 
     def observe_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
         """One engine replica's gauges (label `engine`)."""

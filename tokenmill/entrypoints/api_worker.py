@@ -84,12 +84,24 @@ async def _until_idle(state: ServerState, deadline: float) -> None:
         await asyncio.sleep(0.02)
 
 
+def run_event_loop(main):
+    """Runs the coroutine `main` on uvloop (libuv's event loop, as vLLM's API server), where
+    it is installed, else on asyncio's own. With uvicorn's httptools parser (also chosen
+    where installed) a streamed token costs the API process ~25 % less time than on
+    asyncio's loop and h11 (bench/api_chunk_cost.py)."""
+    try:
+        import uvloop
+    except ImportError:  # (not built for Windows)
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def run_api_worker(settings: ApiSettings, sock: socket.socket, ready: Connection,
                    shutdown_timeout: float) -> None:
     """Process entry point of one HTTP worker."""
     configure_logging(settings.log_format, settings.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    asyncio.run(_worker(settings, sock, ready, shutdown_timeout))
+    run_event_loop(_worker(settings, sock, ready, shutdown_timeout))
 
 
 async def _worker(settings: ApiSettings, sock: socket.socket, ready: Connection,

@@ -28,6 +28,7 @@ from tokenmill.entrypoints.api_worker import (
     drain,
     make_server,
     run_api_worker,
+    run_event_loop,
     wait_started,
 )
 from tokenmill.entrypoints.http.dashboard import metrics_app
@@ -265,6 +266,6 @@ def run_server(config: ServerConfig) -> int:
         from tokenmill.distributed.executor import serve_other_node
         return serve_other_node(config.engine, _model_path(config.engine))
     check_ports_free(config)
-    code = asyncio.run(ServeProcess(config).run())
+    code = run_event_loop(ServeProcess(config).run())
     logger.info("tokenmill stopped (exit code %d)", code)
     return code
