@@ -47,6 +47,30 @@ def test_absorbed_attention_equals_the_expanded_reference(tiny_models):
                                    rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seqs", [
+    [(9, 1), (30, 1), (0, 7), (12, 5)],  # decodes, a fresh prompt, a chunk with context
+    [(9, 1), (0, 1), (40, 1), (17, 1)],  # decodes only (one with an empty context)
+    [(0, 7), (12, 5)]])  # prompts only
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float8_e4m3fn)])
+def test_cpu_backend_batches_decodes_as_the_one_sequence_reference(seqs, dtype, cache_dtype):
+    """The CPU backend's latent attention (a step's decodes in one batch over their gathered,
+    padded rows) against attention/mla.py's reference, one sequence at a time."""
+    from tokenmill.attention.torch_sdpa import TorchSDPABackend
+
+    heads, rank, rope = 5, 32, 16
+    meta = paged_step(seqs, 16, 24, random.Random(1))
+    cache = torch.randn(24, 16, 1, rank + rope).to(cache_dtype)
+    t = meta.query_start_loc[-1]
+    q_latent, q_pe = torch.randn(t, heads, rank, dtype=dtype), torch.randn(t, heads, rope,
+                                                                           dtype=dtype)
+    ref = mla_attention(q_latent, q_pe, cache, meta, rank, 0.3)
+    out = TorchSDPABackend().mla(q_latent, q_pe, cache, meta, rank, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
 def test_one_q_projection_and_two_ranks(tmp_path, tiny_models):
     """q_lora_rank None (DeepSeek-V2-Lite's single q_proj) matches transformers; heads split
     over two ranks (the latent cache whole on each) match one rank."""

@@ -25,13 +25,15 @@ def future_keys(n: int, length: int, device: torch.device) -> torch.Tensor:
 
 
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                  meta: AttentionMetadata, rank: int, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, rank: int, scale: float, first: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over the latent cache: [T, heads, rank] softmax-weighted latents for queries
     already in the latent space; each sequence's queries see its keys up to their own
-    position (causal)."""
-    out = torch.empty_like(q_latent)
+    position (causal). One sequence at a time (the reference); `first`: from that sequence
+    on, into `out` (the rows before are left as they are)."""
+    out = torch.empty_like(q_latent) if out is None else out
     loc = meta.query_start_loc
-    for s in range(meta.num_seqs):
+    for s in range(first, meta.num_seqs):
         start, end = loc[s], loc[s + 1]
         rows = sequence_rows(cache, meta, s).to(q_latent.dtype)
         c, k_pe = rows[:, :rank], rows[:, rank:]
@@ -42,3 +44,15 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), dim=-1)
         out[start:end] = torch.einsum("hqk,kr->qhr", probs.to(c.dtype), c)
     return out
+
+
+def mla_decodes(q_latent: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
+                mask: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+    """B one-token queries at once (the decodes of a step): q_latent [B, heads, rank], q_pe
+    [B, heads, rope] over their sequences' rows padded to one length [B, L, rank + rope]
+    (`mask` [B, 1, L]: 0 where a row is the sequence's, -inf past its end) -> [B, heads,
+    rank]. The same sums as `mla_attention`, in three batched products."""
+    c, k_pe = rows[..., :rank], rows[..., rank:]
+    scores = (torch.bmm(q_latent, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2)))
+    probs = torch.softmax((scores * scale).float() + mask, dim=-1)
+    return torch.bmm(probs.to(c.dtype), c)

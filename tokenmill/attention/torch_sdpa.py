@@ -15,6 +15,7 @@ from tokenmill.attention.backend import (
     fresh_prompt_attention,
     fresh_prompt_runs,
 )
+from tokenmill.attention.mla import mla_attention, mla_decodes
 from tokenmill.attention.window import masked_attention
 
 
@@ -143,6 +144,20 @@ class TorchSDPABackend(AttentionBackend):
                 values.transpose(0, 1), attn_mask=mask.repeat(g, 1), scale=scale)
             out[lo:hi] = _ungroup(attn, hi - lo)
         return out
+
+    def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float):
+        """The step's decodes batched over their gathered rows (attention/mla.py's
+        `mla_decodes`), its prompts one sequence at a time (`mla_attention`)."""
+        nd = meta.num_decodes
+        if not nd:
+            return mla_attention(q_latent, q_pe, cache, meta, rank, scale)
+        plan = self._decode_gather(meta)
+        rows = self.read_blocks(cache, plan.blocks, q_latent.dtype)
+        rows = rows.view(nd, -1, cache.shape[-1])[:, :plan.max_len]
+        out = torch.empty_like(q_latent)
+        out[:nd] = mla_decodes(q_latent[:nd], q_pe[:nd], rows, plan.mask.view(nd, 1, -1),
+                               rank, scale)
+        return mla_attention(q_latent, q_pe, cache, meta, rank, scale, first=nd, out=out)
 
     @classmethod
     def _decode(cls, q, k_cache, v_cache, plan: _DecodeGather, num_kv_heads, scale):
