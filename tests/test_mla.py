@@ -54,9 +54,12 @@ def test_absorbed_attention_equals_the_expanded_reference(tiny_models):
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
                                                (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.float8_e4m3fn)])
-def test_cpu_backend_batches_decodes_as_the_one_sequence_reference(seqs, dtype, cache_dtype):
-    """The CPU backend's latent attention (a step's decodes in one batch over their gathered,
-    padded rows) against attention/mla.py's reference, one sequence at a time."""
+def test_cpu_backend_batches_decodes_as_the_one_sequence_reference(seqs, dtype, cache_dtype,
+                                                                  monkeypatch):
+    """The CPU backend's latent attention (a step's decodes batched over their gathered,
+    padded rows: all in one group, one per group, and groups of a few) against
+    attention/mla.py's reference, one sequence at a time."""
+    from tokenmill.attention import torch_sdpa
     from tokenmill.attention.torch_sdpa import TorchSDPABackend
 
     heads, rank, rope = 5, 32, 16
@@ -66,9 +69,12 @@ def test_cpu_backend_batches_decodes_as_the_one_sequence_reference(seqs, dtype, 
     q_latent, q_pe = torch.randn(t, heads, rank, dtype=dtype), torch.randn(t, heads, rope,
                                                                            dtype=dtype)
     ref = mla_attention(q_latent, q_pe, cache, meta, rank, 0.3)
-    out = TorchSDPABackend().mla(q_latent, q_pe, cache, meta, rank, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    row_bytes = 48 * (rank + rope) * q_latent.element_size()  # (~ a sequence: groups of 3-4)
+    for budget in (torch_sdpa.MLA_GATHER_BYTES, 1, 3 * row_bytes):
+        monkeypatch.setattr(torch_sdpa, "MLA_GATHER_BYTES", budget)
+        out = TorchSDPABackend().mla(q_latent, q_pe, cache, meta, rank, 0.3)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 def test_one_q_projection_and_two_ranks(tmp_path, tiny_models):

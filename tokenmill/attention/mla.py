@@ -52,7 +52,6 @@ def mla_decodes(q_latent: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor,
     [B, heads, rope] over their sequences' rows padded to one length [B, L, rank + rope]
     (`mask` [B, 1, L]: 0 where a row is the sequence's, -inf past its end) -> [B, heads,
     rank]. The same sums as `mla_attention`, in three batched products."""
-    c, k_pe = rows[..., :rank], rows[..., rank:]
-    scores = (torch.bmm(q_latent, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2)))
+    scores = torch.bmm(torch.cat([q_latent, q_pe], dim=-1), rows.transpose(1, 2))
     probs = torch.softmax((scores * scale).float() + mask, dim=-1)
-    return torch.bmm(probs.to(c.dtype), c)
+    return torch.bmm(probs.to(rows.dtype), rows)[..., :rank]

@@ -57,6 +57,10 @@ class _StepPlan:
     decode_gather: _DecodeGather | None = None  # built by the first layer that needs it
 
 
+# latent attention's decodes are gathered in groups of about this many bytes of rows
+MLA_GATHER_BYTES = 2 << 20
+
+
 class TorchSDPABackend(AttentionBackend):
     def __init__(self, use_compiled_decode: bool | None = None):
         # The compiled kernel attends decodes over the cache blocks where they lie; torch ops
@@ -152,11 +156,19 @@ class TorchSDPABackend(AttentionBackend):
         if not nd:
             return mla_attention(q_latent, q_pe, cache, meta, rank, scale)
         plan = self._decode_gather(meta)
-        rows = self.read_blocks(cache, plan.blocks, q_latent.dtype)
-        rows = rows.view(nd, -1, cache.shape[-1])[:, :plan.max_len]
+        width = cache.shape[-1]
+        blocks, mask = plan.blocks.view(nd, -1), plan.mask.view(nd, 1, -1)
+        # on CPUs, sequences in groups whose gathered rows stay in the caches (one gather of
+        # every row, written to memory and read back twice, was slower than the loop)
+        group = nd if cache.device.type != "cpu" else max(
+            1, MLA_GATHER_BYTES // (plan.max_len * width * q_latent.element_size()))
         out = torch.empty_like(q_latent)
-        out[:nd] = mla_decodes(q_latent[:nd], q_pe[:nd], rows, plan.mask.view(nd, 1, -1),
-                               rank, scale)
+        for lo in range(0, nd, group):
+            hi = min(nd, lo + group)
+            rows = self.read_blocks(cache, blocks[lo:hi].reshape(-1), q_latent.dtype)
+            rows = rows.view(hi - lo, -1, width)[:, :plan.max_len]
+            out[lo:hi] = mla_decodes(q_latent[lo:hi], q_pe[lo:hi], rows, mask[lo:hi], rank,
+                                     scale)
         return mla_attention(q_latent, q_pe, cache, meta, rank, scale, first=nd, out=out)
 
     @classmethod
