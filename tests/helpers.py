@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import AttentionMetadata, leading_decodes
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 
 TINY_VOCAB = 512
@@ -177,9 +177,9 @@ def head_dim(config) -> int:
 
 def paged_step(seqs, block_size: int, num_blocks: int, rng: random.Random,
                num_decodes: int | None = None):
-    """Metadata of one step over (context, new tokens) sequences, decodes first (default: the
-    one-token sequences), their cache blocks drawn in random order; prepared by the CPU
-    backend, as the model runner does once per step."""
+    """Metadata of one step over (context, new tokens) sequences (default `num_decodes`: the
+    leading one-token sequences, as the model runner counts them), their cache blocks drawn
+    in random order; prepared by the CPU backend, as the model runner does once per step."""
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables, slots, qsl = [], [], [0]
@@ -195,7 +195,8 @@ def paged_step(seqs, block_size: int, num_blocks: int, rng: random.Random,
         context_lens=[c for c, _ in seqs],
         seq_lens=torch.tensor([c + q for c, q in seqs]),
         block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        num_decodes=sum(1 for _, q in seqs if q == 1) if num_decodes is None else num_decodes,
+        num_decodes=leading_decodes([c for c, _ in seqs], [c + q for c, q in seqs])
+        if num_decodes is None else num_decodes,
         block_size=block_size)
     TorchSDPABackend().prepare(meta)
     return meta

@@ -50,7 +50,9 @@ def test_absorbed_attention_equals_the_expanded_reference(tiny_models):
 @pytest.mark.parametrize("seqs", [
     [(9, 1), (30, 1), (0, 7), (12, 5)],  # decodes, a fresh prompt, a chunk with context
     [(9, 1), (0, 1), (40, 1), (17, 1)],  # decodes only (one with an empty context)
-    [(0, 7), (12, 5)]])  # prompts only
+    [(0, 7), (12, 5)],  # prompts only
+    # a decode with drafts before plain decodes (speculative decoding): no leading decodes
+    [(9, 3), (30, 1), (0, 7), (12, 1)]])
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32),
                                                (torch.bfloat16, torch.bfloat16),
                                                (torch.float32, torch.float8_e4m3fn)])
@@ -75,6 +77,14 @@ def test_cpu_backend_batches_decodes_as_the_one_sequence_reference(seqs, dtype, 
         monkeypatch.setattr(torch_sdpa, "MLA_GATHER_BYTES", budget)
         out = TorchSDPABackend().mla(q_latent, q_pe, cache, meta, rank, 0.3)
         torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_leading_decodes_are_counted_from_the_first_sequence():
+    from tokenmill.attention.backend import leading_decodes
+
+    assert leading_decodes([9, 30, 0], [10, 31, 7]) == 2
+    assert leading_decodes([9, 30, 12], [12, 31, 13]) == 0  # (drafted, then plain decodes)
+    assert leading_decodes([], []) == 0
 
 
 def test_one_q_projection_and_two_ranks(tmp_path, tiny_models):

@@ -18,8 +18,10 @@ from tokenmill.quantization.kv_cache import dequantize_kv, quantize_kv
 class AttentionMetadata:
     """Built once per step by the model runner; every layer reads the same struct.
 
-    Sequences are ordered decodes first: the first `num_decodes` sequences have exactly one
-    query token, so the backend can treat them as one batched gather."""
+    The first `num_decodes` sequences have exactly one query token, so the backend can treat
+    them as one batched gather (`leading_decodes`: the scheduler puts decodes first, but a
+    decode with drafts, or a prompt chunk, may come before a plain decode; from there on every
+    sequence takes the general path)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot for each new token's K/V
     query_start_loc: list[int]  # [num_seqs + 1] offsets of each sequence's tokens in the batch
@@ -69,6 +71,18 @@ class KeptRows:
         )
         backend.prepare(kept)
         return cls(rows, kept)
+
+
+def leading_decodes(starts, ends) -> int:
+    """How many sequences from the first have one query token each (`num_decodes`); counting
+    every one-token sequence, wherever it stood, made a step [3 tokens, 1 token] look like a
+    decode first."""
+    n = 0
+    for start, end in zip(starts, ends):
+        if end - start != 1:
+            break
+        n += 1
+    return n
 
 
 def fresh_prompt_runs(meta: AttentionMetadata) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, KeptRows
+from tokenmill.attention.backend import AttentionMetadata, KeptRows, leading_decodes
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
@@ -355,7 +355,7 @@ class ModelRunner:
             context_lens=list(inputs.starts),
             seq_lens=seq_lens,
             block_table=on_device(table, torch.int64, self.device),
-            num_decodes=sum(1 for a, b in zip(inputs.starts, inputs.ends) if b - a == 1),
+            num_decodes=leading_decodes(inputs.starts, inputs.ends),
             block_size=self.block_size,
         )
         self.backend.prepare(meta)
