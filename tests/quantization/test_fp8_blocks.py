@@ -192,6 +192,17 @@ def test_sharded_folder_keeps_float8(tmp_path, tiny_models, monkeypatch):
     with as_rank(0, 2), pytest.raises(ValueError, match="pre-sharded folder of float8 "
                                                         "weights.*TOKENMILL_FP8_BLOCKS=dequ"):
         load_model(kept, load_hf_config(kept), torch.float32, cpu, 64, quantization="int8")
+    # a rank file whose float8 layer is not (another writer's) is named, not loaded
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{kept}/{rank_file(0)}")
+    name = layer + "mlp.experts.2.down_proj.qweight"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, f"{kept}/{rank_file(0)}")
+    with as_rank(0, 2), pytest.raises(ValueError, match=r"layer 'model\.layers\.1\.mlp\."
+                                                        r"experts\.2\.down_proj' has float8 "
+                                                        "tensors"):
+        load_model(kept, load_hf_config(kept), torch.float32, cpu, 64)
 
 
 # ---- the kernels (Triton's interpreter on the CPU) -------------------------------------

@@ -171,7 +171,7 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
             if name.endswith(ROW_ABSMAX) and isinstance(linears.get(layer), RowParallelLinear):
                 linears[layer].row_absmax = f.get_tensor(name).float()
                 continue
-            if leaf in _FP8_LEAVES and f"{layer}.weight" in params:
+            if leaf in _FP8_LEAVES and layer in linears:
                 fp8.setdefault(layer, {})[leaf] = f.get_tensor(name)
                 continue
             param = params.get(name)
