@@ -51,6 +51,7 @@ def test_env_values_reach_the_engine_and_flags_override_them():
     assert c.engine.kv_cache_memory_gib == 0.5
     assert c.api.stream_interval == 1
     assert build_server_config(["--stream-interval", "8"], env).api.stream_interval == 8
+    assert build_server_config(["--api-server-count", "4"], env).http_workers == 4  # (vLLM's)
 
 
 def test_quantization_flags_and_the_seeds_int8_kv_variable():
