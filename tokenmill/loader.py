@@ -142,8 +142,8 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     if float_weights and quant is not None:
         raise ValueError(f"Checkpoint {path!r} is already quantized ({quant.method}); "
                          "quantize the original weights.")
-    blocks = fp8_blocks.block_size(hf_config) is not None
-    if blocks and quant is not None and sharded.is_sharded(path):
+    blocks, presharded = fp8_blocks.block_size(hf_config) is not None, sharded.is_sharded(path)
+    if blocks and quant is not None and presharded:
         raise ValueError(f"{path} is a pre-sharded folder of float8 weights, served as they "
                          "are (quantizing at load needs whole rows); to quantize, shard the "
                          "original checkpoint with TOKENMILL_FP8_BLOCKS=dequantize.")
@@ -167,7 +167,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
-    if sharded.is_sharded(path):  # this rank's own file (convert/sharded.py)
+    if presharded:  # this rank's own file (convert/sharded.py)
         loaded, stored = sharded.load_rank(model, path, keep_fp8), False
     else:
         loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf, keep_fp8)

@@ -146,7 +146,7 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
     their float weights. A folder sharded for another layout, a missing file or a tensor the
     model lacks is a clear error."""
     from tokenmill.distributed.parallel_state import get_tp_group, get_world
-    from tokenmill.layers.linear import Linear, RowParallelLinear, materialized
+    from tokenmill.layers.linear import Linear, RowParallelLinear, writable
 
     found, world, tp = layout(path), get_world(), get_tp_group()
     want = (found.get("tensor_parallel_size"), found.get("pipeline_parallel_size"),
@@ -178,9 +178,7 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
             tensor = f.get_tensor(name)
             if param is None or param.shape != tensor.shape:
                 _foreign(file, name, tensor, param)
-            if param.is_meta:  # (a linear built without memory: float8 layers kept)
-                param = materialized(linears[layer])
-            param.data.copy_(tensor)
+            writable(model, name, param).data.copy_(tensor)  # (float8 kept: linears deferred)
             loaded.add(name)
     for layer, tensors in fp8.items():
         _load_fp8(linears[layer], tensors, keep_fp8, file, layer)

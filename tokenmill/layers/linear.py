@@ -172,6 +172,13 @@ def materialized(layer: Linear) -> nn.Parameter:
     return weight
 
 
+def writable(model: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
+    """`model`'s parameter `name` (`param`) ready for a loader's copy: a deferred linear
+    weight gets its memory first (`materialized`)."""
+    return materialized(model.get_submodule(name.rpartition(".")[0])) if param.is_meta \
+        else param
+
+
 class Linear(nn.Module):
     """A linear layer every tensor-parallel rank holds whole (replicated)."""
 

@@ -17,7 +17,7 @@ from tokenmill.layers.linear import (
     MergedLinear,
     QKVLinear,
     RowParallelLinear,
-    materialized,
+    writable,
 )
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import (
@@ -362,10 +362,7 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} matches no model parameter.")
-            param = params[target]
-            if param.is_meta:  # (a deferred linear weight: its memory now)
-                param = params[target] = materialized(
-                    self.get_submodule(target.rpartition(".")[0]))
+            param = params[target] = writable(self, target, params[target])
             if shard is None:
                 param.weight_loader(param, tensor)
             else:
