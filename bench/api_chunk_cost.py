@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,17 +31,11 @@ import tempfile
 import time
 
 import psutil
-from record import save  # (bench/record.py: the script's folder is on the path)
+from record import free_port, save  # (bench/record.py: the script's folder is on the path)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 _HIDE = "import sys\nsys.modules['uvloop'] = None\nsys.modules['httptools'] = None\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _request(port: int, method: str, path: str, body: bytes = b""):
@@ -102,7 +95,7 @@ def cpu(procs: list[psutil.Process]) -> float:
 
 
 def run(model: str, streams: int, tokens: int, plain: bool, folder: str) -> dict:
-    port, env = _free_port(), dict(os.environ)
+    port, env = free_port(), dict(os.environ)
     if plain:
         hide = os.path.join(folder, "hide")
         os.makedirs(hide, exist_ok=True)

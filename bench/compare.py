@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_throughput import cpu_model  # noqa: E402 - sibling scripts, not a package
+from record import free_port  # noqa: E402
 from roofline import active_params, ceilings, count_params, measure, model_shape, read_bandwidth  # noqa: E402
 
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
@@ -104,20 +104,14 @@ def run_one(engine: str, workload: str, path: str, args) -> dict:
     return {"engine": engine, "workload": workload, "error": f"exit {proc.returncode}: {tail}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(engine: str, path: str, port: int, args, log_dir: str) -> list[str]:
     cores = str(os.cpu_count() or 1)
     context = str(args.input_len + args.output_len + 256)
     py = engine_python(engine)
     if engine == "tokenmill":
         return ([os.path.join(os.path.dirname(py), "tokenmill"), "serve", path,
-                "--host", "127.0.0.1", "--port", str(port), "--health-port", str(_free_port()),
-                "--metrics-port", str(_free_port()), "--grpc-port", str(_free_port()),
+                "--host", "127.0.0.1", "--port", str(port), "--health-port", str(free_port()),
+                "--metrics-port", str(free_port()), "--grpc-port", str(free_port()),
                 "--dtype", "float32", "--max-model-len", context, "--kv-cache-memory", "2",
                 "--no-enable-prefix-caching", "--log-dir", log_dir]  # no caching, as vLLM
                 + (["--tokenizer", gguf_tokenizer(path)] if gguf_tokenizer(path) else []))
@@ -143,7 +137,7 @@ def run_serving(engine: str, path: str, args) -> dict:
     hf_dir = os.path.join(os.path.dirname(path), "hf")
     prompts = make_prompts(hf_dir, args.w3_requests, args.input_len)
     warmup = make_prompts(hf_dir, 2, args.input_len, seed=1)  # never a measured prompt
-    port = _free_port()
+    port = free_port()
     log_dir = tempfile.mkdtemp(prefix=f"compare-{engine}-")
     start = time.perf_counter()
     with open(os.path.join(log_dir, "server.log"), "w") as log:

@@ -1,6 +1,6 @@
 """What the host-cost benchmarks share: their command line (`--batch`, `--lengths`, `--out`)
 and a result file with how it was made (the command, date, machine and CPU count beside the
-script's own fields)."""
+script's own fields); and a free loopback port for the servers the serving benchmarks start."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import datetime
 import json
 import os
 import platform
+import socket
 import sys
+
+
+def free_port() -> int:
+    """A loopback port free right now (the system's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def save(path: str, **fields) -> None:
