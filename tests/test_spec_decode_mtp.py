@@ -94,10 +94,13 @@ def test_greedy_outputs_equal_decoding_without_mtp(mtp_model):
                 assert core.scheduler.num_preemptions > 0
 
 
-def test_mtp_under_tensor_parallel(mtp_model):
-    """Two ranks run every MTP pass (rank 0 samples the drafts, the other follows): each
-    step's drafts equal the from-scratch reference, and outputs equal one rank's without
-    speculation, greedy and seeded sampling alike."""
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_mtp_under_tensor_and_pipeline_parallel(mtp_model, tp, pp):
+    """Tensor parallel: two ranks run every MTP pass (rank 0 samples the drafts, the other
+    follows). Pipeline parallel: the MTP layer runs on stage 0 over the final hidden states
+    the last stage sends back, while other micro-batches are in flight. Each step's drafts
+    equal the from-scratch reference, and outputs equal one rank's without speculation,
+    greedy and seeded sampling alike."""
     path, hf, tensors, block = mtp_model
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -109,7 +112,8 @@ def test_mtp_under_tensor_parallel(mtp_model):
     with LLM(path, kv_cache_memory_gib=0.01) as llm:
         base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params[0],
                                                                     use_tqdm=False)]
-    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2, speculative_config=spec,
+    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=tp,
+             pipeline_parallel_size=pp, speculative_config=spec,
              enable_prefix_caching=False) as llm:
         core = llm.engine.core
         for i, prompt in enumerate(PROMPTS):
@@ -148,5 +152,3 @@ def test_mtp_start_up_errors(tiny_models, mtp_model):
             speculative_config={**spec, "model": llama})
     with pytest.raises(ValueError, match="drop \"quantization\""):
         LLM(mtp_model[0], speculative_config={**spec, "quantization": "int8"})
-    with pytest.raises(ValueError, match="'mtp' does not run with pipeline parallel yet"):
-        LLM(mtp_model[0], pipeline_parallel_size=2, speculative_config=spec)

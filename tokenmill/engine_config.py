@@ -105,12 +105,6 @@ class EngineConfig:
         from tokenmill.generation_config import checked
         self.override_generation_config = checked(self.generation_config,
                                                   self.override_generation_config)
-        method = getattr(self.speculative_config, "method", None)
-        if method in ("mtp", "eagle", "eagle3") and self.pipeline_parallel_size > 1:
-            raise ValueError(f"Speculative method {method!r} does not run with pipeline "
-                             "parallel yet (its head reads the last stage's hidden states): "
-                             "use \"ngram\" or \"draft_model\" there, or drop "
-                             "--pipeline-parallel-size.")
         self.validate()
 
     def validate(self) -> None:

@@ -3,6 +3,9 @@
 Each step's inputs reach stage 0's ranks by a broadcast in their tensor-parallel group; every
 rank of stage s then sends the step's input bytes, hidden states and residual to its peer of
 stage s + 1 (the same tensor-parallel rank), and the last stage's logits go back to rank 0.
+With draft heads (MTP, EAGLE), which run on stage 0, what head 0 reads of each step (the final
+hidden states, or the states entering an EAGLE-3 head's layers, carried along the stages) goes
+back from each last-stage rank to its stage-0 peer with the logits.
 Sends start without waiting (a rank goes on to its next micro-batch while its peer is still
 busy) and a rank waits for its previous sends only before its next ones: at most one
 micro-batch travels on each link, so messages pair up in order. Every stage runs the
@@ -58,10 +61,13 @@ class StageLink:
             for work in works:
                 work.wait()
 
-    def to_next(self, data: bytes, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    def to_next(self, data: bytes, hidden: torch.Tensor, residual: torch.Tensor,
+                extra: list[torch.Tensor] = ()) -> None:
+        """The step's bytes, hidden states and residual (and `extra` states of its rows) to
+        the next stage's peer."""
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        self._send([length, payload, hidden, residual],
+        self._send([length, payload, hidden, residual, *extra],
                    self.world.peer(self.world.stage + 1), 0)
 
     def stop_next(self) -> None:
@@ -81,22 +87,26 @@ class StageLink:
         payload = torch.empty(int(length), dtype=torch.uint8, device=self.device)
         return self.world.recv([payload], prev)[0].cpu().numpy().tobytes()
 
-    def carried(self, rows: int, hidden_size: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous stage's hidden states and residual of this step's `rows` tokens."""
-        hidden = torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
-        residual = torch.empty_like(hidden)
-        self.world.recv([hidden, residual], self.world.peer(self.world.stage - 1))
-        return hidden, residual
+    def carried(self, rows: int, hidden_size: int, dtype: torch.dtype, extra: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The previous stage's hidden states and residual of this step's `rows` tokens, and
+        the `extra` states it carried on."""
+        tensors = [torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
+                   for _ in range(2 + extra)]
+        self.world.recv(tensors, self.world.peer(self.world.stage - 1))
+        return tensors[0], tensors[1], tensors[2:]
 
-    def logits_to_first(self, tensors: list[torch.Tensor], tag: int) -> None:
-        """The last stage's logits (sampled rows, then prompt-logprob ranges) to rank 0."""
+    def to_first(self, logits: list[torch.Tensor], features: list[torch.Tensor],
+                 tag: int) -> None:
+        """The last stage's logits (sampled rows, then prompt-logprob ranges: rank 0 of its
+        tensor-parallel group only) and what draft heads read (every rank) to stage 0."""
+        tensors = (logits if self.world.rank % self.world.tp_size == 0 else []) + features
         if tensors:
-            self._send(tensors, 0, tag)
+            self._send(tensors, self.world.peer(0), tag)
 
-    def expect_logits(self, shapes: list[tuple[int, int]], dtype: torch.dtype,
-                      tag: int) -> PendingLogits:
-        """Rank 0: post the receive of a micro-batch's logits from the last stage."""
+    def expect(self, shapes: list[tuple[int, int]], dtype: torch.dtype,
+               tag: int) -> PendingLogits:
+        """Stage 0: post the receive of what `to_first` sends of a micro-batch."""
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape in shapes]
-        last = (self.world.pp_size - 1) * self.world.tp_size
+        last = self.world.peer(self.world.pp_size - 1)
         return PendingLogits(tensors, self.world.irecv(tensors, last, tag))

@@ -157,8 +157,8 @@ def deepseek_mlp(config: Any, layer: int) -> nn.Module:
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1, and DeepSeek-V2 (its rotary pairs interleaved as V3's, routing by
-    `topk_method`). The MTP layers (`mtp`, models/deepseek_mtp.py) live on the last pipeline
-    stage, beside the LM head they share."""
+    `topk_method`). The MTP layers (`mtp`, models/deepseek_mtp.py) live on the first pipeline
+    stage, where draft heads run beside the sampler (spec_decode/heads.py)."""
 
     def __init__(self, config: Any, max_positions: int) -> None:
         scale = mla_scale(config)
@@ -169,7 +169,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         super().__init__(config, max_positions, make_mlp=deepseek_mlp,
                          make_attention=make_attention)
         self.mtp = (build_mtp(config, make_attention, deepseek_mlp)
-                    if self.model.is_last_stage else nn.ModuleList())
+                    if self.model.is_first_stage else nn.ModuleList())
 
     def holds(self, name: str) -> bool:
         ours = mtp_name(name, self.config.num_hidden_layers)

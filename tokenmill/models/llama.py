@@ -232,7 +232,7 @@ class LlamaModel(nn.Module):
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
         self.stage_layers = world.layers(config.num_hidden_layers, _head_cost(config, head_dim))
-        self.is_last_stage = world.is_last_stage
+        self.is_first_stage, self.is_last_stage = world.is_first_stage, world.is_last_stage
         by_type = rope_parameters_by_layer_type(config)
         if by_type is None:
             self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),

@@ -115,9 +115,9 @@ class Eagle3Head(nn.Module):
         # target id of each draft id (d2t's offsets added at load)
         self.register_buffer("draft_to_target", torch.arange(draft_vocab), persistent=False)
 
-    def target_features(self, target: nn.Module) -> torch.Tensor:
-        """The target's hidden states entering its aux layers, joined and projected."""
-        aux = target.model.aux_hidden
+    def target_features(self, aux: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states entering its aux layers (by layer), joined and
+        projected."""
         return self.fc(torch.cat([aux[i] for i in self.aux_layers], dim=-1))
 
     def forward(self, rope, embeds: torch.Tensor, previous: torch.Tensor, meta: Any,
@@ -152,6 +152,16 @@ def aux_layer_ids(config: Any, num_layers: int, name: str) -> tuple[int, ...]:
                          f"target has {num_layers} (set eagle_aux_hidden_state_layer_ids in "
                          "its config.json).")
     return tuple(ids)
+
+
+def eagle3_aux_layers(path: str, target: nn.Module) -> tuple[int, ...]:
+    """The target layers whose input states the EAGLE-3 head at `path` reads (from its
+    config alone: pipeline stages without the head carry them)."""
+    from tokenmill.loader import load_hf_config, resolve_model_path
+
+    path = resolve_model_path(path)
+    return aux_layer_ids(load_hf_config(path), target.config.num_hidden_layers,
+                         os.path.basename(path.rstrip("/")))
 
 
 def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype, device: torch.device,

@@ -16,7 +16,14 @@ request's next token: only the drafts' quality can suffer, never the output.
 
 Under tensor parallel every rank runs each head pass (their layers' collectives pair up):
 rank 0, which samples, sends the other ranks each pass's rows (`HeadPass`), and they follow
-(`HeadDrafter.follow`) until an empty message ends the step's drafting."""
+(`HeadDrafter.follow`) until an empty message ends the step's drafting.
+
+Under pipeline parallel the heads live on stage 0, beside the sampler (DeepSeek builds its MTP
+layers there; the embedding and LM head are on every stage): what head 0 reads of a step
+(`HeadFeatures`) comes back from the last stage with the logits, and stage 0 drafts when rank
+0 completes the micro-batch. Its other ranks meanwhile run later micro-batches, so rank 0's
+head messages are marked (`HEAD`) apart from step messages, and they draft for their oldest
+micro-batch when one comes."""
 
 from __future__ import annotations
 
@@ -29,6 +36,54 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_sync import with_rows
+
+
+HEAD = b"H"  # first byte of a head message under pipeline parallel (a step message's is not)
+
+
+class HeadFeatures:
+    """What head 0 reads of a step: the target's final hidden states (MTP, EAGLE-1), or the
+    states entering an EAGLE-3 head's target layers (`aux`, ascending). Under pipeline
+    parallel each stage carries those of earlier stages and its own to the next, and the last
+    stage sends them to stage 0."""
+
+    def __init__(self, model, aux: tuple[int, ...]) -> None:
+        self.model, self.aux = model, sorted(aux)
+        self.count = len(aux) or 1  # tensors per step
+        held = model.model.stage_layers
+        self._before = sum(i < held.start for i in self.aux)
+        self._own = [i for i in self.aux if i in held]
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig, model) -> HeadFeatures:
+        aux = ()
+        if config.method == "eagle3":  # (the target keeps those layers' inputs)
+            from tokenmill.spec_decode.eagle import eagle3_aux_layers
+
+            aux = model.model.aux_layers = eagle3_aux_layers(config.model, model)
+        return cls(model, aux)
+
+    def carried_in(self) -> int:
+        """How many EAGLE-3 states the previous stage hands on with its hidden states."""
+        return self._before
+
+    def carry(self, before: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The EAGLE-3 states of a step this stage hands on: `before` and its own."""
+        return before + [self.model.model.aux_hidden[i] for i in self._own]
+
+    def of_step(self, before: list[torch.Tensor], hidden: torch.Tensor) -> list[torch.Tensor]:
+        """The last stage: what head 0 reads of the step just run (`hidden`: its final hidden
+        states)."""
+        return self.carry(before) if self.aux else [hidden]
+
+    def taken(self, tensors: list[torch.Tensor]):
+        """`of_step`'s tensors as the heads take them: the final hidden states, or the
+        EAGLE-3 states by layer."""
+        return dict(zip(self.aux, tensors, strict=True)) if self.aux else tensors[0]
+
+    def split(self, got: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+        """Stage 0: a micro-batch's tensors from the last stage as (logits, `taken`)."""
+        return got[:-self.count], self.taken(got[-self.count:])
 
 
 def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device) -> list:
@@ -73,6 +128,7 @@ class HeadDrafter:
         self.limit = config.disable_by_batch_size
         self.layers = heads
         self.tp = runner.tp
+        self.marked = runner.world.pp_size > 1  # (head messages between step messages)
 
     def _send(self, step: StepInputs | None = None, layer: int = 0, seqs: list[int] = (),
               rows: list[int] = (), last: list[int] = ()) -> None:
@@ -80,17 +136,27 @@ class HeadDrafter:
         sequences it takes rows of (None: the step's drafting is over)."""
         if self.tp.size == 1:
             return
-        if step is None:
-            self.tp.broadcast_bytes(b"")
-            return
-        bare = msgspec.structs.replace(step, block_ids=[]).encode()
-        self.tp.broadcast_bytes(msgspec.msgpack.encode(
-            HeadPass(bare, layer, list(seqs), list(rows), list(last))))
+        data = b""
+        if step is not None:
+            bare = msgspec.structs.replace(step, block_ids=[]).encode()
+            data = msgspec.msgpack.encode(HeadPass(bare, layer, list(seqs), list(rows),
+                                                   list(last)))
+        self.tp.broadcast_bytes(HEAD + data if self.marked else data)
 
-    def follow(self, hidden: torch.Tensor, target: StepInputs) -> None:
-        """Ranks other than 0, after each target step (`target`): run the passes rank 0
-        runs."""
+    def _receive(self) -> bytes:
         data = self.tp.broadcast_bytes(None)
+        return data[len(HEAD):] if self.marked else data
+
+    def ends_step(self, data: bytes) -> bool:
+        """Whether a message rank 0 broadcast is a head message (pipeline parallel: it
+        comes when rank 0 completes the oldest micro-batch in flight)."""
+        return self.marked and data[:len(HEAD)] == HEAD
+
+    def follow(self, hidden, target: StepInputs, data: bytes | None = None) -> None:
+        """Ranks other than 0, after each target step (`target`; `hidden`: what head 0 reads
+        of it; `data`: its first head message, if already received): run the passes rank 0
+        runs."""
+        data = self._receive() if data is None else data[len(HEAD):]
         if not data:
             return
         first = _PASS.decode(data)
@@ -100,17 +166,17 @@ class HeadDrafter:
         h_out, h_chain = out[first.last], chained[first.last]
         while True:
             self._logits(h_out)  # (its vocabulary shards meet on rank 0)
-            data = self.tp.broadcast_bytes(None)
+            data = self._receive()
             if not data:
                 return
             step = _PASS.decode(data)
             h_out, h_chain = self._run(step.layer, _received(step, target), h_chain)
 
-    def after_step(self, scheduled, inputs: StepInputs, hidden: torch.Tensor,
+    def after_step(self, scheduled, inputs: StepInputs, hidden,
                    sampled: dict[str, list[int]]) -> dict[str, tuple[list[int], object]]:
         """request id -> (k drafts, their distributions or None), for the requests that got
         tokens this step; every computed row with a known next token goes through head 0
-        (`hidden`: the target's final hidden states of the step's rows, in order)."""
+        (`hidden`: what it reads of the step's rows, `HeadFeatures.taken`)."""
         ids, rows, feeds, drafting = [], [], [], []
         first = 0  # the sequence's first row in `hidden`
         for i, s in enumerate(scheduled):
@@ -176,11 +242,11 @@ class HeadDrafter:
         own = getattr(self.layers[0], "logits", None)
         return own(hidden) if own is not None else self.runner.model.compute_logits(hidden)
 
-    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What head 0 reads of the target's step: its final hidden states, unless the head
-        takes others (EAGLE-3: the states entering three of its layers)."""
+    def _features(self, hidden) -> torch.Tensor:
+        """Head 0's input rows of the target's step: its final hidden states, or (EAGLE-3)
+        the states entering three of its layers, joined and projected."""
         own = getattr(self.layers[0], "target_features", None)
-        return hidden if own is None else own(self.runner.model)
+        return hidden if own is None else own(hidden)
 
     def _run(self, index: int, step: StepInputs, previous: torch.Tensor):
         """One head over `step`'s rows: (hidden states for the logits, for the next draft)."""

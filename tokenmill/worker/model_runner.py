@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -83,11 +84,14 @@ class ModelRunner:
         layers = self.model.attention_layers()
         spec = config.speculative_config
         heads = None
-        if spec is not None and spec.method in ("mtp", "eagle", "eagle3"):  # caches beside ours
-            from tokenmill.spec_decode.heads import draft_heads
+        self.features = None  # what draft heads read of a step (every rank: stages carry it)
+        if spec is not None and spec.method in ("mtp", "eagle", "eagle3"):
+            from tokenmill.spec_decode.heads import HeadFeatures, draft_heads
 
-            heads = draft_heads(spec, self.model, model_path, self.dtype, self.device)
-            layers = layers + [head.block.self_attn for head in heads]
+            self.features = HeadFeatures.of(spec, self.model)
+            if self.world.is_first_stage:  # (the heads run beside the sampler)
+                heads = draft_heads(spec, self.model, model_path, self.dtype, self.device)
+                layers = layers + [head.block.self_attn for head in heads]  # caches too
         attn = layers[0]
         self.num_layers = len(layers)
         values = getattr(attn, "stores_values", True)  # (MLA: one latent row, no V)
@@ -208,9 +212,9 @@ class ModelRunner:
         result = self.run(inputs, data, self._fill(scheduled) if self.run_ahead else None)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
-        logits, prompt_logits, hidden = result
+        logits, prompt_logits, features = result
         launched = Launched(scheduled, inputs, logits, prompt_logits,
-                            hidden=hidden if self.heads is not None else None)
+                            hidden=features if self.heads is not None else None)
         if self.run_ahead:  # sampled now, so the next step can launch before this one lands
             self._draw(launched)
         return launched
@@ -243,6 +247,8 @@ class ModelRunner:
         inputs, scheduled = launched.inputs, launched.scheduled
         if launched.pending is not None:
             got = launched.pending.wait()
+            if self.heads is not None:
+                got, launched.hidden = self.features.split(got)
             launched.logits, launched.prompt_logits = ((got[0], got[1:]) if inputs.sample_seqs
                                                        else (None, got))
         self.in_flight -= 1
@@ -261,11 +267,12 @@ class ModelRunner:
             self.previous = token_ids, {rid: i for i, rid in enumerate(launched.tokens[1])}
 
     def run(self, inputs: StepInputs, data: bytes, fill=None
-            ) -> tuple[torch.Tensor | None, list, torch.Tensor] | PendingLogits | None:
+            ) -> tuple[torch.Tensor | None, list, Any] | PendingLogits | None:
         """The forward every rank runs (`data`: the inputs' bytes, handed on to the next
         pipeline stage; `fill`: what `_fill` returns): on rank 0 the logits of the sampled
-        rows and of each prompt-logprob range (and the final hidden states), or under
-        pipeline parallel their pending receive from the last stage; None (or Nones) on the
+        rows and of each prompt-logprob range (and what draft heads read: `HeadFeatures.taken`),
+        or under pipeline parallel their pending receive from the last stage (stage 0's
+        other ranks with draft heads: that of their features); None (or Nones) on the
         other ranks."""
         if self.graphs is not None and self.graphs.takes(inputs):
             return self.graphs.run(inputs, fill), [], None
@@ -280,8 +287,10 @@ class ModelRunner:
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.link
         tag = link.next_tag() if link is not None else 0
-        carried = None if world.is_first_stage else link.carried(
-            len(input_ids), self.hidden_size, self.dtype)
+        carried, before = None, []  # (before: EAGLE-3's states from earlier stages)
+        if not world.is_first_stage:
+            *carried, before = link.carried(len(input_ids), self.hidden_size, self.dtype,
+                                            self.features.carried_in() if self.features else 0)
         hidden = self.decode_step(input_ids, positions, meta, carried,
                                   drafted and inputs.only_decodes) \
             if self.decode_step else None
@@ -289,16 +298,21 @@ class ModelRunner:
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
             if (len(sample_rows) < len(input_ids) and not inputs.prompt_seqs and not drafted
-                    and self.heads is None):  # (draft heads read every row's)
+                    and self.features is None):  # (draft heads read every row's)
                 kept = KeptRows.last_of(meta, sample_rows, self.backend)
             hidden = self.model(input_ids, positions, meta, kept, carried)
         if not world.is_last_stage:
             pending = None
-            if world.rank == 0:  # posted first: the last stage never waits for it
-                shapes = [(inputs.num_sampled_rows, self.vocab_size)] if sample_rows else []
-                shapes += [(n, self.vocab_size) for _, n in inputs.prompt_rows]
-                pending = link.expect_logits(shapes, self.dtype, tag)
-            link.to_next(data, *hidden)
+            if world.rank == 0 or self.heads is not None:  # (posted first: the last stage
+                shapes = []                                # never waits for it)
+                if world.rank == 0:
+                    shapes = [(inputs.num_sampled_rows, self.vocab_size)] if sample_rows else []
+                    shapes += [(n, self.vocab_size) for _, n in inputs.prompt_rows]
+                if self.heads is not None:
+                    shapes += [(len(input_ids), self.hidden_size)] * self.features.count
+                pending = link.expect(shapes, self.dtype, tag)
+            link.to_next(data, *hidden,
+                         extra=self.features.carry(before) if self.features else [])
             return pending
         logits = None
         if sample_rows:
@@ -311,15 +325,16 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
         prompt_logits = [self.model.compute_logits(hidden[first:first + n])
                          for first, n in inputs.prompt_rows]
-        if link is not None:  # the last stage's logits to rank 0
-            if self.tp.is_first:
-                link.logits_to_first(([logits] if logits is not None else []) + prompt_logits,
-                                     tag)
+        features = self.features.of_step(before, hidden) if self.features else []
+        if link is not None:  # the last stage's logits (and features) to stage 0
+            link.to_first(([logits] if logits is not None else []) + prompt_logits, features,
+                          tag)
             return None
-        return logits, prompt_logits, hidden
+        return logits, prompt_logits, self.features.taken(features) if features else None
 
     def serve_steps(self) -> None:
         """Ranks other than 0: run each step rank 0 sends, until it sends the stop."""
+        waiting = collections.deque()  # stage 0 under pipeline parallel with draft heads
         with torch.inference_mode():
             while True:
                 if self.world.is_first_stage:
@@ -330,10 +345,17 @@ class ModelRunner:
                     if self.link is not None:
                         self.link.stop_next()
                     return
+                heads = self.heads
+                if heads is not None and heads.ends_step(data):  # (pipeline parallel)
+                    inputs, pending = waiting.popleft()
+                    heads.follow(self.features.split(pending.wait())[1], inputs, data)
+                    continue
                 inputs = self.steps.decode(data)
                 result = self.run(inputs, data)
-                if self.heads is not None and result is not None:
-                    self.heads.follow(result[2], inputs)
+                if heads is not None and isinstance(result, PendingLogits):
+                    waiting.append((inputs, result))  # (drafted for when rank 0 completes it)
+                elif heads is not None and result is not None:
+                    heads.follow(result[2], inputs)
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' `serve_steps` to return."""
