@@ -78,14 +78,15 @@ def reference_drafts(hf, tensors, context, k):
     return drafts
 
 
-def check_head(path: str, spec: dict, reference, tp: int = 1) -> None:
+def check_head(path: str, spec: dict, reference, tp: int = 1, pp: int = 1) -> None:
     """A head's drafts at every step (chunked prompts) equal `reference(context, k)`, its
     KV blocks all come back, and greedy outputs under preemption equal decoding without it
-    (shared with the EAGLE-3 tests); `tp` ranks run the speculating engines."""
+    (shared with the EAGLE-3 tests); `tp` x `pp` ranks run the speculating engines (under
+    pipeline parallel the head runs on stage 0, over what the last stage sends back)."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(path, kv_cache_memory_gib=0.02, enable_prefix_caching=False,
              max_num_batched_tokens=11, speculative_config=spec,
-             tensor_parallel_size=tp) as llm:
+             tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         core = llm.engine.core
         for i, prompt in enumerate(PROMPTS):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
@@ -96,21 +97,22 @@ def check_head(path: str, spec: dict, reference, tp: int = 1) -> None:
     with LLM(path, kv_cache_memory_gib=0.02) as llm:
         base = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(path, num_kv_blocks=14, block_size=4, speculative_config=spec,
-             tensor_parallel_size=tp) as llm:
+             tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.core.scheduler.num_preemptions > 0
         assert llm.engine.core.kv_cache.pool.num_free_blocks == 14
     assert outs == base
 
 
-@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen2", 1), ("llama", 2)])
-def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch, tp):
+@pytest.mark.parametrize("arch,tp,pp", [("llama", 1, 1), ("qwen2", 1, 1), ("llama", 2, 1),
+                                         ("llama", 1, 2)])
+def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch, tp, pp):
     path, hf = tiny_models(arch)
     eagle = str(tmp_path / "eagle")
     tensors = make_eagle(path, eagle)
     check_head(path, {"method": "eagle", "model": eagle, "num_speculative_tokens": 3,
                       "disable_by_batch_size": 8},
-               lambda context, k: reference_drafts(hf, tensors, context, k), tp)
+               lambda context, k: reference_drafts(hf, tensors, context, k), tp, pp)
 
 
 def test_bad_eagle_heads_are_start_up_errors(tiny_models, tmp_path):

@@ -110,15 +110,16 @@ def reference_drafts(hf, t, context, k):
     return drafts
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_eagle3_drafts_and_outputs(target, tmp_path, tp):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (1, 3)])
+def test_eagle3_drafts_and_outputs(target, tmp_path, tp, pp):
+    """pp 2: the head's layers on both stages; pp 3: a middle stage's states carried on."""
     path, hf = target
     head = str(tmp_path / "eagle3")
     tensors = make_eagle3(path, head)
     # (the reference maps every draft through d2t: drafts are draft-vocabulary tokens)
     check_head(path, {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
                       "disable_by_batch_size": 8},
-               lambda context, k: reference_drafts(hf, tensors, context, k), tp)
+               lambda context, k: reference_drafts(hf, tensors, context, k), tp, pp)
 
 
 def test_bad_eagle3_heads_are_start_up_errors(target, tiny_models, tmp_path):

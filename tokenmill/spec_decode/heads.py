@@ -48,8 +48,8 @@ class HeadFeatures:
     stage sends them to stage 0."""
 
     def __init__(self, model, aux: tuple[int, ...]) -> None:
-        self.model, self.aux = model, sorted(aux)
-        self.count = len(aux) or 1  # tensors per step
+        self.model, self.aux = model, sorted(set(aux))
+        self.count = len(self.aux) or 1  # tensors per step
         held = model.model.stage_layers
         self._before = sum(i < held.start for i in self.aux)
         self._own = [i for i in self.aux if i in held]
