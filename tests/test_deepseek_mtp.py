@@ -1,12 +1,14 @@
-"""DeepSeek-V3's multi-token-prediction layers: loaded and kept (the embedding and head they
-share with the main model not copied), under the same layers and kernels as the decoder; one
-MTP step equals transformers' decoder layer run on the joined inputs; a checkpoint without
-them keeps none."""
+"""DeepSeek-V3's multi-token-prediction layers: loaded and kept when the engine speculates with
+them (the embedding and head they share with the main model not copied), under the same layers
+and kernels as the decoder; not built otherwise (as vLLM: ~1.6% of R1's weights); one MTP step
+equals transformers' decoder layer run on the joined inputs; a checkpoint without them keeps
+none."""
 
 import json
 import os
 import random
 
+import pytest
 import torch
 from helpers import hf_greedy, make_model, paged_step
 from safetensors import safe_open
@@ -15,6 +17,7 @@ from safetensors.torch import save_file
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 
+SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40))]
 
 
@@ -67,7 +70,12 @@ def test_mtp_layers_are_kept_and_one_step_matches_transformers(tmp_path):
     tensors, block = _add_mtp(path, hf)
     n = hf.config.num_hidden_layers
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:  # (not speculating: not built)
+        assert len(llm.engine.core.runner.model.mtp) == 0
+        plain = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    assert plain == [hf_greedy(hf, p, 8) for p in PROMPTS]
+    with LLM(path, kv_cache_memory_gib=0.01, speculative_config=SPEC) as llm:
         model = llm.engine.core.runner.model
         assert len(model.mtp) == 1
         mtp = model.mtp[0]
@@ -103,20 +111,22 @@ def test_mtp_layers_are_kept_and_one_step_matches_transformers(tmp_path):
 
 
 def test_mtp_layers_under_two_ranks_and_int8(tmp_path):
-    """Two tensor-parallel ranks or pipeline stages load them; int8 reaches the MTP layer's
-    projections and experts (and its router stays float)."""
+    """int8 reaches the MTP layer's projections and experts (and its router stays float);
+    two tensor-parallel ranks or pipeline stages not speculating leave them unread."""
     path = str(tmp_path / "v3")
     hf = make_model(path, "deepseek_v3")
     _add_mtp(path, hf)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(path, kv_cache_memory_gib=0.01, quantization="int8") as llm:
+    with LLM(path, kv_cache_memory_gib=0.01, quantization="int8",
+             speculative_config=SPEC) as llm:
         mtp = llm.engine.core.runner.model.mtp[0]
         assert mtp.block.mlp.experts[3].gate_up_proj.kernel.name.startswith("int8")
         assert mtp.block.self_attn.o_proj.kernel.name.startswith("int8")
         assert not mtp.block.mlp.gate.kernel.name.startswith("int")
     expected = [hf_greedy(hf, p, 8) for p in PROMPTS]
     for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
-        with LLM(path, kv_cache_memory_gib=0.01, **layout) as llm:  # (the last stage's)
+        with LLM(path, kv_cache_memory_gib=0.01, **layout) as llm:
+            assert len(llm.engine.core.runner.model.mtp) == 0
             out = [o.outputs[0].token_ids for o in llm.generate(
                 [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
         assert out == expected, layout
@@ -125,5 +135,5 @@ def test_mtp_layers_under_two_ranks_and_int8(tmp_path):
 def test_without_mtp_tensors_none_are_kept(tmp_path):
     path = str(tmp_path / "v3")
     make_model(path, "deepseek_v3", num_nextn_predict_layers=1)
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
-        assert len(llm.engine.core.runner.model.mtp) == 0
+    with pytest.raises(ValueError, match="needs a model with multi-token-prediction"):
+        LLM(path, kv_cache_memory_gib=0.01, speculative_config=SPEC)

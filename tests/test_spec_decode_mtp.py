@@ -6,7 +6,7 @@ speculation; start-up errors."""
 
 import pytest
 import torch
-from helpers import check_drafts_each_step, make_model
+from helpers import check_drafts_each_step, hf_greedy, make_model
 from test_deepseek_mtp import PROMPTS, _add_mtp
 
 from tokenmill import LLM, SamplingParams
@@ -152,3 +152,37 @@ def test_mtp_start_up_errors(tiny_models, mtp_model):
             speculative_config={**spec, "model": llama})
     with pytest.raises(ValueError, match="drop \"quantization\""):
         LLM(mtp_model[0], speculative_config={**spec, "quantization": "int8"})
+
+
+def test_sharded_folder_keeps_mtp_on_stage_0(mtp_model, tmp_path):
+    """`tokenmill convert --tp-size 1 --pp-size 2` writes the MTP layer into stage 0's file
+    (where draft heads run); the folder serves with MTP (drafts as the reference) and
+    without it (its tensors then unread), both with the original's greedy tokens."""
+    from safetensors import safe_open
+
+    from tokenmill.convert.sharded import rank_file
+    from tokenmill.entrypoints.cli import main as cli
+
+    path, hf, tensors, block = mtp_model
+    out = str(tmp_path / "pp2")
+    assert cli(["convert", path, out, "--tp-size", "1", "--pp-size", "2"]) == 0
+    for rank, want in ((0, True), (1, False)):
+        with safe_open(f"{out}/{rank_file(rank)}", framework="pt") as f:
+            assert any(name.startswith("mtp.0.") for name in f.keys()) == want, rank
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    base = [hf_greedy(hf, p, 12) for p in PROMPTS]
+    with LLM(out, kv_cache_memory_gib=0.01, pipeline_parallel_size=2) as llm:
+        assert [list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False)] == base
+    with LLM(out, kv_cache_memory_gib=0.01, pipeline_parallel_size=2,
+             enable_prefix_caching=False,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+        core = llm.engine.core
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
+        checked = check_drafts_each_step(
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 2)
+        assert checked >= 6
+        assert [list(o.outputs[0].token_ids)
+                for o in llm.generate(prompts, params, use_tqdm=False)] == base

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import json
 import logging
@@ -128,14 +129,20 @@ def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig 
 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_positions: int, quantization: str | None = None,
-               float_weights: bool = False, keep_fp8: bool | None = None) -> nn.Module:
+               float_weights: bool = False, keep_fp8: bool | None = None,
+               mtp: bool = True) -> nn.Module:
     """Build the model and load its weights; quantized as the checkpoint is, or by
     `quantization` (a method name), then every remaining linear gets its fastest kernel.
     `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
     packing), as `tokenmill quantize` needs them. `keep_fp8`: a block-FP8 checkpoint's
     float8 weights kept (default: as TOKENMILL_FP8_BLOCKS says for `device`; never with
-    `float_weights` unless asked)."""
+    `float_weights` unless asked). `mtp`: DeepSeek's multi-token-prediction layers built and
+    loaded (the engine needs them only to speculate with them)."""
     from tokenmill.quantization import model as qmodel
+
+    if not mtp and getattr(hf_config, "num_nextn_predict_layers", 0):
+        hf_config = copy.copy(hf_config)  # (the checkpoint's MTP tensors then go unread)
+        hf_config.num_nextn_predict_layers = 0
 
     quant = _quant_config(path, hf_config, quantization)
     tp = get_tp_group()

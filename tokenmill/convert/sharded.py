@@ -144,7 +144,8 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
     """Copies this rank's file into `model` (built for this process's place in its world);
     returns the parameter names loaded. Float8 layers get `Fp8BlockKernel` (`keep_fp8`) or
     their float weights. A folder sharded for another layout, a missing file or a tensor the
-    model lacks is a clear error."""
+    model lacks is a clear error; tensors the model does not hold (DeepSeek's MTP layers
+    when not speculating with them) are skipped."""
     from tokenmill.distributed.parallel_state import get_tp_group, get_world
     from tokenmill.layers.linear import Linear, RowParallelLinear, writable
 
@@ -175,6 +176,8 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
                 fp8.setdefault(layer, {})[leaf] = f.get_tensor(name)
                 continue
             param = params.get(name)
+            if param is None and not model.holds(name):  # (MTP layers not speculated with)
+                continue
             tensor = f.get_tensor(name)
             if param is None or param.shape != tensor.shape:
                 _foreign(file, name, tensor, param)

@@ -77,12 +77,12 @@ class ModelRunner:
                          if config.kv_cache_dtype == "fp8" else self.dtype)
         self.backend = self.platform.attention_backend(config.attention_backend)
         self.platform.check_kv_cache(self.kv_dtype, self.backend)  # (before the weights load)
+        spec = config.speculative_config
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
-                                config.quantization)
+                                config.quantization, mtp=getattr(spec, "method", None) == "mtp")
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
-        spec = config.speculative_config
         heads = None
         self.features = None  # what draft heads read of a step (every rank: stages carry it)
         if spec is not None and spec.method in ("mtp", "eagle", "eagle3"):
