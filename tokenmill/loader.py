@@ -130,14 +130,15 @@ def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_positions: int, quantization: str | None = None,
                float_weights: bool = False, keep_fp8: bool | None = None,
-               mtp: bool = True) -> nn.Module:
+               mtp: bool = True, head_on_first_stage: bool = False) -> nn.Module:
     """Build the model and load its weights; quantized as the checkpoint is, or by
     `quantization` (a method name), then every remaining linear gets its fastest kernel.
     `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
     packing), as `tokenmill quantize` needs them. `keep_fp8`: a block-FP8 checkpoint's
     float8 weights kept (default: as TOKENMILL_FP8_BLOCKS says for `device`; never with
     `float_weights` unless asked). `mtp`: DeepSeek's multi-token-prediction layers built and
-    loaded (the engine needs them only to speculate with them)."""
+    loaded (the engine needs them only to speculate with them). `head_on_first_stage`: under
+    pipeline parallel the first stage holds the LM head too (draft heads run there)."""
     from tokenmill.quantization import model as qmodel
 
     if not mtp and getattr(hf_config, "num_nextn_predict_layers", 0):
@@ -164,7 +165,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     # rotary tables) are converted after, as before
     with torch.device(device), _default_dtype(dtype), (
             deferred_weights(device) if keep_fp8 else contextlib.nullcontext()):
-        model = build_model(hf_config, max_positions)
+        model = build_model(hf_config, max_positions, head_on_first_stage=head_on_first_stage)
     model.to(dtype=dtype)
     # quantized at load, or shard files being written: whole-row scales for slices
     if (quant is not None or float_weights) and tp.size > 1:

@@ -3,7 +3,8 @@ to the next, the last stage's logits come back to rank 0): the tokens of one ran
 transformers, logprobs within 1e-4, alone and times tensor parallel."""
 
 import pytest
-from helpers import hf_greedy
+import torch
+from helpers import hf_greedy, make_model
 
 from tests.distributed.test_tensor_parallel import (
     MAX_TOKENS,
@@ -15,6 +16,8 @@ from tests.distributed.test_tensor_parallel import (
 )
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import build_server_config
+from tokenmill.distributed.parallel_state import as_rank
+from tokenmill.loader import load_hf_config, load_model
 
 
 @pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama3", 1), ("llama_linear", 1),
@@ -56,6 +59,36 @@ def test_stages_hold_their_layers_only_and_match_under_preemption(tiny_models):
     # two micro-batches were in flight, and requests were preempted while theirs was
     assert max(in_flight) == 2 and victims_in_flight
     assert [o.outputs[0].token_ids for o in staged] == [o.outputs[0].token_ids for o in one]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_on_the_first_stage_lm_head_on_the_last(tmp_path, tied):
+    """Each stage holds the vocabulary tables it uses: the embedding on the first, the LM
+    head on the last (a tied table on both ends, as one tensor there), none in between;
+    with draft heads the first stage holds the LM head too."""
+    path = str(tmp_path / "llama4")
+    hf = make_model(path, "llama", num_hidden_layers=4, tie_word_embeddings=tied)
+    config = load_hf_config(path)
+
+    def tables(rank, pp, **options):
+        with as_rank(rank, 1, pp):
+            model = load_model(path, config, torch.float32, torch.device("cpu"), 64,
+                               float_weights=True, **options)  # (float weights: countable)
+        held = {name for name, part in (("embed", model.model.embed_tokens),
+                                        ("head", model.lm_head)) if part is not None}
+        weights = sum(p.numel() for p in model.parameters())  # (a shared tensor counted once)
+        vocab = hf.config.vocab_size * hf.config.hidden_size
+        layers = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+        copies = min(len(held), 1) if tied else len(held)
+        assert weights - layers == vocab * copies + hf.config.hidden_size  # (+ final norm)
+        return held
+
+    embed, head = {"embed"}, {"head"}
+    assert tables(0, 3) == (embed | head if tied else embed)
+    assert tables(1, 3) == set()
+    assert tables(2, 3) == (embed | head if tied else head)
+    assert tables(0, 2, head_on_first_stage=True) == embed | head
+    assert tables(0, 1) == embed | head  # (one stage: both)
 
 
 def watch_micro_batches(core):

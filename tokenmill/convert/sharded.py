@@ -83,8 +83,9 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
     world = tp_size * pp_size
     for rank in range(world):
         with as_rank(rank, tp_size, pp_size, expert_parallel):
+            # (stage 0's file has the LM head too: draft heads may run there)
             built = load_model(model, hf_config, dtype, torch.device("cpu"), 16,
-                               float_weights=True, keep_fp8=keep_fp8)
+                               float_weights=True, keep_fp8=keep_fp8, head_on_first_stage=True)
             save_file(rank_tensors(built), os.path.join(tmp, rank_file(rank)),
                       metadata={"format": "pt", "rank": str(rank)})
             del built
@@ -144,8 +145,9 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
     """Copies this rank's file into `model` (built for this process's place in its world);
     returns the parameter names loaded. Float8 layers get `Fp8BlockKernel` (`keep_fp8`) or
     their float weights. A folder sharded for another layout, a missing file or a tensor the
-    model lacks is a clear error; tensors the model does not hold (DeepSeek's MTP layers
-    when not speculating with them) are skipped."""
+    model lacks is a clear error; tensors it leaves unread by choice (`unread`: DeepSeek's MTP
+    layers when not speculating with them, an LM head stage 0 keeps for draft heads) are
+    skipped."""
     from tokenmill.distributed.parallel_state import get_tp_group, get_world
     from tokenmill.layers.linear import Linear, RowParallelLinear, writable
 
@@ -176,7 +178,7 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
                 fp8.setdefault(layer, {})[leaf] = f.get_tensor(name)
                 continue
             param = params.get(name)
-            if param is None and not model.holds(name):  # (MTP layers not speculated with)
+            if param is None and model.unread(name):  # (e.g. MTP layers not speculated with)
                 continue
             tensor = f.get_tensor(name)
             if param is None or param.shape != tensor.shape:

@@ -19,6 +19,7 @@ from tokenmill import csrc
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import CpuKernelSettings
+from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear
@@ -177,7 +178,7 @@ class CpuDecodeStep:
             scratch=_pointers(self._main),
             expert_scratch=ctypes.cast(self._thread_scratch, _ptr),
             expert_threads=len(self._threads),
-            **self._tensor_parallel(inner.embed_tokens.tp),
+            **self._tensor_parallel(get_tp_group()),
             first_stage=int(self._first_stage), last_stage=int(self._last_stage))
 
     @staticmethod
@@ -220,7 +221,7 @@ class CpuDecodeStep:
             return "TOKENMILL_CPU_DECODE_STEP=0"
         if not isinstance(model, LlamaForCausalLM):
             return f"no compiled step for {type(model).__name__}"
-        tp = model.model.embed_tokens.tp
+        tp = get_tp_group()
         if tp.size > 1 and tp.shm is None:
             return "tensor-parallel ranks without the shared-memory all-reduce"
         if not csrc.usable(model.model.norm.weight):  # (the compute dtype and device)

@@ -160,14 +160,14 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     `topk_method`). The MTP layers (`mtp`, models/deepseek_mtp.py) live on the first pipeline
     stage, where draft heads run beside the sampler (spec_decode/heads.py)."""
 
-    def __init__(self, config: Any, max_positions: int) -> None:
+    def __init__(self, config: Any, max_positions: int, **options) -> None:
         scale = mla_scale(config)
         interleaved = bool(getattr(config, "rope_interleave", True))
 
         def make_attention(config, layer):
             return MLAttention(config, scale, interleaved)
         super().__init__(config, max_positions, make_mlp=deepseek_mlp,
-                         make_attention=make_attention)
+                         make_attention=make_attention, **options)
         self.mtp = (build_mtp(config, make_attention, deepseek_mlp)
                     if self.model.is_first_stage else nn.ModuleList())
 
@@ -177,6 +177,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             return ours is not None and super().holds(name)
         index = int(ours.split(".")[1])
         return index < len(self.mtp) and holds_expert(self.mtp[index].block.mlp, ours)
+
+    def unread(self, name: str) -> bool:
+        """(and the MTP layers when the engine does not speculate with them)"""
+        return (name.startswith("mtp.") and not self.holds(name)) or super().unread(name)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         name = mtp_name(name, self.config.num_hidden_layers) or name

@@ -49,7 +49,7 @@ class GemmaDecoderLayer(DecoderLayer):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False  # (Gemma 3: per-head (1 + w) norms of q and k)
 
-    def __init__(self, config: Any, max_positions: int) -> None:
+    def __init__(self, config: Any, max_positions: int, **options) -> None:
         scale = config.query_pre_attn_scalar ** -0.5
         super().__init__(
             config, max_positions,
@@ -58,7 +58,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 config, bool(getattr(config, "attention_bias", False)), self.qk_norm,
                 layer_window(config, layer), getattr(config, "attn_logit_softcapping", None),
                 scale, norm=GemmaRMSNorm),
-            make_layer=GemmaDecoderLayer, make_norm=GemmaRMSNorm)
+            make_layer=GemmaDecoderLayer, make_norm=GemmaRMSNorm, **options)
         self.model.embed_scale = config.hidden_size ** 0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 

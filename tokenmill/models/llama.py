@@ -221,7 +221,7 @@ class LlamaModel(nn.Module):
                  make_mlp: Callable[[Any, int], nn.Module] | None = None,
                  make_attention: Callable[[Any, int], nn.Module] | None = None,
                  make_layer: Callable[..., nn.Module] | None = None,
-                 make_norm: type[nn.Module] = RMSNorm) -> None:
+                 make_norm: type[nn.Module] = RMSNorm, head_here: bool = True) -> None:
         super().__init__()
         make_mlp = make_mlp or (lambda config, layer: MLP(config))
         make_layer = make_layer or DecoderLayer
@@ -244,7 +244,10 @@ class LlamaModel(nn.Module):
                 for kind, params in by_type.items()})
             self.layer_types = list(config.layer_types)
             self.rotary = self.rotaries["full_attention"]
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # the embedding on the first stage (and with a tied LM head: its table)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if world.is_first_stage or (tied and head_here) else None)
         self.layers = nn.ModuleList(
             make_layer(config, make_attention(config, i), make_mlp(config, i))
             if i in self.stage_layers
@@ -287,6 +290,8 @@ class LlamaModel(nn.Module):
     def holds(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to this stage (layers of other stages
         are not read)."""
+        if name.startswith("model.embed_tokens."):
+            return self.embed_tokens is not None
         if not name.startswith("model.layers."):
             return True
         layer = int(name.split(".", 3)[2])
@@ -306,17 +311,24 @@ class LlamaForCausalLM(nn.Module):
                  make_mlp: Callable[[Any, int], nn.Module] | None = None,
                  make_attention: Callable[[Any, int], nn.Module] | None = None,
                  make_layer: Callable[..., nn.Module] | None = None,
-                 make_norm: type[nn.Module] = RMSNorm) -> None:
+                 make_norm: type[nn.Module] = RMSNorm,
+                 head_on_first_stage: bool = False) -> None:
         """`make_mlp(config, layer index)` / `make_attention(...)`: each layer's feed-forward
         and attention blocks (default MLP and Attention); `make_layer(config, attention,
-        mlp)`: the decoder layer around them; `make_norm`: the final norm's class."""
+        mlp)`: the decoder layer around them; `make_norm`: the final norm's class.
+        Under pipeline parallel the embedding lives on the first stage and the LM head on the
+        last (`head_on_first_stage`: on the first too, for draft heads running there)."""
         super().__init__()
         self.config = config
+        world = get_world()
+        head_here = world.is_last_stage or (head_on_first_stage and world.is_first_stage)
         self.model = LlamaModel(config, qkv_bias, qk_norm, max_positions, make_mlp,
-                                make_attention, make_layer, make_norm)
+                                make_attention, make_layer, make_norm, head_here)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
-        if self.tie_word_embeddings:
+        self.lm_head = None
+        if head_here or (self.tie_word_embeddings and self.model.embed_tokens is not None):
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -325,7 +337,15 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, kept, carried)
 
     def holds(self, name: str) -> bool:
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
         return self.model.holds(name)
+
+    def unread(self, name: str) -> bool:
+        """Whether parameter `name` of a rank's file is left unread by choice: an LM head or
+        embedding this stage does without (a folder's stage 0 keeps the LM head for draft
+        heads)."""
+        return name.startswith(("lm_head.", "model.embed_tokens.")) and not self.holds(name)
 
     @property
     def graphable(self) -> bool:

@@ -36,8 +36,8 @@ def qwen_moe_mlp(config: Any, layer: int) -> nn.Module:
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any, max_positions: int) -> None:
-        super().__init__(config, max_positions, make_mlp=mixtral_mlp)
+    def __init__(self, config: Any, max_positions: int, **options) -> None:
+        super().__init__(config, max_positions, make_mlp=mixtral_mlp, **options)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         """Mixtral's `block_sparse_moe` is our `mlp`; its experts' w1 = gate, w3 = up, w2 =

@@ -54,11 +54,12 @@ def text_model_config(hf_config: Any) -> Any:
     return _TEXT_OF[arch](hf_config)
 
 
-def build_model(hf_config: Any, max_positions: int) -> nn.Module:
+def build_model(hf_config: Any, max_positions: int, **options) -> nn.Module:
+    """`options`: every family's (`head_on_first_stage`, models/llama.py)."""
     architectures = getattr(hf_config, "architectures", None) or []
     for arch in architectures:
         if arch in _MODELS:
             cls, extra = _MODELS[arch]
-            return cls(hf_config, max_positions, **extra(hf_config))
+            return cls(hf_config, max_positions, **extra(hf_config), **options)
     raise ValueError(f"Unsupported model architecture {architectures}; tokenmill supports "
                      f"{', '.join(SUPPORTED_ARCHITECTURES)}.")

@@ -78,8 +78,10 @@ class ModelRunner:
         self.backend = self.platform.attention_backend(config.attention_backend)
         self.platform.check_kv_cache(self.kv_dtype, self.backend)  # (before the weights load)
         spec = config.speculative_config
+        method = getattr(spec, "method", None)  # (draft heads reading the target's LM head)
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
-                                config.quantization, mtp=getattr(spec, "method", None) == "mtp")
+                                config.quantization, mtp=method == "mtp",
+                                head_on_first_stage=method in ("mtp", "eagle"))
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
