@@ -4,13 +4,16 @@ API answers on node 0 as one rank does; a node's death ends the other cleanly; a
 never joins is named."""
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
+from helpers import make_model
 
 from tests.distributed.checks import assert_server_died, held_stream, tree
 from tests.serving import Served, alive, free_port, wait_until
@@ -91,20 +94,23 @@ def test_seed_variables_and_start_server_on_two_nodes(tiny_models, tmp_path, exp
             os.kill(pid, signal.SIGKILL)
 
 
-def node_flags(rank: int, port: int) -> list[str]:
-    return ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank),
-            "--master-addr", NODES[0], "--master-port", str(port)]
+def node_flags(rank: int, port: int, layout=("--tensor-parallel-size", "2")) -> list[str]:
+    return [*layout, "--nnodes", "2", "--node-rank", str(rank), "--master-addr", NODES[0],
+            "--master-port", str(port)]
 
 
 @contextlib.contextmanager
-def two_nodes(path: str, cwd):
+def two_nodes(path: str, cwd, *layout: str):
     """Node 1 (its own process group, killed as a whole) and node 0 started with
-    torchrun-style flags, node 0 ready; both stopped afterwards, whatever happened."""
+    torchrun-style flags (and `layout`'s, default two tensor-parallel ranks), node 0 ready;
+    both stopped afterwards, whatever happened."""
     port = free_port()
+    layout = layout or ("--tensor-parallel-size", "2")
     node1 = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", path,
-                              *node_flags(1, port)], cwd=cwd, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-    served = Served(path, cwd, *node_flags(0, port))
+                              *node_flags(1, port, layout)], cwd=cwd,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    served = Served(path, cwd, *node_flags(0, port, layout))
     served.start()
     try:
         served.wait_ready()
@@ -123,6 +129,28 @@ def test_torchrun_flags_and_a_node_dying_mid_stream(tiny_models, tmp_path, expec
         node1_tree = tree_of(node1.pid)
         os.killpg(node1.pid, signal.SIGKILL)  # the whole node goes
         assert_server_died(served, [stream], node1_tree)
+
+
+def test_deepseek_with_mtp_as_two_pipeline_stages_on_two_nodes(tmp_path):
+    """DeepSeek-R1's two-node layout in small: a DeepSeek-V3 with its MTP layer served as two
+    pipeline stages on two nodes, drafting with MTP on node 0's stage; the served tokens
+    equal one rank's without speculation, and drafts were verified (the metrics)."""
+    from test_deepseek_mtp import _add_mtp
+
+    path = str(tmp_path / "v3")
+    _add_mtp(path, make_model(path, "deepseek_v3"))
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        (out,) = llm.generate({"prompt_token_ids": PROMPT},
+                              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    with two_nodes(path, tmp_path, "--pipeline-parallel-size", "2",
+                   "--speculative-config", spec) as (served, _):
+        assert complete(served) == out.outputs[0].text
+        metrics = httpx.get(served.metrics + "/metrics", timeout=30).text
+    drafts = re.search(r"^tokenmill:spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$",
+                       metrics, re.M)
+    assert drafts and float(drafts.group(1)) > 0, metrics[-2000:]
 
 
 def test_a_node_that_never_joins_is_named(tiny_models, tmp_path):
