@@ -2,6 +2,9 @@
 to the next, the last stage's logits come back to rank 0): the tokens of one rank and of
 transformers, logprobs within 1e-4, alone and times tensor parallel."""
 
+import os
+import sys
+
 import pytest
 import torch
 from helpers import hf_greedy, make_model
@@ -89,6 +92,23 @@ def test_embedding_on_the_first_stage_lm_head_on_the_last(tmp_path, tied):
     assert tables(2, 3) == (embed | head if tied else head)
     assert tables(0, 2, head_on_first_stage=True) == embed | head
     assert tables(0, 1) == embed | head  # (one stage: both)
+
+
+def test_stage_memory_bench_counts_the_whole_model_once():
+    """bench/stage_memory.py's stages (meta tensors) add up to the model's parameters: every
+    layer on one stage, each vocabulary table once (Llama-3-70B: 70.55 B)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import stage_memory
+
+    shape = stage_memory.SHAPES["llama3-70b"]
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], 80
+    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter + 2 * hidden
+    whole = layers * per_layer + 2 * shape["vocab_size"] * hidden + hidden
+    for pp in (1, 4):
+        stages = stage_memory.stage_params("llama3-70b", pp)
+        assert sum(s["layers"] for s in stages) == layers
+        assert abs(sum(s["params_b"] for s in stages) - whole / 1e9) < 0.002 * pp
 
 
 def watch_micro_batches(core):
