@@ -168,7 +168,7 @@ def test_sharded_folder_keeps_mtp_on_stage_0(mtp_model, tmp_path):
     assert cli(["convert", path, out, "--tp-size", "1", "--pp-size", "2"]) == 0
     for rank, want in ((0, True), (1, False)):
         with safe_open(f"{out}/{rank_file(rank)}", framework="pt") as f:
-            assert any(name.startswith("mtp.0.") for name in f.keys()) == want, rank
+            assert any(name.startswith("mtp.0.") for name in list(f.keys())) == want, rank
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     base = [hf_greedy(hf, p, 12) for p in PROMPTS]

@@ -37,7 +37,6 @@ from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_sync import with_rows
 
-
 HEAD = b"H"  # first byte of a head message under pipeline parallel (a step message's is not)
 
 
