@@ -110,9 +110,10 @@ def reference_drafts(hf, t, context, k):
     return drafts
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (1, 3)])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (1, 3), (2, 2)])
 def test_eagle3_drafts_and_outputs(target, tmp_path, tp, pp):
-    """pp 2: the head's layers on both stages; pp 3: a middle stage's states carried on."""
+    """pp 2: the head's layers on both stages; pp 3: a middle stage's states carried on;
+    tp 2 x pp 2: stage 0's other rank drafts with the states by layer too."""
     path, hf = target
     head = str(tmp_path / "eagle3")
     tensors = make_eagle3(path, head)
