@@ -115,6 +115,45 @@ def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch, tp, pp):
                lambda context, k: reference_drafts(hf, tensors, context, k), tp, pp)
 
 
+def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
+    """An engine with a head runs its plain decode steps (speculation off above
+    disable_by_batch_size) in the CUDA-graph buckets, whose final hidden states the head
+    reads (run eagerly here, the Triton kernels in the interpreter, as captured on a GPU):
+    the head's drafts still equal the reference at every step once the batch shrinks, and
+    outputs equal transformers' greedy tokens."""
+    from helpers import hf_greedy
+
+    from tokenmill.platforms.cpu import CpuPlatform
+
+    path, hf = tiny_models("llama")
+    eagle = str(tmp_path / "eagle")
+    tensors = make_eagle(path, eagle)
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    spec = {"method": "eagle", "model": eagle, "num_speculative_tokens": 2,
+            "disable_by_batch_size": 2}
+    prompts = PROMPTS + [[11, 12, 13, 14]]
+    lengths = (12, 9, 4, 3)  # 4 sequences decode in graphs, the last 2 with drafts
+    with LLM(path, kv_cache_memory_gib=0.02, attention_backend="triton", max_num_seqs=4,
+             enable_prefix_caching=False, speculative_config=spec) as llm:
+        graphs = llm.engine.core.runner.graphs
+        runs = []
+        original = graphs.run
+        monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: runs.append(
+            len(inputs.starts)) or original(inputs, fill))
+        core = llm.engine.core
+        for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+            core.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(
+                temperature=0, max_tokens=n, ignore_eos=True)))
+        checked = check_drafts_each_step(
+            core, lambda context, k: reference_drafts(hf, tensors, context, k), 2)
+        assert checked >= 3 and runs and max(runs) > 2
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                             for n in lengths], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+
+
 def test_bad_eagle_heads_are_start_up_errors(tiny_models, tmp_path):
     path, _ = tiny_models("llama")
     spec = {"method": "eagle", "num_speculative_tokens": 2}

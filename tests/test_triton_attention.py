@@ -348,7 +348,7 @@ def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
     assert graphs.variants[4] == [1, decode_splits(4, 1024)]
     # both variants of a bucket compute the same step (the buffers hold the last one's rows)
     with torch.inference_mode():
-        torch.testing.assert_close(graphs._forward(1, 16), graphs._forward(1, 1))
+        torch.testing.assert_close(graphs._forward(1, 16), graphs._forward(1, 1))  # (and hidden)
     eager = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4,
                 enforce_eager=True)
     assert eager.engine.core.runner.graphs is None

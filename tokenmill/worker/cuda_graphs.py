@@ -59,18 +59,19 @@ class DecodeGraphs:
                          for n in self.sizes}
         self.capture = capture
         self.graphs: dict[tuple[int, int], Any] = {}  # (bucket, variant) -> graph
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        # (bucket, variant) -> its outputs: logits, and the final hidden states (draft heads)
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if capture:
             self._capture_all()
 
-    def _forward(self, n: int, variant: int) -> torch.Tensor:
+    def _forward(self, n: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=list(range(n + 1)),
             context_lens=[0] * n, seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
             num_decodes=n, block_size=self.block_size,
             backend_data=self.backend.graph_step(self.q_start[:n + 1], variant))
         hidden = self.model(self.input_ids[:n], self.positions[:n], meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
 
     def _capture_all(self) -> None:
         pool = None
@@ -83,7 +84,7 @@ class DecodeGraphs:
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[n, variant] = self._forward(n, variant)
+                    self.outputs[n, variant] = self._forward(n, variant)
                 pool = graph.pool()
                 self.graphs[n, variant] = graph
         torch.cuda.synchronize(self.device)
@@ -103,10 +104,11 @@ class DecodeGraphs:
                 and max(inputs.ends) <= self.max_len
                 and max(len(b) for b in inputs.block_ids) <= self.block_table.shape[1])
 
-    def run(self, inputs: StepInputs, fill=None) -> torch.Tensor:
-        """Logits [n, vocab] of a plain decode step of n sequences (a view of the bucket's
-        output: read it before the next step). `fill`: writes tokens still on the device
-        into the step's input ids (asynchronous scheduling: ModelRunner._fill)."""
+    def run(self, inputs: StepInputs, fill=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] and final hidden states [n, hidden] (what MTP / EAGLE heads
+        read) of a plain decode step of n sequences (views of the bucket's outputs: read them
+        before the next step). `fill`: writes tokens still on the device into the step's
+        input ids (asynchronous scheduling: ModelRunner._fill)."""
         n = len(inputs.starts)
         size = self.bucket(n)
         positions, slots, table = inputs.layout(self.block_size, size)
@@ -122,5 +124,7 @@ class DecodeGraphs:
         variant = self.variant(size, max(inputs.ends))
         if self.capture:
             self.graphs[size, variant].replay()
-            return self.logits[size, variant][:n]
-        return self._forward(size, variant)[:n]
+            logits, hidden = self.outputs[size, variant]
+        else:
+            logits, hidden = self._forward(size, variant)
+        return logits[:n], hidden[:n]

@@ -128,9 +128,12 @@ class ModelRunner:
 
     def _decode_graphs(self, max_model_len: int):
         """Plain decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one
-        rank, the Triton backend, no draft heads, a model whose forward has no host syncs."""
+        rank, the Triton backend, a model whose forward has no host syncs; with MTP / EAGLE
+        heads too (steps without drafts: the graphs give the final hidden states the heads
+        read), not EAGLE-3's (it reads states inside the forward)."""
         if not (self.platform.supports_graphs and not self.config.enforce_eager
-                and self.world.size == 1 and self.heads is None and self.decode_step is None
+                and self.world.size == 1 and self.decode_step is None
+                and (self.features is None or not self.features.aux)
                 and getattr(self.backend, "graph_safe", False)
                 and getattr(self.model, "graphable", False)):
             return None
@@ -277,7 +280,8 @@ class ModelRunner:
         other ranks with draft heads: that of their features); None (or Nones) on the
         other ranks."""
         if self.graphs is not None and self.graphs.takes(inputs):
-            return self.graphs.run(inputs, fill), [], None
+            logits, hidden = self.graphs.run(inputs, fill)
+            return logits, [], self.features.taken([hidden]) if self.features else None
         input_ids, positions, meta = self._prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
