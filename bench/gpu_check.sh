@@ -42,4 +42,5 @@ timeout "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cachep
   tests/quantization/test_fp8_blocks.py tests/quantization/test_quantized_models.py::test_quantize_tool_round_trip \
   tests/test_models.py tests/test_engine_equivalence.py \
   tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_sampling.py tests/test_spec_decode.py tests/test_async_scheduling.py \
+  tests/test_spec_decode_eagle.py::test_eagle_beside_decode_graphs \
   2>&1 | tee "$out/gpu-tests-$card-$stamp.log" | grep -vE '^\s*$' | tail -40
