@@ -19,7 +19,7 @@ rank 0, which samples, sends the other ranks each pass's rows (`HeadPass`), and 
 (`HeadDrafter.follow`) until an empty message ends the step's drafting.
 
 Under pipeline parallel the heads live on stage 0, beside the sampler (DeepSeek builds its MTP
-layers there; the embedding and LM head are on every stage): what head 0 reads of a step
+layers there, beside the embedding; stage 0 keeps the LM head too): what head 0 reads of a step
 (`HeadFeatures`) comes back from the last stage with the logits, and stage 0 drafts when rank
 0 completes the micro-batch. Its other ranks meanwhile run later micro-batches, so rank 0's
 head messages are marked (`HEAD`) apart from step messages, and they draft for their oldest

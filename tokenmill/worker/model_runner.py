@@ -309,8 +309,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, kept, carried)
         if not world.is_last_stage:
             pending = None
-            if world.rank == 0 or self.heads is not None:  # (posted first: the last stage
-                shapes = []                                # never waits for it)
+            # (posted before the step goes on: the last stage never waits for it)
+            if world.rank == 0 or self.heads is not None:
+                shapes = []
                 if world.rank == 0:
                     shapes = [(inputs.num_sampled_rows, self.vocab_size)] if sample_rows else []
                     shapes += [(n, self.vocab_size) for _, n in inputs.prompt_rows]
