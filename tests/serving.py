@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 # outrun as the engine got faster (~0.35 ms a token on the tiny model).
 HOLD_TOKENS = 30_000
 # A request a test lets finish but needs in flight for a few seconds first (drain on
-# shutdown): ~1.5 s of decoding there, against the ~0.1 s its checks take.
+# shutdown): ~1 s of decoding there (2026-11-28), against the few ms between the stream
+# opening and the signal in the tests that use it.
 DRAIN_TOKENS = 3_000
 
 

@@ -169,18 +169,20 @@ def test_start_server_and_stop_server(model, tmp_path):
     pid = int((tmp_path / "log" / "server.pid").read_text())
     try:
         assert wait_until(served.ready, 120)
-        chunks, opened, close = [], threading.Event(), threading.Event()
-        # Still in flight when stop_server runs (DRAIN_TOKENS), so the drain is what ends it.
-        body = {"model": "tiny", "prompt": "go", "max_tokens": DRAIN_TOKENS, "ignore_eos": True}
-        t = threading.Thread(target=stream_first_chunk,
-                             args=(served.api, body, chunks, opened, close))
-        t.start()
-        assert opened.wait(60)
         again = subprocess.run([os.path.join(bin_dir, "start_server"), *served.args],
                                env=served.env, cwd=tmp_path, capture_output=True, text=True,
                                timeout=60)
         assert again.returncode == 1
         assert f"PORT: {served.ports['port']} occupied! Please change the port!" in again.stderr
+        chunks, opened, close = [], threading.Event(), threading.Event()
+        # Still in flight when stop_server runs, so the drain is what ends it: HOLD_TOKENS, as
+        # stop_server's own start-up comes between (DRAIN_TOKENS, ~1 s of decoding, was
+        # outrun in CI once the API got faster, with a second start_server run in between).
+        body = {"model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS, "ignore_eos": True}
+        t = threading.Thread(target=stream_first_chunk,
+                             args=(served.api, body, chunks, opened, close))
+        t.start()
+        assert opened.wait(60)
         # Its TIMEOUT (before SIGKILL) only has to outlast the drain on a busy machine.
         stop = subprocess.run([os.path.join(bin_dir, "stop_server"), "600"], env=served.env,
                               cwd=tmp_path, capture_output=True, text=True, timeout=900)
