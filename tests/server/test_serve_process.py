@@ -43,6 +43,18 @@ def stream_first_chunk(api: str, body: dict, chunks: list, opened: threading.Eve
     opened.set()
 
 
+def stream_in_flight(api: str, max_tokens: int) -> tuple[threading.Thread, list]:
+    """A streamed completion of `max_tokens` tokens, read in a thread (chunks appended to the
+    list) and open, its first chunk in, when this returns."""
+    chunks, opened = [], threading.Event()
+    body = {"model": "tiny", "prompt": "go", "max_tokens": max_tokens, "ignore_eos": True}
+    t = threading.Thread(target=stream_first_chunk,
+                         args=(api, body, chunks, opened, threading.Event()))
+    t.start()
+    assert opened.wait(60)
+    return t, chunks
+
+
 def test_warmup_metrics_overload_and_disconnect(model, tmp_path):
     served = Served(model, tmp_path, "--max-num-seqs", "1", "--max-cached-task-num", "1")
     served.env["USE_WARMUP"] = "1"
@@ -99,13 +111,8 @@ def test_ctrl_c_drains_in_flight_requests_then_exits_cleanly(model, tmp_path):
         assert huge.status_code == 400 and "(3200)" in huge.json()["error_msg"]
         kids = children(served.process.pid)
         assert kids  # the engine-core process
-        chunks, opened, close = [], threading.Event(), threading.Event()
         # In flight for seconds (DRAIN_TOKENS), so the draining state is there to see.
-        body = {"model": "tiny", "prompt": "go", "max_tokens": DRAIN_TOKENS, "ignore_eos": True}
-        t = threading.Thread(target=stream_first_chunk,
-                             args=(served.api, body, chunks, opened, close))
-        t.start()
-        assert opened.wait(60)
+        t, chunks = stream_in_flight(served.api, DRAIN_TOKENS)
         # Ctrl-C: SIGINT reaches every process of the group; only the server acts on it.
         os.killpg(served.process.pid, signal.SIGINT)
         # Not ready at once; new work refused while the old one finishes.
@@ -174,15 +181,10 @@ def test_start_server_and_stop_server(model, tmp_path):
                                timeout=60)
         assert again.returncode == 1
         assert f"PORT: {served.ports['port']} occupied! Please change the port!" in again.stderr
-        chunks, opened, close = [], threading.Event(), threading.Event()
         # Still in flight when stop_server runs, so the drain is what ends it: HOLD_TOKENS, as
         # stop_server's own start-up comes between (DRAIN_TOKENS, ~1 s of decoding, was
         # outrun in CI once the API got faster, with a second start_server run in between).
-        body = {"model": "tiny", "prompt": "go", "max_tokens": HOLD_TOKENS, "ignore_eos": True}
-        t = threading.Thread(target=stream_first_chunk,
-                             args=(served.api, body, chunks, opened, close))
-        t.start()
-        assert opened.wait(60)
+        t, chunks = stream_in_flight(served.api, HOLD_TOKENS)
         # Its TIMEOUT (before SIGKILL) only has to outlast the drain on a busy machine.
         stop = subprocess.run([os.path.join(bin_dir, "stop_server"), "600"], env=served.env,
                               cwd=tmp_path, capture_output=True, text=True, timeout=900)
