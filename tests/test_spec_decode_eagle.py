@@ -116,11 +116,12 @@ def test_eagle_drafts_and_outputs(tiny_models, tmp_path, arch, tp, pp):
 
 
 def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
-    """An engine with a head runs its plain decode steps (speculation off above
-    disable_by_batch_size) in the CUDA-graph buckets, whose final hidden states the head
-    reads (run eagerly here, the Triton kernels in the interpreter, as captured on a GPU):
-    the head's drafts still equal the reference at every step once the batch shrinks, and
-    outputs equal transformers' greedy tokens."""
+    """An engine with a head runs its decode steps in the CUDA-graph buckets (run eagerly
+    here, the Triton kernels in the interpreter, as captured on a GPU): plain decode steps
+    (speculation off above disable_by_batch_size) and steps whose every sequence carries
+    its k drafts (3 rows a sequence), whose final hidden states the head reads. The head's
+    drafts still equal the reference at every step, and outputs equal transformers' greedy
+    tokens."""
     from helpers import hf_greedy
 
     from tokenmill.platforms.cpu import CpuPlatform
@@ -136,17 +137,18 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
     with LLM(path, kv_cache_memory_gib=0.02, attention_backend="triton", max_num_seqs=4,
              enable_prefix_caching=False, speculative_config=spec) as llm:
         graphs = llm.engine.core.runner.graphs
+        assert graphs.widths == {1: [1, 2, 4], 3: [1, 2]}
         runs = []
         original = graphs.run
         monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: runs.append(
-            len(inputs.starts)) or original(inputs, fill))
+            (len(inputs.starts), inputs.uniform_rows)) or original(inputs, fill))
         core = llm.engine.core
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(
                 temperature=0, max_tokens=n, ignore_eos=True)))
         checked = check_drafts_each_step(
             core, lambda context, k: reference_drafts(hf, tensors, context, k), 2)
-        assert checked >= 3 and runs and max(runs) > 2
+        assert checked >= 3 and max(runs) > (2, 1) and (2, 3) in runs
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                              for n in lengths], use_tqdm=False)

@@ -342,13 +342,14 @@ def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
     assert {(4, 4), (3, 4), (2, 2), (1, 1)} <= set(runs)
     # short sequences run the variant without key splits; a longer one the variant captured
     # for the longest a replay may hold (1024 keys: 16 splits), which serves every length
-    assert graphs.variants[1] == [1, decode_splits(1, 1024)] == [1, 16]
+    assert graphs.variants[1, 1] == [1, decode_splits(1, 1024)] == [1, 16]
     assert graphs.variant(1, 40) == 1
     assert graphs.variant(1, 100) == graphs.variant(1, 1024) == 16  # (2 not captured)
-    assert graphs.variants[4] == [1, decode_splits(4, 1024)]
+    assert graphs.variants[4, 1] == [1, decode_splits(4, 1024)]
     # both variants of a bucket compute the same step (the buffers hold the last one's rows)
     with torch.inference_mode():
-        torch.testing.assert_close(graphs._forward(1, 16), graphs._forward(1, 1))  # (and hidden)
+        # (logits and hidden states)
+        torch.testing.assert_close(graphs.forward(1, 1, 16), graphs.forward(1, 1, 1))
     eager = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4,
                 enforce_eager=True)
     assert eager.engine.core.runner.graphs is None

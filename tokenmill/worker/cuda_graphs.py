@@ -1,13 +1,17 @@
-"""Decode steps as CUDA graphs: the forward of an all-decode batch (embedding to logits) is
-captured once per batch-size bucket over static input buffers and replayed, so a step costs
-one graph launch instead of a Python pass issuing ~40 kernels per layer.
+"""Uniform steps as CUDA graphs: a forward over steps whose every sequence computes `q` query
+rows (decodes: q = 1; decodes carrying k draft tokens each: q = 1 + k) is captured once per
+batch-size bucket and q over static input buffers and replayed, so a step costs one graph
+launch instead of a Python pass issuing ~40 kernels per layer. `StepGraphs` holds the
+buffers, buckets and captures; `DecodeGraphs` the target model's steps (embedding to logits);
+spec_decode/head_graphs.py the draft heads' passes.
 
-A step of n decodes runs in the smallest bucket >= n; rows n.. are padding: token 0 at
-position 0, cache slot -1 (the Triton K/V write skips it: nothing of a real sequence is
-touched) and one key of block 0 to attend (read, never written). Only the attention backend
-that takes its metadata from tensors alone (attention/triton) can be captured. A bucket may
-hold a few variants of its launches (the backend's `graph_variant`: the Triton backend splits
-long sequences' keys over several programs, which short ones do not need), each its own graph.
+A step of n sequences runs in the smallest bucket >= n; sequences n.. are padding: token 0 at
+positions 0 .. q - 1, cache slot -1 (the Triton K/V write skips it: nothing of a real
+sequence is touched) and q keys of block 0 to attend (read, never written). Only the
+attention backend that takes its metadata from tensors alone (attention/triton) can be
+captured. A bucket may hold a few variants of its launches (the backend's `graph_variant`:
+the Triton backend splits long sequences' keys over several programs, which short ones do
+not need), each its own graph.
 
 Without capture (`capture=False`: the CPU tests) the same buckets and padding run eagerly, so
 the bucketing is checked where no GPU is."""
@@ -36,95 +40,148 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes if top in sizes else sizes + [top]
 
 
-class DecodeGraphs:
-    def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
-                 block_size: int, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
-        """`backend`: a graph-safe one (its `graph_step` gives the metadata a replay reads
-        from the static buffers)."""
-        self.model, self.backend, self.device = model, backend, device
-        self.block_size = block_size
-        self.sizes = capture_sizes(max_num_seqs)
-        self.max_len = max_model_len
-        top = self.sizes[-1]
-        width = -(-max_model_len // block_size)
-        # ids, positions, slots and lengths of each row: one buffer, refilled by one copy
-        self.rows = torch.tensor([[0] * top, [0] * top, [-1] * top, [1] * top], device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.rows
-        self.block_table = torch.zeros(top, width, dtype=torch.int64, device=device)
-        self.q_start = torch.arange(top + 1, dtype=torch.int32, device=device)
+class StepGraphs:
+    """Static buffers of uniform steps and their graphs, keyed (bucket, q, variant). A
+    subclass's `forward(n, q, variant)` computes a bucket's outputs (a tuple of tensors) from
+    the buffers and `meta(n, q, variant)`."""
+
+    def __init__(self, backend: AttentionBackend, device: torch.device, block_size: int,
+                 max_model_len: int, widths: dict[int, list[int]]) -> None:
+        """`widths`: q -> the bucket sizes captured for it; `backend`: a graph-safe one (its
+        `graph_step` gives the metadata a replay reads from the static buffers)."""
+        self.backend, self.device, self.block_size = backend, device, block_size
+        self.widths, self.max_len = widths, max_model_len
+        top = max(sizes[-1] for sizes in widths.values())
+        rows = max(q * sizes[-1] for q, sizes in widths.items())
+        # ids, positions and slots of each row, and each sequence's length (row 3's first
+        # entries): one buffer, refilled by one copy
+        self.buffers = torch.tensor([[0] * rows, [0] * rows, [-1] * rows, [1] * rows],
+                                    device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.buffers
+        self.block_table = torch.zeros(top, -(-max_model_len // block_size), dtype=torch.int64,
+                                       device=device)
+        self.q_starts = {q: torch.arange(0, (sizes[-1] + 1) * q, q, dtype=torch.int32,
+                                         device=device) for q, sizes in widths.items()}
         # the backend's launch variants captured per bucket: the one for short sequences and
         # the one for the longest a replay may hold (one where they agree)
-        self.variants = {n: sorted({backend.graph_variant(n, 1),
-                                    backend.graph_variant(n, max_model_len)})
-                         for n in self.sizes}
-        self.capture = capture
-        self.graphs: dict[tuple[int, int], Any] = {}  # (bucket, variant) -> graph
-        # (bucket, variant) -> its outputs: logits, and the final hidden states (draft heads)
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        if capture:
-            self._capture_all()
+        self.variants = {(n, q): sorted({backend.graph_variant(n, 1, q),
+                                         backend.graph_variant(n, max_model_len, q)})
+                         for q, sizes in widths.items() for n in sizes}
+        self.graphs: dict[tuple[int, int, int], Any] = {}  # (bucket, q, variant) -> graph
+        self.outputs: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
-    def _forward(self, n: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n], query_start_loc=list(range(n + 1)),
-            context_lens=[0] * n, seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
-            num_decodes=n, block_size=self.block_size,
-            backend_data=self.backend.graph_step(self.q_start[:n + 1], variant))
-        hidden = self.model(self.input_ids[:n], self.positions[:n], meta)
-        return self.model.compute_logits(hidden), hidden
+    def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
 
-    def _capture_all(self) -> None:
-        pool = None
-        for n in reversed(self.sizes):  # the largest first: the others reuse its memory
-            for variant in self.variants[n]:
+    def meta(self, n: int, q: int, variant: int) -> AttentionMetadata:
+        """The attention metadata of bucket n's first n * q rows."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n * q],
+            query_start_loc=list(range(0, (n + 1) * q, q)), context_lens=[0] * n,
+            seq_lens=self.seq_lens[:n], block_table=self.block_table[:n],
+            num_decodes=n if q == 1 else 0, block_size=self.block_size,
+            backend_data=self.backend.graph_step(self.q_starts[q][:n + 1], variant, q))
+
+    def capture_all(self, pool=None):
+        """Capture every bucket (the largest first: the others reuse its memory) in `pool`
+        (another StepGraphs' memory, or None); returns the pool."""
+        for n, q in sorted(self.variants, key=lambda key: -key[0] * key[1]):
+            for variant in self.variants[n, q]:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):  # compiles the kernels, outside any capture
-                    self._forward(n, variant)
+                    self.forward(n, q, variant)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[n, variant] = self._forward(n, variant)
+                    self.outputs[n, q, variant] = self.forward(n, q, variant)
                 pool = graph.pool()
-                self.graphs[n, variant] = graph
+                self.graphs[n, q, variant] = graph
         torch.cuda.synchronize(self.device)
+        return pool
 
-    def bucket(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n), None)
+    @property
+    def sizes(self) -> list[int]:
+        """The buckets of one-row steps (decodes)."""
+        return self.widths.get(1, [])
 
-    def variant(self, size: int, longest: int) -> int:
+    def bucket(self, n: int, q: int = 1) -> int | None:
+        return next((s for s in self.widths.get(q, ()) if s >= n), None)
+
+    def variant(self, size: int, longest: int, q: int = 1) -> int:
         """The captured variant of bucket `size` for sequences of up to `longest` keys: the
         backend's choice, else the one captured for the longest (it serves every length)."""
-        choice = self.backend.graph_variant(size, longest)
-        captured = self.variants[size]
+        choice = self.backend.graph_variant(size, longest, q)
+        captured = self.variants[size, q]
         return choice if choice in captured else captured[-1]
 
+    def fits(self, n: int, q: int, ends: list[int], block_ids) -> bool:
+        """Whether n sequences of q rows ending at `ends` have a bucket and fit its table."""
+        return (self.bucket(n, q) is not None and max(ends) <= self.max_len
+                and max(len(b) for b in block_ids) <= self.block_table.shape[1])
+
+    def load(self, q: int, token_ids, positions, slots, ends: list[int],
+             table: np.ndarray) -> tuple[int, int]:
+        """Fill the buffers with a step's n sequences of q rows (`table`: their block table,
+        at least the bucket's rows, padding rows block 0); returns its (bucket, variant)."""
+        n = len(ends)
+        size = self.bucket(n, q)
+        rows = np.empty((4, size * q), dtype=np.int64)
+        rows[:3, :n * q] = token_ids, positions, slots
+        # padding sequences: token 0 at positions 0 .. q - 1, written nowhere, q keys read
+        rows[:3, n * q:] = [[0], [-1], [-1]]
+        rows[1, n * q:] = np.tile(np.arange(q), size - n)
+        rows[3] = q
+        rows[3, :n] = ends
+        self.buffers[:, :size * q].copy_(on_device(rows, torch.int64, self.device))
+        self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table[:size]),
+                                                       non_blocking=True)
+        return size, self.variant(size, max(ends), q)
+
+    def replay(self, size: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:
+        """The bucket's outputs for the loaded step (views of its static outputs on a GPU:
+        read them before the next replay)."""
+        graph = self.graphs.get((size, q, variant))
+        if graph is None:  # (not captured: the CPU tests)
+            return self.forward(size, q, variant)
+        graph.replay()
+        return self.outputs[size, q, variant]
+
+
+class DecodeGraphs(StepGraphs):
+    """The target model's decode steps (q = 1), and with speculative decoding its steps of
+    decodes carrying `drafts` tokens each (q = 1 + drafts, buckets up to `drafted_seqs`
+    sequences: speculation is off above its `disable_by_batch_size`). Outputs: logits and
+    the final hidden states, which MTP / EAGLE heads read."""
+
+    def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
+                 block_size: int, max_num_seqs: int, max_model_len: int, capture: bool,
+                 drafts: int = 0, drafted_seqs: int = 0) -> None:
+        widths = {1: capture_sizes(max_num_seqs)}
+        if drafts and drafted_seqs:
+            widths[1 + drafts] = capture_sizes(min(max_num_seqs, drafted_seqs))
+        super().__init__(backend, device, block_size, max_model_len, widths)
+        self.model = model
+        self.pool = self.capture_all() if capture else None
+
+    def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(self.input_ids[:n * q], self.positions[:n * q],
+                            self.meta(n, q, variant))
+        return self.model.compute_logits(hidden), hidden
+
     def takes(self, inputs: StepInputs) -> bool:
-        return (inputs.plain_decode and self.bucket(len(inputs.starts)) is not None
-                and max(inputs.ends) <= self.max_len
-                and max(len(b) for b in inputs.block_ids) <= self.block_table.shape[1])
+        q = inputs.uniform_rows
+        return q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
+                                              inputs.block_ids)
 
     def run(self, inputs: StepInputs, fill=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, vocab] and final hidden states [n, hidden] (what MTP / EAGLE heads
-        read) of a plain decode step of n sequences (views of the bucket's outputs: read them
-        before the next step). `fill`: writes tokens still on the device into the step's
+        """Logits [n * q, vocab] and final hidden states [n * q, hidden] of a uniform step of
+        n sequences (`takes`). `fill`: writes tokens still on the device into the step's
         input ids (asynchronous scheduling: ModelRunner._fill)."""
-        n = len(inputs.starts)
-        size = self.bucket(n)
-        positions, slots, table = inputs.layout(self.block_size, size)
-        # padding rows: token 0 at position 0, written nowhere (slot -1), one key read
-        rows = np.zeros((4, size), dtype=np.int64)
-        rows[:, :n] = inputs.token_ids, positions, slots, inputs.ends
-        rows[2:, n:] = [[-1], [1]]
-        self.rows[:, :size].copy_(on_device(rows, torch.int64, self.device))
+        n, q = len(inputs.starts), inputs.uniform_rows
+        positions, slots, table = inputs.layout(self.block_size, self.bucket(n, q))
+        size, variant = self.load(q, inputs.token_ids, positions, slots, inputs.ends, table)
         if fill is not None:
             fill(self.input_ids[:n])
-        self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table),
-                                                       non_blocking=True)
-        variant = self.variant(size, max(inputs.ends))
-        if self.capture:
-            self.graphs[size, variant].replay()
-            logits, hidden = self.outputs[size, variant]
-        else:
-            logits, hidden = self._forward(size, variant)
-        return logits[:n], hidden[:n]
+        logits, hidden = self.replay(size, q, variant)
+        return logits[:n * q], hidden[:n * q]

@@ -127,10 +127,11 @@ class ModelRunner:
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
 
     def _decode_graphs(self, max_model_len: int):
-        """Plain decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one
-        rank, the Triton backend, a model whose forward has no host syncs; with MTP / EAGLE
-        heads too (steps without drafts: the graphs give the final hidden states the heads
-        read), not EAGLE-3's (it reads states inside the forward)."""
+        """Decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one rank,
+        the Triton backend, a model whose forward has no host syncs; with speculative
+        decoding, steps whose every sequence carries all k drafts too (the graphs give the
+        final hidden states MTP / EAGLE heads read); not beside EAGLE-3 (it reads states
+        inside the forward)."""
         if not (self.platform.supports_graphs and not self.config.enforce_eager
                 and self.world.size == 1 and self.decode_step is None
                 and (self.features is None or not self.features.aux)
@@ -139,15 +140,19 @@ class ModelRunner:
             return None
         from tokenmill.worker.cuda_graphs import DecodeGraphs
 
+        spec = self.config.speculative_config  # (steps carrying drafts: their own buckets)
         try:
             with torch.inference_mode():
                 graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size,
                                       self.config.max_num_seqs, max_model_len,
-                                      capture=self.device.type == "cuda")
+                                      capture=self.device.type == "cuda",
+                                      drafts=spec.num_speculative_tokens if spec else 0,
+                                      drafted_seqs=spec.disable_by_batch_size if spec else 0)
         except RuntimeError as exc:  # (a forward that cannot be captured: run it eagerly)
             logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
             return None
-        logger.info("Decode steps as CUDA graphs for batch sizes %s", graphs.sizes)
+        logger.info("Decode steps as CUDA graphs for batch sizes %s", ", ".join(
+            f"{sizes} ({q} rows a sequence)" for q, sizes in graphs.widths.items()))
         return graphs
 
     def _bind_cache(self, num_blocks: int) -> None:

@@ -67,12 +67,16 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    in enumerate(zip(self.starts, self.ends)))
 
     @property
-    def plain_decode(self) -> bool:
-        """Every sequence computes exactly one token and samples it; nothing else is scored
-        (what a CUDA-graph decode step runs)."""
+    def uniform_rows(self) -> int:
+        """q when every sequence computes q tokens and all of them are scored (decodes: q = 1;
+        decodes carrying q - 1 drafts each) and nothing else is (what a CUDA-graph step runs);
+        else 0."""
         n = len(self.starts)
-        return (len(self.token_ids) == n and len(self.sample_seqs) == n
-                and not self.prompt_seqs and self.num_sampled_rows == n)
+        q, rest = divmod(len(self.token_ids), n) if n else (0, 1)
+        if rest or self.prompt_seqs or len(self.sample_seqs) != n:
+            return 0
+        # (each sequence computes at least the rows it scores: all q, when they add up)
+        return q if all(count == q for count in self.sample_counts) else 0
 
     def layout(self, block_size: int, rows: int = 0) -> tuple[Ints, Ints, np.ndarray]:
         """On the host: each new token's position, the cache slot its K/V goes to (its

@@ -70,16 +70,17 @@ class TritonBackend(AttentionBackend):
             on_device(loc, torch.int32, meta.seq_lens.device), max_query_len, splits, runs)
 
     @staticmethod
-    def graph_variant(num_seqs: int, longest: int) -> int:
-        """Which launch a captured decode batch of `num_seqs` sequences of up to `longest`
-        keys runs best as: its split count (any count is correct for any length)."""
-        return decode_splits(num_seqs, longest)
+    def graph_variant(num_seqs: int, longest: int, rows: int = 1) -> int:
+        """Which launch a captured batch of `num_seqs` sequences of `rows` query rows each
+        and up to `longest` keys runs best as: its split count (any count is correct for any
+        length; one for several rows, which the kernel's query blocks take)."""
+        return decode_splits(num_seqs, longest) if rows == 1 else 1
 
     @staticmethod
-    def graph_step(q_start: torch.Tensor, variant: int) -> TritonStep:
-        """The step data of a captured decode batch (one query row per sequence, offsets in
-        the static `q_start`) as launch `variant` (`graph_variant`)."""
-        return TritonStep(q_start, 1, variant)
+    def graph_step(q_start: torch.Tensor, variant: int, rows: int = 1) -> TritonStep:
+        """The step data of a captured batch (`rows` query rows per sequence, offsets in the
+        static `q_start`) as launch `variant` (`graph_variant`)."""
+        return TritonStep(q_start, rows, variant)
 
     @staticmethod
     def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
