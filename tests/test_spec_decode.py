@@ -188,6 +188,35 @@ def test_draft_model_greedy_outputs_equal_decoding_without_it(tiny_models, arch,
             assert _draft_blocks_free(llm)
 
 
+def test_drafted_steps_in_decode_graph_buckets(tiny_models, tmp_path, monkeypatch):
+    """Verification steps whose every sequence carries its k drafts run in the CUDA-graph
+    buckets of 1 + k rows a sequence (eagerly here, the Triton kernels in the interpreter, as
+    captured on a GPU), 3 sequences in bucket 4 beside a padding one; steps with fewer
+    drafts run outside them. Outputs equal decoding without speculation."""
+    from tokenmill.platforms.cpu import CpuPlatform
+
+    path, _ = tiny_models("llama")
+    draft = _noisy_copy(path, str(tmp_path / "draft"))
+    prompts, params = _prompts()[:3], _params()[1:4]
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    with LLM(path, kv_cache_memory_gib=0.05, attention_backend="triton", max_num_seqs=4,
+             speculative_config=_draft(draft, k=2)) as llm:
+        graphs = llm.engine.core.runner.graphs
+        assert graphs.widths == {1: [1, 2, 4], 3: [1, 2, 4]}
+        runs = []
+        original = graphs.run
+        monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: runs.append(
+            (len(inputs.starts), inputs.uniform_rows)) or original(inputs, fill))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        assert (3, 3) in runs
+    with LLM(path, kv_cache_memory_gib=0.05, attention_backend="triton", enforce_eager=True
+             ) as plain:
+        want = plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                              use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+
+
 def test_draft_model_beside_a_tensor_parallel_target(tiny_models):
     """The draft runs whole on rank 0 while two ranks run the target: outputs equal one
     rank's without speculation, with the target as its own draft and with its int4 copy."""
