@@ -3,6 +3,7 @@ EAGLE's checkpoint layout: each step's drafts equal the head run from scratch wi
 transformers' decoder layer over the whole context; greedy outputs identical to decoding
 without speculation; heads that do not fit the target are start-up errors."""
 
+import functools
 import json
 import os
 
@@ -138,10 +139,16 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
              enable_prefix_caching=False, speculative_config=spec) as llm:
         graphs = llm.engine.core.runner.graphs
         assert graphs.widths == {1: [1, 2, 4], 3: [1, 2]}
-        runs = []
+        runs, passes = [], []
         original = graphs.run
         monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: runs.append(
             (len(inputs.starts), inputs.uniform_rows)) or original(inputs, fill))
+        head = llm.engine.core.runner.heads.graphs  # the head's passes in graph buckets too
+        for kind, pass_graphs in (("first", head.first), ("chain", head.chain[0])):
+            monkeypatch.setattr(pass_graphs, "run", functools.partial(
+                lambda kind, run, q, step, previous: passes.append(
+                    (kind, len(step.starts), q)) or run(q, step, previous),
+                kind, pass_graphs.run))
         core = llm.engine.core
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(
@@ -149,6 +156,7 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
         checked = check_drafts_each_step(
             core, lambda context, k: reference_drafts(hf, tensors, context, k), 2)
         assert checked >= 3 and max(runs) > (2, 1) and (2, 3) in runs
+        assert {("first", 4, 1), ("first", 2, 3), ("chain", 2, 1)} <= set(passes)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                              for n in lengths], use_tqdm=False)

@@ -128,6 +128,14 @@ class HeadDrafter:
         self.layers = heads
         self.tp = runner.tp
         self.marked = runner.world.pp_size > 1  # (head messages between step messages)
+        self.graphs = None  # HeadGraphs, where the target's steps run as graphs (`capture`)
+
+    def capture(self, capture: bool) -> None:
+        """The heads' passes beside the target's CUDA graphs (spec_decode/head_graphs.py;
+        `capture` False: the same buckets run eagerly, the CPU tests)."""
+        from tokenmill.spec_decode.head_graphs import HeadGraphs
+
+        self.graphs = HeadGraphs(self, capture)
 
     def _send(self, step: StepInputs | None = None, layer: int = 0, seqs: list[int] = (),
               rows: list[int] = (), last: list[int] = ()) -> None:
@@ -200,11 +208,17 @@ class HeadDrafter:
                           [start + len(r) for (start, _), r in zip(feeds, rows)],
                           [inputs.block_ids[i] for _, i in feeds], [], [], [], [])
         order = torch.cat(rows)
-        # (speculation off: the head's cache rows only)
-        last = [row for row, _, _, _ in drafting] if len(scheduled) <= self.limit else []
-        self._send(step, 0, [i for _, i in feeds], order.tolist(), last)
-        out, chained = self._run(0, step, self._features(hidden)[order])
-        if not last:
+        last = [row for row, _, _, _ in drafting]
+        speculate = len(scheduled) <= self.limit  # (off: the head's cache rows only)
+        graphed = None
+        if self.graphs is not None and len(drafting) == len(scheduled):
+            graphed = self._graphed_first(inputs, ids, rows, hidden)
+        if graphed is not None:
+            out, chained, last = graphed
+        else:
+            self._send(step, 0, [i for _, i in feeds], order.tolist(), last if speculate else [])
+            out, chained = self._run(0, step, self._features(hidden)[order])
+        if not (speculate and last):
             return {}
         h_out, h_chain = out[last], chained[last]
         requests = [r for _, r, _, _ in drafting]
@@ -218,8 +232,16 @@ class HeadDrafter:
                                   [inputs.block_ids[i] for _, _, _, i in drafting],
                                   [], [], [], [])
                 self._send(step, j % len(self.layers), [i for _, _, _, i in drafting])
-                h_out, h_chain = self._run(j % len(self.layers), step, h_chain)
-            tokens, q = self._pick(h_out, requests)
+                got = self.graphs and self.graphs.chain_pass(j % len(self.layers), step,
+                                                             h_chain)
+                if got:  # (the LM head in the graph)
+                    logits, h_chain = got
+                else:
+                    h_out, h_chain = self._run(j % len(self.layers), step, h_chain)
+            if j == 0 or not got:
+                logits = self._logits(h_out)
+            tokens, q = self.runner.sampling.draft(logits.float(), requests,
+                                                   self.runner.generator)
             for row, token in enumerate(tokens):
                 drafts[row].append(token)
                 if q is not None:
@@ -229,11 +251,17 @@ class HeadDrafter:
                                if probs[row] and r.sampling_params.temperature > 0 else None)
                 for row, r in enumerate(requests)}
 
-    def _pick(self, hidden: torch.Tensor, requests) -> tuple[list[int], torch.Tensor | None]:
-        """Each row's draft (greedy, or drawn under the request's settings) and, with
-        sampling rows, the distributions drawn from."""
-        logits = self._logits(hidden)
-        return self.runner.sampling.draft(logits.float(), requests, self.runner.generator)
+    def _graphed_first(self, inputs: StepInputs, ids: list[int], rows, hidden):
+        """The first pass in the graph buckets of a uniform step whose every sequence drafts
+        (`ids`: the tokens after each one's accepted rows `rows`): rows past them padded with
+        token 0 (head_graphs.py). (out, chained, each sequence's last accepted row) or None."""
+        q = inputs.uniform_rows
+        padded, at = [], 0
+        for r in rows:
+            padded += ids[at:at + len(r)] + [0] * (q - len(r))
+            at += len(r)
+        got = self.graphs.first_pass(inputs, padded, self._features(hidden))
+        return None if got is None else (*got, [i * q + len(r) - 1 for i, r in enumerate(rows)])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The target's LM head, unless the head has its own (EAGLE-3); None on ranks other

@@ -1,0 +1,91 @@
+"""Draft heads' passes as CUDA graphs, beside the target's (worker/cuda_graphs.py), so a
+drafted step on a GPU is a few graph launches rather than one eager Python pass per draft.
+
+- The first pass over a uniform target step (every sequence's q rows: a decode, or a decode
+  with its k drafts) runs the head over all n x q rows, in the target step's buckets. Rows
+  past a request's accepted tokens are padding: they read the rejected rows' states and
+  token 0, and write the head's cache at positions the next passes write again before any
+  pass reads them (draft j writes position p + j - 1 before attending to it; the next step's
+  first pass starts at p). The eager pass, which skips them, is the reference.
+- The chain passes (drafts 2 .. k: one row a drafting request) run in buckets of one row a
+  sequence, one set of graphs per head layer they use, with the LM head in the graph.
+
+Padding sequences write nowhere, as the target's do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tokenmill.worker.cuda_graphs import StepGraphs
+from tokenmill.worker.step_inputs import StepInputs
+
+
+class HeadPassGraphs(StepGraphs):
+    """One head layer's passes, its input states (`previous`) in a static buffer too.
+    Outputs: (hidden states for the logits, or the logits with `logits`; the states the
+    next draft reads)."""
+
+    def __init__(self, drafter: Any, index: int, widths: dict[int, list[int]],
+                 logits: bool) -> None:
+        runner = drafter.runner
+        super().__init__(runner.backend, runner.device, runner.block_size,
+                         runner.graphs.max_len, widths)
+        self.drafter, self.layer, self.logits = drafter, drafter.layers[index], logits
+        rows = self.buffers.shape[1]
+        self.previous = torch.zeros(rows, runner.hidden_size, dtype=runner.dtype,
+                                    device=runner.device)
+
+    def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.drafter.runner.model.model
+        embeds = model.embed_tokens(self.input_ids[:n * q])
+        rope = model.rotary.for_step(self.positions[:n * q], embeds.dtype)
+        out, chained = self.layer(rope, embeds, self.previous[:n * q],
+                                  self.meta(n, q, variant), chained=True)
+        return (self.drafter._logits(out) if self.logits else out), chained
+
+    def run(self, q: int, step: StepInputs, previous: torch.Tensor):
+        """The pass over `step`'s n sequences of q rows each (`previous`: their input
+        states, n x q rows): its outputs' first n x q rows."""
+        n = len(step.starts)
+        positions, slots, table = step.layout(self.block_size, self.bucket(n, q))
+        size, variant = self.load(q, step.token_ids, positions, slots, step.ends, table)
+        self.previous[:n * q].copy_(previous)
+        return tuple(out[:n * q] for out in self.replay(size, q, variant))
+
+
+class HeadGraphs:
+    """The first pass (head 0, in the target's buckets) and the chain passes (one row a
+    drafting request, up to the target's drafted bucket sizes) of a `HeadDrafter`."""
+
+    def __init__(self, drafter: Any, capture: bool) -> None:
+        target = drafter.runner.graphs
+        self.first = HeadPassGraphs(drafter, 0, target.widths, logits=False)
+        drafted = target.widths.get(1 + drafter.k, [])
+        layers = {j % len(drafter.layers) for j in range(1, drafter.k)}
+        self.chain = {i: HeadPassGraphs(drafter, i, {1: drafted}, logits=True)
+                      for i in sorted(layers)} if drafted else {}
+        if capture:
+            pool = self.first.capture_all(target.pool)
+            for graphs in self.chain.values():
+                pool = graphs.capture_all(pool)
+
+    def first_pass(self, inputs: StepInputs, ids: list[int], features: torch.Tensor):
+        """Head 0 over every row of a uniform target step (`inputs`; `ids`: each row's next
+        token, 0 past the accepted ones; `features`: what it reads of each row), or None
+        when the step has no bucket."""
+        q = inputs.uniform_rows
+        if not (q in self.first.widths
+                and self.first.fits(len(inputs.starts), q, inputs.ends, inputs.block_ids)):
+            return None
+        step = StepInputs(ids, inputs.starts, inputs.ends, inputs.block_ids, [], [], [], [])
+        return self.first.run(q, step, features)
+
+    def chain_pass(self, index: int, step: StepInputs, previous: torch.Tensor):
+        """(logits, states for the next draft) of head `index` over `step`'s one row a
+        sequence, or None when it has no bucket."""
+        graphs = self.chain.get(index)
+        if graphs is None or not graphs.fits(len(step.starts), 1, step.ends, step.block_ids):
+            return None
+        return graphs.run(1, step, previous)
