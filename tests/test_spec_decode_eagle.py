@@ -126,6 +126,7 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
     from helpers import hf_greedy
 
     from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.spec_decode import rejection
 
     path, hf = tiny_models("llama")
     eagle = str(tmp_path / "eagle")
@@ -160,6 +161,19 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                              for n in lengths], use_tqdm=False)
+        # The random head's drafts are all rejected: accept 1 or 2 of them by fiat (the
+        # outputs are no longer the target's), so the graphed first pass reads each
+        # request's accepted rows among the padded ones. The drafts must still follow.
+        monkeypatch.setattr(rejection, "verify_greedy", lambda argmax, drafts: (
+            drafts[:1 + sum(drafts) % 2] + [argmax[1 + sum(drafts) % 2]]))
+        for i, prompt in enumerate(prompts[:2]):
+            core.add_request(EngineCoreRequest(f"fiat{i}", prompt, SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True)))
+        passes.clear()
+        checked = check_drafts_each_step(
+            core, lambda context, k: reference_drafts(hf, tensors, context, k), 2)
+        assert checked >= 4 and ("first", 2, 3) in passes
+        assert core.scheduler.num_accepted_tokens >= 4
     assert [o.outputs[0].token_ids for o in outs] == [
         hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
 
