@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import check_drafts_each_step
+from helpers import accept_by_fiat, check_drafts_each_step
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
@@ -164,8 +164,7 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
         # The random head's drafts are all rejected: accept 1 or 2 of them by fiat (the
         # outputs are no longer the target's), so the graphed first pass reads each
         # request's accepted rows among the padded ones. The drafts must still follow.
-        monkeypatch.setattr(rejection, "verify_greedy", lambda argmax, drafts: (
-            drafts[:1 + sum(drafts) % 2] + [argmax[1 + sum(drafts) % 2]]))
+        monkeypatch.setattr(rejection, "verify_greedy", accept_by_fiat)
         for i, prompt in enumerate(prompts[:2]):
             core.add_request(EngineCoreRequest(f"fiat{i}", prompt, SamplingParams(
                 temperature=0, max_tokens=12, ignore_eos=True)))

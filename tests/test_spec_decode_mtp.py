@@ -4,9 +4,11 @@ over the whole context (so the MTP layer's paged cache holds the right rows acro
 chunks, accepted and rejected drafts); greedy outputs identical to decoding without
 speculation; start-up errors."""
 
+import functools
+
 import pytest
 import torch
-from helpers import check_drafts_each_step, hf_greedy, make_model
+from helpers import accept_by_fiat, check_drafts_each_step, hf_greedy, make_model
 from test_deepseek_mtp import PROMPTS, _add_mtp
 
 from tokenmill import LLM, SamplingParams
@@ -186,3 +188,46 @@ def test_sharded_folder_keeps_mtp_on_stage_0(mtp_model, tmp_path):
         assert checked >= 6
         assert [list(o.outputs[0].token_ids)
                 for o in llm.generate(prompts, params, use_tqdm=False)] == base
+
+
+def test_mtp_in_cuda_graph_buckets(mtp_model, monkeypatch):
+    """DeepSeek on fused experts and the Triton backend (MLA) runs its decode steps, its
+    steps carrying 3 drafts a request and the MTP layer's passes in the CUDA-graph buckets
+    (eagerly here, as captured on a GPU). Drafts equal the reference at every step, also
+    with 1 or 2 drafts accepted by fiat (so the first pass reads accepted rows among padded
+    ones); greedy outputs equal decoding without speculation."""
+    from tokenmill.layers.linear import CpuPackedKernel
+    from tokenmill.layers.moe import SparseMoE
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.spec_decode import rejection
+
+    path, hf, tensors, block = mtp_model
+    fuse = SparseMoE.fuse_experts
+    monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: fuse(self, force=True))
+    monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = {"kv_cache_memory_gib": 0.01, "attention_backend": "triton", "max_num_seqs": 4}
+    with LLM(path, **engine) as llm:
+        base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    with LLM(path, enable_prefix_caching=False, **engine,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 3}) as llm:
+        runner = llm.engine.core.runner
+        assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
+        passes = []
+        for kind, graphs in (("target", runner.graphs), ("first", runner.heads.graphs.first),
+                             ("chain", runner.heads.graphs.chain[0])):
+            monkeypatch.setattr(graphs, "replay", functools.partial(
+                lambda kind, replay, size, q, variant: passes.append((kind, size, q))
+                or replay(size, q, variant), kind, graphs.replay))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+        assert {("target", 2, 4), ("first", 2, 4), ("chain", 2, 1)} <= set(passes)
+        monkeypatch.setattr(rejection, "verify_greedy", accept_by_fiat)
+        core = llm.engine.core
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(f"fiat{i}", prompt, params))
+        checked = check_drafts_each_step(
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 3)
+        assert checked >= 4 and core.scheduler.num_accepted_tokens >= 4
