@@ -1,7 +1,8 @@
 """GPU checklist (issue 30): correctness of the engine on a CUDA device against transformers,
 then batch-1 decode against the HBM roofline, batched throughput against transformers'
 `generate`, and 2k-token prefill against bf16 tensor-core peak. Every section runs even when
-an earlier one fails; results go to one JSON file.
+an earlier one fails; results go to one JSON file. Also speculative decoding's drafted steps
+with and without CUDA graphs (bench/gpu_speculation.py).
 
     python bench/gpu_check.py --out bench/results/gpu-<card>-<date>.json [--quick]
 """
@@ -38,6 +39,7 @@ from gpu_probes import (  # noqa: E402
     replay_kernels,
     timed,
 )
+from gpu_speculation import speculation  # noqa: E402
 
 # engines whose 16-bit linears run decode steps on the Triton skinny matmul (config.py)
 SKINNY = {"TOKENMILL_GPU_SKINNY_LINEAR": "1"}
@@ -106,6 +108,14 @@ def bench_model(path: str):
     model.save_pretrained(path)
     make_tokenizer(path)
     return model
+
+
+def bench_model_at(root: str) -> str:
+    """The bench model's folder under `root` (written by the performance section, else now)."""
+    path = os.path.join(root, "qwen05b")
+    if not os.path.isdir(path):
+        bench_model(path)
+    return path
 
 
 def transformers_side(hf, prompts: list[list[int]], out_len: int) -> dict:
@@ -306,8 +316,8 @@ def kernels(root: str) -> dict:
         run = functools.partial(generate, llm, [list(range(2, 130))], params)
         run()
         graphs = llm.engine.core.runner.graphs
-        one = [g for (size, _), g in (graphs.graphs if graphs is not None else {}).items()
-               if size == 1]
+        one = [g for (size, rows, _), g in (graphs.graphs if graphs is not None else {}).items()
+               if size == rows == 1]
         res[name] = {"decode_profile": guarded(functools.partial(profile_decode, run)),
                      "batch1_replay_kernels": guarded(functools.partial(replay_kernels, one[0]))
                      if one else None}
@@ -335,7 +345,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections",
-                    default="hardware,correctness,performance,prefill_7b_shape,kernels",
+                    default="hardware,correctness,performance,speculation,prefill_7b_shape,"
+                            "kernels",
                     help="comma-separated subset to run (a rerun of the ones that failed)")
     args = ap.parse_args()
     result = {"date": datetime.date.today().isoformat(),
@@ -343,6 +354,7 @@ def main() -> None:
     root = tempfile.mkdtemp()
     for name, fn in (("hardware", hardware), ("correctness", lambda: correctness(root)),
                      ("performance", lambda: performance(root, args.quick)),
+                     ("speculation", lambda: speculation(bench_model_at(root), root)),
                      ("prefill_7b_shape", lambda: prefill_7b_shape(root)),
                      ("kernels", lambda: kernels(root))):
         if name not in args.sections.split(","):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py, the skinny matmul
+# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py (speculation too), the skinny matmul
 # sweep, block-FP8 checkpoints served as float8 (bench/gpu_fp8_blocks.py), then the GPU tests.
 # Usage: bash bench/gpu_check.sh [OUTDIR]   (default bench/results); TESTS_S bounds the test
 # part in seconds (default: 240, or less so that the whole script ends within BUDGET_S = 570
@@ -42,5 +42,5 @@ timeout "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cachep
   tests/quantization/test_fp8_blocks.py tests/quantization/test_quantized_models.py::test_quantize_tool_round_trip \
   tests/test_models.py tests/test_engine_equivalence.py \
   tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_sampling.py tests/test_spec_decode.py tests/test_async_scheduling.py \
-  tests/test_spec_decode_eagle.py::test_eagle_beside_decode_graphs \
+  tests/test_spec_decode_eagle.py::test_eagle_beside_decode_graphs tests/test_spec_decode_mtp.py::test_mtp_in_cuda_graph_buckets \
   2>&1 | tee "$out/gpu-tests-$card-$stamp.log" | grep -vE '^\s*$' | tail -40
