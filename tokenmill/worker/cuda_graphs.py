@@ -86,6 +86,8 @@ class StepGraphs:
         """Capture every bucket (the largest first: the others reuse its memory) in `pool`
         (another StepGraphs' memory, or None); returns the pool."""
         for n, q in sorted(self.variants, key=lambda key: -key[0] * key[1]):
+            # (captured over padding: every row's keys in range)
+            self.buffers[:, :n * q].copy_(torch.from_numpy(self._host_rows(n, q, 0)))
             for variant in self.variants[n, q]:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -126,17 +128,23 @@ class StepGraphs:
         at least the bucket's rows, padding rows block 0); returns its (bucket, variant)."""
         n = len(ends)
         size = self.bucket(n, q)
-        rows = np.empty((4, size * q), dtype=np.int64)
+        rows = self._host_rows(size, q, n)
         rows[:3, :n * q] = token_ids, positions, slots
-        # padding sequences: token 0 at positions 0 .. q - 1, written nowhere, q keys read
-        rows[:3, n * q:] = [[0], [-1], [-1]]
-        rows[1, n * q:] = np.tile(np.arange(q), size - n)
-        rows[3] = q
         rows[3, :n] = ends
         self.buffers[:, :size * q].copy_(on_device(rows, torch.int64, self.device))
         self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table[:size]),
                                                        non_blocking=True)
         return size, self.variant(size, max(ends), q)
+
+    @staticmethod
+    def _host_rows(size: int, q: int, n: int) -> np.ndarray:
+        """The buffers' rows of bucket `size` on the host, sequences n.. as padding: token 0
+        at positions 0 .. q - 1, written nowhere (slot -1), q keys read."""
+        rows = np.empty((4, size * q), dtype=np.int64)
+        rows[:3, n * q:] = [[0], [-1], [-1]]
+        rows[1, n * q:] = np.tile(np.arange(q), size - n)
+        rows[3] = q
+        return rows
 
     def replay(self, size: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:
         """The bucket's outputs for the loaded step (views of its static outputs on a GPU:
