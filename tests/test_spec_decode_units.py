@@ -3,6 +3,7 @@ search, the configuration's checks, and the rejection sampler: greedy verificati
 one-token-at-a-time argmax decoding, sampled verification keeps the target's distribution
 (chi-square over many seeded draws)."""
 
+import itertools
 import random
 
 import numpy as np
@@ -277,3 +278,45 @@ def test_verified_rows_take_penalties_and_bans_of_their_own_context():
             break
     assert emitted == expected == [6, 7, 8, 5]
     assert verify(logits.clone(), sampling.batch([request] * 4), drafts, None) == [6, 6]
+
+
+def test_verify_many_equals_verify_request_by_request():
+    """A step's drafted requests verified together (greedy ones without penalties from one
+    argmax over their rows) emit what `verify` gives each one alone: greedy plain, greedy
+    with a logit bias and a min_tokens ban (adjusted in place), greedy with a repetition
+    penalty (adjusted apart), and seeded sampling, in an interleaved order."""
+    from tokenmill.core.request import Request, RequestStatus
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.spec_decode.rejection import verify, verify_many
+    from tokenmill.worker.sampling import RequestSampling
+
+    vocab = 40
+    sampling = RequestSampling(vocab, torch.device("cpu"))
+    kinds = [dict(temperature=0), dict(temperature=0, logit_bias={3: 4.0}, min_tokens=9,
+                                       stop_token_ids=[7]),
+             dict(temperature=0.8, seed=5), dict(temperature=0, repetition_penalty=1.5),
+             dict(temperature=0)]
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=20, **kind),
+                        output_token_ids=[4, 7], status=RequestStatus.RUNNING)
+                for i, kind in enumerate(kinds)]
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        counts = [random.Random(trial * 7 + i).randint(1, 4) for i in range(len(requests))]
+        logits = torch.randn(sum(counts), vocab, generator=gen) * 3
+        ends = list(itertools.accumulate(counts))
+        spans = [(end - n, end) for end, n in zip(ends, counts)]
+        drafts = []
+        for a, b in spans:  # drafts that agree with the argmax for a while, then not
+            agree = logits[a:b - 1].argmax(-1).tolist()
+            drafts.append(agree[:trial % 3] + [(t + 1) % vocab for t in agree[trial % 3:]])
+        batches = [sampling.drafted_batch(r, d) for r, d in zip(requests, drafts)]
+        probs = [None] * len(requests)
+        seeded = sampling.generator(requests[2])
+        state = seeded.get_state()
+        got = verify_many(logits.clone(), spans, batches, drafts,
+                          [sampling.generator(r) for r in requests], probs)
+        seeded.set_state(state)
+        want = [verify(logits[a:b].clone(), sampling.drafted_batch(r, d), d,
+                       sampling.generator(r), None)
+                for (a, b), r, d in zip(spans, requests, drafts)]
+        assert got == want

@@ -40,6 +40,34 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[int],
     return verify_sampled(probabilities(logits, batch), drafts, draft_probs, generator)
 
 
+def verify_many(logits: torch.Tensor, spans: list[tuple[int, int]],
+                batches: list[SamplingBatch], drafts: list[list[int]],
+                generators: list[torch.Generator | None],
+                draft_probs: list[torch.Tensor | None]) -> list[list[int]]:
+    """`verify` of several requests, each over its rows logits[a:b] (`spans`, ascending),
+    with one argmax pass and one read to the host for every greedy request whose scores
+    are adjusted in place (no penalties: a GPU step then waits for the device once, not once
+    a request); the others one by one, as `verify` takes them."""
+    out: list[list[int] | None] = [None] * len(spans)
+    together = []
+    for i, ((a, b), batch) in enumerate(zip(spans, batches, strict=True)):
+        if not batch.all_greedy:
+            out[i] = verify(logits[a:b], batch, drafts[i], generators[i], draft_probs[i])
+            continue
+        rows = adjusted(logits[a:b], batch)  # (bans and biases written into `logits`)
+        if rows.data_ptr() == logits[a:b].data_ptr():
+            together.append(i)
+        else:
+            out[i] = verify_greedy(argmax(rows.contiguous()).tolist(), drafts[i])
+    if together:
+        first, last = spans[together[0]][0], spans[together[-1]][1]
+        picks = argmax(logits[first:last].contiguous()).tolist()
+        for i in together:
+            a, b = spans[i]
+            out[i] = verify_greedy(picks[a - first:b - first], drafts[i])
+    return out
+
+
 def verify_greedy(target_argmax: list[int], drafts: list[int]) -> list[int]:
     """Emitted tokens of one request: `target_argmax` has len(drafts) + 1 entries."""
     out = []

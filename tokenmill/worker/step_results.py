@@ -14,7 +14,7 @@ from tokenmill.core.scheduler import ScheduledRequest
 from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.host_to_device import HostCopy
 from tokenmill.layers.sampler import gather_logprobs, logprob_lists, sample, top_logprobs
-from tokenmill.spec_decode.rejection import verify
+from tokenmill.spec_decode.rejection import verify_many
 from tokenmill.structured_output.manager import mask_drafted, mask_rows
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
@@ -103,19 +103,24 @@ def draw(launched: Launched, sampling: RequestSampling, generator: torch.Generat
             asked, parts, ks = result.logprobs
             launched.logprobs = (tuple(None if p is None else HostCopy(p) for p in parts),
                                  [request_ids[i] for i in asked], ks)
-    for j, n in enumerate(inputs.sample_counts):
-        if n > 1:
-            s, rows = requests[j], logits[ends[j] - n:ends[j]]
-            if s.request.grammar is not None:  # (structured outputs)
-                mask_drafted(rows, s.request, s.drafts)
-            params, rid = s.request.sampling_params, s.request.request_id
-            tokens = out.sampled[rid] = verify(
-                rows, sampling.drafted_batch(s.request, s.drafts), s.drafts,
-                sampling.generator(s.request) or generator, s.draft_probs)
-            if params.logprobs is not None:  # of each emitted token, at its row
-                scored = gather_logprobs(rows[:len(tokens)], torch.tensor(tokens),
-                                         [params.logprobs] * len(tokens))
-                out.logprobs[rid] = [scored[i] for i in range(len(tokens))]
+    drafted = [j for j, n in enumerate(inputs.sample_counts) if n > 1]
+    spans = [(ends[j] - inputs.sample_counts[j], ends[j]) for j in drafted]
+    chosen = [requests[j] for j in drafted]
+    for s, (a, b) in zip(chosen, spans):
+        if s.request.grammar is not None:  # (structured outputs)
+            mask_drafted(logits[a:b], s.request, s.drafts)
+    verified = verify_many(
+        logits, spans, [sampling.drafted_batch(s.request, s.drafts) for s in chosen],
+        [s.drafts for s in chosen],
+        [sampling.generator(s.request) or generator for s in chosen],
+        [s.draft_probs for s in chosen]) if drafted else []
+    for s, (a, _), tokens in zip(chosen, spans, verified):
+        params, rid = s.request.sampling_params, s.request.request_id
+        out.sampled[rid] = tokens
+        if params.logprobs is not None:  # of each emitted token, at its row
+            scored = gather_logprobs(logits[a:a + len(tokens)], torch.tensor(tokens),
+                                     [params.logprobs] * len(tokens))
+            out.logprobs[rid] = [scored[i] for i in range(len(tokens))]
     return token_ids
 
 
