@@ -147,8 +147,8 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
         head = llm.engine.core.runner.heads.graphs  # the head's passes in graph buckets too
         for kind, pass_graphs in (("first", head.first), ("chain", head.chain[0])):
             monkeypatch.setattr(pass_graphs, "run", functools.partial(
-                lambda kind, run, q, step, previous: passes.append(
-                    (kind, len(step.starts), q)) or run(q, step, previous),
+                lambda kind, run, q, step, *rest: passes.append(
+                    (kind, len(step.starts), q)) or run(q, step, *rest),
                 kind, pass_graphs.run))
         core = llm.engine.core
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):

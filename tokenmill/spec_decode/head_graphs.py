@@ -45,12 +45,16 @@ class HeadPassGraphs(StepGraphs):
                                   self.meta(n, q, variant), chained=True)
         return (self.drafter._logits(out) if self.logits else out), chained
 
-    def run(self, q: int, step: StepInputs, previous: torch.Tensor):
+    def run(self, q: int, step: StepInputs, previous: torch.Tensor,
+            ids: torch.Tensor | None = None):
         """The pass over `step`'s n sequences of q rows each (`previous`: their input
-        states, n x q rows): its outputs' first n x q rows."""
+        states, n x q rows; `ids`: their tokens on the device instead of step's): its
+        outputs' first n x q rows."""
         n = len(step.starts)
         positions, slots, table = step.layout(self.block_size, self.bucket(n, q))
         size, variant = self.load(q, step.token_ids, positions, slots, step.ends, table)
+        if ids is not None:
+            self.input_ids[:n * q].copy_(ids)
         self.previous[:n * q].copy_(previous)
         return tuple(out[:n * q] for out in self.replay(size, q, variant))
 
@@ -82,10 +86,13 @@ class HeadGraphs:
         step = StepInputs(ids, inputs.starts, inputs.ends, inputs.block_ids, [], [], [], [])
         return self.first.run(q, step, features)
 
-    def chain_pass(self, index: int, step: StepInputs, previous: torch.Tensor):
+    def chain_fits(self, n: int, longest: int, block_ids) -> bool:
+        """Whether every later draft's pass of n requests, up to `longest` keys, has a graph."""
+        return (len(self.chain) > 0
+                and all(g.fits(n, 1, [longest], block_ids) for g in self.chain.values()))
+
+    def chain_pass(self, index: int, step: StepInputs, previous: torch.Tensor,
+                   ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, states for the next draft) of head `index` over `step`'s one row a
-        sequence, or None when it has no bucket."""
-        graphs = self.chain.get(index)
-        if graphs is None or not graphs.fits(len(step.starts), 1, step.ends, step.block_ids):
-            return None
-        return graphs.run(1, step, previous)
+        request, fed `ids` (the drafts before, on the device; `chain_fits` said it fits)."""
+        return self.chain[index].run(1, step, previous, ids)

@@ -220,36 +220,46 @@ class HeadDrafter:
             out, chained = self._run(0, step, self._features(hidden)[order])
         if not (speculate and last):
             return {}
-        h_out, h_chain = out[last], chained[last]
-        requests = [r for _, r, _, _ in drafting]
-        drafts: list[list[int]] = [[] for _ in drafting]
-        probs: list[list[torch.Tensor]] = [[] for _ in drafting]
-        for j in range(self.k):
-            if j > 0:  # one more row per request, at the position after its last one
-                step = StepInputs([d[-1] for d in drafts],
-                                  [pos + j - 1 for _, _, pos, _ in drafting],
-                                  [pos + j for _, _, pos, _ in drafting],
-                                  [inputs.block_ids[i] for _, _, _, i in drafting],
-                                  [], [], [], [])
-                self._send(step, j % len(self.layers), [i for _, _, _, i in drafting])
-                got = self.graphs and self.graphs.chain_pass(j % len(self.layers), step,
-                                                             h_chain)
-                if got:  # (the LM head in the graph)
-                    logits, h_chain = got
-                else:
-                    h_out, h_chain = self._run(j % len(self.layers), step, h_chain)
-            if j == 0 or not got:
-                logits = self._logits(h_out)
-            tokens, q = self.runner.sampling.draft(logits.float(), requests,
-                                                   self.runner.generator)
-            for row, token in enumerate(tokens):
-                drafts[row].append(token)
-                if q is not None:
-                    probs[row].append(q[row])
+        requests, drafts, probs = self._draft(out[last], chained[last], drafting, inputs)
         self._send(None)
         return {r.request_id: (drafts[row], torch.stack(probs[row])
                                if probs[row] and r.sampling_params.temperature > 0 else None)
                 for row, r in enumerate(requests)}
+
+    def _draft(self, h_out, h_chain, drafting, inputs: StepInputs):
+        """Drafts 1 .. k of each drafting request from head 0's rows (`h_out` for its logits,
+        `h_chain` for the next draft): (requests, drafts, their distributions). Draft j + 1
+        is one more row a request at the position after its last. Where every later pass has
+        a graph, the drafts stay on the device until the last one (one read to the host, not
+        one a draft)."""
+        requests = [r for _, r, _, _ in drafting]
+        seqs = [i for _, _, _, i in drafting]
+        blocks = [inputs.block_ids[i] for i in seqs]
+        at = [pos for _, _, pos, _ in drafting]
+        graphs = self.graphs if self.graphs is not None and self.graphs.chain_fits(
+            len(at), max(at) + self.k - 1, blocks) else None
+        columns, probs = [], [[] for _ in drafting]  # (columns: each draft of every request)
+        logits = self._logits(h_out)
+        for j in range(1, self.k + 1):
+            tokens, q = self.runner.sampling.draft(logits.float(), requests,
+                                                   self.runner.generator, host=graphs is None)
+            columns.append(tokens)
+            for row in range(len(requests) if q is not None else 0):
+                probs[row].append(q[row])
+            if j == self.k:
+                break
+            layer = j % len(self.layers)
+            step = StepInputs([0] * len(at) if graphs else tokens, [p + j - 1 for p in at],
+                              [p + j for p in at], blocks, [], [], [], [])
+            if graphs is not None:  # (the tokens filled in on the device, the LM head in it)
+                logits, h_chain = graphs.chain_pass(layer, step, h_chain, tokens)
+            else:
+                self._send(step, layer, seqs)
+                h_out, h_chain = self._run(layer, step, h_chain)
+                logits = self._logits(h_out)
+        drafts = (torch.stack(columns, 1).tolist() if graphs is not None
+                  else [list(row) for row in zip(*columns)])
+        return requests, drafts, probs
 
     def _graphed_first(self, inputs: StepInputs, ids: list[int], rows, hidden):
         """The first pass in the graph buckets of a uniform step whose every sequence drafts

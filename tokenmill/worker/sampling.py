@@ -53,10 +53,11 @@ class RequestSampling:
             for j in range(len(drafts) + 1)])
 
     def draft(self, logits: torch.Tensor, requests: list[Request],
-              generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+              generator: torch.Generator | None, host: bool = True
+              ) -> tuple[list[int] | torch.Tensor, torch.Tensor | None]:
         """A proposer's draft token for each row of `logits` (greedy, or drawn under the
-        request's settings: penalties and bans of its tokens so far), and, with sampling
-        rows, the distributions drawn from."""
+        request's settings: penalties and bans of its tokens so far; `host` False: left on
+        the device), and, with sampling rows, the distributions drawn from."""
         batch = self.batch(requests)
         width = logits.shape[1]  # (a draft's vocabulary may be the smaller)
         batch.banned = [(row, [i for i in ids if i < width]) for row, ids in batch.banned]
@@ -64,7 +65,7 @@ class RequestSampling:
                                                            if i < width])
                       for row, ids, vs in batch.bias]
         tokens, probs = draw(adjusted(logits, batch), batch, generator)
-        return tokens.tolist(), probs
+        return (tokens.tolist() if host else tokens), probs
 
     def count_in_flight(self, batch: SamplingBatch, rows: list[tuple[int, int]],
                         tokens: torch.Tensor) -> None:
