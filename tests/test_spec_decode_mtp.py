@@ -210,8 +210,19 @@ def test_mtp_in_cuda_graph_buckets(mtp_model, monkeypatch):
     engine = {"kv_cache_memory_gib": 0.01, "attention_backend": "triton", "max_num_seqs": 4}
     with LLM(path, **engine) as llm:
         base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    with LLM(path, enable_prefix_caching=False, **engine,
-             speculative_config={"method": "mtp", "num_speculative_tokens": 3}) as llm:
+    # seeded sampling: drafts drawn on the device between graphed passes, the same draws
+    seeded = [SamplingParams(temperature=0.9, seed=s, max_tokens=10, ignore_eos=True)
+              for s in (3, 4)]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    sampled = []
+    for eager in (True, False):
+        with LLM(path, **engine, speculative_config=spec, enforce_eager=eager) as llm:
+            assert (llm.engine.core.runner.graphs is None) == eager
+            sampled.append([o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], seeded, use_tqdm=False)])
+            assert llm.engine.core.scheduler.num_draft_tokens >= 6
+    assert sampled[0] == sampled[1]
+    with LLM(path, enable_prefix_caching=False, **engine, speculative_config=spec) as llm:
         runner = llm.engine.core.runner
         assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
         passes = []
