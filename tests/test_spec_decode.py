@@ -217,6 +217,45 @@ def test_drafted_steps_in_decode_graph_buckets(tiny_models, tmp_path, monkeypatc
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
 
 
+def test_ngram_drafts_filled_up_to_k_run_in_graph_buckets(tiny_models, monkeypatch):
+    """Where the target has buckets for drafted steps, an n-gram lookup shorter than k (or
+    none) is filled up to k, so every drafted step of 3 requests runs in a bucket of 4 rows
+    a request (eagerly here, as captured on a GPU). Outputs equal decoding without
+    speculation; the draft metrics count the lookups' tokens, not the fillers."""
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.spec_decode import proposer
+
+    path, _ = tiny_models("llama")
+    prompts, params = _prompts()[:3], _params()[1:4]
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    looked_up = []
+    propose = proposer.ngram.propose
+    monkeypatch.setattr(proposer.ngram, "propose", lambda *a: looked_up.append(
+        len(found := propose(*a))) or found)
+    with LLM(path, kv_cache_memory_gib=0.05, attention_backend="triton", max_num_seqs=4,
+             speculative_config={**NGRAM, "disable_by_batch_size": 64}) as llm:
+        core = llm.engine.core
+        assert core.proposer.pad and core.runner.graphs.widths[4] == [1, 2, 4]
+        runs = []
+        original = core.runner.graphs.run
+        monkeypatch.setattr(core.runner.graphs, "run", lambda inputs, fill=None: runs.append(
+            (len(inputs.starts), inputs.uniform_rows)) or original(inputs, fill))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            use_tqdm=False)
+        sched = core.scheduler
+        assert (3, 4) in runs and 0 < sched.num_draft_tokens <= sum(looked_up)
+        assert sched.num_accepted_tokens <= sched.num_draft_tokens
+        assert min(looked_up) < 3  # (some lookups came short and were filled)
+    with LLM(path, kv_cache_memory_gib=0.05, attention_backend="triton", enforce_eager=True,
+             speculative_config=NGRAM) as eager:
+        assert not eager.engine.core.proposer.pad
+    with LLM(path, kv_cache_memory_gib=0.05, attention_backend="triton", enforce_eager=True
+             ) as plain:
+        want = plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                              use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+
+
 def test_draft_model_beside_a_tensor_parallel_target(tiny_models):
     """The draft runs whole on rank 0 while two ranks run the target: outputs equal one
     rank's without speculation, with the target as its own draft and with its int4 copy."""

@@ -62,6 +62,7 @@ class Request:
     # speculative decoding: draft tokens for the next step, verified by it (not yet tokens)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: Any = None  # the distributions they were drawn from (None: one-hot)
+    spec_padding: int = 0  # trailing drafts that only fill a graph bucket (not counted)
     num_draft_tokens: int = 0  # drafts verified for this request, and accepted
     num_accepted_tokens: int = 0
     grammar: Any = None  # structured outputs: its GrammarState (structured_output/manager.py)

@@ -38,6 +38,7 @@ class ScheduledRequest:
     # in num_new_tokens); the step's verification keeps those the target agrees with
     drafts: list[int] = field(default_factory=list)
     draft_probs: Any = None  # the distributions they were drawn from (None: one-hot)
+    padding: int = 0  # trailing drafts that only fill a CUDA-graph bucket (not counted)
     # asynchronous scheduling: a decode at the position of the token its request's step in
     # flight samples (the runner takes that token on the device)
     ahead: bool = False
@@ -116,7 +117,7 @@ class Scheduler:
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_probs = [], None
+        request.spec_token_ids, request.spec_probs, request.spec_padding = [], None, 0
         request.num_pending = 0  # (the result of a step in flight is dropped)
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -157,9 +158,11 @@ class Scheduler:
                 i += 1
                 continue
             drafts, probs = request.spec_token_ids, request.spec_probs
+            padding = request.spec_padding
             if drafts or probs is not None:  # (proposers assign new lists, never append)
-                request.spec_token_ids, request.spec_probs = [], None
+                request.spec_token_ids, request.spec_probs, request.spec_padding = [], None, 0
                 if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
+                    padding = max(0, padding - max(0, len(drafts) - (budget - 1)))
                     drafts = drafts[:budget - 1]
                     num_new += len(drafts)
                 else:
@@ -173,6 +176,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
                                                   drafts=drafts, draft_probs=probs,
+                                                  padding=padding if drafts else 0,
                                                   ahead=pending > 0))
                 budget -= num_new
                 i += 1
@@ -243,10 +247,12 @@ class Scheduler:
             if s.drafts:
                 accepted = len(tokens) - 1
                 request.num_computed_tokens = s.end - len(s.drafts) + accepted
-                self.num_draft_tokens += len(s.drafts)
-                self.num_accepted_tokens += accepted
-                request.num_draft_tokens += len(s.drafts)
-                request.num_accepted_tokens += accepted
+                # (the metrics count proposed drafts: a filler accepted is not one)
+                proposed = len(s.drafts) - s.padding
+                self.num_draft_tokens += proposed
+                self.num_accepted_tokens += min(accepted, proposed)
+                request.num_draft_tokens += proposed
+                request.num_accepted_tokens += min(accepted, proposed)
                 self.num_spec_emitted += len(tokens)
                 self.num_spec_steps += 1
             count = 0

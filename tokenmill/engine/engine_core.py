@@ -147,11 +147,15 @@ class EngineCore:
         # speculative decoding: draft tokens for the running requests after each step
         self.proposer = None
         if config.speculative_config is not None:
-            from tokenmill.spec_decode.proposer import make_proposer
+            from tokenmill.spec_decode.proposer import NgramProposer, make_proposer
             try:
                 self.proposer = make_proposer(config.speculative_config, config, model_path,
                                               self.hf_config, self.max_model_len,
                                               self.runner.num_blocks)
+                graphs = self.runner.graphs  # (n-gram drafts filled up to k for its buckets)
+                if isinstance(self.proposer, NgramProposer) and graphs is not None:
+                    self.proposer.pad = (1 + config.speculative_config.num_speculative_tokens
+                                         in graphs.widths)
             except BaseException:
                 self.shutdown()
                 raise

@@ -57,9 +57,16 @@ class Proposer(abc.ABC):
 
 
 class NgramProposer(Proposer):
+    """`pad`: a lookup shorter than the request's budget is filled up to it, repeating its
+    last token (the context's, without a match), so that a step's every request carries
+    as many drafts and the step runs in a CUDA-graph bucket (the engine sets it where the
+    target's drafted steps have buckets); a filler is verified like any draft, and not
+    counted as one."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         super().__init__(config, max_model_len)
         self.contexts: dict[str, ngram.Context] = {}  # request id -> its tokens as an array
+        self.pad = False
 
     def draft(self, chosen: list[tuple[Request, int]]) -> None:
         for request, k in chosen:
@@ -67,8 +74,13 @@ class NgramProposer(Proposer):
             if context is None:
                 context = self.contexts[request.request_id] = ngram.Context()
             tokens = context.update(request.prompt_token_ids, request.output_token_ids)
-            request.spec_token_ids = ngram.propose(tokens, k, self.config.prompt_lookup_min,
-                                                   self.config.prompt_lookup_max)
+            drafts = ngram.propose(tokens, k, self.config.prompt_lookup_min,
+                                   self.config.prompt_lookup_max)
+            if self.pad and len(drafts) < k:
+                filler = drafts[-1] if drafts else int(tokens[-1])
+                request.spec_padding = k - len(drafts)
+                drafts = drafts + [filler] * request.spec_padding
+            request.spec_token_ids = drafts
 
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
