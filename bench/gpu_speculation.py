@@ -1,6 +1,7 @@
 """Speculative decoding on a GPU (bench/gpu_check.py's "speculation" section): the batch-1
 rate of the 0.5B bench model with an EAGLE-1 head of random weights drafting k = 3 tokens,
-beside the same model without speculation, in one run:
+and with n-gram lookup (k = 3; on random text most lookups come short and are filled up to
+k), beside the same model without speculation, in one run:
 
 - `rejected`: the head's drafts are all rejected (the target's own tokens): speculation's
   worst case, a drafted step's whole cost for one token;
@@ -48,11 +49,15 @@ def speculation(path: str, root: str, device: str = "cuda", dtype: str = "bfloat
         make_eagle(path, head)
     prompts = [[2 + i * 7 % 500 for i in range(128)]]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    spec = {"method": "eagle", "model": head, "num_speculative_tokens": K}
-    res = {"k": K, "method": "eagle (random head)"}
+    eagle = {"method": "eagle", "model": head, "num_speculative_tokens": K}
+    # (a random model's text rarely repeats: lookups come short, filled up to k with graphs)
+    ngram = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3}
+    res = {"k": K, "eagle_head": "random weights (its drafts: random tokens)"}
     verify = rejection.verify_greedy
     for name, eager, speculative in (("plain", False, None), ("plain_eager", True, None),
-                                     ("graphs", False, spec), ("eager", True, spec)):
+                                     ("eagle", False, eagle), ("eagle_eager", True, eagle),
+                                     ("ngram", False, ngram), ("ngram_eager", True, ngram)):
         with LLM(path, device=device, dtype=dtype, gpu_memory_utilization=0.4, seed=0,
                  enable_prefix_caching=False, enforce_eager=eager,
                  speculative_config=speculative) as llm:
@@ -62,7 +67,7 @@ def speculation(path: str, root: str, device: str = "cuda", dtype: str = "bfloat
                 runner = llm.engine.core.runner
                 res[name] = {
                     "graph_rows": sorted(runner.graphs.widths) if runner.graphs else None,
-                    "head_graphs": runner.heads.graphs is not None,
+                    "head_graphs": runner.heads is not None and runner.heads.graphs is not None,
                     "rejected_tok_s": decode_rate(llm, prompts, one)}
                 try:
                     rejection.verify_greedy = _accept_all
@@ -74,7 +79,7 @@ def speculation(path: str, root: str, device: str = "cuda", dtype: str = "bfloat
         gc.collect()
         torch.cuda.empty_cache()
     plain = res["plain"]["batch1_tok_s"]
-    for name in ("graphs", "eager"):
+    for name in ("eagle", "eagle_eager", "ngram", "ngram_eager"):
         for kind in ("rejected", "accepted"):
             res[name][f"{kind}_vs_plain"] = res[name][f"{kind}_tok_s"] / plain
     return res
