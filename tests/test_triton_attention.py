@@ -92,23 +92,30 @@ def test_half_precision_within_its_rounding():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_split_decodes_equal_one_range():
-    # long decodes split over several programs, merged by the second kernel; an empty split
-    # (a short sequence beside long ones) contributes nothing
-    seqs = [(700, 1), (5, 1), (1300, 1)]
-    q, k, v, caches, meta = random_step(7, seqs, 3, 4, 2, 16, block_size=16, num_blocks=140)
+@pytest.mark.parametrize("seqs", [[(700, 1), (5, 1), (1300, 1)],
+                                  [(700, 4), (5, 4), (1300, 4), (0, 3)]])
+def test_split_decodes_equal_one_range(seqs):
+    # long decodes (and decodes carrying 3 drafts: short queries of several rows, each row
+    # its own causal limit) split over several programs, merged by the second kernel; an
+    # empty split (a short sequence beside long ones) contributes nothing
+    longest = max(n for _, n in seqs)
+    q, k, v, caches, meta = random_step(7, seqs, 3 if longest == 1 else 0, 4, 2, 16,
+                                        block_size=16, num_blocks=140)
     kv = [c.clone() for c in caches]
     kernels.write_kv(k, v, *kv, meta.slot_mapping)
     q_start = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=DEVICE)
     outs = []
     for splits in (1, 4, 16):
         out = torch.empty_like(q)
-        kernels.paged_attention(q, *kv, out, meta.block_table, meta.seq_lens, q_start, 1, 0.3,
-                                splits=splits)
+        kernels.paged_attention(q, *kv, out, meta.block_table, meta.seq_lens, q_start, longest,
+                                0.3, splits=splits)
         outs.append(out)
     ref = ReferenceBackend().forward(q, k, v, *[c.clone() for c in caches], meta, 0.3)
     for out in outs:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    backend = TritonBackend()  # such a step splits its keys as a decode step does
+    backend.prepare(meta)
+    assert meta.backend_data.splits == decode_splits(len(seqs), 1300 + longest) > 1
     assert decode_splits(1, 40) == 1 and decode_splits(1, 100) == 2
     assert decode_splits(1, 4096) == decode_splits(1, 1024) == 16
     assert decode_splits(64, 4096) == 1 and decode_splits(8, 1024) == 8

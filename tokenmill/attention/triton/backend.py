@@ -26,7 +26,7 @@ class TritonStep:
 
     q_start: torch.Tensor  # [num_seqs + 1] int32: each sequence's first query row
     max_query_len: int
-    splits: int  # key ranges per decode (flash-decoding); 1 with any prompt in the step
+    splits: int  # key ranges per query block (flash-decoding); 1 unless every query is short
     fresh_runs: list[tuple[int, int]] | None = None  # fresh prompts of one length: SDPA's
 
 
@@ -59,8 +59,9 @@ class TritonBackend(AttentionBackend):
         loc = meta.query_start_loc
         max_query_len = max((b - a for a, b in zip(loc, loc[1:])), default=0)
         splits = 1
-        if max_query_len == 1:
-            splits = decode_splits(meta.num_seqs, max(meta.context_lens, default=0) + 1)
+        if max_query_len <= kernels.SHORT:  # (decodes, and decodes with their drafts)
+            splits = decode_splits(meta.num_seqs,
+                                   max(meta.context_lens, default=0) + max_query_len)
         runs = None
         if self.fresh_sdpa and max_query_len > 1 and meta.num_decodes == 0:
             runs = fresh_prompt_runs(meta)  # SDPA takes the step if it is one call per layer
@@ -73,8 +74,8 @@ class TritonBackend(AttentionBackend):
     def graph_variant(num_seqs: int, longest: int, rows: int = 1) -> int:
         """Which launch a captured batch of `num_seqs` sequences of `rows` query rows each
         and up to `longest` keys runs best as: its split count (any count is correct for any
-        length; one for several rows, which the kernel's query blocks take)."""
-        return decode_splits(num_seqs, longest) if rows == 1 else 1
+        length; one for long queries, which the kernel's query blocks take)."""
+        return decode_splits(num_seqs, longest) if rows <= kernels.SHORT else 1
 
     @staticmethod
     def graph_step(q_start: torch.Tensor, variant: int, rows: int = 1) -> TritonStep:

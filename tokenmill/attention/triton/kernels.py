@@ -237,6 +237,7 @@ def _merge_splits(part_ptr, out_ptr, stride_ot, stride_oh, H, D, D_PAD: tl.const
 # 16-bit prompts: the fastest of 16 settings on an H100 (bench/attention_sweep.py, 2048-token
 # prompt, Qwen2-0.5B heads: 0.071 ms vs 0.089 ms for PROMPT; cuDNN SDPA 0.039 ms).
 DECODE = {"rows": 16, "block_n": 32}
+SHORT = 8  # the longest query rows a sequence that still takes DECODE and key splits
 PROMPT = {"rows": 64, "block_n": 64}
 PROMPT_16BIT = {"rows": 128, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
@@ -250,8 +251,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_start[s + 1]) over its sequence's cached keys (seq_lens[s] of them, this step's
     included); values are the first Dv = out.shape[-1] entries of each v_cache row (Dv = D,
     or DeepSeek's latent attention: v_cache is k_cache, its rows latent | rotary key, the
-    values the latents). `splits` > 1 only for decode-only steps (max_query_len 1). `tune`:
-    launch settings (rows, block_n, num_warps, num_stages) instead of the defaults."""
+    values the latents). `splits`: key ranges per query block, merged by a second kernel;
+    only for steps of short queries (max_query_len <= SHORT: decodes, decodes with their
+    drafts), which also take the decode launch settings. `tune`: launch settings (rows,
+    block_n, num_warps, num_stages) instead of the defaults."""
     num_seqs = block_table.shape[0]
     hq, d, dv = q.shape[1], q.shape[2], out.shape[2]
     hkv = k_cache.shape[2]
@@ -260,11 +263,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     int8 = k_cache.dtype == torch.int8
     if int8 and d % 4:
         raise ValueError("int8 KV caches need a head size that is a multiple of 4")
-    base = DECODE if max_query_len == 1 else (
+    short = max_query_len <= SHORT
+    base = DECODE if short else (
         PROMPT_16BIT if q.dtype in (torch.float16, torch.bfloat16) and q.is_cuda else PROMPT)
     tune = {**base, **(tune or {})}
     block_q = max(1, tune["rows"] // head_block)
-    if max_query_len > 1:
+    if not short:
         splits = 1
     d_pad, dv_pad = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     grid = (num_seqs, hkv * triton.cdiv(g, head_block),
