@@ -135,3 +135,49 @@ def test_bad_eagle3_heads_are_start_up_errors(target, tiny_models, tmp_path):
     make_eagle3(shallow, head)
     with pytest.raises(ValueError, match="reads the target's layers"):
         LLM(shallow, speculative_config={**spec, "model": head})
+
+
+def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
+    """The target's steps run in the CUDA-graph buckets beside an EAGLE-3 head too (eagerly
+    here, as captured on a GPU): a bucket gives the hidden states entering the head's target
+    layers, which its first pass reads, and the head's passes run in buckets of their own.
+    Drafts equal the reference at every step, also with 1 or 2 accepted by fiat; greedy
+    outputs equal decoding without speculation."""
+    from helpers import accept_by_fiat, check_drafts_each_step
+
+    from tokenmill import SamplingParams
+    from tokenmill.engine.protocol import EngineCoreRequest
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.spec_decode import rejection
+
+    path, hf = target
+    head = str(tmp_path / "eagle3")
+    tensors = make_eagle3(path, head)
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 4}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine = {"kv_cache_memory_gib": 0.02, "attention_backend": "triton", "max_num_seqs": 4}
+    with LLM(path, **engine, enforce_eager=True) as llm:
+        base = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    with LLM(path, **engine, enable_prefix_caching=False, speculative_config=spec) as llm:
+        runner = llm.engine.core.runner
+        assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
+        assert runner.graphs.aux == [2, 3] and runner.heads.graphs is not None
+        replays = []
+        for graphs in (runner.graphs, runner.heads.graphs.first):
+            original = graphs.replay
+            monkeypatch.setattr(graphs, "replay", lambda size, q, variant, original=original,
+                                graphs=graphs: replays.append((graphs, size, q))
+                                or original(size, q, variant))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+        assert (runner.graphs, 4, 4) in replays and (runner.heads.graphs.first, 4, 4) in replays
+        monkeypatch.setattr(rejection, "verify_greedy", accept_by_fiat)
+        core = llm.engine.core
+        for i, prompt in enumerate(PROMPTS):
+            core.add_request(EngineCoreRequest(f"fiat{i}", prompt, params))
+        checked = check_drafts_each_step(
+            core, lambda context, k: reference_drafts(hf, tensors, context, k), 3)
+        assert checked >= 4 and core.scheduler.num_accepted_tokens >= 4

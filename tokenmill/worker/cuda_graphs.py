@@ -160,7 +160,8 @@ class DecodeGraphs(StepGraphs):
     """The target model's decode steps (q = 1), and with speculative decoding its steps of
     decodes carrying `drafts` tokens each (q = 1 + drafts, buckets up to `drafted_seqs`
     sequences: speculation is off above its `disable_by_batch_size`). Outputs: logits and
-    the final hidden states, which MTP / EAGLE heads read."""
+    what draft heads read: the final hidden states (MTP, EAGLE-1), or the hidden states
+    entering the layers an EAGLE-3 head reads (the model's `aux_layers`)."""
 
     def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
                  block_size: int, max_num_seqs: int, max_model_len: int, capture: bool,
@@ -170,26 +171,29 @@ class DecodeGraphs(StepGraphs):
             widths[1 + drafts] = capture_sizes(min(max_num_seqs, drafted_seqs))
         super().__init__(backend, device, block_size, max_model_len, widths)
         self.model = model
+        self.aux = sorted(set(getattr(model.model, "aux_layers", ())))
         self.pool = self.capture_all() if capture else None
 
-    def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:
         hidden = self.model(self.input_ids[:n * q], self.positions[:n * q],
                             self.meta(n, q, variant))
-        return self.model.compute_logits(hidden), hidden
+        aux = [self.model.model.aux_hidden[i] for i in self.aux]
+        return self.model.compute_logits(hidden), *(aux or [hidden])
 
     def takes(self, inputs: StepInputs) -> bool:
         q = inputs.uniform_rows
         return q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
                                               inputs.block_ids)
 
-    def run(self, inputs: StepInputs, fill=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n * q, vocab] and final hidden states [n * q, hidden] of a uniform step of
-        n sequences (`takes`). `fill`: writes tokens still on the device into the step's
-        input ids (asynchronous scheduling: ModelRunner._fill)."""
+    def run(self, inputs: StepInputs, fill=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits [n * q, vocab] of a uniform step of n sequences (`takes`), and what draft
+        heads read of its rows: [final hidden states], or the aux layers' input states
+        (ascending). `fill`: writes tokens still on the device into the step's input ids
+        (asynchronous scheduling: ModelRunner._fill)."""
         n, q = len(inputs.starts), inputs.uniform_rows
         positions, slots, table = inputs.layout(self.block_size, self.bucket(n, q))
         size, variant = self.load(q, inputs.token_ids, positions, slots, inputs.ends, table)
         if fill is not None:
             fill(self.input_ids[:n])
-        logits, hidden = self.replay(size, q, variant)
-        return logits[:n * q], hidden[:n * q]
+        logits, *features = self.replay(size, q, variant)
+        return logits[:n * q], [x[:n * q] for x in features]

@@ -137,12 +137,10 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int):
         """Decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one rank,
         the Triton backend, a model whose forward has no host syncs; with speculative
-        decoding, steps whose every sequence carries all k drafts too (the graphs give the
-        final hidden states MTP / EAGLE heads read); not beside EAGLE-3 (it reads states
-        inside the forward)."""
+        decoding, steps whose every sequence carries all k drafts too (the graphs give what
+        MTP / EAGLE heads read: the final hidden states, or EAGLE-3's layer inputs)."""
         if not (self.platform.supports_graphs and not self.config.enforce_eager
                 and self.world.size == 1 and self.decode_step is None
-                and (self.features is None or not self.features.aux)
                 and getattr(self.backend, "graph_safe", False)
                 and getattr(self.model, "graphable", False)):
             return None
@@ -293,8 +291,8 @@ class ModelRunner:
         other ranks with draft heads: that of their features); None (or Nones) on the
         other ranks."""
         if self.graphs is not None and self.graphs.takes(inputs):
-            logits, hidden = self.graphs.run(inputs, fill)
-            return logits, [], self.features.taken([hidden]) if self.features else None
+            logits, features = self.graphs.run(inputs, fill)
+            return logits, [], self.features.taken(features) if self.features else None
         input_ids, positions, meta = self._prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
