@@ -27,6 +27,7 @@ micro-batch when one comes."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import msgspec
@@ -36,6 +37,8 @@ from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_sync import with_rows
+
+logger = logging.getLogger(__name__)
 
 HEAD = b"H"  # first byte of a head message under pipeline parallel (a step message's is not)
 
@@ -132,10 +135,17 @@ class HeadDrafter:
 
     def capture(self, capture: bool) -> None:
         """The heads' passes beside the target's CUDA graphs (spec_decode/head_graphs.py;
-        `capture` False: the same buckets run eagerly, the CPU tests)."""
+        `capture` False: the same buckets run eagerly, the CPU tests), unless a head's
+        forward waits on the host."""
         from tokenmill.spec_decode.head_graphs import HeadGraphs
 
-        self.graphs = HeadGraphs(self, capture)
+        if any(getattr(m, "host_sync", False) for h in self.layers for m in h.modules()):
+            return
+        try:
+            self.graphs = HeadGraphs(self, capture)
+        except RuntimeError as exc:  # (the target's graphs stay)
+            logger.warning("CUDA graph capture of the draft heads failed (%s); they run "
+                           "eagerly", exc)
 
     def _send(self, step: StepInputs | None = None, layer: int = 0, seqs: list[int] = (),
               rows: list[int] = (), last: list[int] = ()) -> None:

@@ -123,14 +123,8 @@ class ModelRunner:
         else:
             self.decode_step.max_rows = rows
         self.graphs = self._decode_graphs(max_model_len)
-        if self.graphs is not None and self.heads is not None and not any(
-                getattr(m, "host_sync", False) for h in self.heads.layers for m in h.modules()):
-            try:
-                self.heads.capture(self.graphs.pool is not None)
-            except RuntimeError as exc:  # (the target's graphs stay)
-                logger.warning("CUDA graph capture of the draft heads failed (%s); they run "
-                               "eagerly", exc)
-                self.heads.graphs = None
+        if self.graphs is not None and self.heads is not None:
+            self.heads.capture(self.graphs.pool is not None)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
 
