@@ -32,11 +32,13 @@ from gpu_probes import (  # noqa: E402
     environment,
     generate,
     guarded,
+    guarded_part,
     host_and_device,
     kernel_time,
     llama_7b_layers,
     profile_decode,
     replay_kernels,
+    shares,
     timed,
 )
 from gpu_speculation import speculation  # noqa: E402
@@ -325,19 +327,6 @@ def kernels(root: str) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
     return res
-
-
-def guarded_part(section: dict, name: str) -> dict:
-    """A part of a section that may have failed (its error in its place): {} if it did."""
-    part = section.get(name, {})
-    return part if "batch1_tok_s" in part else {}
-
-
-def shares(part: dict, roofline_tok_s: float) -> None:
-    """A measured engine's batch-1 rate and device step as shares of the roofline."""
-    if part:
-        part["batch1_of_roofline"] = part["batch1_tok_s"] / roofline_tok_s
-        part["batch1_device_of_roofline"] = device_share(part, roofline_tok_s)
 
 
 def main() -> None:

@@ -38,6 +38,19 @@ def guarded(fn) -> dict:
         return {"error": traceback.format_exc()[-3000:]}
 
 
+def guarded_part(section: dict, name: str) -> dict:
+    """A part of a section that may have failed (its error in its place): {} if it did."""
+    part = section.get(name, {})
+    return part if "batch1_tok_s" in part else {}
+
+
+def shares(part: dict, roofline_tok_s: float) -> None:
+    """A measured engine's batch-1 rate and device step as shares of the roofline."""
+    if part:
+        part["batch1_of_roofline"] = part["batch1_tok_s"] / roofline_tok_s
+        part["batch1_device_of_roofline"] = device_share(part, roofline_tok_s)
+
+
 def timed(fn, reps: int = 1) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()

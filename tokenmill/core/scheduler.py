@@ -162,8 +162,9 @@ class Scheduler:
             if drafts or probs is not None:  # (proposers assign new lists, never append)
                 request.spec_token_ids, request.spec_probs, request.spec_padding = [], None, 0
                 if num_new == 1 and drafts:  # a decode: its drafts ride along, budget allowing
-                    padding = max(0, padding - max(0, len(drafts) - (budget - 1)))
-                    drafts = drafts[:budget - 1]
+                    kept = drafts[:budget - 1]
+                    padding = max(0, padding - (len(drafts) - len(kept)))  # (fillers last)
+                    drafts = kept
                     num_new += len(drafts)
                 else:
                     drafts, probs = [], None

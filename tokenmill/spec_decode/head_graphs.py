@@ -51,8 +51,7 @@ class HeadPassGraphs(StepGraphs):
         states, n x q rows; `ids`: their tokens on the device instead of step's): its
         outputs' first n x q rows."""
         n = len(step.starts)
-        positions, slots, table = step.layout(self.block_size, self.bucket(n, q))
-        size, variant = self.load(q, step.token_ids, positions, slots, step.ends, table)
+        size, variant = self.load(q, step)
         if ids is not None:
             self.input_ids[:n * q].copy_(ids)
         self.previous[:n * q].copy_(previous)
@@ -79,12 +78,10 @@ class HeadGraphs:
         """Head 0 over every row of a uniform target step (`inputs`; `ids`: each row's next
         token, 0 past the accepted ones; `features`: what it reads of each row), or None
         when the step has no bucket."""
-        q = inputs.uniform_rows
-        if not (q in self.first.widths
-                and self.first.fits(len(inputs.starts), q, inputs.ends, inputs.block_ids)):
+        if not self.first.takes(inputs):
             return None
         step = StepInputs(ids, inputs.starts, inputs.ends, inputs.block_ids, [], [], [], [])
-        return self.first.run(q, step, features)
+        return self.first.run(inputs.uniform_rows, step, features)
 
     def chain_fits(self, n: int, longest: int, block_ids) -> bool:
         """Whether every later draft's pass of n requests, up to `longest` keys, has a graph."""

@@ -214,10 +214,6 @@ class HeadDrafter:
         if not feeds:
             self._send(None)
             return {}
-        step = StepInputs(ids, [start for start, _ in feeds],
-                          [start + len(r) for (start, _), r in zip(feeds, rows)],
-                          [inputs.block_ids[i] for _, i in feeds], [], [], [], [])
-        order = torch.cat(rows)
         last = [row for row, _, _, _ in drafting]
         speculate = len(scheduled) <= self.limit  # (off: the head's cache rows only)
         graphed = None
@@ -225,7 +221,11 @@ class HeadDrafter:
             graphed = self._graphed_first(inputs, ids, rows, hidden)
         if graphed is not None:
             out, chained, last = graphed
-        else:
+        else:  # the rows with known next tokens alone
+            step = StepInputs(ids, [start for start, _ in feeds],
+                              [start + len(r) for (start, _), r in zip(feeds, rows)],
+                              [inputs.block_ids[i] for _, i in feeds], [], [], [], [])
+            order = torch.cat(rows)
             self._send(step, 0, [i for _, i in feeds], order.tolist(), last if speculate else [])
             out, chained = self._run(0, step, self._features(hidden)[order])
         if not (speculate and last):

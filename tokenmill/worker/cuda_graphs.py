@@ -18,6 +18,7 @@ the bucketing is checked where no GPU is."""
 
 from __future__ import annotations
 
+import abc
 import logging
 from typing import Any
 
@@ -40,7 +41,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes if top in sizes else sizes + [top]
 
 
-class StepGraphs:
+class StepGraphs(abc.ABC):
     """Static buffers of uniform steps and their graphs, keyed (bucket, q, variant). A
     subclass's `forward(n, q, variant)` computes a bucket's outputs (a tuple of tensors) from
     the buffers and `meta(n, q, variant)`."""
@@ -70,8 +71,9 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int, int], Any] = {}  # (bucket, q, variant) -> graph
         self.outputs: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
 
+    @abc.abstractmethod
     def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """Bucket n's outputs for q rows a sequence, as launch `variant`."""
 
     def meta(self, n: int, q: int, variant: int) -> AttentionMetadata:
         """The attention metadata of bucket n's first n * q rows."""
@@ -122,19 +124,26 @@ class StepGraphs:
         return (self.bucket(n, q) is not None and max(ends) <= self.max_len
                 and max(len(b) for b in block_ids) <= self.block_table.shape[1])
 
-    def load(self, q: int, token_ids, positions, slots, ends: list[int],
-             table: np.ndarray) -> tuple[int, int]:
-        """Fill the buffers with a step's n sequences of q rows (`table`: their block table,
-        at least the bucket's rows, padding rows block 0); returns its (bucket, variant)."""
-        n = len(ends)
+    def takes(self, inputs: StepInputs) -> bool:
+        """Whether a step is uniform (`uniform_rows`) and has a bucket here."""
+        q = inputs.uniform_rows
+        return q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
+                                              inputs.block_ids)
+
+    def load(self, q: int, step: StepInputs) -> tuple[int, int]:
+        """Fill the buffers with `step`'s n sequences of q rows (its tokens, positions,
+        slots, lengths and block table; padding sequences after them); returns its
+        (bucket, variant)."""
+        n = len(step.ends)
         size = self.bucket(n, q)
+        positions, slots, table = step.layout(self.block_size, size)
         rows = self._host_rows(size, q, n)
-        rows[:3, :n * q] = token_ids, positions, slots
-        rows[3, :n] = ends
+        rows[:3, :n * q] = step.token_ids, positions, slots
+        rows[3, :n] = step.ends
         self.buffers[:, :size * q].copy_(on_device(rows, torch.int64, self.device))
         self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table[:size]),
                                                        non_blocking=True)
-        return size, self.variant(size, max(ends), q)
+        return size, self.variant(size, max(step.ends), q)
 
     @staticmethod
     def _host_rows(size: int, q: int, n: int) -> np.ndarray:
@@ -180,19 +189,13 @@ class DecodeGraphs(StepGraphs):
         aux = [self.model.model.aux_hidden[i] for i in self.aux]
         return self.model.compute_logits(hidden), *(aux or [hidden])
 
-    def takes(self, inputs: StepInputs) -> bool:
-        q = inputs.uniform_rows
-        return q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
-                                              inputs.block_ids)
-
     def run(self, inputs: StepInputs, fill=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits [n * q, vocab] of a uniform step of n sequences (`takes`), and what draft
         heads read of its rows: [final hidden states], or the aux layers' input states
         (ascending). `fill`: writes tokens still on the device into the step's input ids
         (asynchronous scheduling: ModelRunner._fill)."""
         n, q = len(inputs.starts), inputs.uniform_rows
-        positions, slots, table = inputs.layout(self.block_size, self.bucket(n, q))
-        size, variant = self.load(q, inputs.token_ids, positions, slots, inputs.ends, table)
+        size, variant = self.load(q, inputs)
         if fill is not None:
             fill(self.input_ids[:n])
         logits, *features = self.replay(size, q, variant)
