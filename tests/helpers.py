@@ -235,3 +235,12 @@ def accept_by_fiat(argmax: list[int], drafts: list[int]) -> list[int]:
     draft heads, whose drafts the target would all reject, reach accepted rows this way."""
     accepted = min(len(drafts), 1 + sum(drafts) % 2)
     return drafts[:accepted] + [argmax[accepted]]
+
+
+def record_replays(monkeypatch, graphs: dict, log: list) -> None:
+    """Log (name, bucket, rows a sequence) of every replay of each named StepGraphs (run
+    eagerly on the CPU, as captured on a GPU)."""
+    for name, each in graphs.items():
+        replay = each.replay
+        monkeypatch.setattr(each, "replay", lambda size, q, variant, name=name, replay=replay:
+                            log.append((name, size, q)) or replay(size, q, variant))

@@ -191,8 +191,8 @@ def test_draft_model_greedy_outputs_equal_decoding_without_it(tiny_models, arch,
 def test_drafted_steps_in_decode_graph_buckets(tiny_models, tmp_path, monkeypatch):
     """Verification steps whose every sequence carries its k drafts run in the CUDA-graph
     buckets of 1 + k rows a sequence (eagerly here, the Triton kernels in the interpreter, as
-    captured on a GPU), 3 sequences in bucket 4 beside a padding one; steps with fewer
-    drafts run outside them. Outputs equal decoding without speculation."""
+    captured on a GPU), 3 sequences in bucket 4 beside a padding one. Outputs equal
+    decoding without speculation."""
     from tokenmill.platforms.cpu import CpuPlatform
 
     path, _ = tiny_models("llama")

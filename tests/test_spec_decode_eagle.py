@@ -3,13 +3,12 @@ EAGLE's checkpoint layout: each step's drafts equal the head run from scratch wi
 transformers' decoder layer over the whole context; greedy outputs identical to decoding
 without speculation; heads that do not fit the target are start-up errors."""
 
-import functools
 import json
 import os
 
 import pytest
 import torch
-from helpers import accept_by_fiat, check_drafts_each_step
+from helpers import accept_by_fiat, check_drafts_each_step, record_replays
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
@@ -145,11 +144,7 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
         monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: runs.append(
             (len(inputs.starts), inputs.uniform_rows)) or original(inputs, fill))
         head = llm.engine.core.runner.heads.graphs  # the head's passes in graph buckets too
-        for kind, pass_graphs in (("first", head.first), ("chain", head.chain[0])):
-            monkeypatch.setattr(pass_graphs, "run", functools.partial(
-                lambda kind, run, q, step, *rest: passes.append(
-                    (kind, len(step.starts), q)) or run(q, step, *rest),
-                kind, pass_graphs.run))
+        record_replays(monkeypatch, {"first": head.first, "chain": head.chain[0]}, passes)
         core = llm.engine.core
         for i, (prompt, n) in enumerate(zip(prompts, lengths)):
             core.add_request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(

@@ -143,7 +143,7 @@ def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
     layers, which its first pass reads, and the head's passes run in buckets of their own.
     Drafts equal the reference at every step, also with 1 or 2 accepted by fiat; greedy
     outputs equal decoding without speculation."""
-    from helpers import accept_by_fiat, check_drafts_each_step
+    from helpers import accept_by_fiat, check_drafts_each_step, record_replays
 
     from tokenmill import SamplingParams
     from tokenmill.engine.protocol import EngineCoreRequest
@@ -165,15 +165,12 @@ def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
         assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
         assert runner.graphs.aux == [2, 3] and runner.heads.graphs is not None
         replays = []
-        for graphs in (runner.graphs, runner.heads.graphs.first):
-            original = graphs.replay
-            monkeypatch.setattr(graphs, "replay", lambda size, q, variant, original=original,
-                                graphs=graphs: replays.append((graphs, size, q))
-                                or original(size, q, variant))
+        record_replays(monkeypatch, {"target": runner.graphs,
+                                     "first": runner.heads.graphs.first}, replays)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
-        assert (runner.graphs, 4, 4) in replays and (runner.heads.graphs.first, 4, 4) in replays
+        assert {("target", 4, 4), ("first", 4, 4)} <= set(replays)
         monkeypatch.setattr(rejection, "verify_greedy", accept_by_fiat)
         core = llm.engine.core
         for i, prompt in enumerate(PROMPTS):

@@ -4,11 +4,15 @@ over the whole context (so the MTP layer's paged cache holds the right rows acro
 chunks, accepted and rejected drafts); greedy outputs identical to decoding without
 speculation; start-up errors."""
 
-import functools
-
 import pytest
 import torch
-from helpers import accept_by_fiat, check_drafts_each_step, hf_greedy, make_model
+from helpers import (
+    accept_by_fiat,
+    check_drafts_each_step,
+    hf_greedy,
+    make_model,
+    record_replays,
+)
 from test_deepseek_mtp import PROMPTS, _add_mtp
 
 from tokenmill import LLM, SamplingParams
@@ -226,11 +230,8 @@ def test_mtp_in_cuda_graph_buckets(mtp_model, monkeypatch):
         runner = llm.engine.core.runner
         assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
         passes = []
-        for kind, graphs in (("target", runner.graphs), ("first", runner.heads.graphs.first),
-                             ("chain", runner.heads.graphs.chain[0])):
-            monkeypatch.setattr(graphs, "replay", functools.partial(
-                lambda kind, replay, size, q, variant: passes.append((kind, size, q))
-                or replay(size, q, variant), kind, graphs.replay))
+        record_replays(monkeypatch, {"target": runner.graphs, "first": runner.heads.graphs.first,
+                                     "chain": runner.heads.graphs.chain[0]}, passes)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
