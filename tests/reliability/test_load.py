@@ -206,11 +206,14 @@ class Soak:
             client.close()
 
     def crasher(self) -> None:
-        """Every 2 s: open a long stream, read two chunks, drop the connection."""
+        """Every 2 s: open a long stream, read two chunks, drop the connection. The stream
+        asks for as many tokens as the model's 1024 positions allow: it must still be running
+        when the API process notices the drop (on CI a 300-token one once finished first,
+        counted a success, not an abort)."""
         while time.monotonic() < self.deadline - 2:
             self.count("crash")
             with httpx.stream("POST", self.served.api + "/v1/completions", timeout=60,
-                              json={"model": "tiny", "prompt": "crash", "max_tokens": 300,
+                              json={"model": "tiny", "prompt": "crash", "max_tokens": 1000,
                                     "ignore_eos": True, "stream": True}) as resp:
                 for i, _ in enumerate(resp.iter_lines()):
                     if i >= 3:
