@@ -74,14 +74,12 @@ class HeadGraphs:
             for graphs in self.chain.values():
                 pool = graphs.capture_all(pool)
 
-    def first_pass(self, inputs: StepInputs, ids: list[int], features: torch.Tensor):
-        """Head 0 over every row of a uniform target step (`inputs`; `ids`: each row's next
-        token, 0 past the accepted ones; `features`: what it reads of each row), or None
-        when the step has no bucket."""
-        if not self.first.takes(inputs):
-            return None
+    def first_pass(self, q: int, inputs: StepInputs, ids: list[int], features: torch.Tensor):
+        """Head 0 over every row of a uniform target step of q rows a sequence (`inputs`, one
+        `self.first.takes`; `ids`: each row's next token, 0 past the accepted ones;
+        `features`: what it reads of each row)."""
         step = StepInputs(ids, inputs.starts, inputs.ends, inputs.block_ids, [], [], [], [])
-        return self.first.run(inputs.uniform_rows, step, features)
+        return self.first.run(q, step, features)
 
     def chain_fits(self, n: int, longest: int, block_ids) -> bool:
         """Whether every later draft's pass of n requests, up to `longest` keys, has a graph."""

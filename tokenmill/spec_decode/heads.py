@@ -274,14 +274,17 @@ class HeadDrafter:
     def _graphed_first(self, inputs: StepInputs, ids: list[int], rows, hidden):
         """The first pass in the graph buckets of a uniform step whose every sequence drafts
         (`ids`: the tokens after each one's accepted rows `rows`): rows past them padded with
-        token 0 (head_graphs.py). (out, chained, each sequence's last accepted row) or None."""
-        q = inputs.uniform_rows
+        token 0 (head_graphs.py). (out, chained, each sequence's last accepted row), or None
+        when the step has no bucket."""
+        q = self.graphs.first.takes(inputs)
+        if not q:
+            return None
         padded, at = [], 0
         for r in rows:
             padded += ids[at:at + len(r)] + [0] * (q - len(r))
             at += len(r)
-        got = self.graphs.first_pass(inputs, padded, self._features(hidden))
-        return None if got is None else (*got, [i * q + len(r) - 1 for i, r in enumerate(rows)])
+        out, chained = self.graphs.first_pass(q, inputs, padded, self._features(hidden))
+        return out, chained, [i * q + len(r) - 1 for i, r in enumerate(rows)]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The target's LM head, unless the head has its own (EAGLE-3); None on ranks other

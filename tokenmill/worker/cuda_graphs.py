@@ -124,11 +124,12 @@ class StepGraphs(abc.ABC):
         return (self.bucket(n, q) is not None and max(ends) <= self.max_len
                 and max(len(b) for b in block_ids) <= self.block_table.shape[1])
 
-    def takes(self, inputs: StepInputs) -> bool:
-        """Whether a step is uniform (`uniform_rows`) and has a bucket here."""
+    def takes(self, inputs: StepInputs) -> int:
+        """A uniform step's rows a sequence (`uniform_rows`) if it has a bucket here, else 0."""
         q = inputs.uniform_rows
-        return q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
+        fits = q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
                                               inputs.block_ids)
+        return q if fits else 0
 
     def load(self, q: int, step: StepInputs) -> tuple[int, int]:
         """Fill the buffers with `step`'s n sequences of q rows (its tokens, positions,
