@@ -163,7 +163,7 @@ def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
     with LLM(path, **engine, enable_prefix_caching=False, speculative_config=spec) as llm:
         runner = llm.engine.core.runner
         assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
-        assert runner.graphs.aux == [2, 3] and runner.heads.graphs is not None
+        assert runner.graphs.aux == (2, 3) and runner.heads.graphs is not None
         replays = []
         record_replays(monkeypatch, {"target": runner.graphs,
                                      "first": runner.heads.graphs.first}, replays)

@@ -92,6 +92,21 @@ def test_ngram_proposer_keeps_contexts_only_of_running_requests():
     assert proposer.contexts == {}
 
 
+def test_ngram_padding_fills_lookups_up_to_k_and_counts_only_its_fillers():
+    proposer, (request,) = _running_ngram(1)
+    proposer.pad = True
+    request.prompt_token_ids = [1, 2, 3, 4, 5]  # no earlier n-gram: no lookup at all
+    proposer.propose([request], num_running=1)
+    assert (request.spec_token_ids, request.spec_padding) == ([5, 5], 2)
+    request.output_token_ids.append(3)  # "3" came before, followed by 4, 5
+    proposer.propose([request], num_running=1)  # (the scheduler did not clear it here)
+    assert (request.spec_token_ids, request.spec_padding) == ([4, 5], 0)
+    proposer.pad = False  # (engines without drafted buckets)
+    request.output_token_ids.append(9)
+    proposer.propose([request], num_running=1)
+    assert (request.spec_token_ids, request.spec_padding) == ([], 0)
+
+
 def test_config_defaults_and_errors():
     c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)

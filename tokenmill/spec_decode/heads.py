@@ -50,7 +50,7 @@ class HeadFeatures:
     stage sends them to stage 0."""
 
     def __init__(self, model, aux: tuple[int, ...]) -> None:
-        self.model, self.aux = model, sorted(set(aux))
+        self.model, self.aux = model, tuple(sorted(set(aux)))
         self.count = len(self.aux) or 1  # tensors per step
         held = model.model.stage_layers
         self._before = sum(i < held.start for i in self.aux)

@@ -76,9 +76,9 @@ class NgramProposer(Proposer):
             tokens = context.update(request.prompt_token_ids, request.output_token_ids)
             drafts = ngram.propose(tokens, k, self.config.prompt_lookup_min,
                                    self.config.prompt_lookup_max)
-            if self.pad and len(drafts) < k:
+            request.spec_padding = k - len(drafts) if self.pad else 0
+            if request.spec_padding:
                 filler = drafts[-1] if drafts else int(tokens[-1])
-                request.spec_padding = k - len(drafts)
                 drafts = drafts + [filler] * request.spec_padding
             request.spec_token_ids = drafts
 

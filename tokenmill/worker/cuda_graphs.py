@@ -171,17 +171,17 @@ class DecodeGraphs(StepGraphs):
     decodes carrying `drafts` tokens each (q = 1 + drafts, buckets up to `drafted_seqs`
     sequences: speculation is off above its `disable_by_batch_size`). Outputs: logits and
     what draft heads read: the final hidden states (MTP, EAGLE-1), or the hidden states
-    entering the layers an EAGLE-3 head reads (the model's `aux_layers`)."""
+    entering the layers an EAGLE-3 head reads (`aux`, as `HeadFeatures.aux`)."""
 
     def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
                  block_size: int, max_num_seqs: int, max_model_len: int, capture: bool,
-                 drafts: int = 0, drafted_seqs: int = 0) -> None:
+                 drafts: int = 0, drafted_seqs: int = 0, aux: tuple[int, ...] = ()) -> None:
         widths = {1: capture_sizes(max_num_seqs)}
         if drafts and drafted_seqs:
             widths[1 + drafts] = capture_sizes(min(max_num_seqs, drafted_seqs))
         super().__init__(backend, device, block_size, max_model_len, widths)
         self.model = model
-        self.aux = sorted(set(getattr(model.model, "aux_layers", ())))
+        self.aux = aux  # (HeadFeatures.aux: ascending, no repeats)
         self.pool = self.capture_all() if capture else None
 
     def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:

@@ -147,7 +147,8 @@ class ModelRunner:
                                       self.config.max_num_seqs, max_model_len,
                                       capture=self.device.type == "cuda",
                                       drafts=spec.num_speculative_tokens if spec else 0,
-                                      drafted_seqs=spec.disable_by_batch_size if spec else 0)
+                                      drafted_seqs=spec.disable_by_batch_size if spec else 0,
+                                      aux=self.features.aux if self.features else ())
         except RuntimeError as exc:  # (a forward that cannot be captured: run it eagerly)
             logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
             return None
