@@ -335,10 +335,13 @@ class GpuKernelSettings:
     faster than cuBLAS (layers/skinny.py; off until a GPU run shows it faster end to end).
     TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's float8 weights kept
     as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py); and
-    in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py)."""
+    in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py).
+    TOKENMILL_GPU_PIECEWISE_GRAPHS=0 runs the steps the decode graphs do not take eagerly
+    instead of in piecewise CUDA graphs (worker/piecewise_graphs.py)."""
 
     skinny_linear: bool = False
     fp8_blocks: str = "auto"
+    piecewise_graphs: bool = True
 
     @classmethod
     def from_env(cls, environ=None) -> GpuKernelSettings:
@@ -350,7 +353,8 @@ class GpuKernelSettings:
             raise ValueError("Environment variable TOKENMILL_FP8_BLOCKS must be auto, keep "
                              f"or dequantize, got {fp8_blocks!r}.")
         return cls(skinny_linear=bool(env.flag("TOKENMILL_GPU_SKINNY_LINEAR")),
-                   fp8_blocks=fp8_blocks)
+                   fp8_blocks=fp8_blocks,
+                   piecewise_graphs=env.flag("TOKENMILL_GPU_PIECEWISE_GRAPHS") is not False)
 
     def keep_fp8_blocks(self, device) -> bool:
         return self.fp8_blocks == "keep" or (self.fp8_blocks == "auto"

@@ -201,3 +201,51 @@ class DecodeGraphs(StepGraphs):
             fill(self.input_ids[:n])
         logits, *features = self.replay(size, q, variant)
         return logits[:n * q], [x[:n * q] for x in features]
+
+
+def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
+    """A model runner's steps as CUDA graphs where they can be (one rank, the Triton backend,
+    a model whose forward has no host syncs): decode steps in `DecodeGraphs` (with
+    speculative decoding, steps whose every sequence carries all k drafts too; they give
+    what MTP / EAGLE heads read), and the other steps of up to the token budget (2048 at
+    most) in pieces (piecewise_graphs.py; TOKENMILL_GPU_PIECEWISE_GRAPHS=0: eagerly).
+    (None, None) where there are none."""
+    from tokenmill.config import GpuKernelSettings
+    from tokenmill.worker.piecewise_graphs import PiecewiseGraphs, piece_sizes
+
+    config = runner.config
+    if not (runner.platform.supports_graphs and not config.enforce_eager
+            and runner.world.size == 1 and runner.decode_step is None
+            and getattr(runner.backend, "graph_safe", False)
+            and getattr(runner.model, "graphable", False)):
+        return None, None
+    spec = config.speculative_config  # (steps carrying drafts: their own buckets)
+    capture = runner.device.type == "cuda"
+    aux = runner.features.aux if runner.features else ()
+    try:
+        with torch.inference_mode():
+            graphs = DecodeGraphs(runner.model, runner.backend, runner.device,
+                                  runner.block_size, config.max_num_seqs, max_model_len,
+                                  capture, drafts=spec.num_speculative_tokens if spec else 0,
+                                  drafted_seqs=spec.disable_by_batch_size if spec else 0,
+                                  aux=aux)
+    except RuntimeError as exc:  # (a forward that cannot be captured: run it eagerly)
+        logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
+        return None, None
+    logger.info("Decode steps as CUDA graphs for batch sizes %s", ", ".join(
+        f"{sizes} ({q} rows a sequence)" for q, sizes in graphs.widths.items()))
+    if not GpuKernelSettings.from_env().piecewise_graphs:
+        return graphs, None
+    try:
+        with torch.inference_mode():
+            pieces = PiecewiseGraphs(runner.model, runner.backend, runner.device,
+                                     runner.block_size,
+                                     piece_sizes(config.token_budget(max_model_len)),
+                                     capture, graphs.pool, aux)
+    except RuntimeError as exc:
+        logger.warning("Piecewise CUDA graph capture failed (%s); steps other than decodes "
+                       "run eagerly", exc)
+        return graphs, None
+    logger.info("Other steps of up to %d tokens as CUDA graphs in pieces (between attention "
+                "calls) for token counts %s", pieces.sizes[-1], pieces.sizes)
+    return graphs, pieces

@@ -19,7 +19,7 @@ from tokenmill.host_to_device import on_device
 from tokenmill.loader import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.platforms import get_platform
-from tokenmill.worker import kv_cache
+from tokenmill.worker import cuda_graphs, kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
@@ -103,7 +103,7 @@ class ModelRunner:
         self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype, values)
-        self.heads = self.decode_step = self.graphs = None  # (set below)
+        self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
         self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
         self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks(max_model_len))
@@ -122,39 +122,11 @@ class ModelRunner:
             self.decode_step = None
         else:
             self.decode_step.max_rows = rows
-        self.graphs = self._decode_graphs(max_model_len)
+        self.graphs, self.pieces = cuda_graphs.build(self, max_model_len)
         if self.graphs is not None and self.heads is not None:
             self.heads.capture(self.graphs.pool is not None)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
-
-    def _decode_graphs(self, max_model_len: int):
-        """Decode steps as CUDA graphs (worker/cuda_graphs.py) where they can be: one rank,
-        the Triton backend, a model whose forward has no host syncs; with speculative
-        decoding, steps whose every sequence carries all k drafts too (the graphs give what
-        MTP / EAGLE heads read: the final hidden states, or EAGLE-3's layer inputs)."""
-        if not (self.platform.supports_graphs and not self.config.enforce_eager
-                and self.world.size == 1 and self.decode_step is None
-                and getattr(self.backend, "graph_safe", False)
-                and getattr(self.model, "graphable", False)):
-            return None
-        from tokenmill.worker.cuda_graphs import DecodeGraphs
-
-        spec = self.config.speculative_config  # (steps carrying drafts: their own buckets)
-        try:
-            with torch.inference_mode():
-                graphs = DecodeGraphs(self.model, self.backend, self.device, self.block_size,
-                                      self.config.max_num_seqs, max_model_len,
-                                      capture=self.device.type == "cuda",
-                                      drafts=spec.num_speculative_tokens if spec else 0,
-                                      drafted_seqs=spec.disable_by_batch_size if spec else 0,
-                                      aux=self.features.aux if self.features else ())
-        except RuntimeError as exc:  # (a forward that cannot be captured: run it eagerly)
-            logger.warning("CUDA graph capture failed (%s); decode steps run eagerly", exc)
-            return None
-        logger.info("Decode steps as CUDA graphs for batch sizes %s", ", ".join(
-            f"{sizes} ({q} rows a sequence)" for q, sizes in graphs.widths.items()))
-        return graphs
 
     def _bind_cache(self, num_blocks: int) -> None:
         """A KV cache of `num_blocks` blocks for every attention layer."""
@@ -306,6 +278,8 @@ class ModelRunner:
         hidden = self.decode_step(input_ids, positions, meta, carried,
                                   drafted and inputs.only_decodes) \
             if self.decode_step else None
+        if self.pieces is not None and self.pieces.takes(len(input_ids)):
+            hidden = self.pieces.run(input_ids, positions, meta)  # (every row's)
         kept = None
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.

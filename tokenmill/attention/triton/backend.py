@@ -110,19 +110,22 @@ class TritonBackend(AttentionBackend):
                                        meta.seq_lens, step.q_start, step.max_query_len,
                                        scale, window, softcap, step.splits)
 
-    def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float):
+    # (`out`: rows to write the output into, as a piecewise graph's attention call gives)
+    def mla(self, q_latent, q_pe, cache, meta: AttentionMetadata, rank: int, scale: float,
+            out: torch.Tensor | None = None):
         # one query row of latent | rotary parts against the cache rows; values: the latents
         q = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
-        return self._attend(q, cache, cache, q_latent.new_empty(q_latent.shape), meta, scale)
+        out = q_latent.new_empty(q_latent.shape) if out is None else out
+        return self._attend(q, cache, cache, out, meta, scale)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int | None = None, softcap: float | None = None):
+               window: int | None = None, softcap: float | None = None,
+               out: torch.Tensor | None = None):
+        out = q.new_empty(q.shape) if out is None else out
         runs = meta.backend_data.fresh_runs if meta.num_seqs else None
         if runs is not None and window is None and softcap is None:
-            out = q.new_empty(q.shape)
             fresh_prompt_attention(q, k, v, out, meta.query_start_loc, runs, scale)
             return out
         if q.stride(-1) != 1:
             q = q.contiguous()
-        return self._attend(q, k_cache, v_cache, q.new_empty(q.shape), meta, scale, window,
-                            softcap)
+        return self._attend(q, k_cache, v_cache, out, meta, scale, window, softcap)
