@@ -156,6 +156,7 @@ def performance(root: str, quick: bool) -> dict:
     runner = llm.engine.core.runner
     res["backend"] = type(runner.backend).__name__
     res["graph_sizes"] = runner.graphs.sizes if runner.graphs is not None else None
+    res["piece_sizes"] = runner.pieces.sizes if runner.pieces is not None else None
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 
     run = functools.partial(generate, llm)
@@ -185,7 +186,7 @@ def performance(root: str, quick: bool) -> dict:
     torch.cuda.empty_cache()
     res["eager"] = other_engines(path, prompts, params, batch, greedy, {
         "triton": {"enforce_eager": True, "attention_backend": "triton"},
-        "torch": {"enforce_eager": True, "attention_backend": "torch"}}, 32)
+        "torch": {"enforce_eager": True, "attention_backend": "torch"}}, 32, long_prompt)
     res["async_scheduling"] = guarded(lambda: other_engines(
         path, prompts, params, batch, greedy, {"graphs": {"async_scheduling": True}},
         out_len)["graphs"])
@@ -267,12 +268,13 @@ def prefill_7b_shape(root: str) -> dict:
     return res
 
 
-def other_engines(path, prompts, params, batch, greedy, engines: dict, n: int) -> dict:
+def other_engines(path, prompts, params, batch, greedy, engines: dict, n: int,
+                  long_prompt: list[int] | None = None) -> dict:
     """The same model under other engine settings (`engines`: name -> LLM keyword arguments),
     `n` tokens per request: op by op (no CUDA graphs) on the Triton and on the torch backend,
     what the graphs and the kernels each bring; asynchronous scheduling, what overlapping the
     host's work with the device's brings (and the host waits left per decode step); whether
-    the tokens stay the same."""
+    the tokens stay the same; with `long_prompt`, its prefill's seconds too."""
     from tokenmill import LLM
 
     res = {}
@@ -291,6 +293,10 @@ def other_engines(path, prompts, params, batch, greedy, engines: dict, n: int) -
             "batch_tok_s": batch * n / timed(functools.partial(generate, llm, prompts, one)),
             "same_greedy_tokens_as_graphs": [o.outputs[0].token_ids for o in generate(
                 llm, prompts[:4], params.clone(max_tokens=16))] == greedy}
+        if long_prompt is not None:
+            generate(llm, [long_prompt], short)
+            res[name]["prefill_2k_s"] = timed(functools.partial(
+                generate, llm, [long_prompt], short), 3)
         if settings.get("async_scheduling") or name == "skinny_linear":
             res[name]["decode_split"] = host_and_device(
                 llm.engine.core.runner, functools.partial(

@@ -44,5 +44,5 @@ timeout "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cachep
   tests/test_models.py tests/test_engine_equivalence.py \
   tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_sampling.py tests/test_spec_decode.py tests/test_async_scheduling.py \
   tests/test_spec_decode_eagle.py::test_eagle_beside_decode_graphs tests/test_spec_decode_mtp.py::test_mtp_in_cuda_graph_buckets \
-  tests/test_spec_decode_eagle3.py::test_eagle3_in_cuda_graph_buckets \
+  tests/test_spec_decode_eagle3.py::test_eagle3_in_cuda_graph_buckets tests/test_piecewise_graphs.py \
   2>&1 | tee "$out/gpu-tests-$card-$stamp.log" | grep -vE '^\s*$' | tail -40

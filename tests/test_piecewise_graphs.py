@@ -11,7 +11,13 @@ from helpers import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import GpuKernelSettings
 from tokenmill.platforms.cpu import CpuPlatform
-from tokenmill.worker.piecewise_graphs import SIZES, PiecewiseGraphs, alias, piece_sizes
+from tokenmill.worker.piecewise_graphs import (
+    SIZES,
+    AttentionCall,
+    PiecewiseGraphs,
+    alias,
+    piece_sizes,
+)
 
 # a long prompt (chunked at the 24-token budget, its chunks beside the others' decodes),
 # short ones
@@ -49,19 +55,21 @@ def engine(path, monkeypatch, **kw) -> LLM:
 
 
 def record_runs(monkeypatch, pieces: PiecewiseGraphs, runs: list) -> None:
-    """Log (rows, bucket, decodes, attention calls) of every step the pieces run."""
-    run = pieces.run
-    forward = pieces.forward
+    """Log (rows, bucket, decodes, attention calls) of every step the pieces run (eagerly
+    here; replayed on a GPU)."""
+    run, calls = pieces.run, []
+    call_run = AttentionCall.run
+    monkeypatch.setattr(AttentionCall, "run", lambda self, meta, t: calls.append(t) or
+                        call_run(self, meta, t))
 
-    def counted(size, meta, cut):
-        calls = []
-        out = forward(size, meta, lambda call: calls.append(call) or cut(call))
-        runs[-1] += (len(calls),)
-        return out
+    def logged(ids, positions, meta):
+        calls.clear()
+        hidden = run(ids, positions, meta)
+        assert set(calls) == {len(ids)}  # (each call over the step's rows, not the bucket's)
+        runs.append((len(ids), pieces.bucket(len(ids)), meta.num_decodes, len(calls)))
+        return hidden
 
-    monkeypatch.setattr(pieces, "forward", counted)
-    monkeypatch.setattr(pieces, "run", lambda ids, positions, meta: runs.append(
-        (len(ids), pieces.bucket(len(ids)), meta.num_decodes)) or run(ids, positions, meta))
+    monkeypatch.setattr(pieces, "run", logged)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2", "deepseek_v3"])

@@ -181,13 +181,16 @@ class PiecewiseGraphs:
         one); returns the pool."""
         pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream = torch.cuda.current_stream(self.device)
+        # captured on the stream torch.cuda.graph captured the decode graphs on: a pool's
+        # freed memory goes only to allocations on the stream it was allocated on
+        side = getattr(torch.cuda.graph, "default_capture_stream", None) or torch.cuda.Stream(
+            self.device)
         for size in reversed(self.sizes):
             self.slot_mapping[:size].fill_(-1)
             meta = self.padding_meta(size)
-            side = torch.cuda.Stream(self.device)
             side.wait_stream(stream)
-            with torch.cuda.stream(side):  # compiles the kernels, outside any capture
-                self.forward(size, meta, self.eager(meta, size))
+            with torch.cuda.stream(side):
+                self.forward(size, meta, self.eager(meta, size))  # (compiles the kernels)
                 torch.cuda.synchronize(self.device)
                 self.capture(size, meta, pool, torch.cuda.CUDAGraph)
             stream.wait_stream(side)
