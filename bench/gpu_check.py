@@ -64,8 +64,8 @@ def hardware() -> dict:
 
 def correctness(root: str) -> dict:
     """Tiny random models: greedy tokens from tokenmill on cuda (CUDA graphs where the model
-    takes them: the MoE model on fused experts, DeepSeek's latent attention) equal
-    transformers' on cuda."""
+    takes them: the MoE model on fused experts, DeepSeek's latent attention; prompt chunks
+    in piecewise graphs) equal transformers' on cuda."""
     from helpers import make_model
 
     from tokenmill import LLM, SamplingParams
@@ -87,8 +87,8 @@ def correctness(root: str) -> dict:
             [{"prompt_token_ids": p} for p in prompts],
             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)]
         runner = llm.engine.core.runner
-        out[arch] = {"graphs": runner.graphs is not None, "equal": got == refs,
-                     "matching_prefix": [
+        out[arch] = {"graphs": runner.graphs is not None, "pieces": runner.pieces is not None,
+                     "equal": got == refs, "matching_prefix": [
             next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r))
             for g, r in zip(got, refs)]}
         del llm, hf, runner
