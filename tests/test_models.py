@@ -181,9 +181,10 @@ def test_last_layer_runs_only_the_rows_sampled_from(tiny_models, arch, cpu_ops):
 
 def test_prompt_steps_skip_the_last_layer_for_rows_not_sampled(tiny_models, monkeypatch):
     """The runner hands the model its sampled rows: a prompt step's last MLP sees one row per
-    finished prompt, except for prompt logprobs, which score every row."""
+    finished prompt, except for prompt logprobs, which score every row. (Eager: on a GPU
+    piecewise graphs run every row through every layer.)"""
     path, hf = tiny_models("llama")
-    llm = LLM(path, kv_cache_memory_gib=0.01, enable_prefix_caching=False)
+    llm = LLM(path, kv_cache_memory_gib=0.01, enable_prefix_caching=False, enforce_eager=True)
     mlp = llm.engine.core.runner.model.model.layers[-1].mlp
     rows, real = [], mlp.forward
     monkeypatch.setattr(mlp, "forward", lambda x: rows.append(x.shape[0]) or real(x))

@@ -195,6 +195,9 @@ class PiecewiseGraphs:
                 self.capture(size, meta, pool, torch.cuda.CUDAGraph)
             stream.wait_stream(side)
         torch.cuda.synchronize(self.device)
+        # the warm-ups' memory back to the card (the KV budget counted one step's peak, which
+        # the pool now holds; the pool's own memory stays)
+        torch.cuda.empty_cache()
         return pool
 
     def capture(self, size: int, meta: AttentionMetadata, pool, new_graph) -> None:
