@@ -192,3 +192,20 @@ def test_pieces_switched_off_by_their_variable(tiny_models, monkeypatch):
     with LLM(path, kv_cache_memory_gib=0.02, attention_backend="triton",
              enforce_eager=True) as eager:
         assert eager.engine.core.runner.pieces is None
+
+
+def test_a_failed_capture_leaves_those_steps_eager(tiny_models, monkeypatch, caplog):
+    from tokenmill.worker import piecewise_graphs
+
+    def fail(*args, **kwargs):
+        raise AttributeError("no such private torch function")
+
+    monkeypatch.setattr(piecewise_graphs.PiecewiseGraphs, "__init__", fail)
+    path, hf = tiny_models("llama")
+    with engine(path, monkeypatch) as llm:
+        runner = llm.engine.core.runner
+        assert runner.graphs is not None and runner.pieces is None  # (decode graphs kept)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in PROMPTS[:2]]
+    assert "Piecewise CUDA graph capture failed (AttributeError" in caplog.text

@@ -242,9 +242,9 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
                                      runner.block_size,
                                      piece_sizes(config.token_budget(max_model_len)),
                                      capture, graphs.pool, aux)
-    except RuntimeError as exc:
-        logger.warning("Piecewise CUDA graph capture failed (%s); steps other than decodes "
-                       "run eagerly", exc)
+    except Exception as exc:  # noqa: BLE001 (any failure leaves these steps eager, logged)
+        logger.warning("Piecewise CUDA graph capture failed (%s: %s); steps other than "
+                       "decodes run eagerly", type(exc).__name__, exc)
         return graphs, None
     logger.info("Other steps of up to %d tokens as CUDA graphs in pieces (between attention "
                 "calls) for token counts %s", pieces.sizes[-1], pieces.sizes)
