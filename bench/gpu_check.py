@@ -2,7 +2,8 @@
 then batch-1 decode against the HBM roofline, batched throughput against transformers'
 `generate`, and 2k-token prefill against bf16 tensor-core peak. Every section runs even when
 an earlier one fails; results go to one JSON file. Also speculative decoding's drafted steps
-with and without CUDA graphs (bench/gpu_speculation.py).
+with and without CUDA graphs (bench/gpu_speculation.py), and mixed steps with and without
+piecewise graphs (bench/gpu_pieces.py).
 
     python bench/gpu_check.py --out bench/results/gpu-<card>-<date>.json [--quick]
 """
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from gpu_pieces import pieces  # noqa: E402
 from gpu_probes import (  # noqa: E402
     decode_rate,
     device_share,
@@ -51,8 +53,7 @@ def hardware() -> dict:
     """The card's own limits, measured: copy bandwidth and a large bf16 matmul."""
     props = torch.cuda.get_device_properties(0)
     x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
+    (y := torch.empty_like(x)).copy_(x)
     t = timed(lambda: y.copy_(x), 10)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     a @ a
@@ -235,23 +236,20 @@ def prefill_7b_shape(root: str) -> dict:
     device_tflops(res, flops)
     short = [prompt[:128].tolist()]
 
-    def decode(llm) -> float:
-        return decode_rate(llm, short, one)
-
     def decode_async() -> float:
         llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5, seed=0,
                   enable_prefix_caching=False, async_scheduling=True)
-        return decode(llm)
+        return decode_rate(llm, short, one)
 
     def decode_skinny() -> dict:
         with environment(SKINNY):
             llm = LLM(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.5,
                       seed=0, enable_prefix_caching=False)
-        return {"batch1_tok_s": decode(llm), "decode_split": host_and_device(
+        return {"batch1_tok_s": decode_rate(llm, short, one), "decode_split": host_and_device(
             llm.engine.core.runner, functools.partial(generate, llm, short,
                                                       one.clone(max_tokens=9)), 8)}
 
-    res["batch1_tok_s"] = decode(llm)
+    res["batch1_tok_s"] = decode_rate(llm, short, one)
     # the step's device time and its kernels: a 32-layer model's share of the roofline follows
     split = functools.partial(host_and_device, llm.engine.core.runner, functools.partial(
         generate, llm, short, one.clone(max_tokens=9)), 8)
@@ -340,8 +338,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections",
-                    default="hardware,correctness,performance,speculation,prefill_7b_shape,"
-                            "kernels",
+                    default="hardware,correctness,performance,speculation,pieces,"
+                            "prefill_7b_shape,kernels",
                     help="comma-separated subset to run (a rerun of the ones that failed)")
     args = ap.parse_args()
     result = {"date": datetime.date.today().isoformat(),
@@ -350,6 +348,7 @@ def main() -> None:
     for name, fn in (("hardware", hardware), ("correctness", lambda: correctness(root)),
                      ("performance", lambda: performance(root, args.quick)),
                      ("speculation", lambda: speculation(bench_model_at(root), root)),
+                     ("pieces", lambda: pieces(bench_model_at(root))),
                      ("prefill_7b_shape", lambda: prefill_7b_shape(root)),
                      ("kernels", lambda: kernels(root))):
         if name not in args.sections.split(","):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py (speculation
-# too), the skinny matmul sweep, block-FP8 checkpoints served as float8
+# GPU checklist (issue 30): the benchmark sections of bench/gpu_check.py (speculation and
+# piecewise graphs too), the skinny matmul sweep, block-FP8 checkpoints served as float8
 # (bench/gpu_fp8_blocks.py), then the GPU tests.
 # Usage: bash bench/gpu_check.sh [OUTDIR]   (default bench/results); TESTS_S bounds the test
 # part in seconds (default: 240, or less so that the whole script ends within BUDGET_S = 570
