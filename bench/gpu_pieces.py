@@ -15,10 +15,8 @@ and whether the greedy tokens agree. Run alone:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
-import json
 import os
 import sys
 
@@ -26,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_probes import environment, generate, timed  # noqa: E402
+from gpu_probes import environment, generate, standalone, timed  # noqa: E402
 
 OFF = {"TOKENMILL_GPU_PIECEWISE_GRAPHS": "0"}
 
@@ -70,16 +68,5 @@ def pieces(path: str, device: str = "cuda", dtype: str = "bfloat16") -> dict:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    res = pieces(args.model)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    standalone(pieces)

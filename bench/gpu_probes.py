@@ -29,6 +29,22 @@ def environment(values: dict[str, str]):
                 os.environ[name] = value
 
 
+def standalone(section) -> None:
+    """A checklist section run alone: `--model DIR --out FILE.json`, `section(DIR)`'s
+    result written to FILE.json and printed."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    res = section(args.model)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
 def guarded(fn) -> dict:
     """A part of a section that has never run on a GPU: its failure is recorded in its place
     instead of taking the section's other numbers with it."""

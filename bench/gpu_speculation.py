@@ -17,9 +17,7 @@ the graphs bring to a drafted step shows. Run alone:
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import sys
 
@@ -28,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpu_probes import decode_rate  # noqa: E402
+from gpu_probes import decode_rate, standalone  # noqa: E402
 
 K = 3
 
@@ -85,18 +83,7 @@ def speculation(path: str, root: str, device: str = "cuda", dtype: str = "bfloat
     return res
 
 
-def main() -> None:
+if __name__ == "__main__":
     import tempfile
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    res = speculation(args.model, tempfile.mkdtemp())
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(json.dumps(res, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    standalone(lambda model: speculation(model, tempfile.mkdtemp()))

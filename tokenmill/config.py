@@ -336,8 +336,7 @@ class GpuKernelSettings:
     TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's float8 weights kept
     as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py); and
     in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py).
-    TOKENMILL_GPU_PIECEWISE_GRAPHS=0 runs the steps the decode graphs do not take eagerly
-    instead of in piecewise CUDA graphs (worker/piecewise_graphs.py)."""
+    TOKENMILL_GPU_PIECEWISE_GRAPHS=0: no piecewise CUDA graphs (worker/piecewise_graphs.py)."""
 
     skinny_linear: bool = False
     fp8_blocks: str = "auto"

@@ -34,11 +34,14 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURED = 256  # largest batch captured (larger decode batches run eagerly)
 
 
+def up_to(sizes, top: int) -> list[int]:
+    """The bucket `sizes` below `top`, and `top`."""
+    return [s for s in sizes if s < top] + [top]
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Buckets: 1, 2, 4, 8, then every multiple of 16, up to max_num_seqs (and it)."""
-    top = min(max_num_seqs, MAX_CAPTURED)
-    sizes = [s for s in [1, 2, 4, 8, *range(16, MAX_CAPTURED + 1, 16)] if s <= top]
-    return sizes if top in sizes else sizes + [top]
+    return up_to([1, 2, 4, 8, *range(16, MAX_CAPTURED + 1, 16)], min(max_num_seqs, MAX_CAPTURED))
 
 
 class StepGraphs(abc.ABC):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.worker.cuda_graphs import up_to
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,7 @@ SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768,
 def piece_sizes(budget: int) -> list[int]:
     """Buckets up to a step's token budget (and it; 2048 at most: larger steps run
     eagerly)."""
-    top = min(budget, SIZES[-1])
-    sizes = [s for s in SIZES if s < top]
-    return sizes + [top]
+    return up_to(SIZES, min(budget, SIZES[-1]))
 
 
 def alias(x: torch.Tensor) -> torch.Tensor:
