@@ -56,15 +56,16 @@ class AttentionCall:
     before writes them, the rest of its arguments but the metadata, and the output rows
     the piece after reads."""
 
-    def __init__(self, backend: AttentionBackend, method: str, rows: tuple, before: tuple,
-                 after: tuple, out: torch.Tensor) -> None:
-        self.backend, self.method = backend, method
-        self.rows, self.before, self.after, self.out = rows, before, after, out
+    def __init__(self, method, rows: tuple, before: tuple, after: tuple,
+                 out: torch.Tensor) -> None:
+        """`method`: the backend's `attend` or `mla`, which takes `out=`."""
+        self.method, self.rows, self.before, self.after, self.out = (method, rows, before,
+                                                                     after, out)
 
     def run(self, meta: AttentionMetadata, t: int) -> None:
         """The call over the step's first t rows, with the step's metadata."""
-        getattr(self.backend, self.method)(*(x[:t] for x in self.rows), *self.before, meta,
-                                           *self.after, out=self.out[:t])
+        self.method(*(x[:t] for x in self.rows), *self.before, meta, *self.after,
+                    out=self.out[:t])
 
     def weaken(self) -> None:
         """Keep its tensors only as aliases (captured: the memory pool may reuse them)."""
@@ -83,11 +84,11 @@ class Splitter:
         return getattr(self.backend, name)
 
     def attend(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):
-        return self.cut(AttentionCall(self.backend, "attend", (q, k, v), (k_cache, v_cache),
+        return self.cut(AttentionCall(self.backend.attend, (q, k, v), (k_cache, v_cache),
                                       (scale, window, softcap), q.new_zeros(q.shape)))
 
     def mla(self, q_latent, q_pe, cache, meta, rank, scale):
-        return self.cut(AttentionCall(self.backend, "mla", (q_latent, q_pe), (cache,),
+        return self.cut(AttentionCall(self.backend.mla, (q_latent, q_pe), (cache,),
                                       (rank, scale), q_latent.new_zeros(q_latent.shape)))
 
 
