@@ -275,11 +275,12 @@ class ModelRunner:
         if not world.is_first_stage:
             *carried, before = link.carried(len(input_ids), self.hidden_size, self.dtype,
                                             self.features.carried_in() if self.features else 0)
-        hidden = self.decode_step(input_ids, positions, meta, carried,
-                                  drafted and inputs.only_decodes) \
-            if self.decode_step else None
         if self.pieces is not None and self.pieces.takes(len(input_ids)):
             hidden = self.pieces.run(input_ids, positions, meta)  # (every row's)
+        else:
+            hidden = self.decode_step(input_ids, positions, meta, carried,
+                                      drafted and inputs.only_decodes) \
+                if self.decode_step else None
         kept = None
         if hidden is None:
             # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
