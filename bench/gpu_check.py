@@ -1,9 +1,9 @@
 """GPU checklist (issue 30): correctness of the engine on a CUDA device against transformers,
 then batch-1 decode against the HBM roofline, batched throughput against transformers'
 `generate`, and 2k-token prefill against bf16 tensor-core peak. Every section runs even when
-an earlier one fails; results go to one JSON file. Also speculative decoding's drafted steps
-with and without CUDA graphs (bench/gpu_speculation.py), and mixed steps with and without
-piecewise graphs (bench/gpu_pieces.py).
+an earlier one fails; results go to one JSON file, rewritten after each section. Also mixed
+steps with and without piecewise graphs (bench/gpu_pieces.py), and speculative decoding's
+drafted steps with and without CUDA graphs (bench/gpu_speculation.py).
 
     python bench/gpu_check.py --out bench/results/gpu-<card>-<date>.json [--quick]
 """
@@ -333,23 +333,55 @@ def kernels(root: str) -> dict:
     return res
 
 
+def derive(result: dict) -> None:
+    """Shares of the card's measured limits, from the sections that have finished."""
+    hw, perf, big = (result.get(k, {}) for k in ("hardware", "performance", "prefill_7b_shape"))
+    if "copy_gbps" in hw and "weight_bytes" in perf and "batch1_tok_s" in perf:
+        perf["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / perf["weight_bytes"]
+        perf["batch1_of_roofline"] = perf["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
+        perf["batch_vs_hf"] = perf["batch_tok_s"] / perf["hf_batch_tok_s"]
+        perf["prefill_of_peak"] = perf["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
+        if "prefill_2k_device_tflops" in perf:
+            perf["prefill_device_of_peak"] = (perf["prefill_2k_device_tflops"]
+                                              / hw["bf16_matmul_tflops"])
+        perf["batch1_device_of_roofline"] = device_share(perf, perf["batch1_roofline_tok_s"])
+        shares(guarded_part(perf, "async_scheduling"), perf["batch1_roofline_tok_s"])
+        shares(guarded_part(perf, "skinny_linear"), perf["batch1_roofline_tok_s"])
+    if "bf16_matmul_tflops" in hw and "prefill_2k_tflops" in big:
+        big["prefill_of_peak"] = big["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
+        if "prefill_2k_device_tflops" in big:
+            big["prefill_device_of_peak"] = (big["prefill_2k_device_tflops"]
+                                             / hw["bf16_matmul_tflops"])
+    if "copy_gbps" in hw and "batch1_tok_s" in big:
+        big["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / big["decode_read_bytes"]
+        for name in ("batch1_tok_s", "batch1_async_tok_s"):
+            if isinstance(big.get(name), float):
+                big[name.replace("tok_s", "of_roofline")] = (big[name]
+                                                             / big["batch1_roofline_tok_s"])
+        big["batch1_device_of_roofline"] = device_share(big, big["batch1_roofline_tok_s"])
+        shares(guarded_part(big, "skinny_linear"), big["batch1_roofline_tok_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sections",
-                    default="hardware,correctness,performance,speculation,pieces,"
-                            "prefill_7b_shape,kernels",
+                    default="hardware,correctness,performance,prefill_7b_shape,pieces,"
+                            "speculation,kernels",
                     help="comma-separated subset to run (a rerun of the ones that failed)")
     args = ap.parse_args()
     result = {"date": datetime.date.today().isoformat(),
               "command": "python " + " ".join(sys.argv)}
     root = tempfile.mkdtemp()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    # the targets first; the file is rewritten after every section, so a run stopped by its
+    # time limit keeps what finished
     for name, fn in (("hardware", hardware), ("correctness", lambda: correctness(root)),
                      ("performance", lambda: performance(root, args.quick)),
-                     ("speculation", lambda: speculation(bench_model_at(root), root)),
-                     ("pieces", lambda: pieces(bench_model_at(root))),
                      ("prefill_7b_shape", lambda: prefill_7b_shape(root)),
+                     ("pieces", lambda: pieces(bench_model_at(root))),
+                     ("speculation", lambda: speculation(bench_model_at(root), root)),
                      ("kernels", lambda: kernels(root))):
         if name not in args.sections.split(","):
             result[name] = {}
@@ -360,39 +392,10 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - a checklist reports every section
             result[name] = {"error": traceback.format_exc()[-3000:]}
         result[name]["seconds"] = time.perf_counter() - start
+        derive(result)
         print(json.dumps({name: result[name]}, indent=1), flush=True)
-    hw, perf = result["hardware"], result["performance"]
-    if "copy_gbps" in hw and "batch1_tok_s" in perf.get("async_scheduling", {}):
-        perf["async_scheduling"]["batch1_of_roofline"] = (
-            perf["async_scheduling"]["batch1_tok_s"] * perf["weight_bytes"] / hw["copy_gbps"] / 1e9)
-    if "copy_gbps" in hw and "weight_bytes" in perf:
-        perf["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / perf["weight_bytes"]
-        perf["batch1_of_roofline"] = perf["batch1_tok_s"] / perf["batch1_roofline_tok_s"]
-        perf["batch_vs_hf"] = perf["batch_tok_s"] / perf["hf_batch_tok_s"]
-        perf["prefill_of_peak"] = perf["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
-        if "prefill_2k_device_tflops" in perf:
-            perf["prefill_device_of_peak"] = (perf["prefill_2k_device_tflops"]
-                                              / hw["bf16_matmul_tflops"])
-        perf["batch1_device_of_roofline"] = device_share(perf, perf["batch1_roofline_tok_s"])
-        shares(guarded_part(perf, "skinny_linear"), perf["batch1_roofline_tok_s"])
-    big = result["prefill_7b_shape"]
-    if "bf16_matmul_tflops" in hw and "prefill_2k_tflops" in big:
-        big["prefill_of_peak"] = big["prefill_2k_tflops"] / hw["bf16_matmul_tflops"]
-        if "prefill_2k_device_tflops" in big:
-            big["prefill_device_of_peak"] = (big["prefill_2k_device_tflops"]
-                                             / hw["bf16_matmul_tflops"])
-    if "copy_gbps" in hw and "batch1_tok_s" in big:
-        big["batch1_roofline_tok_s"] = hw["copy_gbps"] * 1e9 / big["decode_read_bytes"]
-        for name in ("batch1_tok_s", "batch1_async_tok_s"):
-            if isinstance(big[name], float):
-                big[name.replace("tok_s", "of_roofline")] = (big[name]
-                                                             / big["batch1_roofline_tok_s"])
-        big["batch1_device_of_roofline"] = device_share(big, big["batch1_roofline_tok_s"])
-        shares(guarded_part(big, "skinny_linear"), big["batch1_roofline_tok_s"])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps({"performance": perf, "prefill_7b_shape": big}, indent=1))
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
