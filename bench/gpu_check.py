@@ -158,6 +158,7 @@ def performance(root: str, quick: bool) -> dict:
     res["backend"] = type(runner.backend).__name__
     res["graph_sizes"] = runner.graphs.sizes if runner.graphs is not None else None
     res["piece_sizes"] = runner.pieces.sizes if runner.pieces is not None else None
+    res["graph_gib"] = runner.graph_bytes / 2**30  # (held beside the KV cache)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
 
     run = functools.partial(generate, llm)

@@ -8,7 +8,8 @@ both), in one run, on the 0.5B bench model:
   and the whole run's seconds);
 - `prompt_512`: one 512-token prompt's prefill (one step; seconds);
 
-and whether the greedy tokens agree. Run alone:
+and whether the greedy tokens agree; the memory the graphs hold with and without the pieces.
+Run alone:
 
     python bench/gpu_pieces.py --model DIR --out FILE.json
 """
@@ -55,6 +56,7 @@ def pieces(path: str, device: str = "cuda", dtype: str = "bfloat16") -> dict:
         seconds = timed(run)
         generate(llm, [prompt], one)
         res[name] = {"piece_sizes": runner.pieces.sizes if runner.pieces else None,
+                     "graph_gib": runner.graph_bytes / 2**30,  # (the pieces' pool too)
                      "arrivals_s": seconds,
                      "arrivals_out_tok_s": res["output_tokens"] / seconds,
                      "prompt_512_s": timed(functools.partial(generate, llm, [prompt], one),

@@ -1,6 +1,9 @@
 """platforms/: which platform a device gets, an out-of-tree one registered, the GPU's KV
 budget arithmetic (with torch.cuda's memory readings faked), the profiling step that
-budget measures, and a float8 K/V cache refused by name where Triton has no float8."""
+budget measures, the CUDA graphs' memory measured beside it, and a float8 K/V cache refused
+by name where Triton has no float8."""
+
+import logging
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ def test_cpu_platform_and_an_unknown_device():
     assert isinstance(platform.attention_backend("auto"), TorchSDPABackend)
     assert platform.kv_budget_bytes(None, 0.9) == 4 * 2**30
     assert platform.kv_budget_bytes(0.5, 0.9) == 2**29
+    assert platform.reserved_bytes() == 0
     with pytest.raises(ValueError, match="No tokenmill platform for device type 'meta'"):
         get_platform(torch.device("meta"))
 
@@ -76,6 +80,26 @@ def test_profiling_step_runs_and_leaves_the_cache_alone(tiny_models, arch):
     (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+
+
+def test_graph_memory_is_measured_around_the_captures(tiny_models, monkeypatch, caplog):
+    """What the captures keep (measured as the platform's reserved memory before and after
+    them) is reported: it comes on top of the KV budget."""
+    from tokenmill.worker import cuda_graphs
+
+    held = {"bytes": 5 * 2**30}
+    build = cuda_graphs.build
+
+    def capture(runner, max_model_len):
+        held["bytes"] += 3 * 2**29  # what a capture on a GPU would keep in its pool
+        return build(runner, max_model_len)
+
+    monkeypatch.setattr(cuda_graphs, "build", capture)
+    monkeypatch.setattr(CpuPlatform, "reserved_bytes", lambda self: held["bytes"])
+    path, _ = tiny_models("llama")
+    with caplog.at_level(logging.INFO), LLM(path, kv_cache_memory_gib=0.01) as llm:
+        assert llm.engine.core.runner.graph_bytes == 3 * 2**29
+    assert "CUDA graphs hold 1.50 GiB beside the KV cache" in caplog.text
 
 
 @pytest.mark.parametrize("capability,dtype,backend,refused", [

@@ -42,6 +42,12 @@ class Platform(ABC):
         """Bytes for K/V blocks: `gib` when set, else this device's default; `profile` runs
         the largest step once (its activations must fit beside the cache)."""
 
+    def reserved_bytes(self) -> int:
+        """Device memory this process holds in torch's caching allocator (0 where it has
+        none: the CPU): measured around the CUDA-graph captures, which sit outside the KV
+        budget."""
+        return 0
+
     def check_kv_cache(self, dtype: torch.dtype, backend: AttentionBackend) -> None:
         """A ValueError naming what to change where this device cannot keep K/V in `dtype`
         with `backend` (default: every pairing works)."""

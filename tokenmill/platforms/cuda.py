@@ -50,10 +50,13 @@ class CudaPlatform(Platform):
                              f"{major}.{minor}. Drop the flag, or run the torch attention "
                              "backend (--attention-backend torch).")
 
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
     def kv_budget_bytes(self, gib, utilization, profile=None) -> int:
         """`utilization` x the card, less what is in use (weights, CUDA context, torch's
-        cache) and the peak the largest step allocates above that (`profile`; CUDA graphs'
-        decode buffers are not counted)."""
+        cache) and the peak the largest step allocates above that (`profile`). The CUDA
+        graphs, captured after the cache is bound, come on top (ModelRunner.graph_bytes)."""
         if gib is not None:
             return int(gib * 2**30)
         activations = 0

@@ -122,9 +122,13 @@ class ModelRunner:
             self.decode_step = None
         else:
             self.decode_step.max_rows = rows
+        reserved = self.platform.reserved_bytes()
         self.graphs, self.pieces = cuda_graphs.build(self, max_model_len)
         if self.graphs is not None and self.heads is not None:
             self.heads.capture(self.graphs.pool is not None)
+        self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)
+        if self.graph_bytes:
+            logger.info("CUDA graphs hold %.2f GiB beside the KV cache", self.graph_bytes / 2**30)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_bytes / 2**30, self.kv_dtype)
 
