@@ -156,8 +156,8 @@ def test_capture_cuts_a_piece_at_every_attention_call_and_replays_them_in_turn(
             pieces.capture(16, pieces.padding_meta(16), "pool", lambda: StandIn(log))
         assert log == [e for i in range(layers + 1)
                        for e in (("begin", i, "pool"), ("end", i))]
-        calls = pieces.calls[16]
-        assert len(calls) == layers and len(pieces.pieces[16]) == layers + 1
+        calls = pieces.captured[16].calls
+        assert len(calls) == layers and len(pieces.captured[16].pieces) == layers + 1
         # (the calls' tensors are aliases now, their memory freed: on a GPU the pool's for
         # the next capture; here nothing reads them, the calls' runs stand in below)
         ran = []

@@ -92,6 +92,16 @@ class Splitter:
                                       (rank, scale), q_latent.new_zeros(q_latent.shape)))
 
 
+@dataclasses.dataclass
+class Captured:
+    """A captured bucket: its graphs (one more than its attention calls, which run
+    between them) and its outputs (final hidden states, aux layers' inputs)."""
+
+    pieces: list
+    calls: list[AttentionCall]
+    outputs: tuple[torch.Tensor, ...]
+
+
 class PiecewiseGraphs:
     """The model's forward over `sizes` buckets of token rows in pieces; `run` gives a
     step's final hidden states (and sets the EAGLE-3 layer inputs, `aux`)."""
@@ -104,9 +114,7 @@ class PiecewiseGraphs:
         top = sizes[-1]
         self.buffers = torch.tensor([[0] * top, [0] * top, [-1] * top], device=device)
         self.input_ids, self.positions, self.slot_mapping = self.buffers
-        self.pieces: dict[int, list] = {}  # bucket -> its graphs (one more than calls)
-        self.calls: dict[int, list[AttentionCall]] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.captured: dict[int, Captured] = {}  # bucket -> its graphs
         self.pool = self.capture_all(pool) if capture else None
 
     def takes(self, t: int) -> bool:
@@ -146,13 +154,13 @@ class PiecewiseGraphs:
         self.positions[:t].copy_(positions)
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.slot_mapping[t:size].fill_(-1)  # (padding: written nowhere)
-        if size in self.pieces:
-            pieces = self.pieces[size]
-            for piece, call in zip(pieces, self.calls[size]):
+        if size in self.captured:
+            captured = self.captured[size]
+            for piece, call in zip(captured.pieces, captured.calls):
                 piece.replay()
                 call.run(meta, t)
-            pieces[-1].replay()
-            outputs = self.outputs[size]
+            captured.pieces[-1].replay()
+            outputs = captured.outputs
         else:  # (not captured: the CPU tests)
             outputs = self.forward(size, meta, self.eager(meta, t))
         hidden, *aux = (x[:t] for x in outputs)
@@ -222,4 +230,4 @@ class PiecewiseGraphs:
         pieces[-1].capture_end()
         for call in calls:
             call.weaken()
-        self.pieces[size], self.calls[size], self.outputs[size] = pieces, calls, outputs
+        self.captured[size] = Captured(pieces, calls, outputs)
