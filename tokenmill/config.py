@@ -336,11 +336,14 @@ class GpuKernelSettings:
     TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's float8 weights kept
     as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py); and
     in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py).
-    TOKENMILL_GPU_PIECEWISE_GRAPHS=0: no piecewise CUDA graphs (worker/piecewise_graphs.py)."""
+    TOKENMILL_GPU_PIECEWISE_GRAPHS=0: no piecewise CUDA graphs (worker/piecewise_graphs.py).
+    TOKENMILL_CPU_GRAPH_BUCKETS=1: the graphs' buckets run eagerly on the CPU (no capture), as
+    the tests check their logic where there is no GPU (tensor-parallel ranks included)."""
 
     skinny_linear: bool = False
     fp8_blocks: str = "auto"
     piecewise_graphs: bool = True
+    cpu_graph_buckets: bool = False
 
     @classmethod
     def from_env(cls, environ=None) -> GpuKernelSettings:
@@ -353,7 +356,8 @@ class GpuKernelSettings:
                              f"or dequantize, got {fp8_blocks!r}.")
         return cls(skinny_linear=bool(env.flag("TOKENMILL_GPU_SKINNY_LINEAR")),
                    fp8_blocks=fp8_blocks,
-                   piecewise_graphs=env.flag("TOKENMILL_GPU_PIECEWISE_GRAPHS") is not False)
+                   piecewise_graphs=env.flag("TOKENMILL_GPU_PIECEWISE_GRAPHS") is not False,
+                   cpu_graph_buckets=bool(env.flag("TOKENMILL_CPU_GRAPH_BUCKETS")))
 
     def keep_fp8_blocks(self, device) -> bool:
         return self.fp8_blocks == "keep" or (self.fp8_blocks == "auto"

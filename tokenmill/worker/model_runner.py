@@ -124,7 +124,9 @@ class ModelRunner:
             self.decode_step.max_rows = rows
         reserved = self.platform.reserved_bytes()
         self.graphs, self.pieces = cuda_graphs.build(self, max_model_len)
-        if self.graphs is not None and self.heads is not None:
+        if self.graphs is not None and self.heads is not None and self.tp.size == 1:
+            # (under tensor parallel the heads run eagerly: the other ranks follow rank 0's
+            # passes one message at a time)
             self.heads.capture(self.graphs.pool is not None)
         self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)
         if self.graph_bytes:
@@ -248,6 +250,16 @@ class ModelRunner:
             out.drafts = self.heads.after_step(scheduled, inputs, launched.hidden, out.sampled)
         return out
 
+    def _shared(self, fill):
+        """Asynchronous scheduling over tensor-parallel ranks: only rank 0 holds the tokens
+        its previous step sampled, still on the device; every rank takes its step's input
+        ids, filled (`fill`, rank 0), from there by one broadcast on the device's stream."""
+        def fill_and_share(input_ids: torch.Tensor) -> None:
+            if fill is not None:
+                fill(input_ids)
+            self.tp.broadcast(input_ids)
+        return fill_and_share
+
     def _draw(self, launched: Launched) -> None:
         token_ids = draw(launched, self.sampling, self.generator, self.previous)
         if self.run_ahead and token_ids is not None:  # (the next step's inputs read them)
@@ -261,16 +273,14 @@ class ModelRunner:
         or under pipeline parallel their pending receive from the last stage (stage 0's
         other ranks with draft heads: that of their features); None (or Nones) on the
         other ranks."""
+        if self.run_ahead and self.tp.size > 1:
+            fill = self._shared(fill)
         if self.graphs is not None and self.graphs.takes(inputs):
             logits, features = self.graphs.run(inputs, fill)
             return logits, [], self.features.taken(features) if self.features else None
         input_ids, positions, meta = self._prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
-        if self.run_ahead and self.tp.size > 1:
-            # (asynchronous scheduling: only rank 0 holds the tokens its previous step
-            # sampled, still on the device; every rank takes its filled ids from there)
-            self.tp.broadcast(input_ids)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.link
