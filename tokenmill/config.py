@@ -330,15 +330,14 @@ class CpuKernelSettings:
 
 @dataclass(frozen=True)
 class GpuKernelSettings:
-    """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1 lets 16-bit
-    linear layers run steps of up to 16 rows on the Triton skinny matmul where it is timed
-    faster than cuBLAS (layers/skinny.py; off until a GPU run shows it faster end to end).
-    TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's float8 weights kept
-    as they are (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py); and
-    in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py).
+    """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1: 16-bit linears
+    run steps of up to 16 rows on the Triton skinny matmul where timed faster than cuBLAS
+    (layers/skinny.py). TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's
+    float8 weights kept (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py),
+    also in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py).
     TOKENMILL_GPU_PIECEWISE_GRAPHS=0: no piecewise CUDA graphs (worker/piecewise_graphs.py).
-    TOKENMILL_CPU_GRAPH_BUCKETS=1: the graphs' buckets run eagerly on the CPU (no capture), as
-    the tests check their logic where there is no GPU (tensor-parallel ranks included)."""
+    TOKENMILL_CPU_GRAPH_BUCKETS=1: the graphs' buckets run eagerly on the CPU (the tests,
+    tensor-parallel ranks included)."""
 
     skinny_linear: bool = False
     fp8_blocks: str = "auto"
