@@ -42,6 +42,7 @@ from gpu_probes import (  # noqa: E402
     replay_kernels,
     shares,
     timed,
+    transformers_side,
 )
 from gpu_speculation import speculation  # noqa: E402
 
@@ -119,23 +120,6 @@ def bench_model_at(root: str) -> str:
     if not os.path.isdir(path):
         bench_model(path)
     return path
-
-
-def transformers_side(hf, prompts: list[list[int]], out_len: int) -> dict:
-    """The model's size, and transformers' `generate` at batch 1 and over every prompt."""
-    res = {"params": sum(p.numel() for p in hf.parameters()),
-           "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
-
-    def hf_generate(ids, n):
-        with torch.inference_mode():
-            return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0, attention_mask=torch.ones_like(ids))
-
-    ids = torch.tensor(prompts, device="cuda")
-    hf_generate(ids[:2], 4)
-    res["hf_batch1_tok_s"] = out_len / timed(lambda: hf_generate(ids[:1], out_len))
-    res["hf_batch_tok_s"] = len(prompts) * out_len / timed(lambda: hf_generate(ids, out_len))
-    return res
 
 
 def performance(root: str, quick: bool) -> dict:

@@ -2,7 +2,8 @@
 the section's other numbers, wall time around CUDA syncs, a decode step's device time (graph
 replays) beside its host waits, profiles of host ops and of the kernels of a graph replay or
 of any call (a 2k prefill: its device-only TFLOP/s), the device step's share of the bandwidth
-roofline, and environment variables set while an engine is built."""
+roofline, transformers' own `generate` beside it, and environment variables set while an
+engine is built."""
 
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ def decode_rate(llm, prompts, one) -> float:
     t1 = timed(functools.partial(generate, llm, prompts, one.clone(max_tokens=65)))
     t0 = timed(functools.partial(generate, llm, prompts, one))
     return 64 / (t1 - t0)
+
+
+def transformers_side(hf, prompts: list[list[int]], out_len: int) -> dict:
+    """The model's size, and transformers' `generate` at batch 1 and over every prompt."""
+    res = {"params": sum(p.numel() for p in hf.parameters()),
+           "weight_bytes": sum(p.numel() * p.element_size() for p in hf.parameters())}
+
+    def hf_generate(ids, n):
+        with torch.inference_mode():
+            return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    ids = torch.tensor(prompts, device="cuda")
+    hf_generate(ids[:2], 4)
+    res["hf_batch1_tok_s"] = out_len / timed(lambda: hf_generate(ids[:1], out_len))
+    res["hf_batch_tok_s"] = len(prompts) * out_len / timed(lambda: hf_generate(ids, out_len))
+    return res
 
 
 def llama_7b_layers(layers: int = 4):

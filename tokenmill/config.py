@@ -301,11 +301,10 @@ class CpuKernelSettings:
     """The compiled CPU kernels: TOKENMILL_CPU_KERNELS=0 turns them off (tests, debugging);
     TOKENMILL_CPU_INT_DOT=0 keeps int8/int4 weight layers' activations in float32 (exact
     weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs;
-    TOKENMILL_CPU_DECODE_STEP=0 runs decode steps layer by layer from Python instead of in one
-    compiled call (same kernels, same results; for comparisons); TOKENMILL_GGUF_COMPACT=0
-    widens GGUF Q6_K blocks to int8 groups of 16 (1.5x the file's bytes) and Q5_0 / Q5_1 to
-    int8 groups of 32 (1.6x) instead of keeping them as stored; CC picks the compiler;
-    XDG_CACHE_HOME moves the build cache."""
+    TOKENMILL_CPU_DECODE_STEP=0 runs decode steps layer by layer from Python, not in one
+    compiled call (same results); TOKENMILL_GGUF_COMPACT=0 widens GGUF Q6_K blocks to int8
+    groups of 16 (1.5x the bytes) and Q5_0 / Q5_1 to groups of 32 (1.6x) instead of keeping
+    them; CC picks the compiler; XDG_CACHE_HOME moves the build cache."""
 
     enabled: bool
     compiler: str
@@ -368,17 +367,15 @@ class GpuKernelSettings:
 
 
 def share_metrics_dir(path: str) -> None:
-    """Point PROMETHEUS_MULTIPROC_DIR at `path` for this process and the HTTP workers it
-    spawns afterwards (they inherit the environment; prometheus_client reads the variable when
-    it is imported there and writes its metric files under it)."""
+    """PROMETHEUS_MULTIPROC_DIR = `path`, for this process and the HTTP workers it spawns
+    afterwards (inherited; prometheus_client writes its metric files there)."""
     import os
 
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
 
 
 def md5_check(environ=None) -> bool:
-    """The seed downloader's MD5_CHECK=1: files already present are hashed again (tokenmill
-    checks sha256 / git blob ids, which the hub publishes, rather than md5)."""
+    """The seed downloader's MD5_CHECK=1: files present are hashed again (sha256, not md5)."""
     import os
 
     return bool(_Env(os.environ if environ is None else environ).flag("MD5_CHECK"))
