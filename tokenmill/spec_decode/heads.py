@@ -136,10 +136,12 @@ class HeadDrafter:
     def capture(self, capture: bool) -> None:
         """The heads' passes beside the target's CUDA graphs (spec_decode/head_graphs.py;
         `capture` False: the same buckets run eagerly, the CPU tests), unless a head's
-        forward waits on the host."""
+        forward waits on the host, or under tensor parallel (the other ranks follow rank 0's
+        passes one message at a time, eagerly)."""
         from tokenmill.spec_decode.head_graphs import HeadGraphs
 
-        if any(getattr(m, "host_sync", False) for h in self.layers for m in h.modules()):
+        if self.tp.size > 1 or any(getattr(m, "host_sync", False) for h in self.layers
+                                   for m in h.modules()):
             return
         try:
             self.graphs = HeadGraphs(self, capture)

@@ -124,9 +124,7 @@ class ModelRunner:
             self.decode_step.max_rows = rows
         reserved = self.platform.reserved_bytes()
         self.graphs, self.pieces = cuda_graphs.build(self, max_model_len)
-        if self.graphs is not None and self.heads is not None and self.tp.size == 1:
-            # (under tensor parallel the heads run eagerly: the other ranks follow rank 0's
-            # passes one message at a time)
+        if self.graphs is not None and self.heads is not None:
             self.heads.capture(self.graphs.pool is not None)
         self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)
         if self.graph_bytes:
