@@ -16,7 +16,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
-from tokenmill.platforms.cpu import CpuPlatform
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +229,7 @@ def test_graph_decode_steps_take_the_tokens_on_the_device(tiny_models, monkeypat
     # CUDA-graph decode buckets (run eagerly on the CPU) with the tokens filled in on the
     # device, under the Triton kernels (interpreter)
     path, hf = tiny_models("llama")
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4,
               async_scheduling=True)
     graphs = llm.engine.core.runner.graphs

@@ -9,7 +9,6 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers.fused_moe import BLOCK_M, FusedExperts, align
 from tokenmill.layers.moe import SparseMoE, grouped_experts, softmax_top_k
 from tokenmill.models.llama import MLP
-from tokenmill.platforms.cpu import CpuPlatform
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -160,7 +159,7 @@ def test_moe_models_on_fused_experts_match_transformers(tiny_models, monkeypatch
     # float weights as a GPU keeps them (the CPU packs them for oneDNN)
     monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
     # decode steps in CUDA-graph buckets (run eagerly without a GPU), padding rows routed too
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     path, hf = tiny_models(arch)
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4)
     blocks = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, SparseMoE)]

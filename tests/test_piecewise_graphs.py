@@ -10,7 +10,6 @@ from helpers import hf_greedy
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import GpuKernelSettings
-from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.worker.piecewise_graphs import (
     SIZES,
     AttentionCall,
@@ -49,7 +48,7 @@ def test_an_alias_shares_memory_without_holding_it():
 
 
 def engine(path, monkeypatch, **kw) -> LLM:
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     return LLM(path, kv_cache_memory_gib=0.02, attention_backend="triton", max_num_seqs=4,
                max_num_batched_tokens=24, **kw)
 

@@ -193,12 +193,11 @@ def test_drafted_steps_in_decode_graph_buckets(tiny_models, tmp_path, monkeypatc
     buckets of 1 + k rows a sequence (eagerly here, the Triton kernels in the interpreter, as
     captured on a GPU), 3 sequences in bucket 4 beside a padding one. Outputs equal
     decoding without speculation."""
-    from tokenmill.platforms.cpu import CpuPlatform
 
     path, _ = tiny_models("llama")
     draft = _noisy_copy(path, str(tmp_path / "draft"))
     prompts, params = _prompts()[:3], _params()[1:4]
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     with LLM(path, kv_cache_memory_gib=0.05, attention_backend="triton", max_num_seqs=4,
              speculative_config=_draft(draft, k=2)) as llm:
         graphs = llm.engine.core.runner.graphs
@@ -222,12 +221,11 @@ def test_ngram_drafts_filled_up_to_k_run_in_graph_buckets(tiny_models, monkeypat
     none) is filled up to k, so every drafted step of 3 requests runs in a bucket of 4 rows
     a request (eagerly here, as captured on a GPU). Outputs equal decoding without
     speculation; the draft metrics count the lookups' tokens, not the fillers."""
-    from tokenmill.platforms.cpu import CpuPlatform
     from tokenmill.spec_decode import proposer
 
     path, _ = tiny_models("llama")
     prompts, params = _prompts()[:3], _params()[1:4]
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     looked_up = []
     propose = proposer.ngram.propose
     monkeypatch.setattr(proposer.ngram, "propose", lambda *a: looked_up.append(

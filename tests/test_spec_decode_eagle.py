@@ -124,13 +124,12 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
     tokens."""
     from helpers import hf_greedy
 
-    from tokenmill.platforms.cpu import CpuPlatform
     from tokenmill.spec_decode import rejection
 
     path, hf = tiny_models("llama")
     eagle = str(tmp_path / "eagle")
     tensors = make_eagle(path, eagle)
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     spec = {"method": "eagle", "model": eagle, "num_speculative_tokens": 2,
             "disable_by_batch_size": 2}
     prompts = PROMPTS + [[11, 12, 13, 14]]

@@ -147,13 +147,12 @@ def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
 
     from tokenmill import SamplingParams
     from tokenmill.engine.protocol import EngineCoreRequest
-    from tokenmill.platforms.cpu import CpuPlatform
     from tokenmill.spec_decode import rejection
 
     path, hf = target
     head = str(tmp_path / "eagle3")
     tensors = make_eagle3(path, head)
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
             "disable_by_batch_size": 4}
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

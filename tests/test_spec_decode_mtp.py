@@ -202,14 +202,13 @@ def test_mtp_in_cuda_graph_buckets(mtp_model, monkeypatch):
     ones); greedy outputs equal decoding without speculation."""
     from tokenmill.layers.linear import CpuPackedKernel
     from tokenmill.layers.moe import SparseMoE
-    from tokenmill.platforms.cpu import CpuPlatform
     from tokenmill.spec_decode import rejection
 
     path, hf, tensors, block = mtp_model
     fuse = SparseMoE.fuse_experts
     monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: fuse(self, force=True))
     monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     engine = {"kv_cache_memory_gib": 0.01, "attention_backend": "triton", "max_num_seqs": 4}
     with LLM(path, **engine) as llm:

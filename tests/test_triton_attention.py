@@ -336,7 +336,7 @@ def test_padded_decode_buckets_give_the_same_tokens(tiny_models, monkeypatch):
     # Decode steps of 4, 3, 2 and 1 sequences run in buckets 4, 4, 2, 1 (eagerly here, as
     # captured graphs on a GPU); the padding rows must change nothing.
     path, hf = tiny_models("llama")
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4)
     graphs = llm.engine.core.runner.graphs
     assert isinstance(graphs, DecodeGraphs) and graphs.sizes == [1, 2, 4]

@@ -303,7 +303,6 @@ def test_fp8_block_model_on_gpu_kernels_matches_transformers(tmp_path, tiny_mode
     in graph buckets (eager here), both ways of reading float8."""
     from tokenmill.layers.linear import CpuPackedKernel
     from tokenmill.layers.moe import SparseMoE
-    from tokenmill.platforms.cpu import CpuPlatform
     from tokenmill.quantization import linear_kernels
 
     monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "keep")
@@ -311,7 +310,7 @@ def test_fp8_block_model_on_gpu_kernels_matches_transformers(tmp_path, tiny_mode
     fuse = SparseMoE.fuse_experts
     monkeypatch.setattr(SparseMoE, "fuse_experts", lambda self: fuse(self, force=True))
     monkeypatch.setattr(CpuPackedKernel, "supports", staticmethod(lambda layer: False))
-    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     monkeypatch.setattr(linear_kernels.QuantizedKernel, "_on_triton_gpu", lambda self, k: True)
     monkeypatch.setattr(triton_kernels, "fp8_mode", lambda device: mode)
     llm = LLM(path, kv_cache_memory_gib=0.01, attention_backend="triton", max_num_seqs=4)
