@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +14,68 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 65536  # a schema / regex / grammar's text, or all choices together
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request asks its output to follow (vLLM's name): exactly one of `json` (a JSON
+    schema, as text or a dict), `json_object` (any JSON object), `regex`, `choice` (one of
+    these strings) or `grammar` (EBNF / GBNF). Compiled by structured_output/."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # the constraint starts once the output holds these tokens (the end of a reasoning
+    # section: set by the server's --reasoning-parser); not part of the grammar
+    after_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        asked = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(asked) != 1:
+            raise InvalidParameter(
+                "structured_outputs", "structured_outputs takes exactly one of json, "
+                f"json_object, regex, choice or grammar; got {asked or 'none'}.")
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            raise InvalidParameter("json", "json must be a JSON schema (an object or its "
+                                   "JSON text).")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameter(name, f"{name} must be a non-empty string.")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameter("choice", "choice must be a non-empty list of non-empty "
+                                   "strings.")
+        if self.json_object not in (None, True):
+            raise InvalidParameter("json_object", "json_object must be true when given.")
+        after = self.after_token_ids
+        if after is not None and (not isinstance(after, list) or not after or not all(
+                isinstance(t, int) and 0 <= t < 2**63 for t in after)):
+            raise InvalidParameter("after_token_ids", "after_token_ids must be a non-empty "
+                                   "list of token ids.")
+        kind, spec = self.key()
+        if len(spec) > MAX_SPEC_CHARS:
+            raise InvalidParameter(kind, f"{kind} may be at most {MAX_SPEC_CHARS} characters, "
+                                   f"got {len(spec)}.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what the compiled grammar depends on (the cache key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return kind, _json.dumps(value) if kind == "choice" else str(value)
 
 
 _INT64_MAX = 2**63 - 1
@@ -153,5 +216,3 @@ class SamplingParams:
     def clone(self, **changes: object) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
-
-from tokenmill.structured_output.params import StructuredOutputsParams  # noqa: E402 (cycle)

@@ -17,8 +17,7 @@ import concurrent.futures
 import json
 from typing import Any
 
-from tokenmill.sampling_params import InvalidParameter
-from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.sampling_params import InvalidParameter, StructuredOutputsParams
 
 # character classes as xgrammar prints them
 _LOOSE_CHAR = r'[^\"\\\r\n]'

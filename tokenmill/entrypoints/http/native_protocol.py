@@ -12,7 +12,7 @@ from tokenmill.entrypoints.http.openai_protocol import CAPS
 from tokenmill.entrypoints.http.prompts import PromptTooLong
 from tokenmill.entrypoints.http.state import Reservation, ServerState
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output.params import from_response_format
+from tokenmill.structured_output.response_format import from_response_format
 from tokenmill.tokenizer import ChatTemplateError
 
 # Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from tokenmill.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.structured_output.params import StructuredOutputsParams, from_response_format
+from tokenmill.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from tokenmill.structured_output.response_format import from_response_format
 from tokenmill.tool_calls.request import (
     MAX_TOOLS,
     ToolChoice,

@@ -25,8 +25,7 @@ from tokenmill.entrypoints.http.request_body import BodyError, read_body
 from tokenmill.entrypoints.http.state import ServerState
 from tokenmill.entrypoints.http.streaming import json_line, unless_disconnected
 from tokenmill.outputs import OutputKind
-from tokenmill.sampling_params import InvalidParameter, SamplingParams
-from tokenmill.structured_output.params import StructuredOutputsParams
+from tokenmill.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 # Names a TensorRT-LLM deployment answers to, besides the served model names.
 TRTLLM_MODEL_NAMES = ("ensemble", "tensorrt_llm_bls")
