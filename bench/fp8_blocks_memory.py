@@ -33,8 +33,8 @@ def child(path: str) -> dict:
     import psutil
     import torch
 
-    from tokenmill import loader
-    from tokenmill.loader import load_hf_config, load_model
+    from tokenmill.loading import checkpoint as loader
+    from tokenmill.loading.checkpoint import load_hf_config, load_model
     from tokenmill.quantization.model import weight_bytes
 
     built = []  # the parameters' bytes as built, before a byte is read (a GPU's allocator

@@ -63,7 +63,7 @@ def main() -> None:
         src = os.path.join(tmp, "model")
         tf.LlamaForCausalLM(config).save_pretrained(src)
         from tokenmill.convert.gguf_writer import write_gguf
-        from tokenmill.loader import iter_safetensors
+        from tokenmill.loading.checkpoint import iter_safetensors
 
         state = dict(iter_safetensors(src))
         f32 = os.path.join(tmp, "f32.gguf")

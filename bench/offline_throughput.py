@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model is None:
-        from tokenmill.gguf_loader import default_model_path
+        from tokenmill.loading.gguf import default_model_path
         args.model = default_model_path()
-    from tokenmill.loader import load_hf_config
+    from tokenmill.loading.checkpoint import load_hf_config
     vocab = load_hf_config(args.model).vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)]

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.model is None:
-        from tokenmill.gguf_loader import default_model_path
+        from tokenmill.loading.gguf import default_model_path
         args.model = default_model_path()
     if args.worker:
         args.variant = args.worker

@@ -94,7 +94,7 @@ def default_f32(root: str = os.path.expanduser("~/.cache/tokenmill-bench")) -> s
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tokenmill.gguf_loader import default_model_path
+    from tokenmill.loading.gguf import default_model_path
 
     folder, name = os.path.split(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")

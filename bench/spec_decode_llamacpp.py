@@ -26,7 +26,7 @@ def main() -> None:
     from spec_decode import CHAT, EDIT, REPEAT
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.gguf_loader import default_model_path
+    from tokenmill.loading.gguf import default_model_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=5, help="draft tokens per step (both engines)")

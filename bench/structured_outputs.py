@@ -65,7 +65,7 @@ def compile_times(args) -> dict:
     import xgrammar as xgr
     from test_structured_outputs import SCHEMAS
 
-    from tokenmill.loader import load_hf_config, load_tokenizer
+    from tokenmill.loading.checkpoint import load_hf_config, load_tokenizer
     from tokenmill.structured_output.backend import json_schema_ebnf
 
     tokenizer = load_tokenizer(args.model)
@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.model is None:
-        from tokenmill.gguf_loader import default_model_path
+        from tokenmill.loading.gguf import default_model_path
         args.model = default_model_path()
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"cpu": platform.processor() or platform.machine(),

@@ -43,7 +43,7 @@ def child_w1(args) -> dict:
 
     from tokenmill import LLM, SamplingParams
     from tokenmill.distributed import parallel_state
-    from tokenmill.loader import load_hf_config
+    from tokenmill.loading.checkpoint import load_hf_config
     from tokenmill.quantization.model import weight_bytes
 
     spent = {"s": 0.0, "calls": 0}
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         if proc.returncode:
             raise SystemExit(f"{size} failed:\n{proc.stderr[-3000:]}")
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    from tokenmill.loader import load_hf_config
+    from tokenmill.loading.checkpoint import load_hf_config
 
     micro = allreduce_micro(load_hf_config(args.model_dir).hidden_size, args.repeats)
     base = runs[0]["out_tok_s"]

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("attention", "layers", "quantization"),
     ("platforms", "models"),
-    ("hub", "loading", "loader", "gguf_loader", "gguf_archs"),
+    ("hub", "loading"),
     ("sample", "spec_decode", "beam_search"),
     ("worker",),
     ("executor",),

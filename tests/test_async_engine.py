@@ -8,7 +8,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLM, EngineRequestError
 from tokenmill.engine.core_client import AsyncMPClient, start_engine_core_process
-from tokenmill.loader import load_tokenizer
+from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.tokenizer import eos_token_ids
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]

@@ -7,7 +7,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 
-gguf_loader = pytest.importorskip("tokenmill.gguf_loader")
+gguf_loader = pytest.importorskip("tokenmill.loading.gguf")
 try:
     MODEL = gguf_loader.default_model_path()
 except FileNotFoundError:

@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import hf_greedy, make_model
 
-from tokenmill import LLM, SamplingParams, csrc, gguf_loader
+from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.convert.gguf_writer import write_gguf
+from tokenmill.loading import gguf as gguf_loader
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8]]
 # tiny model -> llama.cpp architecture
@@ -177,7 +178,7 @@ def test_fused_blocks_split_over_two_ranks(tmp_path, tiny_models, qtype):
 def test_llamacpp_defaults_for_gemma3_files():
     """Files that store neither: llama.cpp's fixed 5-local-to-1-global pattern, local rope
     base 10000; query_pre_attn_scalar from the model size, as llama.cpp derives it."""
-    from tokenmill.gguf_archs import configure
+    from tokenmill.loading.gguf_archs import configure
 
     def get(key, default):
         return default

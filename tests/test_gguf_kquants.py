@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from helpers import make_model
 
-from tokenmill import LLM, SamplingParams, csrc, gguf_loader
+from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.convert.gguf_writer import write_gguf
 from tokenmill.layers.linear import Linear
+from tokenmill.loading import gguf as gguf_loader
 from tokenmill.quantization import schemes
 from tokenmill.quantization.gguf_blocks import BLOCKS
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import head_dim
 
-from tokenmill import csrc, gguf_loader
+from tokenmill import csrc
 from tokenmill.convert.gguf_writer import write_gguf
+from tokenmill.loading import gguf as gguf_loader
 from tokenmill.quantization import schemes
 
 

@@ -148,8 +148,9 @@ def test_gguf_mixture_of_experts_files(tiny_models, tmp_path, monkeypatch, arch,
     as blocks give the tokens of the same file expanded to float."""
     from gguf import GGMLQuantizationType
 
-    from tokenmill import csrc, gguf_loader
+    from tokenmill import csrc
     from tokenmill.convert.gguf_writer import write_gguf
+    from tokenmill.loading import gguf as gguf_loader
 
     hf_path, hf = tiny_models(arch)
     path = str(tmp_path / f"{arch}.gguf")

@@ -17,7 +17,7 @@ from tokenmill.outputs import OutputKind
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_models):
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     return load_tokenizer(tiny_models("llama")[0])
 

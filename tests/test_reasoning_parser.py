@@ -98,7 +98,7 @@ def test_served_chat_returns_reasoning_whole_and_streamed(tiny_models, tmp_path)
 
 def test_the_constraint_starts_after_the_think_section(tiny_models):
     from tokenmill.entrypoints.http.reasoning import constraint_start
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     tok = load_tokenizer(tiny_models("llama")[0])
     end = tok.encode("</think>", add_special_tokens=False)

@@ -127,7 +127,7 @@ def test_occupied_port_is_named():
 def test_a_model_that_needs_its_own_code_is_refused_by_name(tmp_path):
     import json
 
-    from tokenmill.loader import load_hf_config
+    from tokenmill.loading.checkpoint import load_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "my_custom_lm", "architectures": ["MyCustomLM"],

@@ -166,8 +166,8 @@ def test_sharded_folder_keeps_mtp_on_stage_0(mtp_model, tmp_path):
     without it (its tensors then unread), both with the original's greedy tokens."""
     from safetensors import safe_open
 
-    from tokenmill.convert.sharded import rank_file
     from tokenmill.entrypoints.cli import main as cli
+    from tokenmill.loading.sharded import rank_file
 
     path, hf, tensors, block = mtp_model
     out = str(tmp_path / "pp2")

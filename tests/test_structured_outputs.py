@@ -151,7 +151,7 @@ def test_n_completions_speculation_and_preemption(tiny_models):
 
 
 def test_masks_equal_trying_every_token(tiny_models):
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     path = tiny_models("llama")[0]
     grammars = Grammars(load_tokenizer(path), 512, [1])
@@ -175,7 +175,7 @@ def test_masks_equal_trying_every_token(tiny_models):
 def test_json_strings_stay_json_and_utf8(tiny_models):
     """xgrammar's length-bounded strings admitted raw control characters and no escapes;
     its string characters admitted surrogates (invalid UTF-8): both fixed."""
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     grammars = Grammars(load_tokenizer(tiny_models("llama")[0]), 512, [1])
 
@@ -223,7 +223,7 @@ def test_a_complete_grammar_ends_a_request_that_ignores_eos(llm):
 def test_drafted_rows_masks_equal_trying_every_token(tiny_models):
     """Row i of a drafted step allows what the grammar allows after drafts[:i]; past a draft
     the grammar refuses, rows repeat that draft's mask; the matcher is left as it was."""
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
     from tokenmill.structured_output.manager import mask_drafted
 
     tokenizer = load_tokenizer(tiny_models("llama")[0])
@@ -279,7 +279,7 @@ def test_constraint_starts_after_the_reasoning_marker(tiny_models, marker_len):
 def test_the_default_model_follows_every_schema():
     """The bundled SmolLM2-135M (real weights, a chat prompt asking for the object) keeps
     to each schema of the corpus, greedy and sampled."""
-    from tokenmill.gguf_loader import default_model_path
+    from tokenmill.loading.gguf import default_model_path
 
     try:
         default_model_path()

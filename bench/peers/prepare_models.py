@@ -240,7 +240,7 @@ def main() -> None:
     p.add_argument("--only", choices=["default", "qwen0.5b", "qwen3moe"], default=None)
     args = p.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    from tokenmill.gguf_loader import default_model_path
+    from tokenmill.loading.gguf import default_model_path
 
     if args.only in (None, "default"):
         out = os.path.join(args.out, "default")

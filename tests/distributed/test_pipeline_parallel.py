@@ -20,7 +20,7 @@ from tests.distributed.test_tensor_parallel import (
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import build_server_config
 from tokenmill.distributed.parallel_state import as_rank
-from tokenmill.loader import load_hf_config, load_model
+from tokenmill.loading.checkpoint import load_hf_config, load_model
 
 
 @pytest.mark.parametrize("arch,tp", [("llama", 1), ("llama3", 1), ("llama_linear", 1),

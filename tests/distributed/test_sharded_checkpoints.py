@@ -15,10 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.convert.sharded import SHARDING, rank_file
 from tokenmill.distributed.parallel_state import as_rank
 from tokenmill.entrypoints.cli import main as cli
-from tokenmill.loader import load_hf_config, load_model
+from tokenmill.loading.checkpoint import load_hf_config, load_model
+from tokenmill.loading.sharded import SHARDING, rank_file
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -271,8 +271,8 @@ def test_gguf_blocks_split_across_ranks_as_they_are(tiny_models, tmp_path, qtype
     same tokens as one rank, half the weight bytes per rank."""
     from gguf import GGMLQuantizationType
 
-    from tokenmill import gguf_loader
     from tokenmill.convert.gguf_writer import write_gguf
+    from tokenmill.loading import gguf as gguf_loader
     from tokenmill.quantization.model import weight_bytes
 
     hf_path, hf = tiny_models("llama")

@@ -93,7 +93,7 @@ def test_block_fp8_checkpoint_serves_the_weights_it_stands_for(tmp_path, tiny_mo
 def _kernels(path: str, monkeypatch) -> tuple[dict[str, str], int, set[str]]:
     """Each linear's kernel, the weights' bytes and the linears given float memory."""
     from tokenmill.layers import linear
-    from tokenmill.loader import load_hf_config, load_model
+    from tokenmill.loading.checkpoint import load_hf_config, load_model
     from tokenmill.quantization import model as qmodel
 
     given, original = [], linear.materialized
@@ -147,10 +147,10 @@ def test_sharded_folder_keeps_float8(tmp_path, tiny_models, monkeypatch):
     at load (no whole rows' maxima) is refused by name."""
     from safetensors import safe_open
 
-    from tokenmill.convert.sharded import rank_file
     from tokenmill.distributed.parallel_state import as_rank
     from tokenmill.entrypoints.cli import main as cli
-    from tokenmill.loader import load_hf_config, load_model
+    from tokenmill.loading.checkpoint import load_hf_config, load_model
+    from tokenmill.loading.sharded import rank_file
 
     path, hf = fp8_checkpoint(tmp_path, tiny_models, "deepseek_v3", KEPT_BLOCK)
     kept, floats = str(tmp_path / "tp2"), str(tmp_path / "tp2-float")

@@ -72,7 +72,7 @@ def test_gguf_blocks_read_as_gguf_dequantizes_them(qtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from tokenmill.gguf_loader import _quantized_shard
+    from tokenmill.loading.gguf import _quantized_shard
 
     w = np.random.default_rng(0).normal(size=(8, 96)).astype(np.float32)
     kind = GGMLQuantizationType[qtype]

@@ -182,8 +182,8 @@ def test_gguf_blocks_are_served_without_expanding(tmp_path, tiny_models, qtype, 
                                                   int_dot, monkeypatch):
     from gguf import GGMLQuantizationType
 
-    from tokenmill import gguf_loader
     from tokenmill.convert.gguf_writer import write_gguf
+    from tokenmill.loading import gguf as gguf_loader
 
     hf_path, hf = tiny_models("llama")
     path = str(tmp_path / f"{qtype}.gguf")
@@ -211,8 +211,8 @@ def test_gguf_layer_with_some_projections_kept_quantized(tmp_path, tiny_models):
     and up are served as they are stored."""
     from gguf import GGMLQuantizationType as Q
 
-    from tokenmill import gguf_loader
     from tokenmill.convert.gguf_writer import write_gguf
+    from tokenmill.loading import gguf as gguf_loader
 
     hf_path, hf = tiny_models("qwen2")
     path = str(tmp_path / "mixed.gguf")

@@ -266,8 +266,8 @@ def test_the_size_bound_never_refuses_a_text_that_fits(tiny_models):
     """The characters a text of n tokens can have never exceed `max_prompt_chars(n)`, even
     for texts made of the vocabulary's longest tokens or of characters a normalizer folds."""
     from tokenmill.entrypoints.http.prompts import max_prompt_chars
-    from tokenmill.gguf_loader import default_model_path, load_gguf_tokenizer
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
+    from tokenmill.loading.gguf import default_model_path, load_gguf_tokenizer
 
     for tok in (load_tokenizer(tiny_models("llama")[0]),
                 load_gguf_tokenizer(default_model_path())):

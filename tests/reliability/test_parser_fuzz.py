@@ -238,7 +238,7 @@ def test_native_validate_raises_only_native_error(body):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_models):
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     return load_tokenizer(tiny_models("llama")[0])
 

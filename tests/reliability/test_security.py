@@ -226,7 +226,7 @@ def test_request_chat_template_needs_the_trust_flag(server, trusting, engine_add
             "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
     assert_openai_error(httpx.post(server + CHAT, json=body, timeout=30), 400, "chat_template")
     ok = httpx.post(trusting + CHAT, json=body, timeout=30)
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     want = len(load_tokenizer(engine_path).encode("hi", add_special_tokens=False))
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == want
@@ -261,7 +261,7 @@ def test_template_kwargs_allowlist(server, kwargs, status):
 
 
 def test_message_content_is_data_not_template_code(engine_address):
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
     from tokenmill.tokenizer import ChatTemplateError, apply_chat_template
 
     tokenizer = load_tokenizer(engine_address[0])

@@ -105,7 +105,7 @@ def test_bad_constraints_are_400_naming_the_field(server, extra, field):
 def test_a_grammar_slow_to_compile_is_refused_in_bounded_time(tiny_models):
     """The check gives up after its timeout (a compile that never ends here), naming the
     field; once that compile ends, checks work again."""
-    from tokenmill.loader import load_tokenizer
+    from tokenmill.loading.checkpoint import load_tokenizer
 
     checker = GrammarChecker(load_tokenizer(tiny_models("llama")[0]), 512, [1],
                              timeout_s=0.2)

@@ -4,7 +4,7 @@ for messages), round trips, and errors in the OpenAI shape naming the field."""
 import httpx
 import pytest
 
-from tokenmill.loader import load_tokenizer
+from tokenmill.loading.checkpoint import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from tests.serving import Served
 from tokenmill.config import build_server_config
-from tokenmill.loader import load_tokenizer
+from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.tokenizer import load_chat_template
 
 R1_LINE = ("--max-model-len 4096 --max-num-seqs 64 --gpu-memory-utilization 0.9 "

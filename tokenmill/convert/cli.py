@@ -42,7 +42,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _gguf_arch(hf_architecture: str) -> str:
-    from tokenmill.gguf_archs import ARCHITECTURES
+    from tokenmill.loading.gguf_archs import ARCHITECTURES
 
     if hf_architecture == "DeepseekV3ForCausalLM":
         return "deepseek2"
@@ -88,7 +88,7 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
 def to_hf(model: str, out: str) -> None:
     from safetensors.torch import save_file
 
-    from tokenmill.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+    from tokenmill.loading.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 
     config = load_gguf_config(model)
     rope = getattr(config, "rope_parameters", None) or {}
@@ -109,7 +109,7 @@ def to_hf(model: str, out: str) -> None:
         weights = {n.replace(".shared_expert.", ".shared_experts."): w
                    for n, w in weights.items()}
     if config.model_type == "mixtral":  # (Mixtral checkpoints' own names)
-        from tokenmill.gguf_archs import mixtral_name
+        from tokenmill.models.moe import mixtral_name
 
         weights = {mixtral_name(n, to_checkpoint=True): w for n, w in weights.items()}
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -142,7 +142,7 @@ def _save_tokenizer(tokenizer, folder: str) -> None:
 
 
 def run(argv: list[str]) -> int:
-    from tokenmill.loader import is_gguf, resolve_model_path
+    from tokenmill.loading.checkpoint import is_gguf, resolve_model_path
 
     args = make_parser().parse_args(argv)
     try:

@@ -11,7 +11,8 @@ import re
 import numpy as np
 import torch
 
-from tokenmill import gguf_archs
+from tokenmill.loading import gguf_archs
+from tokenmill.models.moe import mixtral_name
 
 
 def head_dim(config) -> int:
@@ -130,7 +131,7 @@ def _rope(config) -> dict:
 
 def _tensors(arch, state, config, layer_map):
     """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
-    state = {gguf_archs.mixtral_name(n): t for n, t in state.items()}
+    state = {mixtral_name(n): t for n, t in state.items()}
     _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
         gate, up = state.pop(name).chunk(2, dim=1)  # transformers' [experts, 2 I, H]

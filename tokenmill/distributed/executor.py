@@ -200,7 +200,7 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
     import signal
 
     from tokenmill.engine.engine_core import derive_max_model_len
-    from tokenmill.loader import load_hf_config
+    from tokenmill.loading.checkpoint import load_hf_config
 
     max_model_len = derive_max_model_len(config, load_hf_config(model_path))
     group = WorkerGroup(config, model_path, max_model_len, exit_on_death=False)

@@ -55,7 +55,7 @@ def run(spec: WorkerSpec) -> None:
     import torch
 
     from tokenmill.distributed.parallel_state import destroy_parallel, init_parallel
-    from tokenmill.loader import load_hf_config
+    from tokenmill.loading.checkpoint import load_hf_config
     from tokenmill.worker.model_runner import ModelRunner, resolve_device
 
     torch.set_num_threads(spec.threads)

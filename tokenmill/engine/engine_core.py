@@ -11,7 +11,7 @@ from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from tokenmill.loader import load_hf_config
+from tokenmill.loading.checkpoint import load_hf_config
 from tokenmill.structured_output.manager import StructuredOutputs, advance
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreRequest
 from tokenmill.generation_config import log_defaults, sampling_defaults
-from tokenmill.loader import load_tokenizer, resolve_model_path
+from tokenmill.loading.checkpoint import load_tokenizer, resolve_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template, bad_words_token_ids, eos_token_ids
@@ -105,7 +105,7 @@ class LLMEngine:
         if self.core is not None:
             return self.core.structured.grammars(self.eos_token_ids, self.tokenizer)
         if getattr(self, "_compiler", None) is None:
-            from tokenmill.loader import load_hf_config
+            from tokenmill.loading.checkpoint import load_hf_config
             from tokenmill.structured_output.backend import Grammars
 
             self._compiler = Grammars(self.tokenizer, load_hf_config(self.model_path).vocab_size,

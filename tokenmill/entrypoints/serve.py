@@ -36,7 +36,7 @@ from tokenmill.entrypoints.http.server import build_state, create_health_app, cr
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.kserve import start_grpc_server
 from tokenmill.generation_config import log_defaults, sampling_defaults
-from tokenmill.loader import resolve_model_path
+from tokenmill.loading.checkpoint import resolve_model_path
 from tokenmill.logs import configure_logging
 from tokenmill.metrics import Metrics, multiprocess_registry
 from tokenmill.tokenizer import load_chat_template

@@ -68,10 +68,10 @@ def select_files(files: list[str], gguf_file: str | None = None, gguf_quant: str
 
 
 def others_rank_files(files: list[str], node_rank: int, nnodes: int) -> set[str]:
-    """The rank files of a pre-sharded checkpoint (convert/sharded.py) that other nodes load:
+    """The rank files of a pre-sharded checkpoint (loading/sharded.py) that other nodes load:
     node k runs world ranks [k x R / nnodes, (k + 1) x R / nnodes) of R. Empty for any other
     checkpoint."""
-    from tokenmill.convert.sharded import SHARDING, rank_file
+    from tokenmill.loading.sharded import SHARDING, rank_file
 
     if SHARDING not in files or nnodes <= 1:
         return set()
@@ -181,7 +181,7 @@ def verified_files(root: str, node: tuple[int, int] | None = None) -> list[str] 
 def _needed_ranks(root: str, node: tuple[int, int] | None) -> set[str] | None:
     """The rank files of a pre-sharded snapshot that `node` loads (every one without a node);
     None where its sharding file cannot be read."""
-    from tokenmill.convert.sharded import SHARDING, is_sharded, layout
+    from tokenmill.loading.sharded import SHARDING, is_sharded, layout
 
     try:
         if not is_sharded(root):

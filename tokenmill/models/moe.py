@@ -9,9 +9,23 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.gguf_archs import mixtral_name
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.llama import MLP, LlamaForCausalLM
+
+# Mixtral's checkpoint names (`block_sparse_moe`, its experts' w1 / w3 / w2) -> the names
+# the other mixtures of experts (and llama.cpp's tensor map) use
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                 (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def mixtral_name(name: str, to_checkpoint: bool = False) -> str:
+    """A Mixtral checkpoint name under the common names, or (`to_checkpoint`) back."""
+    pairs = [(b, a) for a, b in MIXTRAL_NAMES] if to_checkpoint else MIXTRAL_NAMES
+    if pairs[0][0] not in name:
+        return name
+    for theirs, ours in pairs:
+        name = name.replace(theirs, ours)
+    return name
 
 
 def mixtral_mlp(config: Any, layer: int) -> nn.Module:
@@ -41,5 +55,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         """Mixtral's `block_sparse_moe` is our `mlp`; its experts' w1 = gate, w3 = up, w2 =
-        down (gguf_archs.mixtral_name, which the converter uses too)."""
+        down (mixtral_name, which the GGUF converter uses too)."""
         return super().checkpoint_target(mixtral_name(name))

@@ -94,7 +94,12 @@ def save_checkpoint(model: torch.nn.Module, hf_config: Any, tokenizer: Any, out:
 
 def run(argv: list[str]) -> int:
     from tokenmill import generation_config
-    from tokenmill.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+    from tokenmill.loading.checkpoint import (
+        load_hf_config,
+        load_model,
+        load_tokenizer,
+        resolve_model_path,
+    )
     from tokenmill.quantization.calibration import calibration_samples, read_calibration_text
     from tokenmill.quantization.model import quantizable_linears, quantize_linears
 

@@ -21,7 +21,7 @@ import torch
 
 from tokenmill.core.block_pool import Block, BlockPool
 from tokenmill.core.request import Request
-from tokenmill.loader import load_hf_config, load_tokenizer, resolve_model_path
+from tokenmill.loading.checkpoint import load_hf_config, load_tokenizer, resolve_model_path
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.sampling import RequestSampling

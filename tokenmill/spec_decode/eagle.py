@@ -157,7 +157,7 @@ def aux_layer_ids(config: Any, num_layers: int, name: str) -> tuple[int, ...]:
 def eagle3_aux_layers(path: str, target: nn.Module) -> tuple[int, ...]:
     """The target layers whose input states the EAGLE-3 head at `path` reads (from its
     config alone: pipeline stages without the head carry them)."""
-    from tokenmill.loader import load_hf_config, resolve_model_path
+    from tokenmill.loading.checkpoint import load_hf_config, resolve_model_path
 
     path = resolve_model_path(path)
     return aux_layer_ids(load_hf_config(path), target.config.num_hidden_layers,
@@ -169,7 +169,7 @@ def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype, device: to
     """The EAGLE-1 or EAGLE-3 head at `path` for `target`, checked against it (start-up
     errors name the problem), float in the target's dtype or quantized as asked. EAGLE-3
     makes the target keep its aux layers' input hidden states (`model.aux_layers`)."""
-    from tokenmill.loader import iter_safetensors, load_hf_config, resolve_model_path
+    from tokenmill.loading.checkpoint import iter_safetensors, load_hf_config, resolve_model_path
     from tokenmill.quantization import QuantConfig
     from tokenmill.quantization import model as qmodel
 

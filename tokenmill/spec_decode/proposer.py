@@ -105,7 +105,7 @@ def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_
     if config.method == "mtp":
         import os
 
-        from tokenmill.loader import resolve_model_path
+        from tokenmill.loading.checkpoint import resolve_model_path
         from tokenmill.spec_decode.heads import HeadProposer
 
         if config.model and (os.path.realpath(resolve_model_path(config.model))

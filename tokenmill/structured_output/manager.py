@@ -72,7 +72,7 @@ class StructuredOutputs:
         requests shares it, so their grammars come from its cache here)."""
         with self._lock:
             if self._grammars is None:
-                from tokenmill.loader import load_tokenizer
+                from tokenmill.loading.checkpoint import load_tokenizer
                 from tokenmill.structured_output.backend import Grammars
 
                 self._grammars = Grammars(tokenizer or load_tokenizer(self.tokenizer_path),

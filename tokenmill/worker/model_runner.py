@@ -16,7 +16,7 @@ from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.host_to_device import on_device
-from tokenmill.loader import load_model
+from tokenmill.loading.checkpoint import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.platforms import get_platform
 from tokenmill.worker import cuda_graphs, kv_cache

@@ -30,7 +30,7 @@ from tokenmill.entrypoints.http.request_body import (
 )
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.http.tracing import Tracer
-from tokenmill.loader import load_tokenizer
+from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.metrics import REJECT_STATUS, Metrics
 from tokenmill.tokenizer import eos_token_ids
 from tokenmill.tool_calls.parsers import get_parser

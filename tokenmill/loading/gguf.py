@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill import gguf_archs
-from tokenmill.gguf_archs import ARCHITECTURES, EXPERT_NAMES, GLOBAL_NAMES, PERMUTED_QK
+from tokenmill.loading import gguf_archs
+from tokenmill.loading.gguf_archs import ARCHITECTURES, EXPERT_NAMES, GLOBAL_NAMES, PERMUTED_QK
 
 logger = logging.getLogger(__name__)
 

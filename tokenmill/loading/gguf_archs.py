@@ -1,6 +1,6 @@
 """llama.cpp's architectures as GGUF files store them: each one's HF architecture, its
 metadata keys as HF config fields, and its tensor names as HF names, with what llama.cpp's
-converter changed undone (gguf_loader.py reads the files through these tables)."""
+converter changed undone (gguf.py reads the files through these tables)."""
 
 from __future__ import annotations
 
@@ -23,22 +23,6 @@ ARCHITECTURES = {
     # DeepSeek-V2 / V3 / R1 (the config class picked by the routing's gating function)
     "deepseek2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
 }
-# Mixtral's checkpoint names (`block_sparse_moe`, its experts' w1 / w3 / w2) -> the names
-# the other mixtures of experts (and llama.cpp's tensor map) use
-MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
-                 (".w3.", ".up_proj."), (".w2.", ".down_proj."))
-
-
-def mixtral_name(name: str, to_checkpoint: bool = False) -> str:
-    """A Mixtral checkpoint name under the common names, or (`to_checkpoint`) back."""
-    pairs = [(b, a) for a, b in MIXTRAL_NAMES] if to_checkpoint else MIXTRAL_NAMES
-    if pairs[0][0] not in name:
-        return name
-    for theirs, ours in pairs:
-        name = name.replace(theirs, ours)
-    return name
-
-
 # llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
 PERMUTED_QK = {"llama", "mistral"}
 # llama.cpp's Gemma files store RMSNorm weights as 1 + w (HF stores w).

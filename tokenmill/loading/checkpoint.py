@@ -17,7 +17,6 @@ from torch import nn
 
 from tokenmill import csrc
 from tokenmill.config import GpuKernelSettings
-from tokenmill.convert import sharded
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import (
     CheckpointSlice,
@@ -26,6 +25,7 @@ from tokenmill.layers.linear import (
     deferred_weights,
 )
 from tokenmill.layers.moe import SparseMoE
+from tokenmill.loading import sharded
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import QuantConfig, checkpoint_quant_config, fp8_blocks
 
@@ -42,7 +42,7 @@ def resolve_model_path(model: str | None, node: tuple[int, int] | None = None,
     `revision` into `cache_dir`; `node` (node_rank, nnodes): of a pre-sharded checkpoint,
     that node's ranks' files only)."""
     if model is None:
-        from tokenmill.gguf_loader import default_model_path
+        from tokenmill.loading.gguf import default_model_path
         return default_model_path()
     if not os.path.exists(model):
         from tokenmill.hub.fetch import looks_like_repo, resolve
@@ -63,7 +63,7 @@ def resolve_model_path(model: str | None, node: tuple[int, int] | None = None,
 
 def load_hf_config(path: str) -> Any:
     if is_gguf(path):
-        from tokenmill.gguf_loader import load_gguf_config
+        from tokenmill.loading.gguf import load_gguf_config
         return load_gguf_config(path)
     from transformers import AutoConfig
     try:
@@ -114,7 +114,7 @@ def iter_weights(path: str, hf_config: Any, keep_quantized: bool = False,
     `CheckpointSlice`s (a tensor-parallel rank reads its shard only); a block-FP8
     checkpoint's float8 weights with `keep_fp8` as `QuantizedShard`s."""
     if is_gguf(path):
-        from tokenmill.gguf_loader import iter_gguf_weights
+        from tokenmill.loading.gguf import iter_gguf_weights
         return iter_gguf_weights(path, hf_config, keep_quantized)
     return iter_safetensors(path, lazy, fp8_blocks.block_size(hf_config), keep_fp8)
 
@@ -175,7 +175,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     # GGUF's 8/4-bit blocks are served as they are where a kernel reads them directly.
     keep_gguf = (quant is None and not float_weights and device.type == "cpu"
                  and dtype == torch.float32 and csrc.available())
-    if presharded:  # this rank's own file (convert/sharded.py)
+    if presharded:  # this rank's own file (sharded.py)
         loaded, stored = sharded.load_rank(model, path, keep_fp8), False
     else:
         loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf, keep_fp8)
@@ -248,7 +248,7 @@ def _share_tied_rows(model: nn.Module, loaded: set[str]) -> None:
 def load_tokenizer(path: str) -> Any:
     """The model's tokenizer; a checkpoint's own Python code is never run."""
     if is_gguf(path):
-        from tokenmill.gguf_loader import load_gguf_tokenizer
+        from tokenmill.loading.gguf import load_gguf_tokenizer
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
