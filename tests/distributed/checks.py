@@ -7,7 +7,7 @@ import psutil
 
 from tests.reliability.streams import Stream
 from tests.serving import HOLD_TOKENS, alive, wait_until
-from tokenmill.distributed.worker import __name__ as WORKER_MODULE
+from tokenmill.executor.worker import __name__ as WORKER_MODULE
 
 
 def held_stream(api: str, prompt: str = "story number 0") -> Stream:

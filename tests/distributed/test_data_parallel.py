@@ -10,7 +10,7 @@ import pytest
 
 from tests.distributed.checks import assert_server_died, held_stream
 from tests.serving import Served, metric, wait_until
-from tokenmill.distributed.dp_client import PrefixRouter
+from tokenmill.engine.dp_client import PrefixRouter
 
 PREFIX = "The quick brown fox jumps over the lazy dog. " * 6
 

@@ -300,7 +300,7 @@ def test_each_rank_of_a_node_gets_its_own_gpu(monkeypatch):
     """No GPU needed: the device each rank would take, and the error when a node has too few."""
     import torch
 
-    from tokenmill.worker.model_runner import resolve_device
+    from tokenmill.platforms import resolve_device
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert [resolve_device("cuda", r, 4) for r in range(8)] == [

@@ -75,7 +75,7 @@ def start_engine_core_process(config: EngineConfig, model_path: str,
 class AsyncMPClient:
     """asyncio client of an engine-core process (one per API process). Outputs and
     heartbeats come tagged with the replica they are from (always 0 here; several replicas:
-    distributed/dp_client.py)."""
+    engine/dp_client.py)."""
 
     num_replicas = 1
 

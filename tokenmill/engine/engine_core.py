@@ -12,42 +12,10 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
+from tokenmill.models.info import derive_max_model_len, kv_window
 from tokenmill.structured_output.manager import StructuredOutputs, advance
 
 logger = logging.getLogger(__name__)
-
-
-def longrope_context(hf_config) -> int | None:
-    """The context LongRoPE's short factors serve (None for other rope types)."""
-    from tokenmill.layers.rotary import longrope_length, rope_parameters  # (imports torch)
-
-    return longrope_length(rope_parameters(hf_config))
-
-
-def derive_max_model_len(config: EngineConfig, hf_config) -> int:
-    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-    # LongRoPE: transformers rotates with the short factors while a sequence is within the
-    # original context and with the long ones past it. One table serves every sequence here:
-    # by default the short factors within the original context (transformers' outputs
-    # exactly); a max_model_len past it takes the long factors for every position (as vLLM),
-    # so prompts within the original context differ slightly from transformers'.
-    original = longrope_context(hf_config)
-    if original is not None and original < model_max:
-        if config.max_model_len is None:
-            logger.warning("LongRoPE: max_model_len defaults to the original context (%d "
-                           "tokens, the short factors); --max-model-len up to %d serves long "
-                           "context with the long factors.", original, model_max)
-            return original
-        if config.max_model_len > original:
-            logger.warning("LongRoPE: max_model_len %d is past the original context (%d): "
-                           "the long factors rotate every position, short prompts included.",
-                           config.max_model_len, original)
-    if config.max_model_len is None:
-        return model_max
-    if config.max_model_len > model_max:
-        raise ValueError(f"max_model_len ({config.max_model_len}) is larger than the model's "
-                         f"max_position_embeddings ({model_max}).")
-    return config.max_model_len
 
 
 def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
@@ -94,8 +62,8 @@ class EngineCore:
                  exit_on_worker_death: bool = False) -> None:
         """`exit_on_worker_death`: a tensor-parallel worker's death ends this process (the
         engine-core process; the server then applies its engine-death policy)."""
-        from tokenmill.distributed.executor import WorkerGroup
-        from tokenmill.distributed.ray_executor import RayWorkerGroup
+        from tokenmill.executor.multiproc import WorkerGroup
+        from tokenmill.executor.ray_executor import RayWorkerGroup
         from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
 
         self.config = config
@@ -107,7 +75,7 @@ class EngineCore:
         if config.data_parallel_size > 1 and config.world_size == 1:  # one replica's share
             import torch
 
-            from tokenmill.distributed.executor import threads_per_rank
+            from tokenmill.executor.multiproc import threads_per_rank
             torch.set_num_threads(threads_per_rank(config))
         if config.world_size > 1:
             group = RayWorkerGroup if config.distributed_executor_backend == "ray" else WorkerGroup
@@ -118,8 +86,6 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
-        from tokenmill.models.llama import kv_window
-
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, kv_window(self.hf_config))
         budget = config.token_budget(self.max_model_len)

@@ -33,7 +33,7 @@ class LLMEngine:
                                                    config.override_generation_config)
         log_defaults(self.sampling_defaults)
         if config.data_parallel_size > 1:  # engine cores in processes of their own
-            from tokenmill.distributed.dp_offline import ReplicaClient
+            from tokenmill.engine.dp_offline import ReplicaClient
             self.core = None
             self.client = ReplicaClient(config, self.model_path)
         else:

@@ -263,7 +263,7 @@ def run_server(config: ServerConfig) -> int:
     for flag, why in config.ignored_flags:
         logger.info("%s: accepted, no effect here (%s)", flag, why)
     if config.engine.node_rank > 0:  # ranks only: node 0 serves every port
-        from tokenmill.distributed.executor import serve_other_node
+        from tokenmill.executor.multiproc import serve_other_node
         return serve_other_node(config.engine, _model_path(config.engine))
     check_ports_free(config)
     code = run_event_loop(ServeProcess(config).run())

@@ -52,7 +52,7 @@ def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]] | No
 def longrope_length(params: dict[str, Any]) -> int | None:
     """The context LongRoPE's short factors serve (None for other rope types): transformers
     switches to the long ones when a sequence passes it; a table for longer sequences takes
-    the long ones for every position (engine_core.derive_max_model_len)."""
+    the long ones for every position (models/info.py derive_max_model_len)."""
     if params["rope_type"] != "longrope":
         return None
     return int(params["original_max_position_embeddings"])

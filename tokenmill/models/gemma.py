@@ -15,7 +15,8 @@ from torch import nn
 from tokenmill.layers.activation import GeluTanhAndMul
 from tokenmill.layers.linear import default_weight_loader, whole
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, layer_window
+from tokenmill.models.info import layer_window
+from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 
 class GemmaRMSNorm(RMSNorm):

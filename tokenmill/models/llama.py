@@ -26,26 +26,7 @@ from tokenmill.layers.rotary import (
     rope_parameters,
     rope_parameters_by_layer_type,
 )
-
-
-def layer_window(config: Any, layer: int) -> int | None:
-    """The sliding attention window of `layer`, or None (full attention): every layer's
-    `sliding_window` (Mistral v0.1, Phi-3), or those `layer_types` marks (Qwen2 with
-    `use_sliding_window` past `max_window_layers`)."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    types = getattr(config, "layer_types", None)
-    if types and types[layer] != "sliding_attention":
-        return None
-    return int(window)
-
-
-def kv_window(config: Any) -> int | None:
-    """The window every layer keeps to (the largest, where windows differ), or None when a
-    layer attends to the whole sequence: only then can old blocks be given back."""
-    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
-    return None if None in windows else max(windows)
+from tokenmill.models.info import layer_window
 
 
 class Attention(nn.Module):

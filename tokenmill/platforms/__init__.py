@@ -87,3 +87,18 @@ def triton_backend(fresh_sdpa: bool = False) -> AttentionBackend:
         raise ValueError("attention_backend 'triton' needs the triton package "
                          "(pip install triton)") from None
     return TritonBackend(fresh_sdpa)
+
+
+def resolve_device(name: str, rank: int = 0, ranks_per_node: int = 1) -> torch.device:
+    """The device of parallel rank `rank`: on GPUs, one GPU per rank of a node (cuda:N
+    pins every rank to N)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda" or device.index is not None:
+        return device
+    visible = torch.cuda.device_count()
+    if ranks_per_node > visible:
+        raise ValueError(f"{ranks_per_node} parallel ranks per node need as many GPUs; "
+                         f"{visible} visible (CUDA_VISIBLE_DEVICES).")
+    return torch.device("cuda", rank % ranks_per_node)

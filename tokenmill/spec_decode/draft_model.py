@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, engine_config, target_path: str,
                  target_hf, max_model_len: int, num_blocks: int) -> None:
         from tokenmill.distributed.parallel_state import single_rank
-        from tokenmill.engine.engine_core import derive_max_model_len
+        from tokenmill.models.info import derive_max_model_len
         from tokenmill.worker.model_runner import ModelRunner
 
         path = resolve_model_path(config.model) if config.model else target_path

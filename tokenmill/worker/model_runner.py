@@ -18,7 +18,7 @@ from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
-from tokenmill.platforms import get_platform
+from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.worker import cuda_graphs, kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
@@ -26,21 +26,6 @@ from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_pr
 from tokenmill.worker.step_sync import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
-
-def resolve_device(name: str, rank: int = 0, ranks_per_node: int = 1) -> torch.device:
-    """The device of parallel rank `rank`: on GPUs, one GPU per rank of a node (cuda:N
-    pins every rank to N)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda" or device.index is not None:
-        return device
-    visible = torch.cuda.device_count()
-    if ranks_per_node > visible:
-        raise ValueError(f"{ranks_per_node} parallel ranks per node need as many GPUs; "
-                         f"{visible} visible (CUDA_VISIBLE_DEVICES).")
-    return torch.device("cuda", rank % ranks_per_node)
-
 
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
     if name != "auto":
@@ -52,7 +37,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
                  max_model_len: int) -> None:
         self.config = config
-        # joined before the model is built (distributed/executor.py)
+        # joined before the model is built (executor/multiproc.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
         # the step messages' block tables, kept in step across ranks

@@ -11,9 +11,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from tokenmill.distributed.dp_client import DataParallelClient
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.dp_client import DataParallelClient
 from tokenmill.entrypoints.auth import ApiKey
 from tokenmill.entrypoints.http import native_api, openai_api, tokenize_api, triton_api
 from tokenmill.entrypoints.http.access_log import AccessLog

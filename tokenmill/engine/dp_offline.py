@@ -12,8 +12,8 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.dp_client import PrefixRouter
 from tokenmill.engine.core_client import start_engine_core_process
+from tokenmill.engine.dp_client import PrefixRouter
 from tokenmill.engine.engine_core import check_request
 from tokenmill.engine.engine_core_proc import INFO, OUTPUTS
 from tokenmill.engine.protocol import (

@@ -1,6 +1,6 @@
 """Starting the tensor-parallel ranks of one engine: rank 0 is the engine core's own process
 (it schedules, broadcasts each step and samples); the other ranks of its node are worker
-processes (`--distributed-executor-backend mp`), each running `tokenmill.distributed.worker`.
+processes (`--distributed-executor-backend mp`), each running `tokenmill.executor.worker`.
 On other nodes `tokenmill serve --node-rank N` starts that node's ranks and waits for them
 (`serve_other_node`)."""
 
@@ -22,7 +22,7 @@ import msgspec
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import RanksMissing, get_tp_group, get_world
 from tokenmill.distributed.shm_allreduce import create_segment
-from tokenmill.distributed.worker import WorkerSpec
+from tokenmill.executor.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 # A node other than 0 silent this long counts as dead (its agent beats every second).
@@ -42,7 +42,7 @@ def join_as_rank0(group, config: EngineConfig, shm_paths: list[str] | None = Non
     group's workers are killed and the error names the missing ranks (and nodes) and how
     workers exited."""
     from tokenmill.distributed.parallel_state import init_parallel
-    from tokenmill.worker.model_runner import resolve_device
+    from tokenmill.platforms import resolve_device
 
     try:
         init_parallel(0, config.tensor_parallel_size, group.init_method,
@@ -105,7 +105,7 @@ class WorkerGroup:
             spec = WorkerSpec(config, model_path, max_model_len, rank, self.init_method,
                               self.threads, parent_pid=os.getpid(), shm_paths=self.shm_paths,
                               host=self.host)
-            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.distributed.worker"],
+            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.worker"],
                                     stdin=subprocess.PIPE)
             proc.stdin.write(msgspec.json.encode(spec) + b"\n")
             proc.stdin.close()
@@ -199,8 +199,8 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
     SIGTERM / SIGINT stop them at once."""
     import signal
 
-    from tokenmill.engine.engine_core import derive_max_model_len
     from tokenmill.loading.checkpoint import load_hf_config
+    from tokenmill.models.info import derive_max_model_len
 
     max_model_len = derive_max_model_len(config, load_hf_config(model_path))
     group = WorkerGroup(config, model_path, max_model_len, exit_on_death=False)

@@ -17,8 +17,8 @@ import threading
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.executor import join_as_rank0
-from tokenmill.distributed.worker import WorkerSpec
+from tokenmill.executor.multiproc import join_as_rank0
+from tokenmill.executor.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def _rank_actor(ray):
             return ray.util.get_node_ip_address()
 
         def run(self, spec: bytes) -> None:
-            from tokenmill.distributed.worker import run
+            from tokenmill.executor.worker import run
 
             run(msgspec.json.decode(spec, type=WorkerSpec))
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker rank (ranks 1 .. tp-1): `python -m tokenmill.distributed.worker`,
+"""A tensor-parallel worker rank (ranks 1 .. tp-1): `python -m tokenmill.executor.worker`,
 its spec as one JSON line on stdin. It joins the group, loads its shard of the model, then
 runs every step rank 0 broadcasts until rank 0 says stop, or exits when rank 0's process
 (its parent, on this node) is gone."""
@@ -19,7 +19,7 @@ import msgspec
 from tokenmill.config import EngineConfig
 from tokenmill.logs import configure_logging
 
-logger = logging.getLogger("tokenmill.distributed.worker")
+logger = logging.getLogger("tokenmill.executor.worker")
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -56,7 +56,8 @@ def run(spec: WorkerSpec) -> None:
 
     from tokenmill.distributed.parallel_state import destroy_parallel, init_parallel
     from tokenmill.loading.checkpoint import load_hf_config
-    from tokenmill.worker.model_runner import ModelRunner, resolve_device
+    from tokenmill.platforms import resolve_device
+    from tokenmill.worker.model_runner import ModelRunner
 
     torch.set_num_threads(spec.threads)
     device = resolve_device(spec.config.device, spec.rank, spec.config.ranks_per_node)
