@@ -23,9 +23,9 @@ sys.path.append(os.path.join(os.path.dirname(__file__), ".."))  # (PYTHONPATH wi
 
 
 def step_ms(batch: int, length: int, vocab: int, seed: int = 0) -> float:
+    from tokenmill.config.speculative import SpeculativeConfig
     from tokenmill.core.request import Request, RequestStatus
     from tokenmill.sampling_params import SamplingParams
-    from tokenmill.spec_decode.config import SpeculativeConfig
     from tokenmill.spec_decode.proposer import NgramProposer
 
     rng = random.Random(seed)

@@ -97,7 +97,7 @@ def _ranks_need_gpus(monkeypatch):
     per node than the machine has GPUs skips its test (it runs where there is no GPU, every
     rank on the CPU)."""
     if torch.cuda.is_available():
-        from tokenmill.engine_config import EngineConfig
+        from tokenmill.config.engine import EngineConfig
 
         post_init = EngineConfig.__post_init__
 

@@ -19,17 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # top-level folder or a top-level module (without ".py"). Kept in step with docs/architecture.md.
 LAYERS: list[tuple[str, ...]] = [
     ("logs", "host_to_device", "text_buffer"),
-    ("config", "api_options", "engine_config", "parallel_config", "serve_args", "sampling_params",
-     "outputs", "generation_config", "tokenizer", "tool_calls"),
+    ("config", "sampling_params", "outputs", "tokenizer", "tool_calls"),
     ("core", "structured_output", "csrc"),
     ("distributed",),
     ("attention", "layers", "quantization"),
     ("platforms", "models"),
     ("hub", "loading"),
-    ("sample", "spec_decode", "beam_search"),
+    ("sample",),
     ("worker",),
+    ("spec_decode",),
     ("executor",),
-    ("engine", "metrics"),
+    ("engine", "metrics", "beam_search"),
     ("convert", "entrypoints", "static", "__init__"),
 ]
 

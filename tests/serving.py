@@ -94,7 +94,7 @@ def wait_until(predicate, timeout=30.0):
 
 def engine_process(path: str, **engine):
     """One engine-core process over the model at `path`: (process, address)."""
-    from tokenmill.config import EngineConfig
+    from tokenmill.config.engine import EngineConfig
     from tokenmill.engine.core_client import start_engine_core_process
 
     config = EngineConfig(model=path, kv_cache_memory_gib=0.02, **engine)

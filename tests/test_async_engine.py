@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLM, EngineRequestError
 from tokenmill.engine.core_client import AsyncMPClient, start_engine_core_process
 from tokenmill.loading.checkpoint import load_tokenizer

@@ -12,7 +12,7 @@ import torch
 from helpers import hf_greedy
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
@@ -328,7 +328,7 @@ def test_preempting_a_request_drops_its_pending_token():
 
 
 def test_serve_flag():
-    from tokenmill.config import build_server_config
+    from tokenmill.config.server import build_server_config
 
     assert build_server_config(["--async-scheduling"], {}).engine.async_scheduling
     assert not build_server_config([], {}).engine.async_scheduling

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tokenmill.config import ServerConfig, build_server_config
+from tokenmill.config.server import ServerConfig, build_server_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]

@@ -9,7 +9,7 @@ import shlex
 import pytest
 import yaml
 
-from tokenmill.config import build_server_config
+from tokenmill.config.server import build_server_config
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy")
 CONFIG_SOURCE = ""

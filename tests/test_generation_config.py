@@ -12,7 +12,7 @@ import pytest
 
 from tests.serving import Served, service_thread
 from tokenmill import LLM, SamplingParams
-from tokenmill.generation_config import sampling_defaults
+from tokenmill.config.generation import sampling_defaults
 
 # DeepSeek-R1's sampling fields, a top_k, a cap, and fields that are not sampling defaults
 R1_LIKE = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 0.6,

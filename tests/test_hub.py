@@ -311,7 +311,7 @@ def test_the_seed_downloaders_flags_and_md5_check(hub, tmp_path):
 
 
 def test_hub_source_from_the_environment():
-    from tokenmill.config import hub_source
+    from tokenmill.config.env import hub_source
 
     assert hub_source({}) == "hf"
     assert hub_source({"TOKENMILL_USE_MODELSCOPE": "1"}) == "modelscope"

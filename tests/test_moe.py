@@ -200,7 +200,7 @@ def test_expert_parallel_ranks_hold_whole_experts_and_match_one_rank(tiny_models
 
 
 def test_the_flag_reaches_the_engine_config():
-    from tokenmill.config import build_server_config
+    from tokenmill.config.server import build_server_config
 
     assert build_server_config(["--enable-expert-parallel", "-tp", "2"], {}).engine \
         .enable_expert_parallel

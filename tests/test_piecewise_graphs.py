@@ -9,7 +9,7 @@ import torch
 from helpers import hf_greedy
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import GpuKernelSettings
+from tokenmill.config.kernels import GpuKernelSettings
 from tokenmill.worker.piecewise_graphs import (
     SIZES,
     AttentionCall,

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from tokenmill.config import build_server_config, check_ports_free
+from tokenmill.config.server import build_server_config, check_ports_free
 
 
 def test_defaults_match_the_seed_script():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.spec_decode import ngram
-from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.rejection import verify_greedy, verify_sampled
 
 
@@ -196,7 +196,7 @@ def test_seeded_verification_reproduces():
 
 
 def test_flag_and_the_seeds_variables():
-    from tokenmill.config import build_server_config
+    from tokenmill.config.server import build_server_config
 
     env = {"SPECULATE_METHOD": "inference_with_reference", "SPECULATE_MAX_DRAFT_TOKEN_NUM": "4",
            "SPECULATE_MAX_NGRAM_SIZE": "3"}

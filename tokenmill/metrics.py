@@ -222,7 +222,7 @@ def multiprocess_registry(path: str) -> CollectorRegistry:
     Also points the workers spawned after this at `path` (`share_metrics_dir`)."""
     from prometheus_client import multiprocess
 
-    from tokenmill.config import share_metrics_dir
+    from tokenmill.config.env import share_metrics_dir
 
     share_metrics_dir(path)
 

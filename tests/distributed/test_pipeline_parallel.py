@@ -18,7 +18,7 @@ from tests.distributed.test_tensor_parallel import (
     worker_pids,
 )
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import build_server_config
+from tokenmill.config.server import build_server_config
 from tokenmill.distributed.parallel_state import as_rank
 from tokenmill.loading.checkpoint import load_hf_config, load_model
 

@@ -131,7 +131,7 @@ def test_kept_layers_are_float8_where_their_groups_allow(tmp_path, tiny_models, 
 
 
 def test_bad_fp8_blocks_setting_is_named(monkeypatch):
-    from tokenmill.config import GpuKernelSettings
+    from tokenmill.config.kernels import GpuKernelSettings
 
     monkeypatch.setenv("TOKENMILL_FP8_BLOCKS", "sometimes")
     with pytest.raises(ValueError, match="TOKENMILL_FP8_BLOCKS must be auto, keep or"):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import csrc
-from tokenmill.config import CpuKernelSettings
+from tokenmill.config.kernels import CpuKernelSettings
 from tokenmill.layers.linear import Linear
 from tokenmill.quantization import linear_kernels, schemes
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel

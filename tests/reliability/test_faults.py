@@ -22,7 +22,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 @contextlib.contextmanager
 def engine_app(tiny_models, metrics=True, arch="llama", **engine):
     """A running service app over its own engine-core process (limits for one test)."""
-    from tokenmill.config import EngineConfig
+    from tokenmill.config.engine import EngineConfig
     from tokenmill.metrics import Metrics
 
     path = tiny_models(arch)[0]

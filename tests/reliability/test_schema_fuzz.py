@@ -136,7 +136,7 @@ SLOW_CPU = settings(deadline=None, suppress_health_check=list(HealthCheck), data
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_models):
-    from tokenmill.config import EngineConfig
+    from tokenmill.config.engine import EngineConfig
     from tokenmill.engine.core_client import start_engine_core_process
 
     path = tiny_models("llama")[0]

@@ -8,7 +8,7 @@ import pytest
 
 from tests.serving import HOLD_TOKENS, service_thread, wait_until
 from tokenmill import SamplingParams
-from tokenmill.api_options import ApiOptions
+from tokenmill.config.api import ApiOptions
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.serving import Served
-from tokenmill.config import build_server_config
+from tokenmill.config.server import build_server_config
 from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.tokenizer import load_chat_template
 

@@ -42,7 +42,7 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
     torch_dtype, float32 for GGUF)."""
     from safetensors.torch import save_file
 
-    from tokenmill.config import GpuKernelSettings
+    from tokenmill.config.kernels import GpuKernelSettings
     from tokenmill.distributed.parallel_state import as_rank
     from tokenmill.loading.checkpoint import is_gguf, load_hf_config, load_model
     from tokenmill.quantization import checkpoint_quant_config, fp8_blocks

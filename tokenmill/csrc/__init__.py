@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import torch
 
-from tokenmill.config import CpuKernelSettings
+from tokenmill.config.kernels import CpuKernelSettings
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.engine_core_proc import INFO, OUTPUTS, heartbeat_address, run_engine_core
 from tokenmill.engine.liveness import EngineHeartbeat

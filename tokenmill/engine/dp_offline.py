@@ -11,7 +11,7 @@ import uuid
 import msgspec
 import zmq
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.core_client import start_engine_core_process
 from tokenmill.engine.dp_client import PrefixRouter
 from tokenmill.engine.engine_core import check_request

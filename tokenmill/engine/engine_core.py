@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -113,11 +113,12 @@ class EngineCore:
         # speculative decoding: draft tokens for the running requests after each step
         self.proposer = None
         if config.speculative_config is not None:
-            from tokenmill.spec_decode.proposer import NgramProposer, make_proposer
+            from tokenmill.spec_decode import make_proposer
+            from tokenmill.spec_decode.proposer import NgramProposer
             try:
                 self.proposer = make_proposer(config.speculative_config, config, model_path,
                                               self.hf_config, self.max_model_len,
-                                              self.runner.num_blocks)
+                                              self.runner.num_blocks, ModelRunner)
                 graphs = self.runner.graphs  # (n-gram drafts filled up to k for its buckets)
                 if isinstance(self.proposer, NgramProposer) and graphs is not None:
                     self.proposer.pad = (1 + config.speculative_config.num_speculative_tokens

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.core.request import FinishReason
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.liveness import HEARTBEAT_S

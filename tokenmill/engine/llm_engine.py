@@ -6,12 +6,12 @@ import itertools
 import time
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
+from tokenmill.config.generation import log_defaults, sampling_defaults
 from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreRequest
-from tokenmill.generation_config import log_defaults, sampling_defaults
 from tokenmill.loading.checkpoint import load_tokenizer, resolve_model_path
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams

@@ -60,7 +60,7 @@ def _run_bench_script(name: str, argv: list[str]) -> int:
 
 
 def cmd_serve(argv: list[str], prog: str = "tokenmill serve") -> int:
-    from tokenmill.config import build_server_config
+    from tokenmill.config.server import build_server_config
 
     try:
         config = build_server_config(argv, prog=prog)

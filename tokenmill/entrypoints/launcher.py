@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from tokenmill.config import build_server_config, check_ports_free
+from tokenmill.config.server import build_server_config, check_ports_free
 
 PID_FILE = "server.pid"
 

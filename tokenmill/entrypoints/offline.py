@@ -14,7 +14,7 @@ from tokenmill.beam_search import (
     step_params,
     top_pairs,
 )
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams

@@ -21,7 +21,8 @@ import signal
 import socket
 import tempfile
 
-from tokenmill.config import ServerConfig, check_ports_free
+from tokenmill.config.generation import log_defaults, sampling_defaults
+from tokenmill.config.server import ServerConfig, check_ports_free
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.core_client import start_engine_core_process
 from tokenmill.entrypoints.api_worker import (
@@ -35,7 +36,6 @@ from tokenmill.entrypoints.http.dashboard import metrics_app
 from tokenmill.entrypoints.http.server import build_state, create_health_app, create_service_app
 from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.kserve import start_grpc_server
-from tokenmill.generation_config import log_defaults, sampling_defaults
 from tokenmill.loading.checkpoint import resolve_model_path
 from tokenmill.logs import configure_logging
 from tokenmill.metrics import Metrics, multiprocess_registry

@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.distributed.parallel_state import RanksMissing, get_tp_group, get_world
 from tokenmill.distributed.shm_allreduce import create_segment
 from tokenmill.executor.worker import WorkerSpec

@@ -16,7 +16,7 @@ import threading
 
 import msgspec
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.executor.multiproc import join_as_rank0
 from tokenmill.executor.worker import WorkerSpec
 

@@ -16,7 +16,7 @@ import time
 
 import msgspec
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.logs import configure_logging
 
 logger = logging.getLogger("tokenmill.executor.worker")

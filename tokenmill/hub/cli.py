@@ -50,7 +50,7 @@ def make_parser() -> argparse.ArgumentParser:
 def run(argv: list[str]) -> int:
     import os
 
-    from tokenmill.config import hub_source, md5_check
+    from tokenmill.config.env import hub_source, md5_check
     from tokenmill.hub.download import HubError
     from tokenmill.hub.fetch import fetch
     from tokenmill.hub.names import split_precision

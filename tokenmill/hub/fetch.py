@@ -158,7 +158,7 @@ def looks_like_repo(name: str) -> bool:
 def resolve(name: str, revision: str | None = None, **kwargs) -> str:
     """A hub name -> the local path to load: the verified cached copy, else a download (from
     the source config.hub_source names, unless `source` is given)."""
-    from tokenmill.config import hub_source
+    from tokenmill.config.env import hub_source
 
     kwargs.setdefault("source", hub_source())
     path = cached(name, revision, kwargs.get("cache_dir"), kwargs.get("node"),

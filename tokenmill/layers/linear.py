@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
-from tokenmill.config import GpuKernelSettings
+from tokenmill.config.kernels import GpuKernelSettings
 from tokenmill.distributed.parallel_state import divide, get_tp_group
 
 

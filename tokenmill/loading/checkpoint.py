@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import csrc
-from tokenmill.config import GpuKernelSettings
+from tokenmill.config.kernels import GpuKernelSettings
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import (
     CheckpointSlice,

@@ -18,7 +18,7 @@ import torch
 from tokenmill import csrc
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.config import CpuKernelSettings
+from tokenmill.config.kernels import CpuKernelSettings
 from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.activation import SiluAndMul

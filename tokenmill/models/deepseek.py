@@ -158,7 +158,7 @@ def deepseek_mlp(config: Any, layer: int) -> nn.Module:
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 / R1, and DeepSeek-V2 (its rotary pairs interleaved as V3's, routing by
     `topk_method`). The MTP layers (`mtp`, models/deepseek_mtp.py) live on the first pipeline
-    stage, where draft heads run beside the sampler (spec_decode/heads.py)."""
+    stage, where draft heads run beside the sampler (worker/draft_heads.py)."""
 
     def __init__(self, config: Any, max_positions: int, **options) -> None:
         scale = mla_scale(config)

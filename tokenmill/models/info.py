@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ class CpuPlatform(Platform):
 
     def attention_backend(self, choice: str) -> AttentionBackend:
         if choice == "triton":
-            from tokenmill.config import triton_interpreted
+            from tokenmill.config.env import triton_interpreted
 
             if not triton_interpreted():
                 raise ValueError("attention_backend 'triton' runs on the CPU only in Triton's "

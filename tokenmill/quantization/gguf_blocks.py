@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.config import CpuKernelSettings
+from tokenmill.config.kernels import CpuKernelSettings
 from tokenmill.quantization.kquant_kernels import q5_servable
 
 # block type -> (weights a block, bytes a block)

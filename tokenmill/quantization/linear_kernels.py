@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import csrc
-from tokenmill.config import CpuKernelSettings
+from tokenmill.config.kernels import CpuKernelSettings
 from tokenmill.quantization import schemes
 
 # On CPUs without VNNI: rows above which the weight-only kernels unpack the weight into fp32

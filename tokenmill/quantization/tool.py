@@ -93,7 +93,7 @@ def save_checkpoint(model: torch.nn.Module, hf_config: Any, tokenizer: Any, out:
 
 
 def run(argv: list[str]) -> int:
-    from tokenmill import generation_config
+    from tokenmill.config import generation as generation_config
     from tokenmill.loading.checkpoint import (
         load_hf_config,
         load_model,

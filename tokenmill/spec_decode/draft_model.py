@@ -14,15 +14,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.core.block_pool import Block, BlockPool
 from tokenmill.core.request import Request
 from tokenmill.loading.checkpoint import load_hf_config, load_tokenizer, resolve_model_path
-from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.proposer import Proposer
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
@@ -68,10 +69,11 @@ def check_vocabulary(draft_path: str, target_path: str, draft_vocab: int,
 
 class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, engine_config, target_path: str,
-                 target_hf, max_model_len: int, num_blocks: int) -> None:
+                 target_hf, max_model_len: int, num_blocks: int,
+                 make_runner: Callable[..., Any]) -> None:
+        """`make_runner`: the engine's model runner class, which runs the draft model."""
         from tokenmill.distributed.parallel_state import single_rank
         from tokenmill.models.info import derive_max_model_len
-        from tokenmill.worker.model_runner import ModelRunner
 
         path = resolve_model_path(config.model) if config.model else target_path
         hf = load_hf_config(path)
@@ -84,7 +86,7 @@ class DraftModelProposer(Proposer):
             node_rank=0, enable_expert_parallel=False)
         super().__init__(config, min(max_model_len, derive_max_model_len(draft_config, hf)))
         with single_rank():
-            self.runner = ModelRunner(draft_config, path, hf, self.max_model_len)
+            self.runner = make_runner(draft_config, path, hf, self.max_model_len)
         # Draws independent of the target's (the same stream would correlate each draft with
         # the uniform that tests it, and bias the output).
         self.runner.generator.manual_seed(engine_config.seed + _SEED_OFFSET)

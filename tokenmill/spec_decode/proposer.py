@@ -7,9 +7,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable
 
+from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.spec_decode import ngram
-from tokenmill.spec_decode.config import SpeculativeConfig
 
 
 def speculates(request: Request) -> bool:
@@ -87,32 +87,14 @@ class NgramProposer(Proposer):
             self.contexts.pop(request_id, None)
 
 
-def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_config,
-                  max_model_len: int, num_blocks: int) -> Proposer:
-    """The proposer of `config.method` (a draft model: loaded here, its KV cache holding as
-    many tokens as the target's, `num_blocks`)."""
-    if config.method == "ngram":
-        return NgramProposer(config, max_model_len)
-    if config.method == "draft_model":
-        from tokenmill.spec_decode.draft_model import DraftModelProposer
+class HeadProposer(Proposer):
+    """The engine core's side: drafts the runner's heads computed, cut to each request's
+    budget (`pending` set from each step's output)."""
 
-        return DraftModelProposer(config, engine_config, model_path, hf_config, max_model_len,
-                                  num_blocks)
-    if config.method in ("eagle", "eagle3"):
-        from tokenmill.spec_decode.heads import HeadProposer
-
-        return HeadProposer(config, max_model_len)  # (the head loaded by the runner)
-    if config.method == "mtp":
-        import os
-
-        from tokenmill.loading.checkpoint import resolve_model_path
-        from tokenmill.spec_decode.heads import HeadProposer
-
-        if config.model and (os.path.realpath(resolve_model_path(config.model))
-                             != os.path.realpath(model_path)):
-            raise ValueError("Speculative method 'mtp' runs the target's own MTP layers: "
-                             "\"model\" (SPECULATE_MODEL_PATH) must be the target's path or "
-                             "left out; MTP layers from a separate checkpoint are not read.")
-        return HeadProposer(config, max_model_len)  # (its layers checked by the runner)
-    raise ValueError(f"Speculative method {config.method!r} is not served yet; \"ngram\", "
-                     "\"draft_model\", \"mtp\" and \"eagle\" are.")
+    def draft(self, chosen) -> None:
+        for request, k in chosen:
+            got = self.pending.get(request.request_id)
+            if got is not None:
+                request.spec_token_ids = got[0][:k]
+                request.spec_probs = got[1]
+        self.pending = {}

@@ -3,7 +3,7 @@ rows (decodes: q = 1; decodes carrying k draft tokens each: q = 1 + k) is captur
 batch-size bucket and q over static input buffers and replayed, so a step costs one graph
 launch instead of a Python pass issuing ~40 kernels per layer. `StepGraphs` holds the
 buffers, buckets and captures; `DecodeGraphs` the target model's steps (embedding to logits);
-spec_decode/head_graphs.py the draft heads' passes.
+draft_head_graphs.py the draft heads' passes.
 
 A step of n sequences runs in the smallest bucket >= n; sequences n.. are padding: token 0 at
 positions 0 .. q - 1, cache slot -1 (the Triton K/V write skips it: nothing of a real
@@ -223,7 +223,7 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
     Tensor-parallel ranks capture the same buckets in the same order, their collectives
     inside (NCCL's captured collectives: every rank replays the same graph each step).
     (None, None) where there are none."""
-    from tokenmill.config import GpuKernelSettings
+    from tokenmill.config.kernels import GpuKernelSettings
     from tokenmill.worker.piecewise_graphs import PiecewiseGraphs, piece_sizes
 
     config, settings, tp = runner.config, GpuKernelSettings.from_env(), runner.tp

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, KeptRows, leading_decodes
-from tokenmill.config import EngineConfig
+from tokenmill.config.engine import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
@@ -73,7 +73,7 @@ class ModelRunner:
         heads = None
         self.features = None  # what draft heads read of a step (every rank: stages carry it)
         if spec is not None and spec.method in ("mtp", "eagle", "eagle3"):
-            from tokenmill.spec_decode.heads import HeadFeatures, draft_heads
+            from tokenmill.worker.draft_heads import HeadFeatures, draft_heads
 
             self.features = HeadFeatures.of(spec, self.model)
             if self.world.is_first_stage:  # (the heads run beside the sampler)
@@ -94,7 +94,7 @@ class ModelRunner:
         self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks(max_model_len))
         self._bind_cache(self.num_blocks)
         if heads is not None:
-            from tokenmill.spec_decode.heads import HeadDrafter
+            from tokenmill.worker.draft_heads import HeadDrafter
 
             self.heads = HeadDrafter(self, spec, heads)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.

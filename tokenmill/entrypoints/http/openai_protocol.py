@@ -188,7 +188,7 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
-        """Unset knobs take `defaults` (the model's generation config: generation_config.py),
+        """Unset knobs take `defaults` (the model's generation config: config/generation.py),
         else the neutral values."""
         d = defaults or {}
         return SamplingParams(

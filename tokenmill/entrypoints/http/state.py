@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.api_options import ApiOptions
+from tokenmill.config.api import ApiOptions
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.entrypoints.http.prompts import PromptEncoder
 
@@ -45,7 +45,7 @@ class ApiSettings:
     max_seq_len: int | None  # None: max_model_len - 1
     max_waiting: int
     disable_streaming: bool = False
-    # OpenAI requests' unset sampling fields (generation_config.py); max_tokens caps theirs
+    # OpenAI requests' unset sampling fields (config/generation.py); max_tokens caps theirs
     sampling_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None  # the template's text, over the tokenizer's
     api: ApiOptions = field(default_factory=ApiOptions)  # (vLLM's front-end flags)

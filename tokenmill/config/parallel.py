@@ -1,5 +1,5 @@
 """Where this node stands among several: torchrun-style flags, or the seed's MP_NNODE / POD_IPS
-/ POD_0_IP / HOST_IP, or an MPI launcher's rank (values read by config.py's `_Env`)."""
+/ POD_0_IP / HOST_IP, or an MPI launcher's rank (values read through env.py's `Env`)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,22 @@
-"""Configuration: the engine's knobs (`EngineConfig`, in engine_config.py) and the server's,
-built from defaults < the seed's environment variables < vLLM-style flags, validated once at
-start-up. The only module that reads environment variables."""
+"""The server's configuration (`ServerConfig`: the engine's `EngineConfig`, ports, API
+processes, `ApiOptions`), built from defaults < the seed's environment variables (read
+through env.py) < vLLM-style flags (cli.py), validated once at start-up."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.api_options import ApiOptions
-from tokenmill.engine_config import EngineConfig
-from tokenmill.parallel_config import node_settings
-from tokenmill.serve_args import (
+from tokenmill.config.api import ApiOptions
+from tokenmill.config.cli import (
     IGNORED_FLAGS,
     check_vllm_flags,
     cors_arguments,
     make_serve_parser,
 )
-from tokenmill.spec_decode.config import from_seed
+from tokenmill.config.engine import EngineConfig
+from tokenmill.config.env import Env
+from tokenmill.config.parallel import node_settings
+from tokenmill.config.speculative import from_seed
 
 # ---------------------------------------------------------------------------------------------
 # Server configuration: defaults < the seed's environment variables < vLLM-style flags.
@@ -101,52 +102,6 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty.")
 
 
-class _Env:
-    """Typed reads of environment variables with messages that name the variable."""
-
-    def __init__(self, environ) -> None:
-        self.environ = environ
-
-    def raw(self, *names: str) -> tuple[str, str] | None:
-        for name in names:  # first given name wins
-            value = self.environ.get(name)
-            if value not in (None, ""):
-                return name, value
-        return None
-
-    def text(self, *names: str):
-        found = self.raw(*names)
-        return None if found is None else found[1]
-
-    def integer(self, *names: str):
-        found = self.raw(*names)
-        if found is None:
-            return None
-        try:
-            return int(found[1])
-        except ValueError:
-            raise ValueError(f"Environment variable {found[0]} must be an integer, got "
-                             f"{found[1]!r}.") from None
-
-    def number(self, *names: str):
-        found = self.raw(*names)
-        if found is None:
-            return None
-        try:
-            return float(found[1])
-        except ValueError:
-            raise ValueError(f"Environment variable {found[0]} must be a number, got "
-                             f"{found[1]!r}.") from None
-
-    def flag(self, name: str):
-        found = self.raw(name)
-        if found is None:
-            return None
-        if found[1] not in ("0", "1"):
-            raise ValueError(f"Environment variable {name} must be 0 or 1, got {found[1]!r}.")
-        return found[1] == "1"
-
-
 def build_server_config(argv: list[str], environ=None, **parser_text: str) -> ServerConfig:
     """Defaults, then the seed's environment variables, then flags; validated. `parser_text`:
     the `prog` and `description` of the --help text."""
@@ -156,7 +111,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
     environ = os.environ if environ is None else environ
     args = make_serve_parser(**parser_text).parse_args(argv)
     check_vllm_flags(args)
-    env = _Env(environ)
+    env = Env(environ)
 
     def pick(flag, env_value, default=None):
         return flag if flag is not None else env_value if env_value is not None else default
@@ -294,107 +249,3 @@ def check_ports_free(config: ServerConfig) -> None:
                 s.bind((host, port))
             except OSError:
                 raise OSError(f"PORT: {port} occupied! Please change the port!") from None
-
-
-@dataclass(frozen=True)
-class CpuKernelSettings:
-    """The compiled CPU kernels: TOKENMILL_CPU_KERNELS=0 turns them off (tests, debugging);
-    TOKENMILL_CPU_INT_DOT=0 keeps int8/int4 weight layers' activations in float32 (exact
-    weight-only arithmetic, ~2x slower decode) instead of int16 per 32 inputs;
-    TOKENMILL_CPU_DECODE_STEP=0 runs decode steps layer by layer from Python, not in one
-    compiled call (same results); TOKENMILL_GGUF_COMPACT=0 widens GGUF Q6_K blocks to int8
-    groups of 16 (1.5x the bytes) and Q5_0 / Q5_1 to groups of 32 (1.6x) instead of keeping
-    them; CC picks the compiler; XDG_CACHE_HOME moves the build cache."""
-
-    enabled: bool
-    compiler: str
-    cache_dir: str
-    int_dot: bool = True
-    decode_step: bool = True
-    gguf_compact: bool = True
-
-    @classmethod
-    def from_env(cls, environ=None) -> CpuKernelSettings:
-        import os
-
-        environ = os.environ if environ is None else environ
-        cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
-                   compiler=environ.get("CC", "cc"),
-                   cache_dir=os.path.join(cache, "tokenmill", "kernels"),
-                   int_dot=environ.get("TOKENMILL_CPU_INT_DOT", "1") != "0",
-                   decode_step=environ.get("TOKENMILL_CPU_DECODE_STEP", "1") != "0",
-                   gguf_compact=environ.get("TOKENMILL_GGUF_COMPACT", "1") != "0")
-
-
-@dataclass(frozen=True)
-class GpuKernelSettings:
-    """GPU kernel choices still being measured: TOKENMILL_GPU_SKINNY_LINEAR=1: 16-bit linears
-    run steps of up to 16 rows on the Triton skinny matmul where timed faster than cuBLAS
-    (layers/skinny.py). TOKENMILL_FP8_BLOCKS=auto|keep|dequantize: a block-FP8 checkpoint's
-    float8 weights kept (auto: on GPUs) or loaded as float weights (quantization/fp8_blocks.py),
-    also in a pre-sharded folder's files (auto or keep: float8; convert/sharded.py).
-    TOKENMILL_GPU_PIECEWISE_GRAPHS=0: no piecewise CUDA graphs (worker/piecewise_graphs.py).
-    TOKENMILL_CPU_GRAPH_BUCKETS=1: the graphs' buckets run eagerly on the CPU (the tests,
-    tensor-parallel ranks included)."""
-
-    skinny_linear: bool = False
-    fp8_blocks: str = "auto"
-    piecewise_graphs: bool = True
-    cpu_graph_buckets: bool = False
-
-    @classmethod
-    def from_env(cls, environ=None) -> GpuKernelSettings:
-        import os
-
-        env = _Env(os.environ if environ is None else environ)
-        fp8_blocks = (env.text("TOKENMILL_FP8_BLOCKS") or "auto").lower()
-        if fp8_blocks not in ("auto", "keep", "dequantize"):
-            raise ValueError("Environment variable TOKENMILL_FP8_BLOCKS must be auto, keep "
-                             f"or dequantize, got {fp8_blocks!r}.")
-        return cls(skinny_linear=bool(env.flag("TOKENMILL_GPU_SKINNY_LINEAR")),
-                   fp8_blocks=fp8_blocks,
-                   piecewise_graphs=env.flag("TOKENMILL_GPU_PIECEWISE_GRAPHS") is not False,
-                   cpu_graph_buckets=bool(env.flag("TOKENMILL_CPU_GRAPH_BUCKETS")))
-
-    def keep_fp8_blocks(self, device) -> bool:
-        return self.fp8_blocks == "keep" or (self.fp8_blocks == "auto"
-                                             and device.type == "cuda")
-
-    def fp8_blocks_in_files(self) -> bool:
-        """Whether `tokenmill convert --tp-size` writes float8 weights (files serve any device)."""
-        return self.fp8_blocks != "dequantize"
-
-
-def share_metrics_dir(path: str) -> None:
-    """PROMETHEUS_MULTIPROC_DIR = `path`, for this process and the HTTP workers it spawns
-    afterwards (inherited; prometheus_client writes its metric files there)."""
-    import os
-
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-
-
-def md5_check(environ=None) -> bool:
-    """The seed downloader's MD5_CHECK=1: files present are hashed again (sha256, not md5)."""
-    import os
-
-    return bool(_Env(os.environ if environ is None else environ).flag("MD5_CHECK"))
-
-
-def triton_interpreted(environ=None) -> bool:
-    """TRITON_INTERPRET=1: Triton kernels run in its interpreter (on the CPU)."""
-    import os
-
-    found = _Env(os.environ if environ is None else environ).raw("TRITON_INTERPRET")
-    return found is not None and found[1].strip().lower() in ("1", "true", "on", "yes")
-
-
-def hub_source(environ=None) -> str:
-    """Where hub names are looked up: "modelscope" with TOKENMILL_USE_MODELSCOPE=1 (or vLLM's
-    VLLM_USE_MODELSCOPE=1), else "hf" (the Hugging Face Hub, or HF_ENDPOINT's mirror)."""
-    import os
-
-    env = _Env(os.environ if environ is None else environ)
-    vllm = env.raw("VLLM_USE_MODELSCOPE")  # (vLLM takes "true" / "True")
-    return "modelscope" if env.flag("TOKENMILL_USE_MODELSCOPE") or \
-        (vllm is not None and vllm[1].strip().lower() in ("1", "true")) else "hf"

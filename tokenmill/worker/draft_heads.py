@@ -1,6 +1,6 @@
 """Draft heads that run inside the target's model runner, on its final hidden states:
 DeepSeek's multi-token-prediction layers (method "mtp") and EAGLE heads ("eagle",
-spec_decode/eagle.py).
+models/eagle.py). The engine core's side is spec_decode/proposer.py's `HeadProposer`.
 
 A head reads, at position i, the embedding of token i + 1 and the target's final hidden state
 at i, and scores token i + 2. Its attention has its own KV cache, paged by the target's block
@@ -33,8 +33,7 @@ import os
 import msgspec
 import torch
 
-from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.proposer import Proposer
+from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_sync import with_rows
 
@@ -60,7 +59,7 @@ class HeadFeatures:
     def of(cls, config: SpeculativeConfig, model) -> HeadFeatures:
         aux = ()
         if config.method == "eagle3":  # (the target keeps those layers' inputs)
-            from tokenmill.spec_decode.eagle import eagle3_aux_layers
+            from tokenmill.loading.eagle import eagle3_aux_layers
 
             aux = model.model.aux_layers = eagle3_aux_layers(config.model, model)
         return cls(model, aux)
@@ -92,7 +91,7 @@ def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device
     """The heads of `config.method` for the target `model` (their attention modules take
     KV caches beside the decoder's): its MTP layers, or the EAGLE head loaded here."""
     if config.method in ("eagle", "eagle3"):
-        from tokenmill.spec_decode.eagle import load_eagle_head
+        from tokenmill.loading.eagle import load_eagle_head
 
         return [load_eagle_head(config.model, model, dtype, device, config.quantization,
                                 3 if config.method == "eagle3" else 1)]
@@ -134,11 +133,11 @@ class HeadDrafter:
         self.graphs = None  # HeadGraphs, where the target's steps run as graphs (`capture`)
 
     def capture(self, capture: bool) -> None:
-        """The heads' passes beside the target's CUDA graphs (spec_decode/head_graphs.py;
+        """The heads' passes beside the target's CUDA graphs (draft_head_graphs.py;
         `capture` False: the same buckets run eagerly, the CPU tests), unless a head's
         forward waits on the host, or under tensor parallel (the other ranks follow rank 0's
         passes one message at a time, eagerly)."""
-        from tokenmill.spec_decode.head_graphs import HeadGraphs
+        from tokenmill.worker.draft_head_graphs import HeadGraphs
 
         if self.tp.size > 1 or any(getattr(m, "host_sync", False) for h in self.layers
                                    for m in h.modules()):
@@ -276,7 +275,7 @@ class HeadDrafter:
     def _graphed_first(self, inputs: StepInputs, ids: list[int], rows, hidden):
         """The first pass in the graph buckets of a uniform step whose every sequence drafts
         (`ids`: the tokens after each one's accepted rows `rows`): rows past them padded with
-        token 0 (head_graphs.py). (out, chained, each sequence's last accepted row), or None
+        token 0 (draft_head_graphs.py). (out, chained, each sequence's last accepted row), or None
         when the step has no bucket."""
         q = self.graphs.first.takes(inputs)
         if not q:
@@ -308,16 +307,3 @@ class HeadDrafter:
         embeds = model.embed_tokens(ids)
         rope = model.rotary.for_step(positions, embeds.dtype)
         return self.layers[index](rope, embeds, previous.to(embeds.dtype), meta, chained=True)
-
-
-class HeadProposer(Proposer):
-    """The engine core's side: drafts the runner's heads computed, cut to each request's
-    budget (`pending` set from each step's output)."""
-
-    def draft(self, chosen) -> None:
-        for request, k in chosen:
-            got = self.pending.get(request.request_id)
-            if got is not None:
-                request.spec_token_ids = got[0][:k]
-                request.spec_probs = got[1]
-        self.pending = {}

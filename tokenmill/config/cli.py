@@ -1,5 +1,5 @@
 """The `tokenmill serve` command line (argparse): flags only, no defaults applied and no
-environment read here (config.py merges flags over the seed's variables and defaults); of
+environment read here (server.py merges flags over the seed's variables and defaults); of
 vLLM's flags, which have no effect here, which ask for what tokenmill does not do, and what
 its CORS flags ask of the middleware."""
 

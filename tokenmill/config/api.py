@@ -1,5 +1,5 @@
 """`ApiOptions`: how the API processes answer, set by `tokenmill serve`'s flags (vLLM's
-front-end flags, mostly) in config.py and read by the HTTP handlers."""
+front-end flags, mostly) in server.py and read by the HTTP handlers."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The engine's typed configuration: every knob in one dataclass, validated once at start-up
-(built by `LLM(...)` from keyword arguments, or by config.py from flags and environment)."""
+(built by `LLM(...)` from keyword arguments, or by server.py from flags and environment)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class EngineConfig:
     revision: str | None = None  # a hub name's branch, tag or commit (default main)
     download_dir: str | None = None  # where hub names are downloaded (default: the hub cache)
     # default sampling parameters: auto (the model's generation_config.json), vllm (none) or a
-    # folder holding one; override: JSON fields over them (generation_config.py)
+    # folder holding one; override: JSON fields over them (generation.py)
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit type on GPU
@@ -98,11 +98,11 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = named.get("dtype", "auto")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        from tokenmill.config.speculative import SpeculativeConfig
         from tokenmill.quantization import parse_method
-        from tokenmill.spec_decode.config import SpeculativeConfig
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
-        from tokenmill.generation_config import checked
+        from tokenmill.config.generation import checked
         self.override_generation_config = checked(self.generation_config,
                                                   self.override_generation_config)
         self.validate()
