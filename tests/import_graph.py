@@ -1,14 +1,15 @@
 """The package's import graph: cycles and imports that run from a lower layer up.
 
 Every import of a tokenmill module counts, function-level ones included, read from the source
-with `ast` (nothing is imported). Run `python -m tests.import_graph` for the report; the suite's
-test_import_graph.py holds the house to the limits below.
-"""
+with `ast` (nothing is imported); those under `if TYPE_CHECKING:` (annotations only) do not.
+Run `python -m tests.import_graph` for the report; the suite's test_import_graph.py holds the
+house to its limits."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,9 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 
+_TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
 @dataclass(frozen=True)
 class Edge:
     source: str  # importing module, dotted
@@ -49,6 +53,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
@@ -69,6 +74,8 @@ def _imports(path: Path, name: str, known: dict[str, Path]) -> list[Edge]:
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in _TYPE_CHECKING:
+                continue  # (imports for annotations only: they never run)
             nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             targets: list[str] = []
             if isinstance(child, ast.Import):

@@ -85,16 +85,16 @@ def test_profiling_step_runs_and_leaves_the_cache_alone(tiny_models, arch):
 def test_graph_memory_is_measured_around_the_captures(tiny_models, monkeypatch, caplog):
     """What the captures keep (measured as the platform's reserved memory before and after
     them) is reported: it comes on top of the KV budget."""
-    from tokenmill.worker import cuda_graphs
+    from tokenmill.worker import graph_capture
 
     held = {"bytes": 5 * 2**30}
-    build = cuda_graphs.build
+    build = graph_capture.build
 
     def capture(runner, max_model_len):
         held["bytes"] += 3 * 2**29  # what a capture on a GPU would keep in its pool
         return build(runner, max_model_len)
 
-    monkeypatch.setattr(cuda_graphs, "build", capture)
+    monkeypatch.setattr(graph_capture, "build", capture)
     monkeypatch.setattr(CpuPlatform, "reserved_bytes", lambda self: held["bytes"])
     path, _ = tiny_models("llama")
     with caplog.at_level(logging.INFO), LLM(path, kv_cache_memory_gib=0.01) as llm:

@@ -98,7 +98,7 @@ def test_the_ranks_capture_and_keep_graphs_only_all_together(tiny_models, monkey
     """Each rank asks the others before it captures (so that every rank captures, its
     collectives pairing with the others', or none does) and after (every rank keeps what
     it captured, or none does)."""
-    from tokenmill.worker import cuda_graphs, piecewise_graphs
+    from tokenmill.worker import cuda_graphs, graph_capture, piecewise_graphs
 
     monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     path, _ = tiny_models("qwen2")
@@ -110,7 +110,7 @@ def test_the_ranks_capture_and_keep_graphs_only_all_together(tiny_models, monkey
             monkeypatch.setattr(cls, "__init__", lambda self, *a, init=cls.__init__, **k: (
                 built.append(type(self).__name__), init(self, *a, **k))[1])
         monkeypatch.setattr(runner, "tp", OtherRank(theirs))
-        graphs, pieces = cuda_graphs.build(runner, llm.engine.core.max_model_len)
+        graphs, pieces = graph_capture.build(runner, llm.engine.core.max_model_len)
     assert (graphs is not None, pieces is not None) == kept
     assert runner.tp.votes == [1] * len(theirs)  # (rank 0 could, and did, capture each)
     # a capture only where every rank would make it

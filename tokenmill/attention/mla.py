@@ -5,9 +5,12 @@ kernel instead (attention/triton), checked against this."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
+if TYPE_CHECKING:  # (the backend calls this module: only annotations name its metadata)
+    from tokenmill.attention.backend import AttentionMetadata
 
 
 def sequence_rows(cache: torch.Tensor, meta: AttentionMetadata, s: int) -> torch.Tensor:

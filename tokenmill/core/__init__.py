@@ -1,0 +1,1 @@
+"""Scheduling state and policy without torch: requests, the scheduler, KV blocks, prefix cache."""

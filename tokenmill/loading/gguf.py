@@ -137,7 +137,7 @@ def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
     """GGUF blocks of a [N, K] weight as int8 / int4 kernel tensors, without expanding them
     (quantization/gguf_blocks.py)."""
     from tokenmill.quantization.gguf_blocks import to_kernel_tensors
-    from tokenmill.quantization.model import QuantizedShard
+    from tokenmill.quantization.schemes import QuantizedShard
 
     n, k = shape
     return QuantizedShard(*to_kernel_tensors(data, type_name, n, k))
@@ -240,7 +240,7 @@ def _expert_weights(tensor: Any, pattern: str, keep_quantized: bool
 
     experts, rows, columns = (int(d) for d in reversed(tensor.shape))
     if keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED:
-        from tokenmill.quantization.model import QuantizedShard
+        from tokenmill.quantization.schemes import QuantizedShard
 
         shard = _quantized_shard(tensor.data, tensor.tensor_type.name, [experts * rows, columns])
         for e in range(experts):

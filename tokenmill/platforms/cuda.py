@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.platforms import Platform, register_platform, triton_backend
+from tokenmill.platforms.interface import Platform, register_platform, triton_backend
 
 
 @register_platform

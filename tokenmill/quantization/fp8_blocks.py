@@ -81,7 +81,7 @@ def dequantized(names: list[str], get_slice, block: tuple[int, int], lazy: bool,
     """(name, tensor, or with `lazy` a CheckpointSlice) for one safetensors file's `names`
     (`get_slice` opens one): float8 weights dequantized, their block factors consumed; with
     `keep`, those `keepable` come as `QuantizedShard`s of `Fp8BlockKernel`'s tensors."""
-    from tokenmill.quantization.model import QuantizedShard
+    from tokenmill.quantization.schemes import QuantizedShard
 
     present = set(names)
     for name in names:

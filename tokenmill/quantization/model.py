@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,7 +29,7 @@ from tokenmill.quantization.linear_kernels import (
     PartsKernel,
     QuantizedKernel,
 )
-from tokenmill.quantization.schemes import smoothing_factors
+from tokenmill.quantization.schemes import QuantizedShard, smoothing_factors
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +42,6 @@ _NIBBLES = ("int4", "q4k", "q6k", "q5_0", "q5_1")
 
 # Leaf names of the tensors quantized kernels keep (a checkpoint stores `<layer>.<leaf>`).
 KERNEL_TENSORS = frozenset({"qweight", "scale", "min", "smooth", "act_range", "act_scale"})
-
-
-@dataclass
-class QuantizedShard:
-    """One checkpoint weight kept in its quantized form (GGUF Q8_0 / Q4_0 / Q4_1), rows =
-    output channels, so the shards of a merged layer concatenate."""
-
-    method: str  # "int8" or "int4"
-    tensors: dict[str, torch.Tensor]
 
 
 def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str, Linear]]:

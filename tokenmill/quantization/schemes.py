@@ -1,8 +1,11 @@
 """The arithmetic of each quantization scheme, in plain torch on any device: quantize a weight,
 dequantize it back, quantize activations. Kernels (`linear_kernels.py`) store what these return;
-their fallback path and the tests use the dequantizers as the definition of the numbers."""
+their fallback path and the tests use the dequantizers as the definition of the numbers.
+`QuantizedShard`: a checkpoint weight that arrives already in one of these forms."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -167,3 +170,12 @@ def smoothing_factors(act_absmax: torch.Tensor, weight: torch.Tensor,
     w_absmax = weight.float().abs().amax(0).clamp(min=1e-5)
     s = act_absmax.float().clamp(min=1e-5).pow(alpha) / w_absmax.pow(1 - alpha)
     return s.clamp(min=1e-5)
+
+
+@dataclass
+class QuantizedShard:
+    """One checkpoint weight kept in its quantized form (GGUF Q8_0 / Q4_0 / Q4_1), rows =
+    output channels, so the shards of a merged layer concatenate."""
+
+    method: str  # "int8" or "int4"
+    tensors: dict[str, torch.Tensor]

@@ -1,0 +1,2 @@
+"""Execution of one step on one rank: the model runner (inputs, forward, sampling), CUDA graphs
+and their capture, KV allocation, and the draft heads' runner."""

@@ -19,7 +19,7 @@ from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.platforms import get_platform, resolve_device
-from tokenmill.worker import cuda_graphs, kv_cache
+from tokenmill.worker import graph_capture, kv_cache
 from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
@@ -108,7 +108,7 @@ class ModelRunner:
         else:
             self.decode_step.max_rows = rows
         reserved = self.platform.reserved_bytes()
-        self.graphs, self.pieces = cuda_graphs.build(self, max_model_len)
+        self.graphs, self.pieces = graph_capture.build(self, max_model_len)
         if self.graphs is not None and self.heads is not None:
             self.heads.capture(self.graphs.pool is not None)
         self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)

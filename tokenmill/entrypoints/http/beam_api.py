@@ -120,11 +120,10 @@ async def searched(request, search, reservation, error) -> tuple:
 
 
 async def beam_response(state, chat: bool, req, jobs: list, beams: BeamSearchParams,
-                        reservation, request, output=None):
-    """The OpenAI response to a `use_beam_search` request (`jobs`: the prompts)."""
+                        reservation, request, error_response, output=None):
+    """The OpenAI response to a `use_beam_search` request (`jobs`: the prompts;
+    `error_response`: the OpenAI error shape, openai_api.py's)."""
     from fastapi.responses import JSONResponse, StreamingResponse
-
-    from tokenmill.entrypoints.http.openai_api import error_response
 
     prompts = [job.ids for job in jobs]
     found, failed = await searched(request, search_all(

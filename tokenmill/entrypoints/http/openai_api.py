@@ -329,7 +329,8 @@ async def create_completion(body: dict, request: Request, state: ServerState,
             reservation.cancel()
         return api_error(exc)
     if beams is not None:
-        return await beam_response(state, False, req, jobs, beams, reservation, request)
+        return await beam_response(state, False, req, jobs, beams, reservation, request,
+                                   error_response)
     return await _Responder(state, False, req, jobs, reservation,
                             echo=req.echo).respond(request)
 
@@ -364,7 +365,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
     output = ChatOutput(state.reasoning, plan, state.tool_parser, state.api.response_role)
     if beams is not None:
         return await beam_response(state, True, req, [_Job(ids, params)], beams, reservation,
-                                    request, output)
+                                    request, error_response, output)
     if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
         params.skip_special_tokens = False  # (the parser reads its control-token markers)
     responder = _Responder(state, True, req, [_Job(ids, params)], reservation,
