@@ -40,7 +40,7 @@ def speculation(path: str, root: str, device: str = "cuda", dtype: str = "bfloat
     from test_spec_decode_eagle import make_eagle
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.spec_decode import rejection
+    from tokenmill.sample import rejection_sampler as rejection
 
     head = os.path.join(root, "eagle_head")
     if not os.path.isdir(head):

@@ -30,8 +30,8 @@ def step_ms(batch: int, length: int, penalty: dict, seed: int = 0) -> dict[str, 
     import torch
 
     from tokenmill.core.request import Request, RequestStatus
+    from tokenmill.sample.request_sampling import RequestSampling
     from tokenmill.sampling_params import SamplingParams
-    from tokenmill.worker.sampling import RequestSampling
 
     rng = random.Random(seed)
 

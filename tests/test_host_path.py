@@ -10,9 +10,9 @@ from helpers import make_spm_tokenizer, make_tokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.request import Request
+from tokenmill.sample.request_sampling import RequestSampling
 from tokenmill.text_buffer import TextBuffer
 from tokenmill.tokenizer import _UNSET, IncrementalDetokenizer, token_decoder
-from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 
 

@@ -14,9 +14,9 @@ import sys
 import pytest
 
 from tests.fake_hub import FakeHub
+from tokenmill.config.model_names import split_precision
 from tokenmill.hub.download import MARKER, HubError, select_files
 from tokenmill.hub.fetch import cached, fetch, resolve
-from tokenmill.hub.names import split_precision
 
 
 def _digest(path: str) -> str:

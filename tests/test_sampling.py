@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.sampler import SamplingBatch, apply_top_k_top_p_min_p, sample
+from tokenmill.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, sample
 
 PROMPT = {"prompt_token_ids": [5, 17, 99, 200, 3, 45, 67]}
 
@@ -151,7 +151,7 @@ def test_penalties_match_transformers_processors():
     batch = SamplingBatch(temperature=torch.zeros(1), repetition_penalty=torch.tensor([1.3]),
                           seen_mask=torch.zeros(1, 30, dtype=torch.bool))
     batch.seen_mask[0, seen] = True
-    from tokenmill.layers.sampler import apply_penalties
+    from tokenmill.sample.sampler import apply_penalties
     ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen]), logits.clone())
     torch.testing.assert_close(apply_penalties(logits, batch), ref)
     counts = torch.zeros(1, 30)
@@ -182,7 +182,7 @@ def test_skip_special_tokens(llm):
 
 
 def test_banned_by_bad_words_matches_suffixes():
-    from tokenmill.layers.sampler import banned_by_bad_words
+    from tokenmill.sample.sampler import banned_by_bad_words
 
     words = [[5], [7, 8], [1, 2, 3]]
     assert banned_by_bad_words([], words) == [5]

@@ -124,7 +124,7 @@ def test_eagle_beside_decode_graphs(tiny_models, tmp_path, monkeypatch):
     tokens."""
     from helpers import hf_greedy
 
-    from tokenmill.spec_decode import rejection
+    from tokenmill.sample import rejection_sampler as rejection
 
     path, hf = tiny_models("llama")
     eagle = str(tmp_path / "eagle")

@@ -147,7 +147,7 @@ def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
 
     from tokenmill import SamplingParams
     from tokenmill.engine.protocol import EngineCoreRequest
-    from tokenmill.spec_decode import rejection
+    from tokenmill.sample import rejection_sampler as rejection
 
     path, hf = target
     head = str(tmp_path / "eagle3")

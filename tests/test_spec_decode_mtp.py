@@ -202,7 +202,7 @@ def test_mtp_in_cuda_graph_buckets(mtp_model, monkeypatch):
     ones); greedy outputs equal decoding without speculation."""
     from tokenmill.layers.linear import CpuPackedKernel
     from tokenmill.layers.moe import SparseMoE
-    from tokenmill.spec_decode import rejection
+    from tokenmill.sample import rejection_sampler as rejection
 
     path, hf, tensors, block = mtp_model
     fuse = SparseMoE.fuse_experts

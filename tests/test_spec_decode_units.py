@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.sample.rejection_sampler import verify_greedy, verify_sampled
 from tokenmill.spec_decode import ngram
-from tokenmill.spec_decode.rejection import verify_greedy, verify_sampled
 
 
 def test_ngram_finds_the_latest_longest_match():
@@ -267,10 +267,10 @@ def test_verified_rows_take_penalties_and_bans_of_their_own_context():
     import dataclasses
 
     from tokenmill.core.request import Request, RequestStatus
-    from tokenmill.layers.sampler import sample
+    from tokenmill.sample.rejection_sampler import verify
+    from tokenmill.sample.request_sampling import RequestSampling
+    from tokenmill.sample.sampler import sample
     from tokenmill.sampling_params import SamplingParams
-    from tokenmill.spec_decode.rejection import verify
-    from tokenmill.worker.sampling import RequestSampling
 
     sampling = RequestSampling(12, torch.device("cpu"))
     params = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
@@ -301,9 +301,9 @@ def test_verify_many_equals_verify_request_by_request():
     with a logit bias and a min_tokens ban (adjusted in place), greedy with a repetition
     penalty (adjusted apart), and seeded sampling, in an interleaved order."""
     from tokenmill.core.request import Request, RequestStatus
+    from tokenmill.sample.rejection_sampler import verify, verify_many
+    from tokenmill.sample.request_sampling import RequestSampling
     from tokenmill.sampling_params import SamplingParams
-    from tokenmill.spec_decode.rejection import verify, verify_many
-    from tokenmill.worker.sampling import RequestSampling
 
     vocab = 40
     sampling = RequestSampling(vocab, torch.device("cpu"))

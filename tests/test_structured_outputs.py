@@ -12,10 +12,11 @@ import torch
 import xgrammar as xgr
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.sample.grammar_mask import allowed_slow, mask_rows
 from tokenmill.sampling_params import InvalidParameter
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.backend import Grammars
-from tokenmill.structured_output.manager import GrammarState, allowed_slow, mask_rows
+from tokenmill.structured_output.manager import GrammarState
 
 PROMPT = {"prompt_token_ids": [5, 9, 17, 33, 2]}
 SCHEMAS = [
@@ -224,7 +225,7 @@ def test_drafted_rows_masks_equal_trying_every_token(tiny_models):
     """Row i of a drafted step allows what the grammar allows after drafts[:i]; past a draft
     the grammar refuses, rows repeat that draft's mask; the matcher is left as it was."""
     from tokenmill.loading.checkpoint import load_tokenizer
-    from tokenmill.structured_output.manager import mask_drafted
+    from tokenmill.sample.grammar_mask import mask_drafted
 
     tokenizer = load_tokenizer(tiny_models("llama")[0])
     grammars = Grammars(tokenizer, 512, [1])

@@ -90,7 +90,7 @@ class EngineConfig:
         return self.world_size // self.nnodes
 
     def __post_init__(self) -> None:
-        from tokenmill.hub.names import split_precision
+        from tokenmill.config.model_names import split_precision
 
         self.model, named = split_precision(self.model)  # the seed's ORG/NAME/<precision>
         if self.quantization is None:
@@ -98,8 +98,8 @@ class EngineConfig:
         if self.dtype == "auto":
             self.dtype = named.get("dtype", "auto")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        from tokenmill.config.quantization import parse_method
         from tokenmill.config.speculative import SpeculativeConfig
-        from tokenmill.quantization import parse_method
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         from tokenmill.config.generation import checked
@@ -134,7 +134,7 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization!r}.")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
-        from tokenmill.quantization import ALIASES, METHODS
+        from tokenmill.config.quantization import ALIASES, METHODS
         if self.quantization is not None and self.quantization not in METHODS:
             raise ValueError(f"quantization must be one of {', '.join(METHODS)} (or "
                              f"{', '.join(sorted(ALIASES))}), got {self.quantization!r}.")

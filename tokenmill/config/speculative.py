@@ -72,7 +72,7 @@ class SpeculativeConfig:
             raise ValueError(f"Speculative method {self.method!r} needs a draft model: set "
                              "\"model\" in --speculative-config.")
         if self.quantization is not None:
-            from tokenmill import quantization
+            from tokenmill.config import quantization
 
             object.__setattr__(self, "quantization", quantization.parse_method(self.quantization))
             if self.quantization not in (None, *quantization.METHODS):

@@ -43,9 +43,10 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
     from safetensors.torch import save_file
 
     from tokenmill.config.kernels import GpuKernelSettings
+    from tokenmill.config.quantization import checkpoint_quant_config
     from tokenmill.distributed.parallel_state import as_rank
     from tokenmill.loading.checkpoint import is_gguf, load_hf_config, load_model
-    from tokenmill.quantization import checkpoint_quant_config, fp8_blocks
+    from tokenmill.quantization import fp8_blocks
 
     if tp_size < 1 or pp_size < 1 or tp_size * pp_size < 2:
         raise ValueError("--tp-size x --pp-size must be 2 or more ranks.")

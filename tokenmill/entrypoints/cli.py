@@ -73,7 +73,7 @@ def cmd_serve(argv: list[str], prog: str = "tokenmill serve") -> int:
 
 def cmd_quantize(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from tokenmill.quantization.tool import run
+    from tokenmill.convert.quantize import run
 
     try:
         return run(argv)

@@ -51,9 +51,9 @@ def run(argv: list[str]) -> int:
     import os
 
     from tokenmill.config.env import hub_source, md5_check
+    from tokenmill.config.model_names import split_precision
     from tokenmill.hub.download import HubError
     from tokenmill.hub.fetch import fetch
-    from tokenmill.hub.names import split_precision
 
     args = make_parser().parse_args(argv)
     args.source = args.source or hub_source()

@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill import csrc
 from tokenmill.config.kernels import GpuKernelSettings
+from tokenmill.config.quantization import QuantConfig, checkpoint_quant_config
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.linear import (
     CheckpointSlice,
@@ -27,7 +28,7 @@ from tokenmill.layers.linear import (
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.loading import sharded
 from tokenmill.models.registry import build_model
-from tokenmill.quantization import QuantConfig, checkpoint_quant_config, fp8_blocks
+from tokenmill.quantization import fp8_blocks
 
 logger = logging.getLogger(__name__)
 

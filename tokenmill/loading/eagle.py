@@ -8,10 +8,10 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.config.quantization import QuantConfig
 from tokenmill.layers.linear import choose_linear_kernels
 from tokenmill.loading.checkpoint import iter_safetensors, load_hf_config, resolve_model_path
 from tokenmill.models.eagle import Eagle3Head, EagleHead, aux_layer_ids
-from tokenmill.quantization import QuantConfig
 from tokenmill.quantization import model as qmodel
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenmill.config.quantization import QuantConfig
 from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, materialized, whole
-from tokenmill.quantization import QuantConfig
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
 from tokenmill.quantization.fp8_blocks import Fp8BlockKernel

@@ -9,8 +9,8 @@ sampling) plus one token of its own.
 - `SpeculativeConfig` (vLLM's `--speculative-config` fields, validated) is config/speculative.py's.
 - `ngram.py`: prompt lookup (vLLM's "ngram" method, the seed's `inference_with_reference`):
   the tokens that followed the latest earlier occurrence of the context's last n tokens.
-- `rejection.py`: verification of draft tokens against the target's scores, with the slow
-  per-token formulas it follows stated beside it."""
+- The rejection sampler that verifies drafts against the target's scores is
+  sample/rejection_sampler.py."""
 
 from __future__ import annotations
 

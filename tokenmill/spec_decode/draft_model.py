@@ -24,8 +24,8 @@ from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.core.block_pool import Block, BlockPool
 from tokenmill.core.request import Request
 from tokenmill.loading.checkpoint import load_hf_config, load_tokenizer, resolve_model_path
+from tokenmill.sample.request_sampling import RequestSampling
 from tokenmill.spec_decode.proposer import Proposer
-from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)

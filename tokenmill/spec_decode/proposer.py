@@ -14,7 +14,7 @@ from tokenmill.spec_decode import ngram
 
 def speculates(request: Request) -> bool:
     """Every running request (penalties, bad words and min_tokens apply per verified row,
-    from the context up to it: worker/sampling.py `drafted_batch`; structured outputs mask
+    from the context up to it: sample/request_sampling.py `drafted_batch`; structured outputs mask
     each verified row after the drafts before it: `mask_drafted`)."""
     return request.status == RequestStatus.RUNNING
 

@@ -19,8 +19,8 @@ from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.platforms import get_platform, resolve_device
+from tokenmill.sample.request_sampling import RequestSampling
 from tokenmill.worker import graph_capture, kv_cache
-from tokenmill.worker.sampling import RequestSampling
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
 from tokenmill.worker.step_sync import StepReceiver, StepSender

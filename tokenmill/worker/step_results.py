@@ -13,10 +13,10 @@ import torch
 from tokenmill.core.scheduler import ScheduledRequest
 from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.host_to_device import HostCopy
-from tokenmill.layers.sampler import gather_logprobs, logprob_lists, sample, top_logprobs
-from tokenmill.spec_decode.rejection import verify_many
-from tokenmill.structured_output.manager import mask_drafted, mask_rows
-from tokenmill.worker.sampling import RequestSampling
+from tokenmill.sample.grammar_mask import mask_drafted, mask_rows
+from tokenmill.sample.rejection_sampler import verify_many
+from tokenmill.sample.request_sampling import RequestSampling
+from tokenmill.sample.sampler import gather_logprobs, logprob_lists, sample, top_logprobs
 from tokenmill.worker.step_inputs import StepInputs
 
 # (top ids, top logprobs, chosen logprob, chosen rank) of one position

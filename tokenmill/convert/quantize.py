@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tokenmill.quantization import METHODS, QuantConfig, parse_method
+from tokenmill.config.quantization import METHODS, QuantConfig, parse_method
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Model names the way the seed writes them: `ORG/NAME/<precision>` is the hub model
-`ORG/NAME` served at that precision (`weight_only_int8` -> int8 weights, `bfloat16` -> the
+"""Model names as PaddleNLP's server (the seed) writes them: `ORG/NAME/<precision>` is the
+hub model `ORG/NAME` served at that precision (`weight_only_int8` -> int8 weights, `bfloat16` -> the
 dtype, ...). A local path is never split."""
 
 from __future__ import annotations

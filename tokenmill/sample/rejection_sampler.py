@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.sampler import SamplingBatch, adjusted, argmax, probabilities
+from tokenmill.sample.sampler import SamplingBatch, adjusted, argmax, probabilities
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, drafts: list[int],

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.host_to_device import on_device
-from tokenmill.layers.sampler import SamplingBatch, adjusted, banned_by_bad_words, draw
+from tokenmill.sample.sampler import SamplingBatch, adjusted, banned_by_bad_words, draw
 
 
 class RequestSampling:
