@@ -6,8 +6,8 @@ from helpers import hf_greedy
 
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.attention.reference import ReferenceBackend
-from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.quantization.linear_kernels import INT4_MAX_ROWS, INT8_MAX_ROWS
+from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 
 pytestmark = pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
 

@@ -110,7 +110,7 @@ def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatc
     not depend on the rows beside it, so the outputs stay the same, and equal transformers'."""
     if not csrc.available():
         pytest.skip("no compiled CPU kernels")
-    from tokenmill.models import llama
+    from tokenmill.layers import row_chunks
 
     path, hf = tiny_models("llama")
     prompts = [list(range(10 + i, 300 + i)) for i in range(2)]  # 580 rows in one step
@@ -122,14 +122,14 @@ def test_prompt_mlp_in_row_chunks_gives_the_same_outputs(tiny_models, monkeypatc
 
     whole = run()
     chunk_rows = []
-    real = llama._mlp_chunk_rows
+    real = row_chunks.mlp_chunk_rows
 
     def spy(x, width):
         chunk_rows.append((x.shape[0], real(x, width)))
         return chunk_rows[-1][1]
 
-    monkeypatch.setattr(llama, "MLP_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(llama, "_mlp_chunk_rows", spy)
+    monkeypatch.setattr(row_chunks, "MLP_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(row_chunks, "mlp_chunk_rows", spy)
     chunked = run()
     assert (580, 194) in chunk_rows  # the prompt step ran in three chunks of 194 rows
     for a, b in zip(whole, chunked, strict=True):

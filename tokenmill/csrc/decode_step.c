@@ -5,7 +5,7 @@
  * ~12 calls x 30 layers was about as long as the weights' streaming itself (bench/NOTES.md).
  * Here the layer loop runs in C over the same kernels the Python path calls one by one, in
  * the same order with the same roundings, so its outputs equal that path's. The model's
- * tensors are described once (tm_model, filled by tokenmill/models/cpu_decode.py); per step
+ * tensors are described once (tm_model, filled by tokenmill/worker/cpu_decode_step.py); per step
  * only the token rows and the attention metadata change.
  *
  * Per layer, for T decode tokens (hidden [T, H] holds the layer input; residual [T, H]):

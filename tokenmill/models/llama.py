@@ -10,6 +10,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
 from tokenmill.distributed.parallel_state import get_world
+from tokenmill.layers import row_chunks
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import (
@@ -102,7 +103,7 @@ class MLP(nn.Module):
                           else Linear(size, config.hidden_size, bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _mlp_chunk_rows(x, self.gate_up_proj.out_features)
+        rows = row_chunks.mlp_chunk_rows(x, self.gate_up_proj.out_features)
         if rows >= x.shape[0]:
             return self.down_proj(self._gated(x))
         out = torch.empty(x.shape[0], self.down_proj.out_features, dtype=x.dtype)
@@ -116,29 +117,6 @@ class MLP(nn.Module):
             if isinstance(self.act, SiluAndMul) else None
         out = fused(self.gate_up_proj, x) if fused is not None else None
         return out if out is not None else self.act(self.gate_up_proj(x))
-
-
-# The largest gate|up output a CPU prompt step allocates at once. glibc serves blocks above
-# its mmap threshold (32 MB at most) with fresh mappings and unmaps them when freed, so each
-# one page-faults in again on every layer: on the Qwen2.5-0.5B shape a 2,048-token step's
-# 80 MB gate|up output (and 40 MB SiLU output) spent ~1 s of a 6-8 s step clearing pages.
-# Cutting the MLP into row chunks keeps those buffers on the heap; the CPU kernels' sums for a
-# row do not depend on the rows beside it, and chunks of 256+ rows keep the prompt GEMMs at
-# their large-batch rate (bench/NOTES.md).
-MLP_CHUNK_BYTES = 24 * 2**20
-
-
-def _mlp_chunk_rows(x: torch.Tensor, gate_up_width: int) -> int:
-    """Rows per MLP chunk for x [T, H]: all of them off the CPU or where the buffers are small,
-    else about equal chunks of at least 256 rows whose gate|up output fits MLP_CHUNK_BYTES
-    where it can (every chunk keeps over 128 rows: the int8 / int4 kernels of CPUs without
-    VNNI switch paths by row count there, and a prompt's rows should not)."""
-    t = x.shape[0]
-    total = t * gate_up_width * x.element_size()
-    if x.dim() != 2 or x.device.type != "cpu" or total <= MLP_CHUNK_BYTES or t < 512:
-        return t
-    rows = max(256, -(-t // -(-total // MLP_CHUNK_BYTES)))
-    return -(-t // -(-t // rows))  # equal chunks: none left with a few rows
 
 
 class DecoderLayer(nn.Module):

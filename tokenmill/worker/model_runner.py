@@ -17,10 +17,10 @@ from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
 from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
-from tokenmill.models.cpu_decode import CpuDecodeStep
 from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.sample.request_sampling import RequestSampling
 from tokenmill.worker import graph_capture, kv_cache
+from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
 from tokenmill.worker.step_sync import StepReceiver, StepSender
