@@ -9,7 +9,7 @@ k), beside the same model without speculation, in one run:
   best case;
 
 each with CUDA graphs (the drafted steps of 4 rows a sequence and the head's passes replayed,
-worker/cuda_graphs.py, spec_decode/head_graphs.py) and eagerly (`--enforce-eager`), so what
+worker/cuda_graphs.py, worker/draft_head_graphs.py) and eagerly (`--enforce-eager`), so what
 the graphs bring to a drafted step shows. Run alone:
 
     python bench/gpu_speculation.py --model DIR --out FILE.json
