@@ -66,7 +66,7 @@ def processor_ms(tokenizer, batch, length, delta, seed=0):
 
 
 def reasoning_ms(tokenizer, batch, length, whole_text, seed=0):
-    from tokenmill.entrypoints.http.reasoning import (
+    from tokenmill.entrypoints.parsers.reasoning import (
         ReasoningParser,
         ReasoningStream,
         WholeTextReasoningStream,
@@ -93,8 +93,8 @@ def async_llm_ms(tokenizer, batch, length, interval=1, seed=0):
     from tests.scripted_client import ScriptedClient
     from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.engine.protocol import EngineCoreOutput
-    from tokenmill.entrypoints.http.reasoning import ReasoningParser, ReasoningStream
     from tokenmill.entrypoints.http.streaming import json_line
+    from tokenmill.entrypoints.parsers.reasoning import ReasoningParser, ReasoningStream
     from tokenmill.outputs import OutputKind
     from tokenmill.sampling_params import SamplingParams
 

@@ -105,8 +105,8 @@ def engine_process(path: str, **engine):
 def service_thread(path: str, address: str, metrics=None, **settings) -> ServerThread:
     """The service app over the engine at `address`, in a thread (served model 'tiny');
     the thread carries its `app`, `metrics` and `base` URL."""
+    from tokenmill.entrypoints.api.state import ApiSettings
     from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
 
     settings = {"served_model_names": ["tiny"], "max_seq_len": None, "max_waiting": 64,
                 **settings}

@@ -13,9 +13,11 @@ from tokenmill.config.server import build_server_config
 
 DEPLOY = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy")
 CONFIG_SOURCE = ""
-for _name in ("config.py", "parallel_config.py"):  # where environment variables are named
-    with open(os.path.join(os.path.dirname(__file__), "..", "tokenmill", _name)) as _f:
-        CONFIG_SOURCE += _f.read()
+_CONFIG = os.path.join(os.path.dirname(__file__), "..", "tokenmill", "config")
+for _name in sorted(os.listdir(_CONFIG)):  # where environment variables are named
+    if _name.endswith(".py"):
+        with open(os.path.join(_CONFIG, _name)) as _f:
+            CONFIG_SOURCE += _f.read()
 # What a LeaderWorkerSet gives each pod of a group of 2 (the worker: index 1).
 LWS = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "tokenmill-0.tokenmill",
        "LWS_WORKER_INDEX": "1"}

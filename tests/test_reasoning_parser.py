@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.http.reasoning import (
+from tokenmill.entrypoints.parsers.reasoning import (
     ReasoningParser,
     ReasoningStream,
     WholeTextReasoningStream,
@@ -97,7 +97,7 @@ def test_served_chat_returns_reasoning_whole_and_streamed(tiny_models, tmp_path)
 
 
 def test_the_constraint_starts_after_the_think_section(tiny_models):
-    from tokenmill.entrypoints.http.reasoning import constraint_start
+    from tokenmill.entrypoints.parsers.reasoning import constraint_start
     from tokenmill.loading.checkpoint import load_tokenizer
 
     tok = load_tokenizer(tiny_models("llama")[0])

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from tokenmill.tool_calls.parsers import PARSERS, ToolCall, get_parser
-from tokenmill.tool_calls.stream import ToolCallStream, WholeTextToolCallStream
+from tokenmill.entrypoints.parsers.tool_calls import PARSERS, ToolCall, get_parser
+from tokenmill.entrypoints.parsers.tool_stream import ToolCallStream, WholeTextToolCallStream
 
 W = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
 T = ToolCall("get_time", "{}")
@@ -166,7 +166,7 @@ def _accumulate(deltas: list[dict]) -> dict:
 
 
 def _plan(mode, parallel=True):
-    from tokenmill.tool_calls.request import ToolPlan
+    from tokenmill.entrypoints.parsers.tool_request import ToolPlan
 
     tools = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
     return ToolPlan(mode, tools, "get_weather" if mode == "named" else None, parallel)
@@ -184,7 +184,7 @@ def _plan(mode, parallel=True):
 ])
 def test_chat_output_whole_and_streamed(mode, text, calls, content):
     from tokenmill.entrypoints.http.chat_output import ChatOutput
-    from tokenmill.entrypoints.http.reasoning import ReasoningParser
+    from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
 
     out = ChatOutput(ReasoningParser("deepseek_r1"), _plan(mode), get_parser("hermes"))
     message, has_calls = out.message(text)

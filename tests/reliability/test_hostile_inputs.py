@@ -265,7 +265,7 @@ def test_refusals_are_counted_by_reason(long_server):
 def test_the_size_bound_never_refuses_a_text_that_fits(tiny_models):
     """The characters a text of n tokens can have never exceed `max_prompt_chars(n)`, even
     for texts made of the vocabulary's longest tokens or of characters a normalizer folds."""
-    from tokenmill.entrypoints.http.prompts import max_prompt_chars
+    from tokenmill.entrypoints.api.prompts import max_prompt_chars
     from tokenmill.loading.checkpoint import load_tokenizer
     from tokenmill.loading.gguf import default_model_path, load_gguf_tokenizer
 

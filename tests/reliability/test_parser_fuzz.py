@@ -19,14 +19,14 @@ from tritonclient.grpc import service_pb2 as pb
 from tokenmill.core.request import FinishReason
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreOutput
-from tokenmill.entrypoints.http import native_protocol, triton_api
-from tokenmill.entrypoints.http.openai_protocol import (
+from tokenmill.entrypoints.api import native_protocol, triton_protocol
+from tokenmill.entrypoints.api.json_body import BodyError, parse_json_object
+from tokenmill.entrypoints.api.openai_protocol import (
     CAPS,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from tokenmill.entrypoints.http.prompts import PromptEncoder
-from tokenmill.entrypoints.http.request_body import BodyError, parse_json_object
+from tokenmill.entrypoints.api.prompts import PromptEncoder
 from tokenmill.entrypoints.kserve import tensors
 from tokenmill.entrypoints.kserve.ensemble import ensemble_fields
 from tokenmill.sampling_params import SamplingParams
@@ -415,8 +415,8 @@ def test_ensemble_path_raises_only_its_errors(tokenizer, grammars, case):
                             check_structured=grammars.check)
     try:
         fields, shape = ensemble_fields(tensors.read_inputs(request))
-        ids, params, options = asyncio.run(triton_api.parse_fields(fields, state))
-    except (ValueError, triton_api.TritonError):  # TensorError is a ValueError
+        ids, params, options = asyncio.run(triton_protocol.parse_fields(fields, state))
+    except (ValueError, triton_protocol.TritonError):  # TensorError is a ValueError
         event("refused")
         return
     event("accepted")

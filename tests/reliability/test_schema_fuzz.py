@@ -33,8 +33,8 @@ from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from tests.reliability.checks import assert_no_leak, assert_openai_error
 from tests.serving import ServerThread, free_port
+from tokenmill.entrypoints.api.state import ApiSettings
 from tokenmill.entrypoints.http.server import create_service_app, is_native
-from tokenmill.entrypoints.http.state import ApiSettings
 
 EXAMPLES = 70  # per operation and generation mode (see the docstring); raise it for a soak
 

@@ -21,8 +21,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def app_over(engine_address, **settings):
+    from tokenmill.entrypoints.api.state import ApiSettings
     from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
 
     path, address = engine_address
     app = create_service_app(ApiSettings(
@@ -132,7 +132,7 @@ def raw_request(base: str, head: bytes, body: bytes = b"", timeout: float = 10) 
 
 
 def test_body_limit_with_content_length_and_chunked(server):
-    from tokenmill.entrypoints.http.request_body import DEFAULT_MAX_BODY_BYTES as limit
+    from tokenmill.entrypoints.api.json_body import DEFAULT_MAX_BODY_BYTES as limit
 
     def body_of(size: int) -> bytes:
         head = b'{"model": "tiny", "max_tokens": 1, "prompt": "'

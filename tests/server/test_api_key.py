@@ -5,8 +5,8 @@ import openai
 import pytest
 
 from tests.serving import ServerThread, free_port
+from tokenmill.entrypoints.api.state import ApiSettings
 from tokenmill.entrypoints.http.server import create_service_app
-from tokenmill.entrypoints.http.state import ApiSettings
 
 
 @pytest.fixture(scope="module")

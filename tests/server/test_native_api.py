@@ -141,8 +141,8 @@ def test_duplicate_in_flight_req_id_is_409(long_server):
 
 def test_disable_streaming_sends_one_final_message(engine_address):
     from tests.serving import ServerThread, free_port
+    from tokenmill.entrypoints.api.state import ApiSettings
     from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
 
     path, address = engine_address
     settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
@@ -179,8 +179,8 @@ def test_timeout_between_messages_ends_the_request(server, server_thread):
 
 def test_internal_errors_are_500_without_details(engine_address):
     from tests.serving import ServerThread, free_port
+    from tokenmill.entrypoints.api.state import ApiSettings
     from tokenmill.entrypoints.http.server import create_service_app
-    from tokenmill.entrypoints.http.state import ApiSettings
 
     class BrokenTokenizer:
         chat_template = None

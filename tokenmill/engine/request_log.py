@@ -1,14 +1,18 @@
 """What the engine requests made for one API request consumed, for its access-log line: the
 API's middleware opens a `RequestRecord` in a context variable, `AsyncLLM.generate` adds to it
 (every engine request the handler makes, beams and `n` included), the middleware writes the
-line when the response has been sent."""
+line when the response has been sent (`write_line`: HTTP's middleware and the gRPC service)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger("tokenmill.access")
 
 current: ContextVar[RequestRecord | None] = ContextVar("tokenmill_request_record",
                                                        default=None)
@@ -59,3 +63,22 @@ def produced(total, final: bool) -> None:
         record.output_tokens += total.num_tokens
         if record.keep_text:
             record.outputs.extend(c.text for c in total.output().outputs)
+
+
+def write_line(record, request_id: str, method: str, route: str, status, tokenizer=None
+               ) -> dict:
+    """Logs one request's access line (HTTP, or gRPC: method GRPC, status its code name);
+    `tokenizer` given (--log-requests): with the prompt and output text."""
+    fields = {"request_id": request_id, "method": method, "route": route, "status": status,
+              "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
+              "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
+              "total_s": round(time.monotonic() - record.start, 4)}
+    if tokenizer is not None:
+        fields["prompt"] = [tokenizer.decode(ids) for ids in record.prompts]
+        fields["output"] = record.outputs
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("prompt", "output"))
+    if "prompt" in fields:
+        text += f" prompt={json.dumps(fields['prompt'], ensure_ascii=False)} " \
+                f"output={json.dumps(fields['output'], ensure_ascii=False)}"
+    logger.info(text, extra=fields)
+    return fields

@@ -20,8 +20,8 @@ from multiprocessing.connection import Connection
 import uvicorn
 
 from tokenmill.engine.async_engine import EngineDeadError, ShutdownError
-from tokenmill.entrypoints.http.server import build_state, create_service_app
-from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state
+from tokenmill.entrypoints.http.server import create_service_app
 from tokenmill.logs import configure_logging
 
 logger = logging.getLogger(__name__)

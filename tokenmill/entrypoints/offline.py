@@ -16,9 +16,9 @@ from tokenmill.beam_search import (
 )
 from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.entrypoints.parsers.tool_request import template_messages
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.tool_calls.request import template_messages
 
 Conversation = list[dict[str, Any]]
 
@@ -73,7 +73,8 @@ class LLM:
              tools: list[dict[str, Any]] | None = None,
              chat_template: str | None = None) -> list[RequestOutput]:
         """`tools` (OpenAI's function definitions) are rendered by the chat template; the
-        output is text (read it with `tokenmill.tool_calls.parsers.get_parser(...).parse`).
+        output is text (read it with
+        `tokenmill.entrypoints.parsers.tool_calls.get_parser(...).parse`).
         `chat_template`: a Jinja template in place of the tokenizer's (vLLM's argument)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}

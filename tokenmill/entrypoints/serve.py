@@ -25,6 +25,7 @@ from tokenmill.config.generation import log_defaults, sampling_defaults
 from tokenmill.config.server import ServerConfig, check_ports_free
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.core_client import start_engine_core_process
+from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state
 from tokenmill.entrypoints.api_worker import (
     drain,
     make_server,
@@ -33,8 +34,7 @@ from tokenmill.entrypoints.api_worker import (
     wait_started,
 )
 from tokenmill.entrypoints.http.dashboard import metrics_app
-from tokenmill.entrypoints.http.server import build_state, create_health_app, create_service_app
-from tokenmill.entrypoints.http.state import ApiSettings, ServerState
+from tokenmill.entrypoints.http.server import create_health_app, create_service_app
 from tokenmill.entrypoints.kserve import start_grpc_server
 from tokenmill.loading.checkpoint import resolve_model_path
 from tokenmill.logs import configure_logging

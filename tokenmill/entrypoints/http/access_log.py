@@ -5,14 +5,10 @@ keys of the line (logs.py)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import time
 import uuid
 
 from tokenmill.engine import request_log
 
-logger = logging.getLogger("tokenmill.access")
 # Paths whose requests are not logged (probes would drown the requests that matter).
 QUIET_PATHS = ("/health", "/v2/health/live", "/v2/health/ready", "/metrics")
 
@@ -54,29 +50,9 @@ class AccessLog:
             request_log.current.reset(token)
             tokenizer = self.get_tokenizer() if self.log_requests and self.get_tokenizer \
                 else None
-            fields = write_line(record, request_id, scope["method"], scope["path"], status,
-                                tokenizer)
+            fields = request_log.write_line(record, request_id, scope["method"], scope["path"],
+                                            status, tokenizer)
             if self.tracer is not None:
                 self.tracer.request_span({k.decode("latin-1"): v.decode("latin-1")
                                           for k, v in headers.items()}, record, fields,
                                          self.model)
-
-
-
-def write_line(record, request_id: str, method: str, route: str, status, tokenizer=None
-               ) -> dict:
-    """Logs one request's access line (HTTP, or gRPC: method GRPC, status its code name);
-    `tokenizer` given (--log-requests): with the prompt and output text."""
-    fields = {"request_id": request_id, "method": method, "route": route, "status": status,
-              "prompt_tokens": record.prompt_tokens, "output_tokens": record.output_tokens,
-              "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
-              "total_s": round(time.monotonic() - record.start, 4)}
-    if tokenizer is not None:
-        fields["prompt"] = [tokenizer.decode(ids) for ids in record.prompts]
-        fields["output"] = record.outputs
-    text = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("prompt", "output"))
-    if "prompt" in fields:
-        text += f" prompt={json.dumps(fields['prompt'], ensure_ascii=False)} " \
-                f"output={json.dumps(fields['output'], ensure_ascii=False)}"
-    logger.info(text, extra=fields)
-    return fields

@@ -1,6 +1,6 @@
 """A chat choice's text -> the assistant message (whole) or its deltas (streamed): the
 reasoning section split off (`--reasoning-parser`), then tool calls read from the rest
-(`tool_calls/`), in OpenAI's shapes. Streamed `tool_calls` deltas are what the OpenAI SDK's
+(`parsers/`), in OpenAI's shapes. Streamed `tool_calls` deltas are what the OpenAI SDK's
 stream helpers accumulate: each call's first delta carries its index, id, type and name,
 later ones append to its `arguments`."""
 
@@ -10,10 +10,10 @@ import json
 import uuid
 from typing import Any
 
-from tokenmill.entrypoints.http.reasoning import ReasoningParser, ReasoningStream
-from tokenmill.tool_calls.parsers import ToolCall, ToolParser, call_from_object
-from tokenmill.tool_calls.request import ToolPlan
-from tokenmill.tool_calls.stream import ToolCallStream
+from tokenmill.entrypoints.parsers.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.entrypoints.parsers.tool_calls import ToolCall, ToolParser, call_from_object
+from tokenmill.entrypoints.parsers.tool_request import ToolPlan
+from tokenmill.entrypoints.parsers.tool_stream import ToolCallStream
 
 
 def call_id(parser: ToolParser | None) -> str:

@@ -15,17 +15,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
-from tokenmill.entrypoints.http.beam_api import beam_response, openai_beam_params
-from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
-from tokenmill.entrypoints.http.openai_logprobs import chat_logprobs, completion_logprobs
-from tokenmill.entrypoints.http.openai_protocol import (
+from tokenmill.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     refuse_unsupported,
 )
-from tokenmill.entrypoints.http.reasoning import constraint_start
-from tokenmill.entrypoints.http.state import Reservation, ServerState
+from tokenmill.entrypoints.api.state import Reservation, ServerState
+from tokenmill.entrypoints.http.beam_api import beam_response, openai_beam_params
+from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
+from tokenmill.entrypoints.http.openai_logprobs import chat_logprobs, completion_logprobs
 from tokenmill.entrypoints.http.streaming import json_line, merge, unless_disconnected
+from tokenmill.entrypoints.parsers.reasoning import constraint_start
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
-from tokenmill.entrypoints.http.offload import off_loop_if
+from tokenmill.entrypoints.api.json_body import DEFAULT_MAX_BODY_BYTES, parse_json_object
+from tokenmill.entrypoints.api.offload import off_loop_if
 
-DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
 DEFAULT_BODY_TIMEOUT_S = 30.0
 # Header count and bytes (names and values, as docs/reliability.md promises): uvicorn's
 # httptools parser has no byte limit of its own, h11's answers 400 past 16 KiB.
@@ -123,46 +122,6 @@ class RequestLimitMiddleware:
     def _too_large(self) -> str:
         return (f"The request body is larger than the limit of {self.max_body_bytes} bytes "
                 "(--max-request-body-bytes).")
-
-
-class BodyError(ValueError):
-    """The body is not a JSON object (each API words the error response its own way)."""
-
-
-# A lone surrogate (\ud800 without its pair) parses to a str no tokenizer can encode.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json(raw: bytes):
-    """Strict JSON from the wire: UTF-8 (RFC 8259; a BOM is allowed), no NaN / Infinity
-    literals (not JSON, and a NaN temperature would pass every range check), nesting within
-    the parser's recursion limit, no unpaired UTF-16 surrogate escapes (a `\\ud800` parses to
-    a str no tokenizer can encode). Raises BodyError."""
-    try:
-        # raw.decode, not json.loads(bytes): that decodes with "surrogatepass" and would let
-        # UTF-8-encoded surrogates (b"\xed\xa0\x80") through.
-        value = json.loads(raw.decode("utf-8-sig"), parse_constant=_no_constants)
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
-        raise BodyError("The request body is not valid JSON.") from None
-    if _SURROGATE_ESCAPE.search(raw):  # rare: pay for the full check only then
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise BodyError("The request body contains an unpaired UTF-16 surrogate "
-                            "escape (\\ud800-\\udfff); text must be valid Unicode.") from None
-    return value
-
-
-def parse_json_object(raw: bytes) -> dict:
-    """`parse_json`, and the value must be an object (every HTTP route's body)."""
-    body = parse_json(raw)
-    if not isinstance(body, dict):
-        raise BodyError("The request body must be a JSON object.")
-    return body
 
 
 # Bodies larger than this are parsed on a worker thread (a 2 MiB JSON body takes tens of

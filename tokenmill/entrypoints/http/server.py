@@ -11,64 +11,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
-from tokenmill.engine.async_engine import AsyncLLM
-from tokenmill.engine.core_client import AsyncMPClient
-from tokenmill.engine.dp_client import DataParallelClient
-from tokenmill.entrypoints.auth import ApiKey
-from tokenmill.entrypoints.http import native_api, openai_api, tokenize_api, triton_api
-from tokenmill.entrypoints.http.access_log import AccessLog
-from tokenmill.entrypoints.http.openai_protocol import (
+from tokenmill.entrypoints.api.json_body import BodyError
+from tokenmill.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     openapi_body,
 )
-from tokenmill.entrypoints.http.reasoning import ReasoningParser
+from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state, readiness
+from tokenmill.entrypoints.auth import ApiKey
+from tokenmill.entrypoints.http import native_api, openai_api, tokenize_api, triton_api
+from tokenmill.entrypoints.http.access_log import AccessLog
 from tokenmill.entrypoints.http.request_body import (
-    BodyError,
     RequestLimitMiddleware,
     read_body,
 )
-from tokenmill.entrypoints.http.state import ApiSettings, ServerState
 from tokenmill.entrypoints.http.tracing import Tracer
-from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.metrics import REJECT_STATUS, Metrics
-from tokenmill.tokenizer import eos_token_ids
-from tokenmill.tool_calls.parsers import get_parser
 
 logger = logging.getLogger(__name__)
-
-
-async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> ServerState:
-    tokenizer = load_tokenizer(settings.tokenizer_path)
-    if settings.chat_template is not None:  # (--chat-template: every route renders with it)
-        tokenizer.chat_template = settings.chat_template
-    if settings.more_engine_addresses:
-        client = DataParallelClient([settings.engine_address, *settings.more_engine_addresses])
-    else:
-        client = AsyncMPClient(settings.engine_address)
-    engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
-                      dead_after_s=settings.dead_after_s, metrics=metrics,
-                      stream_interval=settings.api.stream_interval)
-    await engine.start()
-    # A request that can never fit the KV cache (of one replica) is refused like an
-    # over-long one (400 naming the field), not queued forever.
-    info = engine.client.info
-    blocks = info.num_kv_blocks // client.num_replicas
-    max_len = min(engine.max_model_len, blocks * info.block_size)
-    return ServerState(engine=engine, tokenizer=tokenizer,
-                       served_model_names=settings.served_model_names,
-                       max_model_len=max_len, max_dec_len=settings.max_dec_len,
-                       max_seq_len=min(settings.max_seq_len or max_len - 1, max_len - 1),
-                       max_waiting=settings.max_waiting,
-                       disable_streaming=settings.disable_streaming,
-                       trust_request_chat_template=settings.trust_request_chat_template,
-                       reasoning=ReasoningParser(settings.reasoning_parser)
-                       if settings.reasoning_parser else None,
-                       tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
-                       if settings.tool_call_parser else None,
-                       log_requests=settings.log_requests,
-                       sampling_defaults=settings.sampling_defaults,
-                       api=settings.api)
 
 
 def is_native(body: dict) -> bool:
@@ -283,16 +243,6 @@ _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 def _metrics_of(app: FastAPI, metrics: Metrics | None) -> Metrics | None:
     server = getattr(app.state, "server", None)
     return server.engine.metrics if server is not None else metrics
-
-
-def readiness(state: ServerState | None) -> tuple[bool, str]:
-    if state is None:
-        return False, "model is loading"
-    if state.draining:
-        return False, "server is shutting down"
-    if not state.engine.is_alive():
-        return False, "engine is not responding"
-    return True, "ready"
 
 
 def create_health_app(get_state) -> FastAPI:

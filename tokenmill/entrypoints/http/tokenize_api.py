@@ -9,14 +9,14 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tokenmill.entrypoints.http.offload import off_loop_if
-from tokenmill.entrypoints.http.openai_api import ApiError, _validation_error, api_error
-from tokenmill.entrypoints.http.openai_protocol import (
+from tokenmill.entrypoints.api.offload import off_loop_if
+from tokenmill.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
     check_template_kwargs,
 )
-from tokenmill.entrypoints.http.prompts import OFF_LOOP_CHARS
-from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.entrypoints.api.prompts import OFF_LOOP_CHARS
+from tokenmill.entrypoints.api.state import ServerState
+from tokenmill.entrypoints.http.openai_api import ApiError, _validation_error, api_error
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize request
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import grpc
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from tokenmill.entrypoints.api.json_body import DEFAULT_MAX_BODY_BYTES
+from tokenmill.entrypoints.api.state import ServerState
 from tokenmill.entrypoints.auth import ApiKey
-from tokenmill.entrypoints.http.request_body import DEFAULT_MAX_BODY_BYTES
-from tokenmill.entrypoints.http.state import ServerState
 
 _GUARDED = ("/inference.GRPCInferenceService/ModelInfer",
             "/inference.GRPCInferenceService/ModelStreamInfer",

@@ -1,11 +1,11 @@
 """The TensorRT-LLM `ensemble` model over gRPC: its input tensors -> the same Python fields
-the HTTP generate API takes (`triton_api.parse_fields`), and its metadata."""
+the HTTP generate API takes (api/triton_protocol.py `parse_fields`), and its metadata."""
 
 from __future__ import annotations
 
 from tritonclient.grpc import service_pb2 as pb
 
-from tokenmill.entrypoints.http.triton_api import PERF_INTS
+from tokenmill.entrypoints.api.triton_protocol import PERF_INTS
 
 _TEXT = {"text_input", "guided_json", "guided_decoding_guide_type", "guided_decoding_guide"}
 _WORDS = {"stop_words", "bad_words"}

@@ -27,11 +27,10 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from tokenmill import beam_search
 from tokenmill.engine import request_log
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
-from tokenmill.entrypoints.http import native_api, native_protocol, triton_api
-from tokenmill.entrypoints.http.access_log import write_line
-from tokenmill.entrypoints.http.request_body import BodyError, parse_json
-from tokenmill.entrypoints.http.server import readiness
-from tokenmill.entrypoints.http.state import ServerState
+from tokenmill.engine.request_log import write_line
+from tokenmill.entrypoints.api import native_messages, native_protocol, triton_protocol
+from tokenmill.entrypoints.api.json_body import BodyError, parse_json
+from tokenmill.entrypoints.api.state import ServerState, readiness
 from tokenmill.entrypoints.kserve import tensors
 from tokenmill.entrypoints.kserve.ensemble import ensemble_fields, ensemble_metadata
 from tokenmill.metrics import REJECT_STATUS
@@ -69,7 +68,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     # -- health and metadata ----------------------------------------------------------------
     def _known(self, name: str) -> bool:
         state = self.get_state()
-        return state is not None and (name == SEED_MODEL or triton_api.model_known(state, name))
+        return state is not None and (name == SEED_MODEL
+                                      or triton_protocol.model_known(state, name))
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -185,7 +185,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def _run(self, request: pb.ModelInferRequest,
                    streaming: bool) -> AsyncIterator[pb.ModelInferResponse]:
         """The responses of one request; a refusal is counted in the rejection metric; its
-        access line (access_log.py) is written when it ends."""
+        access line (engine/request_log.py) is written when it ends."""
         state = self.get_state()
         record = request_log.RequestRecord(keep_text=state is not None and state.log_requests)
         token = request_log.current.set(record)
@@ -268,7 +268,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                    "`req_id`.", 400), True
             return
         try:
-            req = await native_api.admit(body, state)
+            req = await native_messages.admit(body, state)
         except native_protocol.NativeError as exc:
             if exc.status == 503:
                 raise GrpcError(grpc.StatusCode.UNAVAILABLE, exc.message) from None
@@ -276,7 +276,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                    exc.status), True
             return
         only_final = req.return_all_tokens or not streaming
-        async with contextlib.aclosing(native_api.stream_messages(req, state)) as messages:
+        async with contextlib.aclosing(native_messages.stream_messages(req, state)) as messages:
             async for message in messages:
                 last = bool(message.get("is_end") or message.get("error_code"))
                 if message.get("error_code"):
@@ -305,7 +305,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                                 f"beam-{uuid.uuid4().hex}", reservation)
         finally:
             reservation.cancel()
-        fields = triton_api.beam_fields(beams, options)
+        fields = triton_protocol.beam_fields(beams, options)
         width = len(beams)
         outputs = [tensors.bytes_output("text_output", [t.encode() for t in
                                                         fields["text_output"]],
@@ -323,8 +323,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """Yields (outputs, is_last) for the TensorRT-LLM-style models."""
         try:
             fields, out_shape = ensemble_fields(inputs)
-            ids, params, options = await triton_api.parse_fields(fields, state)
-        except (ValueError, triton_api.TritonError) as exc:
+            ids, params, options = await triton_protocol.parse_fields(fields, state)
+        except (ValueError, triton_protocol.TritonError) as exc:
             raise GrpcError(_INVALID, getattr(exc, "message", str(exc))) from None
         reservation = state.try_admit(1)
         if reservation is None:
@@ -345,16 +345,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 text = c.text if stream_deltas else options["echo"] + c.text
                 outputs = [tensors.bytes_output("text_output", [text.encode()], out_shape)]
                 if options["log_probs"]:
-                    lp = triton_api.logprob_fields(c)
+                    lp = triton_protocol.logprob_fields(c)
                     outputs.append(tensors.fp32_output("cum_log_probs",
                                                        [lp["cum_log_probs"]], [1]))
                     outputs.append(tensors.fp32_output(
                         "output_log_probs", lp["output_log_probs"],
                         [1, len(lp["output_log_probs"])]))
                 if options["perf"]:
-                    perf = triton_api.perf_fields(out)
+                    perf = triton_protocol.perf_fields(out)
                     outputs += [tensors.int64_output(name, [perf[name]], [1])
-                                for name in triton_api.PERF_INTS]
+                                for name in triton_protocol.PERF_INTS]
                     outputs.append(tensors.fp32_output("acceptance_rate",
                                                        [perf["acceptance_rate"]], [1]))
                 yield outputs, out.finished

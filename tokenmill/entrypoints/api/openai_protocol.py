@@ -11,9 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from tokenmill.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
-from tokenmill.structured_output.response_format import from_response_format
-from tokenmill.tool_calls.request import (
+from tokenmill.entrypoints.parsers.tool_request import (
     MAX_TOOLS,
     ToolChoice,
     ToolDefinition,
@@ -21,6 +19,8 @@ from tokenmill.tool_calls.request import (
     plan_tools,
     template_messages,
 )
+from tokenmill.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from tokenmill.structured_output.response_format import from_response_format
 
 
 @dataclass(frozen=True)

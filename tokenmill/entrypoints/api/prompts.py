@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.http.offload import off_loop_if
+from tokenmill.entrypoints.api.offload import off_loop_if
 from tokenmill.tokenizer import apply_chat_template
 
 # Inputs larger than this (characters, or messages) are tokenized / templated on a worker

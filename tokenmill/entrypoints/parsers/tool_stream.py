@@ -7,7 +7,7 @@ complete (`ToolParser.complete_calls`), the rest when the output ends."""
 
 from __future__ import annotations
 
-from tokenmill.tool_calls.parsers import ToolCall, ToolParser
+from tokenmill.entrypoints.parsers.tool_calls import ToolCall, ToolParser
 
 
 class ToolCallStream:

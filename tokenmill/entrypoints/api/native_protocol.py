@@ -8,9 +8,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.entrypoints.http.openai_protocol import CAPS
-from tokenmill.entrypoints.http.prompts import PromptTooLong
-from tokenmill.entrypoints.http.state import Reservation, ServerState
+from tokenmill.entrypoints.api.openai_protocol import CAPS
+from tokenmill.entrypoints.api.prompts import PromptTooLong
+from tokenmill.entrypoints.api.state import Reservation, ServerState
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.response_format import from_response_format
 from tokenmill.tokenizer import ChatTemplateError

@@ -1,4 +1,5 @@
-"""What every HTTP handler of one API process shares: the engine front, tokenizer, limits."""
+"""What every handler of one API process shares (HTTP and gRPC): the engine front, tokenizer,
+limits and admission (`ServerState`, built from `ApiSettings` by `build_state`), readiness."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from typing import Any
 
 from tokenmill.config.api import ApiOptions
 from tokenmill.engine.async_engine import AsyncLLM
-from tokenmill.entrypoints.http.prompts import PromptEncoder
+from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.dp_client import DataParallelClient
+from tokenmill.entrypoints.api.prompts import PromptEncoder
+from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
+from tokenmill.entrypoints.parsers.tool_calls import get_parser
+from tokenmill.loading.checkpoint import load_tokenizer
+from tokenmill.metrics import Metrics
+from tokenmill.tokenizer import eos_token_ids
 
 # A reservation not taken up by the engine within this time (its response was never
 # started, e.g. the client left first) stops counting.
@@ -74,8 +82,8 @@ class ServerState:
     max_waiting: int  # seed MAX_CACHED_TASK_NUM: requests queued in the engine beyond running
     disable_streaming: bool = False
     trust_request_chat_template: bool = False
-    reasoning: Any = None  # a ReasoningParser (entrypoints/http/reasoning.py), or None
-    tool_parser: Any = None  # a ToolParser (tool_calls/parsers.py): tool_choice auto, or None
+    reasoning: Any = None  # a ReasoningParser (entrypoints/parsers/reasoning.py), or None
+    tool_parser: Any = None  # a ToolParser (parsers/tool_calls.py): tool_choice auto, or None
     log_requests: bool = False  # access lines (HTTP and gRPC) carry prompt and output text
     sampling_defaults: dict = field(default_factory=dict)  # (ApiSettings')
     api: ApiOptions = field(default_factory=ApiOptions)  # (ApiSettings')
@@ -140,3 +148,46 @@ class ServerState:
         """Counts a request refused before it reached the engine (metrics)."""
         if self.engine.metrics is not None:
             self.engine.metrics.rejected(reason)
+
+
+async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> ServerState:
+    tokenizer = load_tokenizer(settings.tokenizer_path)
+    if settings.chat_template is not None:  # (--chat-template: every route renders with it)
+        tokenizer.chat_template = settings.chat_template
+    if settings.more_engine_addresses:
+        client = DataParallelClient([settings.engine_address, *settings.more_engine_addresses])
+    else:
+        client = AsyncMPClient(settings.engine_address)
+    engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
+                      dead_after_s=settings.dead_after_s, metrics=metrics,
+                      stream_interval=settings.api.stream_interval)
+    await engine.start()
+    # A request that can never fit the KV cache (of one replica) is refused like an
+    # over-long one (400 naming the field), not queued forever.
+    info = engine.client.info
+    blocks = info.num_kv_blocks // client.num_replicas
+    max_len = min(engine.max_model_len, blocks * info.block_size)
+    return ServerState(engine=engine, tokenizer=tokenizer,
+                       served_model_names=settings.served_model_names,
+                       max_model_len=max_len, max_dec_len=settings.max_dec_len,
+                       max_seq_len=min(settings.max_seq_len or max_len - 1, max_len - 1),
+                       max_waiting=settings.max_waiting,
+                       disable_streaming=settings.disable_streaming,
+                       trust_request_chat_template=settings.trust_request_chat_template,
+                       reasoning=ReasoningParser(settings.reasoning_parser)
+                       if settings.reasoning_parser else None,
+                       tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
+                       if settings.tool_call_parser else None,
+                       log_requests=settings.log_requests,
+                       sampling_defaults=settings.sampling_defaults,
+                       api=settings.api)
+
+
+def readiness(state: ServerState | None) -> tuple[bool, str]:
+    if state is None:
+        return False, "model is loading"
+    if state.draining:
+        return False, "server is shutting down"
+    if not state.engine.is_alive():
+        return False, "engine is not responding"
+    return True, "ready"
