@@ -49,7 +49,18 @@ HOW_CORES = {"tokenmill": "torch threads = cores", "transformers": "torch thread
              "llamacpp": "n_threads = n_threads_batch = cores"}
 
 
+# `--tokenmill-trees old=DIR,new=DIR`: tokenmill from other checkouts, as engines
+# "tokenmill@old", "tokenmill@new" (a change measured against the code before it, side by side)
+TREES: dict[str, str] = {}
+
+
+def base(engine: str) -> str:
+    """The engine a name runs: "tokenmill@old" is tokenmill (from the tree labelled old)."""
+    return engine.split("@", 1)[0]
+
+
 def engine_python(engine: str) -> str | None:
+    engine = base(engine)
     if engine in PEER_VENVS:
         path = os.path.join(ROOT, PEER_VENVS[engine], "bin", "python")
         return path if os.path.exists(path) else None
@@ -79,7 +90,8 @@ def engine_env(engine: str) -> dict:
     if engine == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                    VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
-    env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+    tree = TREES[engine.split("@", 1)[1]] if "@" in engine else os.path.dirname(HERE)
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
@@ -87,11 +99,12 @@ def run_one(engine: str, workload: str, path: str, args) -> dict:
     if workload == "w3":
         return run_serving(engine, path, args)
     env = engine_env(engine)
-    cmd = [engine_python(engine), os.path.join(HERE, "peers", "runner.py"), "--engine", engine,
-           "--workload", workload, "--model", path, "--num-prompts", str(args.num_prompts),
+    cmd = [engine_python(engine), os.path.join(HERE, "peers", "runner.py"),
+           "--engine", base(engine), "--workload", workload, "--model", path,
+           "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len),
            "--output-len", str(args.output_len if workload == "w1" else args.w2_output_len)]
-    if engine == "tokenmill" and gguf_tokenizer(path):
+    if base(engine) == "tokenmill" and gguf_tokenizer(path):
         cmd += ["--engine-args", json.dumps({"tokenizer": gguf_tokenizer(path)})]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -108,6 +121,7 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
     cores = str(os.cpu_count() or 1)
     context = str(args.input_len + args.output_len + 256)
     py = engine_python(engine)
+    engine = base(engine)
     if engine == "tokenmill":
         return ([os.path.join(os.path.dirname(py), "tokenmill"), "serve", path,
                 "--host", "127.0.0.1", "--port", str(port), "--health-port", str(free_port()),
@@ -201,16 +215,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per engine run")
     p.add_argument("--models-dir", default=os.path.join(ROOT, "models"))
     p.add_argument("--out", default=None)
+    p.add_argument("--tokenmill-trees", default="",
+                   help="LABEL=DIR,...: also run tokenmill from these checkouts, as engines "
+                        "tokenmill@LABEL (e.g. old=/tmp/before,new=.)")
     args = p.parse_args(argv)
 
-    engines = [e for e in args.engines.split(",") if e]
+    TREES.update(item.split("=", 1) for item in args.tokenmill_trees.split(",") if item)
+    TREES.update({label: os.path.abspath(tree) for label, tree in TREES.items()})
+    engines = [e for e in args.engines.split(",") if e] + [f"tokenmill@{t}" for t in TREES]
     skipped = [e for e in engines if engine_python(e) is None]
     engines = [e for e in engines if e not in skipped]
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                           "python": platform.python_version()},
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
-              "how_cores": {e: HOW_CORES[e] for e in engines}, "skipped": skipped,
+              "how_cores": {e: HOW_CORES[base(e)] for e in engines},
+              "trees": {label: _tree_commit(tree) for label, tree in TREES.items()},
+              "skipped": skipped,
               "models": {}}
     for model in [m for m in args.models.split(",") if m]:
         hf_dir = model_path(args.models_dir, model, "tokenmill")
@@ -227,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             # batch-1 decode reads a token's active weights (a mixture of experts: its k
             # experts); a GGUF file's bytes in that proportion
             weight_bytes = None if precision == "f32" else os.path.getsize(file) * active / params
-            runs_on = [e for e in engines if precision == "f32" or e in GGUF_ENGINES]
+            runs_on = [e for e in engines if precision == "f32" or base(e) in GGUF_ENGINES]
             roof = measure(active, weight_bytes)
             entry = {"params": params, "active_params": active, "precision": precision,
                      "file": os.path.basename(file) if precision != "f32" else "hf / f32.gguf",
@@ -235,9 +256,9 @@ def main(argv: list[str] | None = None) -> None:
             for workload in [w for w in args.workloads.split(",") if w]:
                 for r in range(args.repeats):
                     for engine in runs_on if r % 2 == 0 else list(reversed(runs_on)):
-                        if workload == "w3" and engine == "transformers":
+                        if workload == "w3" and base(engine) == "transformers":
                             continue  # no server to drive
-                        path = model_path(args.models_dir, model, engine, precision)
+                        path = model_path(args.models_dir, model, base(engine), precision)
                         result = run_one(engine, workload, path, args)
                         result["repeat"] = r
                         entry["runs"].append(result)
@@ -257,6 +278,16 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(report, f, indent=2)
     _plot(report, out.replace(".json", ".png"))
     print(f"wrote {out}")
+
+
+def _tree_commit(tree: str) -> str:
+    """The checkout's commit (and whether it has uncommitted changes)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", tree, *a], capture_output=True,
+                              text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + (" (modified)" if dirty else "")
 
 
 def workload_ceilings(hf_dir: str, roof: dict, args) -> dict:
