@@ -40,12 +40,12 @@ left=$(( ${BUDGET_S:-570} - SECONDS - 130 ))
 tests_s=${TESTS_S:-$(( left < 240 ? (left < 30 ? 30 : left) : 240 ))}
 echo "tests bounded at ${tests_s} s (${SECONDS} s spent)"
 timeout "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cacheprovider --timeout 120 \
-  tests/test_triton_attention.py tests/test_triton_ops.py tests/test_piecewise_graphs.py tests/test_fused_moe.py tests/test_platforms.py tests/quantization/test_triton_kernels.py \
+  tests/attention/test_triton_attention.py tests/layers/test_triton_ops.py tests/worker/test_piecewise_graphs.py tests/layers/test_fused_moe.py tests/worker/test_platforms.py tests/quantization/test_triton_kernels.py \
   tests/quantization/test_fp8_blocks.py tests/quantization/test_quantized_models.py::test_quantize_tool_round_trip \
-  tests/test_models.py tests/test_engine_equivalence.py \
-  tests/test_attention.py tests/test_moe.py tests/test_mla.py tests/test_sampling.py tests/test_spec_decode.py tests/test_async_scheduling.py \
-  tests/test_spec_decode_eagle.py::test_eagle_beside_decode_graphs tests/test_spec_decode_mtp.py::test_mtp_in_cuda_graph_buckets \
-  tests/test_spec_decode_eagle3.py::test_eagle3_in_cuda_graph_buckets \
+  tests/models/test_models.py tests/engine/test_engine_equivalence.py \
+  tests/attention/test_attention.py tests/models/test_moe.py tests/attention/test_mla.py tests/sample/test_sampling.py tests/spec_decode/test_spec_decode.py tests/worker/test_async_scheduling.py \
+  tests/spec_decode/test_spec_decode_eagle.py::test_eagle_beside_decode_graphs tests/spec_decode/test_spec_decode_mtp.py::test_mtp_in_cuda_graph_buckets \
+  tests/spec_decode/test_spec_decode_eagle3.py::test_eagle3_in_cuda_graph_buckets \
   2>&1 | tee "$out/gpu-tests-$card-$stamp.log" | grep -vE '^\s*$' | tail -40
 # evidence for what is off by default: the skinny matmul, block-FP8 kept as float8
 timeout 40 python3 bench/gemv_sweep.py --out "$out/gemv-sweep-$card-$stamp.json"

@@ -5,7 +5,7 @@ Throughput: 16 requests (random-token prompts, greedy, exactly --max-tokens new 
 all unconstrained, then the same with one of them constrained to a JSON schema (an array of
 integers, so it runs to max_tokens like the others), alternated --repeats times in one run
 on one engine; output tok/s of each and their ratio (issue 28's target: >= 0.9).
-Compile: each schema of tests/test_structured_outputs.py's corpus through a fresh compiler
+Compile: each schema of tests/sample/test_structured_outputs.py's corpus through a fresh compiler
 (xgrammar's cache off), wall time per schema.
 
   python bench/structured_outputs.py [--model M] [--max-tokens 64] [--repeats 3] [--out F]

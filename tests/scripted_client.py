@@ -1,5 +1,5 @@
 """An engine-core client whose outputs the caller scripts: AsyncLLM's API-process side
-(output processing, result kinds, readers) without an engine (tests/test_output_kinds.py,
+(output processing, result kinds, readers) without an engine (tests/engine/test_output_kinds.py,
 bench/api_outputs.py)."""
 
 import asyncio

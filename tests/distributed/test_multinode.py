@@ -137,7 +137,7 @@ def test_deepseek_with_mtp_as_two_pipeline_stages_on_two_nodes(tmp_path):
     """DeepSeek-R1's two-node layout in small: a DeepSeek-V3 with its MTP layer served as two
     pipeline stages on two nodes, drafting with MTP on node 0's stage; the served tokens
     equal one rank's without speculation, and drafts were verified (the metrics)."""
-    from test_deepseek_mtp import _add_mtp
+    from tests.spec_decode.test_deepseek_mtp import _add_mtp
 
     path = str(tmp_path / "v3")
     _add_mtp(path, make_model(path, "deepseek_v3"))

@@ -12,7 +12,7 @@ from helpers import hf_greedy, make_model, write_calibration
 
 from tests.distributed.checks import worker_ranks
 from tests.serving import alive, wait_until
-from tests.test_async_scheduling import overlapped, record_steps
+from tests.worker.test_async_scheduling import overlapped, record_steps
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.distributed.parallel_state import get_world, init_parallel
 from tokenmill.entrypoints.cli import main as cli

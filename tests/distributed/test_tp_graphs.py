@@ -48,7 +48,7 @@ def test_two_ranks_with_a_draft_head_in_graph_buckets(tiny_models, monkeypatch, 
     whose sequences carry their 2 drafts each in their own (3 rows a sequence), the head's
     passes eagerly (the worker rank follows rank 0's passes message by message); greedy
     outputs equal transformers'."""
-    from tests.test_spec_decode_eagle import make_eagle
+    from tests.spec_decode.test_spec_decode_eagle import make_eagle
 
     monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
     path, hf = tiny_models("llama")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import make_model
 from safetensors.torch import save_file
-from test_spec_decode_eagle import check_head
 
+from tests.spec_decode.test_spec_decode_eagle import check_head
 from tokenmill import LLM
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40)), [7, 8, 9, 7, 8, 9, 7]]

@@ -13,8 +13,8 @@ from helpers import (
     make_model,
     record_replays,
 )
-from test_deepseek_mtp import PROMPTS, _add_mtp
 
+from tests.spec_decode.test_deepseek_mtp import PROMPTS, _add_mtp
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.protocol import EngineCoreRequest
 

@@ -16,7 +16,7 @@ import yaml
 
 from tokenmill.config.server import ServerConfig, build_server_config
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 DOCKERFILES = ["Dockerfile", "Dockerfile.cuda"]
 DEFAULTS = ServerConfig(engine=None)
 PORTS = {DEFAULTS.port, DEFAULTS.health_port, DEFAULTS.metrics_port, DEFAULTS.grpc_port}

@@ -203,7 +203,7 @@ def test_skinny_matmul_of_the_sweep_matches_linear(rows, setting):
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     import gemv_sweep
 
     torch.manual_seed(rows)

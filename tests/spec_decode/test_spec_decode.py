@@ -128,7 +128,7 @@ def test_the_benchmark_script_runs(tiny_models, tmp_path):
 
     path, _ = tiny_models("llama")
     out = tmp_path / "spec.json"
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench",
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "bench",
                           "spec_decode.py")
     subprocess.run([sys.executable, script, "--model", path, "--batch", "1,2",
                     "--max-tokens", "8", "--ngram", "1,2", "--methods", "ngram,int4-self",

@@ -11,9 +11,9 @@ import yaml
 
 from tokenmill.config.server import build_server_config
 
-DEPLOY = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy")
+DEPLOY = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "deploy")
 CONFIG_SOURCE = ""
-_CONFIG = os.path.join(os.path.dirname(__file__), "..", "tokenmill", "config")
+_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "tokenmill", "config")
 for _name in sorted(os.listdir(_CONFIG)):  # where environment variables are named
     if _name.endswith(".py"):
         with open(os.path.join(_CONFIG, _name)) as _f:

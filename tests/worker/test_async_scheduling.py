@@ -246,8 +246,7 @@ def test_graph_decode_steps_take_the_tokens_on_the_device(tiny_models, monkeypat
 def test_engine_process_streams_the_same_tokens(tiny_models, prompts):
     # the serving path: the engine core's busy loop, a stop string ending a request from the
     # API side while its next step is in flight
-    from test_async_engine import collect, with_engine
-
+    from tests.engine.test_async_engine import collect, with_engine
     from tokenmill.engine.core_client import start_engine_core_process
 
     path = tiny_models("qwen2")[0]
