@@ -126,6 +126,11 @@ class AttentionBackend(ABC):
     Causality is bottom-right aligned: query i of a sequence with context c sees keys
     0..c+i."""
 
+    # Its launches read the step's metadata from tensors alone, so a CUDA graph can hold them.
+    graph_safe = False
+    # Its kernels are Triton's (a float8 cache needs Triton's float8: platforms/cuda.py).
+    triton_kernels = False
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step before the forward: derive what every layer would otherwise
         recompute (masks, gather indices) into `meta.backend_data`. Default: nothing."""

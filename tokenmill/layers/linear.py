@@ -182,6 +182,11 @@ def writable(model: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter:
 class Linear(nn.Module):
     """A linear layer every tensor-parallel rank holds whole (replicated)."""
 
+    # A layer whose float weight is read directly (MLA's kv_b_proj): it keeps its weight and
+    # dense kernel. A layer kept in float (a mixture of experts' router): never quantized.
+    keep_weight = False
+    keep_float = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -374,7 +379,7 @@ def choose_linear_kernels(model: nn.Module) -> dict[str, int]:
         if isinstance(module, Linear):
             # (a layer whose float weight is read directly, as MLA's kv_b_proj, stays as is)
             if (isinstance(module.kernel, DenseKernel) and CpuPackedKernel.supports(module)
-                    and not getattr(module, "keep_weight", False)):
+                    and not module.keep_weight):
                 module.use_kernel(CpuPackedKernel(module))
             elif (skinny and type(module.kernel) is DenseKernel
                   and SkinnyKernel.supports(module)):

@@ -35,7 +35,7 @@ class MLAttention(nn.Module):
     @property
     def host_sync(self) -> bool:
         """The torch ops loop over sequences on the host; a graph-safe backend does not."""
-        return not getattr(self.backend, "graph_safe", False)
+        return self.backend is None or not self.backend.graph_safe
 
     def __init__(self, config: Any, scale: float, interleaved: bool) -> None:
         super().__init__()

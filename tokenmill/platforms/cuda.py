@@ -41,7 +41,7 @@ class CudaPlatform(Platform):
     def check_kv_cache(self, dtype: torch.dtype, backend: AttentionBackend) -> None:
         """Triton has float8 e4m3 from compute capability 8.9 (Ada, Hopper) on: an A100's
         kernels could neither write nor read a float8 cache (torch's ops convert anywhere)."""
-        if dtype != torch.float8_e4m3fn or not getattr(backend, "triton_kernels", False):
+        if dtype != torch.float8_e4m3fn or not backend.triton_kernels:
             return
         major, minor = torch.cuda.get_device_capability(self.device)
         if (major, minor) < (8, 9):

@@ -48,8 +48,8 @@ def quantizable_linears(model: nn.Module, config: QuantConfig) -> list[tuple[str
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, Linear) and isinstance(module.kernel, DenseKernel)
             and (config.lm_head or name != "lm_head")
-            and not getattr(module, "keep_float", False)  # (a MoE router)
-            and not getattr(module, "keep_weight", False)]  # (MLA's kv_b_proj)
+            and not module.keep_float  # (a MoE router)
+            and not module.keep_weight]  # (MLA's kv_b_proj)
 
 
 def make_kernel(weight: torch.Tensor, config: QuantConfig,
@@ -219,8 +219,7 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
                               _shard_rows(by_index[i])) for i in indices]
         every = not isinstance(module, MergedLinear) or len(parts) == len(module.full_sizes)
         # (a layer whose float weight is read directly, as MLA's kv_b_proj, or kept float)
-        every = every and not (getattr(module, "keep_weight", False)
-                               or getattr(module, "keep_float", False))
+        every = every and not (module.keep_weight or module.keep_float)
         same = every and all(p is not None for p in parts) and all(
             p.method == parts[0].method and p.tensors.keys() == parts[0].tensors.keys()
             and all(t.shape[1:] == parts[0].tensors[leaf].shape[1:]

@@ -36,8 +36,8 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
     config, settings, tp = runner.config, GpuKernelSettings.from_env(), runner.tp
     if not agreed(tp, (runner.platform.supports_graphs or settings.cpu_graph_buckets)
                   and not config.enforce_eager and runner.world.pp_size == 1
-                  and runner.decode_step is None and getattr(runner.backend, "graph_safe", False)
-                  and getattr(runner.model, "graphable", False)):
+                  and runner.decode_step is None and runner.backend.graph_safe
+                  and runner.model.graphable):
         return None, None
     spec = config.speculative_config  # (steps carrying drafts: their own buckets)
     capture = runner.device.type == "cuda"
