@@ -7,6 +7,8 @@ import argparse
 import logging
 import sys
 
+from tokenmill.entrypoints.api.defaults import CLI
+
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -107,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=CLI["max_tokens"])
+    gen.add_argument("--temperature", type=float, default=CLI["temperature"])
+    gen.add_argument("--top-p", type=float, default=CLI["top_p"])
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
 

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.entrypoints.api import defaults
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
 from tokenmill.entrypoints.api.state import Reservation, ServerState
@@ -16,8 +17,7 @@ from tokenmill.structured_output.response_format import from_response_format
 from tokenmill.tokenizer import ChatTemplateError
 
 # Seed defaults applied when a field is absent (spec §1.4.1 add_default_params).
-DEFAULTS = {"min_dec_len": 1, "topp": 0.7, "temperature": 0.95, "penalty_score": 1.0,
-            "frequency_score": 0.0, "presence_score": 0.0, "timeout": 300}
+DEFAULTS = defaults.NATIVE
 
 
 class NativeError(Exception):

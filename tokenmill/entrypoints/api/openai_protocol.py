@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from tokenmill.entrypoints.api.defaults import OPENAI
 from tokenmill.entrypoints.parsers.tool_request import (
     MAX_TOOLS,
     ToolChoice,
@@ -189,16 +190,16 @@ class _SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
         """Unset knobs take `defaults` (the model's generation config: config/generation.py),
-        else the neutral values."""
+        else OpenAI's (api/defaults.py)."""
         d = defaults or {}
         return SamplingParams(
-            n=self.n, temperature=_given(self.temperature, d, "temperature", 1.0),
-            top_p=_given(self.top_p, d, "top_p", 1.0),
-            top_k=_given(self.top_k, d, "top_k", 0),
-            min_p=_given(self.min_p, d, "min_p", 0.0),
-            repetition_penalty=_given(self.repetition_penalty, d, "repetition_penalty", 1.0),
-            frequency_penalty=self.frequency_penalty or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
+            n=self.n, temperature=_given(self.temperature, d, "temperature"),
+            top_p=_given(self.top_p, d, "top_p"),
+            top_k=_given(self.top_k, d, "top_k"),
+            min_p=_given(self.min_p, d, "min_p"),
+            repetition_penalty=_given(self.repetition_penalty, d, "repetition_penalty"),
+            frequency_penalty=self.frequency_penalty or OPENAI["frequency_penalty"],
+            presence_penalty=self.presence_penalty or OPENAI["presence_penalty"],
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             bad_words=self.bad_words,
@@ -221,8 +222,9 @@ class _SamplingFields(BaseModel):
             raise InvalidParameter("logit_bias", "logit_bias keys must be token ids.")
 
 
-def _given(value, defaults: dict, name: str, neutral):
-    return value if value is not None else defaults.get(name, neutral)
+def _given(value, model_defaults: dict, name: str):
+    """The request's value, else the model's generation config's, else OpenAI's default."""
+    return value if value is not None else model_defaults.get(name, OPENAI[name])
 
 
 class CompletionRequest(_SamplingFields):

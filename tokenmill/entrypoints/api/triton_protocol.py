@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from tokenmill.beam_search import BeamSearchParams
+from tokenmill.entrypoints.api import defaults
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
 from tokenmill.entrypoints.api.state import ServerState
@@ -64,9 +65,7 @@ _NUMBERS = {"max_tokens": (int, 1, None), "temperature": (float, 0.0, None),
             "end_id": (int, 0, None), "pad_id": (int, 0, None),
             "beam_width": (int, 1, CAPS.max_n), "num_return_sequences": (int, 1, CAPS.max_n),
             "length_penalty": (float, -1e3, 1e3)}
-_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 0.0,
-             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-             "min_tokens": 0, "min_length": 0, "beam_width": 1, "length_penalty": 1.0}
+_DEFAULTS = defaults.TRITON
 
 
 def _number(fields: dict, name: str, vocab_size: int) -> Any:
