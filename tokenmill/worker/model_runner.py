@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, KeptRows, leading_decodes
+from tokenmill.attention.backend import AttentionMetadata, leading_decodes
 from tokenmill.config.engine import EngineConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
@@ -19,9 +19,10 @@ from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.sample.request_sampling import RequestSampling
-from tokenmill.worker import graph_capture, kv_cache
+from tokenmill.worker import graph_capture, kv_cache, step_paths
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.step_inputs import StepInputs
+from tokenmill.worker.step_paths import EagerPath, StepTensors
 from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
 from tokenmill.worker.step_sync import StepReceiver, StepSender
 
@@ -89,6 +90,8 @@ class ModelRunner:
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype, values)
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
+        eager = EagerPath(self.model, self.backend, keep_rows=self.features is None)
+        self.paths = step_paths.ordered(None, None, eager)  # (the profiling step: eager)
         self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
         self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks(max_model_len))
@@ -109,6 +112,7 @@ class ModelRunner:
             self.decode_step.max_rows = rows
         reserved = self.platform.reserved_bytes()
         self.graphs, self.pieces = graph_capture.build(self, max_model_len)
+        self.paths = step_paths.ordered(self.pieces, self.decode_step, eager)
         if self.graphs is not None and self.heads is not None:
             self.heads.capture(self.graphs.pool is not None)
         self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)
@@ -272,19 +276,8 @@ class ModelRunner:
         if not world.is_first_stage:
             *carried, before = link.carried(len(input_ids), self.hidden_size, self.dtype,
                                             self.features.carried_in() if self.features else 0)
-        if self.pieces is not None and self.pieces.takes(len(input_ids)):
-            hidden = self.pieces.run(input_ids, positions, meta)  # (every row's)
-        else:
-            hidden = self.decode_step(input_ids, positions, meta, carried,
-                                      drafted and inputs.only_decodes) \
-                if self.decode_step else None
-        kept = None
-        if hidden is None:
-            # Prompt logprobs read every row's hidden state; otherwise only sampled rows'.
-            if (len(sample_rows) < len(input_ids) and not inputs.prompt_seqs and not drafted
-                    and self.features is None):  # (draft heads read every row's)
-                kept = KeptRows.last_of(meta, sample_rows, self.backend)
-            hidden = self.model(input_ids, positions, meta, kept, carried)
+        hidden, kept = step_paths.run_first(self.paths, StepTensors(
+            input_ids, positions, meta, inputs, carried, drafted))
         if not world.is_last_stage:
             pending = None
             # (posted before the step goes on: the last stage never waits for it)

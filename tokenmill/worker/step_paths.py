@@ -1,0 +1,98 @@
+"""The ways one rank computes a step's final hidden states, each declaring the steps it takes;
+the model runner tries them in order and runs the first that takes the step. (Decode graphs,
+cuda_graphs.py, run a uniform step all the way to its logits and are asked before these.)
+
+- `PiecewisePath`: steps of up to the largest bucket of token rows, as piecewise CUDA graphs
+  between eager attention calls (piecewise_graphs.py);
+- `CompiledCpuPath`: all-decode steps of up to `max_rows` sequences on the CPU, every layer in
+  one compiled call (cpu_decode_step.py);
+- `EagerPath`: any step, op by op through the model, the reference of the others; where
+  nothing reads the other rows, only the sampled ones go past the last layer's K/V
+  projection."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
+from tokenmill.worker.step_inputs import StepInputs
+
+
+@dataclass
+class StepTensors:
+    """A step's inputs on the device, as every path takes them."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    inputs: StepInputs
+    # a pipeline stage after the first: the previous stage's (hidden, residual)
+    carried: tuple[torch.Tensor, torch.Tensor] | None
+    drafted: bool  # rows of draft tokens are scored (speculative decoding)
+
+
+class StepPath(ABC):
+    @abstractmethod
+    def forward(self, step: StepTensors) -> tuple[Any, KeptRows | None] | None:
+        """(final hidden states, the rows they are of: None for every row), or None when this
+        path does not take the step. A stage before the last gives its (hidden, residual)."""
+
+
+class PiecewisePath(StepPath):
+    def __init__(self, pieces: Any) -> None:
+        self.pieces = pieces
+
+    def forward(self, step: StepTensors) -> tuple[Any, None] | None:
+        if not self.pieces.takes(len(step.input_ids)):
+            return None
+        return self.pieces.run(step.input_ids, step.positions, step.meta), None
+
+
+class CompiledCpuPath(StepPath):
+    def __init__(self, decode_step: Any) -> None:
+        self.decode_step = decode_step
+
+    def forward(self, step: StepTensors) -> tuple[Any, None] | None:
+        hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.carried,
+                                  step.drafted and step.inputs.only_decodes)
+        return None if hidden is None else (hidden, None)
+
+
+class EagerPath(StepPath):
+    """`keep_rows`: False where something reads every row's hidden state (draft heads)."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 keep_rows: bool) -> None:
+        self.model, self.backend, self.keep_rows = model, backend, keep_rows
+
+    def forward(self, step: StepTensors) -> tuple[Any, KeptRows | None]:
+        inputs, sample_rows = step.inputs, step.inputs.sample_seqs
+        kept = None
+        # Prompt logprobs and scored drafts read every row's hidden state.
+        if (self.keep_rows and len(sample_rows) < len(step.input_ids)
+                and not inputs.prompt_seqs and not step.drafted):
+            kept = KeptRows.last_of(step.meta, sample_rows, self.backend)
+        return self.model(step.input_ids, step.positions, step.meta, kept, step.carried), kept
+
+
+def ordered(pieces: Any, decode_step: Any, eager: EagerPath) -> list[StepPath]:
+    """The paths a runner has, in the order it tries them."""
+    paths: list[StepPath] = []
+    if pieces is not None:
+        paths.append(PiecewisePath(pieces))
+    if decode_step is not None:
+        paths.append(CompiledCpuPath(decode_step))
+    return paths + [eager]
+
+
+def run_first(paths: list[StepPath], step: StepTensors) -> tuple[Any, KeptRows | None]:
+    """The first path that takes the step runs it (the eager path, last, takes every one)."""
+    for path in paths:
+        out = path.forward(step)
+        if out is not None:
+            return out
+    raise AssertionError("the eager path takes every step")
