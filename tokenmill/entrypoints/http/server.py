@@ -80,6 +80,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
                        metrics: Metrics | None = None) -> FastAPI:
     """`state` may be shared with a health app in the same process; else built at start-up
     (with `metrics`, if given)."""
+    tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,26 +98,46 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     # --root-path, as vLLM sets it: routes answer with and without the proxy's prefix, and
     # /docs points at the prefixed openapi.json
     app.root_path = settings.api.root_path
+    _add_middleware(app, settings, metrics, tracer)
+    _add_error_handlers(app)
+    key = ApiKey(settings.api_key) if settings.api_key else None
+    guarded = [Depends(_key_check(key))]
+    _add_generate_routes(app, key)
+    _add_tokenizer_and_model_routes(app, settings, guarded)
+    _add_health_routes(app)
+    app.include_router(triton_api.create_router(lambda request: request.app.state.server,
+                                                guard=guarded))
+    return app
+
+
+def _add_middleware(app: FastAPI, settings: ApiSettings, metrics: Metrics | None,
+                    tracer: Tracer | None) -> None:
+    """Body limits (innermost), rejection counts, the access line (and its span), CORS
+    (outermost: preflights answered before anything else)."""
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
-    tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
     app.add_middleware(AccessLog, log_requests=settings.log_requests,
                        get_tokenizer=lambda: app.state.server.tokenizer, tracer=tracer,
                        model=settings.served_model_names[0],
                        request_id_header=settings.api.request_id_headers)
-    if settings.api.cors is not None:  # (outermost: preflights answered before anything else)
+    if settings.api.cors is not None:
         app.add_middleware(CORSMiddleware, **settings.api.cors)
-    key = ApiKey(settings.api_key) if settings.api_key else None
 
-    def authorized(request: Request) -> bool:
-        return key is None or key.accepts(request.headers.get("authorization"))
 
+def _key_check(key: ApiKey | None):
     async def check_api_key(request: Request) -> None:
         """Inference routes need `Authorization: Bearer <key>` when a key is configured;
         compared in constant time. Health, model list and metrics stay open."""
-        if not authorized(request):
+        if not _authorized(key, request):
             raise _Unauthorized()
+    return check_api_key
 
+
+def _authorized(key: ApiKey | None, request: Request) -> bool:
+    return key is None or key.accepts(request.headers.get("authorization"))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(_Unauthorized)
     async def unauthorized(request: Request, exc: Exception) -> Response:
         return _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
@@ -141,18 +162,21 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
         return JSONResponse({"error_msg": message, "error_code": 500,
                              **openai_api.error_body(message, 500)}, status_code=500)
 
-    guarded = [Depends(check_api_key)]
+
+def _add_generate_routes(app: FastAPI, key: ApiKey | None) -> None:
+    """The native and OpenAI routes share their paths: the body says which API a request
+    speaks, so they check the key once it is read (the answer's shape depends on it)."""
 
     async def dispatch(request: Request, chat: bool, seed_path: bool = False) -> Response:
         """`seed_path`: the seed's nested OpenAI paths; OpenAI only, `model` not checked
         (the seed's adapter ignored it)."""
         body = await read_json(request)
         if isinstance(body, Response):
-            return body if authorized(request) else \
+            return body if _authorized(key, request) else \
                 _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
         server: ServerState = request.app.state.server
         native = not seed_path and is_native(body)
-        if not authorized(request):  # checked here: the answer's shape depends on the body
+        if not _authorized(key, request):
             if native:
                 return native_api.error_response(body, UNAUTHORIZED, 401, _CHALLENGE)
             return _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
@@ -170,8 +194,6 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     chat_body = openapi_body(ChatCompletionRequest)
     completion_body = openapi_body(CompletionRequest)
 
-    # The native and OpenAI paths check the key in `dispatch`, once the body says which API
-    # the request speaks.
     @app.post("/v1/chat/completions", openapi_extra=chat_body)
     async def chat_completions(request: Request) -> Response:
         return await dispatch(request, chat=True)
@@ -189,7 +211,11 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     async def seed_completions(request: Request) -> Response:
         return await dispatch(request, chat=False, seed_path=True)
 
-    # vLLM's tokenizer routes (at the root and under /v1)
+
+def _add_tokenizer_and_model_routes(app: FastAPI, settings: ApiSettings,
+                                    guarded: list) -> None:
+    """vLLM's tokenizer routes (at the root and under /v1), the model list, /load."""
+
     def tokenizer_route(kind: str):
         async def route(request: Request) -> Response:
             body = await read_json(request)
@@ -212,6 +238,8 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
         async def load(request: Request) -> dict:
             return {"server_load": request.app.state.server.engine.num_in_flight()}
 
+
+def _add_health_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         ok, _ = readiness(request.app.state.server)
@@ -226,10 +254,6 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     async def v2_ready(request: Request) -> Response:
         ok, _ = readiness(request.app.state.server)
         return Response(status_code=200 if ok else 400)
-
-    app.include_router(triton_api.create_router(lambda request: request.app.state.server,
-                                                guard=guarded))
-    return app
 
 
 class _Unauthorized(Exception):
