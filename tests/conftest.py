@@ -50,7 +50,7 @@ def engine_address(tiny_models):
 def server_thread(engine_address):
     """The running app (its `app.state.server` is the ServerState); served model 'tiny'."""
     path, address = engine_address
-    with service_thread(path, address, served_model_names=["tiny", "tiny-alias"],
+    with service_thread(path, address, served_model_name=["tiny", "tiny-alias"],
                         max_dec_len=256, max_seq_len=400) as thread:
         yield thread
 

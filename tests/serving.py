@@ -102,16 +102,27 @@ def engine_process(path: str, **engine):
     return process, address
 
 
-def service_thread(path: str, address: str, metrics=None, **settings) -> ServerThread:
-    """The service app over the engine at `address`, in a thread (served model 'tiny');
-    the thread carries its `app`, `metrics` and `base` URL."""
+def api_settings(path: str, address: str, sampling_defaults: dict | None = None,
+                 **config):
+    """An API process's settings for the model at `path` behind the engine at `address`:
+    `config` holds ServerConfig's fields (served model 'tiny', 64 waiting requests unless
+    given)."""
+    from tokenmill.config.engine import EngineConfig
+    from tokenmill.config.server import ServerConfig
     from tokenmill.entrypoints.api.state import ApiSettings
+
+    config = ServerConfig(engine=EngineConfig(model=path), **{
+        "served_model_name": ["tiny"], "max_cached_task_num": 64, **config})
+    return ApiSettings(config=config, engine_address=address, tokenizer_path=path,
+                       model_path=path, sampling_defaults=sampling_defaults or {})
+
+
+def service_thread(path: str, address: str, metrics=None, **config) -> ServerThread:
+    """The service app over the engine at `address`, in a thread (served model 'tiny';
+    `config`: `api_settings`'); the thread carries its `app`, `metrics` and `base` URL."""
     from tokenmill.entrypoints.http.server import create_service_app
 
-    settings = {"served_model_names": ["tiny"], "max_seq_len": None, "max_waiting": 64,
-                **settings}
-    app = create_service_app(ApiSettings(engine_address=address, tokenizer_path=path,
-                                         model_path=path, **settings), metrics=metrics)
+    app = create_service_app(api_settings(path, address, **config), metrics=metrics)
     thread = ServerThread(app, free_port())
     thread.app, thread.metrics = app, metrics
     thread.base = f"http://127.0.0.1:{thread.port}"

@@ -26,11 +26,11 @@ def engine_app(tiny_models, metrics=True, arch="llama", **engine):
     from tokenmill.metrics import Metrics
 
     path = tiny_models(arch)[0]
-    max_waiting = engine.pop("max_waiting", 64)
+    max_waiting = engine.pop("max_cached_task_num", 64)
     max_num_seqs = engine.get("max_num_seqs", EngineConfig.max_num_seqs)  # the default
     registry = Metrics("tiny", max_num_seqs) if metrics else None
     with service_over_engine(path, registry, engine, max_dec_len=256,
-                             max_waiting=max_waiting) as thread:
+                             max_cached_task_num=max_waiting) as thread:
         yield thread
 
 
@@ -38,7 +38,8 @@ def engine_app(tiny_models, metrics=True, arch="llama", **engine):
 def small(tiny_models):
     """Two running slots and eight waiting ones (F2, F8), on the long-context model: room
     for requests that are still running whenever the test looks (HOLD_TOKENS)."""
-    with engine_app(tiny_models, arch="llama_long", max_num_seqs=2, max_waiting=8) as thread:
+    with engine_app(tiny_models, arch="llama_long", max_num_seqs=2,
+                    max_cached_task_num=8) as thread:
         yield thread
 
 

@@ -256,7 +256,8 @@ def grammars(tokenizer):
 def test_native_build_request_raises_only_native_error(tokenizer, grammars, body):
     """validate + tokenize + limits + SamplingParams, as admission runs them."""
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, max_seq_len=63,
-                            max_dec_len=16, prompts=PromptEncoder(tokenizer, 64),
+                            config=SimpleNamespace(max_dec_len=16),
+                            prompts=PromptEncoder(tokenizer, 64),
                             check_structured=grammars.check)
     try:
         req = asyncio.run(native_protocol.build_request(body, state))

@@ -32,17 +32,15 @@ from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from tests.reliability.checks import assert_no_leak, assert_openai_error
-from tests.serving import ServerThread, free_port
+from tests.serving import ServerThread, api_settings, free_port
 from tokenmill.entrypoints.api.state import ApiSettings
 from tokenmill.entrypoints.http.server import create_service_app, is_native
 
 EXAMPLES = 70  # per operation and generation mode (see the docstring); raise it for a soak
 
 
-def _settings(**overrides) -> ApiSettings:
-    return ApiSettings(**{"engine_address": "x", "tokenizer_path": "x", "model_path": "x",
-                          "served_model_names": ["tiny"], "max_dec_len": 16,
-                          "max_seq_len": None, "max_waiting": 64, **overrides})
+def _settings(path: str = "x", address: str = "x") -> ApiSettings:
+    return api_settings(path, address, max_dec_len=16)
 
 
 # Constructing the app starts nothing (its lifespan connects to the engine), so the document
@@ -143,8 +141,7 @@ def fuzz_server(tiny_models):
     config = EngineConfig(model=path, kv_cache_memory_gib=0.02, max_model_len=64)
     process, address, _ = start_engine_core_process(config, path)
     try:
-        app = create_service_app(_settings(engine_address=address, tokenizer_path=path,
-                                           model_path=path))
+        app = create_service_app(_settings(path, address))
         with ServerThread(app, free_port()) as thread:
             yield SimpleNamespace(url=f"http://127.0.0.1:{thread.port}", engine=process)
     finally:

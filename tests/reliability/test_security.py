@@ -20,15 +20,13 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def app_over(engine_address, **settings):
-    from tokenmill.entrypoints.api.state import ApiSettings
+def app_over(engine_address, **config):
+    from tests.serving import api_settings
     from tokenmill.entrypoints.http.server import create_service_app
 
     path, address = engine_address
-    app = create_service_app(ApiSettings(
-        engine_address=address, tokenizer_path=path, model_path=path,
-        served_model_names=["tiny"], max_dec_len=64, max_seq_len=None, max_waiting=16,
-        **settings))
+    app = create_service_app(api_settings(path, address, **{
+        "max_dec_len": 64, "max_cached_task_num": 16, **config}))
     return ServerThread(app, free_port())
 
 

@@ -4,17 +4,15 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import ServerThread, free_port
-from tokenmill.entrypoints.api.state import ApiSettings
+from tests.serving import ServerThread, api_settings, free_port
 from tokenmill.entrypoints.http.server import create_service_app
 
 
 @pytest.fixture(scope="module")
 def keyed_server(engine_address):
     path, address = engine_address
-    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
-                           served_model_names=["tiny"], max_dec_len=64, max_seq_len=None,
-                           max_waiting=8, api_key="s3cret")
+    settings = api_settings(path, address, max_dec_len=64, max_cached_task_num=8,
+                            api_key="s3cret")
     with ServerThread(create_service_app(settings), free_port()) as thread:
         yield f"http://127.0.0.1:{thread.port}"
 

@@ -140,14 +140,12 @@ def test_duplicate_in_flight_req_id_is_409(long_server):
 
 
 def test_disable_streaming_sends_one_final_message(engine_address):
-    from tests.serving import ServerThread, free_port
-    from tokenmill.entrypoints.api.state import ApiSettings
+    from tests.serving import ServerThread, api_settings, free_port
     from tokenmill.entrypoints.http.server import create_service_app
 
     path, address = engine_address
-    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
-                           served_model_names=["tiny"], max_dec_len=64, max_seq_len=None,
-                           max_waiting=8, disable_streaming=True)
+    settings = api_settings(path, address, max_dec_len=64, max_cached_task_num=8,
+                            disable_streaming=True)
     with ServerThread(create_service_app(settings), free_port()) as thread:
         url = f"http://127.0.0.1:{thread.port}"
         body = {"text": "The quick brown fox", "temperature": 0, "max_dec_len": 12}
@@ -178,8 +176,7 @@ def test_timeout_between_messages_ends_the_request(server, server_thread):
 
 
 def test_internal_errors_are_500_without_details(engine_address):
-    from tests.serving import ServerThread, free_port
-    from tokenmill.entrypoints.api.state import ApiSettings
+    from tests.serving import ServerThread, api_settings, free_port
     from tokenmill.entrypoints.http.server import create_service_app
 
     class BrokenTokenizer:
@@ -192,9 +189,7 @@ def test_internal_errors_are_500_without_details(engine_address):
             raise RuntimeError("secret detail in /home/user/model")
 
     path, address = engine_address
-    settings = ApiSettings(engine_address=address, tokenizer_path=path, model_path=path,
-                           served_model_names=["tiny"], max_dec_len=64, max_seq_len=None,
-                           max_waiting=8)
+    settings = api_settings(path, address, max_dec_len=64, max_cached_task_num=8)
     app = create_service_app(settings)
     with ServerThread(app, free_port()) as thread:
         app.state.server.tokenizer = app.state.server.prompts.tokenizer = BrokenTokenizer()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass
 class ApiOptions:
     """How the API processes answer (vLLM's front-end flags, mostly): carried unchanged from
-    the server config to each API process (`ApiSettings.api`) and its handlers."""
+    the server config to each API process (`ApiSettings.config.api`) and its handlers."""
     stream_interval: int = 1  # a stream's chunks: its first tokens, then every N tokens, its end
     max_logprobs: int = 20  # most logprobs / top_logprobs an OpenAI request may ask for
     response_role: str = "assistant"  # chat responses' role

@@ -99,7 +99,7 @@ def run_event_loop(main):
 def run_api_worker(settings: ApiSettings, sock: socket.socket, ready: Connection,
                    shutdown_timeout: float) -> None:
     """Process entry point of one HTTP worker."""
-    configure_logging(settings.log_format, settings.log_level)
+    configure_logging(settings.config.engine.log_format, settings.config.engine.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_event_loop(_worker(settings, sock, ready, shutdown_timeout))
 
@@ -114,7 +114,7 @@ async def _worker(settings: ApiSettings, sock: socket.socket, ready: Connection,
     supervisor = os.getppid()
     # Request families go to prometheus_client's multiprocess files (the supervisor set
     # PROMETHEUS_MULTIPROC_DIR); engine gauges are the supervisor's.
-    metrics = Metrics(settings.served_model_names[0], 0, engine_gauges=False)
+    metrics = Metrics(settings.config.model_names[0], 0, engine_gauges=False)
     state = await build_state(settings, metrics)
 
     def on_engine_death() -> None:

@@ -88,21 +88,10 @@ class ServeProcess:
         state = grpc_server = None
         try:
             settings = ApiSettings(
-                engine_address=engines[0][1],
+                config=config, engine_address=engines[0][1],
                 more_engine_addresses=tuple(address for _, address in engines[1:]),
-                tokenizer_path=config.engine.tokenizer or model_path,
-                model_path=model_path, served_model_names=config.model_names,
-                max_dec_len=config.max_dec_len, max_seq_len=config.max_seq_len,
-                max_waiting=config.max_cached_task_num,
-                disable_streaming=config.disable_streaming, api_key=config.api_key,
-                sampling_defaults=defaults, chat_template=chat_template, api=config.api,
-                dead_after_s=config.check_health_interval,
-                max_request_body_bytes=config.max_request_body_bytes,
-                trust_request_chat_template=config.trust_request_chat_template,
-                reasoning_parser=config.reasoning_parser,
-                tool_call_parser=config.tool_call_parser, log_requests=config.log_requests,
-                otlp_traces_endpoint=config.otlp_traces_endpoint,
-                log_format=config.engine.log_format, log_level=config.engine.log_level)
+                tokenizer_path=config.engine.tokenizer or model_path, model_path=model_path,
+                sampling_defaults=defaults, chat_template_text=chat_template)
             registry, metrics = self._metrics()
             state = await build_state(settings, metrics)
             if config.use_warmup:

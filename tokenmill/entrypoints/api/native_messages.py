@@ -103,7 +103,7 @@ async def admit(body: dict, state: ServerState) -> NativeRequest:
     reservation = state.try_admit(1)
     if reservation is None:
         raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
-                          f"limit ({state.max_waiting})", 503)
+                          f"limit ({state.config.max_cached_task_num})", 503)
     try:
         req = await build_request(body, state)
         if state.engine.has_request(req.req_id):

@@ -203,11 +203,11 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
         raise NativeError(f"Length of input token({n_in}) exceeds the limit "
                           f"MAX_SEQ_LEN({state.max_seq_len}).")
     given = _first_present(body, "max_dec_len", "seq_len", "max_tokens")
-    if given is not None and given[1] > state.max_dec_len:
+    if given is not None and given[1] > state.config.max_dec_len:
         raise NativeError(f"The parameter max_dec_len({given[1]}) exceeds the limit "
-                          f"MAX_DEC_LEN({state.max_dec_len}).")
+                          f"MAX_DEC_LEN({state.config.max_dec_len}).")
     room = state.max_model_len - n_in
-    max_tokens = min(given[1] if given else state.max_dec_len, room)
+    max_tokens = min(given[1] if given else state.config.max_dec_len, room)
     top_p = body.get("topp", body.get("top_p"))
     seed = body.get("seed", body.get("infer_seed"))
     greedy = body["temperature"] == 0 or top_p == 0

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.config.api import ApiOptions
+from tokenmill.config.server import ServerConfig
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.dp_client import DataParallelClient
@@ -42,56 +42,42 @@ class Reservation:
 
 @dataclass
 class ApiSettings:
-    """Everything an API worker process needs to build its state (picklable, so workers can be
-    spawned): where the engine core listens and the request limits."""
+    """Everything an API process needs to build its state (picklable, so workers can be
+    spawned): the server's configuration as given (`config`, one object: nothing copied out of
+    it), and what start-up found."""
 
+    config: ServerConfig
     engine_address: str
     tokenizer_path: str
     model_path: str
-    served_model_names: list[str]
-    max_dec_len: int
-    max_seq_len: int | None  # None: max_model_len - 1
-    max_waiting: int
-    disable_streaming: bool = False
-    # OpenAI requests' unset sampling fields (config/generation.py); max_tokens caps theirs
-    sampling_defaults: dict = field(default_factory=dict)
-    chat_template: str | None = None  # the template's text, over the tokenizer's
-    api: ApiOptions = field(default_factory=ApiOptions)  # (vLLM's front-end flags)
-    api_key: str | None = None
-    dead_after_s: float = 10.0  # engine heartbeat silence that counts as dead
-    max_request_body_bytes: int = 2 * 1024 * 1024
-    trust_request_chat_template: bool = False
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    log_requests: bool = False  # access lines carry the prompt and output text
-    otlp_traces_endpoint: str | None = None  # one span per request (tracing.py)
-    log_format: str = "text"  # text | json (API worker processes configure their logging)
-    log_level: str = "info"
     # data-parallel replicas beyond the first (engine_address): requests are routed among all
     more_engine_addresses: tuple[str, ...] = ()
+    # OpenAI requests' unset sampling fields (config/generation.py); max_tokens caps theirs
+    sampling_defaults: dict = field(default_factory=dict)
+    chat_template_text: str | None = None  # --chat-template's text, over the tokenizer's
 
 
 @dataclass
 class ServerState:
+    """One API process's state: its settings, the engine front, and what start-up derived
+    from them (the context a request may fill, the parsers)."""
+
+    settings: ApiSettings
     engine: AsyncLLM
     tokenizer: Any
-    served_model_names: list[str]  # accepted in `model`; the first is reported
-    max_model_len: int
-    max_dec_len: int  # seed MAX_DEC_LEN: cap on requested new tokens
-    max_seq_len: int  # seed MAX_SEQ_LEN: cap on prompt tokens
-    max_waiting: int  # seed MAX_CACHED_TASK_NUM: requests queued in the engine beyond running
-    disable_streaming: bool = False
-    trust_request_chat_template: bool = False
+    max_model_len: int  # the engine's, within what one replica's KV cache holds
+    max_seq_len: int  # the seed's MAX_SEQ_LEN within it: cap on prompt tokens
     reasoning: Any = None  # a ReasoningParser (entrypoints/parsers/reasoning.py), or None
     tool_parser: Any = None  # a ToolParser (parsers/tool_calls.py): tool_choice auto, or None
-    log_requests: bool = False  # access lines (HTTP and gRPC) carry prompt and output text
-    sampling_defaults: dict = field(default_factory=dict)  # (ApiSettings')
-    api: ApiOptions = field(default_factory=ApiOptions)  # (ApiSettings')
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: PromptEncoder = field(init=False)
+
+    @property
+    def config(self) -> ServerConfig:
+        return self.settings.config
 
     def __post_init__(self) -> None:
         self.prompts = PromptEncoder(self.tokenizer, self.max_model_len)
@@ -111,11 +97,12 @@ class ServerState:
 
     @property
     def served_model_name(self) -> str:
-        return self.served_model_names[0]
+        """The name reported (the first of those accepted in `model`)."""
+        return self.config.model_names[0]
 
     @property
     def model_names(self) -> set[str]:
-        return set(self.served_model_names)
+        return set(self.config.model_names)
 
     def num_waiting(self) -> int:
         """Requests queued in the engine. The core's count arrives with each step; this
@@ -132,8 +119,9 @@ class ServerState:
         self._reservations = [r for r in self._reservations if r.slots and r.expires > now]
         in_flight = self.engine.num_in_flight_sequences() + sum(
             r.slots for r in self._reservations)
-        room = self.engine.client.info.max_num_seqs + self.max_waiting - in_flight
-        return self.engine.stats.num_waiting >= self.max_waiting or slots > room
+        max_waiting = self.config.max_cached_task_num
+        room = self.engine.client.info.max_num_seqs + max_waiting - in_flight
+        return self.engine.stats.num_waiting >= max_waiting or slots > room
 
     def try_admit(self, slots: int) -> Reservation | None:
         """Admission: a reservation of `slots` sequences, or None (queue full; counted)."""
@@ -151,36 +139,30 @@ class ServerState:
 
 
 async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> ServerState:
+    config = settings.config
     tokenizer = load_tokenizer(settings.tokenizer_path)
-    if settings.chat_template is not None:  # (--chat-template: every route renders with it)
-        tokenizer.chat_template = settings.chat_template
+    if settings.chat_template_text is not None:  # (--chat-template: every route renders it)
+        tokenizer.chat_template = settings.chat_template_text
     if settings.more_engine_addresses:
         client = DataParallelClient([settings.engine_address, *settings.more_engine_addresses])
     else:
         client = AsyncMPClient(settings.engine_address)
     engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
-                      dead_after_s=settings.dead_after_s, metrics=metrics,
-                      stream_interval=settings.api.stream_interval)
+                      dead_after_s=config.check_health_interval, metrics=metrics,
+                      stream_interval=config.api.stream_interval)
     await engine.start()
     # A request that can never fit the KV cache (of one replica) is refused like an
     # over-long one (400 naming the field), not queued forever.
     info = engine.client.info
     blocks = info.num_kv_blocks // client.num_replicas
     max_len = min(engine.max_model_len, blocks * info.block_size)
-    return ServerState(engine=engine, tokenizer=tokenizer,
-                       served_model_names=settings.served_model_names,
-                       max_model_len=max_len, max_dec_len=settings.max_dec_len,
-                       max_seq_len=min(settings.max_seq_len or max_len - 1, max_len - 1),
-                       max_waiting=settings.max_waiting,
-                       disable_streaming=settings.disable_streaming,
-                       trust_request_chat_template=settings.trust_request_chat_template,
-                       reasoning=ReasoningParser(settings.reasoning_parser)
-                       if settings.reasoning_parser else None,
-                       tool_parser=get_parser(settings.tool_call_parser).bind(tokenizer)
-                       if settings.tool_call_parser else None,
-                       log_requests=settings.log_requests,
-                       sampling_defaults=settings.sampling_defaults,
-                       api=settings.api)
+    return ServerState(settings=settings, engine=engine, tokenizer=tokenizer,
+                       max_model_len=max_len,
+                       max_seq_len=min(config.max_seq_len or max_len - 1, max_len - 1),
+                       reasoning=ReasoningParser(config.reasoning_parser)
+                       if config.reasoning_parser else None,
+                       tool_parser=get_parser(config.tool_call_parser).bind(tokenizer)
+                       if config.tool_call_parser else None)
 
 
 def readiness(state: ServerState | None) -> tuple[bool, str]:

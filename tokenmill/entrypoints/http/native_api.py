@@ -44,7 +44,7 @@ async def handle(body: dict, request: Request, state: ServerState) -> Response:
     except NativeError as exc:
         return error_response(body, exc.message, exc.status)
     messages = step_messages(req, state, received)
-    if req.stream and not state.disable_streaming and not req.return_all_tokens:
+    if req.stream and not state.config.disable_streaming and not req.return_all_tokens:
         return StreamingResponse(_json_lines(messages), media_type="text/event-stream")
     response = await unless_disconnected(
         request, _single_response(req, messages, req.stream))

@@ -70,7 +70,7 @@ def list_models(state: ServerState) -> dict:
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
          "root": name, "parent": None, "max_model_len": state.max_model_len, "permission": []}
-        for name in state.served_model_names]}
+        for name in state.config.model_names]}
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
@@ -97,8 +97,8 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
     for name in ("logprobs", "top_logprobs"):  # (--max-logprobs below the schema's cap)
         asked = getattr(req, name, None)
-        if type(asked) is int and asked > state.api.max_logprobs:
-            raise ApiError(f"{name} may be at most {state.api.max_logprobs} on this server "
+        if type(asked) is int and asked > state.config.api.max_logprobs:
+            raise ApiError(f"{name} may be at most {state.config.api.max_logprobs} on this server "
                            f"(--max-logprobs), got {asked}.", 400, name)
     vocab = state.engine.client.info.vocab_size
     if req.logit_bias and any(int(k) >= vocab for k in req.logit_bias):
@@ -139,7 +139,7 @@ def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: i
                        f"{what} or completion.", 400, "max_tokens")
     budget = requested if requested is not None else min(default or room, room)
     # (the model's generation config caps every request, as vLLM's max_new_tokens default)
-    return min(budget, state.sampling_defaults.get("max_tokens", budget))
+    return min(budget, state.settings.sampling_defaults.get("max_tokens", budget))
 
 
 @dataclass
@@ -158,7 +158,8 @@ class _Responder:
                  reservation: Reservation, echo: bool = False, top_logprobs: int = 0,
                  output: ChatOutput | None = None) -> None:
         self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
-        self.output = output or ChatOutput(state.reasoning, None, None, state.api.response_role)
+        self.output = output or ChatOutput(state.reasoning, None, None,
+                                           state.config.api.response_role)
         self.reservation = reservation
         self.echo, self.top_logprobs = echo, top_logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -166,7 +167,7 @@ class _Responder:
         self.model = req.model or state.served_model_name
         self.n = req.n
         self.cached: dict[int, int] = {}  # per job: its prompt's prefix-cache hit tokens
-        self.as_ids = state.api.tokens_as_ids  # (--return-tokens-as-token-ids)
+        self.as_ids = state.config.api.tokens_as_ids  # (--return-tokens-as-token-ids)
 
     def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
@@ -177,7 +178,7 @@ class _Responder:
         prompt = sum(len(job.ids) for job in self.jobs)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                  "total_tokens": prompt + completion_tokens}
-        if self.state.api.prompt_tokens_details:  # (--enable-prompt-tokens-details)
+        if self.state.config.api.prompt_tokens_details:  # (--enable-prompt-tokens-details)
             usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
         return usage
 
@@ -321,7 +322,7 @@ async def create_completion(body: dict, request: Request, state: ServerState,
                 text = state.tokenizer.decode(ids)
             max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
             jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs,
-                                                      state.sampling_defaults), text))
+                                                      state.settings.sampling_defaults), text))
         await state.check_structured(*req.structured())
         beams = openai_beam_params(req, min(job.params.max_tokens for job in jobs))
     except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
@@ -340,7 +341,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
     reservation = None
     try:
         req, reservation = _parse(ChatCompletionRequest, body, state, check_model)
-        req.check_template(state.trust_request_chat_template)
+        req.check_template(state.config.trust_request_chat_template)
         plan = req.plan_tools(state.tool_parser is not None)
         tools = {"tools": plan.tools} if plan is not None else {}
         ids = await state.prompts.render(req.plain_messages(), "messages",
@@ -349,10 +350,10 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
                                          **(req.chat_template_kwargs or {}), **tools)
         _check_ids(ids, state, "messages")
         max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
-                                 state.max_dec_len, "messages")
+                                 state.config.max_dec_len, "messages")
         top = req.top_logprobs or 0
         params = req.sampling_params(max_tokens, top if req.logprobs else None,
-                                     state.sampling_defaults)
+                                     state.settings.sampling_defaults)
         await state.check_structured(*req.structured())
         if state.reasoning is not None and params.structured_outputs is not None:
             # the constraint applies to the answer, after the reasoning section
@@ -362,7 +363,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         if reservation is not None:
             reservation.cancel()
         return api_error(exc)
-    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.api.response_role)
+    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.config.api.response_role)
     if beams is not None:
         return await beam_response(state, True, req, [_Job(ids, params)], beams, reservation,
                                     request, error_response, output)

@@ -80,7 +80,8 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
                        metrics: Metrics | None = None) -> FastAPI:
     """`state` may be shared with a health app in the same process; else built at start-up
     (with `metrics`, if given)."""
-    tracer = Tracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
+    tracer = Tracer(settings.config.otlp_traces_endpoint) \
+        if settings.config.otlp_traces_endpoint else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -93,14 +94,14 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
 
     # No trailing-slash redirects: their Location is built from the client's Host header.
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
-        if settings.api.disable_docs else {}
+        if settings.config.api.disable_docs else {}
     app = FastAPI(title="tokenmill", lifespan=lifespan, redirect_slashes=False, **docs)
     # --root-path, as vLLM sets it: routes answer with and without the proxy's prefix, and
     # /docs points at the prefixed openapi.json
-    app.root_path = settings.api.root_path
+    app.root_path = settings.config.api.root_path
     _add_middleware(app, settings, metrics, tracer)
     _add_error_handlers(app)
-    key = ApiKey(settings.api_key) if settings.api_key else None
+    key = ApiKey(settings.config.api_key) if settings.config.api_key else None
     guarded = [Depends(_key_check(key))]
     _add_generate_routes(app, key)
     _add_tokenizer_and_model_routes(app, settings, guarded)
@@ -114,14 +115,15 @@ def _add_middleware(app: FastAPI, settings: ApiSettings, metrics: Metrics | None
                     tracer: Tracer | None) -> None:
     """Body limits (innermost), rejection counts, the access line (and its span), CORS
     (outermost: preflights answered before anything else)."""
-    app.add_middleware(RequestLimitMiddleware, max_body_bytes=settings.max_request_body_bytes)
+    config = settings.config
+    app.add_middleware(RequestLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
-    app.add_middleware(AccessLog, log_requests=settings.log_requests,
+    app.add_middleware(AccessLog, log_requests=config.log_requests,
                        get_tokenizer=lambda: app.state.server.tokenizer, tracer=tracer,
-                       model=settings.served_model_names[0],
-                       request_id_header=settings.api.request_id_headers)
-    if settings.api.cors is not None:
-        app.add_middleware(CORSMiddleware, **settings.api.cors)
+                       model=config.model_names[0],
+                       request_id_header=config.api.request_id_headers)
+    if config.api.cors is not None:
+        app.add_middleware(CORSMiddleware, **config.api.cors)
 
 
 def _key_check(key: ApiKey | None):
@@ -233,7 +235,7 @@ def _add_tokenizer_and_model_routes(app: FastAPI, settings: ApiSettings,
     async def models(request: Request) -> dict:
         return openai_api.list_models(request.app.state.server)
 
-    if settings.api.load_tracking:  # (vLLM's --enable-server-load-tracking)
+    if settings.config.api.load_tracking:  # (vLLM's --enable-server-load-tracking)
         @app.get("/load")
         async def load(request: Request) -> dict:
             return {"server_load": request.app.state.server.engine.num_in_flight()}

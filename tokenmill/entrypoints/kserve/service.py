@@ -187,7 +187,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """The responses of one request; a refusal is counted in the rejection metric; its
         access line (engine/request_log.py) is written when it ends."""
         state = self.get_state()
-        record = request_log.RequestRecord(keep_text=state is not None and state.log_requests)
+        keep_text = state is not None and state.config.log_requests
+        record = request_log.RequestRecord(keep_text=keep_text)
         token = request_log.current.set(record)
         status = "OK"
         try:
@@ -205,7 +206,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             with contextlib.suppress(ValueError):  # (ended in another context)
                 request_log.current.reset(token)
-            tokenizer = state.tokenizer if state is not None and state.log_requests else None
+            tokenizer = state.tokenizer if state is not None and state.config.log_requests else None
             write_line(record, request.id or uuid.uuid4().hex, "GRPC",
                        f"{'ModelStreamInfer' if streaming else 'ModelInfer'} "
                        f"{request.model_name}", status, tokenizer)
