@@ -111,6 +111,7 @@ def run_one(engine: str, workload: str, path: str, args) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[7:])
+            result["engine"] = engine  # (the runner knows only its base name)
             result["wall_s"] = round(time.perf_counter() - start, 1)
             return result
     tail = (proc.stderr or proc.stdout)[-1500:]
