@@ -1,5 +1,6 @@
 """docs/architecture.md is a true map: every module of the package has its line under its
-folder's heading, no line names a module that is not there, and each line stays short."""
+folder's heading, no line names a module that is not there, each line stays short, and the
+layers it lists are those tests/import_graph.py holds the imports to."""
 
 import re
 from pathlib import Path
@@ -34,3 +35,12 @@ def test_every_module_is_on_the_map_and_nothing_else():
 def test_each_module_line_is_short():
     long = [line for line in mapped().values() if len(line) > 160]
     assert long == []
+
+
+def test_the_layers_are_those_the_import_check_holds():
+    from tests.import_graph import LAYERS
+
+    listed = [re.findall(r"`([\w/]+)`", line) for line in DOC.read_text().splitlines()
+              if re.match(r"\d+\. `", line)]
+    assert [{name.rstrip("/") for name in names} for names in listed] == \
+        [set(units) - {"__init__"} for units in LAYERS]
