@@ -10,8 +10,9 @@ import os
 class Env:
     """Typed reads of environment variables with messages that name the variable."""
 
-    def __init__(self, environ) -> None:
-        self.environ = environ
+    def __init__(self, environ=None) -> None:
+        """`environ`: a mapping of variables (tests); None: this process's environment."""
+        self.environ = os.environ if environ is None else environ
 
     def raw(self, *names: str) -> tuple[str, str] | None:
         for name in names:  # first given name wins
@@ -61,19 +62,19 @@ def share_metrics_dir(path: str) -> None:
 
 def md5_check(environ=None) -> bool:
     """The seed downloader's MD5_CHECK=1: files present are hashed again (sha256, not md5)."""
-    return bool(Env(os.environ if environ is None else environ).flag("MD5_CHECK"))
+    return bool(Env(environ).flag("MD5_CHECK"))
 
 
 def triton_interpreted(environ=None) -> bool:
     """TRITON_INTERPRET=1: Triton kernels run in its interpreter (on the CPU)."""
-    found = Env(os.environ if environ is None else environ).raw("TRITON_INTERPRET")
+    found = Env(environ).raw("TRITON_INTERPRET")
     return found is not None and found[1].strip().lower() in ("1", "true", "on", "yes")
 
 
 def hub_source(environ=None) -> str:
     """Where hub names are looked up: "modelscope" with TOKENMILL_USE_MODELSCOPE=1 (or vLLM's
     VLLM_USE_MODELSCOPE=1), else "hf" (the Hugging Face Hub, or HF_ENDPOINT's mirror)."""
-    env = Env(os.environ if environ is None else environ)
+    env = Env(environ)
     vllm = env.raw("VLLM_USE_MODELSCOPE")  # (vLLM takes "true" / "True")
     return "modelscope" if env.flag("TOKENMILL_USE_MODELSCOPE") or \
         (vllm is not None and vllm[1].strip().lower() in ("1", "true")) else "hf"

@@ -28,7 +28,7 @@ class CpuKernelSettings:
 
     @classmethod
     def from_env(cls, environ=None) -> CpuKernelSettings:
-        environ = os.environ if environ is None else environ
+        environ = Env(environ).environ
         cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
                    compiler=environ.get("CC", "cc"),
@@ -56,7 +56,7 @@ class GpuKernelSettings:
 
     @classmethod
     def from_env(cls, environ=None) -> GpuKernelSettings:
-        env = Env(os.environ if environ is None else environ)
+        env = Env(environ)
         fp8_blocks = (env.text("TOKENMILL_FP8_BLOCKS") or "auto").lower()
         if fp8_blocks not in ("auto", "keep", "dequantize"):
             raise ValueError("Environment variable TOKENMILL_FP8_BLOCKS must be auto, keep "

@@ -106,9 +106,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
     """Defaults, then the seed's environment variables, then flags; validated. `parser_text`:
     the `prog` and `description` of the --help text."""
     import math
-    import os
 
-    environ = os.environ if environ is None else environ
     args = make_serve_parser(**parser_text).parse_args(argv)
     check_vllm_flags(args)
     env = Env(environ)
