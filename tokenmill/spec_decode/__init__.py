@@ -23,7 +23,7 @@ from tokenmill.spec_decode.proposer import HeadProposer, NgramProposer, Proposer
 
 def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_config,
                   max_model_len: int, num_blocks: int,
-                  make_runner: Callable[..., Any] | None = None) -> Proposer:
+                  make_runner: Callable[..., Any]) -> Proposer:
     """The proposer of `config.method` (a draft model: loaded here by `make_runner`, the
     engine's model runner class, its KV cache holding as many tokens as the target's,
     `num_blocks`)."""
