@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.entrypoints.api import defaults
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
@@ -193,10 +194,11 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
     n_in = len(ids)
     if n_in == 0:
         raise NativeError("The input is empty after tokenization")
-    vocab = len(state.tokenizer)
-    if "input_ids" in body and any(not 0 <= t < vocab for t in ids):
-        raise NativeError(f"Prompt token ids must be in [0, {vocab}).")
-    if n_in + body["min_dec_len"] >= state.max_model_len:
+    refused = token_out_of_range(ids, len(state.tokenizer)) if "input_ids" in body else None
+    if refused is not None:
+        raise NativeError(refused.message("Prompt token ids"))
+    # (the seed's rule: room for min_dec_len tokens and one more)
+    if context_overflow(n_in, body["min_dec_len"] + 1, state.max_model_len):
         raise NativeError(f"Input text is too long, input_ids_len ({n_in}) + min_dec_len "
                           f"({body['min_dec_len']}) >= max_seq_len ({state.max_model_len})")
     if n_in > state.max_seq_len:

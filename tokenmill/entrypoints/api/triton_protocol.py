@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from tokenmill.beam_search import BeamSearchParams
+from tokenmill.core.limits import context_overflow
 from tokenmill.entrypoints.api import defaults
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
@@ -188,7 +189,7 @@ async def parse_fields(fields: dict, state: ServerState
     except PromptTooLong as exc:
         raise TritonError(str(exc)) from None
     max_tokens = num["max_tokens"]
-    if len(ids) + max_tokens > state.max_model_len:
+    if context_overflow(len(ids), max_tokens, state.max_model_len):
         raise TritonError(f"The prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) "
                           f"exceeds the model's context length ({state.max_model_len}).")
     greedy = num["top_k"] in (0, 1) and num["top_p"] == 0.0  # TensorRT-LLM: greedy then

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
 from tokenmill.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
@@ -100,9 +101,10 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         if type(asked) is int and asked > state.config.api.max_logprobs:
             raise ApiError(f"{name} may be at most {state.config.api.max_logprobs} on this server "
                            f"(--max-logprobs), got {asked}.", 400, name)
-    vocab = state.engine.client.info.vocab_size
-    if req.logit_bias and any(int(k) >= vocab for k in req.logit_bias):
-        raise ApiError(f"logit_bias token ids must be in [0, {vocab}).", 400, "logit_bias")
+    refused = token_out_of_range(map(int, req.logit_bias or ()),
+                                 state.engine.client.info.vocab_size)
+    if refused is not None:
+        raise ApiError(refused.message("logit_bias token ids"), 400, "logit_bias")
     reservation = state.try_admit(req.slots())  # before any tokenizing or templating
     if reservation is None:
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
@@ -113,11 +115,11 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
 
 
 def _check_ids(ids: list[int], state: ServerState, what: str) -> None:
-    vocab = len(state.tokenizer)
     if not ids:
         raise ApiError("The prompt is empty.", 400, what)
-    if any(not 0 <= t < vocab for t in ids):
-        raise ApiError(f"Prompt token ids must be in [0, {vocab}).", 400, what)
+    refused = token_out_of_range(ids, len(state.tokenizer))
+    if refused is not None:
+        raise ApiError(refused.message("Prompt token ids"), 400, what)
 
 
 def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: int | None,
@@ -128,11 +130,12 @@ def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: i
     room = limit - n_in
     if requested is not None and requested < 1:
         raise ApiError(f"max_tokens must be at least 1, got {requested}.", 400, "max_tokens")
-    if room < 1:
+    overflow = context_overflow(n_in, requested or 1, limit)
+    if overflow is not None and overflow.no_room:
         raise ApiError(f"This model's maximum context length is {limit} tokens. However, your "
                        f"{what} has {n_in} tokens, which leaves no room for a completion. "
                        f"Please reduce the length of the {what}.", 400, what)
-    if requested is not None and requested > room:
+    if overflow is not None:
         raise ApiError(f"This model's maximum context length is {limit} tokens. However, you "
                        f"requested {n_in + requested} tokens ({n_in} in the {what}, "
                        f"{requested} in the completion). Please reduce the length of the "

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tokenmill.core.limits import token_out_of_range
 from tokenmill.entrypoints.api.offload import off_loop_if
 from tokenmill.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
@@ -88,9 +89,9 @@ async def tokenize(body: Any, state: ServerState) -> dict:
 
 async def detokenize(body: Any, state: ServerState) -> dict:
     req = _parse(Detokenize, body, state)
-    vocab = len(state.tokenizer)
-    if any(not 0 <= t < vocab for t in req.tokens):
-        raise ApiError(f"tokens must be in [0, {vocab}).", 400, "tokens")
+    refused = token_out_of_range(req.tokens, len(state.tokenizer))
+    if refused is not None:
+        raise ApiError(refused.message("tokens"), 400, "tokens")
     text = await off_loop_if(len(req.tokens) > OFF_LOOP_CHARS // 4, state.tokenizer.decode,
                              req.tokens)
     return {"prompt": text}
