@@ -70,7 +70,8 @@ def read_bandwidth() -> dict:
 def tokenmill_matmul_gflops(x, w) -> float | None:
     """x @ w.T through the kernel tokenmill's loader gives an fp32 layer (None if that is plain
     torch): it beats torch's matmul here (~215 vs ~180 GFLOP/s on a Zen 4)."""
-    from tokenmill.layers.linear import DenseKernel, Linear, choose_linear_kernels
+    from tokenmill.layers.kernel_choice import choose_linear_kernels
+    from tokenmill.layers.linear import DenseKernel, Linear
 
     layer = Linear(w.shape[1], w.shape[0])
     layer.weight.data.copy_(w)

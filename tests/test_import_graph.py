@@ -1,4 +1,4 @@
-"""The house's shape, held by the suite: no import cycle across folders and few inside one, few
+"""The house's shape, held by the suite: no import cycle at all (across folders or inside one), few
 imports from a lower layer up (tests/import_graph.py), every module saying its job in its first
 line and none past 400 lines."""
 
@@ -18,8 +18,9 @@ def test_no_import_cycle_spans_two_folders(report):
     assert report["cycles_across_folders"] == []
 
 
-def test_at_most_two_import_cycles_inside_one_folder(report):
-    assert len(report["cycles_in_one_folder"]) <= 2, report["cycles_in_one_folder"]
+def test_no_import_cycle_inside_one_folder(report):
+    # (the issue allowed two; both are gone, so a new one is a regression)
+    assert report["cycles_in_one_folder"] == []
 
 
 def test_at_most_twelve_imports_run_up_the_layers(report):

@@ -3,12 +3,12 @@
 import torch
 from torch import nn
 
+from tokenmill.layers.kernel_choice import choose_linear_kernels
 from tokenmill.layers.linear import (
     CpuPackedKernel,
     DenseKernel,
     Linear,
     MergedLinear,
-    choose_linear_kernels,
 )
 
 

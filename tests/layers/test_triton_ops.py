@@ -140,16 +140,16 @@ def test_skinny_linear_autotuned_in_a_cuda_graph(rows):
 
 
 def test_skinny_kernel_chosen_only_where_asked(monkeypatch):
-    from tokenmill.layers import linear, skinny
+    from tokenmill.layers import kernel_choice, linear, skinny
 
     layer = linear.Linear(8, 4)
     layer.weight.data = torch.randn(4, 8, dtype=torch.float16)  # (CPU-packed: float32 only)
     monkeypatch.setattr(skinny.SkinnyKernel, "supports", staticmethod(lambda layer: True))
     monkeypatch.delenv("TOKENMILL_GPU_SKINNY_LINEAR", raising=False)
-    linear.choose_linear_kernels(layer)
+    kernel_choice.choose_linear_kernels(layer)
     assert type(layer.kernel) is linear.DenseKernel
     monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "1")
-    linear.choose_linear_kernels(layer)
+    kernel_choice.choose_linear_kernels(layer)
     assert isinstance(layer.kernel, skinny.SkinnyKernel)
     for rows in (3, 20):  # the Triton kernel (interpreted here), then F.linear past 16 rows
         x = torch.randn(rows, 8, dtype=torch.float16)
@@ -157,7 +157,7 @@ def test_skinny_kernel_chosen_only_where_asked(monkeypatch):
                                    atol=2e-3, rtol=2e-3)
     monkeypatch.setenv("TOKENMILL_GPU_SKINNY_LINEAR", "yes")
     with pytest.raises(ValueError, match="TOKENMILL_GPU_SKINNY_LINEAR must be 0 or 1"):
-        linear.choose_linear_kernels(linear.Linear(8, 4))
+        kernel_choice.choose_linear_kernels(linear.Linear(8, 4))
 
 
 def test_skinny_kernel_kept_only_where_timed_faster(monkeypatch):

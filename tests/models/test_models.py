@@ -8,7 +8,7 @@ import torch
 from helpers import hf_greedy, make_model, paged_step
 
 from tokenmill import LLM, SamplingParams, csrc
-from tokenmill.attention.backend import KeptRows
+from tokenmill.attention.backend import LogitsRows
 
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
          "qwen2_yarn", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
@@ -171,7 +171,7 @@ def test_last_layer_runs_only_the_rows_sampled_from(tiny_models, arch, cpu_ops):
 
     full, full_caches = run(None)
     for sampled in ([0, 1, 2], []):
-        kept = KeptRows.last_of(meta, sampled, runner.backend)
+        kept = LogitsRows.last_of(meta, sampled, runner.backend)
         hidden, kept_caches = run(kept)
         assert kept.rows.tolist() == [meta.query_start_loc[i + 1] - 1 for i in sampled]
         assert hidden.shape == (len(sampled), full.shape[1])

@@ -32,7 +32,7 @@ def layer(n=98, k=128, bias=True, seed=0):  # n: not a multiple of the 4-channel
 def test_compiled_kernels_build_where_a_compiler_and_avx2_exist():
     # Guards against the CPU tests below skipping silently on a machine that could run them.
     settings = CpuKernelSettings.from_env()
-    if not settings.enabled or not csrc._cpu_has_avx2():
+    if not settings.enabled or not csrc.build.cpu_has_avx2():
         pytest.skip("kernels disabled or CPU without AVX2/FMA/F16C")
     if shutil.which(settings.compiler) or shutil.which("gcc"):
         assert csrc.available()

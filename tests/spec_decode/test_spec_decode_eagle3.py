@@ -162,8 +162,8 @@ def test_eagle3_in_cuda_graph_buckets(target, tmp_path, monkeypatch):
     with LLM(path, **engine, enable_prefix_caching=False, speculative_config=spec) as llm:
         runner = llm.engine.core.runner
         assert runner.graphs.widths == {1: [1, 2, 4], 4: [1, 2, 4]}
-        assert runner.graphs.aux == (2, 3) and runner.heads.graphs is not None
-        assert runner.pieces.aux == (2, 3)  # (prompt steps: the head's first pass reads them)
+        assert runner.graphs.aux.ids == (2, 3) and runner.heads.graphs is not None
+        assert runner.pieces.aux.ids == (2, 3)  # (prompt steps: the head's first pass reads them)
         replays = []
         record_replays(monkeypatch, {"target": runner.graphs,
                                      "first": runner.heads.graphs.first}, replays)

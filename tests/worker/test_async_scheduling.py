@@ -288,7 +288,7 @@ def test_pending_decode_runs_ahead_only_when_asked_and_allowed():
     first = s.schedule()
     assert [x.request.num_pending for x in first.scheduled] == [1, 1]
     assert s.schedule().empty  # both tokens pending: nothing to run synchronously
-    ahead = s.schedule(run_ahead=True)
+    ahead = s.schedule(async_scheduling=True)
     assert [(x.request.request_id, x.start, x.num_new_tokens) for x in ahead.scheduled] == [
         ("a", 3, 1)]  # b's bad words are matched against its tokens on the host
     assert s.requests["a"].num_pending == 2 and s.requests["a"].num_computed_tokens == 4
@@ -305,7 +305,7 @@ def test_last_token_pending_is_not_run_past():
     s.add_request(Request("b", [4, 5, 6, 7], SamplingParams(max_tokens=9)))
     s.add_request(Request("c", [4, 5], SamplingParams(max_tokens=9)))
     first = s.schedule()
-    ahead = s.schedule(run_ahead=True)
+    ahead = s.schedule(async_scheduling=True)
     assert [x.request.request_id for x in ahead.scheduled] == ["c"]
     updated = s.update_from_output(first, {"a": [7], "b": [8], "c": [9]})
     assert [(r.request_id, r.status.finished) for r, _ in updated] == [
@@ -318,7 +318,7 @@ def test_preempting_a_request_drops_its_pending_token():
     s.add_request(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=9)))
     s.add_request(Request("b", [5, 6, 7, 8], SamplingParams(max_tokens=9)))
     first = s.schedule()
-    ahead = s.schedule(run_ahead=True)  # a needs a third block: b is preempted for it
+    ahead = s.schedule(async_scheduling=True)  # a needs a third block: b is preempted for it
     assert [x.request.request_id for x in ahead.scheduled] == ["a"]
     b = s.waiting[0]
     assert b.request_id == "b" and b.num_pending == 0 and b.num_computed_tokens == 0

@@ -39,7 +39,7 @@ class AttentionMetadata:
 
 
 @dataclass
-class KeptRows:
+class LogitsRows:
     """The rows of a step whose final hidden states are used: the last token of each sequence
     that samples. Only these go past the last layer's K/V projection (a prompt of n tokens
     samples from one row, so the other n - 1 skip its attention, output projection and MLP);
@@ -54,13 +54,13 @@ class KeptRows:
 
     @classmethod
     def last_of(cls, meta: AttentionMetadata, seqs: list[int],
-                backend: AttentionBackend) -> KeptRows:
+                backend: AttentionBackend) -> LogitsRows:
         """The last rows of sequences `seqs` (indices into meta's sequences)."""
         loc = meta.query_start_loc
         dev = meta.seq_lens.device
         rows = on_device([loc[i + 1] - 1 for i in seqs], torch.int64, dev)
         chosen = on_device(seqs, torch.int64, dev)
-        kept = AttentionMetadata(
+        decodes = AttentionMetadata(
             slot_mapping=meta.slot_mapping[rows],
             query_start_loc=list(range(len(seqs) + 1)),
             context_lens=[meta.context_lens[i] + loc[i + 1] - loc[i] - 1 for i in seqs],
@@ -69,8 +69,8 @@ class KeptRows:
             num_decodes=len(seqs),
             block_size=meta.block_size,
         )
-        backend.prepare(kept)
-        return cls(rows, kept)
+        backend.prepare(decodes)
+        return cls(rows, decodes)
 
 
 def leading_decodes(starts, ends) -> int:

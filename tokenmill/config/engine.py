@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.config.kernels import KernelConfig
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
@@ -74,6 +76,8 @@ class EngineConfig:
     # How its processes log (logs.py): text | json; debug | info | warning | error
     log_format: str = "text"
     log_level: str = "info"
+    # the kernel switches (config/kernels.py); None: the TOKENMILL_* variables, read here once
+    kernels: KernelConfig | None = None
 
     def token_budget(self, max_model_len: int) -> int:
         """Tokens one step may hold (the scheduler's budget)."""
@@ -103,6 +107,8 @@ class EngineConfig:
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         from tokenmill.config.generation import checked
+        if self.kernels is None:
+            self.kernels = KernelConfig.from_env()
         self.override_generation_config = checked(self.generation_config,
                                                   self.override_generation_config)
         self.validate()

@@ -1,9 +1,12 @@
-"""Kernel switches: which compiled CPU kernels and which GPU kernel choices run, from the
-TOKENMILL_* variables (read once per process by `from_env`)."""
+"""Kernel switches: which compiled CPU kernels and which GPU kernel choices run, resolved
+from the TOKENMILL_* variables once at start-up (`KernelConfig`, carried by `EngineConfig`)
+and put in force while an engine builds its model (`using`; kernels ask `current()`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tokenmill.config.env import Env
@@ -73,3 +76,38 @@ class GpuKernelSettings:
     def fp8_blocks_in_files(self) -> bool:
         """Whether `tokenmill convert --tp-size` writes float8 weights (files serve any device)."""
         return self.fp8_blocks != "dequantize"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Every kernel switch, resolved once (`EngineConfig.kernels`; worker processes get the
+    API process's copy with the rest of the configuration)."""
+
+    cpu: CpuKernelSettings
+    gpu: GpuKernelSettings
+
+    @classmethod
+    def from_env(cls, environ=None) -> KernelConfig:
+        return cls(cpu=CpuKernelSettings.from_env(environ),
+                   gpu=GpuKernelSettings.from_env(environ))
+
+
+_in_force: KernelConfig | None = None
+
+
+@contextlib.contextmanager
+def using(kernels: KernelConfig) -> Iterator[None]:
+    """`kernels` in force while an engine's model is built, loaded and its step paths chosen
+    (worker/model_runner.py): the loaders and kernels below read them through `current()`."""
+    global _in_force
+    before, _in_force = _in_force, kernels
+    try:
+        yield
+    finally:
+        _in_force = before
+
+
+def current() -> KernelConfig:
+    """The switches in force; outside an engine's start-up (the convert and quantize tools, a
+    loader called on its own) the environment's, read now."""
+    return _in_force if _in_force is not None else KernelConfig.from_env()

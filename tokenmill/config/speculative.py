@@ -61,6 +61,12 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config needs num_speculative_tokens.")
         return cls(**value).validated()
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past a request's tokens: draft heads (MTP, EAGLE) write their drafts'
+        rows into its blocks; a draft model and n-gram lookup write none there."""
+        return self.num_speculative_tokens if self.method in ("mtp", "eagle", "eagle3") else 0
+
     def validated(self) -> SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"Unknown speculative method {self.method!r}; choose one of "

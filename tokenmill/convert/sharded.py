@@ -42,7 +42,7 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
     torch_dtype, float32 for GGUF)."""
     from safetensors.torch import save_file
 
-    from tokenmill.config.kernels import GpuKernelSettings
+    from tokenmill.config import kernels as kernel_switches
     from tokenmill.config.quantization import checkpoint_quant_config
     from tokenmill.distributed.parallel_state import as_rank
     from tokenmill.loading.checkpoint import is_gguf, load_hf_config, load_model
@@ -58,7 +58,7 @@ def write(model: str, out: str, tp_size: int, pp_size: int = 1, expert_parallel:
                          "weights and quantize at load (--quantization).")
     dtype = dtype or _source_dtype(hf_config)
     keep_fp8 = fp8_blocks.block_size(hf_config) is not None \
-        and GpuKernelSettings.from_env().fp8_blocks_in_files()
+        and kernel_switches.current().gpu.fp8_blocks_in_files()
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -96,7 +96,7 @@ class Request:
         return len(self.output_token_ids) + max(self.num_pending - 1, 0)
 
     @property
-    def may_run_ahead(self) -> bool:
+    def may_schedule_async(self) -> bool:
         """Whether its next step may be scheduled before its pending token is on the host
         (asynchronous scheduling): nothing of that step needs the token but the forward
         and the penalties, which take it from the device (no bad words, which match the

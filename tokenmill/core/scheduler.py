@@ -8,19 +8,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    # slots past each scheduled request's tokens for a proposer that writes its drafts' KV
-    # rows into the request's blocks (MTP)
-    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -41,7 +31,7 @@ class ScheduledRequest:
     padding: int = 0  # trailing drafts that only fill a CUDA-graph bucket (not counted)
     # asynchronous scheduling: a decode at the position of the token its request's step in
     # flight samples (the runner takes that token on the device)
-    ahead: bool = False
+    output_pending: bool = False
 
     @property
     def end(self) -> int:
@@ -135,11 +125,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ---------------------------------------------------------------------
-    def schedule(self, max_seqs: int | None = None, run_ahead: bool = False) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None, async_scheduling: bool = False
+                 ) -> SchedulerOutput:
         """`max_seqs`: at most this many sequences in the step (a pipeline micro-batch's
         share). A running request whose last step is still in flight (its next token not
-        on the host yet) is left out, unless `run_ahead` (asynchronous scheduling) and the
-        request allows it (`Request.may_run_ahead`, and that token cannot be its last): then
+        on the host yet) is left out, unless `async_scheduling` and the
+        request allows it (`Request.may_schedule_async`, and that token cannot be its last): then
         it decodes at that token's position, the runner taking the token from the device."""
         budget = self.config.max_num_batched_tokens
         max_seqs = max_seqs or self.config.max_num_seqs
@@ -154,7 +145,7 @@ class Scheduler:
             pending = request.num_pending
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             if (num_new <= 0 or len(scheduled) >= max_seqs  # (< 0: drafts still in flight)
-                    or pending and not (run_ahead and self._runs_ahead(request))):
+                    or pending and not (async_scheduling and self._schedulable_async(request))):
                 i += 1
                 continue
             drafts, probs = request.spec_token_ids, request.spec_probs
@@ -178,7 +169,7 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
                                                   drafts=drafts, draft_probs=probs,
                                                   padding=padding if drafts else 0,
-                                                  ahead=pending > 0))
+                                                  output_pending=pending > 0))
                 budget -= num_new
                 i += 1
                 continue
@@ -219,14 +210,14 @@ class Scheduler:
         self._finished_ids = set()
         return output
 
-    def _runs_ahead(self, request: Request) -> bool:
+    def _schedulable_async(self, request: Request) -> bool:
         """Its pending token is not its last (max_tokens, the model's length) and its next
         step needs none of its tokens on the host."""
         outputs = len(request.output_token_ids) + request.num_pending
         max_tokens = request.sampling_params.max_tokens
         return ((max_tokens is None or outputs < max_tokens)
                 and len(request.prompt_token_ids) + outputs < self.config.max_model_len
-                and request.may_run_ahead)
+                and request.may_schedule_async)
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:

@@ -27,9 +27,9 @@ memory.
 - `decode_step.c`: all decoder layers of a decode step in one call over the kernels above
   (`kernels.h`), so the per-layer Python and ctypes work of the small kernels disappears.
 
-The ctypes wrappers of the attention kernels and `layer_ops.c` are in `layer_kernels.py`,
-those of `vnni_panels.c` in `vnni.py`, those of `kquant_panels.c` in `kquant.py`; this module
-re-exports them.
+`build.py` compiles and loads the library. The ctypes wrappers of the attention kernels and
+`layer_ops.c` are in `layer_kernels.py`, those of `vnni_panels.c` in `vnni.py`, those of
+`kquant_panels.c` in `kquant.py`; this module re-exports them.
 
 Plain C files need no torch headers (they build in about a second). Without a compiler, or
 without AVX2/FMA/F16C, `available()` is False and callers use their torch paths."""
@@ -37,133 +37,13 @@ without AVX2/FMA/F16C, `available()` is False and callers use their torch paths.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
-from tokenmill.config.kernels import CpuKernelSettings
-
-logger = logging.getLogger(__name__)
-
-_HERE = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_HERE, name)
-            for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "vnni_panels.c",
-                         "kquant_panels.c",
-                         "paged_attention.c", "prompt_attention.c", "layer_ops.c",
-                         "decode_step.c", "shm_allreduce.c")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
-# -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
-# the kernels replace (explicit FMA intrinsics are unaffected).
-_FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
-          "-shared", "-fPIC"]
-
-
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    if sys.platform != "linux":
-        return frozenset()
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
-def _cpu_has_avx2() -> bool:
-    return {"avx2", "fma", "f16c"} <= _cpu_flags()
-
-
-def _build(compiler: str, cache_dir: str) -> str:
-    source = b""
-    for path in _SOURCES + _HEADERS:
-        with open(path, "rb") as f:
-            source += f.read()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    # -march=native builds for this CPU (AVX-512 where it has it): a cache shared by machines
-    # of another kind must not hand them this build, so the CPU's flags are part of the key.
-    cpu = " ".join(sorted(_cpu_flags()))
-    key = hashlib.sha256(source + version.encode() + " ".join(_FLAGS).encode()
-                         + cpu.encode()).hexdigest()[:16]
-    target = os.path.join(cache_dir, f"cpu_kernels-{key}.so")
-    if os.path.isfile(target):
-        return target
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_FLAGS, *_SOURCES, "-o", tmp], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-@lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    settings = CpuKernelSettings.from_env()
-    if not settings.enabled or not _cpu_has_avx2():
-        return None
-    compiler = shutil.which(settings.compiler) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("No C compiler found: CPU kernels fall back to slower torch ops.")
-        return None
-    try:
-        path = _build(compiler, settings.cache_dir)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        logger.warning("Building the CPU kernels failed (%s): using torch ops instead.",
-                       str(detail).strip()[:500])
-        return None
-    # torch is imported first, so the library's libgomp.so.1 resolves to the runtime torch
-    # already loaded: one OpenMP thread pool, sized by torch.set_num_threads.
-    lib = ctypes.CDLL(path)
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tm_int8_gemm.argtypes = [ptr] * 5 + [i64] * 4
-    lib.tm_int4_gemm.argtypes = [ptr] * 6 + [i64] * 4
-    lib.tm_paged_decode_attention.argtypes = ([ptr, i64] + [ptr] * 3 + [i64] + [ptr] * 2
-                                              + [i64] * 5 + [ctypes.c_float, i64])
-    f32 = ctypes.c_float
-    lib.tm_prompt_attention.argtypes = ([ptr, i64] + [ptr] * 3 + [i64, ptr, i64, ptr] + [i64] * 4
-                                        + [f32])
-    lib.tm_prompt_attention.restype = i64
-    lib.tm_quantize_rows_q16.argtypes = [ptr] * 4 + [i64] * 2
-    lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4
-    lib.tm_int4_gemm_q16.argtypes = [ptr] * 8 + [i64] * 3
-    lib.tm_f32_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
-    lib.tm_f32_panel_glu.argtypes = [ptr] * 4 + [i64] * 4
-    lib.tm_f32_panel_glu.restype = i64
-    lib.tm_int8_to_panels.argtypes = [ptr] * 2 + [i64] * 3 + [ptr]
-    lib.tm_int4_to_panels.argtypes = [ptr] * 3 + [i64] * 3 + [ptr]
-    lib.tm_int8_to_vnni.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 2
-    lib.tm_int4_to_vnni.argtypes = [ptr] * 3 + [i64] * 3 + [ptr] * 3
-    lib.tm_vnni_native.restype = i64
-    lib.tm_int8_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 4
-    lib.tm_int4_vnni_gemm.argtypes = [ptr] * 8 + [i64] * 4
-    lib.tm_kquant_panel_bytes.argtypes = [i64] * 2
-    lib.tm_kquant_panel_bytes.restype = i64
-    lib.tm_quantize_rows_q8x2.argtypes = [ptr] * 5 + [i64] * 2
-    lib.tm_kquant_gemm.argtypes = [i64] + [ptr] * 7 + [i64] * 3
-    lib.tm_add_rms_norm.argtypes = [ptr] * 4 + [i64] * 2 + [f32]
-    lib.tm_rotary.argtypes = [ptr] + [i64] * 4 + [ptr] * 3
-    lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
-    lib.tm_argmax_rows.argtypes = [ptr] + [i64] * 3 + [ptr]
-    lib.tm_write_kv.argtypes = [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 4
-    lib.tm_decode_layers.argtypes = [ptr] * 3 + [i64] + [ptr] * 3 + [i64, ptr]
-    lib.tm_decode_layers.restype = i64
-    lib.tm_shm_allreduce.argtypes = [ptr] + [i64] * 3 + [ptr, ptr, i64]
-    lib.tm_shm_allreduce.restype = i64
-    return lib
+from tokenmill.csrc.build import address
+from tokenmill.csrc.build import loaded as _library
+from tokenmill.csrc.vnni import quantize_rows_q16
 
 
 def library() -> ctypes.CDLL:
@@ -173,11 +53,6 @@ def library() -> ctypes.CDLL:
 
 def available() -> bool:
     return _library() is not None
-
-
-def address(t: torch.Tensor | None) -> int | None:
-    """A tensor's data address for the kernels (None stays a NULL pointer)."""
-    return None if t is None else t.data_ptr()
 
 
 def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -201,17 +76,6 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins:
     _library().tm_int4_gemm(address(x), address(qweight), address(scale), address(mins),
                             address(bias), address(y), m, n, k, group)
     return y
-
-
-def quantize_rows_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 contiguous (K % 32 == 0) -> (int16 [M, K], block scales [M, K/32],
-    block sums of the dequantized values [M, K/32])."""
-    m, k = x.shape
-    xq = torch.empty(m, k, dtype=torch.int16)
-    xs = torch.empty(m, k // 32)
-    xsum = torch.empty(m, k // 32)
-    _library().tm_quantize_rows_q16(address(x), address(xq), address(xs), address(xsum), m, k)
-    return xq, xs, xsum
 
 
 def int8_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

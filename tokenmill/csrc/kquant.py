@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.csrc import _library, address
+from tokenmill.csrc.build import address
+from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["KQUANT_INPUTS", "KQUANT_KINDS", "KQUANT_PARTS", "kquant_blob", "kquant_parts",
            "kquant_rows", "kquant_gemm", "quantize_rows_q8x2"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.csrc import _library, address
+from tokenmill.csrc.build import address
+from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["paged_decode_attention", "prompt_attention", "heads_contiguous", "add_rms_norm",
            "rotary_", "argmax_rows", "silu_and_mul", "write_kv"]

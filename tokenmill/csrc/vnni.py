@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.csrc import _library, address, quantize_rows_q16
+from tokenmill.csrc.build import address
+from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["vnni_native", "int8_to_vnni", "int8_from_vnni", "int4_to_vnni", "int4_from_vnni",
            "int8_vnni_rows", "int4_vnni_rows", "int8_vnni_gemm", "int4_vnni_gemm"]
+
+
+def quantize_rows_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 contiguous (K % 32 == 0) -> (int16 [M, K], block scales [M, K/32],
+    block sums of the dequantized values [M, K/32])."""
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int16)
+    xs = torch.empty(m, k // 32)
+    xsum = torch.empty(m, k // 32)
+    _library().tm_quantize_rows_q16(address(x), address(xq), address(xs), address(xsum), m, k)
+    return xq, xs, xsum
 
 
 def vnni_native() -> bool:

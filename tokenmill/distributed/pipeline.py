@@ -87,8 +87,9 @@ class StageLink:
         payload = torch.empty(int(length), dtype=torch.uint8, device=self.device)
         return self.world.recv([payload], prev)[0].cpu().numpy().tobytes()
 
-    def carried(self, rows: int, hidden_size: int, dtype: torch.dtype, extra: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def intermediate_from_prev(self, rows: int, hidden_size: int, dtype: torch.dtype,
+                               extra: int = 0
+                               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The previous stage's hidden states and residual of this step's `rows` tokens, and
         the `extra` states it carried on."""
         tensors = [torch.empty(rows, hidden_size, dtype=dtype, device=self.device)
@@ -96,11 +97,11 @@ class StageLink:
         self.world.recv(tensors, self.world.peer(self.world.stage - 1))
         return tensors[0], tensors[1], tensors[2:]
 
-    def to_first(self, logits: list[torch.Tensor], features: list[torch.Tensor],
+    def to_first(self, logits: list[torch.Tensor], hidden_states: list[torch.Tensor],
                  tag: int) -> None:
         """The last stage's logits (sampled rows, then prompt-logprob ranges: rank 0 of its
         tensor-parallel group only) and what draft heads read (every rank) to stage 0."""
-        tensors = (logits if self.world.rank % self.world.tp_size == 0 else []) + features
+        tensors = (logits if self.world.rank % self.world.tp_size == 0 else []) + hidden_states
         if tensors:
             self._send(tensors, self.world.peer(0), tag)
 

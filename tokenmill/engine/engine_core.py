@@ -6,9 +6,12 @@ import collections
 import logging
 
 from tokenmill.config.engine import EngineConfig
+from tokenmill.config.model import ModelConfig
+from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.core.request import FinishReason, Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
@@ -25,30 +28,22 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
     n_prompt = len(request.prompt_token_ids)
     if n_prompt == 0:
         raise ValueError("The prompt is empty.")
-    if n_prompt >= max_model_len:
+    if context_overflow(n_prompt, 1, max_model_len):
         raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
                          f"generate within max_model_len ({max_model_len}).")
-    if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
-        raise ValueError(f"Prompt token ids must be in [0, {vocab}).")
     params = request.sampling_params
-    # They index the logits row while min_tokens bans them: out of range would fail the
-    # whole engine step, not just this request.
-    if any(not 0 <= t < vocab for t in params.stop_token_ids):
-        raise ValueError(f"stop_token_ids must be in [0, {vocab}).")
-    if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab}).")
+    # Stop ids and logit_bias index the logits row (min_tokens bans the stop ids): out of
+    # range would fail the whole engine step, not just this request.
+    for what, ids in (("Prompt token ids", request.prompt_token_ids),
+                      ("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias token ids", params.logit_bias or ())):
+        refused = token_out_of_range(ids, vocab)
+        if refused is not None:
+            raise ValueError(refused.message(what))
     longest = min(n_prompt + (params.max_tokens or max_model_len), max_model_len) + lookahead
     if -(-longest // block_size) > num_blocks:
         raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
                          f"the whole cache holds ({num_blocks} blocks of {block_size}).")
-
-
-def lookahead_tokens(config: EngineConfig) -> int:
-    """KV slots past a request's tokens: draft heads (MTP, EAGLE) write their drafts' rows
-    into its blocks."""
-    spec = config.speculative_config
-    heads = spec is not None and spec.method in ("mtp", "eagle", "eagle3")
-    return spec.num_speculative_tokens if heads else 0
 
 
 def _queue_time(request: Request) -> float | None:
@@ -67,8 +62,11 @@ class EngineCore:
         from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
 
         self.config = config
-        self.hf_config = load_hf_config(model_path)
-        self.max_model_len = derive_max_model_len(config, self.hf_config)
+        hf_config = load_hf_config(model_path)
+        self.model_config = model = ModelConfig(model_path, hf_config,
+                                                derive_max_model_len(config, hf_config))
+        self.hf_config, self.max_model_len = hf_config, model.max_model_len
+        scheduler_config = SchedulerConfig.of(config, model.max_model_len)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
         self.workers = None
         self.batch_queue = None
@@ -79,33 +77,24 @@ class EngineCore:
             torch.set_num_threads(threads_per_rank(config))
         if config.world_size > 1:
             group = RayWorkerGroup if config.distributed_executor_backend == "ray" else WorkerGroup
-            self.workers = group(config, model_path, self.max_model_len, exit_on_worker_death)
+            self.workers = group(config, model, exit_on_worker_death)
             self.workers.join(config)
         try:
-            self.runner = ModelRunner(config, model_path, self.hf_config, self.max_model_len)
+            self.runner = ModelRunner(config, model)
         except BaseException:
             self.shutdown()
             raise
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, kv_window(self.hf_config))
-        budget = config.token_budget(self.max_model_len)
-        if not config.enable_chunked_prefill and budget < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len "
-                             f"({self.max_model_len}) when chunked prefill is off.")
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-                            max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill,
-                            num_lookahead_tokens=lookahead_tokens(config)),
-            self.kv_cache)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
         # (bench/tensor_parallel.py sets 1 to measure one at a time); asynchronous
         # scheduling: the step running and the next one, launched before it lands
-        self.run_ahead = config.async_scheduling
-        self.ahead = True  # (every running request let the last launch run ahead)
+        self.async_scheduling = config.async_scheduling
+        self.all_async = True  # (every running request let the last launch go on without it)
         self.batch_queue = (collections.deque()
-                            if self.runner.world.pp_size > 1 or self.run_ahead else None)
+                            if self.runner.world.pp_size > 1 or self.async_scheduling else None)
         self.max_in_flight = self.runner.world.pp_size
         # structured outputs: constrained requests wait there while their grammar compiles
         self.structured = StructuredOutputs(config.tokenizer or model_path,
@@ -116,8 +105,7 @@ class EngineCore:
             from tokenmill.spec_decode import make_proposer
             from tokenmill.spec_decode.proposer import NgramProposer
             try:
-                self.proposer = make_proposer(config.speculative_config, config, model_path,
-                                              self.hf_config, self.max_model_len,
+                self.proposer = make_proposer(config.speculative_config, config, model,
                                               self.runner.num_blocks, ModelRunner)
                 graphs = self.runner.graphs  # (n-gram drafts filled up to k for its buckets)
                 if isinstance(self.proposer, NgramProposer) and graphs is not None:
@@ -205,8 +193,8 @@ class EngineCore:
             step = self.scheduler.schedule()
             return self._outputs(step, self._timed(self.runner.execute, step,
                                                    step.num_batched_tokens))
-        if self.run_ahead:
-            return self._step_ahead()
+        if self.async_scheduling:
+            return self._step_async()
         if len(queue) < self.max_in_flight:
             # each micro-batch takes its share of the requests, so the next has some too
             share = -(-(self.scheduler.num_running + self.scheduler.num_waiting)
@@ -219,22 +207,22 @@ class EngineCore:
                     return []
         return self._complete_oldest()
 
-    def _step_ahead(self) -> list[EngineCoreOutput]:
+    def _step_async(self) -> list[EngineCoreOutput]:
         """Asynchronous scheduling: schedule and launch the next step while the last one
         runs (its decodes take their pending tokens on the device), then wait for the last
         one. While a running request needs its tokens on the host to be scheduled or
-        sampled (`Request.may_run_ahead`), steps run one at a time instead."""
+        sampled (`Request.may_schedule_async`), steps run one at a time instead."""
         queue = self.batch_queue
-        if not queue or self.ahead:
-            step = self.scheduler.schedule(run_ahead=True)
+        if not queue or self.all_async:
+            step = self.scheduler.schedule(async_scheduling=True)
             # (an empty step launches nothing; the runner still forgets finished requests)
             launched = self._timed(self.runner.launch, step, step.num_batched_tokens)
             # Asked once per launch, the requests it admitted included: until the next one,
             # running requests can only finish, which never turns the answer to no.
-            self.ahead = all(r.may_run_ahead for r in self.scheduler.running)
+            self.all_async = all(r.may_schedule_async for r in self.scheduler.running)
             if launched is not None:
                 queue.append((step, launched))
-                if len(queue) == 1 and self.ahead:
+                if len(queue) == 1 and self.all_async:
                     return []  # (the next call launches another, then completes this one)
         return self._complete_oldest()
 

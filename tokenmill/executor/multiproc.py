@@ -20,6 +20,7 @@ import time
 import msgspec
 
 from tokenmill.config.engine import EngineConfig
+from tokenmill.config.model import ModelConfig
 from tokenmill.distributed.parallel_state import RanksMissing, get_tp_group, get_world
 from tokenmill.distributed.shm_allreduce import create_segment
 from tokenmill.executor.worker import WorkerSpec
@@ -77,8 +78,7 @@ class WorkerGroup:
     (`exit_on_death`) that ends this process too, so the server's engine-death policy takes
     over; in-process (offline `LLM`), rank 0's next collective fails with gloo's error."""
 
-    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int,
-                 exit_on_death: bool) -> None:
+    def __init__(self, config: EngineConfig, model: ModelConfig, exit_on_death: bool) -> None:
         per_node = config.ranks_per_node
         first = config.node_rank * per_node
         self._dir = tempfile.mkdtemp(prefix="tokenmill-tp-")
@@ -102,7 +102,7 @@ class WorkerGroup:
         self.ranks = [r for r in range(first, first + per_node) if r != 0]
         self._stopping = False
         for rank in self.ranks:
-            spec = WorkerSpec(config, model_path, max_model_len, rank, self.init_method,
+            spec = WorkerSpec(config, model.path, model.max_model_len, rank, self.init_method,
                               self.threads, parent_pid=os.getpid(), shm_paths=self.shm_paths,
                               host=self.host)
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill.executor.worker"],
@@ -202,8 +202,9 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
     from tokenmill.loading.checkpoint import load_hf_config
     from tokenmill.models.info import derive_max_model_len
 
-    max_model_len = derive_max_model_len(config, load_hf_config(model_path))
-    group = WorkerGroup(config, model_path, max_model_len, exit_on_death=False)
+    hf_config = load_hf_config(model_path)
+    model = ModelConfig(model_path, hf_config, derive_max_model_len(config, hf_config))
+    group = WorkerGroup(config, model, exit_on_death=False)
     stop, lost = threading.Event(), threading.Event()
     threading.Thread(target=_beat, args=(config, stop, lost), name="tokenmill-node-beat",
                      daemon=True).start()

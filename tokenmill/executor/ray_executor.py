@@ -17,6 +17,7 @@ import threading
 import msgspec
 
 from tokenmill.config.engine import EngineConfig
+from tokenmill.config.model import ModelConfig
 from tokenmill.executor.multiproc import join_as_rank0
 from tokenmill.executor.worker import WorkerSpec
 
@@ -49,8 +50,7 @@ def _answers(address: str, timeout_s: float = 5.0) -> bool:
 
 
 class RayWorkerGroup:
-    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int,
-                 exit_on_death: bool) -> None:
+    def __init__(self, config: EngineConfig, model: ModelConfig, exit_on_death: bool) -> None:
         try:
             import ray
         except ImportError:
@@ -77,7 +77,7 @@ class RayWorkerGroup:
         self.refs = []
         for rank, handle in zip(self.ranks, self.actors):
             host = ray.get(handle.node_address.remote(), timeout=config.distributed_timeout)
-            spec = WorkerSpec(config, model_path, max_model_len, rank, self.init_method, 1,
+            spec = WorkerSpec(config, model.path, model.max_model_len, rank, self.init_method, 1,
                               host=host)
             self.refs.append(handle.run.remote(msgspec.json.encode(spec)))
             logger.info("rank %d: a Ray actor on %s", rank, host)

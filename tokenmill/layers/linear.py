@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
-from tokenmill.config.kernels import GpuKernelSettings
 from tokenmill.distributed.parallel_state import divide, get_tp_group
 
 
@@ -51,6 +50,11 @@ class DenseKernel:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate|up layer in one pass; None: this kernel has no
+        such pass (the MLP runs the product and the activation apart)."""
+        return None
 
     def compiled_form(self) -> None:
         """The compiled decode step's description of this kernel (csrc.LinearForm); None:
@@ -366,23 +370,3 @@ class QKVLinear(MergedLinear):
                                   num_kv_heads * head_dim], bias,
                          shards=[(tp.rank * self.num_heads * head_dim,
                                   self.num_heads * head_dim), kv, kv])
-
-
-def choose_linear_kernels(model: nn.Module) -> dict[str, int]:
-    """After loading: give every `Linear` the fastest kernel its device and dtype have.
-    Returns how many layers got each kernel (logged by the loader)."""
-    from tokenmill.layers.skinny import SkinnyKernel
-
-    counts: dict[str, int] = {}
-    skinny = GpuKernelSettings.from_env().skinny_linear
-    for module in model.modules():
-        if isinstance(module, Linear):
-            # (a layer whose float weight is read directly, as MLA's kv_b_proj, stays as is)
-            if (isinstance(module.kernel, DenseKernel) and CpuPackedKernel.supports(module)
-                    and not module.keep_weight):
-                module.use_kernel(CpuPackedKernel(module))
-            elif (skinny and type(module.kernel) is DenseKernel
-                  and SkinnyKernel.supports(module)):
-                module.kernel = SkinnyKernel()  # (reads the layer's own weight)
-            counts[module.kernel.name] = counts.get(module.kernel.name, 0) + 1
-    return counts

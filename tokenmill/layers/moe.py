@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_group
+from tokenmill.layers.host_sync import HostSync
 from tokenmill.layers.linear import Linear, default_weight_loader
 
 
@@ -109,7 +110,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(HostSync, nn.Module):
     """`make_expert(split)`: one expert, an MLP returning this rank's partial sums (the block
     adds them up once): split across the tensor-parallel ranks, or with expert parallel
     (`split=False`) whole on the rank that holds it (expert e on rank e % tp).

@@ -16,13 +16,13 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill import csrc
-from tokenmill.config.kernels import GpuKernelSettings
+from tokenmill.config import kernels as kernel_switches
 from tokenmill.config.quantization import QuantConfig, checkpoint_quant_config
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
+from tokenmill.layers.kernel_choice import choose_linear_kernels
 from tokenmill.layers.linear import (
     CheckpointSlice,
     RowParallelLinear,
-    choose_linear_kernels,
     deferred_weights,
 )
 from tokenmill.layers.moe import SparseMoE
@@ -159,7 +159,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     # a block-FP8 checkpoint's float8 weights, served as they are (on GPUs by default): its
     # linears get memory for a float weight only where a loader writes one
     if keep_fp8 is None:
-        keep_fp8 = not float_weights and GpuKernelSettings.from_env().keep_fp8_blocks(device)
+        keep_fp8 = not float_weights and kernel_switches.current().gpu.keep_fp8_blocks(device)
     keep_fp8 = keep_fp8 and quant is None and blocks
     # parameters made in the model's dtype (built in float32 first, a bf16 model took twice
     # its memory on the device before loading); buffers made in float32 on purpose (the

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.config.quantization import QuantConfig
-from tokenmill.layers.linear import choose_linear_kernels
+from tokenmill.layers.kernel_choice import choose_linear_kernels
 from tokenmill.loading.checkpoint import iter_safetensors, load_hf_config, resolve_model_path
 from tokenmill.models.eagle import Eagle3Head, EagleHead, aux_layer_ids
 from tokenmill.quantization import model as qmodel
@@ -26,8 +26,7 @@ def eagle3_aux_layers(path: str, target: nn.Module) -> tuple[int, ...]:
 def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype, device: torch.device,
                     quantization: str | None = None, version: int = 1) -> nn.Module:
     """The EAGLE-1 or EAGLE-3 head at `path` for `target`, checked against it (start-up
-    errors name the problem), float in the target's dtype or quantized as asked. EAGLE-3
-    makes the target keep its aux layers' input hidden states (`model.aux_layers`)."""
+    errors name the problem), float in the target's dtype or quantized as asked."""
     path = resolve_model_path(path)
     name = os.path.basename(path.rstrip("/"))
     config, want = load_hf_config(path), target.config
@@ -88,6 +87,4 @@ def load_eagle_head(path: str, target: nn.Module, dtype: torch.dtype, device: to
     if quantization is not None:
         qmodel.quantize_linears(head, QuantConfig(quantization))
     choose_linear_kernels(head)
-    if version == 3:
-        target.model.aux_layers = head.aux_layers
     return head.eval()

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionMetadata, KeptRows
+from tokenmill.attention.backend import AttentionMetadata, LogitsRows
 from tokenmill.attention.mla import future_keys, sequence_rows
+from tokenmill.layers.host_sync import HostSync
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import RMSNorm
@@ -29,7 +30,7 @@ from tokenmill.models.llama import MLP, LlamaForCausalLM, holds_expert
 logger = logging.getLogger(__name__)
 
 
-class MLAttention(nn.Module):
+class MLAttention(HostSync, nn.Module):
     stores_values = False  # the cache holds one latent row per token: no V cache
 
     @property
@@ -83,18 +84,18 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope:]
 
     def forward(self, rope: StepRotary, x: torch.Tensor, meta: AttentionMetadata,
-                kept: KeptRows | None = None) -> torch.Tensor:
+                logits_rows: LogitsRows | None = None) -> torch.Tensor:
         t = x.shape[0]
         latent = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(latent[:, : self.rank].contiguous())
         k_pe = self._rotate(rope, latent[:, self.rank:].reshape(t, 1, self.rope_dim))
         rows = torch.cat([c, k_pe.reshape(t, self.rope_dim)], dim=-1)
         self.backend.store_rows(self.k_cache.view(-1, self.head_dim), meta.slot_mapping, rows)
-        if kept is not None:
-            if not kept.count:
+        if logits_rows is not None:
+            if not logits_rows.count:
                 return x.new_empty(0, x.shape[1])
-            x, meta, t = x[kept.rows], kept.meta, kept.count
-            positions = rope.positions[kept.rows]
+            x, meta, t = x[logits_rows.rows], logits_rows.meta, logits_rows.count
+            positions = rope.positions[logits_rows.rows]
             rope = rope.rotary.for_step(positions, rope.dtype)
         q = self._queries(x).view(t, self.num_heads, self.nope + self.rope_dim)
         q_pe = self._rotate(rope, q[..., self.nope:])
@@ -170,6 +171,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                          make_attention=make_attention, **options)
         self.mtp = (build_mtp(config, make_attention, deepseek_mlp)
                     if self.model.is_first_stage else nn.ModuleList())
+
+    def mtp_layers(self) -> list[nn.Module]:
+        return list(self.mtp)
 
     def holds(self, name: str) -> bool:
         ours = mtp_name(name, self.config.num_hidden_layers)

@@ -19,13 +19,14 @@ from torch import nn
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import StepRotary
+from tokenmill.models.draft_head import DraftHead
 from tokenmill.models.llama import DecoderLayer
 
 # checkpoint tensors of an MTP layer that are the main model's own
 SHARED = (".embed_tokens.", ".shared_head.head.")
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(DraftHead):
     def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps

@@ -24,6 +24,7 @@ from torch import nn
 
 from tokenmill.layers.linear import Linear, QKVLinear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.models.draft_head import DraftHead
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 SKIPPED = ("embed_tokens.", "lm_head.", "rotary_emb.")
@@ -37,7 +38,7 @@ class _NoNorm(nn.Module):
         return x
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead):
     def __init__(self, config: Any, fc_bias: bool) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -96,7 +97,9 @@ class Eagle3Layer(nn.Module):
         return self.mlp(out), residual
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
+    own_lm_head = True  # (its draft vocabulary, mapped into the target's)
+
     def __init__(self, config: Any, target_config: Any, aux_layers: tuple[int, ...]) -> None:
         super().__init__()
         hidden = config.hidden_size

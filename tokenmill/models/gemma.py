@@ -38,9 +38,9 @@ class GemmaDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual, meta, kept=None):
-        hidden, residual = self.attend(rope, hidden, residual, meta, kept)
-        if kept is not None and not kept.count:
+    def forward(self, rope, hidden, residual, meta, logits_rows=None):
+        hidden, residual = self.attend(rope, hidden, residual, meta, logits_rows)
+        if logits_rows is not None and not logits_rows.count:
             return hidden, residual
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)

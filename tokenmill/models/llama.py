@@ -8,11 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, LogitsRows
 from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers import row_chunks
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.layers.host_sync import waits_on_host
 from tokenmill.layers.linear import (
     Linear,
     MergedLinear,
@@ -27,12 +28,15 @@ from tokenmill.layers.rotary import (
     rope_parameters,
     rope_parameters_by_layer_type,
 )
+from tokenmill.layers.stage_layers import make_layers
 from tokenmill.models.info import layer_window
 
 
 class Attention(nn.Module):
     """Self-attention over this tensor-parallel rank's heads (all of them with one rank);
     `window`: sliding-window attention (attention/window.py)."""
+
+    stores_values = True  # a K and a V cache (DeepSeek's latent attention: one latent row)
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
                  window: int | None = None, softcap: float | None = None,
@@ -60,8 +64,8 @@ class Attention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, rope: StepRotary, x: torch.Tensor, meta: AttentionMetadata,
-                kept: KeptRows | None = None) -> torch.Tensor:
-        """Output rows for every token, or only for `kept`'s rows (all rows' K/V cached)."""
+                logits_rows: LogitsRows | None = None) -> torch.Tensor:
+        """Output rows for every token, or only for the `logits_rows` (all rows' K/V cached)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -76,10 +80,11 @@ class Attention(nn.Module):
             q = rope(self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1)))
             k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
             k = self.backend.rotate_and_write(rope, k, v, *caches, 0)[1]
-        if kept is not None:  # every row's K/V is cached; only the kept rows attend
-            if not kept.count:
+        if logits_rows is not None:  # every row's K/V is cached; only the logits rows attend
+            if not logits_rows.count:
                 return x.new_empty(0, x.shape[1])
-            q, k, v, meta, t = q[kept.rows], k[kept.rows], v[kept.rows], kept.meta, kept.count
+            rows = logits_rows.rows
+            q, k, v, meta, t = q[rows], k[rows], v[rows], logits_rows.meta, logits_rows.count
         out = self.backend.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                   self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -113,9 +118,8 @@ class MLP(nn.Module):
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T): in one pass where the kernel fuses them."""
-        fused = getattr(self.gate_up_proj.kernel, "apply_gated", None) \
-            if isinstance(self.act, SiluAndMul) else None
-        out = fused(self.gate_up_proj, x) if fused is not None else None
+        out = (self.gate_up_proj.kernel.apply_gated(self.gate_up_proj, x)
+               if isinstance(self.act, SiluAndMul) else None)
         return out if out is not None else self.act(self.gate_up_proj(x))
 
 
@@ -128,24 +132,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual, meta, kept: KeptRows | None = None):
-        hidden, residual = self.attend(rope, hidden, residual, meta, kept)
-        if kept is not None and not kept.count:
+    def forward(self, rope, hidden, residual, meta, logits_rows: LogitsRows | None = None):
+        hidden, residual = self.attend(rope, hidden, residual, meta, logits_rows)
+        if logits_rows is not None and not logits_rows.count:
             return hidden, residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def attend(self, rope, hidden, residual, meta, kept: KeptRows | None):
+    def attend(self, rope, hidden, residual, meta, logits_rows: LogitsRows | None):
         """The input norm (adding the residual carried in) and attention: (attention output,
-        residual), of `kept`'s rows only when given."""
+        residual), of the `logits_rows` only when given."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, meta, kept)
-        if kept is not None:
-            residual = residual[kept.rows]
+        hidden = self.self_attn(rope, hidden, meta, logits_rows)
+        if logits_rows is not None:
+            residual = residual[logits_rows.rows]
         return hidden, residual
 
 
@@ -155,12 +159,7 @@ def holds_expert(mlp: nn.Module, name: str) -> bool:
     if ".experts." not in name:
         return True
     expert = name.split(".experts.", 1)[1].split(".", 1)[0]
-    holds = getattr(mlp, "holds_expert", None)
-    return holds is None or not expert.isdigit() or holds(int(expert))
-
-
-class OtherStageLayer(nn.Module):
-    """A decoder layer another pipeline stage holds: no weights here."""
+    return not expert.isdigit() or mlp.holds_expert(int(expert))
 
 
 def _head_cost(config: Any, head_dim: int) -> float:
@@ -190,7 +189,6 @@ class LlamaModel(nn.Module):
         world = get_world()
         head_dim = (getattr(config, "head_dim", None)
                     or config.hidden_size // config.num_attention_heads)
-        self.stage_layers = world.layers(config.num_hidden_layers, _head_cost(config, head_dim))
         self.is_first_stage, self.is_last_stage = world.is_first_stage, world.is_last_stage
         by_type = rope_parameters_by_layer_type(config)
         if by_type is None:
@@ -207,40 +205,34 @@ class LlamaModel(nn.Module):
         tied = bool(getattr(config, "tie_word_embeddings", False))
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
                              if world.is_first_stage or (tied and head_here) else None)
-        self.layers = nn.ModuleList(
-            make_layer(config, make_attention(config, i), make_mlp(config, i))
-            if i in self.stage_layers
-            else OtherStageLayer() for i in range(config.num_hidden_layers))
+        self.stage_layers, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: make_layer(config, make_attention(config, i), make_mlp(config, i)),
+            _head_cost(config, head_dim))
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale: float | None = None
-        # layers whose input hidden states a step keeps in `aux_hidden` (an EAGLE-3 head's)
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux_hidden: dict[int, torch.Tensor] = {}
 
-    def forward(self, input_ids, positions, meta, kept: KeptRows | None = None,
-                carried: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """Final hidden states of every token, or only of `kept`'s rows: no later layer reads
-        the last layer's outputs, so there only the kept rows go past the K/V projection
+    def forward(self, input_ids, positions, meta, logits_rows: LogitsRows | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Final hidden states of every token, or only of the `logits_rows`: no later layer reads
+        the last layer's outputs, so there only the logits rows go past the K/V projection
         (most of a prompt's rows are not sampled from). A stage before the last returns its
-        (hidden, residual) instead; a stage after the first starts from `carried`."""
-        if carried is None:
+        (hidden, residual) instead; a stage after the first starts from `intermediate`."""
+        if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None
             if self.embed_scale is not None:  # Gemma: embeddings times sqrt(hidden size)
                 hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         else:
-            hidden, residual = carried
+            hidden, residual = intermediate
         rope = self.rotary.for_step(positions, hidden.dtype)
         ropes = None if self.rotaries is None else {
             kind: rotary.for_step(positions, hidden.dtype)
             for kind, rotary in self.rotaries.items()}
         last = len(self.layers) - 1
-        self.aux_hidden = {}
         for i in self.stage_layers:
-            if i in self.aux_layers:
-                self.aux_hidden[i] = hidden if residual is None else hidden + residual
             layer_rope = rope if ropes is None else ropes[self.layer_types[i]]
             hidden, residual = self.layers[i](layer_rope, hidden, residual, meta,
-                                              kept if i == last else None)
+                                              logits_rows if i == last else None)
         if not self.is_last_stage:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
@@ -291,9 +283,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kept: KeptRows | None = None,
-                carried: tuple[torch.Tensor, torch.Tensor] | None = None):
-        return self.model(input_ids, positions, meta, kept, carried)
+                meta: AttentionMetadata, logits_rows: LogitsRows | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, positions, meta, logits_rows, intermediate)
 
     def holds(self, name: str) -> bool:
         if name.startswith("lm_head."):
@@ -309,10 +301,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def graphable(self) -> bool:
         """Whether a step's forward runs without waiting on the host (a CUDA graph can hold
-        it): not with mixture-of-experts layers or latent attention (`host_sync`)."""
-        layers = [self.model.layers[i] for i in self.model.stage_layers]
-        return not any(getattr(part, "host_sync", False)
-                       for layer in layers for part in (layer.self_attn, layer.mlp))
+        it): not with mixture-of-experts layers or latent attention (`HostSync`)."""
+        return not waits_on_host(*(self.model.layers[i] for i in self.model.stage_layers))
+
+    def mtp_layers(self) -> list[nn.Module]:
+        """Its multi-token-prediction layers (DeepSeek's), which can run as draft heads."""
+        return []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the vocabulary on tensor-parallel rank 0; None on the others."""

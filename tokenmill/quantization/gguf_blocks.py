@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.config.kernels import CpuKernelSettings
+from tokenmill.config import kernels as kernel_switches
 from tokenmill.quantization.kquant_kernels import q5_servable
 
 # block type -> (weights a block, bytes a block)
@@ -55,7 +55,7 @@ def to_kernel_tensors(data: np.ndarray, kind: str, n: int, k: int
     to int8 (exactly) with TOKENMILL_GGUF_COMPACT=0, Q5 also where K is not a multiple of
     the kernel's 64."""
     blocks = _blocks(data, kind, n, k)
-    compact = CpuKernelSettings.from_env().gguf_compact
+    compact = kernel_switches.current().cpu.gguf_compact
     if kind == "Q6_K" and not compact:
         return "int8", _q6_k_int8(blocks, n, k)
     return q5_servable(METHODS[kind], _CONVERT[kind](blocks, n, k), widen=not compact)

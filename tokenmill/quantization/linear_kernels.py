@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import csrc
-from tokenmill.config.kernels import CpuKernelSettings
+from tokenmill.config import kernels as kernel_switches
 from tokenmill.quantization import schemes
 
 # On CPUs without VNNI: rows above which the weight-only kernels unpack the weight into fp32
@@ -57,6 +57,10 @@ class QuantizedKernel(ABC):
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def apply_gated(self, layer, x: torch.Tensor) -> torch.Tensor | None:
+        """No fused silu(gate) * up pass (layers/linear.py's `DenseKernel.apply_gated`)."""
+        return None
+
     def compiled_form(self) -> csrc.LinearForm | None:
         """The compiled decode step's description of this kernel; None where it has none."""
         return None
@@ -71,7 +75,7 @@ class QuantizedKernel(ABC):
         integer dot products (~2x faster at decode sizes, where the float-activation kernels
         spend their time converting weights to float; relative rounding ~1e-5)."""
         shape_ok = k % 32 == 0 and (group == 32 if groups_of_32_only else group % 32 == 0)
-        return shape_ok and CpuKernelSettings.from_env().int_dot
+        return shape_ok and kernel_switches.current().cpu.int_dot
 
     def _on_triton_gpu(self, k: int) -> bool:
         first = next(iter(self.tensors.values()))

@@ -17,23 +17,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenmill.config.model import ModelConfig
 from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.spec_decode.proposer import HeadProposer, NgramProposer, Proposer
 
 
-def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_config,
-                  max_model_len: int, num_blocks: int,
-                  make_runner: Callable[..., Any]) -> Proposer:
-    """The proposer of `config.method` (a draft model: loaded here by `make_runner`, the
-    engine's model runner class, its KV cache holding as many tokens as the target's,
-    `num_blocks`)."""
+def make_proposer(config: SpeculativeConfig, engine_config, target: ModelConfig,
+                  num_blocks: int, make_runner: Callable[..., Any]) -> Proposer:
+    """The proposer of `config.method` for the `target` model (a draft model: loaded here
+    by `make_runner`, the engine's model runner class, its KV cache holding as many tokens
+    as the target's, `num_blocks`)."""
+    max_model_len = target.max_model_len
     if config.method == "ngram":
         return NgramProposer(config, max_model_len)
     if config.method == "draft_model":
         from tokenmill.spec_decode.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config, engine_config, model_path, hf_config, max_model_len,
-                                  num_blocks, make_runner)
+        return DraftModelProposer(config, engine_config, target, num_blocks, make_runner)
     if config.method in ("eagle", "eagle3"):
         return HeadProposer(config, max_model_len)  # (the head loaded by the runner)
     if config.method == "mtp":
@@ -41,7 +41,7 @@ def make_proposer(config: SpeculativeConfig, engine_config, model_path: str, hf_
 
         from tokenmill.loading.checkpoint import resolve_model_path
         if config.model and (os.path.realpath(resolve_model_path(config.model))
-                             != os.path.realpath(model_path)):
+                             != os.path.realpath(target.path)):
             raise ValueError("Speculative method 'mtp' runs the target's own MTP layers: "
                              "\"model\" (SPECULATE_MODEL_PATH) must be the target's path or "
                              "left out; MTP layers from a separate checkpoint are not read.")

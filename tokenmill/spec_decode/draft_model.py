@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.config.model import ModelConfig
 from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.core.block_pool import Block, BlockPool
 from tokenmill.core.request import Request
@@ -68,13 +69,13 @@ def check_vocabulary(draft_path: str, target_path: str, draft_vocab: int,
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, engine_config, target_path: str,
-                 target_hf, max_model_len: int, num_blocks: int,
-                 make_runner: Callable[..., Any]) -> None:
+    def __init__(self, config: SpeculativeConfig, engine_config, target: ModelConfig,
+                 num_blocks: int, make_runner: Callable[..., Any]) -> None:
         """`make_runner`: the engine's model runner class, which runs the draft model."""
         from tokenmill.distributed.parallel_state import single_rank
         from tokenmill.models.info import derive_max_model_len
 
+        target_path, target_hf = target.path, target.hf_config
         path = resolve_model_path(config.model) if config.model else target_path
         hf = load_hf_config(path)
         check_vocabulary(path, target_path, hf.vocab_size, target_hf.vocab_size)
@@ -84,9 +85,10 @@ class DraftModelProposer(Proposer):
             speculative_config=None, num_kv_blocks=num_blocks, kv_cache_dtype="auto",
             max_model_len=None, tensor_parallel_size=1, pipeline_parallel_size=1, nnodes=1,
             node_rank=0, enable_expert_parallel=False)
-        super().__init__(config, min(max_model_len, derive_max_model_len(draft_config, hf)))
+        super().__init__(config, min(target.max_model_len,
+                                     derive_max_model_len(draft_config, hf)))
         with single_rank():
-            self.runner = make_runner(draft_config, path, hf, self.max_model_len)
+            self.runner = make_runner(draft_config, ModelConfig(path, hf, self.max_model_len))
         # Draws independent of the target's (the same stream would correlate each draft with
         # the uniform that tests it, and bias the output).
         self.runner.generator.manual_seed(engine_config.seed + _SEED_OFFSET)

@@ -18,7 +18,7 @@ import torch
 from tokenmill import csrc
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.config.kernels import CpuKernelSettings
+from tokenmill.config import kernels as kernel_switches
 from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.activation import SiluAndMul
@@ -217,7 +217,7 @@ class CpuDecodeStep:
 
     @staticmethod
     def _unsupported(model: torch.nn.Module, backend: object) -> str | None:
-        if not CpuKernelSettings.from_env().decode_step:
+        if not kernel_switches.current().cpu.decode_step:
             return "TOKENMILL_CPU_DECODE_STEP=0"
         if not isinstance(model, LlamaForCausalLM):
             return f"no compiled step for {type(model).__name__}"
@@ -309,7 +309,7 @@ class CpuDecodeStep:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata,
-                 carried: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
                  drafted: bool = False):
         """The final hidden states [T, H] of an all-decode step of at most `max_rows` tokens
         (new K/V written to the caches); None for any other step. `drafted`: the step's
@@ -317,7 +317,7 @@ class CpuDecodeStep:
         whose rows are then decodes of their own: each attends to the positions up to it
         (every row's K/V is written before any row attends), the same arithmetic as
         decoding them one at a time. A pipeline stage after the first starts from the
-        previous one's `carried` (hidden, residual); one before the last returns its own
+        previous one's `intermediate` (hidden, residual); one before the last returns its own
         (hidden, residual), as the model's forward does."""
         t = input_ids.shape[0]
         if (meta.num_decodes != meta.num_seqs and not drafted) or t > self.max_rows:
@@ -326,11 +326,11 @@ class CpuDecodeStep:
                for a, (k, v) in zip(self._attention, self._caches)):
             return None  # caches were rebound after build: the described addresses are stale
         residual = self._scratch["residual"][:t]
-        if carried is None:
+        if intermediate is None:
             hidden = self._embed(input_ids)
         else:
-            hidden = carried[0].contiguous()
-            residual.copy_(carried[1])
+            hidden = intermediate[0].contiguous()
+            residual.copy_(intermediate[1])
         out = torch.empty_like(hidden)
         table, seq_lens = meta.block_table, meta.seq_lens
         if meta.num_decodes != meta.num_seqs:  # drafted: a block table and length a row

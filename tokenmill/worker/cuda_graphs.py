@@ -26,6 +26,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.host_to_device import on_device
+from tokenmill.worker.aux_hidden import AuxHiddenStates
 from tokenmill.worker.step_inputs import StepInputs
 
 MAX_CAPTURED = 256  # largest batch captured (larger decode batches run eagerly)
@@ -124,7 +125,7 @@ class StepGraphs(abc.ABC):
         return (self.bucket(n, q) is not None and max(ends) <= self.max_len
                 and max(len(b) for b in block_ids) <= self.block_table.shape[1])
 
-    def takes(self, inputs: StepInputs) -> int:
+    def bucket_rows(self, inputs: StepInputs) -> int:
         """A uniform step's rows a sequence (`uniform_rows`) if it has a bucket here, else 0."""
         q = inputs.uniform_rows
         fits = q in self.widths and self.fits(len(inputs.starts), q, inputs.ends,
@@ -171,27 +172,28 @@ class DecodeGraphs(StepGraphs):
     decodes carrying `drafts` tokens each (q = 1 + drafts, buckets up to `drafted_seqs`
     sequences: speculation is off above its `disable_by_batch_size`). Outputs: logits and
     what draft heads read: the final hidden states (MTP, EAGLE-1), or the hidden states
-    entering the layers an EAGLE-3 head reads (`aux`, as `HeadFeatures.aux`)."""
+    entering the layers an EAGLE-3 head reads (`aux`, kept by hooks: worker/aux_hidden.py)."""
 
     def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
                  block_size: int, max_num_seqs: int, max_model_len: int, capture: bool,
-                 drafts: int = 0, drafted_seqs: int = 0, aux: tuple[int, ...] = ()) -> None:
+                 drafts: int = 0, drafted_seqs: int = 0,
+                 aux: AuxHiddenStates | None = None) -> None:
         widths = {1: capture_sizes(max_num_seqs)}
         if drafts and drafted_seqs:
             widths[1 + drafts] = capture_sizes(min(max_num_seqs, drafted_seqs))
         super().__init__(backend, device, block_size, max_model_len, widths)
         self.model = model
-        self.aux = aux  # (HeadFeatures.aux: ascending, no repeats)
+        self.aux = aux  # (EAGLE-3: the states its head reads, kept by hooks)
         self.pool = self.capture_all() if capture else None
 
     def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, ...]:
         hidden = self.model(self.input_ids[:n * q], self.positions[:n * q],
                             self.meta(n, q, variant))
-        aux = [self.model.model.aux_hidden[i] for i in self.aux]
+        aux = self.aux.of_step() if self.aux is not None else []
         return self.model.compute_logits(hidden), *(aux or [hidden])
 
     def run(self, inputs: StepInputs, fill=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits [n * q, vocab] of a uniform step of n sequences (`takes`), and what draft
+        """Logits [n * q, vocab] of a uniform step of n sequences (`bucket_rows`), and what draft
         heads read of its rows: [final hidden states], or the aux layers' input states
         (ascending). `fill`: writes tokens still on the device into the step's input ids
         (asynchronous scheduling: ModelRunner._fill)."""
@@ -199,5 +201,5 @@ class DecodeGraphs(StepGraphs):
         size, variant = self.load(q, inputs)
         if fill is not None:
             fill(self.input_ids[:n])
-        logits, *features = self.replay(size, q, variant)  # (logits None on ranks but 0)
-        return (None if logits is None else logits[:n * q]), [x[:n * q] for x in features]
+        logits, *hidden_states = self.replay(size, q, variant)  # (logits None on ranks but 0)
+        return (None if logits is None else logits[:n * q]), [x[:n * q] for x in hidden_states]

@@ -28,19 +28,19 @@ class HeadPassGraphs(StepGraphs):
     next draft reads)."""
 
     def __init__(self, drafter: Any, index: int, widths: dict[int, list[int]],
-                 logits: bool) -> None:
-        runner = drafter.runner
-        super().__init__(runner.backend, runner.device, runner.block_size,
-                         runner.graphs.max_len, widths)
+                 logits: bool, max_len: int) -> None:
+        """`max_len`: the longest context of the target's graphs."""
+        target = drafter.target
+        super().__init__(target.backend, target.device, target.block_size, max_len, widths)
         self.drafter, self.layer, self.logits = drafter, drafter.layers[index], logits
         rows = self.buffers.shape[1]
-        self.previous = torch.zeros(rows, runner.hidden_size, dtype=runner.dtype,
-                                    device=runner.device)
+        self.previous = torch.zeros(rows, target.hidden_size, dtype=target.dtype,
+                                    device=target.device)
 
     def forward(self, n: int, q: int, variant: int) -> tuple[torch.Tensor, torch.Tensor]:
-        model = self.drafter.runner.model.model
-        embeds = model.embed_tokens(self.input_ids[:n * q])
-        rope = model.rotary.for_step(self.positions[:n * q], embeds.dtype)
+        target = self.drafter.target
+        embeds = target.embed(self.input_ids[:n * q])
+        rope = target.rope(self.positions[:n * q], embeds.dtype)
         out, chained = self.layer(rope, embeds, self.previous[:n * q],
                                   self.meta(n, q, variant), chained=True)
         return (self.drafter._logits(out) if self.logits else out), chained
@@ -62,24 +62,24 @@ class HeadGraphs:
     """The first pass (head 0, in the target's buckets) and the chain passes (one row a
     drafting request, up to the target's drafted bucket sizes) of a `HeadDrafter`."""
 
-    def __init__(self, drafter: Any, capture: bool) -> None:
-        target = drafter.runner.graphs
-        self.first = HeadPassGraphs(drafter, 0, target.widths, logits=False)
+    def __init__(self, drafter: Any, target: Any, capture: bool) -> None:
+        """`target`: the target's decode graphs, whose buckets and memory pool these share."""
+        self.first = HeadPassGraphs(drafter, 0, target.widths, False, target.max_len)
         drafted = target.widths.get(1 + drafter.k, [])
         layers = {j % len(drafter.layers) for j in range(1, drafter.k)}
-        self.chain = {i: HeadPassGraphs(drafter, i, {1: drafted}, logits=True)
+        self.chain = {i: HeadPassGraphs(drafter, i, {1: drafted}, True, target.max_len)
                       for i in sorted(layers)} if drafted else {}
         if capture:
             pool = self.first.capture_all(target.pool)
             for graphs in self.chain.values():
                 pool = graphs.capture_all(pool)
 
-    def first_pass(self, q: int, inputs: StepInputs, ids: list[int], features: torch.Tensor):
+    def first_pass(self, q: int, inputs: StepInputs, ids: list[int], target_hidden: torch.Tensor):
         """Head 0 over every row of a uniform target step of q rows a sequence (`inputs`, one
-        `self.first.takes`; `ids`: each row's next token, 0 past the accepted ones;
-        `features`: what it reads of each row)."""
+        `self.first.bucket_rows`; `ids`: each row's next token, 0 past the accepted ones;
+        `target_hidden`: what it reads of each row)."""
         step = StepInputs(ids, inputs.starts, inputs.ends, inputs.block_ids, [], [], [], [])
-        return self.first.run(q, step, features)
+        return self.first.run(q, step, target_hidden)
 
     def chain_fits(self, n: int, longest: int, block_ids) -> bool:
         """Whether every later draft's pass of n requests, up to `longest` keys, has a graph."""

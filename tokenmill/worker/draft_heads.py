@@ -20,7 +20,7 @@ rank 0, which samples, sends the other ranks each pass's rows (`HeadPass`), and 
 
 Under pipeline parallel the heads live on stage 0, beside the sampler (DeepSeek builds its MTP
 layers there, beside the embedding; stage 0 keeps the LM head too): what head 0 reads of a step
-(`HeadFeatures`) comes back from the last stage with the logits, and stage 0 drafts when rank
+(`TargetHiddenStates`) comes back from the last stage with the logits, and stage 0 drafts when rank
 0 completes the micro-batch. Its other ranks meanwhile run later micro-batches, so rank 0's
 head messages are marked (`HEAD`) apart from step messages, and they draft for their oldest
 micro-batch when one comes."""
@@ -29,11 +29,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
 
 from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.layers.host_sync import waits_on_host
+from tokenmill.sample.request_sampling import RequestSampling
+from tokenmill.worker.aux_hidden import AuxHiddenStates
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_sync import with_rows
 
@@ -42,26 +48,28 @@ logger = logging.getLogger(__name__)
 HEAD = b"H"  # first byte of a head message under pipeline parallel (a step message's is not)
 
 
-class HeadFeatures:
+class TargetHiddenStates:
     """What head 0 reads of a step: the target's final hidden states (MTP, EAGLE-1), or the
     states entering an EAGLE-3 head's target layers (`aux`, ascending). Under pipeline
     parallel each stage carries those of earlier stages and its own to the next, and the last
     stage sends them to stage 0."""
 
     def __init__(self, model, aux: tuple[int, ...]) -> None:
-        self.model, self.aux = model, tuple(sorted(set(aux)))
+        self.aux = tuple(sorted(set(aux)))
         self.count = len(self.aux) or 1  # tensors per step
         held = model.model.stage_layers
         self._before = sum(i < held.start for i in self.aux)
-        self._own = [i for i in self.aux if i in held]
+        # this stage's aux layers' inputs, kept by hooks on the target's layers
+        self.aux_hidden = (AuxHiddenStates(model.model.layers, tuple(
+            i for i in self.aux if i in held)) if self.aux else None)
 
     @classmethod
-    def of(cls, config: SpeculativeConfig, model) -> HeadFeatures:
+    def of(cls, config: SpeculativeConfig, model) -> TargetHiddenStates:
         aux = ()
         if config.method == "eagle3":  # (the target keeps those layers' inputs)
             from tokenmill.loading.eagle import eagle3_aux_layers
 
-            aux = model.model.aux_layers = eagle3_aux_layers(config.model, model)
+            aux = eagle3_aux_layers(config.model, model)
         return cls(model, aux)
 
     def carried_in(self) -> int:
@@ -70,7 +78,7 @@ class HeadFeatures:
 
     def carry(self, before: list[torch.Tensor]) -> list[torch.Tensor]:
         """The EAGLE-3 states of a step this stage hands on: `before` and its own."""
-        return before + [self.model.model.aux_hidden[i] for i in self._own]
+        return before + (self.aux_hidden.of_step() if self.aux_hidden else [])
 
     def of_step(self, before: list[torch.Tensor], hidden: torch.Tensor) -> list[torch.Tensor]:
         """The last stage: what head 0 reads of the step just run (`hidden`: its final hidden
@@ -95,7 +103,7 @@ def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device
 
         return [load_eagle_head(config.model, model, dtype, device, config.quantization,
                                 3 if config.method == "eagle3" else 1)]
-    layers = list(getattr(model, "mtp", None) or [])
+    layers = model.mtp_layers()
     if not layers:
         raise ValueError(f"Speculative method 'mtp' needs a model with multi-token-prediction "
                          f"layers (DeepSeek-V3 / R1's num_nextn_predict_layers, with their "
@@ -120,30 +128,63 @@ def _received(message: HeadPass, target: StepInputs) -> StepInputs:
     return with_rows(StepInputs.decode(message.step), target, message.seqs)
 
 
+@dataclass(frozen=True)
+class TargetView:
+    """What the draft heads read of the target's model runner, and nothing else: its
+    embedding, rotary tables and LM head, how it turns a step into tensors, its sampler and
+    draws, and where its steps run."""
+
+    model: torch.nn.Module
+    prepare_inputs: Callable[[StepInputs], tuple]  # a step's (ids, positions, metadata)
+    sampling: RequestSampling
+    generator: torch.Generator
+    backend: Any
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    hidden_size: int
+    tp: Any  # the tensor-parallel group
+    pipelined: bool  # under pipeline parallel (head messages between step messages)
+
+    @classmethod
+    def of(cls, runner) -> TargetView:
+        return cls(runner.model, runner.prepare_inputs, runner.sampling, runner.generator,
+                   runner.backend, runner.device, runner.dtype, runner.block_size,
+                   runner.hidden_size, runner.tp, runner.world.pp_size > 1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return self.model.model.rotary.for_step(positions, dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.model.compute_logits(hidden)
+
+
 class HeadDrafter:
     """Runs in the target's model runner, right after a step's sampling."""
 
-    def __init__(self, runner, config: SpeculativeConfig, heads: list) -> None:
-        self.runner = runner
+    def __init__(self, target: TargetView, config: SpeculativeConfig, heads: list) -> None:
+        self.target = target
         self.k = config.num_speculative_tokens
         self.limit = config.disable_by_batch_size
         self.layers = heads
-        self.tp = runner.tp
-        self.marked = runner.world.pp_size > 1  # (head messages between step messages)
+        self.tp = target.tp
+        self.marked = target.pipelined  # (head messages between step messages)
         self.graphs = None  # HeadGraphs, where the target's steps run as graphs (`capture`)
 
-    def capture(self, capture: bool) -> None:
+    def capture(self, target_graphs, capture: bool) -> None:
         """The heads' passes beside the target's CUDA graphs (draft_head_graphs.py;
         `capture` False: the same buckets run eagerly, the CPU tests), unless a head's
         forward waits on the host, or under tensor parallel (the other ranks follow rank 0's
         passes one message at a time, eagerly)."""
         from tokenmill.worker.draft_head_graphs import HeadGraphs
 
-        if self.tp.size > 1 or any(getattr(m, "host_sync", False) for h in self.layers
-                                   for m in h.modules()):
+        if self.tp.size > 1 or waits_on_host(*self.layers):
             return
         try:
-            self.graphs = HeadGraphs(self, capture)
+            self.graphs = HeadGraphs(self, target_graphs, capture)
         except RuntimeError as exc:  # (the target's graphs stay)
             logger.warning("CUDA graph capture of the draft heads failed (%s); they run "
                            "eagerly", exc)
@@ -194,7 +235,7 @@ class HeadDrafter:
                    sampled: dict[str, list[int]]) -> dict[str, tuple[list[int], object]]:
         """request id -> (k drafts, their distributions or None), for the requests that got
         tokens this step; every computed row with a known next token goes through head 0
-        (`hidden`: what it reads of the step's rows, `HeadFeatures.taken`)."""
+        (`hidden`: what it reads of the step's rows, `TargetHiddenStates.taken`)."""
         ids, rows, feeds, drafting = [], [], [], []
         first = 0  # the sequence's first row in `hidden`
         for i, s in enumerate(scheduled):
@@ -252,8 +293,8 @@ class HeadDrafter:
         columns, probs = [], [[] for _ in drafting]  # (columns: each draft of every request)
         logits = self._logits(h_out)
         for j in range(1, self.k + 1):
-            tokens, q = self.runner.sampling.draft(logits.float(), requests,
-                                                   self.runner.generator, host=graphs is None)
+            tokens, q = self.target.sampling.draft(logits.float(), requests,
+                                                   self.target.generator, host=graphs is None)
             columns.append(tokens)
             for row in range(len(requests) if q is not None else 0):
                 probs[row].append(q[row])
@@ -277,7 +318,7 @@ class HeadDrafter:
         (`ids`: the tokens after each one's accepted rows `rows`): rows past them padded with
         token 0 (draft_head_graphs.py). (out, chained, each sequence's last accepted row), or None
         when the step has no bucket."""
-        q = self.graphs.first.takes(inputs)
+        q = self.graphs.first.bucket_rows(inputs)
         if not q:
             return None
         padded, at = [], 0
@@ -290,20 +331,17 @@ class HeadDrafter:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The target's LM head, unless the head has its own (EAGLE-3); None on ranks other
         than 0 under tensor parallel."""
-        own = getattr(self.layers[0], "logits", None)
-        return own(hidden) if own is not None else self.runner.model.compute_logits(hidden)
+        head = self.layers[0]
+        return head.logits(hidden) if head.own_lm_head else self.target.compute_logits(hidden)
 
     def _features(self, hidden) -> torch.Tensor:
         """Head 0's input rows of the target's step: its final hidden states, or (EAGLE-3)
         the states entering three of its layers, joined and projected."""
-        own = getattr(self.layers[0], "target_features", None)
-        return hidden if own is None else own(hidden)
+        return self.layers[0].target_features(hidden)
 
     def _run(self, index: int, step: StepInputs, previous: torch.Tensor):
         """One head over `step`'s rows: (hidden states for the logits, for the next draft)."""
-        runner = self.runner
-        ids, positions, meta = runner._prepare_inputs(step)
-        model = runner.model.model
-        embeds = model.embed_tokens(ids)
-        rope = model.rotary.for_step(positions, embeds.dtype)
+        ids, positions, meta = self.target.prepare_inputs(step)
+        embeds = self.target.embed(ids)
+        rope = self.target.rope(positions, embeds.dtype)
         return self.layers[index](rope, embeds, previous.to(embeds.dtype), meta, chained=True)

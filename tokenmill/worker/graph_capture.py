@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from tokenmill.config.kernels import GpuKernelSettings
 from tokenmill.worker.cuda_graphs import DecodeGraphs
 from tokenmill.worker.piecewise_graphs import PiecewiseGraphs, piece_sizes
 
@@ -33,7 +32,7 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
     Tensor-parallel ranks capture the same buckets in the same order, their collectives
     inside (NCCL's captured collectives: every rank replays the same graph each step).
     (None, None) where there are none."""
-    config, settings, tp = runner.config, GpuKernelSettings.from_env(), runner.tp
+    config, settings, tp = runner.config, runner.config.kernels.gpu, runner.tp
     if not agreed(tp, (runner.platform.supports_graphs or settings.cpu_graph_buckets)
                   and not config.enforce_eager and runner.world.pp_size == 1
                   and runner.decode_step is None and runner.backend.graph_safe
@@ -41,7 +40,7 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
         return None, None
     spec = config.speculative_config  # (steps carrying drafts: their own buckets)
     capture = runner.device.type == "cuda"
-    aux = runner.features.aux if runner.features else ()
+    aux = runner.target_states.aux_hidden if runner.target_states else None
     graphs = pieces = None
     try:
         with torch.inference_mode():

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, leading_decodes
+from tokenmill.config import kernels as kernel_switches
 from tokenmill.config.engine import EngineConfig
+from tokenmill.config.model import ModelConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits, StageLink
@@ -23,7 +25,7 @@ from tokenmill.worker import graph_capture, kv_cache, step_paths
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_paths import EagerPath, StepTensors
-from tokenmill.worker.step_results import Launched, RunnerOutput, draw, score_prompt
+from tokenmill.worker.step_results import Launched, RunnerOutput, sample_step, score_prompt
 from tokenmill.worker.step_sync import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
@@ -35,9 +37,14 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, hf_config: Any,
-                 max_model_len: int) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, model: ModelConfig) -> None:
+        self.config, self.model_config = config, model
+        with kernel_switches.using(config.kernels):  # (what the loaders and kernels read)
+            self._start(config, model.path, model.hf_config, model.max_model_len)
+
+    def _start(self, config: EngineConfig, model_path: str, hf_config: Any,
+               max_model_len: int) -> None:
+        """Device, model, KV cache, draft heads and step paths, in that order."""
         # joined before the model is built (executor/multiproc.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
@@ -45,7 +52,7 @@ class ModelRunner:
         self.steps = StepSender() if self.world.rank == 0 else StepReceiver()
         # asynchronous scheduling: steps sampled as they launch; the latest one's tokens on
         # the device and each request's row there (the next step's inputs read them)
-        self.run_ahead = config.async_scheduling
+        self.async_scheduling = config.async_scheduling
         self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
         self.device = resolve_device(config.device, self.world.rank, config.ranks_per_node)
         self.platform = get_platform(self.device)
@@ -72,17 +79,17 @@ class ModelRunner:
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
         heads = None
-        self.features = None  # what draft heads read of a step (every rank: stages carry it)
+        self.target_states = None  # what draft heads read of a step (every rank: stages carry it)
         if spec is not None and spec.method in ("mtp", "eagle", "eagle3"):
-            from tokenmill.worker.draft_heads import HeadFeatures, draft_heads
+            from tokenmill.worker.draft_heads import TargetHiddenStates, draft_heads
 
-            self.features = HeadFeatures.of(spec, self.model)
+            self.target_states = TargetHiddenStates.of(spec, self.model)
             if self.world.is_first_stage:  # (the heads run beside the sampler)
                 heads = draft_heads(spec, self.model, model_path, self.dtype, self.device)
                 layers = layers + [head.block.self_attn for head in heads]  # caches too
         attn = layers[0]
         self.num_layers = len(layers)
-        values = getattr(attn, "stores_values", True)  # (MLA: one latent row, no V)
+        values = attn.stores_values  # (MLA: one latent row, no V)
         if not values and self.kv_dtype == torch.int8:
             raise ValueError("An int8 KV cache is not built for DeepSeek's latent attention: "
                              "drop --kv-cache-dtype int8.")
@@ -90,19 +97,19 @@ class ModelRunner:
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype, values)
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
-        eager = EagerPath(self.model, self.backend, keep_rows=self.features is None)
+        eager = EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None)
         self.paths = step_paths.ordered(None, None, eager)  # (the profiling step: eager)
         self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
         self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks(max_model_len))
         self._bind_cache(self.num_blocks)
         if heads is not None:
-            from tokenmill.worker.draft_heads import HeadDrafter
+            from tokenmill.worker.draft_heads import HeadDrafter, TargetView
 
-            self.heads = HeadDrafter(self, spec, heads)
+            self.heads = HeadDrafter(TargetView.of(self), spec, heads)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
-        if getattr(self.model.model, "aux_layers", ()):  # (EAGLE-3 reads what C hides)
+        if self.target_states is not None and self.target_states.aux:  # (hooks C would skip)
             self.decode_step = None
         # Tensor-parallel ranks must take the same path every step (their collectives pair up).
         rows = self.tp.all_reduce_min(self.decode_step.max_rows if self.decode_step else 0)
@@ -114,7 +121,7 @@ class ModelRunner:
         self.graphs, self.pieces = graph_capture.build(self, max_model_len)
         self.paths = step_paths.ordered(self.pieces, self.decode_step, eager)
         if self.graphs is not None and self.heads is not None:
-            self.heads.capture(self.graphs.pool is not None)
+            self.heads.capture(self.graphs, self.graphs.pool is not None)
         self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)
         if self.graph_bytes:
             logger.info("CUDA graphs hold %.2f GiB beside the KV cache", self.graph_bytes / 2**30)
@@ -185,14 +192,14 @@ class ModelRunner:
         data = self.steps.encode(inputs, scheduled) if multi else b""
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
         self.tp.broadcast_bytes(data)
-        result = self.run(inputs, data, self._fill(scheduled) if self.run_ahead else None)
+        result = self.run(inputs, data, self._fill(scheduled) if self.async_scheduling else None)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
-        logits, prompt_logits, features = result
+        logits, prompt_logits, hidden_states = result
         launched = Launched(scheduled, inputs, logits, prompt_logits,
-                            hidden=features if self.heads is not None else None)
-        if self.run_ahead:  # sampled now, so the next step can launch before this one lands
-            self._draw(launched)
+                            hidden=hidden_states if self.heads is not None else None)
+        if self.async_scheduling:  # sampled now, so the next step can launch before this one lands
+            self._sample(launched)
         return launched
 
     def _fill(self, scheduled: list[ScheduledRequest]):
@@ -202,7 +209,7 @@ class ModelRunner:
         rows, sources = [], []
         index = self.previous[1] if self.previous else None
         for i, s in enumerate(scheduled):
-            if s.ahead:  # (a one-token decode: decodes come first, so sequence i is row i)
+            if s.output_pending:  # (a one-token decode: decodes come first, so sequence i is row i)
                 rows.append(i)
                 sources.append(index[s.request.request_id])
         if not rows:
@@ -224,12 +231,12 @@ class ModelRunner:
         if launched.pending is not None:
             got = launched.pending.wait()
             if self.heads is not None:
-                got, launched.hidden = self.features.split(got)
+                got, launched.hidden = self.target_states.split(got)
             launched.logits, launched.prompt_logits = ((got[0], got[1:]) if inputs.sample_seqs
                                                        else (None, got))
         self.in_flight -= 1
-        if launched.drawn is None:
-            self._draw(launched)
+        if launched.output is None:
+            self._sample(launched)
         out = launched.results()
         for i, scored in zip(inputs.prompt_seqs, launched.prompt_logits):
             score_prompt(scheduled[i], scored, out)
@@ -247,37 +254,39 @@ class ModelRunner:
             self.tp.broadcast(input_ids)
         return fill_and_share
 
-    def _draw(self, launched: Launched) -> None:
-        token_ids = draw(launched, self.sampling, self.generator, self.previous)
-        if self.run_ahead and token_ids is not None:  # (the next step's inputs read them)
+    def _sample(self, launched: Launched) -> None:
+        token_ids = sample_step(launched, self.sampling, self.generator, self.previous)
+        if self.async_scheduling and token_ids is not None:  # (the next step's inputs read them)
             self.previous = token_ids, {rid: i for i, rid in enumerate(launched.tokens[1])}
 
     def run(self, inputs: StepInputs, data: bytes, fill=None
             ) -> tuple[torch.Tensor | None, list, Any] | PendingLogits | None:
         """The forward every rank runs (`data`: the inputs' bytes, handed on to the next
         pipeline stage; `fill`: what `_fill` returns): on rank 0 the logits of the sampled
-        rows and of each prompt-logprob range (and what draft heads read: `HeadFeatures.taken`),
-        or under pipeline parallel their pending receive from the last stage (stage 0's
-        other ranks with draft heads: that of their features); None (or Nones) on the
-        other ranks."""
-        if self.run_ahead and self.tp.size > 1:
+        rows and of each prompt-logprob range (and what draft heads read:
+        `TargetHiddenStates.taken`), or under pipeline parallel their pending receive from
+        the last stage (stage 0's other ranks with draft heads: that of their hidden states);
+        None (or Nones) on the other ranks."""
+        if self.async_scheduling and self.tp.size > 1:
             fill = self._shared(fill)
-        if self.graphs is not None and self.graphs.takes(inputs):
-            logits, features = self.graphs.run(inputs, fill)
-            return logits, [], self.features.taken(features) if self.features else None
-        input_ids, positions, meta = self._prepare_inputs(inputs)
+        if self.graphs is not None and self.graphs.bucket_rows(inputs):
+            logits, hidden_states = self.graphs.run(inputs, fill)
+            states = self.target_states
+            return logits, [], states.taken(hidden_states) if states else None
+        input_ids, positions, meta = self.prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.link
         tag = link.next_tag() if link is not None else 0
-        carried, before = None, []  # (before: EAGLE-3's states from earlier stages)
+        intermediate, before = None, []  # (before: EAGLE-3's states from earlier stages)
         if not world.is_first_stage:
-            *carried, before = link.carried(len(input_ids), self.hidden_size, self.dtype,
-                                            self.features.carried_in() if self.features else 0)
-        hidden, kept = step_paths.run_first(self.paths, StepTensors(
-            input_ids, positions, meta, inputs, carried, drafted))
+            extra = self.target_states.carried_in() if self.target_states else 0
+            *intermediate, before = link.intermediate_from_prev(len(input_ids), self.hidden_size,
+                                                                self.dtype, extra)
+        hidden, logits_rows = step_paths.run_first(self.paths, StepTensors(
+            input_ids, positions, meta, inputs, intermediate, drafted))
         if not world.is_last_stage:
             pending = None
             # (posted before the step goes on: the last stage never waits for it)
@@ -287,28 +296,29 @@ class ModelRunner:
                     shapes = [(inputs.num_sampled_rows, self.vocab_size)] if sample_rows else []
                     shapes += [(n, self.vocab_size) for _, n in inputs.prompt_rows]
                 if self.heads is not None:
-                    shapes += [(len(input_ids), self.hidden_size)] * self.features.count
+                    shapes += [(len(input_ids), self.hidden_size)] * self.target_states.count
                 pending = link.expect(shapes, self.dtype, tag)
             link.to_next(data, *hidden,
-                         extra=self.features.carry(before) if self.features else [])
+                         extra=self.target_states.carry(before) if self.target_states else [])
             return pending
         logits = None
         if sample_rows:
-            # with `kept`, hidden holds exactly the sampled rows (their last tokens), in order;
-            # so does a step whose every row is sampled (decodes)
-            rows = hidden if kept is not None or inputs.num_sampled_rows == len(hidden) \
+            # with `logits_rows`, hidden holds exactly the sampled rows (their last tokens), in
+            # order; so does a step whose every row is sampled (decodes)
+            rows = hidden if logits_rows is not None or inputs.num_sampled_rows == len(hidden) \
                 else hidden[[meta.query_start_loc[i + 1] - n + r
                              for i, n in zip(sample_rows, inputs.sample_counts)
                              for r in range(n)]]
             logits = self.model.compute_logits(rows)
         prompt_logits = [self.model.compute_logits(hidden[first:first + n])
                          for first, n in inputs.prompt_rows]
-        features = self.features.of_step(before, hidden) if self.features else []
-        if link is not None:  # the last stage's logits (and features) to stage 0
-            link.to_first(([logits] if logits is not None else []) + prompt_logits, features,
+        hidden_states = self.target_states.of_step(before, hidden) if self.target_states else []
+        if link is not None:  # the last stage's logits (and hidden_states) to stage 0
+            link.to_first(([logits] if logits is not None else []) + prompt_logits, hidden_states,
                           tag)
             return None
-        return logits, prompt_logits, self.features.taken(features) if features else None
+        taken = self.target_states.taken(hidden_states) if hidden_states else None
+        return logits, prompt_logits, taken
 
     def serve_steps(self) -> None:
         """Ranks other than 0: run each step rank 0 sends, until it sends the stop."""
@@ -326,7 +336,7 @@ class ModelRunner:
                 heads = self.heads
                 if heads is not None and heads.ends_step(data):  # (pipeline parallel)
                     inputs, pending = waiting.popleft()
-                    heads.follow(self.features.split(pending.wait())[1], inputs, data)
+                    heads.follow(self.target_states.split(pending.wait())[1], inputs, data)
                     continue
                 inputs = self.steps.decode(data)
                 result = self.run(inputs, data)
@@ -342,7 +352,7 @@ class ModelRunner:
             if self.link is not None:
                 self.link.stop_next()
 
-    def _prepare_inputs(self, inputs: StepInputs):
+    def prepare_inputs(self, inputs: StepInputs):
         packed, parts, table = inputs.staged(self.block_size)
         # the host's numbers to the device in two copies that do not wait for it
         staged = on_device(packed, torch.int64, self.device)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.worker.aux_hidden import AuxHiddenStates
 from tokenmill.worker.cuda_graphs import up_to
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class PiecewiseGraphs:
 
     def __init__(self, model: Any, backend: AttentionBackend, device: torch.device,
                  block_size: int, sizes: list[int], capture: bool, pool=None,
-                 aux: tuple[int, ...] = ()) -> None:
+                 aux: AuxHiddenStates | None = None) -> None:
         self.model, self.backend, self.device = model, backend, device
         self.block_size, self.sizes, self.aux = block_size, sizes, aux
         top = sizes[-1]
@@ -117,7 +118,8 @@ class PiecewiseGraphs:
         self.captured: dict[int, Captured] = {}  # bucket -> its graphs
         self.pool = self.capture_all(pool) if capture else None
 
-    def takes(self, t: int) -> bool:
+    def fits(self, t: int) -> bool:
+        """Whether a step of t token rows has a bucket."""
         return 0 < t <= self.sizes[-1]
 
     def bucket(self, t: int) -> int:
@@ -130,7 +132,7 @@ class PiecewiseGraphs:
         meta = dataclasses.replace(meta, slot_mapping=self.slot_mapping[:size])
         with self._split(Splitter(self.backend, cut)):
             hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-        return hidden, *(self.model.model.aux_hidden[i] for i in self.aux)
+        return hidden, *(self.aux.of_step() if self.aux is not None else ())
 
     @contextlib.contextmanager
     def _split(self, splitter: Splitter):
@@ -145,9 +147,8 @@ class PiecewiseGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states of a step of t = len(input_ids) rows (`takes`), its
-        metadata prepared by the backend; the aux layers' inputs in the model's
-        `aux_hidden`."""
+        """Final hidden states of a step of t = len(input_ids) rows (`fits`), its
+        metadata prepared by the backend; the aux layers' inputs put in `aux`."""
         t = len(input_ids)
         size = self.bucket(t)
         self.input_ids[:t].copy_(input_ids)
@@ -164,7 +165,8 @@ class PiecewiseGraphs:
         else:  # (not captured: the CPU tests)
             outputs = self.forward(size, meta, self.eager(meta, t))
         hidden, *aux = (x[:t] for x in outputs)
-        self.model.model.aux_hidden = dict(zip(self.aux, aux))
+        if self.aux is not None:
+            self.aux.put(aux)
         return hidden
 
     @staticmethod

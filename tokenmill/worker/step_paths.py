@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, KeptRows
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, LogitsRows
 from tokenmill.worker.step_inputs import StepInputs
 
 
@@ -31,13 +31,13 @@ class StepTensors:
     meta: AttentionMetadata
     inputs: StepInputs
     # a pipeline stage after the first: the previous stage's (hidden, residual)
-    carried: tuple[torch.Tensor, torch.Tensor] | None
+    intermediate: tuple[torch.Tensor, torch.Tensor] | None
     drafted: bool  # rows of draft tokens are scored (speculative decoding)
 
 
 class StepPath(ABC):
     @abstractmethod
-    def forward(self, step: StepTensors) -> tuple[Any, KeptRows | None] | None:
+    def forward(self, step: StepTensors) -> tuple[Any, LogitsRows | None] | None:
         """(final hidden states, the rows they are of: None for every row), or None when this
         path does not take the step. A stage before the last gives its (hidden, residual)."""
 
@@ -47,7 +47,7 @@ class PiecewisePath(StepPath):
         self.pieces = pieces
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if not self.pieces.takes(len(step.input_ids)):
+        if not self.pieces.fits(len(step.input_ids)):
             return None
         return self.pieces.run(step.input_ids, step.positions, step.meta), None
 
@@ -57,26 +57,28 @@ class CompiledCpuPath(StepPath):
         self.decode_step = decode_step
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.carried,
+        hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.intermediate,
                                   step.drafted and step.inputs.only_decodes)
         return None if hidden is None else (hidden, None)
 
 
 class EagerPath(StepPath):
-    """`keep_rows`: False where something reads every row's hidden state (draft heads)."""
+    """`logits_rows_only`: False where something reads every row's hidden state (draft heads)."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
-                 keep_rows: bool) -> None:
-        self.model, self.backend, self.keep_rows = model, backend, keep_rows
+                 logits_rows_only: bool) -> None:
+        self.model, self.backend, self.logits_rows_only = model, backend, logits_rows_only
 
-    def forward(self, step: StepTensors) -> tuple[Any, KeptRows | None]:
+    def forward(self, step: StepTensors) -> tuple[Any, LogitsRows | None]:
         inputs, sample_rows = step.inputs, step.inputs.sample_seqs
-        kept = None
+        logits_rows = None
         # Prompt logprobs and scored drafts read every row's hidden state.
-        if (self.keep_rows and len(sample_rows) < len(step.input_ids)
+        if (self.logits_rows_only and len(sample_rows) < len(step.input_ids)
                 and not inputs.prompt_seqs and not step.drafted):
-            kept = KeptRows.last_of(step.meta, sample_rows, self.backend)
-        return self.model(step.input_ids, step.positions, step.meta, kept, step.carried), kept
+            logits_rows = LogitsRows.last_of(step.meta, sample_rows, self.backend)
+        hidden = self.model(step.input_ids, step.positions, step.meta, logits_rows,
+                            step.intermediate)
+        return hidden, logits_rows
 
 
 def ordered(pieces: Any, decode_step: Any, eager: EagerPath) -> list[StepPath]:
@@ -89,7 +91,7 @@ def ordered(pieces: Any, decode_step: Any, eager: EagerPath) -> list[StepPath]:
     return paths + [eager]
 
 
-def run_first(paths: list[StepPath], step: StepTensors) -> tuple[Any, KeptRows | None]:
+def run_first(paths: list[StepPath], step: StepTensors) -> tuple[Any, LogitsRows | None]:
     """The first path that takes the step runs it (the eager path, last, takes every one)."""
     for path in paths:
         out = path.forward(step)

@@ -1,5 +1,5 @@
-"""A launched step and what it yields: its logits sampled (`draw`: plain rows' tokens left on
-the device with their copy to the host started, drafted rows verified) and its prompt
+"""A launched step and what it yields: its logits sampled (`sample_step`: plain rows' tokens
+left on the device with their copy to the host started, drafted rows verified) and its prompt
 tokens scored (`score_prompt`); `RunnerOutput` is what the engine core gets back."""
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ class Launched:
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     pending: PendingLogits | None = None
     hidden: torch.Tensor | None = None  # every row's final hidden state (draft heads)
-    # once sampled (`draw`): its results but the plain rows' tokens and logprobs, and those
-    # on their way to the host: (tokens, their requests' ids), (logprob parts, the ids of the
-    # requests asking, how many top logprobs each)
-    drawn: RunnerOutput | None = None
+    # once sampled (`sample_step`): its results but the plain rows' tokens and logprobs, and
+    # those on their way to the host: (tokens, their requests' ids), (logprob parts, the ids
+    # of the requests asking, how many top logprobs each)
+    output: RunnerOutput | None = None
     tokens: tuple[HostCopy, list[str]] | None = None
     logprobs: tuple[tuple, list[str], list[int]] | None = None
 
     def results(self) -> RunnerOutput:
-        """The drawn results with the plain rows' tokens and logprobs (waiting for their
+        """The sampled results with the plain rows' tokens and logprobs (waiting for their
         copies)."""
-        out = self.drawn
+        out = self.output
         if self.tokens is not None:
             tokens, request_ids = self.tokens
             for rid, token in zip(request_ids, tokens.tolist()):
@@ -67,15 +67,15 @@ class Launched:
         return out
 
 
-def draw(launched: Launched, sampling: RequestSampling, generator: torch.Generator,
+def sample_step(launched: Launched, sampling: RequestSampling, generator: torch.Generator,
          previous: tuple[torch.Tensor, dict[str, int]] | None = None) -> torch.Tensor | None:
     """Sample the step's logits: returns the plain rows' tokens (on the device, one per
     request of `launched.tokens`; their copy to the host started); drafted rows are
-    verified into `launched.drawn`. `previous`: the last step's tokens on the device and
+    verified into `launched.output`. `previous`: the last step's tokens on the device and
     each request's row there, which the penalties of the step's decodes that ran ahead of
     them count (asynchronous scheduling)."""
     inputs, scheduled = launched.inputs, launched.scheduled
-    out = launched.drawn = RunnerOutput()
+    out = launched.output = RunnerOutput()
     if launched.logits is None:
         return None
     logits = launched.logits.float()
@@ -89,10 +89,10 @@ def draw(launched: Launched, sampling: RequestSampling, generator: torch.Generat
         chosen = [requests[j].request for j in plain]
         batch = sampling.batch(chosen)
         if batch.seen_mask is not None or batch.output_counts is not None:
-            ahead = [(row, previous[1][requests[j].request.request_id])
-                     for row, j in enumerate(plain) if requests[j].ahead]
-            if ahead:
-                sampling.count_in_flight(batch, ahead, previous[0])
+            pending = [(row, previous[1][requests[j].request.request_id])
+                     for row, j in enumerate(plain) if requests[j].output_pending]
+            if pending:
+                sampling.count_in_flight(batch, pending, previous[0])
         rows_logits = logits[rows] if len(rows) < len(logits) else logits
         mask_rows(rows_logits, chosen)  # (structured outputs' rows only)
         result = sample(rows_logits, batch, generator)
