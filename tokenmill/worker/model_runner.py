@@ -16,17 +16,17 @@ from tokenmill.config.engine import EngineConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
-from tokenmill.distributed.pipeline import PendingLogits, StageLink
+from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.sample.request_sampling import RequestSampling
 from tokenmill.worker import graph_capture, kv_cache, step_paths
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
+from tokenmill.worker.stage_io import StageIO
 from tokenmill.worker.step_inputs import StepInputs
 from tokenmill.worker.step_paths import EagerPath, StepTensors
 from tokenmill.worker.step_results import Launched, RunnerOutput, sample_step, score_prompt
-from tokenmill.worker.step_sync import StepReceiver, StepSender
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +48,13 @@ class ModelRunner:
         # joined before the model is built (executor/multiproc.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
-        # the step messages' block tables, kept in step across ranks
-        self.steps = StepSender() if self.world.rank == 0 else StepReceiver()
         # asynchronous scheduling: steps sampled as they launch; the latest one's tokens on
         # the device and each request's row there (the next step's inputs read them)
         self.async_scheduling = config.async_scheduling
         self.previous: tuple[torch.Tensor, dict[str, int]] | None = None
         self.device = resolve_device(config.device, self.world.rank, config.ranks_per_node)
         self.platform = get_platform(self.device)
-        # pipeline parallel: the hand-offs between stages
-        self.link = StageLink(self.world, self.device) if self.world.pp_size > 1 else None
+        self.io = StageIO(self.world, self.tp, self.device)  # (step messages, hand-offs)
         self.platform.setup_process()
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.block_size = config.block_size
@@ -181,17 +178,14 @@ class ModelRunner:
         started; under pipeline parallel this returns once stage 0's part is done, the logits
         still to come (`complete` waits for them). None: nothing to run."""
         self.sampling.drop(step.finished_ids)
-        multi = self.world.size > 1
-        if multi:
-            self.steps.release(step.finished_ids)
         if step.empty:
+            self.io.release(step.finished_ids)
             return None
         # Decodes first: the backend attends over them in one batched gather.
         scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
         inputs = StepInputs.of(scheduled)
-        data = self.steps.encode(inputs, scheduled) if multi else b""
+        data = self.io.send(inputs, scheduled, step.finished_ids)
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
-        self.tp.broadcast_bytes(data)
         result = self.run(inputs, data, self._fill(scheduled) if self.async_scheduling else None)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
@@ -244,16 +238,6 @@ class ModelRunner:
             out.drafts = self.heads.after_step(scheduled, inputs, launched.hidden, out.sampled)
         return out
 
-    def _shared(self, fill):
-        """Asynchronous scheduling over tensor-parallel ranks: only rank 0 holds the tokens
-        its previous step sampled, still on the device; every rank takes its step's input
-        ids, filled (`fill`, rank 0), from there by one broadcast on the device's stream."""
-        def fill_and_share(input_ids: torch.Tensor) -> None:
-            if fill is not None:
-                fill(input_ids)
-            self.tp.broadcast(input_ids)
-        return fill_and_share
-
     def _sample(self, launched: Launched) -> None:
         token_ids = sample_step(launched, self.sampling, self.generator, self.previous)
         if self.async_scheduling and token_ids is not None:  # (the next step's inputs read them)
@@ -267,8 +251,8 @@ class ModelRunner:
         `TargetHiddenStates.taken`), or under pipeline parallel their pending receive from
         the last stage (stage 0's other ranks with draft heads: that of their hidden states);
         None (or Nones) on the other ranks."""
-        if self.async_scheduling and self.tp.size > 1:
-            fill = self._shared(fill)
+        if self.async_scheduling:
+            fill = self.io.shared_fill(fill)
         if self.graphs is not None and self.graphs.bucket_rows(inputs):
             logits, hidden_states = self.graphs.run(inputs, fill)
             states = self.target_states
@@ -278,7 +262,7 @@ class ModelRunner:
             fill(input_ids)
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
-        world, link = self.world, self.link
+        world, link = self.world, self.io.link
         tag = link.next_tag() if link is not None else 0
         intermediate, before = None, []  # (before: EAGLE-3's states from earlier stages)
         if not world.is_first_stage:
@@ -325,20 +309,15 @@ class ModelRunner:
         waiting = collections.deque()  # stage 0 under pipeline parallel with draft heads
         with torch.inference_mode():
             while True:
-                if self.world.is_first_stage:
-                    data = self.tp.broadcast_bytes(None)
-                else:
-                    data = self.link.from_prev()
+                data = self.io.receive()
                 if not data:
-                    if self.link is not None:
-                        self.link.stop_next()
                     return
                 heads = self.heads
                 if heads is not None and heads.ends_step(data):  # (pipeline parallel)
                     inputs, pending = waiting.popleft()
                     heads.follow(self.target_states.split(pending.wait())[1], inputs, data)
                     continue
-                inputs = self.steps.decode(data)
+                inputs = self.io.decode(data)
                 result = self.run(inputs, data)
                 if heads is not None and isinstance(result, PendingLogits):
                     waiting.append((inputs, result))  # (drafted for when rank 0 completes it)
@@ -347,10 +326,7 @@ class ModelRunner:
 
     def stop_workers(self) -> None:
         """Rank 0: tell the other ranks' `serve_steps` to return."""
-        if self.world.size > 1 and self.world.rank == 0:
-            self.tp.broadcast_bytes(b"")
-            if self.link is not None:
-                self.link.stop_next()
+        self.io.stop()
 
     def prepare_inputs(self, inputs: StepInputs):
         packed, parts, table = inputs.staged(self.block_size)
