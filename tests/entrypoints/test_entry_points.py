@@ -35,6 +35,17 @@ def test_every_entry_point_answers_help(command, usage):
     assert done.stdout.startswith(usage), done.stdout[:200]
 
 
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    import tokenmill
+
+    done = subprocess.run([*_CLI, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"tokenmill {version('tokenmill')}"
+    assert tokenmill.__version__ == version("tokenmill")  # (pyproject and package agree)
+
+
 def test_stop_server_with_a_bad_timeout_is_a_usage_error(tmp_path):
     done = subprocess.run([*launcher("stop_server_main"), "soon"], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)

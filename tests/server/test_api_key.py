@@ -42,6 +42,14 @@ def test_openai_client_with_and_without_key(keyed_server):
         bad.completions.create(model="tiny", prompt="x", max_tokens=2)
 
 
+def test_vllms_ping_and_version_answer_without_a_key(keyed_server):
+    from importlib.metadata import version
+
+    assert httpx.get(keyed_server + "/ping").status_code == 200
+    assert httpx.post(keyed_server + "/ping").status_code == 200  # (SageMaker's method)
+    assert httpx.get(keyed_server + "/version").json() == {"version": version("tokenmill")}
+
+
 def test_probes_stay_open_and_model_list_is_guarded(keyed_server):
     assert httpx.get(keyed_server + "/health").status_code == 200
     assert httpx.get(keyed_server + "/v2/health/ready").status_code == 200

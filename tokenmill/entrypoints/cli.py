@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "convert":
         from tokenmill.convert.cli import run as convert
         return convert(argv[1:])
+    from tokenmill import __version__
+
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run the HTTP server (see `tokenmill serve --help`)")
     sub.add_parser("quantize", help="write a quantized copy of a model (see `tokenmill "

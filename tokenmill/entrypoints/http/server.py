@@ -247,6 +247,14 @@ def _add_health_routes(app: FastAPI) -> None:
         ok, _ = readiness(request.app.state.server)
         return Response(status_code=200 if ok else 503)
 
+    # vLLM's: /ping as /health (SageMaker's probe, GET or POST), /version (open, as probes)
+    app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)
+
+    @app.get("/version")
+    async def version() -> dict:
+        from tokenmill import __version__
+        return {"version": __version__}
+
     # KServe v2 probes on the API port too, for Triton clients that only know one port.
     @app.get("/v2/health/live")
     async def v2_live() -> Response:
