@@ -83,6 +83,17 @@ def test_the_page_shows_what_metrics_says(served_llama, tmp_path):
     assert all(u.startswith(origin + "/") for u in urls), urls
 
 
+@pytest.mark.parametrize("asked,every", [("1", "0.5"), ("600000", "60"), ("soon", "2")])
+def test_the_polling_period_asked_in_the_link_is_held_in_bounds(served_llama, tmp_path,
+                                                                 asked, every):
+    origin = served_llama.metrics
+    dom, requests = _dom_and_requests(f"{origin}/dashboard?interval={asked}", tmp_path)
+    assert f"(every {every} s)" in _cell(dom, "status")
+    polls = [r for r in requests if r.get("url") == origin + "/metrics"]
+    # 5 s of the page's (virtual) time: at most one poll per 0.5 s, and the first at load
+    assert 1 <= len(polls) <= 5 / 0.5 + 1, len(polls)
+
+
 def test_the_page_allows_only_its_own_origin(served_llama):
     page = httpx.get(served_llama.metrics + "/dashboard")
     policy = page.headers["content-security-policy"]

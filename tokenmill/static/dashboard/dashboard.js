@@ -2,7 +2,11 @@
 // (from the histograms' buckets, as Prometheus' histogram_quantile), and per-replica gauges.
 "use strict";
 
-const INTERVAL_MS = Number(new URLSearchParams(location.search).get("interval") || 2000);
+// ?interval=MS: the polling period, held to 0.5-60 s (a shared link must not make a page poll
+// the server a thousand times a second); absent or not a number: 2 s.
+const ASKED_MS = Number(new URLSearchParams(location.search).get("interval"));
+const INTERVAL_MS = Number.isFinite(ASKED_MS) && ASKED_MS > 0
+  ? Math.min(60000, Math.max(500, ASKED_MS)) : 2000;
 const WINDOW = 300;  // points kept per chart
 
 // "name{a="x",b="y"} 1.5" lines -> [{name, labels, value}]
