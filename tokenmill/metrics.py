@@ -166,10 +166,15 @@ class Metrics:
             return
         self._m(self.requests, outcome=outcome).inc()
         self._m(self.prompt_tokens).inc(prompt_tokens)
-        self._m(self.generation_tokens).inc(generated_tokens)
         self._m(self.prompt_hist).observe(prompt_tokens)
         self._m(self.generation_hist).observe(generated_tokens)
         self._m(self.e2e).observe(e2e_s)
+
+    def tokens_generated(self, n: int) -> None:
+        """Output tokens as they reach the API, every step (as vLLM counts them): a rate
+        over the counter moves while long generations run, not only when they end."""
+        if self.request_metrics:
+            self._m(self.generation_tokens).inc(n)
 
     def rejected(self, reason: str) -> None:
         if self.request_metrics:

@@ -94,3 +94,32 @@ def test_start_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
         start_engine_core_process(EngineConfig(model=str(tmp_path)), str(tmp_path),
                                   timeout_s=120)
+
+
+def test_generated_tokens_are_counted_as_they_arrive_not_at_the_end():
+    """tokenmill:generation_tokens_total grows with every step's tokens (vLLM's counting), so
+    the dashboard's and Grafana's rate over it move while long generations run; the totals
+    at the end are what they were (finished and aborted requests alike)."""
+    from tokenmill.engine.async_engine import _RequestTimer
+    from tokenmill.metrics import Metrics
+    from tokenmill.outputs import CompletionOutput, RequestOutput
+
+    metrics = Metrics("tiny", 8)
+    counted = lambda: metrics.registry.get_sample_value(  # noqa: E731
+        "tokenmill:generation_tokens_total", {"model_name": "tiny"}) or 0
+
+    def delta(tokens: list[int], reason: str | None = None) -> RequestOutput:
+        return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", tokens, reason)],
+                             finished=reason is not None)
+
+    timer, aborted = _RequestTimer(metrics, 2), _RequestTimer(metrics, 2)
+    assert counted() == 0
+    timer.output(delta([5, 6, 7]))
+    assert counted() == 3  # (the request still running)
+    aborted.output(delta([9]))
+    aborted.finish("abort")
+    assert counted() == 4
+    timer.output(delta([8], "length"))
+    assert counted() == 5
+    assert metrics.registry.get_sample_value("tokenmill:request_generation_tokens_sum",
+                                             {"model_name": "tiny"}) == 5

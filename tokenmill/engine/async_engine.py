@@ -319,6 +319,7 @@ class _RequestTimer:
             return new
         now = time.monotonic()
         if new:
+            self.metrics.tokens_generated(new)
             if self.num_tokens == 0:
                 self.metrics.first_token(now - self.start)
             else:
