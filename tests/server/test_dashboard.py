@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -39,13 +40,13 @@ def _quantile(samples, name: str, q: float) -> float | None:
     return prev_le
 
 
-def _dom_and_requests(url: str, tmp_path) -> tuple[str, list[dict]]:
+def _dom_and_requests(url: str, tmp_path, budget_ms: int = 5000) -> tuple[str, list[dict]]:
     net = tmp_path / "net.json"
     done = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", f"--log-net-log={net}",
-         "--virtual-time-budget=5000", "--dump-dom", url],
+         f"--virtual-time-budget={budget_ms}", "--dump-dom", url],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     log = json.loads(net.read_text())
@@ -90,8 +91,22 @@ def test_the_polling_period_asked_in_the_link_is_held_in_bounds(served_llama, tm
     dom, requests = _dom_and_requests(f"{origin}/dashboard?interval={asked}", tmp_path)
     assert f"(every {every} s)" in _cell(dom, "status")
     polls = [r for r in requests if r.get("url") == origin + "/metrics"]
-    # 5 s of the page's (virtual) time: at most one poll per 0.5 s, and the first at load
-    assert 1 <= len(polls) <= 5 / 0.5 + 1, len(polls)
+    # 5 s of the page's (virtual) time: at most one poll per 0.5 s, the first at load and
+    # the early second one (rates need two)
+    assert 1 <= len(polls) <= 5 / 0.5 + 2, len(polls)
+
+
+def test_rates_and_a_real_time_axis_from_the_first_second(served_llama, tmp_path):
+    """Within its first second the page shows token rates (not "-") and charts whose time
+    axis is the real window ending now (300 polls of 2 s), not years around one point."""
+    started = time.time()
+    dom, _ = _dom_and_requests(served_llama.metrics + "/dashboard", tmp_path, budget_ms=1500)
+    assert _cell(dom, "output_tps") != "-" and _cell(dom, "prompt_tps") != "-"
+    for chart in ("chart_tps", "chart_latency", "chart_requests", "chart_kv"):
+        x_min, x_max = (float(v) for v in re.search(
+            rf'id="{chart}"[^>]*data-x-min="([^"]+)" data-x-max="([^"]+)"', dom).groups())
+        assert x_max - x_min == pytest.approx(600)
+        assert started - 60 <= x_max <= time.time() + 60  # (the page's clock is virtual)
 
 
 def test_the_page_allows_only_its_own_origin(served_llama):

@@ -8,6 +8,7 @@ const ASKED_MS = Number(new URLSearchParams(location.search).get("interval"));
 const INTERVAL_MS = Number.isFinite(ASKED_MS) && ASKED_MS > 0
   ? Math.min(60000, Math.max(500, ASKED_MS)) : 2000;
 const WINDOW = 300;  // points kept per chart
+const SPAN_S = WINDOW * INTERVAL_MS / 1000;  // the time axis: the window those points cover
 
 // "name{a="x",b="y"} 1.5" lines -> [{name, labels, value}]
 function parse(text) {
@@ -56,9 +57,21 @@ const fmt = (v, digits = 3) => (v === null || v === undefined || isNaN(v)) ? "-"
 const set = (id, v, digits) => { document.getElementById(id).textContent = fmt(v, digits); };
 
 function makeChart(el, title, series) {
-  const opts = { title, width: 460, height: 220, series: [{}, ...series.map((label, i) => ({
-    label, stroke: ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"][i % 4] }))] };
-  return { plot: new uPlot(opts, [[], ...series.map(() => [])], document.getElementById(el)),
+  const node = document.getElementById(el);
+  const opts = { title, width: 460, height: 220,
+    // the real window ending at the latest poll, from the first frame on (with one point,
+    // uPlot's `max` is that point plus 86,400 "days" in seconds: the axis spanned years)
+    scales: { x: { time: true, range: (u, min, max) => {
+      const xs = u.data[0], last = xs.length ? xs[xs.length - 1] : max;
+      return [last - SPAN_S, last];
+    } } },
+    // the axis shown, as data attributes (tests read them)
+    hooks: { setScale: [(u, key) => {
+      if (key === "x") Object.assign(node.dataset, { xMin: u.scales.x.min, xMax: u.scales.x.max });
+    }] },
+    series: [{}, ...series.map((label, i) => ({
+      label, stroke: ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"][i % 4] }))] };
+  return { plot: new uPlot(opts, [[], ...series.map(() => [])], node),
            data: [[], ...series.map(() => [])] };
 }
 
@@ -144,5 +157,6 @@ async function poll() {
   }
 }
 
-poll();
+// Rates need two polls: the second comes half a second after the first, not a period later.
+poll().then(() => setTimeout(poll, Math.min(500, INTERVAL_MS)));
 setInterval(poll, INTERVAL_MS);
