@@ -46,6 +46,15 @@ def test_version_is_the_installed_distributions():
     assert tokenmill.__version__ == version("tokenmill")  # (pyproject and package agree)
 
 
+def test_every_generate_option_says_what_it_does():
+    from tokenmill.entrypoints.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    options = [a for a in commands["generate"]._actions if a.option_strings]
+    assert len(options) > 10
+    assert [a.dest for a in options if not a.help] == []
+
+
 def test_stop_server_with_a_bad_timeout_is_a_usage_error(tmp_path):
     done = subprocess.run([*launcher("stop_server_main"), "soon"], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)

@@ -14,12 +14,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF model directory or .gguf file (default: bundled SmolLM2-135M)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length in tokens (default: the model's)")
     parser.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
                         help="CPU memory for the KV cache in GiB (default 4)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the engine's random seed (vLLM's --seed): requests without a "
+                             "seed of their own draw from it")
     parser.add_argument("--quantization", "-q", default=None, help="int8, int4, a8w8, fp8")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="auto: the model's dtype; int8: K/V in int8 with a scale per row "
+                             "and head (half the memory of bf16, a quarter of fp32)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -84,18 +89,9 @@ def cmd_quantize(argv: list[str]) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "serve":  # its flags live with the server config
-        return cmd_serve(argv[1:])
-    if argv and argv[0] == "quantize":
-        return cmd_quantize(argv[1:])
-    if argv and argv[0] == "download":
-        from tokenmill.hub.cli import run
-        return run(argv[1:])
-    if argv and argv[0] == "convert":
-        from tokenmill.convert.cli import run as convert
-        return convert(argv[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """The `tokenmill` command's parser (serve, quantize, download and convert parse their own
+    flags; here they are listed for --help)."""
     from tokenmill import __version__
 
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
@@ -110,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the text to continue (or, with --chat, "
+                     "the user's message)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=CLI["max_tokens"])
-    gen.add_argument("--temperature", type=float, default=CLI["temperature"])
-    gen.add_argument("--top-p", type=float, default=CLI["top_p"])
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=CLI["max_tokens"],
+                     help=f"most tokens to generate (default {CLI['max_tokens']})")
+    gen.add_argument("--temperature", type=float, default=CLI["temperature"],
+                     help=f"0: greedy (default {CLI['temperature']})")
+    gen.add_argument("--top-p", type=float, default=CLI["top_p"],
+                     help=f"nucleus sampling's probability mass (default {CLI['top_p']})")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="this prompt's own seed (SamplingParams.seed): the same seed, the "
+                          "same sample, whatever --seed is")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (see bench/)")
@@ -133,7 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     quant = bench_sub.add_parser("quant", help="quantization methods: perplexity, speed and "
                                  "memory against fp32", add_help=False)
     quant.set_defaults(func=None)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve":  # its flags live with the server config
+        return cmd_serve(argv[1:])
+    if argv and argv[0] == "quantize":
+        return cmd_quantize(argv[1:])
+    if argv and argv[0] == "download":
+        from tokenmill.hub.cli import run
+        return run(argv[1:])
+    if argv and argv[0] == "convert":
+        from tokenmill.convert.cli import run as convert
+        return convert(argv[1:])
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "bench":
