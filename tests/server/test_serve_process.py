@@ -275,3 +275,21 @@ def test_idle_connections_outlive_common_client_pools():
 
     server = make_server(FastAPI())
     assert server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+
+
+def test_a_tensor_parallel_size_the_heads_refuse_is_a_clean_start_up_error(tiny_models,
+                                                                           tmp_path):
+    """Refused before any rank starts: the cause in one line naming the sizes that work, a
+    non-zero exit, no traceback (the tiny llama: 4 attention heads, 2 key/value heads)."""
+    served = Served(tiny_models("llama")[0], tmp_path, "--tensor-parallel-size", "3").start()
+    try:
+        served.process.wait(300)  # (bounded: import and config read only, no model load)
+        out = served.process.stdout.read().decode()
+    finally:
+        served.stop()
+    assert served.process.returncode != 0
+    assert "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == (
+        "error: The engine core failed to start: ValueError: tensor parallel size 3 "
+        "(--tensor-parallel-size / MP_NUM) must divide the model's attention heads (4; and its "
+        "2 key/value heads, or be a multiple of them): sizes that can: 1, 2, 4.")

@@ -15,7 +15,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
-from tokenmill.models.info import derive_max_model_len, kv_window
+from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, kv_window
 from tokenmill.structured_output.manager import StructuredOutputs, advance
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class EngineCore:
 
         self.config = config
         hf_config = load_hf_config(model_path)
+        check_tensor_parallel(config, hf_config)  # (one line, before any rank starts)
         self.model_config = model = ModelConfig(model_path, hf_config,
                                                 derive_max_model_len(config, hf_config))
         self.hf_config, self.max_model_len = hf_config, model.max_model_len

@@ -163,7 +163,11 @@ def run_engine_core(config: EngineConfig, model_path: str, address: str,
     try:
         proc = EngineCoreProc(EngineCore(config, model_path, exit_on_worker_death=True), address)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is reported, then we exit
-        logger.exception("engine core failed to start")
+        if isinstance(exc, ValueError):  # (an expected refusal: its one line; debug: where)
+            logger.error("engine core failed to start: %s", exc)
+            logger.debug("where it failed", exc_info=True)
+        else:
+            logger.exception("engine core failed to start")
         ready.send(("error", f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
     ready.send(("ready", msgspec.msgpack.encode(proc.info)))

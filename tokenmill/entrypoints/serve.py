@@ -83,7 +83,11 @@ class ServeProcess:
                 process.kill()
             return 0
         stop_wait.cancel()
-        engines = start.result()
+        try:
+            engines = start.result()
+        except BaseException:  # (the servers closed first: the cause alone reaches the user)
+            await self._close(servers, tasks)
+            raise
         processes = [process for process, _ in engines]
         state = grpc_server = None
         try:

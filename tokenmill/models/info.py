@@ -38,6 +38,30 @@ def longrope_context(hf_config) -> int | None:
     return longrope_length(rope_parameters(hf_config))
 
 
+def tensor_parallel_sizes(hf_config) -> list[int]:
+    """The tensor-parallel sizes whose ranks can split the model's attention: each takes a
+    share of the query heads, and of the key/value heads, or with fewer key/value heads than
+    ranks one of them shared by a whole number of ranks (layers/linear.py's `QKVLinear`)."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    return [n for n in range(1, heads + 1)
+            if heads % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)]
+
+
+def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+    """Refuse at start-up, before any rank starts, a tensor-parallel size the model's
+    attention cannot be split by, naming the sizes that can."""
+    sizes = tensor_parallel_sizes(hf_config)
+    tp = config.tensor_parallel_size
+    if tp not in sizes:
+        heads = hf_config.num_attention_heads
+        kv = getattr(hf_config, "num_key_value_heads", None) or heads
+        raise ValueError(f"tensor parallel size {tp} (--tensor-parallel-size / MP_NUM) must "
+                         f"divide the model's attention heads ({heads}; and its {kv} key/value "
+                         f"heads, or be a multiple of them): sizes that can: "
+                         f"{', '.join(map(str, sizes))}.")
+
+
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     """The longest sequence served: --max-model-len, within what the model's positions allow."""
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
