@@ -293,3 +293,22 @@ def test_a_tensor_parallel_size_the_heads_refuse_is_a_clean_start_up_error(tiny_
         "error: The engine core failed to start: ValueError: tensor parallel size 3 "
         "(--tensor-parallel-size / MP_NUM) must divide the model's attention heads (4; and its "
         "2 key/value heads, or be a multiple of them): sizes that can: 1, 2, 4.")
+
+
+def test_a_hub_name_with_no_hub_reachable_is_a_clean_start_up_error(tmp_path):
+    """The hub's one-line error and a non-zero exit, no server traceback (the health port
+    answers while a hub name downloads, and used to log one as it closed)."""
+    from tests.serving import free_port
+
+    served = Served("someorg/somemodel", tmp_path)
+    served.env["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"  # (nothing listens there)
+    served.start()
+    try:
+        served.process.wait(300)
+        out = served.process.stdout.read().decode()
+    finally:
+        served.stop()
+    assert served.process.returncode != 0
+    assert "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith(
+        "error: 'someorg/somemodel' is not a local path"), out[-1000:]

@@ -63,12 +63,13 @@ class ServeProcess:
         servers, tasks = [health], [asyncio.create_task(health.serve())]
         # (off the loop: a hub name may mean a long download, and the health port answers
         # liveness meanwhile)
-        model_path = await asyncio.to_thread(_model_path, config.engine)
-        try:  # (a bad generation config or chat template fails before the engine loads)
+        try:  # (a hub that cannot be reached, a bad generation config or chat template fail
+            # before the engine loads: the servers closed first, the cause alone is printed)
+            model_path = await asyncio.to_thread(_model_path, config.engine)
             defaults = sampling_defaults(model_path, config.engine.generation_config,
                                          config.engine.override_generation_config)
             chat_template = load_chat_template(config.chat_template)
-        except ValueError:
+        except BaseException:
             await self._close(servers, tasks)
             raise
         log_defaults(defaults)
