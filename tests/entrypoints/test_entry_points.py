@@ -55,6 +55,39 @@ def test_every_generate_option_says_what_it_does():
     assert [a.dest for a in options if not a.help] == []
 
 
+# modules of the extras (pyproject's optional-dependencies) that no base dependency brings
+_EXTRAS_ONLY = {"ray": "ray", "triton": "triton", "xgrammar": "xgrammar",
+                "opentelemetry-sdk": "opentelemetry.sdk",
+                "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter",
+                "modelscope": "modelscope", "matplotlib": "matplotlib", "openai": "openai",
+                "accelerate": "accelerate", "pytest": "pytest", "hypothesis": "hypothesis",
+                "schemathesis": "schemathesis", "psutil": "psutil", "jsonschema": "jsonschema"}
+
+
+def test_the_base_install_serves_and_generates(tiny_models):
+    """Serving needs the base package only: with every extra's own modules missing, the
+    server's modules import and `tokenmill generate` answers."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
+    base = {re.split(r"[<>=;\[ ]", d)[0].lower() for d in project["project"]["dependencies"]}
+    extras = {re.split(r"[<>=;\[ ]", d)[0].lower()
+              for deps in project["project"]["optional-dependencies"].values() for d in deps}
+    assert set(_EXTRAS_ONLY) <= extras - base
+    code = ("import sys\n"
+            f"for name in {sorted(_EXTRAS_ONLY.values())!r}: sys.modules[name] = None\n"
+            "import tokenmill.entrypoints.serve, tokenmill.entrypoints.api_worker\n"
+            "from tokenmill.entrypoints.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, "generate", "--model",
+                           tiny_models("llama")[0], "--prompt", "Paris is", "--max-tokens", "3",
+                           "--kv-cache-memory", "0.02"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.endswith("\n")  # (the completion, whatever a random model says)
+
+
 def test_stop_server_with_a_bad_timeout_is_a_usage_error(tmp_path):
     done = subprocess.run([*launcher("stop_server_main"), "soon"], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
