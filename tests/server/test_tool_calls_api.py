@@ -205,12 +205,29 @@ def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
     assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
 
 
-def test_auto_needs_a_parser(server):
+def test_auto_needs_a_parser(tool_model):
+    from tests.serving import service_over_engine
+
+    with service_over_engine(tool_model[0], max_dec_len=256) as thread:  # (no parser)
+        plain = openai.OpenAI(base_url=thread.base + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
+            plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                          max_tokens=4)
+        # none and required need no parser
+        out = plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                            tool_choice="required", parallel_tool_calls=False,
+                                            max_tokens=256, seed=1)
+        assert out.choices[0].message.tool_calls, out
+
+
+@pytest.mark.parametrize("choice", ["none", "required"])
+def test_tools_the_chat_template_cannot_render_are_refused_not_dropped(server, choice):
+    """The shared server's model has a chat template without a tools block: the tools would
+    never reach the model, so the request is refused, naming the cause and the flag."""
     plain = openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
+    with pytest.raises(openai.BadRequestError) as info:
         plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                      max_tokens=4)
-    # none and required need no parser
-    out = plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                        tool_choice="required", max_tokens=300, seed=1)
-    assert out.choices[0].message.tool_calls
+                                      tool_choice=choice, max_tokens=4)
+    assert info.value.body["param"] == "tools", info.value.body
+    assert "does not render tools" in info.value.body["message"]
+    assert "--chat-template" in info.value.body["message"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.entrypoints.api.offload import off_loop_if
-from tokenmill.tokenizer import apply_chat_template
+from tokenmill.sampling_params import InvalidParameter
+from tokenmill.tokenizer import ChatTemplateError, apply_chat_template
 
 # Inputs larger than this (characters, or messages) are tokenized / templated on a worker
 # thread (`offload.off_loop_if`): the tokenizers release the GIL, so the loop keeps answering.
@@ -55,6 +56,7 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_chars = max_prompt_chars(tokenizer, max_model_len)
+        self._renders_tools: dict[str | None, bool] = {}  # chat template -> whether it does
 
     def check_size(self, chars: int, what: str) -> None:
         if chars > self.max_chars:
@@ -72,6 +74,31 @@ class PromptEncoder:
         errors are ChatTemplateError, message text never becomes control tokens)."""
         chars = text_chars(messages)
         self.check_size(chars, what)
+        if kwargs.get("tools") and not self.renders_tools(kwargs.get("chat_template")):
+            raise InvalidParameter("tools", "This model's chat template does not render tools, "
+                                   "so the model would never see them: serve it with a "
+                                   "template that does (--chat-template), or leave tools out.")
         heavy = chars > OFF_LOOP_CHARS or len(messages) > OFF_LOOP_MESSAGES
         return await off_loop_if(heavy, apply_chat_template, self.tokenizer, messages,
                                  **kwargs)
+
+    def renders_tools(self, chat_template: str | None) -> bool:
+        """Whether `chat_template` (None: the model's) puts a request's tools in the prompt:
+        a probe conversation rendered with a tool and without differs. Asked once a template
+        (a few dozen kept)."""
+        if chat_template not in self._renders_tools:
+            if len(self._renders_tools) >= 64:
+                self._renders_tools.clear()
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {
+                "name": "probe_tool", "description": "probe",
+                "parameters": {"type": "object", "properties": {}}}}
+            try:
+                plain = apply_chat_template(self.tokenizer, probe, chat_template=chat_template)
+                with_tool = apply_chat_template(self.tokenizer, probe, tools=[tool],
+                                                chat_template=chat_template)
+                renders = plain != with_tool
+            except ChatTemplateError:
+                renders = True  # (the request's own rendering says what is wrong)
+            self._renders_tools[chat_template] = renders
+        return self._renders_tools[chat_template]
