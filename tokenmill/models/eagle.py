@@ -98,8 +98,6 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(DraftHead):
-    own_lm_head = True  # (its draft vocabulary, mapped into the target's)
-
     def __init__(self, config: Any, target_config: Any, aux_layers: tuple[int, ...]) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -128,8 +126,9 @@ class Eagle3Head(DraftHead):
         out, summed = self.norm(hidden, residual)
         return (out, summed) if chained else out
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Scores over the target's vocabulary (-inf where no draft token maps)."""
+    def logits(self, hidden: torch.Tensor, target_lm_head=None) -> torch.Tensor:
+        """Scores over the target's vocabulary from its own LM head over its draft
+        vocabulary (-inf where no draft token maps)."""
         scores = self.lm_head(hidden)
         full = scores.new_full((scores.shape[0], self.target_vocab), float("-inf"))
         full[:, self.draft_to_target] = scores

@@ -331,8 +331,7 @@ class HeadDrafter:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The target's LM head, unless the head has its own (EAGLE-3); None on ranks other
         than 0 under tensor parallel."""
-        head = self.layers[0]
-        return head.logits(hidden) if head.own_lm_head else self.target.compute_logits(hidden)
+        return self.layers[0].logits(hidden, self.target.compute_logits)
 
     def _features(self, hidden) -> torch.Tensor:
         """Head 0's input rows of the target's step: its final hidden states, or (EAGLE-3)
