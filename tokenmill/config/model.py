@@ -13,7 +13,3 @@ class ModelConfig:
     path: str  # a local folder or .gguf file (hub names resolved before)
     hf_config: Any  # transformers' PretrainedConfig of the checkpoint
     max_model_len: int  # the context served: --max-model-len, else the model's (models/info.py)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.hf_config.vocab_size

@@ -21,11 +21,12 @@ class TokenOutOfRange:
 
 
 def token_out_of_range(ids: Iterable[int], vocab_size: int) -> TokenOutOfRange | None:
-    """The first id of `ids` outside the vocabulary, if any."""
-    for token in ids:
-        if not 0 <= token < vocab_size:
-            return TokenOutOfRange(token, vocab_size)
-    return None
+    """The first id of `ids` outside the vocabulary, if any (min / max first: a long prompt
+    in range costs two C passes, not a Python loop)."""
+    ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return None
+    return next(TokenOutOfRange(t, vocab_size) for t in ids if not 0 <= t < vocab_size)
 
 
 @dataclass(frozen=True)

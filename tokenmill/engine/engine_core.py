@@ -66,7 +66,6 @@ class EngineCore:
         check_tensor_parallel(config, hf_config)  # (one line, before any rank starts)
         self.model_config = model = ModelConfig(model_path, hf_config,
                                                 derive_max_model_len(config, hf_config))
-        self.hf_config, self.max_model_len = hf_config, model.max_model_len
         scheduler_config = SchedulerConfig.of(config, model.max_model_len)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
         self.workers = None
@@ -115,6 +114,14 @@ class EngineCore:
             except BaseException:
                 self.shutdown()
                 raise
+
+    @property
+    def hf_config(self):
+        return self.model_config.hf_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -38,7 +38,7 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: ModelConfig) -> None:
-        self.config, self.model_config = config, model
+        self.config = config
         with kernel_switches.using(config.kernels):  # (what the loaders and kernels read)
             self._start(config, model.path, model.hf_config, model.max_model_len)
 
