@@ -22,59 +22,108 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
         prog=prog,
         description=description or "Serve a model over the native, OpenAI and Triton-generate "
                     "HTTP APIs and KServe gRPC. Flags override the seed's environment "
-                    "variables, which override defaults.")
-    a = p.add_argument
+                    "variables (PaddleNLP's server: MODEL_DIR, BATCH_SIZE, ...), which override "
+                    "defaults.")
+    g = p.add_argument_group("model", "what is served and how its weights load")
+    a = g.add_argument
     a("model", nargs="?", default=None,
-      help="HF directory or .gguf file (env MODEL_DIR; default: bundled SmolLM2-135M)")
+      help="HF directory, .gguf file or hub name (env MODEL_DIR; default: the bundled "
+           "SmolLM2-135M-Instruct)")
     a("--model", dest="model_flag", default=None, help="same as the positional MODEL")
-    a("--tokenizer", default=None)
+    a("--tokenizer", default=None, help="a tokenizer folder other than the model's")
     a("--revision", default=None, help="a hub name's branch, tag or commit (default main)")
     a("--download-dir", default=None, help="where hub names are downloaded (default: the "
       "hub cache, HF_HOME)")
-    a("--host", default=None, help="bind address of the HTTP ports (default 0.0.0.0)")
-    a("--port", type=int, default=None, help="API port (env SERVICE_HTTP_PORT; default 9965)")
-    a("--health-port", type=int, default=None, help="env HEALTH_HTTP_PORT; default 8110")
-    a("--metrics-port", type=int, default=None, help="env METRICS_HTTP_PORT; default 8722")
-    a("--grpc-port", type=int, default=None, help="env SERVICE_GRPC_PORT; default 8811")
     a("--served-model-name", nargs="+", default=None,
       help="names accepted in `model`; the first is reported")
-    a("--api-key", default=None, help="require `Authorization: Bearer KEY` (env VLLM_API_KEY)")
     a("--dtype", default=None, help="auto, float32, bfloat16, float16 (env DTYPE)")
-    a("--device", default=None, help="auto, cpu, cuda[:N]")
-    a("--quantization", "-q", default=None,
-      help="int8, int4, a8w8 or fp8 (also weight_only_int8, weight_only_int4); default: as the "
-           "checkpoint is")
-    a("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
-      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1); fp8: float8 e4m3 K/V")
-    a("--attention-backend", default=None, choices=["auto", "torch", "triton"],
-      help="auto: triton on GPUs, torch on the CPU")
-    a("--max-model-len", type=_parse_len, default=None, help="context length (e.g. 4096, 4k)")
-    a("--speculative-config", default=None, help="JSON (env SPECULATE_METHOD, SPECULATE_*)")
+    a("--device", default=None, help="auto, cpu, cuda[:N] (default auto: a GPU if there is one)")
+    a("--max-model-len", type=_parse_len, default=None,
+      help="context length (e.g. 4096, 4k; default: the model's)")
     a("--generation-config", default=None,
       help="default sampling parameters of OpenAI requests and LLM: auto (the model's "
            "generation_config.json; default), vllm (none) or a folder holding one")
     a("--override-generation-config", default=None,
       help="JSON fields over the generation config's, e.g. '{\"temperature\": 0.5}'")
-    a("--max-num-seqs", type=int, default=None, help="concurrent sequences (env BATCH_SIZE)")
+    a("--seed", type=int, default=None,
+      help="the engine's random seed: requests without a seed of their own draw from it "
+           "(default 0)")
+
+    g = p.add_argument_group("serving", "ports, API processes, limits and request handling")
+    a = g.add_argument
+    a("--host", default=None, help="bind address of the HTTP and gRPC ports (default 0.0.0.0)")
+    a("--port", type=int, default=None, help="API port (env SERVICE_HTTP_PORT; default 9965)")
+    a("--health-port", type=int, default=None,
+      help="liveness and readiness probes (env HEALTH_HTTP_PORT; default 8110; 0: any free "
+           "port)")
+    a("--metrics-port", type=int, default=None,
+      help="Prometheus /metrics and the dashboard (env METRICS_HTTP_PORT; default 8722; 0: "
+           "any free port)")
+    a("--grpc-port", type=int, default=None,
+      help="KServe v2 gRPC (env SERVICE_GRPC_PORT; default 8811; 0: any free port)")
+    a("--api-key", default=None, help="require `Authorization: Bearer KEY` (env VLLM_API_KEY)")
+    a("--http-workers", "--api-server-count", dest="http_workers", type=int, default=None,
+      help="API processes (env PUSH_MODE_HTTP_WORKERS, 1-8; vLLM's --api-server-count): one "
+           "streams ~28k tokens a second, a GPU's large batches need more")
+    a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
+    a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
+    a("--max-cached-task-num", type=int, default=None,
+      help="queued requests before 503 (env MAX_CACHED_TASK_NUM; default 128)")
+    a("--max-request-body-bytes", type=int, default=None,
+      help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
+    a("--disable-streaming", action="store_true", default=None,
+      help="refuse stream requests (env DISABLE_STREAMING=1)")
+    a("--stream-interval", type=int, default=None,
+      help="streams send their first tokens at once, then a chunk per N new tokens, and their "
+           "end at once (default 1: every step's tokens; larger: less work per token)")
+    a("--use-warmup", action="store_true", default=None,
+      help="run one short request before reporting ready (env USE_WARMUP=1)")
+    a("--shutdown-timeout", type=float, default=None,
+      help="seconds SIGTERM waits for in-flight requests (default 300); 0 ends them at once")
+
+    g = p.add_argument_group("scheduling and memory", "the batch, the KV cache and its budget")
+    a = g.add_argument
+    a("--max-num-seqs", type=int, default=None,
+      help="concurrent sequences (env BATCH_SIZE; default 256)")
     a("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
-    a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE)")
-    a("--gpu-memory-utilization", type=float, default=None)
-    a("--kv-cache-memory", type=float, default=None, metavar="GIB", help="KV blocks' memory "
-      "(default 4 on the CPU; on a GPU it overrides --gpu-memory-utilization)")
+    a("--block-size", type=int, default=None, help="KV block tokens (env BLOCK_SIZE; default 16)")
+    a("--kv-cache-memory", type=float, default=None, metavar="GIB",
+      help="KV blocks' memory, the machine's, split across the ranks on it (default on the "
+           "CPU: enough for --max-num-seqs full contexts, at most 4 GiB and a quarter of free "
+           "memory; on a GPU it overrides --gpu-memory-utilization)")
+    a("--gpu-memory-utilization", type=float, default=None,
+      help="GPU: the share of the card's memory weights, activations and KV blocks may use "
+           "(default 0.9)")
     a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    a("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
+      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1); fp8: float8 e4m3 K/V")
+    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+      help="reuse the KV blocks of a prompt prefix already computed (default on)")
+    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+      help="prompts split across steps by the token budget (default on)")
+    a("--async-scheduling", action="store_true", default=None,
+      help="schedule the next step while the current one runs (no pipeline stages, no drafts)")
+    a("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+      help="auto: triton on GPUs, torch on the CPU")
+    a("--enforce-eager", action="store_true", default=None,
+      help="GPU: run decode steps op by op (no CUDA graphs)")
+
+    g = p.add_argument_group("parallelism", "ranks on this machine and across nodes")
+    a = g.add_argument
     a("--tensor-parallel-size", "-tp", type=int, default=None,
       help="ranks that split every layer (env MP_NUM; default 1)")
+    a("--pipeline-parallel-size", "-pp", type=int, default=None,
+      help="stages the layers are split into (MP_NUM then counts tp x pp ranks)")
+    a("--data-parallel-size", "-dp", type=int, default=None,
+      help="engine replicas behind the API (each with its own tensor/pipeline ranks)")
+    a("--enable-expert-parallel", action="store_true", default=None,
+      help="each tensor-parallel rank holds whole experts (1/tp of them) instead of a "
+           "slice of every one")
     a("--distributed-executor-backend", default=None, choices=["mp", "ray"],
       help="mp: the ranks as processes on this node (and --nnodes); ray: as actors on the "
            "Ray cluster (RAY_ADDRESS, or the local one)")
     a("--distributed-timeout", type=float, default=None, metavar="S",
       help="seconds start-up waits for every rank to join (default 120)")
-    a("--enable-expert-parallel", action="store_true", default=None,
-      help="each tensor-parallel rank holds whole experts (1/tp of them) instead of a "
-           "slice of every one")
-    a("--data-parallel-size", "-dp", type=int, default=None,
-      help="engine replicas behind the API (each with its own tensor/pipeline ranks)")
     a("--nnodes", type=int, default=None, help="nodes sharing the ranks (env MP_NNODE)")
     a("--node-rank", type=int, default=None,
       help="this node's index (default: from POD_IPS, OMPI_COMM_WORLD_RANK or PMI_RANK)")
@@ -82,102 +131,100 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="node 0's address: its rendezvous (env MASTER_ADDR, else POD_0_IP)")
     a("--master-port", type=int, default=None,
       help="node 0's rendezvous port (env MASTER_PORT; default 29500)")
-    a("--pipeline-parallel-size", "-pp", type=int, default=None,
-      help="stages the layers are split into (MP_NUM then counts tp x pp ranks)")
-    # vLLM flags its deployment guides pass that mean nothing here: accepted, logged once.
-    a("--num-scheduler-steps", type=int, default=None, help="accepted, no effect (vLLM)")
-    a("--trust-remote-code", action="store_true", default=None, help="accepted; no code is run")
-    a("--enforce-eager", action="store_true", default=None,
-      help="GPU: run decode steps op by op (no CUDA graphs)")
-    a("--async-scheduling", action="store_true", default=None,
-      help="schedule the next step while the current one runs (no pipeline stages, no drafts)")
-    a("--disable-async-output-proc", action="store_true", default=None, help="no effect (vLLM)")
-    a("--seed", type=int, default=None)
-    a("--max-dec-len", type=int, default=None, help="cap on new tokens (env MAX_DEC_LEN)")
-    a("--max-seq-len", type=int, default=None, help="cap on prompt tokens (env MAX_SEQ_LEN)")
-    a("--max-cached-task-num", type=int, default=None,
-      help="queued requests before 503 (env MAX_CACHED_TASK_NUM; default 128)")
-    a("--http-workers", "--api-server-count", dest="http_workers", type=int, default=None,
-      help="API processes (env PUSH_MODE_HTTP_WORKERS, 1-8; vLLM's --api-server-count): one "
-           "streams ~28k tokens a second, a GPU's large batches need more")
-    a("--disable-streaming", action="store_true", default=None, help="env DISABLE_STREAMING=1")
-    a("--stream-interval", type=int, default=None,
-      help="streams send their first tokens at once, then a chunk per N new tokens, and their "
-           "end at once (default 1: every step's tokens; larger: less work per token)")
-    a("--use-warmup", action="store_true", default=None, help="env USE_WARMUP=1")
-    a("--log-dir", default=None, help="env FD_LOG_DIR; default log")
-    a("--shutdown-timeout", type=float, default=None,
-      help="seconds SIGTERM waits for in-flight requests (default 300); 0 ends them at once")
-    a("--max-request-body-bytes", type=int, default=None,
-      help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
+
+    g = p.add_argument_group("quantization and speculative decoding")
+    a = g.add_argument
+    a("--quantization", "-q", default=None,
+      help="int8, int4, a8w8 or fp8 (also weight_only_int8, weight_only_int4); default: as the "
+           "checkpoint is")
+    a("--speculative-config", default=None,
+      help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (env "
+           "SPECULATE_METHOD, SPECULATE_*)")
+
+    g = p.add_argument_group("chat, tools and outputs")
+    a = g.add_argument
+    a("--chat-template", default=None, metavar="FILE|TEMPLATE",
+      help="a Jinja chat template (a file, or the template's text) in place of the "
+           "tokenizer's, for every route that renders messages")
     a("--trust-request-chat-template", action="store_true", default=None,
       help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
-    a("--reasoning-parser", choices=["deepseek_r1", "qwen3"], help="chat: <think> -> reasoning")
     a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "deepseek_v3",
-                                     "pythonic"], help="chat: tool calls read from the output "
-                                                       "(enables tool_choice auto)")
+                                     "pythonic"],
+      help="chat: tool calls read from the output (enables tool_choice auto; default: the "
+           "parser the chat template's tool format names, when it names one)")
+    a("--enable-auto-tool-choice", action="store_true", default=None,
+      help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
+    a("--reasoning-parser", choices=["deepseek_r1", "qwen3"],
+      help="chat: <think> ... </think> goes to reasoning_content")
+    a("--enable-reasoning", action="store_true", default=None,
+      help="accepted for vLLM's command lines: --reasoning-parser alone enables the split")
+    a("--max-logprobs", type=int, default=None,
+      help="most logprobs / top_logprobs a request may ask for (default and at most 20)")
+    a("--guided-decoding-backend", default=None,
+      help="auto or xgrammar (structured outputs run on xgrammar)")
+    a("--response-role", default=None, help="chat responses' role (default assistant)")
+    a("--return-tokens-as-token-ids", action="store_true", default=None,
+      help="OpenAI logprobs show tokens as token_id:N")
+    a("--enable-prompt-tokens-details", action="store_true", default=None,
+      help="OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
+
+    g = p.add_argument_group("logging and observability")
+    a = g.add_argument
+    a("--log-level", choices=["debug", "info", "warning", "error"], default=None,
+      help="default info; debug also prints tracebacks of start-up failures")
     a("--log-format", choices=["text", "json"], default=None,
       help="log lines as text (default) or one JSON object each")
-    a("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    a("--log-dir", default=None, help="where log files go (env FD_LOG_DIR; default log)")
     a("--log-requests", action="store_true", default=None,
       help="access lines carry the prompt and output text (default: counts only)")
     a("--otlp-traces-endpoint", default=None, metavar="URL",
       help="export one OpenTelemetry span per request over OTLP/HTTP (e.g. "
            "http://collector:4318/v1/traces)")
-    a("--enable-auto-tool-choice", action="store_true", default=None,
-      help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
-    _vllm_flags(a, argparse)
-    return p
-
-
-def _vllm_flags(a, argparse) -> None:
-    """vLLM's flags, so its command lines run unchanged: those that mean something here, and
-    those accepted with no effect (logged once at start-up) or refused where they ask for
-    what tokenmill does not do."""
-    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-      help="prompts split across steps by the token budget (default on)")
-    a("--chat-template", default=None, metavar="FILE|TEMPLATE",
-      help="a Jinja chat template (a file, or the template's text) in place of the "
-           "tokenizer's, for every route that renders messages")
-    a("--max-logprobs", type=int, default=None,
-      help="most logprobs / top_logprobs a request may ask for (default and at most 20)")
-    a("--enable-reasoning", action="store_true", default=None,
-      help="accepted for vLLM's command lines: --reasoning-parser alone enables the split")
-    a("--scheduling-policy", choices=["fcfs", "priority"], default=None,
-      help="fcfs only (priority is refused)")
-    a("--guided-decoding-backend", default=None,
-      help="auto or xgrammar (structured outputs run on xgrammar)")
-    a("--disable-log-requests", action="store_true", default=None, help="no effect (vLLM)")
-    a("--disable-log-stats", action="store_true", default=None, help="no effect (vLLM)")
-    a("--swap-space", type=float, default=None, help="no effect (vLLM)")
-    a("--preemption-mode", choices=["recompute", "swap"], default=None,
-      help="no effect (vLLM): preempted requests are recomputed")
-    a("--max-seq-len-to-capture", type=int, default=None, help="no effect (vLLM)")
-    a("--uvicorn-log-level", default=None, help="no effect (vLLM): see --log-level")
-    a("--disable-frontend-multiprocessing", action="store_true", default=None,
-      help="no effect (vLLM)")
-    a("--disable-fastapi-docs", action="store_true", default=None,
-      help="no /docs, /redoc or /openapi.json on the API port")
-    a("--root-path", default=None, help="the path prefix a proxy serves the API under")
-    a("--load-format", default=None, help="auto, safetensors or gguf (as the files are)")
-    a("--tokenizer-mode", default=None, help="auto or slow: no effect (the tokenizer loads as "
-      "transformers picks it)")
-    a("--compilation-config", "-O", default=None, help="no effect (vLLM)")
-    a("--additional-config", default=None, help="no effect (vllm-ascend)")
-    a("--response-role", default=None, help="chat responses' role (default assistant)")
     a("--enable-request-id-headers", action="store_true", default=None,
       help="responses carry X-Request-Id (the request's own, or a new one)")
     a("--enable-server-load-tracking", action="store_true", default=None,
       help="GET /load answers {\"server_load\": requests in flight}")
-    a("--enable-prompt-tokens-details", action="store_true", default=None,
-      help="OpenAI usage carries prompt_tokens_details.cached_tokens (prefix-cache hits)")
+
+    g = p.add_argument_group("HTTP front end", "the API app's options (vLLM's flags)")
+    a = g.add_argument
+    a("--disable-fastapi-docs", action="store_true", default=None,
+      help="no /docs, /redoc or /openapi.json on the API port")
+    a("--root-path", default=None, help="the path prefix a proxy serves the API under")
     for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
         a(flag, default=None, help="CORS: a JSON list (default: no CORS headers at all)")
     a("--allow-credentials", action="store_true", default=None, help="CORS: allow credentials")
-    a("--return-tokens-as-token-ids", action="store_true", default=None,
-      help="OpenAI logprobs show tokens as token_id:N")
+    _vllm_flags(p.add_argument_group(
+        "vLLM compatibility", "vLLM's flags its deployment guides pass: accepted with no "
+        "effect (logged once at start-up), or refused where they ask for what tokenmill does "
+        "not do").add_argument, argparse)
+    return p
+
+
+def _vllm_flags(a, argparse) -> None:
+    """vLLM's flags, so its command lines run unchanged: those accepted with no effect (logged
+    once at start-up) or refused where they ask for what tokenmill does not do."""
+    a("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+      help="fcfs only (priority is refused)")
+    a("--num-scheduler-steps", type=int, default=None, help="no effect")
+    a("--trust-remote-code", action="store_true", default=None,
+      help="accepted; no code from a model folder is run")
+    a("--disable-async-output-proc", action="store_true", default=None, help="no effect")
+    a("--disable-log-requests", action="store_true", default=None, help="no effect")
+    a("--disable-log-stats", action="store_true", default=None, help="no effect")
+    a("--swap-space", type=float, default=None, help="no effect")
+    a("--preemption-mode", choices=["recompute", "swap"], default=None,
+      help="no effect: preempted requests are recomputed")
+    a("--max-seq-len-to-capture", type=int, default=None, help="no effect")
+    a("--uvicorn-log-level", default=None, help="no effect: see --log-level")
+    a("--disable-frontend-multiprocessing", action="store_true", default=None,
+      help="no effect")
+    a("--load-format", default=None, help="auto, safetensors or gguf (as the files are)")
+    a("--tokenizer-mode", default=None, help="auto or slow: no effect (the tokenizer loads as "
+      "transformers picks it)")
+    a("--compilation-config", "-O", default=None, help="no effect")
+    a("--additional-config", default=None, help="no effect (vllm-ascend)")
     a("--multi-step-stream-outputs", nargs="?", const="True", default=None,
-      help="no effect (vLLM)")
+      help="no effect")
     for name, why in REFUSED_FLAGS.items():
         a("--" + name.replace("_", "-"), nargs="*", default=None, help=f"refused: {why}")
 
