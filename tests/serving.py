@@ -192,7 +192,7 @@ class Served:
 
     def __init__(self, model: str, tmp_path, *flags: str) -> None:
         self.ports = {name: free_port() for name in ("port", "health", "metrics", "grpc")}
-        self.env = {**os.environ, "INTER_PROC_PORT": str(free_port()),
+        self.env = {**os.environ,
                     "SERVICE_HTTP_PORT": str(self.ports["port"]),
                     "HEALTH_HTTP_PORT": str(self.ports["health"]),
                     "METRICS_HTTP_PORT": str(self.ports["metrics"]),

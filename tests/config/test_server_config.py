@@ -4,13 +4,12 @@ import socket
 
 import pytest
 
-from tokenmill.config.server import build_server_config, check_ports_free
+from tokenmill.config.server import build_server_config, check_ports_free, choose_free_ports
 
 
 def test_defaults_match_the_seed_script():
     c = build_server_config([], {})
-    assert (c.port, c.health_port, c.grpc_port, c.metrics_port, c.inter_proc_port) == \
-        (9965, 8110, 8811, 8722, 8813)
+    assert (c.port, c.health_port, c.grpc_port, c.metrics_port) == (9965, 8110, 8811, 8722)
     assert c.max_dec_len == 1024 and c.max_cached_task_num == 128 and c.http_workers == 1
     assert c.engine.model is None and c.model_names == ["default"]
     assert not c.disable_streaming and not c.use_warmup and c.log_dir == "log"
@@ -21,7 +20,6 @@ def test_defaults_match_the_seed_script():
     ("health_port", "HEALTH_HTTP_PORT", "HTTP_PORT"),
     ("grpc_port", "SERVICE_GRPC_PORT", "GRPC_PORT"),
     ("metrics_port", "METRICS_HTTP_PORT", "METRICS_PORT"),
-    ("inter_proc_port", "INTER_PROC_PORT", "INFER_QUEUE_PORT"),
 ])
 def test_port_env_names_old_name_wins(field, new, old):
     assert getattr(build_server_config([], {new: "7001"}), field) == 7001
@@ -122,6 +120,37 @@ def test_occupied_port_is_named():
         config = build_server_config(["--host", "127.0.0.1", "--metrics-port", str(port)], {})
         with pytest.raises(OSError, match=f"PORT: {port} occupied! Please change the port!"):
             check_ports_free(config)
+
+
+@pytest.mark.parametrize("name", ["INTER_PROC_PORT", "INFER_QUEUE_PORT"])
+def test_the_seed_queue_port_is_accepted_and_never_checked(name):
+    """Nothing listens on the seed's queue port here (the engine link is a unix socket): the
+    variable is logged as having no effect, and a port taken there stops nothing."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = build_server_config(["--host", "127.0.0.1", "--port", str(_free_port()),
+                                      "--health-port", "0", "--metrics-port", "0",
+                                      "--grpc-port", "0"], {name: str(port)})
+        assert [flag for flag, _ in config.ignored_flags] == [name]
+        check_ports_free(config)  # the queue port is taken, and that stops nothing
+
+
+def _free_port() -> int:
+    from tests.serving import free_port
+    return free_port()
+
+
+def test_ports_given_as_zero_become_distinct_free_ports():
+    config = build_server_config(["--host", "127.0.0.1", "--health-port", "0",
+                                  "--metrics-port", "0", "--grpc-port", "0"], {})
+    check_ports_free(config)
+    choose_free_ports(config)
+    chosen = [config.health_port, config.metrics_port, config.grpc_port]
+    assert all(chosen) and len(set(chosen + [config.port])) == 4
+    with pytest.raises(ValueError, match="port must be a TCP port in 1-65535, got 0"):
+        build_server_config(["--port", "0"], {})
 
 
 def test_a_model_that_needs_its_own_code_is_refused_by_name(tmp_path):

@@ -312,3 +312,31 @@ def test_a_hub_name_with_no_hub_reachable_is_a_clean_start_up_error(tmp_path):
     assert "Traceback" not in out, out[-3000:]
     assert out.strip().splitlines()[-1].startswith(
         "error: 'someorg/somemodel' is not a local path"), out[-1000:]
+
+
+def test_ports_given_as_zero_are_chosen_and_named_in_the_start_up_line(model, tmp_path):
+    """Health, metrics and gRPC on port 0: the OS picks each, and the start-up line names
+    every port the server listens on, so a client can find them there."""
+    import re
+
+    served = Served(model, tmp_path)
+    for name in ("HEALTH_HTTP_PORT", "METRICS_HTTP_PORT", "SERVICE_GRPC_PORT"):
+        served.env[name] = "0"
+    served.start()
+    try:
+        def line():
+            found = re.search(rb"ports: API (\d+), gRPC (\d+), health (\d+), metrics (\d+)",
+                              served.process.stdout.read())
+            served.process.stdout.seek(0)
+            return found
+        assert wait_until(lambda: line() or served.process.poll() is not None, 300)
+        api, grpc, health, metrics = (int(p) for p in line().groups())
+        assert api == served.ports["port"] and len({api, grpc, health, metrics}) == 4
+        base = "http://127.0.0.1:"
+        assert httpx.get(f"{base}{health}/v2/health/ready", timeout=10).status_code == 200
+        assert "tokenmill:request_success_total" in httpx.get(f"{base}{metrics}/metrics",
+                                                              timeout=10).text
+        import tritonclient.grpc as grpcclient
+        assert grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}").is_server_live()
+    finally:
+        served.stop()

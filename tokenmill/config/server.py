@@ -26,8 +26,10 @@ from tokenmill.config.speculative import from_seed
 _PORT_ENV = (("port", "SERVICE_HTTP_PORT", "PUSH_MODE_HTTP_PORT"),
              ("health_port", "HEALTH_HTTP_PORT", "HTTP_PORT"),
              ("grpc_port", "SERVICE_GRPC_PORT", "GRPC_PORT"),
-             ("metrics_port", "METRICS_HTTP_PORT", "METRICS_PORT"),
-             ("inter_proc_port", "INTER_PROC_PORT", "INFER_QUEUE_PORT"))
+             ("metrics_port", "METRICS_HTTP_PORT", "METRICS_PORT"))
+# The seed's queue-service port: tokenmill's engine link is a private unix socket, so nothing
+# listens there; the variable is accepted and logged as having no effect.
+_QUEUE_PORT_ENV = ("INTER_PROC_PORT", "INFER_QUEUE_PORT")
 
 
 @dataclass
@@ -38,7 +40,6 @@ class ServerConfig:
     health_port: int = 8110  # /v2/health/live, /v2/health/ready
     grpc_port: int = 8811  # KServe v2 / Triton gRPC
     metrics_port: int = 8722  # Prometheus /metrics
-    inter_proc_port: int = 8813  # the seed's queue port; checked for conflicts, see README
     served_model_name: list[str] | None = None  # default: the model's file/dir name
     api_key: str | None = None
     http_workers: int = 1  # PUSH_MODE_HTTP_WORKERS
@@ -69,11 +70,12 @@ class ServerConfig:
 
     def validate(self) -> None:
         ports = {}
-        for name in ("port", "health_port", "grpc_port", "metrics_port", "inter_proc_port"):
+        for name, _, _ in _PORT_ENV:
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 < value < 65536:
-                raise ValueError(f"{name} must be a TCP port in 1-65535, got {value!r}.")
-            if value in ports:
+            lowest = 1 if name == "port" else 0  # 0: any free port (the API's must be known)
+            if not isinstance(value, int) or not lowest <= value < 65536:
+                raise ValueError(f"{name} must be a TCP port in {lowest}-65535, got {value!r}.")
+            if value in ports and value:
                 raise ValueError(f"{name} and {ports[value]} are both set to port {value}; "
                                  "every port must be different.")
             ports[value] = name
@@ -217,7 +219,9 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         log_requests=bool(args.log_requests),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         ignored_flags=tuple(flag for name, flag in IGNORED_FLAGS.items()
-                            if getattr(args, name) is not None),
+                            if getattr(args, name) is not None) + tuple(
+            (name, "nothing listens there: the engine link is a private unix socket")
+            for name in _QUEUE_PORT_ENV if env.raw(name) is not None),
         **ports)
     config.validate()
     return config
@@ -225,14 +229,12 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
 
 def check_ports_free(config: ServerConfig) -> None:
     """Fail fast, naming the port, when something already listens on one of ours (a node
-    other than 0 runs ranks only: it listens on none of them)."""
-    import socket
-
+    other than 0 runs ranks only: it listens on none of them). Ports given as 0 are left to
+    `choose_free_ports`."""
     if config.engine.node_rank > 0:
         return
-
-    checks = [(config.host if name != "inter_proc_port" else "127.0.0.1", getattr(config, name))
-              for name, _, _ in _PORT_ENV]
+    checks = [(config.host, getattr(config, name)) for name, _, _ in _PORT_ENV
+              if getattr(config, name)]
     engine = config.engine
     if engine.world_size > 1 and engine.node_rank == 0 and (
             engine.nnodes > 1 or engine.distributed_executor_backend == "ray"):
@@ -240,10 +242,37 @@ def check_ports_free(config: ServerConfig) -> None:
         ray = engine.distributed_executor_backend == "ray"  # (on the node's Ray address)
         checks.append(("0.0.0.0" if ray else engine.master_addr, engine.master_port))
     for host, port in checks:
+        with _bound(host, port) as sock:
+            if sock is None:
+                raise OSError(f"PORT: {port} occupied! Please change the port!")
+
+
+def choose_free_ports(config: ServerConfig) -> None:
+    """Ports given as 0 become ports free right now, distinct from each other (all are held
+    at once while chosen), so the start-up line can name them."""
+    import contextlib
+
+    with contextlib.ExitStack() as held:
+        for name, _, _ in _PORT_ENV:
+            if getattr(config, name) == 0:
+                sock = held.enter_context(_bound(config.host, 0))
+                setattr(config, name, sock.getsockname()[1])
+
+
+def _bound(host: str, port: int):
+    """A context holding a TCP socket bound to host:port, or None where the port is taken."""
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def bound():
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                            socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError:
-                raise OSError(f"PORT: {port} occupied! Please change the port!") from None
+                yield None
+                return
+            yield s
+    return bound()

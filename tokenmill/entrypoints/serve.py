@@ -22,7 +22,7 @@ import socket
 import tempfile
 
 from tokenmill.config.generation import log_defaults, sampling_defaults
-from tokenmill.config.server import ServerConfig, check_ports_free
+from tokenmill.config.server import ServerConfig, check_ports_free, choose_free_ports
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.core_client import start_engine_core_process
 from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state
@@ -118,10 +118,9 @@ class ServeProcess:
                                                   config.max_request_body_bytes)
             await wait_started(servers, tasks)
             self.state = state
-            logger.info("tokenmill serving %s on %s:%d (%d HTTP worker(s); gRPC %d, health %d,"
-                        " metrics %d)", config.model_names[0], config.host, config.port,
-                        config.http_workers, config.grpc_port, config.health_port,
-                        config.metrics_port)
+            logger.info("tokenmill serving %s on %s:%d (%d HTTP worker(s)); ports: %s",
+                        config.model_names[0], config.host, config.port,
+                        config.http_workers, _ports_line(config))
             watchdog = asyncio.create_task(self._watch(processes, state))
             await self.stop.wait()
             watchdog.cancel()
@@ -245,6 +244,17 @@ class ServeProcess:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _ports_line(config: ServerConfig) -> str:
+    """Every port this server listens on, named: the start-up line's list."""
+    engine = config.engine
+    ports = [f"API {config.port}", f"gRPC {config.grpc_port}", f"health {config.health_port}",
+             f"metrics {config.metrics_port}"]
+    if engine.world_size > 1 and (engine.nnodes > 1 or
+                                  engine.distributed_executor_backend == "ray"):
+        ports.append(f"rendezvous {engine.master_port}")
+    return ", ".join(ports)
+
+
 def _model_path(engine) -> str:
     """The model to load: a path, or a hub name fetched (at --revision, into --download-dir;
     of a pre-sharded checkpoint, this node's share)."""
@@ -260,6 +270,7 @@ def run_server(config: ServerConfig) -> int:
         from tokenmill.executor.multiproc import serve_other_node
         return serve_other_node(config.engine, _model_path(config.engine))
     check_ports_free(config)
+    choose_free_ports(config)
     code = run_event_loop(ServeProcess(config).run())
     logger.info("tokenmill stopped (exit code %d)", code)
     return code
