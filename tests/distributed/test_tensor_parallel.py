@@ -68,8 +68,13 @@ def test_decode_steps_compiled_or_layer_by_layer_match_one_rank(tiny_models, mon
         monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")  # read by the workers' config too
     path, hf = tiny_models("qwen3")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01) as one:
+        one_rank_blocks = one.engine.core.runner.num_blocks
     with LLM(path, kv_cache_memory_gib=0.01, **{layout: 2}) as llm:
         assert (llm.engine.core.runner.decode_step is not None) == compiled_step
+        # The budget is the machine's: two ranks, each holding half of every block, share it
+        # and hold as many blocks as one rank did (not twice the memory).
+        assert llm.engine.core.runner.num_blocks == one_rank_blocks
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                             use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

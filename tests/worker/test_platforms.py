@@ -21,11 +21,31 @@ def test_cpu_platform_and_an_unknown_device():
     assert isinstance(platform, CpuPlatform)
     assert platform.default_dtype(None) == torch.float32
     assert isinstance(platform.attention_backend("auto"), TorchSDPABackend)
-    assert platform.kv_budget_bytes(None, 0.9) == 4 * 2**30
     assert platform.kv_budget_bytes(0.5, 0.9) == 2**29
     assert platform.reserved_bytes() == 0
     with pytest.raises(ValueError, match="No tokenmill platform for device type 'meta'"):
         get_platform(torch.device("meta"))
+
+
+def test_the_cpu_kv_budget_is_the_machines_split_across_its_ranks(monkeypatch):
+    """An asked-for budget is the machine's, shared by the ranks on it; the default is what
+    the batch can fill, within 4 GiB and a quarter of the free memory; a budget larger than
+    the free memory is refused before any rank allocates."""
+    from tokenmill.platforms import cpu
+
+    platform = CpuPlatform(torch.device("cpu"))
+    assert cpu.available_memory() > 0  # (this machine's)
+    monkeypatch.setattr(cpu, "available_memory", lambda: 64 * 2**30)
+    assert platform.kv_budget_bytes(3.0, 0.9, ranks_here=3) == 2**30
+    assert platform.kv_budget_bytes(None, 0.9) == 4 * 2**30  # 4 GiB < 64 / 4
+    assert platform.kv_budget_bytes(None, 0.9, ranks_here=2) == 2 * 2**30
+    assert platform.kv_budget_bytes(None, 0.9, wanted=2**20) == 2**20  # the batch fills 1 MiB
+    monkeypatch.setattr(cpu, "available_memory", lambda: 8 * 2**30)
+    assert platform.kv_budget_bytes(None, 0.9, ranks_here=2) == 2**30  # 8 / 4, over 2 ranks
+    platform.check_kv_budget(7.5)
+    with pytest.raises(ValueError, match=r"^--kv-cache-memory 9 GiB does not fit: this machine "
+                                         r"has 8.0 GiB free"):
+        platform.check_kv_budget(9)
 
 
 def test_an_out_of_tree_platform_plugs_in(monkeypatch):
@@ -41,7 +61,7 @@ def test_an_out_of_tree_platform_plugs_in(monkeypatch):
         def attention_backend(self, choice):
             return TorchSDPABackend()
 
-        def kv_budget_bytes(self, gib, utilization, profile=None):
+        def kv_budget_bytes(self, gib, utilization, profile=None, **_):
             return 2**20
 
     platform = get_platform(torch.device("meta"))

@@ -59,11 +59,13 @@ class EngineCore:
         engine-core process; the server then applies its engine-death policy)."""
         from tokenmill.executor.multiproc import WorkerGroup
         from tokenmill.executor.ray_executor import RayWorkerGroup
-        from tokenmill.worker.model_runner import ModelRunner  # torch only from here on
+        from tokenmill.platforms import check_kv_budget  # torch only from here on
+        from tokenmill.worker.model_runner import ModelRunner
 
         self.config = config
         hf_config = load_hf_config(model_path)
         check_tensor_parallel(config, hf_config)  # (one line, before any rank starts)
+        check_kv_budget(config)
         self.model_config = model = ModelConfig(model_path, hf_config,
                                                 derive_max_model_len(config, hf_config))
         scheduler_config = SchedulerConfig.of(config, model.max_model_len)

@@ -201,9 +201,11 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
 
     from tokenmill.loading.checkpoint import load_hf_config
     from tokenmill.models.info import check_tensor_parallel, derive_max_model_len
+    from tokenmill.platforms import check_kv_budget
 
     hf_config = load_hf_config(model_path)
     check_tensor_parallel(config, hf_config)
+    check_kv_budget(config)
     model = ModelConfig(model_path, hf_config, derive_max_model_len(config, hf_config))
     group = WorkerGroup(config, model, exit_on_death=False)
     stop, lost = threading.Event(), threading.Event()

@@ -14,7 +14,8 @@ import torch
 
 from tokenmill.platforms.interface import _PLATFORMS, Platform, register_platform
 
-__all__ = ["Platform", "get_platform", "register_platform", "resolve_device"]
+__all__ = ["Platform", "check_kv_budget", "get_platform", "register_platform",
+           "resolve_device"]
 
 
 def get_platform(device: torch.device) -> Platform:
@@ -43,3 +44,10 @@ def resolve_device(name: str, rank: int = 0, ranks_per_node: int = 1) -> torch.d
         raise ValueError(f"{ranks_per_node} parallel ranks per node need as many GPUs; "
                          f"{visible} visible (CUDA_VISIBLE_DEVICES).")
     return torch.device("cuda", rank % ranks_per_node)
+
+
+def check_kv_budget(config) -> None:
+    """Before any rank starts: the asked-for KV budget (an EngineConfig's) fits this
+    machine's device (one-line ValueError otherwise)."""
+    device = resolve_device(config.device, 0, config.ranks_per_node)
+    get_platform(device).check_kv_budget(config.kv_cache_memory_gib)

@@ -1,6 +1,7 @@
-"""The CPU: float32, the torch backend (compiled kernels + SDPA), a 4 GiB KV budget by
-default, glibc told to keep freed step buffers; Triton kernels only in Triton's interpreter
-(tests)."""
+"""The CPU: float32, the torch backend (compiled kernels + SDPA), a KV budget that is the
+machine's (split across the ranks on it; by default what the batch can fill, at most 4 GiB and
+a quarter of the free memory), glibc told to keep freed step buffers; Triton kernels only in
+Triton's interpreter (tests)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,42 @@ class CpuPlatform(Platform):
 
         return TorchSDPABackend()
 
-    def kv_budget_bytes(self, gib, utilization, profile=None) -> int:
-        return int((4.0 if gib is None else gib) * 2**30)
+    def kv_budget_bytes(self, gib, utilization, profile=None, *, ranks_here: int = 1,
+                        wanted: int | None = None) -> int:
+        """This rank's share of the machine's budget: `gib` (checked against free memory
+        before the ranks start: `check_kv_budget`), else `wanted` (max_num_seqs full
+        contexts) within DEFAULT_KV_GIB and a quarter of the free memory."""
+        if gib is not None:
+            return int(gib * 2**30 / ranks_here)
+        machine = min(DEFAULT_KV_GIB * 2**30, available_memory() // 4)
+        share = machine // ranks_here
+        return share if wanted is None else min(share, wanted)
+
+    def check_kv_budget(self, gib: float | None) -> None:
+        if gib is not None and gib * 2**30 > (free := available_memory()):
+            raise ValueError(f"--kv-cache-memory {gib:g} GiB does not fit: this machine has "
+                             f"{free / 2**30:.1f} GiB free; ask for less (or leave it out: "
+                             "the default is sized from the model and the free memory).")
 
     def setup_process(self) -> None:
         keep_freed_cpu_memory()
+
+
+DEFAULT_KV_GIB = 4  # vLLM-CPU's default KV space (VLLM_CPU_KVCACHE_SPACE)
+
+
+def available_memory() -> int:
+    """Bytes this machine can still hand out (MemAvailable: free plus reclaimable cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # (free pages only)
 
 
 def keep_freed_cpu_memory() -> None:

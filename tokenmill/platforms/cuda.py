@@ -53,7 +53,8 @@ class CudaPlatform(Platform):
     def reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device)
 
-    def kv_budget_bytes(self, gib, utilization, profile=None) -> int:
+    def kv_budget_bytes(self, gib, utilization, profile=None, *, ranks_here=1,
+                        wanted=None) -> int:
         """`utilization` x the card, less what is in use (weights, CUDA context, torch's
         cache) and the peak the largest step allocates above that (`profile`). The CUDA
         graphs, captured after the cache is bound, come on top (ModelRunner.graph_bytes)."""

@@ -32,9 +32,18 @@ class Platform(ABC):
 
     @abstractmethod
     def kv_budget_bytes(self, gib: float | None, utilization: float,
-                        profile: Callable[[], None] | None = None) -> int:
-        """Bytes for K/V blocks: `gib` when set, else this device's default; `profile` runs
-        the largest step once (its activations must fit beside the cache)."""
+                        profile: Callable[[], None] | None = None, *, ranks_here: int = 1,
+                        wanted: int | None = None) -> int:
+        """Bytes for this rank's K/V blocks: `gib` when set, else this device's default;
+        `profile` runs the largest step once (its activations must fit beside the cache);
+        `ranks_here`: ranks sharing this machine's memory (a device's own memory is not
+        shared); `wanted`: what max_num_seqs full contexts take (a default need not exceed
+        it)."""
+
+    def check_kv_budget(self, gib: float | None) -> None:
+        """A ValueError, before any rank allocates, where an asked-for budget of `gib` GiB
+        cannot fit (default: a device's budget is checked as it is allocated)."""
+        return None
 
     def reserved_bytes(self) -> int:
         """Device memory this process holds in torch's caching allocator (0 where it has
