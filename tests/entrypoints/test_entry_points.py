@@ -107,3 +107,22 @@ def test_every_module_is_in_a_package_an_install_includes():
     folders = {p.parent.relative_to(root).as_posix().replace("/", ".")
                for p in (root / "tokenmill").rglob("*.py")}
     assert folders <= found, sorted(folders - found)
+
+
+def test_generate_shows_loading_progress_when_asked(tiny_models):
+    """--progress prints loading's steps with their times on stderr, in the order they
+    happen; without it (stderr not a terminal) they stay off the output."""
+    import re
+
+    base = [*_CLI, "generate", "--model", tiny_models("llama")[0], "--prompt", "Paris is",
+            "--max-tokens", "2"]
+    shown = subprocess.run([*base, "--progress"], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    steps = [re.sub(r"^\[ *[\d.]+ s\] ", "", line) for line in shown.stderr.splitlines()
+             if re.match(r"^\[ *[\d.]+ s\] ", line)]
+    order = [next(i for i, s in enumerate(steps) if s.startswith(prefix))
+             for prefix in ("loading ", "tokenizer ready", "Linear kernels", "KV cache: ")]
+    assert order == sorted(order)
+    assert "1.0 full contexts" in steps[order[-1]]  # one prompt: a cache for one context
+    quiet = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "KV cache" not in quiet.stderr

@@ -1,5 +1,6 @@
 """GGUF files written here with gguf.GGUFWriter load back to the HF tensors they came from."""
 
+import os
 import types
 
 import numpy as np
@@ -164,3 +165,27 @@ def test_q5_kept_where_k_is_a_multiple_of_64(kind, k):
         torch.testing.assert_close(kernel.apply(types.SimpleNamespace(bias=None), x), expect,
                                    rtol=1e-5, atol=1e-5 * float(expect.abs().max()))
 
+
+
+def test_a_gguf_tokenizer_read_back_from_the_cache_is_the_one_built(tmp_path, monkeypatch):
+    """The tokenizer transformers builds from a GGUF's metadata is kept in the cache; the
+    next load reads it from there and encodes, decodes and renders chats the same."""
+    from tokenmill.loading.gguf import _tokenizer_cache, default_model_path, load_gguf_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = default_model_path()
+    built = load_gguf_tokenizer(path)
+    folder = _tokenizer_cache(path)
+    assert folder.startswith(str(tmp_path)) and os.path.isfile(folder + "/tokenizer.json")
+    cached = load_gguf_tokenizer(path)
+    assert type(cached) is type(built) and len(cached) == len(built)
+    texts = ["The capital of France is", "<|im_start|>user\nhi<|im_end|>", " spaces  and\ttabs",
+             "émigré 東京 🙂", ""]
+    for text in texts:
+        assert cached.encode(text) == built.encode(text), text
+        assert cached.decode(built.encode(text)) == built.decode(built.encode(text))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (cached.bos_token_id, cached.eos_token_id, cached.all_special_ids) == \
+        (built.bos_token_id, built.eos_token_id, built.all_special_ids)

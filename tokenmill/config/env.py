@@ -1,6 +1,6 @@
 """The environment, read here and nowhere else: typed reads of variables with messages that
 name the variable (`Env`), and the switches read outside a server's start-up (the metrics
-directory, the downloader's MD5_CHECK, TRITON_INTERPRET, the hub to use)."""
+directory, the downloader's MD5_CHECK, TRITON_INTERPRET, the hub to use, the cache folder)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ class Env:
         if found[1] not in ("0", "1"):
             raise ValueError(f"Environment variable {name} must be 0 or 1, got {found[1]!r}.")
         return found[1] == "1"
+
+
+def cache_dir(environ=None) -> str:
+    """tokenmill's cache folder (built kernels, converted GGUF tokenizers): XDG_CACHE_HOME's
+    or ~/.cache's tokenmill/."""
+    base = Env(environ).text("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                               ".cache")
+    return os.path.join(base, "tokenmill")
 
 
 def share_metrics_dir(path: str) -> None:

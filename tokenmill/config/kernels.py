@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from tokenmill.config.env import Env
+from tokenmill.config.env import Env, cache_dir
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,11 @@ class CpuKernelSettings:
 
     @classmethod
     def from_env(cls, environ=None) -> CpuKernelSettings:
+        cache = cache_dir(environ)
         environ = Env(environ).environ
-        cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return cls(enabled=environ.get("TOKENMILL_CPU_KERNELS", "1") != "0",
                    compiler=environ.get("CC", "cc"),
-                   cache_dir=os.path.join(cache, "tokenmill", "kernels"),
+                   cache_dir=os.path.join(cache, "kernels"),
                    int_dot=environ.get("TOKENMILL_CPU_INT_DOT", "1") != "0",
                    decode_step=environ.get("TOKENMILL_CPU_DECODE_STEP", "1") != "0",
                    gguf_compact=environ.get("TOKENMILL_GGUF_COMPACT", "1") != "0")

@@ -63,6 +63,7 @@ def _build(compiler: str, cache_dir: str) -> str:
     if os.path.isfile(target):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    logger.info("building the CPU kernels for this machine (once: cached in %s)", cache_dir)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,8 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template, bad_words_token_ids, eos_token_ids
 
+logger = logging.getLogger(__name__)
+
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text beside it).
 PromptType = str | dict[str, Any]
 
@@ -26,7 +29,9 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model, revision=config.revision,
                                              cache_dir=config.download_dir)
+        logger.info("loading %s", self.model_path)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        logger.info("tokenizer ready (%d tokens)", len(self.tokenizer))
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.model_path)
         # (read before the engine loads: a bad file fails first)
         self.sampling_defaults = sampling_defaults(self.model_path, config.generation_config,

@@ -35,10 +35,32 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
+def _show_progress(enabled: bool | None) -> None:
+    """Loading's steps on stderr, each with the seconds since start (a terminal by default:
+    the first run of a model takes a while, and this says where)."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return
+
+    class Elapsed(logging.Formatter):
+        def format(self, record):
+            return f"[{record.relativeCreated / 1000:5.1f} s] {record.getMessage()}"
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(Elapsed())
+    root = logging.getLogger("tokenmill")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    _show_progress(args.progress)
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    # One prompt: a KV cache for one full context (not a batch's), so it is quick to set up.
+    llm = LLM(args.model, max_num_seqs=1, **_engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
     if args.chat:
@@ -118,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None,
                      help="this prompt's own seed (SamplingParams.seed): the same seed, the "
                           "same sample, whatever --seed is")
+    gen.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="print loading's steps with their times on stderr (default: when "
+                          "stderr is a terminal)")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks (see bench/)")

@@ -254,6 +254,54 @@ def _expert_weights(tensor: Any, pattern: str, keep_quantized: bool
 
 
 def load_gguf_tokenizer(path: str) -> Any:
+    """The fast tokenizer and chat template from the GGUF metadata, built by transformers
+    (seconds: it parses the whole vocabulary) and kept as a tokenizer folder in the cache, so
+    the next start of the same file reads that (a fraction of a second)."""
+    from transformers import AutoTokenizer
+
+    folder = _tokenizer_cache(path)
+    if folder is not None and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        except (OSError, ValueError):
+            logger.warning("the cached tokenizer in %s does not load: building it again", folder)
+    tokenizer = _build_gguf_tokenizer(path)
+    if folder is not None:
+        import shutil
+        import tempfile
+
+        try:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
+            tokenizer.save_pretrained(tmp)
+            try:  # (whole, or not at all: another process may be writing the same one)
+                os.rename(tmp, folder)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as exc:  # a read-only cache: every start builds it
+            logger.info("tokenizer not cached (%s)", exc.strerror or exc)
+    return tokenizer
+
+
+def _tokenizer_cache(path: str) -> str | None:
+    """The cache folder of this file's tokenizer: keyed by the file (path, size, mtime) and
+    the transformers version that built it."""
+    import hashlib
+
+    import transformers
+
+    from tokenmill.config.env import cache_dir
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(), "gguf-tokenizers", digest)
+
+
+def _build_gguf_tokenizer(path: str) -> Any:
     """transformers builds the fast tokenizer and chat template from the GGUF metadata. For
     an architecture whose GGUF config transformers does not read (DeepSeek's `deepseek2`),
     the tokenizer is built from the same metadata by transformers' GGUF tokenizer reader
