@@ -233,3 +233,19 @@ def test_markers_that_are_special_tokens_are_noted(tmp_path):
     assert not get_parser("hermes").bind(tok).special_markers
     ids = tok.encode("[TOOL_CALLS]", add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == ""  # (why it matters)
+
+
+def test_the_parser_a_chat_template_names():
+    """A template's tool-call format picks the parser only where exactly one is named."""
+    from tokenmill.entrypoints.parsers.tool_calls import parser_for_template
+
+    hermes = "{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>\n{{ call }}</tool_call>"
+    assert parser_for_template(hermes) == "hermes"
+    assert parser_for_template({"default": "{{ m }}", "tool_use": hermes}) == "hermes"
+    assert parser_for_template("{{ bos }}[TOOL_CALLS]{{ calls | tojson }}") == "mistral"
+    assert parser_for_template("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>") == "deepseek_v3"
+    assert parser_for_template("Given the following functions, please respond with a JSON "
+                               "for a function call with its proper arguments") == "llama3_json"
+    for none in (None, "", "{{ messages }}", "[{{ name }}({{ args }})]",
+                 "<tool_call>{{ a }}</tool_call>[TOOL_CALLS]"):
+        assert parser_for_template(none) is None, none

@@ -205,10 +205,28 @@ def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
     assert info.value.status_code == 400 and info.value.body["param"] == param, info.value.body
 
 
-def test_auto_needs_a_parser(tool_model):
+def test_the_parser_is_chosen_from_the_template_else_auto_needs_one(tool_model, tmp_path):
+    """No --tool-call-parser: the template's <tool_call> format picks hermes, and auto reads
+    the call; a template whose tool-call format names no parser leaves auto refused."""
+    import shutil
+
     from tests.serving import service_over_engine
 
-    with service_over_engine(tool_model[0], max_dec_len=256) as thread:  # (no parser)
+    with service_over_engine(tool_model[0], max_dec_len=256) as thread:  # (no parser flag)
+        chosen = openai.OpenAI(base_url=thread.base + "/v1", api_key="x", max_retries=0)
+        whole = chosen.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=1.0,
+            seed=0, extra_body={"guided_regex": CALL_REGEX}).choices[0]
+        assert whole.finish_reason == "tool_calls"
+        assert _calls(whole.message)[0][0] == "get_weather"
+    path = str(tmp_path / "unnamed")
+    shutil.copytree(tool_model[0], path)
+    tok = tool_model[1]
+    tok.chat_template = TEMPLATE.replace("<tool_call>", "<call>").replace("</tool_call>",
+                                                                          "</call>")
+    tok.save_pretrained(path)
+    tok.chat_template = TEMPLATE
+    with service_over_engine(path, max_dec_len=256) as thread:
         plain = openai.OpenAI(base_url=thread.base + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
             plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,

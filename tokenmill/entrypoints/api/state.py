@@ -3,6 +3,7 @@ limits and admission (`ServerState`, built from `ApiSettings` by `build_state`),
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,10 +14,12 @@ from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.dp_client import DataParallelClient
 from tokenmill.entrypoints.api.prompts import PromptEncoder
 from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
-from tokenmill.entrypoints.parsers.tool_calls import get_parser
+from tokenmill.entrypoints.parsers.tool_calls import get_parser, parser_for_template
 from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.metrics import Metrics
 from tokenmill.tokenizer import eos_token_ids
+
+logger = logging.getLogger(__name__)
 
 # A reservation not taken up by the engine within this time (its response was never
 # started, e.g. the client left first) stops counting.
@@ -156,13 +159,17 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
     info = engine.client.info
     blocks = info.num_kv_blocks // client.num_replicas
     max_len = min(engine.max_model_len, blocks * info.block_size)
+    tool_parser = config.tool_call_parser
+    if tool_parser is None and (tool_parser := parser_for_template(tokenizer.chat_template)):
+        logger.info("tool calls: the %s parser, as the chat template's tool-call format "
+                    "(--tool-call-parser picks another)", tool_parser)
     return ServerState(settings=settings, engine=engine, tokenizer=tokenizer,
                        max_model_len=max_len,
                        max_seq_len=min(config.max_seq_len or max_len - 1, max_len - 1),
                        reasoning=ReasoningParser(config.reasoning_parser)
                        if config.reasoning_parser else None,
-                       tool_parser=get_parser(config.tool_call_parser).bind(tokenizer)
-                       if config.tool_call_parser else None)
+                       tool_parser=get_parser(tool_parser).bind(tokenizer)
+                       if tool_parser else None)
 
 
 def readiness(state: ServerState | None) -> tuple[bool, str]:

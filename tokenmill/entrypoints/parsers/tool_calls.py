@@ -253,6 +253,26 @@ PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3Parser, "pythonic": PythonicParser}
 
 
+# What a chat template writes for a tool call, per parser: a template showing exactly one of
+# these gets that parser without --tool-call-parser (pythonic calls have no marker of their
+# own, so they are never guessed).
+TEMPLATE_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+                    "deepseek_v3": ("tool▁calls▁begin",),
+                    "llama3_json": ("Given the following functions, please respond with a "
+                                    "JSON for a function call",)}
+
+
+def parser_for_template(template: str | dict | None) -> str | None:
+    """The parser a chat template's tool-call format names, when it names exactly one."""
+    if isinstance(template, dict):  # (named templates: "default", "tool_use", ...)
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    if not template:
+        return None
+    found = [name for name, markers in TEMPLATE_MARKERS.items()
+             if any(m in template for m in markers)]
+    return found[0] if len(found) == 1 else None
+
+
 def get_parser(name: str) -> ToolParser:
     if name not in PARSERS:
         raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {name!r}.")
