@@ -197,3 +197,16 @@ def test_bad_node_variables_are_named(env, message):
     with pytest.raises(ValueError) as err:
         build_server_config([], {**SEED_NODES, **env})
     assert message in str(err.value)
+
+
+def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path):
+    import json
+
+    from tokenmill.loading.checkpoint import load_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "my_new_lm",
+                                                      "architectures": ["MyNewLM"]}))
+    with pytest.raises(ValueError) as err:
+        load_hf_config(str(tmp_path))
+    assert "of a type transformers does not know ('my_new_lm')" in str(err.value)
+    assert "LlamaForCausalLM" in str(err.value) and "\n" not in str(err.value)

@@ -71,10 +71,14 @@ def load_hf_config(path: str) -> Any:
         config = AutoConfig.from_pretrained(path)
     except ValueError:
         with open(os.path.join(path, "config.json")) as f:
-            needs_code = "auto_map" in json.load(f)
-        if not needs_code:
-            raise
+            raw = json.load(f)
         from tokenmill.models.registry import SUPPORTED_ARCHITECTURES
+        if not isinstance(raw, dict) or "auto_map" not in raw:  # (transformers' own message
+            # runs to paragraphs of upgrade advice: one line instead)
+            kind = raw.get("model_type") if isinstance(raw, dict) else None
+            raise ValueError(f"Model {path!r} is of a type transformers does not know "
+                             f"({kind!r}), so tokenmill cannot serve it; supported "
+                             f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
         raise ValueError(f"Model {path!r} needs its own Python code (config.json `auto_map`), "
                          "which tokenmill never runs, --trust-remote-code or not; supported "
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
