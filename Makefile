@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
-.PHONY: install install-base test serve lint bench clean
+.PHONY: install install-base test serve lint bench docs clean
 
 install: $(STAMP)
 install-base: $(BASE)
@@ -38,6 +38,11 @@ serve: install-base
 
 lint: install
 	$(VENV)/bin/ruff check tokenmill tests bench
+
+# The user guide: regenerate the configuration reference, then build it strictly into site/.
+docs: install
+	$(PY) docs/gen_reference.py
+	$(VENV)/bin/mkdocs build --strict
 
 bench: install
 	$(PY) bench/offline_throughput.py

@@ -21,15 +21,15 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     p = argparse.ArgumentParser(
         prog=prog,
         description=description or "Serve a model over the native, OpenAI and Triton-generate "
-                    "HTTP APIs and KServe gRPC. Flags override the seed's environment "
-                    "variables (PaddleNLP's server: MODEL_DIR, BATCH_SIZE, ...), which override "
-                    "defaults.")
+                    "HTTP APIs and KServe gRPC. Flags override PaddleNLP's environment "
+                    "variables (MODEL_DIR, BATCH_SIZE, ...), which override defaults.")
     g = p.add_argument_group("model", "what is served and how its weights load")
     a = g.add_argument
     a("model", nargs="?", default=None,
       help="HF directory, .gguf file or hub name (env MODEL_DIR; default: the bundled "
            "SmolLM2-135M-Instruct)")
-    a("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    a("--model", dest="model_flag", default=None, metavar="MODEL",
+      help="same as the positional MODEL")
     a("--tokenizer", default=None, help="a tokenizer folder other than the model's")
     a("--revision", default=None, help="a hub name's branch, tag or commit (default main)")
     a("--download-dir", default=None, help="where hub names are downloaded (default: the "

@@ -86,3 +86,78 @@ def hub_source(environ=None) -> str:
     vllm = env.raw("VLLM_USE_MODELSCOPE")  # (vLLM takes "true" / "True")
     return "modelscope" if env.flag("TOKENMILL_USE_MODELSCOPE") or \
         (vllm is not None and vllm[1].strip().lower() in ("1", "true")) else "hf"
+
+
+# Every environment variable tokenmill reads, with the flag it stands beside ("" where there is
+# none) and what it does: the configuration reference is generated from this table, and a test
+# checks every variable read above and in the configuration modules is listed here.
+VARIABLES: dict[str, tuple[str, str]] = {
+    # the seed's server variables (PaddleNLP's start_server): flags win over them
+    "MODEL_DIR": ("MODEL", "the model to serve: an HF folder, a .gguf file or a hub name"),
+    "SERVICE_HTTP_PORT": ("--port", "API port (old name PUSH_MODE_HTTP_PORT, which wins)"),
+    "PUSH_MODE_HTTP_PORT": ("--port", "the API port's old name"),
+    "HEALTH_HTTP_PORT": ("--health-port", "health port (old name HTTP_PORT, which wins)"),
+    "HTTP_PORT": ("--health-port", "the health port's old name"),
+    "METRICS_HTTP_PORT": ("--metrics-port", "metrics port (old name METRICS_PORT, which wins)"),
+    "METRICS_PORT": ("--metrics-port", "the metrics port's old name"),
+    "SERVICE_GRPC_PORT": ("--grpc-port", "gRPC port (old name GRPC_PORT, which wins)"),
+    "GRPC_PORT": ("--grpc-port", "the gRPC port's old name"),
+    "INTER_PROC_PORT": ("", "PaddleNLP's queue-service port (old name INFER_QUEUE_PORT): "
+                            "accepted, no effect; the engine link is a unix socket"),
+    "INFER_QUEUE_PORT": ("", "INTER_PROC_PORT's old name: accepted, no effect"),
+    "PUSH_MODE_HTTP_WORKERS": ("--http-workers", "API processes, 1-8"),
+    "BATCH_SIZE": ("--max-num-seqs", "sequences per step (at most 256)"),
+    "BLOCK_SIZE": ("--block-size", "tokens per KV block"),
+    "BLOCK_BS": ("--num-kv-blocks", "KV blocks as PaddleNLP sizes them: BLOCK_BS x "
+                                    "ceil(max(MAX_DEC_LEN, MAX_SEQ_LEN) / block size)"),
+    "BLOCK_RATIO": ("", "checked to be in (0, 1], no effect: PaddleNLP's prefill/decode "
+                        "split of the cache; tokenmill has one pool"),
+    "MAX_SEQ_LEN": ("--max-seq-len", "native API: most prompt tokens"),
+    "MAX_DEC_LEN": ("--max-dec-len", "native API: most new tokens, and the default"),
+    "MAX_CACHED_TASK_NUM": ("--max-cached-task-num", "queued requests before 503"),
+    "DTYPE": ("--dtype", "auto, float32, bfloat16, float16"),
+    "USE_CACHE_KV_INT8": ("--kv-cache-dtype int8", "1: int8 K/V blocks"),
+    "DISABLE_STREAMING": ("--disable-streaming", "1: stream requests are refused"),
+    "USE_WARMUP": ("--use-warmup", "1: one short request before reporting ready"),
+    "CHECK_HEALTH_INTERVAL": ("", "seconds without an engine heartbeat before it counts as "
+                                  "dead (default 10)"),
+    "FD_LOG_DIR": ("--log-dir", "where start_server writes server.log and server.pid"),
+    "VLLM_API_KEY": ("--api-key", "require Authorization: Bearer KEY"),
+    "SPECULATE_METHOD": ("--speculative-config", "PaddleNLP's speculative decoding: "
+                                                 "inference_with_reference, eagle or mtp"),
+    "SPECULATE_MAX_DRAFT_TOKEN_NUM": ("--speculative-config", "draft tokens per step"),
+    "SPECULATE_MAX_NGRAM_SIZE": ("--speculative-config", "ngram: longest n-gram matched"),
+    "SPECULATE_MODEL_PATH": ("--speculative-config", "mtp: the checkpoint holding the MTP "
+                                                     "layers"),
+    "SPECULATE_MODEL_QUANT_TYPE": ("--speculative-config", "mtp: the draft layers' "
+                                                           "quantization"),
+    # several machines
+    "MP_NUM": ("--tensor-parallel-size", "every rank (tensor x pipeline parallel)"),
+    "MP_NNODE": ("--nnodes", "nodes sharing the ranks"),
+    "POD_IPS": ("", "the nodes' addresses, node 0 first (a node's index is its place here)"),
+    "POD_0_IP": ("--master-addr", "node 0's address (POD_IPS' first)"),
+    "HOST_IP": ("", "this node's address in POD_IPS (default: the local one)"),
+    "MASTER_ADDR": ("--master-addr", "node 0's rendezvous address"),
+    "MASTER_PORT": ("--master-port", "node 0's rendezvous port (default 29500)"),
+    "OMPI_COMM_WORLD_RANK": ("--node-rank", "this node's index under mpirun (Open MPI)"),
+    "PMI_RANK": ("--node-rank", "this node's index under mpirun (MPICH, Intel MPI)"),
+    "RAY_ADDRESS": ("--distributed-executor-backend ray", "the Ray cluster to join"),
+    # models and hubs
+    "TOKENMILL_USE_MODELSCOPE": ("--source modelscope", "1: hub names come from ModelScope"),
+    "VLLM_USE_MODELSCOPE": ("--source modelscope", "vLLM's spelling of the same (true / 1)"),
+    "MD5_CHECK": ("", "tokenmill download: 1 hashes files already present again"),
+    # kernels (read once at start-up)
+    "TOKENMILL_CPU_KERNELS": ("", "0: no compiled CPU kernels (torch ops only)"),
+    "TOKENMILL_CPU_INT_DOT": ("", "0: int8/int4 layers keep float32 activations"),
+    "TOKENMILL_CPU_DECODE_STEP": ("", "0: decode steps layer by layer from Python"),
+    "TOKENMILL_GGUF_COMPACT": ("", "0: GGUF Q6_K and Q5 blocks widened to int8"),
+    "TOKENMILL_GPU_SKINNY_LINEAR": ("", "1: 16-bit linears of small batches on Triton "
+                                        "kernels"),
+    "TOKENMILL_GPU_PIECEWISE_GRAPHS": ("", "0: no piecewise CUDA graphs"),
+    "TOKENMILL_CPU_GRAPH_BUCKETS": ("", "1: the CUDA-graph buckets run eagerly on the CPU "
+                                        "(tests)"),
+    "TOKENMILL_FP8_BLOCKS": ("", "auto, keep or dequantize: how block-FP8 checkpoints load"),
+    "TRITON_INTERPRET": ("", "1: Triton kernels run in Triton's interpreter (on the CPU)"),
+    "CC": ("", "the C compiler of the CPU kernels (default cc)"),
+    "XDG_CACHE_HOME": ("", "the cache folder's parent (built kernels, GGUF tokenizers)"),
+}
