@@ -189,3 +189,20 @@ def test_a_gguf_tokenizer_read_back_from_the_cache_is_the_one_built(tmp_path, mo
         built.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (cached.bos_token_id, cached.eos_token_id, cached.all_special_ids) == \
         (built.bos_token_id, built.eos_token_id, built.all_special_ids)
+
+
+def test_the_plain_view_reader_reads_what_ggufs_reader_reads():
+    """The loader's reader (gguf's parser over a plain view of the map, for speed) gives the
+    same fields, values and tensor bytes as gguf's own reader of the file."""
+    from gguf import GGUFReader
+
+    path = gguf_loader.default_model_path()
+    ours, theirs = gguf_loader._reader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, list(mine.shape)) == \
+            (ref.name, ref.tensor_type, list(ref.shape))
+        assert np.array_equal(mine.data, ref.data), mine.name

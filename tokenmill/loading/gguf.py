@@ -34,10 +34,23 @@ def default_model_path() -> str:
 
 @lru_cache(maxsize=4)
 def _reader(path: str) -> Any:
-    # Parsing the metadata (token arrays) takes seconds; config and weights share one reader,
-    # which iter_gguf_weights lets go once the weights are read.
+    """gguf's reader over a plain array view of the file's map. Its parser makes a view per
+    value (~500k for a 49k-token vocabulary), and each view of a `np.memmap` runs memmap's
+    own bookkeeping: 6.3 s for the default model's file, 1.6 s over the plain view (the same
+    bytes, the same fields and tensors). Config and weights share one reader, which
+    iter_gguf_weights lets go once the weights are read."""
     from gguf import GGUFReader
-    return GGUFReader(path)
+
+    class PlainViewReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:  # (GGUFReader.__init__ maps the file)
+            self._plain = mapped.view(np.ndarray)
+
+    return PlainViewReader(path)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
