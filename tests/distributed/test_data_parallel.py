@@ -34,7 +34,10 @@ def running(served: Served, engine: str) -> float:
 
 
 def test_two_replicas_route_by_prefix_then_load_and_die_together(tiny_models, tmp_path):
-    served = Served(tiny_models("llama_long")[0], tmp_path, "--data-parallel-size", "2")
+    # (the KV budget is the machine's, shared by the replicas: each gets the 0.02 GiB a
+    # single engine gets in the other tests)
+    served = Served(tiny_models("llama_long")[0], tmp_path, "--data-parallel-size", "2",
+                    "--kv-cache-memory", "0.04")
     served.start()
     try:
         served.wait_ready()

@@ -93,6 +93,12 @@ class EngineConfig:
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
 
+    @property
+    def ranks_on_machine(self) -> int:
+        """Every rank of every data-parallel replica on this machine: they share its cores
+        and, on a CPU, its KV budget."""
+        return self.ranks_per_node * self.data_parallel_size
+
     def __post_init__(self) -> None:
         from tokenmill.config.model_names import split_precision
 

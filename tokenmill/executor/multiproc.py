@@ -34,7 +34,7 @@ def threads_per_rank(config: EngineConfig) -> int:
     """This node's cores shared out among its ranks of every data-parallel replica: one
     rank's threads never compete with another's."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // (config.ranks_per_node * config.data_parallel_size))
+    return max(1, (cores or 1) // config.ranks_on_machine)
 
 
 def join_as_rank0(group, config: EngineConfig, shm_paths: list[str] | None = None) -> None:

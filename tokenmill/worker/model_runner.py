@@ -126,8 +126,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB%s, %s): %d tokens, %.1f full "
                     "contexts of %d", self.num_blocks, self.block_size,
                     self.num_blocks * self.block_bytes / 2**30,
-                    f" on each of {self.config.ranks_per_node} ranks here"
-                    if self.config.ranks_per_node > 1 else "", self.kv_dtype, tokens,
+                    f" on each of {self.config.ranks_on_machine} ranks here"
+                    if self.config.ranks_on_machine > 1 else "", self.kv_dtype, tokens,
                     tokens / max_model_len, max_model_len)
 
     def _bind_cache(self, num_blocks: int) -> None:
@@ -161,7 +161,7 @@ class ModelRunner:
         full_contexts = self.config.max_num_seqs * -(-max_model_len // self.block_size)
         budget = self.platform.kv_budget_bytes(
             self.config.kv_cache_memory_gib, self.config.gpu_memory_utilization, profile,
-            ranks_here=self.config.ranks_per_node, wanted=full_contexts * self.block_bytes)
+            ranks_here=self.config.ranks_on_machine, wanted=full_contexts * self.block_bytes)
         num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)
         if num_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise kv_cache_memory_gib / "
