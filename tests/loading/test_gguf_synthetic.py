@@ -206,3 +206,23 @@ def test_the_plain_view_reader_reads_what_ggufs_reader_reads():
         assert (mine.name, mine.tensor_type, list(mine.shape)) == \
             (ref.name, ref.tensor_type, list(ref.shape))
         assert np.array_equal(mine.data, ref.data), mine.name
+
+
+def test_a_tokenizer_that_does_not_read_back_alike_is_not_cached(tmp_path, monkeypatch):
+    """transformers' save and load does not round-trip every GGUF tokenizer (a SentencePiece
+    vocabulary came back without its unknown token; test_convert's gemma2 round trip): such a
+    copy is never cached, and every start builds the tokenizer again."""
+    from tokenmill.loading import gguf as loader
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = loader.default_model_path()
+    real = loader._reads_back_alike
+    assert real(loader._build_gguf_tokenizer(path), str(tmp_path / "missing")) is False
+    monkeypatch.setattr(loader, "_reads_back_alike", lambda tokenizer, folder: False)
+    loader.load_gguf_tokenizer(path)
+    assert not os.path.exists(loader._tokenizer_cache(path))
+    assert not os.listdir(os.path.dirname(loader._tokenizer_cache(path)))  # no stray copy
+    monkeypatch.setattr(loader, "_reads_back_alike", real)
+    built = loader.load_gguf_tokenizer(path)
+    assert os.path.isfile(loader._tokenizer_cache(path) + "/tokenizer.json")
+    assert loader.load_gguf_tokenizer(path).encode(loader._PROBE) == built.encode(loader._PROBE)

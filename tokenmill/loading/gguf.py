@@ -280,6 +280,7 @@ def load_gguf_tokenizer(path: str) -> Any:
             logger.warning("the cached tokenizer in %s does not load: building it again", folder)
     tokenizer = _build_gguf_tokenizer(path)
     if folder is not None:
+        import contextlib
         import shutil
         import tempfile
 
@@ -287,13 +288,40 @@ def load_gguf_tokenizer(path: str) -> Any:
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             tmp = tempfile.mkdtemp(dir=os.path.dirname(folder))
             tokenizer.save_pretrained(tmp)
-            try:  # (whole, or not at all: another process may be writing the same one)
-                os.rename(tmp, folder)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
+            if _reads_back_alike(tokenizer, tmp):
+                # (whole, or not at all: another process may be writing the same one)
+                with contextlib.suppress(OSError):
+                    os.rename(tmp, folder)
+            shutil.rmtree(tmp, ignore_errors=True)
         except OSError as exc:  # a read-only cache: every start builds it
             logger.info("tokenizer not cached (%s)", exc.strerror or exc)
     return tokenizer
+
+
+# Text that exercises what a saved tokenizer can lose: spaces (leading, repeated), tabs and
+# newlines, accents, CJK and emoji (byte fallback), digits.
+_PROBE = " Hello  world\t1234\nÉmigré naïve 東京 🙂 end"
+
+
+def _reads_back_alike(tokenizer, folder: str) -> bool:
+    """Whether the tokenizer saved in `folder` loads and encodes, decodes and renders a chat
+    as `tokenizer` does: transformers' save and load of a tokenizer built from GGUF metadata
+    does not always round-trip (a SentencePiece vocabulary can come back without its unknown
+    token), and such a one is not cached."""
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        ids = tokenizer.encode(_PROBE)
+        same = (type(loaded) is type(tokenizer) and len(loaded) == len(tokenizer)
+                and loaded.encode(_PROBE) == ids and loaded.decode(ids) == tokenizer.decode(ids)
+                and loaded.all_special_ids == tokenizer.all_special_ids
+                and loaded.chat_template == tokenizer.chat_template)
+    except Exception:  # noqa: BLE001 (any failure to read it back: not cached)
+        return False
+    if not same:
+        logger.info("the tokenizer does not read back alike from a saved copy: not cached")
+    return same
 
 
 def _tokenizer_cache(path: str) -> str | None:
@@ -309,7 +337,8 @@ def _tokenizer_cache(path: str) -> str | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = (f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+           "|checked")  # (only copies that read back alike are written)
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return os.path.join(cache_dir(), "gguf-tokenizers", digest)
 
