@@ -26,6 +26,27 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     # but garbage NaNs in V would still poison `probs @ V`.
     row = head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
     shape = (num_blocks, block_size, num_kv_heads, row)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape if values else (0,), dtype=dtype, device=device))
+    zeros = _untouched_zeros if device.type == "cpu" else torch.zeros
+    return [(zeros(shape, dtype=dtype, device=device),
+             zeros(shape if values else (0,), dtype=dtype, device=device))
             for _ in range(num_layers)]
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """Zeros in host memory the OS hands out zeroed as it is first written (calloc of a fresh
+    map), so a KV cache is resident only as far as its blocks have been used: a server that
+    has seen a few requests holds a few blocks' pages, not the whole budget (torch.zeros
+    writes every byte at start-up)."""
+    import numpy as np
+
+    width = torch.empty((), dtype=dtype).element_size()
+    nbytes = width * int(np.prod(shape))
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN  # (rows on cache lines, as torch's allocator puts them)
+    words = raw[start:start + nbytes].view({1: np.uint8, 2: np.uint16, 4: np.uint32,
+                                            8: np.uint64}[width])
+    return torch.from_numpy(words.reshape(shape)).view(dtype)
+
+
+_ALIGN = 64
