@@ -19,7 +19,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     import argparse
 
     p = argparse.ArgumentParser(
-        prog=prog,
+        prog=prog, usage=f"{prog} [MODEL] [OPTIONS]",
+        epilog="Every option and environment variable, with its default: "
+               "docs/configuration.md.",
         description=description or "Serve a model over the native, OpenAI and Triton-generate "
                     "HTTP APIs and KServe gRPC. Flags override PaddleNLP's environment "
                     "variables (MODEL_DIR, BATCH_SIZE, ...), which override defaults.")
