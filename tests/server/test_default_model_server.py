@@ -88,3 +88,39 @@ def test_tritonclient_seed_model_answers(default_server):
             break
     client.stop_stream()
     assert "Paris" in text
+
+
+def test_the_shipped_tools_template_gives_the_default_model_tool_calls(tmp_path):
+    """The bundled model's own template renders no tools; with the ChatML template the repo
+    ships (examples/), its <tool_call> format picks the hermes parser: a required call
+    follows the tool's schema, and auto is served without --tool-call-parser."""
+    import pathlib
+
+    template = pathlib.Path(__file__).parents[2] / "examples" / "tool_chat_template_chatml.jinja"
+    served = Served("", tmp_path, "--max-model-len", "1024", "--chat-template", str(template))
+    served.args.remove("")
+    served.args[served.args.index("tiny")] = "smollm2"
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"], "additionalProperties": False}}}
+    messages = [{"role": "system", "content": "You help with the weather."},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    with served.running(timeout=300):
+        client = openai.OpenAI(base_url=served.api + "/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(model="smollm2", messages=messages,
+                                             tools=[weather], tool_choice="required",
+                                             max_tokens=64, temperature=0)
+        [call] = out.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {
+                "name": "get_weather", "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "14 C and sunny"}]
+        auto = client.chat.completions.create(model="smollm2", messages=history,
+                                              tools=[weather], max_tokens=16, temperature=0)
+        assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        rendered = httpx.post(served.api + "/tokenize", json={
+            "model": "smollm2", "messages": history, "return_token_strs": True}, timeout=60)
+        assert rendered.status_code == 200
+    assert b"tool calls: the hermes parser" in served.process.stdout.read()
