@@ -1,7 +1,8 @@
 """The user guide cannot rot: it builds strictly (no broken link or anchor, no page left out
 of the navigation), its configuration page is the one generated from the code, every
 environment variable tokenmill reads is in that page's table, and every example marked
-`<!-- runs -->` (in the guide and the README) runs against the bundled model's server."""
+`<!-- runs -->` (in the guide and the README) runs against the bundled model's server, as
+does every Python example (a command line with placeholders may stay unmarked)."""
 
 import os
 import pathlib
@@ -40,6 +41,9 @@ def test_every_marked_block_is_found():
         text = path.read_text()
         marks = len(re.findall("^" + re.escape(MARK) + "$", text, re.M))
         assert marks == len(re.findall(re.escape(MARK) + r"\n```\w+\n", text)), path
+        python = len(re.findall(r"^```python$", text, re.M))
+        assert python == len(re.findall(re.escape(MARK) + r"\n```python\n", text)), \
+            f"{path}: a Python example that is not run"
     assert len(BLOCKS) >= 8
 
 
@@ -76,7 +80,10 @@ def test_the_guide_builds_strictly(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    served = Served("", tmp_path_factory.mktemp("docs"), "--max-model-len", "1024")
+    # (with the ChatML template the repository ships, so the tool-calling example runs too)
+    template = ROOT / "examples" / "tool_chat_template_chatml.jinja"
+    served = Served("", tmp_path_factory.mktemp("docs"), "--max-model-len", "1024",
+                    "--chat-template", str(template))
     served.args.remove("")  # no MODEL argument: the bundled default
     served.args[served.args.index("tiny")] = "default"
     with served.running(timeout=300):
