@@ -27,6 +27,14 @@ def test_host_blocks_are_zero_aligned_and_of_their_dtype(dtype):
 
 
 def test_host_blocks_are_resident_only_once_written():
+    from tokenmill.platforms.cpu import keep_freed_cpu_memory
+
+    # A process that has used and freed more heap than the cache takes, as an engine has
+    # after loading a model (and glibc told to keep it): the cache must still be fresh pages,
+    # not that heap zeroed by writing.
+    keep_freed_cpu_memory()
+    churn = [torch.ones(2**20) for _ in range(96)]  # 4 MiB each: under the map threshold
+    del churn
     before = _resident_bytes()
     caches = allocate_kv_cache(4, 1024, 16, 4, 128, torch.float32, torch.device("cpu"))
     total = sum(t.numel() * t.element_size() for kv in caches for t in kv)  # 256 MiB

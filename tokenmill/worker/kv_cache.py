@@ -34,19 +34,20 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
-    """Zeros in host memory the OS hands out zeroed as it is first written (calloc of a fresh
-    map), so a KV cache is resident only as far as its blocks have been used: a server that
-    has seen a few requests holds a few blocks' pages, not the whole budget (torch.zeros
-    writes every byte at start-up)."""
+    """Zeros in host memory of a fresh anonymous map: the OS hands its pages out zeroed as
+    they are first written, so a KV cache is resident only as far as its blocks have been
+    used (a server that has seen a few requests holds a few blocks' pages, not the whole
+    budget; torch.zeros writes every byte at start-up). A map of its own, never the heap:
+    calloc would reuse memory the process freed before, and zero it by writing."""
+    import mmap
+
     import numpy as np
 
     width = torch.empty((), dtype=dtype).element_size()
-    nbytes = width * int(np.prod(shape))
-    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN  # (rows on cache lines, as torch's allocator puts them)
-    words = raw[start:start + nbytes].view({1: np.uint8, 2: np.uint16, 4: np.uint32,
-                                            8: np.uint64}[width])
+    count = int(np.prod(shape))
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, count * width)  # (page-aligned: rows on cache lines too)
+    words = np.frombuffer(pages, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32,
+                                        8: np.uint64}[width], count=count)
     return torch.from_numpy(words.reshape(shape)).view(dtype)
-
-
-_ALIGN = 64
