@@ -335,3 +335,30 @@ def test_k_m_mixes_are_llama_cpps(wide_model, tmp_path):
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert kinds(ours) == kinds(theirs)
+
+
+def test_convert_never_runs_a_checkpoints_code(tmp_path):
+    """A folder whose config.json maps to its own Python code (`auto_map`): transformers asks
+    on the terminal whether to run it and runs it on "y". convert refuses the folder by name
+    instead, whatever is typed, and the code never runs."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    marker = tmp_path / "code-ran"
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "evil_lm", "architectures": ["EvilForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"}}))
+    (folder / "configuration_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil_lm'\n")
+    done = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "convert",
+                           str(folder), str(tmp_path / "out.gguf")], input="y\ny\ny\n",
+                          capture_output=True, text=True, timeout=300)
+    assert not marker.exists()
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "needs its own Python code" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -64,7 +64,13 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
 
     from tokenmill.convert.gguf_writer import write_gguf
 
-    config = AutoConfig.from_pretrained(model)
+    # Never trust_remote_code=None: transformers would ask on the terminal whether to run a
+    # checkpoint's own code (config.json `auto_map`), and run it on "y". load_hf_config refuses
+    # such a folder by name first.
+    from tokenmill.loading.checkpoint import load_hf_config
+
+    load_hf_config(model)
+    config = AutoConfig.from_pretrained(model, trust_remote_code=False)
     arch = _gguf_arch((config.architectures or [""])[0])
     window = getattr(config, "sliding_window", None)
     if arch == "llama" and window and window < config.max_position_embeddings:
@@ -81,7 +87,7 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
         state.pop("lm_head.weight", None)  # (llama.cpp's files tie by leaving it out)
     tmp = out + ".tmp"
     write_gguf(tmp, arch, state, config, outtype=outtype,
-               tokenizer=AutoTokenizer.from_pretrained(model))
+               tokenizer=AutoTokenizer.from_pretrained(model, trust_remote_code=False))
     os.replace(tmp, out)  # (a half-written file never has the final name)
 
 
@@ -130,7 +136,8 @@ def _save_tokenizer(tokenizer, folder: str) -> None:
     tokenizer.save_pretrained(folder)
     probe = "Paris is the capital of France. 1234 émigré\n  x"
     try:
-        if AutoTokenizer.from_pretrained(folder).encode(probe) == tokenizer.encode(probe):
+        if AutoTokenizer.from_pretrained(folder, trust_remote_code=False).encode(probe) == \
+                tokenizer.encode(probe):
             return
     except Exception:  # (any failure of that class: the generic one below)
         pass

@@ -67,8 +67,8 @@ def load_hf_config(path: str) -> Any:
         from tokenmill.loading.gguf import load_gguf_config
         return load_gguf_config(path)
     from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(path)
+    try:  # (never None: transformers would ask on the terminal whether to run the code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except ValueError:
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)

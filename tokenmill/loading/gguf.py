@@ -351,7 +351,8 @@ def _build_gguf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
-                                             gguf_file=os.path.basename(path))
+                                             gguf_file=os.path.basename(path),
+                                             trust_remote_code=False)
     except ValueError as exc:
         if "not supported yet" not in str(exc):
             raise
