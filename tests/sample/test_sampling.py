@@ -257,3 +257,28 @@ def test_logit_bias_forces_and_bans_tokens(llm):
     assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """min_tokens holds back stop strings as it holds back stop tokens (vLLM checks stop
+    strings only once the output has more than min_tokens tokens): a stop string in the
+    first min_tokens tokens' text does not end the output."""
+    tok = llm.get_tokenizer()
+    base = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = tok.decode(base.token_ids[1:2])  # the text of the second token
+    assert stop and stop in base.text
+    early = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 2
+    held = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                               stop=[stop], min_tokens=10),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 10
+    assert held.token_ids == base.token_ids[:len(held.token_ids)]
+    later = base.text.find(stop, len(tok.decode(base.token_ids[:10])) - len(stop) + 1)
+    if later < 0:
+        assert held.finish_reason == "length" and held.text == base.text
+    else:
+        assert held.finish_reason == "stop" and held.text == base.text[:later]
+

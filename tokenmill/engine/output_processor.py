@@ -200,6 +200,8 @@ class OutputProcessor:
             completion.stop_reason = out.stop_reason
         if not params.stop or completion.finish_reason is not None and out.stop_reason:
             return False
+        if len(completion.token_ids) <= params.min_tokens:  # (vLLM: stop strings count only
+            return False  # past min_tokens, as the stop tokens the sampler bans until then)
         longest = max(len(s) for s in params.stop)
         search_from = max(0, before - longest + 1)
         tail = detok.tail(search_from)  # (the new text and what a stop string may span)
