@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,18 @@ from tokenmill.outputs import OutputKind
 from tokenmill.sampling_params import InvalidParameter, SamplingParams
 
 _NEG = -1.0e9  # transformers' "cannot be chosen" offset
+
+
+def _penalized(logprob: float, length: int, penalty: float) -> float:
+    """`logprob / length ** penalty` (transformers' beam score), kept in the float range: a
+    power past it (|penalty| in the hundreds) makes the quotient 0 or as large as floats go
+    instead of raising OverflowError / ZeroDivisionError (a 500 on every route)."""
+    try:
+        return logprob / length ** penalty
+    except OverflowError:  # the power beyond the largest float: the quotient is 0
+        return -0.0 if logprob < 0 else 0.0
+    except ZeroDivisionError:  # the power below the smallest float
+        return -math.inf if logprob < 0 else 0.0
 
 
 @dataclass
@@ -120,7 +133,8 @@ class BeamSearch:
         if self.improvable and not (full and p.early_stopping is True):
             for rank, (c, end) in enumerate(zip(candidates, ends)):
                 if rank < width and end:
-                    self.finished.append((c[0] / new_len ** p.length_penalty, extend(c)))
+                    self.finished.append((_penalized(c[0], new_len, p.length_penalty),
+                                          extend(c)))
             self.finished.sort(key=lambda f: -f[0])
             del self.finished[width:]
         order = sorted(range(len(candidates)),
@@ -131,7 +145,7 @@ class BeamSearch:
         if len(self.finished) == width:
             length = p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0 \
                 else new_len
-            best = self.running[0].score / length ** p.length_penalty
+            best = _penalized(self.running[0].score, length, p.length_penalty)
             self.improvable = self.improvable and best > self.finished[-1][0]
         all_full = len(self.finished) == width and p.early_stopping is True
         self.done = not self.improvable or all_full or all(ends)

@@ -117,3 +117,24 @@ def test_n_completions_and_beams_share_the_prompt_blocks(tiny_models):
         llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=20))
         steps_queried = kv.num_queried_tokens - queried
         assert kv.num_hit_tokens - hit >= 0.8 * steps_queried  # (all but the last blocks)
+
+
+@pytest.mark.parametrize("penalty", [1000.0, -1000.0, 300.0, -300.0])
+def test_extreme_length_penalties_rank_instead_of_overflowing(model, penalty):
+    """length ** penalty leaves the float range at |penalty| in the hundreds (OverflowError,
+    ZeroDivisionError: a 500 on every route): beams are still ranked and returned."""
+    llm, _ = model
+    params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=penalty)
+    out = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], params)[0]
+    assert len(out.sequences) == 3
+    assert all(len(s.tokens) > len(PROMPTS[0]) for s in out.sequences)
+
+
+def test_the_penalized_score_is_transformers_within_the_float_range():
+    from tokenmill.beam_search import _penalized
+
+    assert _penalized(-3.0, 4, 2.0) == -3.0 / 4 ** 2.0
+    assert _penalized(-3.0, 4, -0.5) == -3.0 / 4 ** -0.5
+    assert _penalized(-3.0, 1000, 1000.0) == 0.0  # (10^3000: past the float range)
+    assert _penalized(-3.0, 1000, -1000.0) == float("-inf")
+    assert _penalized(0.0, 1000, -1000.0) == 0.0

@@ -134,3 +134,17 @@ def test_best_of_returns_the_n_likeliest_samples(client):
                         ({"n": 1, "best_of": 2, "stream": True}, "streamed")):
         with pytest.raises(openai.BadRequestError, match=text):
             client.completions.create(**{**args, **extra})
+
+
+@pytest.mark.parametrize("penalty", [1000.0, -1000.0])
+def test_extreme_length_penalties_are_answered_on_every_route(client, server, penalty):
+    """length_penalty ±1000 (in range) overflowed the beam score: 500 on the OpenAI, native
+    and Triton routes. Each answers with its beams now."""
+    out = client.completions.create(model="tiny", prompt="Paris is", max_tokens=6, n=2,
+                                    extra_body={"use_beam_search": True,
+                                                "length_penalty": penalty})
+    assert len(out.choices) == 2
+    triton = httpx.post(server + "/v2/models/tiny/generate", json={
+        "text_input": "Paris is", "max_tokens": 6, "beam_width": 2, "length_penalty": penalty},
+        timeout=60)
+    assert triton.status_code == 200 and len(triton.json()["text_output"]) == 2
