@@ -7,6 +7,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from tests.serving import HOLD_TOKENS, Served, metric, wait_until
@@ -81,6 +82,12 @@ def test_health_and_metadata(client):
     config = client.get_model_config("model").config
     assert config.model_transaction_policy.decoupled
     assert "text_input" in [t.name for t in client.get_model_metadata("ensemble").inputs]
+    for name in ("ensemble", "tensorrt_llm_bls", "tiny"):  # (their perf outputs are INT64)
+        ensemble = client.get_model_config(name).config
+        meta = client.get_model_metadata(name)
+        assert [t.name for t in ensemble.output] == [t.name for t in meta.outputs]
+        assert {t.name: t.data_type for t in ensemble.output}["kv_cache_reused_blocks"] == \
+            model_config_pb2.TYPE_INT64
     with pytest.raises(InferenceServerException, match="unknown model"):
         client.get_model_metadata("nope")
 

@@ -111,14 +111,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 model_transaction_policy=decoupled)
         else:
             meta = ensemble_metadata(request.name)
-            types = {"BYTES": mc.TYPE_STRING, "INT32": mc.TYPE_INT32, "FP32": mc.TYPE_FP32,
-                     "BOOL": mc.TYPE_BOOL, "UINT64": mc.TYPE_UINT64}
+            # (a wire datatype's config type: TYPE_ + its name, BYTES being TYPE_STRING; the
+            # perf outputs are INT64, which a fixed table once lacked: UNKNOWN)
+            def config_type(datatype: str) -> int:
+                return getattr(mc, "TYPE_" + ("STRING" if datatype == "BYTES" else datatype))
+
             config = mc.ModelConfig(
                 name=request.name, platform="ensemble", max_batch_size=0,
-                input=[mc.ModelInput(name=t.name, data_type=types[t.datatype], dims=[-1],
+                input=[mc.ModelInput(name=t.name, data_type=config_type(t.datatype), dims=[-1],
                                      optional=t.name not in ("text_input", "max_tokens"))
                        for t in meta.inputs],
-                output=[mc.ModelOutput(name=t.name, data_type=types[t.datatype], dims=[-1])
+                output=[mc.ModelOutput(name=t.name, data_type=config_type(t.datatype),
+                                       dims=[-1])
                         for t in meta.outputs],
                 model_transaction_policy=decoupled)
         return pb.ModelConfigResponse(config=config)
