@@ -362,3 +362,39 @@ def test_convert_never_runs_a_checkpoints_code(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "needs its own Python code" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_gemma3_in_todays_hub_layout_converts(tiny_models, tmp_path):
+    """Recent Gemma 3 checkpoints state their local/global layout as `layer_types` (and
+    `_sliding_window_pattern`), with no `sliding_window_pattern`: convert read that one
+    attribute and failed (AttributeError). The file it writes now gives the source's tokens."""
+    import json
+    import shutil
+
+    src, _ = tiny_models("gemma3")
+    hub = tmp_path / "gemma3-hub"
+    shutil.copytree(src, hub)
+    config = json.loads((hub / "config.json").read_text())
+    period = config.pop("sliding_window_pattern", None) or config["_sliding_window_pattern"]
+    config["_sliding_window_pattern"] = period
+    config["layer_types"] = ["sliding_attention" if (i + 1) % period else "full_attention"
+                             for i in range(config["num_hidden_layers"])]
+    (hub / "config.json").write_text(json.dumps(config))
+    out = str(tmp_path / "m.gguf")
+    done = _convert(str(hub), out, "--outtype", "f32")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _tokens(out) == _tokens(src)
+
+
+def test_gemma3_window_pattern_as_a_period_or_per_layer():
+    import types
+
+    from tokenmill.convert.gguf_writer import _window_pattern
+
+    local, full = "sliding_attention", "full_attention"
+    periodic = types.SimpleNamespace(layer_types=[local, full, local, full],
+                                     _sliding_window_pattern=2)
+    assert _window_pattern(periodic) == 2
+    irregular = types.SimpleNamespace(layer_types=[local, local, full, full])
+    assert _window_pattern(irregular) == [True, True, False, False]
+    assert _window_pattern(types.SimpleNamespace(sliding_window_pattern=6)) == 6

@@ -212,11 +212,29 @@ def _gemma_keys(writer, config):
     params = getattr(config, "rope_parameters", None) or {}
     if "sliding_attention" in params:  # Gemma 3
         writer.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
-        writer.add_sliding_window_pattern(config.sliding_window_pattern)
+        writer.add_sliding_window_pattern(_window_pattern(config))
         full = params["full_attention"]
         if full.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(full["factor"])
+
+
+def _window_pattern(config):
+    """Gemma 3's local/global layout for llama.cpp: the period N (every N-th layer global) as
+    older configs state it (`sliding_window_pattern`, today's `_sliding_window_pattern`) when
+    `layer_types` follows it, else the per-layer flags (windowed or not) newer files carry."""
+    types = getattr(config, "layer_types", None)
+    period = getattr(config, "sliding_window_pattern", None) or \
+        getattr(config, "_sliding_window_pattern", None)
+    if not types:
+        if period is None:
+            raise ValueError("The Gemma 3 config states neither layer_types nor "
+                             "sliding_window_pattern.")
+        return int(period)
+    local = [kind == "sliding_attention" for kind in types]
+    if period and local == [(i + 1) % int(period) != 0 for i in range(len(local))]:
+        return int(period)
+    return local
 
 
 def _phi3_keys(writer, config):
