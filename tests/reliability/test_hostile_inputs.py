@@ -172,7 +172,8 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_alone(server, server_th
 @pytest.mark.parametrize("field,value", [
     ("guided_whitespace_pattern", " "),
     ("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1),
-    ("functions", [{"name": "f"}]),
+    ("functions", [{"name": "f"}]), ("priority", 200), ("priority", -1),
+    ("lora_request", {"lora_name": "a", "lora_int_id": 1, "lora_path": "/x"}),
 ])
 def test_known_unsupported_fields_are_refused_by_name(server, field, value):
     for path, body in ((COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
@@ -183,6 +184,11 @@ def test_known_unsupported_fields_are_refused_by_name(server, field, value):
         assert field in error["message"]
         unset = httpx.post(server + path, json={**body, field: None}, timeout=30)
         assert unset.status_code == 200, unset.text
+    if field == "priority":  # vLLM's default priority asks for nothing: accepted
+        default = httpx.post(server + COMPLETIONS, json={"model": "tiny", "prompt": "hi",
+                                                         "max_tokens": 2, "priority": 0},
+                             timeout=30)
+        assert default.status_code == 200, default.text
 
 
 # Off the event loop -------------------------------------------------------------------------------

@@ -79,13 +79,20 @@ UNSUPPORTED_FIELDS = {
     "documents": "documents are not supported",
     "kv_transfer_params": "KV transfer is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
+    "priority": "request priorities are not supported (requests are scheduled first come, "
+                "first served)",
+    "lora_request": "LoRA adapters are not supported",
 }
+# A value that asks for nothing beyond the default (vLLM's priority 0).
+_NEUTRAL = {"priority": 0}
 
 
 def refuse_unsupported(body: dict) -> None:
     """Raises InvalidParameter for the first field of UNSUPPORTED_FIELDS the body sets."""
     for name, why in UNSUPPORTED_FIELDS.items():
         value = body.get(name)
+        if name in _NEUTRAL and value == _NEUTRAL[name] and not isinstance(value, bool):
+            continue
         if value is not None and value is not False and value != [] and value != {} \
                 and value != "":
             raise InvalidParameter(name, f"{name}: {why} by this server.")
