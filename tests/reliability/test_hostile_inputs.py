@@ -285,3 +285,36 @@ def test_the_size_bound_never_refuses_a_text_that_fits(tiny_models):
         for text in texts:
             n = len(tok.encode(text, add_special_tokens=False))
             assert len(text) <= max_prompt_chars(tok, n), (n, len(text), text[:40])
+
+
+def test_token_strings_of_a_long_prompt_are_made_while_the_loop_answers(server,
+                                                                         server_thread):
+    """/tokenize with return_token_strs: a long prompt's token strings are made off the
+    event loop (they held it for seconds: health, metrics and every request waited)."""
+    state = server_thread.app.state.server
+    entered, release = threading.Event(), threading.Event()
+    real = state.tokenizer.convert_ids_to_tokens
+
+    def blocking(ids, *args, **kwargs):
+        if len(ids) > 1000:
+            entered.set()
+            release.wait(60)
+        return real(ids, *args, **kwargs)
+
+    state.tokenizer.convert_ids_to_tokens = blocking
+    result = {}
+    try:
+        sender = threading.Thread(target=lambda: result.setdefault("resp", httpx.post(
+            server + "/tokenize", json={"prompt": "hello world " * 400,
+                                        "return_token_strs": True}, timeout=120)))
+        sender.start()
+        assert entered.wait(60), "the token strings were never made"
+        assert httpx.get(server + "/health", timeout=30).status_code == 200
+        assert "resp" not in result
+        release.set()
+        sender.join(120)
+    finally:
+        release.set()
+        del state.tokenizer.convert_ids_to_tokens
+    body = result["resp"].json()
+    assert len(body["token_strs"]) == body["count"] > 1000

@@ -83,8 +83,11 @@ async def tokenize(body: Any, state: ServerState) -> dict:
         state.prompts.check_size(len(req.prompt), "prompt")
         ids = await off_loop_if(len(req.prompt) > OFF_LOOP_CHARS, tok.encode, req.prompt,
                                 add_special_tokens=req.add_special_tokens)
+    # (a long prompt's token strings: a worker thread's job too, as its encoding is)
+    strs = await off_loop_if(len(ids) > OFF_LOOP_CHARS // 4, tok.convert_ids_to_tokens,
+                             ids) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
-            "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+            "token_strs": strs}
 
 
 async def detokenize(body: Any, state: ServerState) -> dict:
