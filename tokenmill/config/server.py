@@ -4,6 +4,7 @@ through env.py) < vLLM-style flags (cli.py), validated once at start-up."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from tokenmill.config.api import ApiOptions
@@ -250,8 +251,6 @@ def check_ports_free(config: ServerConfig) -> None:
 def choose_free_ports(config: ServerConfig) -> None:
     """Ports given as 0 become ports free right now, distinct from each other (all are held
     at once while chosen), so the start-up line can name them."""
-    import contextlib
-
     with contextlib.ExitStack() as held:
         for name, _, _ in _PORT_ENV:
             if getattr(config, name) == 0:
@@ -259,20 +258,18 @@ def choose_free_ports(config: ServerConfig) -> None:
                 setattr(config, name, sock.getsockname()[1])
 
 
+@contextlib.contextmanager
 def _bound(host: str, port: int):
-    """A context holding a TCP socket bound to host:port, or None where the port is taken."""
-    import contextlib
+    """A TCP socket bound to host:port while the block runs, or None where the port is
+    taken."""
     import socket
 
-    @contextlib.contextmanager
-    def bound():
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                           socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                yield None
-                return
-            yield s
-    return bound()
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                       socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            yield None
+            return
+        yield s
