@@ -34,3 +34,19 @@ def configure_logging(log_format: str = "text", level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def exception_line(exc: BaseException, frames: int = 4, max_chars: int = 200) -> str:
+    """An exception as one log line: its type, its message cut to `max_chars`, and where it
+    was raised (the innermost `frames` frames), so that an error a client provoked costs the
+    log one line, never a thousand-frame traceback (a request nested 900 deep once wrote
+    330 KiB)."""
+    import os
+    import traceback
+
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                        for f in reversed(traceback.extract_tb(exc.__traceback__)[-frames:]))
+    text = " ".join(str(exc).split())
+    if len(text) > max_chars:
+        text = text[:max_chars] + "..."
+    return f"{type(exc).__name__}: {text} (at {where})"

@@ -318,3 +318,71 @@ def test_token_strings_of_a_long_prompt_are_made_while_the_loop_answers(server,
         del state.tokenizer.convert_ids_to_tokens
     body = result["resp"].json()
     assert len(body["token_strs"]) == body["count"] > 1000
+
+
+# JSON nesting -----------------------------------------------------------------------------------
+def _nest(depth: int) -> str:
+    """A value `depth` arrays and objects deep (alternating), ending in a string."""
+    text = '"x"'
+    for level in range(depth):
+        text = f"[{text}]" if level % 2 else f'{{"a": {text}}}'
+    return text
+
+
+def _nested_schema(levels: int) -> str:
+    text = '{"type": "string"}'
+    for _ in range(levels):
+        text = f'{{"type": "object", "properties": {{"a": {text}}}}}'
+    return text
+
+
+def _deep_bodies(depth: int) -> list[tuple[str, str]]:
+    """Where the hostile pass nested its values: message content, tool-call arguments (as an
+    object), a tool's parameters, native messages, /tokenize's messages."""
+    deep = _nest(depth)
+    tool = ('{"type": "function", "function": {"name": "f", "parameters": '
+            + _nested_schema((depth - 1) // 2) + "}}")
+    call = ('{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+            '"function": {"name": "f", "arguments": ' + deep + "}}]}")
+    return [
+        (CHAT, '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": '
+               + deep + "}]}"),
+        (CHAT, '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": '
+               '"hi"}, ' + call + "]}"),
+        (CHAT, '{"model": "tiny", "max_tokens": 2, "tool_choice": "required", "tools": ['
+               + tool + '], "messages": '
+               '[{"role": "user", "content": "hi"}]}'),
+        (CHAT, '{"max_tokens": 2, "messages": [{"role": "user", "content": ' + deep + "}]}"),
+        ("/tokenize", '{"model": "tiny", "messages": [{"role": "user", "content": '
+                      + deep + "}]}"),
+    ]
+
+
+@pytest.mark.parametrize("depth", [129, 600, 900])
+def test_json_nested_past_the_limit_is_400_at_parse_time_and_one_log_line(server, caplog,
+                                                                          depth):
+    for path, raw in _deep_bodies(depth):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            resp = httpx.post(server + path, content=raw.encode(), timeout=30,
+                              headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (path, resp.status_code, resp.text[:300])
+        assert "more than 128 levels deep" in resp.text, resp.text
+        assert_no_leak(resp.text)
+        assert len(caplog.text) < 2000, caplog.text[:2000]
+
+
+def test_json_nested_just_within_the_limit_is_never_a_500(server, caplog):
+    # The bound is what the code after the parser survives: at 128 levels every route
+    # answers (a 400 for a value of the wrong type, or 200), and the log stays short.
+    for path, raw in _deep_bodies(128):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            resp = httpx.post(server + path, content=raw.encode(), timeout=60,
+                              headers={"content-type": "application/json"})
+        assert resp.status_code in (200, 400), (path, resp.status_code, resp.text[:300])
+        assert_no_leak(resp.text)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
+    still = httpx.post(server + COMPLETIONS, json={"model": "tiny", "prompt": "hi",
+                                                   "max_tokens": 2}, timeout=30)
+    assert still.status_code == 200

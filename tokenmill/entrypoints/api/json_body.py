@@ -8,6 +8,10 @@ import json
 import re
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
+# Arrays and objects inside one another (serde_json's default recursion limit is 128 too): a
+# JSON schema or a tool's parameters nest a few levels each, and anything deeper only costs
+# the recursive code after the parser (templates, schema compilation, logging) its stack.
+MAX_JSON_DEPTH = 128
 
 
 class BodyError(ValueError):
@@ -18,21 +22,42 @@ class BodyError(ValueError):
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
+# A JSON string literal (escapes included), then every byte that is not a bracket.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nests_deeper(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether arrays and objects nest more than `limit` deep in the well-formed JSON text
+    `raw`, at C speed (no Python loop over the text): strings dropped, the brackets left
+    counted +1 / -1."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # the common case: it cannot
+        return False
+    import numpy as np
+
+    brackets = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
+
+
 def _no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
 def parse_json(raw: bytes):
     """Strict JSON from the wire: UTF-8 (RFC 8259; a BOM is allowed), no NaN / Infinity
-    literals (not JSON, and a NaN temperature would pass every range check), nesting within
-    the parser's recursion limit, no unpaired UTF-16 surrogate escapes (a `\\ud800` parses to
-    a str no tokenizer can encode). Raises BodyError."""
+    literals (not JSON, and a NaN temperature would pass every range check), arrays and
+    objects nested at most MAX_JSON_DEPTH deep, no unpaired UTF-16 surrogate escapes (a
+    `\\ud800` parses to a str no tokenizer can encode). Raises BodyError."""
     try:
         # raw.decode, not json.loads(bytes): that decodes with "surrogatepass" and would let
         # UTF-8-encoded surrogates (b"\xed\xa0\x80") through.
         value = json.loads(raw.decode("utf-8-sig"), parse_constant=_no_constants)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
         raise BodyError("The request body is not valid JSON.") from None
+    if nests_deeper(raw):
+        raise BodyError(f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} "
+                        "levels deep.")
     if _SURROGATE_ESCAPE.search(raw):  # rare: pay for the full check only then
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")

@@ -26,6 +26,7 @@ from tokenmill.entrypoints.http.request_body import (
     read_body,
 )
 from tokenmill.entrypoints.http.tracing import Tracer
+from tokenmill.logs import exception_line
 from tokenmill.metrics import REJECT_STATUS, Metrics
 
 logger = logging.getLogger(__name__)
@@ -158,8 +159,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        # Logged with its traceback here; the client gets a sentence in both APIs' shapes.
-        logger.exception("unhandled error in %s", request.url.path)
+        # One log line (type, message, innermost frames); the client gets a sentence in both
+        # APIs' shapes.
+        logger.error("unhandled error in %s: %s", request.url.path, exception_line(exc))
         message = "Internal server error."
         return JSONResponse({"error_msg": message, "error_code": 500,
                              **openai_api.error_body(message, 500)}, status_code=500)
