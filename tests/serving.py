@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 # A request a test must still find running when it looks: on the tiny long-context model
@@ -64,8 +63,9 @@ def free_port() -> int:
 class ServerThread:
     def __init__(self, app, port: int) -> None:
         self.port = port
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
+        from tokenmill.entrypoints.api_worker import make_server
+
+        self.server = make_server(app, port=port)  # the production server (head limits)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

@@ -374,3 +374,85 @@ def test_concurrent_garbage_does_not_disturb_a_stream(server):
         httpx.post(server + COMPLETIONS, json=body, timeout=30)
     worker.join(60)
     assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+
+
+# Every port bounds the request head -------------------------------------------------------------
+def _port_apps():
+    """The health port's and the metrics port's apps (the dashboard's too), as serve builds
+    them; the API port is the `server` fixture."""
+    from prometheus_client import CollectorRegistry
+
+    from tokenmill.entrypoints.http.dashboard import metrics_app
+    from tokenmill.entrypoints.http.server import create_health_app
+
+    return {"health": (create_health_app(lambda: None), "/v2/health/live"),
+            "metrics": (metrics_app(CollectorRegistry()), "/metrics")}
+
+
+def _send_huge_header(port: int, path: str, total: int = 32 << 20) -> tuple[int, bytes]:
+    """Sends one header of `total` bytes in 64 KiB pieces until the server stops reading;
+    returns how much was sent and what came back."""
+    sent, reply = 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.settimeout(10)
+        try:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode())
+            piece = b"a" * 65536
+            while sent < total:
+                sock.sendall(piece)
+                sent += len(piece)
+        except (ConnectionResetError, BrokenPipeError, TimeoutError):
+            pass
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
+            while chunk := sock.recv(65536):
+                reply += chunk
+    return sent, reply
+
+
+@pytest.mark.parametrize("name", ["health", "metrics", "api"])
+def test_every_port_refuses_a_huge_header_as_it_arrives(server, name):
+    if name == "api":
+        port, path = int(server.rsplit(":", 1)[1]), "/health"
+        context = contextlib.nullcontext()
+    else:
+        app, path = _port_apps()[name]
+        port = free_port()
+        context = ServerThread(app, port)
+    with context:
+        sent, reply = _send_huge_header(port, path)
+        # refused after 16 KiB and a chunk, long before 32 MiB (what the kernel's socket
+        # buffers took in the meantime is all that was sent)
+        assert sent < (16 << 20), sent
+        assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+        assert b"larger than" in reply
+        assert httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("name", ["health", "metrics"])
+def test_every_port_times_out_a_head_that_trickles(monkeypatch, name):
+    from tokenmill.entrypoints.http.connection import BoundedHttpProtocol
+
+    monkeypatch.setattr(BoundedHttpProtocol, "head_timeout_s", 1.0)
+    app, path = _port_apps()[name]
+    with ServerThread(app, free_port()) as thread:
+        with socket.create_connection(("127.0.0.1", thread.port), timeout=10) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode())
+            reply = b""
+            for _ in range(100):  # a header byte every 0.1 s: never complete, bounded loop
+                try:
+                    sock.sendall(b"X")
+                except (ConnectionResetError, BrokenPipeError):
+                    break
+                sock.settimeout(0.1)
+                try:
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                reply += chunk
+                if not chunk or reply.endswith(b"}"):
+                    break
+            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        with socket.create_connection(("127.0.0.1", thread.port), timeout=10) as idle:
+            idle.settimeout(10)  # a connection that sends nothing is closed too
+            assert idle.recv(65536).startswith(b"HTTP/1.1 408")
+        assert httpx.get(f"http://127.0.0.1:{thread.port}{path}", timeout=10).status_code == 200

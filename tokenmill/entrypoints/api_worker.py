@@ -21,6 +21,7 @@ import uvicorn
 
 from tokenmill.engine.async_engine import EngineDeadError, ShutdownError
 from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state
+from tokenmill.entrypoints.http.connection import BoundedHttpProtocol
 from tokenmill.entrypoints.http.server import create_service_app
 from tokenmill.logs import configure_logging
 
@@ -46,9 +47,12 @@ KEEP_ALIVE_S = 30
 
 
 def make_server(app, host: str = "127.0.0.1", port: int = 0) -> QuietServer:
+    """Every listening port's server: the request head bounded (http/connection.py), idle
+    keep-alive connections closed after KEEP_ALIVE_S."""
     # (log_config None: uvicorn's own lines go through the process's logging, logs.py)
     return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                       log_config=None, access_log=False,
+                                      http=BoundedHttpProtocol,
                                       timeout_graceful_shutdown=5,
                                       timeout_keep_alive=KEEP_ALIVE_S))
 
