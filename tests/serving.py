@@ -254,3 +254,18 @@ class Served:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(30)
+
+
+def with_think_tokens(path: str, out) -> str:
+    """A copy of the tiny model `path` whose vocabulary has <think> and </think> (added tokens,
+    as DeepSeek-R1's and Qwen3's), which a reasoning parser needs."""
+    import shutil
+
+    from tokenmill.loading.checkpoint import load_tokenizer
+
+    shutil.copytree(path, out)
+    tok = load_tokenizer(str(out))
+    tok.add_tokens(["<think>", "</think>"])  # (ids within the tiny model's 512 rows)
+    assert max(tok.convert_tokens_to_ids(["<think>", "</think>"])) < 512
+    tok.save_pretrained(str(out))
+    return str(out)

@@ -75,10 +75,10 @@ def test_served_chat_returns_reasoning_whole_and_streamed(tiny_models, tmp_path)
     streamed alike; a constraint waits for the section's end (so it does not apply here)."""
     import openai
 
-    from tests.serving import Served
+    from tests.serving import Served, with_think_tokens
 
-    with Served(tiny_models("llama")[0], tmp_path, "--reasoning-parser",
-                "deepseek_r1").running() as served:
+    path = with_think_tokens(tiny_models("llama")[0], tmp_path / "r1")
+    with Served(path, tmp_path, "--reasoning-parser", "deepseek_r1").running() as served:
         client = openai.OpenAI(base_url=served.api + "/v1", api_key="x", max_retries=0)
         args = dict(model="tiny", messages=[{"role": "user", "content": "Think."}],
                     max_tokens=20, temperature=0)

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from tests.serving import Served
+from tests.serving import Served, with_think_tokens
 from tokenmill.config.server import build_server_config
 from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.tokenizer import load_chat_template
@@ -67,8 +67,33 @@ def test_a_chat_template_is_a_file_or_the_template(tmp_path):
         load_chat_template("/no/such.jinja")
 
 
+def test_a_reasoning_parser_needs_the_model_to_have_its_markers(tiny_models, tmp_path):
+    """The parser's constraint starts after the </think> token: a model without one would
+    never write it and its json_schema / named tool_choice would never apply (free text)."""
+    from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
+
+    plain = load_tokenizer(tiny_models("llama")[0])
+    for name in ("deepseek_r1", "qwen3"):
+        with pytest.raises(ValueError, match=f"--reasoning-parser {name} needs a model whose "
+                           "vocabulary has <think> and </think> as tokens; this model's has no "
+                           "<think> or </think> token"):
+            ReasoningParser(name, plain)
+        ReasoningParser(name, load_tokenizer(with_think_tokens(tiny_models("llama")[0],
+                                                               tmp_path / name)))
+    served = Served(tiny_models("llama")[0], tmp_path, "--reasoning-parser", "qwen3").start()
+    try:
+        served.process.wait(300)
+        out = served.process.stdout.read().decode()
+    finally:
+        served.stop()
+    assert served.process.returncode == 2
+    assert "Traceback" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1].startswith(
+        "error: --reasoning-parser qwen3 needs a model whose vocabulary"), out[-1000:]
+
+
 def test_the_r1_command_line_serves_with_its_template_and_logprobs_cap(tiny_models, tmp_path):
-    path = tiny_models("llama")[0]
+    path = with_think_tokens(tiny_models("llama")[0], tmp_path / "r1")
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     served = Served(path, tmp_path, *R1_LINE.replace("4096", "512").split(),

@@ -146,6 +146,9 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
     tokenizer = load_tokenizer(settings.tokenizer_path)
     if settings.chat_template_text is not None:  # (--chat-template: every route renders it)
         tokenizer.chat_template = settings.chat_template_text
+    # (checked before the engine client starts: a model without its markers is refused)
+    reasoning = ReasoningParser(config.reasoning_parser, tokenizer) \
+        if config.reasoning_parser else None
     if settings.more_engine_addresses:
         client = DataParallelClient([settings.engine_address, *settings.more_engine_addresses])
     else:
@@ -166,8 +169,7 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
     return ServerState(settings=settings, engine=engine, tokenizer=tokenizer,
                        max_model_len=max_len,
                        max_seq_len=min(config.max_seq_len or max_len - 1, max_len - 1),
-                       reasoning=ReasoningParser(config.reasoning_parser)
-                       if config.reasoning_parser else None,
+                       reasoning=reasoning,
                        tool_parser=get_parser(tool_parser).bind(tokenizer)
                        if tool_parser else None)
 

@@ -24,11 +24,15 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningParser:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, tokenizer=None) -> None:
+        """`tokenizer`: the served model's, checked to have the markers (a server's parser);
+        None for splitting text alone."""
         if name not in PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, "
                              f"got {name!r}.")
         self.name = name
+        if tokenizer is not None:
+            check_markers(name, tokenizer)
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """(reasoning, content) of `text`; not `final`: without what may still become a
@@ -46,6 +50,20 @@ class ReasoningParser:
         if not final:
             body = body[:len(body) - _partial_suffix(body, END)]
         return body, ""
+
+
+def check_markers(name: str, tokenizer) -> None:
+    """A reasoning parser needs `<think>` and `</think>` to be tokens of the model's own: a
+    structured-output constraint starts after the `</think>` token, and a model that has no
+    such token never writes it, so its constraints would never start (free text where a
+    schema was asked for). Refused at start-up, naming what is missing, as vLLM does."""
+    vocab = tokenizer.get_vocab()
+    missing = [tag for tag in (START, END) if tag not in vocab
+               or tokenizer.encode(tag, add_special_tokens=False) != [vocab[tag]]]
+    if missing:
+        raise ValueError(f"--reasoning-parser {name} needs a model whose vocabulary has "
+                         f"{START} and {END} as tokens; this model's has no "
+                         f"{' or '.join(missing)} token (leave the flag out for it).")
 
 
 def _find_last(tokens: list[int], part: list[int]) -> int:
