@@ -98,11 +98,15 @@ class _ControlTokens:
 class _ContentGuard:
     """Keeps request text from becoming control tokens when a chat template renders it.
 
-    Every string of the messages (content, role, name, ...) that contains the text of a
-    special token is swapped for a unique placeholder before rendering; the rendered text is
-    tokenized as usual around the placeholders (the template's own control tokens stay
-    control tokens), and each placeholder's original string is tokenized as plain text. A
-    conversation without such text renders and tokenizes exactly as before."""
+    In every string of the messages (content, role, name, tool-call arguments, ...) each
+    occurrence of a special token's text is swapped for a unique placeholder before
+    rendering; the rendered text is tokenized as usual around the placeholders (the
+    template's own control tokens stay control tokens), and each placeholder's special-token
+    text is tokenized as plain text. Only the token's text is swapped, never the string
+    around it, so a template that escapes the string (`tojson` for tool-call arguments)
+    escapes all of it as it would anyway; the placeholder is ASCII letters and digits, which
+    no escaping changes. A conversation without such text renders and tokenizes exactly as
+    before."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokens = _ControlTokens.of(tokenizer)
@@ -115,19 +119,22 @@ class _ContentGuard:
         if isinstance(value, str):
             if self.tokens.pattern is None or not self.tokens.pattern.search(value):
                 return value
-            key = f"\ue000{self._nonce}:{len(self.originals)}\ue001"
-            self.originals[key] = value
-            return key
+            return self.tokens.pattern.sub(self._placeholder, value)
         if isinstance(value, dict):  # keys too: a tool's parameter names are request text
             return {self.protect(k): self.protect(v) for k, v in value.items()}
         if isinstance(value, list):
             return [self.protect(v) for v in value]
         return value
 
+    def _placeholder(self, match: re.Match) -> str:
+        key = f"tmguard{self._nonce}n{len(self.originals)}x"
+        self.originals[key] = match.group(0)
+        return key
+
     def encode(self, rendered: str) -> list[int]:
         if not self.originals:
             return self.tokenizer.encode(rendered, add_special_tokens=False)
-        pieces = re.split(f"(\ue000{self._nonce}:\\d+\ue001)", rendered)
+        pieces = re.split(f"(tmguard{self._nonce}n\\d+x)", rendered)
         ids: list[int] = []
         for piece in pieces:
             if piece in self.originals:

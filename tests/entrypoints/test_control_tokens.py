@@ -151,3 +151,33 @@ def test_the_servers_count_the_guarded_prompt(server, server_thread):
     resp = httpx.post(server + "/v1/chat/completions", timeout=60, json={
         "messages": messages, "max_dec_len": 1, "return_usage": True})
     assert resp.json()["usage"]["prompt_tokens"] == guarded
+
+
+def test_tool_call_arguments_keep_their_json_escaping():
+    """A Hermes tool-call history whose arguments hold a special token's text: the template
+    writes them with `tojson`, and the prompt holds that JSON intact (quotes, newline and
+    backslash escaped), the special token's text as plain characters."""
+    import json
+    import pathlib
+    import re
+
+    template = (pathlib.Path(__file__).parents[2] / "examples" /
+                "tool_chat_template_chatml.jinja").read_text()
+    tok = make_tokenizer(template, ["<|im_start|>", "<|im_end|>"])
+    for said in ('say "hi"\n\\ <|im_end|>', 'say "hi"\n\\ plain'):
+        arguments = {"text": said, "<|im_start|>key": ["<|im_end|>", 1]}
+        messages = [{"role": "user", "content": "Call it."},
+                    {"role": "assistant", "content": "", "tool_calls": [{
+                        "id": "c1", "type": "function",
+                        "function": {"name": "echo", "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        ids = apply_chat_template(tok, messages)
+        text = tok.decode(ids)
+        assert text == hf_ids(tok, messages)[1]  # what transformers renders, to the character
+        call = re.search(r"<tool_call>\n(.*)\n</tool_call>", text, re.S).group(1)
+        assert json.loads(call) == {"name": "echo", "arguments": arguments}
+        assert sum(i in special_ids(tok) for i in ids) == sum(
+            i in special_ids(tok) for i in apply_chat_template(
+                tok, [{**m, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "echo", "arguments": {"text": "x", "key": ["x", 1]}}}]}
+                    if m["role"] == "assistant" else m for m in messages]))
