@@ -79,7 +79,8 @@ def test_a_stalled_worker_rank_is_an_engine_death_with_no_orphan(tiny_models, tm
     all-reduce: past the stall limit the server fails the stream and exits 1, and the stopped
     worker is killed with its engine core (nothing is left to resume)."""
     served = Served(tiny_models("llama_long")[0], tmp_path)
-    served.env.update(MP_NUM="2", CHECK_HEALTH_INTERVAL="2")
+    served.env.update(MP_NUM="2", CHECK_HEALTH_INTERVAL="2",
+                      VLLM_ENGINE_ITERATION_TIMEOUT_S="2")
     served.start()
     try:
         served.wait_ready()

@@ -79,3 +79,46 @@ def test_silence_is_death_and_outputs_count_as_signs_of_life(clock):
     assert alive.problem() is None
     clock.now += 0.2
     assert "no heartbeat" in alive.problem()
+
+
+def test_a_step_is_a_stall_only_past_the_iteration_timeout(clock):
+    """A 1-token step expected to take 10 ms: with a 10 s interval it once counted as a
+    stall at 10 s (a busy machine, a slow constraint); the floor is now the iteration
+    timeout (VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s in a server)."""
+    alive = Liveness(dead_after_s=10.0, stall_after_s=60.0)
+    alive.beat(EngineHeartbeat(True, 15.2, 1, 0.01))
+    assert alive.problem() is None
+    assert alive.stall_limit(EngineHeartbeat(True, 0.0, 1, 0.01)) == 60.0
+    assert alive.stall_limit(EngineHeartbeat(True, 0.0, 4096, 8.0)) == STALL_FACTOR * 8.0
+    alive.beat(EngineHeartbeat(True, 60.5, 1, 0.01))
+    assert "past its limit of 60.0 s" in alive.problem()
+
+
+def test_a_held_event_loop_is_not_taken_for_a_silent_engine(monkeypatch):
+    """The API process's own loop held for longer than the interval (its heartbeats unread
+    meanwhile): the next check does not judge; the one after it does, on what was read."""
+    import asyncio
+
+    from tokenmill.engine import async_engine
+
+    fake = FakeClock()
+    monkeypatch.setattr(liveness, "time", fake)
+    monkeypatch.setattr(async_engine, "time", fake)
+
+    class Client:
+        num_replicas = 1
+
+    engine = async_engine.AsyncLLM(Client(), None, [0], dead_after_s=2.0)
+    asyncio.run(engine.check_health())
+    assert engine.dead is None
+    fake.now += 14.7  # the loop was held: no check, no heartbeat read
+    asyncio.run(engine.check_health())
+    assert engine.dead is None  # not judged on unread heartbeats
+    engine.liveness[0].beat(EngineHeartbeat())  # read as soon as the loop ran
+    for _ in range(3):
+        fake.now += 0.5
+        asyncio.run(engine.check_health())
+    assert engine.dead is None  # 1.5 s of silence, under the 2 s interval
+    fake.now += 0.6
+    asyncio.run(engine.check_health())
+    assert engine.dead is not None  # a silence the loop saw through is death

@@ -58,6 +58,7 @@ def test_engine_crash_or_stall_fails_requests_and_exits_nonzero(model, tmp_path,
     leaves nothing behind (documented policy: a supervisor restarts it)."""
     served = faulty(model, tmp_path, fault)
     served.env["CHECK_HEALTH_INTERVAL"] = "3"
+    served.env["VLLM_ENGINE_ITERATION_TIMEOUT_S"] = "3"  # (60 s by default)
     stamp = tmp_path / "fault-time"
     served.env["TOKENMILL_TEST_FAULT_STAMP"] = str(stamp)
     served.start()

@@ -121,6 +121,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "USE_WARMUP": ("--use-warmup", "1: one short request before reporting ready"),
     "CHECK_HEALTH_INTERVAL": ("", "seconds without an engine heartbeat before it counts as "
                                   "dead (default 10)"),
+    "VLLM_ENGINE_ITERATION_TIMEOUT_S": ("", "seconds one engine step may run before it "
+                                            "counts as stalled, at the least (default 60)"),
     "FD_LOG_DIR": ("--log-dir", "where start_server writes server.log and server.pid"),
     "VLLM_API_KEY": ("--api-key", "require Authorization: Bearer KEY"),
     "SPECULATE_METHOD": ("--speculative-config", "PaddleNLP's speculative decoding: "

@@ -54,6 +54,9 @@ class ServerConfig:
     log_dir: str = "log"
     shutdown_timeout: float = 300.0  # SIGTERM: seconds to let in-flight requests finish
     check_health_interval: float = 10.0  # engine silent this long => not ready, requests fail
+    # one engine step running this long (at the least; more for steps measured slower) is a
+    # stall: vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S
+    engine_iteration_timeout: float = 60.0
     max_request_body_bytes: int = 2 * 1024 * 1024  # larger bodies get 413 before parsing
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
@@ -98,6 +101,9 @@ class ServerConfig:
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024, got "
                              f"{self.max_request_body_bytes}.")
+        if not self.engine_iteration_timeout > 0:
+            raise ValueError("VLLM_ENGINE_ITERATION_TIMEOUT_S must be > 0, got "
+                             f"{self.engine_iteration_timeout}.")
         if not self.check_health_interval > 0:
             raise ValueError("CHECK_HEALTH_INTERVAL must be > 0, got "
                              f"{self.check_health_interval}.")
@@ -213,6 +219,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
         shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),
         check_health_interval=pick(None, env.number("CHECK_HEALTH_INTERVAL"), 10.0),
+        engine_iteration_timeout=pick(None, env.number("VLLM_ENGINE_ITERATION_TIMEOUT_S"),
+                                      60.0),
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
         reasoning_parser=args.reasoning_parser,

@@ -24,6 +24,10 @@ from tokenmill.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger(__name__)
 
+# check_health runs every 0.5 s (the supervisor's and each API worker's watch): a gap longer
+# than this between two checks means this process's loop was held, not the engine silent.
+_OWN_STALL_S = 2.0
+
 
 class EngineRequestError(ValueError):
     """The engine refused or failed one request (others are unaffected)."""
@@ -47,7 +51,8 @@ class AsyncLLM:
     (client gone, task cancelled) aborts the request in the core."""
 
     def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
-                 dead_after_s: float = 10.0, metrics: Metrics | None = None,
+                 dead_after_s: float = 10.0, stall_after_s: float | None = None,
+                 metrics: Metrics | None = None,
                  stream_interval: int = 1) -> None:
         """`stream_interval`: a delta reader (a stream) is handed its first tokens at once,
         then results once they hold this many new tokens, and its last result at once
@@ -62,7 +67,9 @@ class AsyncLLM:
         self.processor = OutputProcessor(tokenizer)
         self.stats = SchedulerStats()  # over every replica
         self.replica_stats = [SchedulerStats() for _ in range(client.num_replicas)]
-        self.liveness = [Liveness(dead_after_s) for _ in range(client.num_replicas)]
+        self.liveness = [Liveness(dead_after_s, stall_after_s)
+                         for _ in range(client.num_replicas)]
+        self._checked_at: float | None = None  # the last check_health (this loop's pulse)
         self._queues: dict[str, _Stream] = {}
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
@@ -245,6 +252,15 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Marks the engine dead when its heartbeats stopped or a step stalled (see
         `engine/liveness.py`); in-flight requests get the error."""
+        now = time.monotonic()
+        last, self._checked_at = self._checked_at, now
+        if last is not None and now - last > _OWN_STALL_S:
+            # This process's own loop did not run for a while (a busy machine, a long
+            # native call): the heartbeats that came meanwhile are still unread, and the
+            # silence is ours. Judged at the next check, once they have been read.
+            logger.info("event loop was held %.1f s; engine liveness judged at the next "
+                        "check", now - last)
+            return
         problem = self._problem() if self.dead is None else None
         if problem is not None:
             logger.error("engine core declared dead: %s", problem)

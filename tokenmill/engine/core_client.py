@@ -88,7 +88,7 @@ class AsyncMPClient:
         self.heartbeats = self.context.socket(zmq.SUB)
         self.heartbeats.setsockopt(zmq.LINGER, 0)
         self.heartbeats.setsockopt(zmq.SUBSCRIBE, b"")
-        self.heartbeats.setsockopt(zmq.RCVHWM, 4)  # only the latest few matter
+        self.heartbeats.setsockopt(zmq.CONFLATE, 1)  # only the latest matters
         self.heartbeats.connect(heartbeat_address(address))
         self.encoder = msgspec.msgpack.Encoder()
         self.decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode

@@ -8,9 +8,10 @@ whether a step is running, how long it has run and how long steps of its size to
 - dead when no heartbeat came for `dead_after_s` (CHECK_HEALTH_INTERVAL): the process is
   gone, frozen or cannot run a thread;
 - stalled when the running step is far past what steps of its size took:
-  `max(dead_after_s, STALL_FACTOR x expected)`, where `expected` scales the recent steps'
-  durations up to this step's token count (never down). With nothing measured yet, the limit
-  is STALL_FACTOR x dead_after_s.
+  `max(stall_after_s, STALL_FACTOR x expected)`, where `expected` scales the recent steps'
+  durations up to this step's token count (never down) and `stall_after_s` is
+  VLLM_ENGINE_ITERATION_TIMEOUT_S (60 s in a server). With nothing measured yet, the limit
+  is at least STALL_FACTOR x dead_after_s.
 
 So a step slowed by a busy machine, a long prompt chunk or a cold cache is never taken for a
 stall: the steps measured before it were slowed too, and the limit scales with its size."""
@@ -72,8 +73,11 @@ class StepClock:
 class Liveness:
     """The API side's view of the engine from its heartbeats and outputs."""
 
-    def __init__(self, dead_after_s: float) -> None:
+    def __init__(self, dead_after_s: float, stall_after_s: float | None = None) -> None:
+        """`stall_after_s`: the least a step may run before it is a stall (None: as long as
+        `dead_after_s`)."""
         self.dead_after_s = dead_after_s
+        self.stall_after_s = dead_after_s if stall_after_s is None else stall_after_s
         self.last_seen = time.monotonic()
         self.heartbeat: EngineHeartbeat | None = None
         self._heartbeat_at = self.last_seen
@@ -88,8 +92,8 @@ class Liveness:
 
     def stall_limit(self, heartbeat: EngineHeartbeat) -> float:
         if heartbeat.step_expected_s is None:
-            return STALL_FACTOR * self.dead_after_s
-        return max(self.dead_after_s, STALL_FACTOR * heartbeat.step_expected_s)
+            return max(self.stall_after_s, STALL_FACTOR * self.dead_after_s)
+        return max(self.stall_after_s, STALL_FACTOR * heartbeat.step_expected_s)
 
     def problem(self) -> str | None:
         """None while the engine is alive and not stalled; else what is wrong."""

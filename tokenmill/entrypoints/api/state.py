@@ -154,7 +154,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
     else:
         client = AsyncMPClient(settings.engine_address)
     engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
-                      dead_after_s=config.check_health_interval, metrics=metrics,
+                      dead_after_s=config.check_health_interval,
+                      stall_after_s=config.engine_iteration_timeout, metrics=metrics,
                       stream_interval=config.api.stream_interval)
     await engine.start()
     # A request that can never fit the KV cache (of one replica) is refused like an
