@@ -456,3 +456,21 @@ def test_every_port_times_out_a_head_that_trickles(monkeypatch, name):
             idle.settimeout(10)  # a connection that sends nothing is closed too
             assert idle.recv(65536).startswith(b"HTTP/1.1 408")
         assert httpx.get(f"http://127.0.0.1:{thread.port}{path}", timeout=10).status_code == 200
+
+
+def test_a_body_is_never_counted_as_the_head(server):
+    """The head is counted chunk by chunk while it arrives: a body written after it (in one
+    large write, the last chunk ending the message) must not be taken for head bytes."""
+    body = b'{"model": "tiny", "max_tokens": 1, "prompt": "' + b"hi " * 40_000 + b'"}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head)
+        time.sleep(0.2)  # (two writes, so the body arrives in chunks of its own)
+        sock.sendall(body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:300]  # the prompt is over the context
+    assert b"maximum context length" in reply

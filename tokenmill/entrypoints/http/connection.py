@@ -30,7 +30,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._in_head, self._head_bytes, self._head_timer = True, 0, None
-        self._heads_done = 0
+        self._events = 0  # heads and messages completed on this connection
         self._arm_head_timer()  # a connection that never sends a byte is closed too
 
     def connection_lost(self, exc) -> None:
@@ -40,11 +40,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             self._arm_head_timer()
-        heads_before = self._heads_done
+        events_before = self._events
         super().data_received(data)
-        # Counted only when no head completed in this chunk (the chunk may hold a whole
-        # request and its body); a next head begun in it is counted from the next chunk.
-        if self._in_head and self._heads_done == heads_before \
+        # Counted only when no head and no message completed in this chunk (it may hold a
+        # whole request, or a body's end); a next head begun in it counts from the next one.
+        if self._in_head and self._events == events_before \
                 and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
@@ -53,12 +53,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     # parser callbacks (called from inside data_received)
     def on_headers_complete(self) -> None:
-        self._in_head, self._heads_done = False, self._heads_done + 1
+        self._in_head, self._events = False, self._events + 1
         self._cancel_head_timer()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._in_head, self._head_bytes = True, 0  # the next head; its timer starts with data
+        self._events += 1
         super().on_message_complete()
 
     def _arm_head_timer(self) -> None:
@@ -81,7 +82,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: int, message: str) -> None:
         self._cancel_head_timer()
-        body = error_json(message, status)
+        # (in its route family's shape, where the request line has come: Triton's under /v2/)
+        path = (getattr(self, "url", None) or b"").decode("latin-1").split("?", 1)[0]
+        body = error_json(message, status, path)
         self.transport.write(b"".join([
             b"HTTP/1.1 %d %s\r\n" % (status, {408: b"Request Timeout",
                                               431: b"Request Header Fields Too Large"}[status]),
