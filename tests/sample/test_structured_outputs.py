@@ -316,3 +316,45 @@ def test_extreme_penalty_and_a_fully_banned_grammar_never_stop_the_engine(llm):
     assert outs[1].outputs[0].token_ids == alone
     assert llm.generate("Answer: yes", choice, use_tqdm=False)[0].outputs[0].text in (
         "yes", "no")  # the engine still serves
+
+
+@pytest.mark.parametrize("kind,spec,ok", [
+    ("regex", "((a{0,100}){0,100}){0,100}", False),
+    ("regex", "(a|(b{0,50}){0,50}c){0,9}", False),
+    ("regex", "(?:a{0,300}){0,300}", False),
+    ("regex", "(a{0,10}){0,10}", True),
+    ("regex", "a{100000}", True),
+    ("regex", "((a*)*)*", True),
+    ("json", json.dumps({"type": "string", "pattern": "((a{0,100}){0,100}){0,100}"}), False),
+    ("json", "[" * 200 + "]" * 200, False),
+    ("json", json.dumps(SCHEMAS[2]), True),
+])
+def test_constraint_bounds_refuse_by_name_before_compiling(tiny_models, kind, spec, ok):
+    from tokenmill.loading.checkpoint import load_tokenizer
+
+    grammars = Grammars(load_tokenizer(tiny_models("llama")[0]), 512, [1])
+    params = StructuredOutputsParams(**{kind: spec})
+    if ok:
+        grammars.compile(params)
+    else:
+        with pytest.raises(InvalidParameter, match="multiply to|levels deep") as info:
+            grammars.compile(params)
+        assert info.value.param == kind
+
+
+def test_a_constraint_too_slow_to_mask_stops_its_request_not_the_batch(llm, monkeypatch,
+                                                                       caplog):
+    """A request whose mask takes more CPU than the limit at one token (the limit lowered
+    to nothing here) is ended with its error; the unconstrained request beside it in the
+    same steps gives what it gives alone."""
+    from tokenmill.structured_output import manager
+
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([PROMPT], plain, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(manager, "MASK_CPU_LIMIT_S", -1.0)
+    slow = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"regex": "[a-z]+"})
+    outs = llm.generate([PROMPT, PROMPT], [slow, plain], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert len(outs[0].outputs[0].token_ids) <= 1
+    assert outs[1].outputs[0].token_ids == alone
+    assert "constraint's mask took" in caplog.text

@@ -154,3 +154,66 @@ def test_triton_generate_guides_and_native_response_format(server):
     bad = httpx.post(server + "/v1/chat/completions", timeout=60, json={
         "text": "x", "response_format": {"type": "yaml"}})
     assert bad.status_code == 400 and "response_format" in bad.text
+
+
+def test_short_constraints_never_wait_behind_long_ones_and_given_up_ones_never_run(
+        tiny_models):
+    """Two long schemas compiling (held here until released) leave a `choice` and a short
+    regex compiling at once on their own lane; a long one whose check timed out before its
+    compile started is cancelled and never compiles."""
+    from tokenmill.loading.checkpoint import load_tokenizer
+
+    checker = GrammarChecker(load_tokenizer(tiny_models("llama")[0]), 512, [1],
+                             timeout_s=0.5)
+    release, real, compiled = threading.Event(), checker._compile, []
+
+    def held(params):
+        if len(params.key()[1]) > 1024:
+            release.wait(30)
+        compiled.append(params.key()[1][:20])
+        return real(params)
+
+    checker._compile = held
+    long = [StructuredOutputsParams(json={"type": "object", "description": str(i) * 1100})
+            for i in range(2)]
+
+    async def scenario():
+        heavy = [asyncio.create_task(checker.check(p, "guided_json")) for p in long]
+        await asyncio.sleep(0.05)
+        await checker.check(StructuredOutputsParams(choice=["yes", "no"]), "guided_choice")
+        await checker.check(StructuredOutputsParams(regex="[0-9]{3}"), "guided_regex")
+        light_done = len(compiled)
+        results = await asyncio.gather(*heavy, return_exceptions=True)
+        return light_done, results
+
+    light_done, results = asyncio.run(scenario())
+    assert light_done == 2  # both short ones, while the long lane was held
+    assert all(isinstance(r, InvalidParameter) and "within 0.5 s" in str(r) for r in results)
+    release.set()
+    checker._lanes.shutdown()
+    checker._lanes._heavy.shutdown(wait=True)
+    assert len(compiled) == 3  # the second long one was cancelled before it started
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("guided_regex", "((a{0,100}){0,100}){0,100}", "multiply to 1000000"),
+    ("guided_json", {"type": "object", "properties": {"a": {
+        "type": "string", "pattern": "(x{0,200}){0,200}"}}}, "multiply to 40000"),
+    ("guided_json", "[" * 150 + "]" * 150, "more than 128 levels deep"),
+])
+def test_constraints_past_the_bounds_are_refused_at_once(server, field, value, fragment):
+    """Six of the hostile pass's 120-byte regexes froze the engine for minutes: now each is
+    a 400 naming the field before anything compiles, and a bystander is served."""
+    import concurrent.futures
+
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 32, field: value}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: httpx.post(
+            server + "/v1/chat/completions", json=body, timeout=60), range(6)))
+    for resp in answers:
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == field and fragment in error["message"], error
+    ok = httpx.post(server + "/v1/chat/completions",
+                    json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200

@@ -16,7 +16,12 @@ from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
 from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, kv_window
-from tokenmill.structured_output.manager import StructuredOutputs, advance
+from tokenmill.structured_output.manager import (
+    MASK_CPU_LIMIT_S,
+    SLOW_MASK_ERROR,
+    StructuredOutputs,
+    advance,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -281,11 +286,17 @@ class EngineCore:
         # Structured outputs: each grammar takes its request's new tokens; a grammar ends
         # only on a stop token, so a request ignoring EOS ends there too. A token the grammar
         # refuses (nothing was left to sample) ends its request as aborted.
-        done, broken = [], []
+        done, broken, errors = [], [], {}
         for request, count in updated:
             if request.grammar is not None and count:
                 state = advance(request, request.output_token_ids[-count:])
-                if state is None:
+                if request.grammar.too_slow:
+                    logger.warning("Request %s: its constraint's mask took %.2f s of CPU at "
+                                   "one token (limit %g s); it is stopped.", request.request_id,
+                                   request.grammar.mask_cpu_s, MASK_CPU_LIMIT_S)
+                    errors[request.request_id] = SLOW_MASK_ERROR.format(MASK_CPU_LIMIT_S)
+                    broken.append(request.request_id)
+                elif state is None:
                     logger.warning("Request %s: its sampled token breaks its grammar (no "
                                    "allowed token was left); it is aborted.",
                                    request.request_id)
@@ -312,7 +323,8 @@ class EngineCore:
                 queue_time=_queue_time(request),
                 spec_tokens=(request.num_draft_tokens, request.num_accepted_tokens)
                 if request.num_draft_tokens else None,
-                kv_blocks=None if finish is None else self._kv_blocks(request)))
+                kv_blocks=None if finish is None else self._kv_blocks(request),
+                error=errors.get(rid)))
         # Prompt logprobs of chunks that sampled nothing travel on an empty output.
         sent = {o.request_id for o in outputs}
         for rid, scored in result.prompt_logprobs.items():

@@ -1,10 +1,13 @@
 """Structured outputs' masks on a step's logits: the constrained rows keep only the tokens
 their grammar allows next (`mask_rows`: one bitmask row each, filled by the request's
-matcher; `mask_drafted`: the rows verifying a request's drafts). Slow reference beside them:
+matcher; `mask_drafted`: the rows verifying a request's drafts), each request's CPU time
+noted on its grammar state (the engine ends a request whose mask is too slow). Slow
+reference beside them:
 `allowed_slow` tries every token on a copy of the matcher (tests)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -23,7 +26,10 @@ def mask_rows(logits: torch.Tensor, requests: list[Request]) -> None:
 
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
     for j, i in enumerate(rows):
-        requests[i].grammar.matcher.fill_next_token_bitmask(bitmask, j)
+        state = requests[i].grammar
+        start = time.thread_time()
+        state.matcher.fill_next_token_bitmask(bitmask, j)
+        state.mask_cpu_s = time.thread_time() - start  # (the engine ends a slow one)
     view = logits[rows]
     xgr.apply_token_bitmask_inplace(view, bitmask.to(logits.device))
     logits[rows] = view
@@ -42,7 +48,7 @@ def mask_drafted(logits: torch.Tensor, request: Request, drafts: list[int]) -> N
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(drafts) + 1, logits.shape[-1])  # (all allowed)
-    taken = 0
+    taken, start = 0, time.thread_time()
     for i in range(first, len(drafts) + 1):
         if i == first + taken:
             matcher.fill_next_token_bitmask(bitmask, i)
@@ -52,6 +58,7 @@ def mask_drafted(logits: torch.Tensor, request: Request, drafts: list[int]) -> N
         else:
             bitmask[i] = bitmask[first + taken]
     matcher.rollback(taken)
+    request.grammar.mask_cpu_s = time.thread_time() - start  # (the engine ends a slow one)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
 

@@ -15,15 +15,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import threading
 from typing import Any
 
 from tokenmill.sampling_params import InvalidParameter, StructuredOutputsParams
+from tokenmill.structured_output.bounds import check_bounds
 
 # character classes as xgrammar prints them
 _LOOSE_CHAR = r'[^\"\\\r\n]'
 _STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _JSON_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 COMPILE_TIMEOUT_S = 10.0  # the API's bound on one grammar's compile
+# Constraints this long or shorter (a `choice`, a short regex) compile on a thread of their
+# own, never behind a long schema (CompileLanes).
+LIGHT_SPEC_CHARS = 1024
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
          "choice": "list of choices", "json_object": "JSON grammar"}
 
@@ -70,6 +75,7 @@ class Grammars:
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         kind, spec = params.key()
+        check_bounds(kind, spec)
         compiler = self.compiler
         if kind == "json":
             try:
@@ -93,11 +99,31 @@ class Grammars:
                                    + (f": {reason[:200]}" if reason else ".")) from None
 
 
+class CompileLanes:
+    """Where grammars compile: one thread for short constraints (up to LIGHT_SPEC_CHARS) and
+    one for the rest, so a few long schemas compiling never hold up a `choice` or a short
+    regex (each lane runs one compile at a time: xgrammar's compile cannot be interrupted,
+    and two threads are what a small machine spares beside the engine)."""
+
+    def __init__(self, name: str) -> None:
+        self._light = concurrent.futures.ThreadPoolExecutor(1, f"{name}-light")
+        self._heavy = concurrent.futures.ThreadPoolExecutor(1, f"{name}-heavy")
+
+    def submit(self, params: StructuredOutputsParams, fn, *args) -> concurrent.futures.Future:
+        light = len(params.key()[1]) <= LIGHT_SPEC_CHARS
+        return (self._light if light else self._heavy).submit(fn, *args)
+
+    def shutdown(self) -> None:
+        for pool in (self._light, self._heavy):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 class GrammarChecker:
     """An API process's check that a request's constraint compiles, before the request is
-    queued: a bad spec gets a 400 naming `field`; one that compiles for longer than
-    `timeout_s` too (its compile finishes on this checker's one thread, and later checks
-    queue behind it: the engine never sees such a request). Compiled grammars stay in the
+    queued: a bad spec or one past the bounds (bounds.py) gets a 400 naming `field`; one that
+    compiles for longer than `timeout_s` too (the engine never sees such a request). A check
+    given up (timed out, or its client gone) before its compile started is cancelled; one
+    already compiling finishes on its lane (CompileLanes). Compiled grammars stay in the
     compiler's cache."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
@@ -105,21 +131,32 @@ class GrammarChecker:
         self.args = tokenizer, vocab_size, stop_token_ids
         self.timeout_s = timeout_s
         self._grammars: Grammars | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tokenmill-grammar-check")
+        self._made = threading.Lock()
+        self._lanes = CompileLanes("tokenmill-grammar-check")
 
     def _compile(self, params: StructuredOutputsParams) -> None:
-        if self._grammars is None:
-            self._grammars = Grammars(*self.args)
+        with self._made:  # (both lanes may ask first)
+            if self._grammars is None:
+                self._grammars = Grammars(*self.args)
         self._grammars.compile(params)
 
     async def check(self, params: StructuredOutputsParams | None, field: str) -> None:
         if params is None:
             return
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, params)
         try:
-            await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            check_bounds(*params.key())  # (at once, on the loop: it costs microseconds)
+        except InvalidParameter as exc:
+            raise InvalidParameter(field, f"{field}: {exc}") from None
+        future = self._lanes.submit(params, self._compile, params)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                   self.timeout_s)
         except TimeoutError:
+            future.cancel()  # (not started yet: it never will be)
             raise InvalidParameter(field, f"{field}: the grammar did not compile within "
                                    f"{self.timeout_s:g} s; simplify it.") from None
+        except asyncio.CancelledError:  # the client left
+            future.cancel()
+            raise
         except InvalidParameter as exc:
             raise InvalidParameter(field, f"{field}: {exc}") from None

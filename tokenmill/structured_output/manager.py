@@ -17,9 +17,20 @@ from tokenmill.sampling_params import InvalidParameter
 logger = logging.getLogger(__name__)
 
 
+# CPU seconds one step's mask of one request may take: a grammar's next-token mask takes
+# microseconds to milliseconds, but an ambiguous one (nested counted repetitions, as
+# `((a{0,100}){0,100}){0,100}`) takes longer at every token, up to seconds a step with the
+# whole batch waiting; past this its request is ended with an error. CPU time of the
+# masking thread, not wall time: a busy machine slows every mask, and that is no reason.
+MASK_CPU_LIMIT_S = 0.5
+SLOW_MASK_ERROR = ("The structured-output constraint took too long to evaluate at one token "
+                   "(over {:g} s); the request was stopped. Simplify the constraint.")
+
+
 class GrammarState:
     """A constrained request's compiled grammar (a future until compiled) and matcher;
-    with `after` (the end of a reasoning section), inactive until the output holds it."""
+    with `after` (the end of a reasoning section), inactive until the output holds it.
+    `mask_cpu_s`: the CPU time the request's mask took in the last step (grammar_mask.py)."""
 
     def __init__(self, future: concurrent.futures.Future | None,
                  after: list[int] | None = None) -> None:
@@ -27,6 +38,11 @@ class GrammarState:
         self.matcher: Any = None
         self.after = list(after or [])
         self.active = not self.after
+        self.mask_cpu_s = 0.0
+
+    @property
+    def too_slow(self) -> bool:
+        return self.mask_cpu_s > MASK_CPU_LIMIT_S
 
     def start(self) -> None:
         import xgrammar as xgr
@@ -58,7 +74,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self._grammars = None
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "tokenmill-grammar")
+        self._lanes = None  # CompileLanes, made on first use
         self.pending: list[Request] = []  # compiling, in arrival order
 
     def grammars(self, stop_token_ids: list[int], tokenizer: Any = None) -> Any:
@@ -78,8 +94,12 @@ class StructuredOutputs:
         return self.grammars(params.eos_token_ids).compile(params.structured_outputs)
 
     def submit(self, request: Request) -> None:
+        from tokenmill.structured_output.backend import CompileLanes
+
         spec = request.sampling_params.structured_outputs
-        request.grammar = GrammarState(self._pool.submit(self._compile, request),
+        if self._lanes is None:
+            self._lanes = CompileLanes("tokenmill-grammar")
+        request.grammar = GrammarState(self._lanes.submit(spec, self._compile, request),
                                        spec.after_token_ids)
         self.pending.append(request)
 
@@ -108,11 +128,15 @@ class StructuredOutputs:
         return ok, failed
 
     def drop(self, request_ids: list[str]) -> None:
-        """Forget pending requests (aborted)."""
+        """Forget pending requests (aborted); a compile not started yet never starts."""
+        for request in self.pending:
+            if request.request_id in request_ids:
+                request.grammar.future.cancel()
         self.pending = [r for r in self.pending if r.request_id not in request_ids]
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._lanes is not None:
+            self._lanes.shutdown()
 
 
 def advance(request: Request, tokens: list[int]) -> bool | None:

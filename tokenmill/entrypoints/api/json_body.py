@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import re
 
+from tokenmill.json_depth import MAX_JSON_DEPTH, nests_deeper
+
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's --payload-limit is 2 MB too
-# Arrays and objects inside one another (serde_json's default recursion limit is 128 too): a
-# JSON schema or a tool's parameters nest a few levels each, and anything deeper only costs
-# the recursive code after the parser (templates, schema compilation, logging) its stack.
-MAX_JSON_DEPTH = 128
 
 
 class BodyError(ValueError):
@@ -20,24 +18,6 @@ class BodyError(ValueError):
 
 # A lone surrogate (\ud800 without its pair) parses to a str no tokenizer can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
-# A JSON string literal (escapes included), then every byte that is not a bracket.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-
-
-def nests_deeper(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether arrays and objects nest more than `limit` deep in the well-formed JSON text
-    `raw`, at C speed (no Python loop over the text): strings dropped, the brackets left
-    counted +1 / -1."""
-    if raw.count(b"[") + raw.count(b"{") <= limit:  # the common case: it cannot
-        return False
-    import numpy as np
-
-    brackets = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
-    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
 
 
 def _no_constants(name: str):
