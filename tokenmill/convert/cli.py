@@ -68,6 +68,7 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
     # checkpoint's own code (config.json `auto_map`), and run it on "y". load_hf_config refuses
     # such a folder by name first.
     from tokenmill.loading.checkpoint import load_hf_config
+    from tokenmill.loading.file_checks import check_safetensors
 
     load_hf_config(model)
     config = AutoConfig.from_pretrained(model, trust_remote_code=False)
@@ -80,6 +81,7 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
     state: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(model)):
         if name.endswith(".safetensors"):
+            check_safetensors(os.path.join(model, name))
             state.update(load_file(os.path.join(model, name)))
     if not state:
         raise ValueError(f"{model} has no *.safetensors weights.")

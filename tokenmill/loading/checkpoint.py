@@ -27,6 +27,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.loading import sharded
+from tokenmill.loading.file_checks import check_config, check_model_folder, check_safetensors
 from tokenmill.models.registry import build_model
 from tokenmill.quantization import fp8_blocks
 
@@ -63,10 +64,15 @@ def resolve_model_path(model: str | None, node: tuple[int, int] | None = None,
 
 
 def load_hf_config(path: str) -> Any:
+    """The model's (text) config, its sizes checked against sane bounds (file_checks.py)
+    before anything is built from them."""
     if is_gguf(path):
         from tokenmill.loading.gguf import load_gguf_config
-        return load_gguf_config(path)
+        config = load_gguf_config(path)
+        check_config(config, path)
+        return config
     from transformers import AutoConfig
+    check_model_folder(path)  # (transformers' JSON reading recurses; its checks divide)
     try:  # (never None: transformers would ask on the terminal whether to run the code)
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except ValueError:
@@ -83,7 +89,9 @@ def load_hf_config(path: str) -> Any:
                          "which tokenmill never runs, --trust-remote-code or not; supported "
                          f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.") from None
     from tokenmill.models.registry import text_model_config
-    return text_model_config(config)
+    config = text_model_config(config)
+    check_config(config, path)
+    return config
 
 
 def iter_safetensors(model_dir: str, lazy: bool = False,
@@ -102,6 +110,7 @@ def iter_safetensors(model_dir: str, lazy: bool = False,
     if not files:
         raise FileNotFoundError(f"No *.safetensors weights in {model_dir!r}.")
     for file in files:
+        check_safetensors(file)
         with safe_open(file, framework="pt") as f:
             names = list(f.keys())
             if fp8_block is not None:
@@ -256,4 +265,5 @@ def load_tokenizer(path: str) -> Any:
         from tokenmill.loading.gguf import load_gguf_tokenizer
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
+    check_model_folder(path)  # (it reads the config too)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=False)

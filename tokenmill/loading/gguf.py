@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tokenmill.loading import gguf_archs
+from tokenmill.loading.file_checks import ModelFileError, check_gguf
 from tokenmill.loading.gguf_archs import ARCHITECTURES, EXPERT_NAMES, GLOBAL_NAMES, PERMUTED_QK
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ def _reader(path: str) -> Any:
     iter_gguf_weights lets go once the weights are read."""
     from gguf import GGUFReader
 
+    check_gguf(path)  # (gguf's reader trusts the header's counts and lengths)
+
     class PlainViewReader(GGUFReader):
         @property
         def data(self) -> np.ndarray:
@@ -58,6 +61,9 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+_REQUIRED = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length")
+
+
 def _architecture(reader: Any) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -67,15 +73,33 @@ def _architecture(reader: Any) -> str:
 
 
 def load_gguf_config(path: str) -> Any:
-    import transformers
-
+    """The model's config from the GGUF metadata; metadata missing or of the wrong type is
+    a ModelFileError naming the key (the header itself was checked by `_reader`)."""
     reader = _reader(path)
     arch = _architecture(reader)
+    try:
+        return _config_of(reader, arch)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{os.path.basename(path)}: {exc}") from None
+    except ValueError:
+        raise
+    except (TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise ModelFileError(f"{os.path.basename(path)}: its {arch} metadata is missing a "
+                             f"value or holds one of the wrong type ({type(exc).__name__}: "
+                             f"{str(exc)[:120]}).") from None
+
+
+def _config_of(reader: Any, arch: str) -> Any:
+    import transformers
+
     tensor_names = {t.name for t in reader.tensors}
     hf_arch, config_class = ARCHITECTURES[arch]
 
     def get(key: str, default: Any) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None and default is None and key in _REQUIRED:
+            raise ModelFileError(f"the GGUF metadata has no {arch}.{key}.")
+        return value
     heads = int(get("attention.head_count", None))
     hidden = int(get("embedding_length", None))
     vocab = get("vocab_size", None)
@@ -272,6 +296,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     the next start of the same file reads that (a fraction of a second)."""
     from transformers import AutoTokenizer
 
+    check_gguf(path)  # (transformers reads the metadata with gguf's trusting reader)
     folder = _tokenizer_cache(path)
     if folder is not None and os.path.isfile(os.path.join(folder, "tokenizer.json")):
         try:

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tokenmill.loading.file_checks import check_safetensors
+
 SHARDING = "tokenmill_sharding.json"
 FORMAT = "tokenmill-sharded"
 ROW_ABSMAX = ".row_absmax"
@@ -61,6 +63,7 @@ def load_rank(model: nn.Module, path: str, keep_fp8: bool = False) -> set[str]:
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[str] = set()
     fp8: dict[str, dict[str, torch.Tensor]] = {}  # layer -> qweight / scale
+    check_safetensors(file)
     with safe_open(file, framework="pt") as f:
         for name in list(f.keys()):  # (safe_open is not iterable)
             layer, _, leaf = name.rpartition(".")
