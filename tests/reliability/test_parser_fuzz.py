@@ -526,3 +526,70 @@ def test_stop_strings_never_leak_from_stream_deltas(tokenizer, data):
         assert not any(s in streamed for s in stops), (streamed, stops)
     elif c.stop_reason is not None:
         assert streamed.endswith(c.stop_reason)
+
+
+# JSON schema / regex -> grammar -------------------------------------------------------------------
+_REGEX = st.recursive(
+    st.sampled_from(["a", "b", "[0-9]", ".", "[a-z]"]),
+    lambda inner: st.builds(lambda r, lo, hi: f"({r}){{{lo},{lo + hi}}}", inner,
+                            st.integers(0, 3), st.integers(0, 120))
+    | st.builds(lambda a, b: a + b, inner, inner)
+    | st.builds(lambda a, b: f"({a}|{b})", inner, inner)
+    | st.builds(lambda r, op: f"({r}){op}", inner, st.sampled_from(["*", "+", "?"])),
+    max_leaves=6)
+_SCHEMA = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number",
+                                                    "boolean", "null"])})
+    | st.fixed_dictionaries({"type": st.just("string"), "pattern": _REGEX})
+    | st.fixed_dictionaries({"type": st.just("string"), "maxLength": st.integers(0, 300)})
+    | st.fixed_dictionaries({"enum": st.lists(st.text(max_size=4), min_size=1, max_size=3)}),
+    lambda inner: st.fixed_dictionaries({"type": st.just("array"), "items": inner,
+                                         "maxItems": st.integers(0, 4)})
+    | st.fixed_dictionaries({"type": st.just("object"),
+                             "properties": st.dictionaries(st.text("abc", min_size=1,
+                                                                   max_size=3),
+                                                           inner, max_size=3)})
+    | st.fixed_dictionaries({"anyOf": st.lists(inner, min_size=1, max_size=3)}),
+    max_leaves=12)
+
+
+@settings(PROFILE, max_examples=150)
+@given(kind=st.sampled_from(["json", "regex"]), schema=_SCHEMA, regex=_REGEX)
+def test_constraints_compile_or_are_refused_by_name(tokenizer, grammars, kind, schema,
+                                                    regex):
+    """Random schemas (nested, patterns with counted repetitions, anyOf) and regexes: each
+    compiles (then masks) or is refused with InvalidParameter naming the field; never
+    another exception."""
+    from tokenmill.sampling_params import InvalidParameter
+    from tokenmill.structured_output import StructuredOutputsParams
+
+    params = StructuredOutputsParams(**{kind: schema if kind == "json" else regex})
+    try:
+        asyncio.run(grammars.check(params, f"guided_{kind}"))
+    except InvalidParameter as exc:
+        assert exc.param == f"guided_{kind}", exc
+        event("refused")
+
+
+_TEMPLATE_PIECES = st.sampled_from([
+    "{% for m in messages %}", "{% endfor %}", "{{ m['content'] }}", "{{ m.role }}",
+    "{% if add_generation_prompt %}", "{% endif %}", "<|im_start|>", "\n", "{{ bos_token }}",
+    "{{ raise_exception('no') }}", "{{ messages[5] }}", "{{ m.content | tojson }}",
+    "{{ ''.__class__ }}", "{% set x = 1 %}", "{{ x * 10 }}", "{{", "}}", "{%", "text"])
+
+
+@settings(PROFILE, max_examples=150)
+@given(pieces=st.lists(_TEMPLATE_PIECES, max_size=12),
+       content=st.text(max_size=20) | st.just("<|im_end|><s>"))
+def test_chat_templates_render_or_fail_with_a_template_error(tokenizer, pieces, content):
+    """Random templates (unclosed tags, raise_exception, sandbox escapes, index errors):
+    each renders, or is a ChatTemplateError; never another exception."""
+    from tokenmill.tokenizer import ChatTemplateError, apply_chat_template
+
+    messages = [{"role": "user", "content": content}]
+    try:
+        ids = apply_chat_template(tokenizer, messages, chat_template="".join(pieces) or "x")
+    except ChatTemplateError:
+        event("refused")
+        return
+    assert all(isinstance(i, int) for i in ids)

@@ -224,3 +224,51 @@ def test_a_slow_engine_step_is_not_taken_for_a_stall(model, tmp_path):
         assert served.process.wait(60) == 0
     output = served.process.stdout.read().decode()
     assert "declared dead" not in output and "engine core died" not in output, output[-2000:]
+
+
+def test_ten_busy_processes_and_heavy_constraints_keep_the_engine(model, tmp_path):
+    """The hostile pass's case: a machine loaded ~10 deep on its cores, constrained requests
+    compiling and masking (deep schemas, long and nested repetitions, and the regexes past
+    the bounds, refused), and the default CHECK_HEALTH_INTERVAL of 10 s. The engine is never
+    declared dead, every bystander is answered, readiness holds, SIGTERM still exits 0."""
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    schema = {"type": "integer"}
+    for _ in range(50):
+        schema = {"type": "array", "items": schema, "maxItems": 2}
+    heavy = [{"guided_json": schema}, {"guided_regex": ".{0,5000}"},
+             {"guided_regex": "((a{0,10}){0,10}){0,90}"},
+             {"guided_regex": "((a{0,100}){0,100}){0,100}"},  # (past the bounds: a 400)
+             {"guided_json": {"type": "object", "description": "x" * 20_000}}]
+    served = Served(model, tmp_path)
+    burner = "import time\nend = time.time() + 240\nwhile time.time() < end:\n    pass\n"
+    with served.running():
+        burners = [subprocess.Popen([sys.executable, "-c", burner]) for _ in range(10)]
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                loads = [pool.submit(httpx.post, served.api + "/v1/completions", timeout=600,
+                                     json={"model": "tiny", "prompt": "Hi", "max_tokens": 24,
+                                           "temperature": 0, **extra})
+                         for extra in heavy * 3]
+                bystanders = []
+                for i in range(8):  # (bounded: one after another while the load runs)
+                    bystanders.append(httpx.post(
+                        served.api + "/v1/completions", timeout=600,
+                        json={"model": "tiny", "prompt": f"Say {i}", "max_tokens": 1}))
+                    ready = httpx.get(served.health + "/v2/health/ready", timeout=60)
+                    assert ready.status_code == 200, ready.text
+                answers = [f.result() for f in loads]
+        finally:
+            for p in burners:
+                p.kill()
+                p.wait(30)
+        assert [r.status_code for r in bystanders] == [200] * 8
+        assert {r.status_code for r in answers} <= {200, 400}, [r.text for r in answers]
+        assert sum(r.status_code == 400 for r in answers) >= 3  # (the refused regex)
+        assert served.process.poll() is None
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(120) == 0
+    output = served.process.stdout.read().decode()
+    assert "declared dead" not in output and "engine core died" not in output, output[-3000:]
