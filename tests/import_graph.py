@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # The layers, lowest first: a module may import its own layer and those below it. A unit is a
 # top-level folder or a top-level module (without ".py"). Kept in step with docs/architecture.md.
 LAYERS: list[tuple[str, ...]] = [
-    ("logs", "host_to_device", "text_buffer", "json_depth"),
+    ("logs", "host_to_device", "text_buffer", "json_depth", "heap"),
     ("config", "sampling_params", "outputs", "tokenizer"),
     ("core", "csrc"),
     ("distributed",),

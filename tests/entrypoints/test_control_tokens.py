@@ -122,7 +122,8 @@ def test_plain_conversations_tokenize_exactly_as_transformers(family):
 
 
 def test_the_default_models_template_is_guarded():
-    from tokenmill.loading.gguf import default_model_path, load_gguf_tokenizer
+    from tokenmill.loading.gguf import default_model_path
+    from tokenmill.loading.gguf_tokenizer import load_gguf_tokenizer
 
     tok = load_gguf_tokenizer(default_model_path())
     assert "<|im_start|>" in tok.chat_template

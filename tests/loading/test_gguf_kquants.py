@@ -175,3 +175,19 @@ def test_a_q4_k_m_file_stays_its_size_and_gives_the_expanded_tokens(q4_k_m, monk
         assert a.token_ids == b.token_ids
         for token, pa, pb in zip(a.token_ids, a.logprobs, b.logprobs, strict=True):
             assert abs(pa[token].logprob - pb[token].logprob) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_a_large_table_converted_a_slice_at_a_time_is_the_whole_conversion(kind,
+                                                                           monkeypatch):
+    """to_kernel_tensors converts a table of more than ROW_CHUNK rows in slices (so its
+    temporaries are a slice's): the tensors equal converting all rows at once."""
+    from tokenmill.quantization import gguf_blocks
+
+    raw = random_blocks(kind, (50, 256))
+    whole = gguf_blocks.to_kernel_tensors(raw, kind, 50, 256)
+    monkeypatch.setattr(gguf_blocks, "ROW_CHUNK", 16)  # 50 rows: 16 + 16 + 16 + 2
+    sliced = gguf_blocks.to_kernel_tensors(raw, kind, 50, 256)
+    assert sliced[0] == whole[0] and sliced[1].keys() == whole[1].keys()
+    for leaf, t in whole[1].items():
+        assert torch.equal(sliced[1][leaf], t), leaf

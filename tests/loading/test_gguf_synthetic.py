@@ -170,7 +170,8 @@ def test_q5_kept_where_k_is_a_multiple_of_64(kind, k):
 def test_a_gguf_tokenizer_read_back_from_the_cache_is_the_one_built(tmp_path, monkeypatch):
     """The tokenizer transformers builds from a GGUF's metadata is kept in the cache; the
     next load reads it from there and encodes, decodes and renders chats the same."""
-    from tokenmill.loading.gguf import _tokenizer_cache, default_model_path, load_gguf_tokenizer
+    from tokenmill.loading.gguf import default_model_path
+    from tokenmill.loading.gguf_tokenizer import _tokenizer_cache, load_gguf_tokenizer
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = default_model_path()
@@ -212,10 +213,11 @@ def test_a_tokenizer_that_does_not_read_back_alike_is_not_cached(tmp_path, monke
     """transformers' save and load does not round-trip every GGUF tokenizer (a SentencePiece
     vocabulary came back without its unknown token; test_convert's gemma2 round trip): such a
     copy is never cached, and every start builds the tokenizer again."""
-    from tokenmill.loading import gguf as loader
+    from tokenmill.loading import gguf_tokenizer as loader
+    from tokenmill.loading.gguf import default_model_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = loader.default_model_path()
+    path = default_model_path()
     real = loader._reads_back_alike
     assert real(loader._build_gguf_tokenizer(path), str(tmp_path / "missing")) is False
     monkeypatch.setattr(loader, "_reads_back_alike", lambda tokenizer, folder: False)

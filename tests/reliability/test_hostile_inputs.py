@@ -273,7 +273,8 @@ def test_the_size_bound_never_refuses_a_text_that_fits(tiny_models):
     for texts made of the vocabulary's longest tokens or of characters a normalizer folds."""
     from tokenmill.entrypoints.api.prompts import max_prompt_chars
     from tokenmill.loading.checkpoint import load_tokenizer
-    from tokenmill.loading.gguf import default_model_path, load_gguf_tokenizer
+    from tokenmill.loading.gguf import default_model_path
+    from tokenmill.loading.gguf_tokenizer import load_gguf_tokenizer
 
     for tok in (load_tokenizer(tiny_models("llama")[0]),
                 load_gguf_tokenizer(default_model_path())):

@@ -96,7 +96,8 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
 def to_hf(model: str, out: str) -> None:
     from safetensors.torch import save_file
 
-    from tokenmill.loading.gguf import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+    from tokenmill.loading.gguf import iter_gguf_weights, load_gguf_config
+    from tokenmill.loading.gguf_tokenizer import load_gguf_tokenizer
 
     config = load_gguf_config(model)
     rope = getattr(config, "rope_parameters", None) or {}

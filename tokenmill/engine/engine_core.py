@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 
+from tokenmill import heap
 from tokenmill.config.engine import EngineConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.scheduler import SchedulerConfig
@@ -121,6 +122,7 @@ class EngineCore:
             except BaseException:
                 self.shutdown()
                 raise
+        heap.trim()  # (what loading freed: the GGUF reader's values, float copies)
 
     @property
     def hf_config(self):

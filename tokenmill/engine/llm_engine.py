@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+from tokenmill import heap
 from tokenmill.config.engine import EngineConfig
 from tokenmill.config.generation import log_defaults, sampling_defaults
 from tokenmill.engine.core_client import InprocClient
@@ -46,6 +47,7 @@ class LLMEngine:
             self.client = InprocClient(self.core)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        heap.trim()  # (what building the tokenizer and loading freed)
 
     @property
     def max_model_len(self) -> int:

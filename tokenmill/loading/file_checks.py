@@ -62,9 +62,10 @@ def check_json_files(folder: str) -> None:
 
 
 # --- config.json ---------------------------------------------------------------------------
-# field: (least, most); 0 where configs use it for "none" (no window, no experts). Generous: the largest models of 2026 are far inside (hidden 16,384,
-# 160 layers, 256k vocabulary, 10M context, 384 experts); a value past them is a broken or
-# hostile file, which would otherwise allocate gigabytes before failing.
+# field: (least, most); 0 where configs use it for "none" (no window, no experts). Generous:
+# the largest models of 2026 are far inside (hidden 16,384, 160 layers, 256k vocabulary, 10M
+# context, 384 experts); a value past them is a broken or hostile file, which would otherwise
+# allocate gigabytes before failing.
 CONFIG_BOUNDS = {
     "hidden_size": (1, 1 << 17),
     "intermediate_size": (1, 1 << 20),

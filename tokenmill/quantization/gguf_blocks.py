@@ -49,11 +49,37 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16)[..., 0].astype(np.float32)
 
 
+# Rows converted at a time: a large table (a 152k-token LM head) is converted a slice at a
+# time into its final tensors, so the conversion's temporaries (widened values, scales) are
+# a slice's, not the whole table's (they once added 290 MB to a 0.5B model's peak).
+ROW_CHUNK = 8192
+
+
 def to_kernel_tensors(data: np.ndarray, kind: str, n: int, k: int
                       ) -> tuple[str, dict[str, torch.Tensor]]:
     """(kernel method, its tensors) of a [N, K] weight's blocks; Q6_K, Q5_0 and Q5_1 widened
     to int8 (exactly) with TOKENMILL_GGUF_COMPACT=0, Q5 also where K is not a multiple of
-    the kernel's 64."""
+    the kernel's 64. Every tensor is by rows (its first dimension N), so a table of more than
+    ROW_CHUNK rows is converted ROW_CHUNK rows at a time into tensors allocated once."""
+    if n <= ROW_CHUNK:
+        return _to_kernel_tensors(data, kind, n, k)
+    rows = np.asarray(data).view(np.uint8).reshape(n, -1)
+    method, first = _to_kernel_tensors(rows[:ROW_CHUNK], kind, ROW_CHUNK, k)
+    out = {leaf: torch.empty((n, *t.shape[1:]), dtype=t.dtype) for leaf, t in first.items()}
+    for leaf, t in first.items():
+        out[leaf][:ROW_CHUNK] = t
+    del first
+    for start in range(ROW_CHUNK, n, ROW_CHUNK):
+        stop = min(start + ROW_CHUNK, n)
+        part_method, part = _to_kernel_tensors(rows[start:stop], kind, stop - start, k)
+        assert part_method == method  # (decided by the kind and K alone)
+        for leaf, t in part.items():
+            out[leaf][start:stop] = t
+    return method, out
+
+
+def _to_kernel_tensors(data: np.ndarray, kind: str, n: int, k: int
+                       ) -> tuple[str, dict[str, torch.Tensor]]:
     blocks = _blocks(data, kind, n, k)
     compact = kernel_switches.current().cpu.gguf_compact
     if kind == "Q6_K" and not compact:

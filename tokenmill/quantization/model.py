@@ -206,7 +206,10 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
     block, or whose other shards came as float, is dequantized instead."""
     modules = dict(model.named_modules())
     replaced = set()
-    for name, by_index in shards.items():
+    for name in list(shards):
+        # (taken out as it is used: a layer's blocks are freed once its kernel holds them,
+        # not all at the end; the joined copies would otherwise double the peak)
+        by_index = shards.pop(name)
         module = modules[name]
         if None in by_index and hasattr(module, "full_sizes"):  # one fused q|k|v / gate|up
             fused = by_index.pop(None)  # (Phi-3's): its projections' rows, in order
@@ -255,15 +258,19 @@ def _shard_rows(shard: QuantizedShard) -> int:
 
 def split_checkpoint(weights: Iterable[tuple[str, object]], target_of,
                      quantized: dict[str, dict[str, torch.Tensor]],
-                     shards: dict[str, dict[int | None, QuantizedShard]]
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     shards: dict[str, dict[int | None, QuantizedShard]],
+                     on_shard=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass float tensors on; keep quantized ones aside, by layer: kernel tensors of a
     tokenmill checkpoint into `quantized`, GGUF shards into `shards` (`target_of` maps a
-    checkpoint name to the model's parameter and shard index)."""
+    checkpoint name to the model's parameter and shard index; `on_shard(layer)` is told of
+    each shard as it is kept)."""
     for name, tensor in weights:
         if isinstance(tensor, QuantizedShard):
             target, shard = target_of(name)
-            shards.setdefault(target.rpartition(".")[0], {})[shard] = tensor
+            layer = target.rpartition(".")[0]
+            shards.setdefault(layer, {})[shard] = tensor
+            if on_shard is not None:
+                on_shard(layer)
             continue
         layer, _, leaf = name.rpartition(".")
         if leaf in KERNEL_TENSORS:

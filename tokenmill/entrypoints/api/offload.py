@@ -11,32 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import ctypes.util
 import functools
 from typing import Any
 
+from tokenmill import heap
+
 MAX_THREADS = 2
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _load_trim():
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _load_trim()
 
 
 def _then_trim(fn, *args: Any, **kwargs: Any):
     try:
         return fn(*args, **kwargs)
     finally:
-        if _malloc_trim is not None:
-            _malloc_trim(0)
+        heap.trim()
 
 
 async def off_loop_if(heavy: bool, fn, *args: Any, **kwargs: Any):
