@@ -5,7 +5,6 @@ readers (bytes truncated or overwritten at random) finds no other exception, bou
 (hypothesis, a fixed number of examples)."""
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -236,16 +235,23 @@ def test_a_tokenizer_json_nested_200000_deep_is_one_error(tiny_models, tmp_path)
     check_json_file(str(folder / "tokenizer.json"))  # (not JSON: the loader's own error)
 
 
-def _peak_mib_of(args, cwd) -> tuple[int, str, float]:
-    """Runs a tokenmill command; its exit code, output, and the peak RSS (MiB) of the
-    children this test process has waited for (the command is the largest)."""
-    import resource
+_PEAK_OF_ITSELF = """
+import atexit, resource, runpy, sys
+atexit.register(lambda: sys.stderr.write(
+    "PEAK_KB=%d\\n" % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+sys.argv = ["tokenmill", *sys.argv[1:]]
+runpy.run_module("tokenmill.entrypoints.cli", run_name="__main__")
+"""
 
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TOKENMILL_TEST_NO_DOWNLOAD": "1"})
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return proc.returncode, proc.stdout + proc.stderr, peak
+
+def _peak_mib_of(args, cwd) -> tuple[int, str, float]:
+    """Runs a tokenmill command; its exit code, output (without the peak line), and its own
+    peak RSS in MiB (reported by the process itself as it exits)."""
+    proc = subprocess.run([sys.executable, "-c", _PEAK_OF_ITSELF, *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    peak = next(int(line[8:]) for line in lines if line.startswith("PEAK_KB=")) / 1024
+    return proc.returncode, "\n".join(x for x in lines if not x.startswith("PEAK_KB=")), peak
 
 
 @pytest.mark.parametrize("field,value", [("hidden_size", 10**9), ("vocab_size", 10**12),

@@ -35,11 +35,17 @@ MAX_MODEL_JSON_DEPTH = 64
 
 def check_json_file(path: str) -> None:
     """A model folder's JSON file, before a parser that recurses reads it: its size, and its
-    nesting (a tokenizer.json nested 200,000 deep was a RecursionError)."""
+    nesting (a tokenizer.json nested 200,000 deep was a RecursionError). Once per version of
+    the file (the config and the tokenizer loaders both ask)."""
     try:
-        size = os.path.getsize(path)
+        stat = os.stat(path)
     except OSError:
         return  # (absent: the loader says so in its words)
+    _checked_json(path, stat.st_size, stat.st_mtime)
+
+
+@lru_cache(maxsize=64)
+def _checked_json(path: str, size: int, mtime: float) -> None:
     name = os.path.basename(path)
     if size > MAX_JSON_FILE_BYTES:
         raise ModelFileError(f"{name}: {size} bytes, more than the {MAX_JSON_FILE_BYTES >> 20} "
