@@ -207,9 +207,7 @@ def iter_gguf_weights(path: str, config: Any,
     shares)."""
     reader = _reader(path)
     try:
-        for item in _weights(reader, config, keep_quantized):
-            yield item
-            reader.drop_pages()  # (read and copied by now)
+        yield from _weights(reader, config, keep_quantized)
     finally:
         # A parsed reader holds ~500k Python objects (a numpy view per vocabulary entry): kept
         # alive, every full garbage collection walked them, ~4 % of a q8_0 W1 run.
@@ -223,6 +221,9 @@ def _weights(reader: Any, config: Any, keep_quantized: bool) -> Iterator[tuple[s
     names = gguf_archs.layer_names(arch)
     kv_b_parts: dict[tuple[int, str], np.ndarray] = {}
     for tensor in reader.tensors:
+        # (once per file tensor, not per weight: a layer's experts are one tensor; what
+        # came before was read and copied by now)
+        reader.drop_pages()
         name = tensor.name
         if name in GLOBAL_NAMES:
             hf_name = GLOBAL_NAMES[name]
