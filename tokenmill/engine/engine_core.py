@@ -17,12 +17,7 @@ from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
 from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, kv_window
-from tokenmill.structured_output.manager import (
-    MASK_CPU_LIMIT_S,
-    SLOW_MASK_ERROR,
-    StructuredOutputs,
-    advance,
-)
+from tokenmill.structured_output.manager import StructuredOutputs, advance
 
 logger = logging.getLogger(__name__)
 
@@ -292,11 +287,12 @@ class EngineCore:
         for request, count in updated:
             if request.grammar is not None and count:
                 state = advance(request, request.output_token_ids[-count:])
-                if request.grammar.too_slow:
+                slow = request.grammar.slow_error()
+                if slow is not None:
                     logger.warning("Request %s: its constraint's mask took %.2f s of CPU at "
-                                   "one token (limit %g s); it is stopped.", request.request_id,
-                                   request.grammar.mask_cpu_s, MASK_CPU_LIMIT_S)
-                    errors[request.request_id] = SLOW_MASK_ERROR.format(MASK_CPU_LIMIT_S)
+                                   "one token; it is stopped.", request.request_id,
+                                   request.grammar.mask_cpu_s)
+                    errors[request.request_id] = slow
                     broken.append(request.request_id)
                 elif state is None:
                     logger.warning("Request %s: its sampled token breaks its grammar (no "

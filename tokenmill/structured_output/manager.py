@@ -40,9 +40,10 @@ class GrammarState:
         self.active = not self.after
         self.mask_cpu_s = 0.0
 
-    @property
-    def too_slow(self) -> bool:
-        return self.mask_cpu_s > MASK_CPU_LIMIT_S
+    def slow_error(self) -> str | None:
+        """The error that stops the request when its last mask took too long, else None."""
+        return SLOW_MASK_ERROR.format(MASK_CPU_LIMIT_S) \
+            if self.mask_cpu_s > MASK_CPU_LIMIT_S else None
 
     def start(self) -> None:
         import xgrammar as xgr
