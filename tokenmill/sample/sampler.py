@@ -123,13 +123,24 @@ def draw(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator 
     if batch.all_greedy:
         return greedy, None
     probs = probabilities(logits, batch)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p. Seeded rows use
-    # their own generator, so their draws don't depend on which batch they land in.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # Inverse CDF: one uniform per row, the first token whose cumulative mass passes it. Seeded
+    # rows use their own generator, so their draws don't depend on which batch they land in.
+    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device)
     for row, gen in batch.generators.items():
-        noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
+        uniform[row] = torch.rand(1, generator=gen, device=probs.device)
+    sampled = inverse_cdf(probs, uniform)
     return torch.where(batch.temperature == 0, greedy, sampled), probs
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds uniform[i] x the row's
+    total (a zero-probability token never is). One uniform and one running sum per row: the
+    exponential race (argmax p / E, E ~ Exp(1)) drew a random number and a log per vocabulary
+    entry, ~8 % of a served CPU step with 20 sampled rows of a 49k vocabulary."""
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    # uniform x total can round up to the total itself: past the end, the likeliest token
+    return torch.where(picked < probs.shape[1], picked, probs.argmax(dim=-1))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch,
