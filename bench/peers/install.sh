@@ -3,7 +3,7 @@
 # venv outside the repository: $TOKENMILL_PEERS_DIR (default ~/.cache/tokenmill-peers).
 # Pinned versions; idempotent (a peer that imports is left alone). Never run by CI.
 #   bash bench/peers/install.sh            # all peers
-#   bash bench/peers/install.sh llamacpp   # one of: vllm llamacpp
+#   bash bench/peers/install.sh llamacpp   # one of: vllm llamacpp llamaserver
 set -euo pipefail
 ROOT="${TOKENMILL_PEERS_DIR:-$HOME/.cache/tokenmill-peers}"
 PYTHON="${PYTHON:-python3}"
@@ -32,12 +32,31 @@ install_llamacpp() {
   "$ROOT/llamacpp/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 }
 
+install_llamaserver() {
+  if test -x "$ROOT/llamaserver/bin/llama-server"; then echo "llama-server: present"; return; fi
+  # llama.cpp's own server, built from the source that llama-cpp-python's sdist vendors (the
+  # same llama.cpp as the llamacpp peer), without its web UI; about 15 minutes on 2 cores.
+  local src; src="$(mktemp -d)"
+  "$PYTHON" -m pip download -q --no-deps --no-binary :all: -d "$src" "llama-cpp-python==0.3.36"
+  tar xzf "$src"/llama_cpp_python-0.3.36.tar.gz -C "$src"
+  local cpp="$src/llama_cpp_python-0.3.36/vendor/llama.cpp"
+  cmake -S "$cpp" -B "$cpp/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+  cmake --build "$cpp/build" -j"$(nproc)" --target llama-server
+  mkdir -p "$ROOT/llamaserver/bin"
+  cp "$cpp/build/bin/llama-server" "$ROOT/llamaserver/bin/"
+  rm -rf "$src"
+  "$ROOT/llamaserver/bin/llama-server" --version
+}
+
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(vllm llamacpp)
+[ ${#targets[@]} -eq 0 ] && targets=(vllm llamacpp llamaserver)
 for t in "${targets[@]}"; do
   case "$t" in
     vllm) install_vllm ;;
     llamacpp) install_llamacpp ;;
-    *) echo "unknown peer: $t (vllm, llamacpp)" >&2; exit 2 ;;
+    llamaserver) install_llamaserver ;;
+    *) echo "unknown peer: $t (vllm, llamacpp, llamaserver)" >&2; exit 2 ;;
   esac
 done
