@@ -41,6 +41,7 @@ sys.path.insert(0, HERE)
 import compare  # noqa: E402 - sibling scripts, not a package
 from offline_throughput import cpu_model  # noqa: E402
 from record import free_port  # noqa: E402
+from roofline import Passes, count_params, measure, model_shape  # noqa: E402
 from serve_load import make_text_prompts  # noqa: E402
 
 LLAMA_SERVER = os.path.join(compare.ROOT, "llamaserver", "bin", "llama-server")
@@ -187,6 +188,39 @@ def sustained(runs: list[dict]) -> float | None:
     return best
 
 
+def ceiling(hf_dir: str, args) -> dict:
+    """The random dataset's fastest service on this machine in fp32: every request's prompt in
+    one pass and its decodes in full batches (`roofline.Passes`), at the FMA peak and the read
+    bandwidth measured now; served throughput is stated as a share of it."""
+    roof = measure(count_params(hf_dir))
+    rate = roof.get("fma_peak_gflops") or roof["matmul_gflops"]
+    passes = Passes(model_shape(hf_dir), rate, roof["bandwidth_gbs"])
+    seconds = passes.request_batch(args.num_prompts, args.input_len, args.output_len)
+    return {"fma_peak_gflops": rate, "bandwidth_gbs": roof["bandwidth_gbs"],
+            "request_rate": round(args.num_prompts / seconds, 2),
+            "gflop_per_request": round(passes.flops / args.num_prompts / 1e9, 1)}
+
+
+def table(report: dict) -> str:
+    """The sweep as a markdown table: per engine, the sustained rate, goodput at each rate,
+    and TPOT p50 / TTFT p99 at each rate."""
+    rates = report["rate_list"]
+    head = ("| model · dataset | engine | sustained (req/s) | goodput at "
+            + " / ".join(f"{r:g}" for r in rates) + " | TPOT p50 (ms) | TTFT p99 (ms) |")
+    lines = [head, "|" + "---|" * 6]
+    for key, m in report["models"].items():
+        for ds in report["datasets"]:
+            for e in m["engines"]:
+                runs = {r["rate"]: r for r in e.get("runs", {}).get(ds, []) if "error" not in r}
+                cell = lambda f, nd=2, runs=runs: " / ".join(  # noqa: E731
+                    f"{runs[r][f]:.{nd}f}" if r in runs else "–" for r in rates)
+                lines.append(f"| {key} · {ds} | {e['engine']} | "
+                             f"{sustained(list(runs.values())) or '< ' + f'{rates[0]:g}'} | "
+                             f"{cell('request_goodput')} | {cell('median_tpot_ms', 0)} | "
+                             f"{cell('p99_ttft_ms', 0)} |")
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: str) -> None:
     try:
         import matplotlib
@@ -233,7 +267,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--models-dir", default=os.path.join(compare.ROOT, "models"))
     p.add_argument("--out", default=None)
+    p.add_argument("--table", metavar="JSON", help="print a result file as a markdown table")
     args = p.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(table(json.load(f)))
+        return
     args.rate_list = [float(r) for r in args.rates.split(",") if r]
     if compare.engine_python("vllm") is None:
         sys.exit("vllm bench serve comes from the vLLM peer: bash bench/peers/install.sh vllm")
@@ -285,11 +324,19 @@ def main(argv: list[str] | None = None) -> None:
                 tokenizer = compare.gguf_tokenizer(path) or hf_dir
                 report["models"][key]["engines"].append(
                     run_engine(engine, path, tokenizer, datasets, args))
+        if "f32" in args.precisions.split(","):
+            report["models"][model]["ceiling"] = ceiling(hf_dir, args)
+            for engine in report["models"][model]["engines"]:
+                best = max((r.get("request_throughput") or 0 for r in
+                            engine.get("runs", {}).get("random", [])), default=0)
+                engine["served_share_of_ceiling"] = round(
+                    best / report["models"][model]["ceiling"]["request_rate"], 2)
     out = args.out or os.path.join(
         HERE, "results", f"serve-sweep-{datetime.date.today().isoformat()}.json")
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     plot(report, out.replace(".json", ".png"))
+    print(table(report))
     print(f"wrote {out}")
 
 
