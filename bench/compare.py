@@ -172,12 +172,18 @@ def run_serving(engine: str, path: str, args) -> dict:
         result.update(engine=engine, workload="w3", startup_s=round(startup, 1))
         return result
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server's process group (started with `start_new_session`), SIGKILL after
+    60 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> str | None:

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -168,12 +167,7 @@ def run_engine(engine: str, path: str, tokenizer: str, datasets: list[dict], arg
         return entry
     finally:
         sampler.done.set()
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        compare.stop_server(proc)
 
 
 def sustained(runs: list[dict]) -> float | None:
