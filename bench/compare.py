@@ -29,18 +29,17 @@ import datetime
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_throughput import cpu_model  # noqa: E402 - sibling scripts, not a package
 from record import free_port  # noqa: E402
 from roofline import active_params, ceilings, count_params, measure, model_shape, read_bandwidth  # noqa: E402
+from server_process import start_server, stop_server, wait_ready  # noqa: E402
 
 ROOT = os.environ.get("TOKENMILL_PEERS_DIR", os.path.expanduser("~/.cache/tokenmill-peers"))
 PEER_VENVS = {"vllm": "vllm", "llamacpp": "llamacpp"}
@@ -155,13 +154,11 @@ def run_serving(engine: str, path: str, args) -> dict:
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix=f"compare-{engine}-")
     start = time.perf_counter()
-    with open(os.path.join(log_dir, "server.log"), "w") as log:
-        proc = subprocess.Popen(server_command(engine, path, port, args, log_dir), stdout=log,
-                                stderr=subprocess.STDOUT, env=engine_env(engine),
-                                start_new_session=True)
+    proc = start_server(server_command(engine, path, port, args, log_dir),
+                        os.path.join(log_dir, "server.log"), engine_env(engine))
     base = f"http://127.0.0.1:{port}"
     try:
-        model = _wait_ready(proc, base, args.timeout)
+        model = wait_ready(proc, base, args.timeout)
         if model is None:
             return {"engine": engine, "workload": "w3",
                     "error": f"server did not start; log in {log_dir}"}
@@ -173,28 +170,6 @@ def run_serving(engine: str, path: str, args) -> dict:
         return result
     finally:
         stop_server(proc)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to a server's process group (started with `start_new_session`), SIGKILL after
-    60 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> str | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=5) as resp:
-                return json.loads(resp.read())["data"][0]["id"]
-        except OSError:
-            time.sleep(1)
-    return None
 
 
 def score(result: dict) -> float | None:

@@ -42,6 +42,7 @@ from offline_throughput import cpu_model  # noqa: E402
 from record import free_port  # noqa: E402
 from roofline import Passes, count_params, measure, model_shape  # noqa: E402
 from serve_load import make_text_prompts  # noqa: E402
+from server_process import start_server, stop_server, wait_ready  # noqa: E402
 
 LLAMA_SERVER = os.path.join(compare.ROOT, "llamaserver", "bin", "llama-server")
 CONTEXT = 2048  # per sequence: vLLM's ShareGPT filter keeps prompt + answer <= 2048
@@ -139,13 +140,11 @@ def run_engine(engine: str, path: str, tokenizer: str, datasets: list[dict], arg
     port, log_dir = free_port(), tempfile.mkdtemp(prefix=f"serve-sweep-{engine}-")
     cmd = command(engine, path, port, log_dir)
     env = compare.engine_env("tokenmill" if engine == "llamaserver" else engine)
-    with open(os.path.join(log_dir, "server.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    proc = start_server(cmd, os.path.join(log_dir, "server.log"), env)
     entry = {"engine": engine, "command": " ".join(cmd), "runs": {}}
     sampler = MemorySampler(proc.pid)
     try:
-        model = compare._wait_ready(proc, f"http://127.0.0.1:{port}", args.timeout)
+        model = wait_ready(proc, f"http://127.0.0.1:{port}", args.timeout)
         if model is None:
             return {**entry, "error": f"server did not start; log in {log_dir}"}
         sampler.start()
@@ -167,7 +166,7 @@ def run_engine(engine: str, path: str, tokenizer: str, datasets: list[dict], arg
         return entry
     finally:
         sampler.done.set()
-        compare.stop_server(proc)
+        stop_server(proc)
 
 
 def sustained(runs: list[dict]) -> float | None:
