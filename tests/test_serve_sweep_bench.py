@@ -39,7 +39,7 @@ def test_sharegpt_file_follows_vllms_loader_rules(tiny_models, tmp_path):
         human, gpt = row["conversations"]
         assert human["from"] == "human" and gpt["from"] == "gpt"
         n_in, n_out = len(human["value"].split()), len(gpt["value"].split())
-        assert 4 <= n_in <= 1024 and 4 <= n_out and n_in + n_out <= serve_sweep.CONTEXT
+        assert 4 <= n_in <= 1024 and n_out >= 4 and n_in + n_out <= serve_sweep.CONTEXT
         lengths.append(n_in)
         assert tok(human["value"]).input_ids  # text the served tokenizer encodes
     assert stats["prompt_words_mean"] == sum(lengths) / len(lengths)

@@ -80,6 +80,22 @@ def test_compiled_step_equals_layer_by_layer(tiny_models, monkeypatch, step_call
     assert_same_outputs(fused, layered, (1e-3 if quantization else 1e-4) if moe else 1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe"])
+def test_compiled_step_with_bf16_weights_equals_layer_by_layer(tiny_models, monkeypatch,
+                                                               step_calls, arch):
+    """--dtype bfloat16 on the CPU (bf16 weight panels, float32 activations) runs compiled,
+    the gate|up product fused, and equals its layer-by-layer run."""
+    path, _ = tiny_models(arch)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    llm, fused = generate(path, PROMPTS, params, dtype="bfloat16")
+    step = llm.engine.core.runner.decode_step
+    assert step is not None and step.max_rows == 64 and step_calls["ran"] >= 9
+    monkeypatch.setenv("TOKENMILL_CPU_DECODE_STEP", "0")
+    llm, layered = generate(path, PROMPTS, params, dtype="bfloat16")
+    assert llm.engine.core.runner.decode_step is None
+    assert_same_outputs(fused, layered, 1e-4 if arch == "qwen2_moe" else 1e-5)
+
+
 def test_batches_above_the_row_limit_fall_back_and_match_transformers(tiny_models,
                                                                       step_calls):
     """70 sequences finishing at different lengths: steps with more than 64 decodes run
@@ -125,9 +141,6 @@ def test_build_declines_what_it_cannot_run(tiny_models, monkeypatch):
     assert CpuDecodeStep.build(qwen3.model, qwen3.backend) is None
     # a8w8 layers (fbgemm) have no compiled form: the whole step stays in Python
     llm = LLM(path, kv_cache_memory_gib=0.01, quantization="a8w8")
-    assert llm.engine.core.runner.decode_step is None
-    # bf16 weights: the compiled kernels are float32 only
-    llm = LLM(path, kv_cache_memory_gib=0.01, dtype="bfloat16")
     assert llm.engine.core.runner.decode_step is None
 
 

@@ -6,6 +6,9 @@ memory.
   `_weight_int4pack_mm_for_cpu`) are 2.6x / 5x slower than fp32 on AVX2 CPUs (bench/NOTES.md).
 - `f32_panel.c`: fp32 matmul over oneDNN's packed weight panels, any row count (AVX2 tiles, or
   AVX-512 tiles where the CPU has it: the build is `-march=native`).
+- `bf16_panel.c`: bf16 weights in panels of the same shape, times fp32 activations rounded
+  to bf16 (`vdpbf16ps` on AVX512-BF16 CPUs, widened to fp32 elsewhere); `panel_gemm.c`
+  shares the threads' schedule of both panel kernels out (`panel.h`).
 - `dequant_panels.c`: int8 / int4 weights unpacked into those panels, so prompt-sized
   matmuls of quantized layers run the fp32 panel kernel.
 - `vnni_panels.c`: int8 / int4 weights in panels of 16 channels times int16 activations with
@@ -29,7 +32,8 @@ memory.
 
 `build.py` compiles and loads the library. The ctypes wrappers of the attention kernels and
 `layer_ops.c` are in `layer_kernels.py`, those of `vnni_panels.c` in `vnni.py`, those of
-`kquant_panels.c` in `kquant.py`; this module re-exports them.
+`kquant_panels.c` in `kquant.py`, those of `bf16_panel.c` in `bf16.py`; this module
+re-exports them.
 
 Plain C files need no torch headers (they build in about a second). Without a compiler, or
 without AVX2/FMA/F16C, `available()` is False and callers use their torch paths."""
@@ -106,8 +110,8 @@ def int4_gemm_int_dot(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 
 class LinearForm(NamedTuple):
     """How the compiled decode step multiplies by one linear layer (decode_step.c's tm_linear):
-    which kernel, its integer parameter (F32_PANEL: the padded K; int8 / int4: the group;
-    KQUANT: which K-quant, kquant.KQUANT_KINDS), the most rows it is the layer's fastest
+    which kernel, its integer parameter (F32_PANEL, BF16_PANEL: the padded K; int8 / int4:
+    the group; KQUANT: which K-quant, kquant.KQUANT_KINDS), the most rows it is the fastest
     kernel for, and the addresses of the weight tensors, which the layer's kernel keeps
     alive."""
 
@@ -120,7 +124,8 @@ class LinearForm(NamedTuple):
 
 
 # decode_step.c's kernel kinds
-F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI, KQUANT, PARTS = range(9)
+F32_PANEL, INT8, INT8_Q16, INT4, INT4_Q16, INT8_VNNI, INT4_VNNI, KQUANT, PARTS, BF16_PANEL = \
+    range(10)
 
 
 def f32_panel_stride(packed: torch.Tensor, n: int, k: int) -> int | None:
@@ -198,6 +203,7 @@ def usable(x: torch.Tensor) -> bool:
 
 # The wrappers of vnni_panels.c and of the per-layer kernels live in their own modules;
 # re-exported here (after the helpers they use) so callers keep writing csrc.<name>.
+from tokenmill.csrc.bf16 import *  # noqa: E402, F403
 from tokenmill.csrc.kquant import *  # noqa: E402, F403
 from tokenmill.csrc.layer_kernels import *  # noqa: E402, F403
 from tokenmill.csrc.vnni import *  # noqa: E402, F403

@@ -22,11 +22,11 @@ logger = logging.getLogger("tokenmill.csrc")
 
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
-            for name in ("gemm.c", "f32_panel.c", "dequant_panels.c", "vnni_panels.c",
-                         "kquant_panels.c",
+            for name in ("gemm.c", "panel_gemm.c", "f32_panel.c", "bf16_panel.c",
+                         "dequant_panels.c", "vnni_panels.c", "kquant_panels.c",
                          "paged_attention.c", "prompt_attention.c", "layer_ops.c",
                          "decode_step.c", "shm_allreduce.c")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h", "panel.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
@@ -113,6 +113,12 @@ def loaded() -> ctypes.CDLL | None:
     lib.tm_f32_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
     lib.tm_f32_panel_glu.argtypes = [ptr] * 4 + [i64] * 4
     lib.tm_f32_panel_glu.restype = i64
+    lib.tm_bf16_to_panels.argtypes = [ptr] + [i64] * 3 + [ptr]
+    lib.tm_bf16_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
+    lib.tm_bf16_panel_gemm.restype = i64
+    lib.tm_bf16_panel_glu.argtypes = [ptr] * 4 + [i64] * 4
+    lib.tm_bf16_panel_glu.restype = i64
+    lib.tm_bf16_native.restype = i64
     lib.tm_int8_to_panels.argtypes = [ptr] * 2 + [i64] * 3 + [ptr]
     lib.tm_int4_to_panels.argtypes = [ptr] * 3 + [i64] * 3 + [ptr]
     lib.tm_int8_to_vnni.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 2

@@ -23,17 +23,18 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 
 enum { TM_F32_PANEL = 0, TM_INT8 = 1, TM_INT8_Q16 = 2, TM_INT4 = 3, TM_INT4_Q16 = 4,
-       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6, TM_KQUANT = 7, TM_PARTS = 8 };
+       TM_INT8_VNNI = 5, TM_INT4_VNNI = 6, TM_KQUANT = 7, TM_PARTS = 8, TM_BF16_PANEL = 9 };
 
 typedef struct {
     int64_t kind, n, k;
-    int64_t param; /* TM_F32_PANEL: KP (padded K); int8 / int4: the quantization group;
-                    * KQUANT: which K-quant (kquant_panels.c's kinds) */
+    int64_t param; /* TM_F32_PANEL, TM_BF16_PANEL: KP (padded K); int8 / int4: the
+                    * quantization group; KQUANT: which K-quant (kquant_panels.c's kinds) */
     /* *_VNNI: vnni_panels.c's panels; KQUANT: one blob; PARTS: `param` tm_linears, a
      * merged layer's parts in different formats, their outputs side by side */
     const void *w, *scale, *min;
@@ -109,6 +110,9 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
         case TM_F32_PANEL:
             tm_f32_panel_gemm(x, l->w, l->bias, y, T, l->n, l->k, l->param);
             break;
+        case TM_BF16_PANEL: /* (fails only without memory for x in bf16: nothing to go on) */
+            if (tm_bf16_panel_gemm(x, l->w, l->bias, y, T, l->n, l->k, l->param)) abort();
+            break;
         case TM_INT8:
             tm_int8_gemm(x, l->w, l->scale, l->bias, y, T, l->n, l->k, l->param);
             break;
@@ -155,15 +159,23 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
             tm_int4_gemm_q16(m->xq, m->xs, m->xsum, l->w, l->scale, l->min, l->bias, y, T,
                              l->n, l->k);
             break;
+        default: /* a kind this file does not know: never leave y unwritten */
+            abort();
     }
 }
 
 /* y = (silu(x @ Wgate) * (x @ Wup)) @ Wdown, the gate|up product fused where it can be */
 static void mlp(const tm_scratch *m, const tm_linear *gate_up, const tm_linear *down,
                 int64_t inter, const float *x, float *y, int64_t T) {
-    if (gate_up->kind != TM_F32_PANEL ||
-        tm_f32_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, gate_up->k,
-                         gate_up->param) != 0) {
+    const int fused =
+        gate_up->kind == TM_F32_PANEL
+            ? tm_f32_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, gate_up->k,
+                               gate_up->param) == 0
+        : gate_up->kind == TM_BF16_PANEL
+            ? tm_bf16_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, gate_up->k,
+                                gate_up->param) == 0
+            : 0;
+    if (!fused) {
         linear(m, gate_up, x, m->gate_up, T);
         tm_silu_and_mul(m->gate_up, m->act, T, inter);
     }

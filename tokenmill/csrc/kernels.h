@@ -56,3 +56,8 @@ void tm_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_str
                  int64_t D, int64_t kv_int8);
 int64_t tm_shm_allreduce(char *base, int64_t rank, int64_t size, int64_t slot_floats,
                          int64_t *seq, float *x, int64_t n);
+void tm_bf16_to_panels(const uint16_t *w, int64_t N, int64_t K, int64_t KP, uint16_t *out);
+int64_t tm_bf16_panel_gemm(const float *x, const uint16_t *w, const float *bias, float *y,
+                           int64_t M, int64_t N, int64_t K, int64_t KP);
+int64_t tm_bf16_panel_glu(const float *x, const uint16_t *w, const float *bias, float *act,
+                          int64_t M, int64_t I, int64_t K, int64_t KP);

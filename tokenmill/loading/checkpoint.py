@@ -19,6 +19,7 @@ from tokenmill import csrc, heap
 from tokenmill.config import kernels as kernel_switches
 from tokenmill.config.quantization import QuantConfig, checkpoint_quant_config
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
+from tokenmill.layers.bf16_linear import store_in_bf16
 from tokenmill.layers.kernel_choice import choose_linear_kernels
 from tokenmill.layers.linear import (
     CheckpointSlice,
@@ -144,7 +145,8 @@ def _quant_config(path: str, hf_config: Any, method: str | None) -> QuantConfig 
 def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                max_positions: int, quantization: str | None = None,
                float_weights: bool = False, keep_fp8: bool | None = None,
-               mtp: bool = True, head_on_first_stage: bool = False) -> nn.Module:
+               mtp: bool = True, head_on_first_stage: bool = False,
+               bf16_weights: bool = False) -> nn.Module:
     """Build the model and load its weights; quantized as the checkpoint is, or by
     `quantization` (a method name), then every remaining linear gets its fastest kernel.
     `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
@@ -152,7 +154,9 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     float8 weights kept (default: as TOKENMILL_FP8_BLOCKS says for `device`; never with
     `float_weights` unless asked). `mtp`: DeepSeek's multi-token-prediction layers built and
     loaded (the engine needs them only to speculate with them). `head_on_first_stage`: under
-    pipeline parallel the first stage holds the LM head too (draft heads run there)."""
+    pipeline parallel the first stage holds the LM head too (draft heads run there).
+    `bf16_weights` (a float32 model on the CPU): float linears load into bf16 and multiply
+    from bf16 panels (layers/bf16_linear.py); quantized ones are untouched."""
     from tokenmill.quantization import model as qmodel
 
     if not mtp and getattr(hf_config, "num_nextn_predict_layers", 0):
@@ -181,6 +185,9 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
             deferred_weights(device) if keep_fp8 else contextlib.nullcontext()):
         model = build_model(hf_config, max_positions, head_on_first_stage=head_on_first_stage)
     model.to(dtype=dtype)
+    bf16_weights = bf16_weights and not float_weights
+    if bf16_weights and quant is None:
+        store_in_bf16(model)
     # quantized at load, or shard files being written: whole-row scales for slices
     if (quant is not None or float_weights) and tp.size > 1:
         for module in model.modules():
@@ -202,7 +209,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         qmodel.quantize_linears(model, quant)
     if float_weights:
         return model.eval()
-    kernels = choose_linear_kernels(model)
+    kernels = choose_linear_kernels(model, bf16_weights)
     for module in model.modules():  # GPU float experts: grouped Triton matmuls
         if isinstance(module, SparseMoE):
             module.fuse_experts()

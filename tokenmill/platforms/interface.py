@@ -25,6 +25,11 @@ class Platform(ABC):
     def default_dtype(self, hf_config: Any) -> torch.dtype:
         """The dtype of "auto"."""
 
+    def model_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, bool]:
+        """For a model asked for in `dtype`: the dtype it computes in, and whether its float
+        linear layers keep bf16 weights beside that (default: all in `dtype`)."""
+        return dtype, False
+
     @abstractmethod
     def attention_backend(self, choice: str) -> AttentionBackend:
         """The backend for `choice` ("auto", "torch", "triton"), or a ValueError saying why

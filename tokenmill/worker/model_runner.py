@@ -56,7 +56,8 @@ class ModelRunner:
         self.platform = get_platform(self.device)
         self.io = StageIO(self.world, self.tp, self.device)  # (step messages, hand-offs)
         self.platform.setup_process()
-        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        asked = resolve_dtype(config.dtype, hf_config, self.device)
+        self.dtype, bf16_weights = self.platform.model_dtypes(asked)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
@@ -71,7 +72,8 @@ class ModelRunner:
         method = getattr(spec, "method", None)  # (draft heads reading the target's LM head)
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
                                 config.quantization, mtp=method == "mtp",
-                                head_on_first_stage=method in ("mtp", "eagle"))
+                                head_on_first_stage=method in ("mtp", "eagle"),
+                                bf16_weights=bf16_weights)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()

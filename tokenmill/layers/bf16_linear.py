@@ -1,0 +1,81 @@
+"""bf16 weights on the CPU: `--dtype bfloat16` there keeps every float linear layer's weight
+in bf16 panels (csrc/bf16_panel.c) while the model computes in float32 — half the bytes a
+decode step streams, and on CPUs with AVX512-BF16 twice the products a cycle of fp32 FMAs.
+llama.cpp runs a BF16 file the same way (fp32 activations, bf16 dot products)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill import csrc
+from tokenmill.layers.linear import Linear
+
+
+class CpuBf16Kernel:
+    """A linear layer's weight rounded to bf16 once, in panels; x rounded to bf16 per call,
+    sums in fp32. `reference` is the slow formula it must equal within fp32 rounding."""
+
+    name = "cpu-bf16"
+    ANY_ROWS = 2**31 - 1  # the fastest kernel at every row count (LinearForm.max_rows)
+
+    def __init__(self, layer: Linear) -> None:
+        self.out_features, self.in_features = layer.weight.shape
+        self.panels = csrc.bf16_to_panels(layer.weight)
+
+    @staticmethod
+    def supports(layer: Linear) -> bool:
+        w = layer.weight
+        return (w is not None and not w.is_meta and w.device.type == "cpu"
+                and w.dtype in (torch.float32, torch.bfloat16) and csrc.available())
+
+    @staticmethod
+    def reference(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """What the kernel computes, the slow way: both operands rounded to bf16, products
+        and sums in float64, then float32."""
+        b = None if bias is None else bias.double()
+        return F.linear(x.to(torch.bfloat16).double(), weight.to(torch.bfloat16).double(),
+                        b).float()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        y = csrc.bf16_panel_gemm(rows, self.panels, self.out_features, layer.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def apply_gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate|up layer in one pass (as CpuPackedKernel's)."""
+        inter = self.out_features // 2
+        if x.dim() != 2 or x.dtype != torch.float32 or inter % 64 or self.out_features % 2:
+            return None
+        return csrc.bf16_panel_glu(x.contiguous(), self.panels, inter, layer.bias)
+
+    def compiled_form(self) -> csrc.LinearForm:
+        return csrc.LinearForm(csrc.BF16_PANEL, self.panels.shape[1] * 2, self.ANY_ROWS,
+                               self.panels.data_ptr())
+
+    def weight_bytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def store_in_bf16(model: nn.Module) -> None:
+    """Before loading: every float linear's own weight becomes an (empty) bf16 parameter, so
+    the checkpoint loads straight into bf16 — no float32 copy of the whole model on the way.
+    Weights read directly (MLA's kv_b_proj), kept in float (a router) or shared with another
+    module (an LM head tied to the embedding) stay as they are: the kernel choice rounds a
+    shared one into panels of its own."""
+    owned: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owned[id(param)] = owned.get(id(param), 0) + 1
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if (not isinstance(module, Linear) or module.keep_weight or module.keep_float
+                or w is None or w.is_meta or owned.get(id(w), 0) > 1):
+            continue
+        stored = nn.Parameter(torch.empty(w.shape, dtype=torch.bfloat16, device=w.device),
+                              requires_grad=False)
+        for name, value in vars(w).items():  # (weight_loader and the like)
+            setattr(stored, name, value)
+        module.weight = stored
