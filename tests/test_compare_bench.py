@@ -218,3 +218,37 @@ def test_no_engine_starts_its_timed_run_with_a_prompt_already_computed():
     args = SimpleNamespace(input_len=128, output_len=64)
     for engine in ("tokenmill", "vllm"):
         assert "--no-enable-prefix-caching" in compare.server_command(engine, "m", 1, args, "/d")
+
+
+def test_second_turn_extends_the_first_and_the_warm_up_shares_no_prefix():
+    """W4: turn 2 is turn 1's prompt + its answer + new tokens (what a prefix cache can
+    reuse); the warm-up shares no first token with it, so nothing is cached before turn 1."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench", "peers"))
+    import runner
+
+    calls = []
+
+    def generate(prompt, n):
+        calls.append((list(prompt), n))
+        return [7] * n
+
+    result = runner.measure_turns(generate, 1000, SimpleNamespace(input_len=300, output_len=5))
+    (warm, _), (first, one), (again, n), (second, last) = calls
+    assert one == last == 1 and n == 5 and again == first and len(first) == 300
+    assert second[:300] == first and second[300:305] == [7] * 5 and len(second) == 300 + 5 + 128
+    assert warm[0] != first[0]
+    assert result["ttft"] > 0 and result["turn2_ttft"] > 0
+
+
+def test_long_context_table_has_a_row_per_length_and_the_turns():
+    import long_context
+
+    runs = [{"engine": "tokenmill", "workload": "w2", "input_len": 4000, "ttft": 1.5,
+             "decode_tps": 20.0},
+            {"engine": "vllm", "workload": "w2", "input_len": 4000, "error": "exit 1"},
+            {"engine": "tokenmill", "workload": "w4", "input_len": 16000, "ttft": 30.0,
+             "turn2_ttft": 0.5}]
+    text = long_context.table({"engines": ["tokenmill", "vllm"], "lengths": [4000],
+                               "prefix_len": 16000, "runs": runs})
+    assert "| 4000 tokens: TTFT / decode | 1.50 s / 20.0 tok/s | failed |" in text
+    assert "16000-token prefix: TTFT cold / cached | 30.00 s / 0.50 s | – |" in text

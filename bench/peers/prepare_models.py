@@ -29,13 +29,14 @@ import numpy as np
 
 
 def rewrite_gguf(src: str, dst: str, weight_type: str) -> None:
-    """Same metadata and tensors as `src`, every matrix stored as `weight_type` ("F32", "Q8_0"
-    or "Q4_1"; the token embedding is Q8_0 unless F32), vectors F32. llama.cpp's Q/K row order
-    is kept."""
+    """Same metadata and tensors as `src`, every matrix stored as `weight_type` ("F32", "BF16",
+    "Q8_0" or "Q4_1"; the token embedding is Q8_0 unless F32 / BF16), vectors F32. llama.cpp's
+    Q/K row order is kept."""
     import gguf
 
     types = gguf.GGMLQuantizationType
-    file_types = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    file_types = {"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                   "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
@@ -52,7 +53,8 @@ def rewrite_gguf(src: str, dst: str, weight_type: str) -> None:
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         data = data.reshape([int(d) for d in reversed(t.shape)])
         target = types.F32 if data.ndim < 2 or weight_type == "F32" else (
-            types.Q8_0 if t.name == "token_embd.weight" else types[weight_type])
+            types.Q8_0 if t.name == "token_embd.weight" and weight_type != "BF16"
+            else types[weight_type])
         if target == types.F32:
             writer.add_tensor(t.name, data)
         else:
@@ -249,8 +251,10 @@ def main() -> None:
             hf_from_gguf(default_model_path(), os.path.join(out, "hf"))
         if not os.path.exists(os.path.join(out, "f32.gguf")):
             rewrite_gguf(default_model_path(), os.path.join(out, "f32.gguf"), "F32")
-        if not os.path.exists(os.path.join(out, "q8_0.gguf")):
-            rewrite_gguf(default_model_path(), os.path.join(out, "q8_0.gguf"), "Q8_0")
+        for name in ("Q8_0", "BF16"):
+            if not os.path.exists(os.path.join(out, f"{name.lower()}.gguf")):
+                rewrite_gguf(default_model_path(), os.path.join(out, f"{name.lower()}.gguf"),
+                             name)
         if not os.path.lexists(os.path.join(out, "q4_1.gguf")):
             os.symlink(default_model_path(), os.path.join(out, "q4_1.gguf"))
     if args.only in (None, "qwen0.5b"):
@@ -264,7 +268,7 @@ def main() -> None:
             else:
                 model = qwen_shaped(os.path.join(out, "hf"))
             gguf_from_qwen(model, os.path.join(out, "f32.gguf"))
-        for name in ("Q8_0", "Q4_1"):
+        for name in ("Q8_0", "Q4_1", "BF16"):
             dst = os.path.join(out, f"{name.lower()}.gguf")
             if not os.path.exists(dst):
                 rewrite_gguf(os.path.join(out, "f32.gguf"), dst, name)

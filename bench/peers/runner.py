@@ -7,6 +7,10 @@ W1: N prompts x input-len random token ids -> exactly output-len new tokens each
     EOS ignored), one batch: output tokens/s over the whole run.
 W2: one prompt of input-len -> output-len tokens: time to first token and decode tokens/s
     (tokens after the first / time after the first).
+W4: a second chat turn on a long shared prefix: the first turn's prompt P (input-len) is
+    answered (output-len tokens, A), then P + A + 128 new tokens is sent: the first turn's
+    TTFT (nothing cached) against the second's (prefix caching on; llama.cpp keeps the
+    sequence's KV, as its server's slot does).
 Every engine gets both cores (torch/OpenMP threads = cores; llama.cpp n_threads = cores)."""
 
 from __future__ import annotations
@@ -29,6 +33,20 @@ def warmup_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     """Prompts for the untimed warm-up: never the measured ones (seed 0), so that no engine's
     cache can start the timed run with a prompt already computed."""
     return make_prompts(n, length, vocab, seed=1)
+
+
+def measure_turns(generate, vocab: int, args) -> dict:
+    """W4 for engines with a blocking `generate(prompt, n) -> tokens` and a prefix cache."""
+    prompt = make_prompts(1, args.input_len, vocab)[0]
+    question = make_prompts(1, 128, vocab, seed=2)[0]
+    generate(warmup_prompts(1, 64, vocab)[0], 2)
+    start = time.perf_counter()
+    generate(prompt, 1)
+    first = time.perf_counter() - start
+    answer = generate(prompt, args.output_len)
+    start = time.perf_counter()
+    generate(prompt + answer + question, 1)
+    return {"ttft": first, "turn2_ttft": time.perf_counter() - start}
 
 
 def measure_blocking(generate, vocab: int, args) -> dict:
@@ -60,13 +78,19 @@ def tokenmill(args):
     from tokenmill.quantization.model import weight_bytes
 
     # prefix caching off, as vLLM runs here: every prompt is computed in full
-    engine_args = {"dtype": "float32", "kv_cache_memory_gib": 2.0, "seed": 0,
-                   "enable_prefix_caching": False, **json.loads(args.engine_args)}
+    engine_args = {"dtype": args.dtype, "kv_cache_memory_gib": 2.0, "seed": 0,
+                   "enable_prefix_caching": args.workload == "w4", **json.loads(args.engine_args)}
     llm = LLM(args.model, **engine_args)
     vocab = llm.engine.core.hf_config.vocab_size
     runner = llm.engine.core.runner
     memory = {"weight_bytes": weight_bytes(runner.model), "kv_block_bytes": runner.block_bytes}
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    if args.workload == "w4":
+        def turn(prompt, n):
+            (out,) = llm.generate({"prompt_token_ids": prompt}, params.clone(max_tokens=n),
+                                  use_tqdm=False)
+            return list(out.outputs[0].token_ids)
+        return {**measure_turns(turn, vocab, args), **memory}
     if args.workload == "w1":
         prompts = make_prompts(args.num_prompts, args.input_len, vocab)
         llm.generate([{"prompt_token_ids": p} for p in warmup_prompts(2, args.input_len, vocab)],
@@ -102,7 +126,8 @@ def transformers(args):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(CORES)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model.eval()
     vocab = model.config.vocab_size
 
     def generate(batch, n):
@@ -121,8 +146,10 @@ def vllm(args):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(args.model, dtype="float32", max_model_len=args.input_len + args.output_len + 16,
-              seed=0, enable_prefix_caching=False)
+    turn2 = args.input_len + 2 * args.output_len + 128 + 16 if args.workload == "w4" else 0
+    llm = LLM(args.model, dtype=args.dtype,
+              max_model_len=max(turn2, args.input_len + args.output_len + 16),
+              seed=0, enable_prefix_caching=args.workload == "w4")
     vocab = llm.llm_engine.model_config.get_vocab_size()
 
     def params(n):
@@ -133,7 +160,10 @@ def vllm(args):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(n),
                             use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
+    if args.workload == "w4":
+        return measure_turns(lambda prompt, n: generate([prompt], n)[0], vocab, args)
     return measure_blocking(generate, vocab, args)
 
 
@@ -148,10 +178,13 @@ def llamacpp(args):
     model = lc.llama_model_load_from_file(args.model.encode(), mparams)
     vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     n_seq = args.num_prompts if args.workload == "w1" else 1
-    per_seq = args.input_len + args.output_len + 8
+    per_seq = args.input_len + args.output_len + 8 + (
+        args.output_len + 129 if args.workload == "w4" else 0)
     cparams = lc.llama_context_default_params()
     cparams.n_ctx = per_seq * n_seq
-    cparams.n_batch = max(args.input_len, n_seq)
+    # a prompt goes in chunks of at most 2048 tokens (llama-server's batch; long prompts)
+    chunk = min(max(args.input_len, n_seq, 129), 2048)
+    cparams.n_batch = max(chunk, n_seq)
     cparams.n_ubatch = cparams.n_batch
     cparams.n_seq_max = n_seq
     cparams.n_threads = CORES
@@ -176,12 +209,37 @@ def llamacpp(args):
             out.append(int(np.argmax(np.ctypeslib.as_array(ptr, shape=(vocab,)))))
         return out
 
+    def prefill(tokens, start, seq):
+        """tokens at positions start.. of seq, in chunks; the last token's greedy next"""
+        out = []
+        for c in range(0, len(tokens), chunk):
+            part = tokens[c:c + chunk]
+            out = decode([(t, start + c + j, seq, c + j == len(tokens) - 1)
+                          for j, t in enumerate(part)])
+        return out
+
+    if args.workload == "w4":  # seq 0's KV stays between the turns
+        prompt = make_prompts(1, args.input_len, vocab)[0]
+        question = make_prompts(1, 128, vocab, seed=2)[0]
+        prefill(warmup_prompts(1, 64, vocab)[0], 0, 0)
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        start = time.perf_counter()
+        answer = prefill(prompt, 0, 0)
+        first = time.perf_counter() - start
+        pos = len(prompt)
+        while len(answer) < args.output_len:
+            answer += decode([(answer[-1], pos, 0, True)])
+            pos += 1
+        start = time.perf_counter()
+        prefill([answer[-1]] + question, pos, 0)
+        return {"ttft": first, "turn2_ttft": time.perf_counter() - start}
+
     def run(prompts, n_new):
         mem = lc.llama_get_memory(ctx)
         lc.llama_memory_clear(mem, True)
         last = []
         for s, p in enumerate(prompts):  # prefill prompt by prompt
-            last += decode([(t, j, s, j == len(p) - 1) for j, t in enumerate(p)])
+            last += prefill(p, 0, s)
         first_time = time.perf_counter()
         produced = 1
         pos = [len(p) for p in prompts]
@@ -198,11 +256,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--engine", required=True,
                    choices=["tokenmill", "transformers", "vllm", "llamacpp"])
-    p.add_argument("--workload", required=True, choices=["w1", "w2"])
+    p.add_argument("--workload", required=True, choices=["w1", "w2", "w4"])
     p.add_argument("--model", required=True)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="tokenmill, vLLM and transformers (llama.cpp: the file's types)")
     p.add_argument("--engine-args", default="{}",
                    help="tokenmill only: JSON of extra LLM(...) arguments (quantization, ...)")
     args = p.parse_args()
