@@ -38,7 +38,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       "hub cache, HF_HOME)")
     a("--served-model-name", nargs="+", default=None,
       help="names accepted in `model`; the first is reported")
-    a("--dtype", default=None, help="auto, float32, bfloat16, float16 (env DTYPE)")
+    a("--dtype", default=None, help="auto, float32, bfloat16, float16 (env DTYPE); auto: "
+      "float32 on a CPU, 16-bit on a GPU; bfloat16 on a CPU: bf16 weights, float32 activations")
     a("--device", default=None, help="auto, cpu, cuda[:N] (default auto: a GPU if there is one)")
     a("--max-model-len", type=_parse_len, default=None,
       help="context length (e.g. 4096, 4k; default: the model's)")

@@ -23,7 +23,9 @@ class EngineConfig:
     # folder holding one; override: JSON fields over them (generation.py)
     generation_config: str = "auto"
     override_generation_config: dict | str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit type on GPU
+    # auto: float32 on CPU, the checkpoint's 16-bit type on GPU; bfloat16 on a CPU: linear
+    # weights in bf16, activations and KV cache in float32 (platforms/cpu.py)
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
