@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
-from tokenmill.layers.bf16_linear import CpuBf16Kernel, store_in_bf16
+from tokenmill.layers.bf16_linear import (
+    CpuBf16Kernel,
+    look_up_in_panels,
+    store_in_bf16,
+    tied_tables,
+)
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.kernel_choice import choose_linear_kernels
 from tokenmill.layers.linear import CpuPackedKernel, Linear, MergedLinear
 
@@ -147,3 +153,35 @@ def test_widened_paths_of_cpus_without_bf16_dot_products(tmp_path, isa):
         assert lib.tm_bf16_panel_gemm(x.data_ptr(), panels.data_ptr(), layer.bias.data_ptr(),
                                       y.data_ptr(), rows, 130, 77, panels.shape[1] * 2) == 0
         _close(y, CpuBf16Kernel.reference(x, layer.weight, layer.bias))
+
+
+def test_tables_load_into_bf16_and_a_tied_one_reads_its_heads_panels():
+    """Embedding tables load into bf16 and look up float32 rows; a table tied to its LM head
+    stays one tensor through loading, and after the kernel choice reads the head's panels
+    (the same values) instead of keeping a copy."""
+    model = nn.Module()
+    model.embed = VocabParallelEmbedding(130, 77)
+    model.head = ParallelLMHead(77, 130)
+    model.head.weight = model.embed.weight
+    model.other = VocabParallelEmbedding(50, 77)  # an untied table
+    store_in_bf16(model)
+    assert model.head.weight is model.embed.weight and model.embed.weight.dtype == torch.bfloat16
+    assert model.other.weight.dtype == torch.bfloat16
+    torch.manual_seed(2)
+    for table in (model.embed, model.other):
+        table.weight.data.normal_()
+    values = model.embed.weight.detach().float().clone()
+    ids = torch.tensor([[0, 49, 1], [7, 5, 48]])  # (the untied table has 50 rows)
+    pairs = tied_tables(model)
+    assert pairs == [(model.embed, model.head)]
+    assert choose_linear_kernels(model, bf16_weights=True) == {"cpu-bf16": 1}
+    look_up_in_panels(pairs)
+    assert model.embed.weight is None  # one copy: the head's panels
+    far = torch.tensor([[0, 63, 64], [129, 5, 64]])  # both sides of a panel, the last row
+    for table, want, at in ((model.embed, values, far),
+                            (model.other, model.other.weight.float(), ids)):
+        rows = table(at)
+        assert rows.dtype == torch.float32 and rows.shape == (2, 3, 77)
+        torch.testing.assert_close(rows, want[at], rtol=0, atol=0)
+    x = torch.randn(4, 77)
+    _close(model.head(x), CpuBf16Kernel.reference(x, values, None))

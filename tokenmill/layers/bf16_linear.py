@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
+from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear
 
 
@@ -55,27 +56,59 @@ class CpuBf16Kernel:
         return csrc.LinearForm(csrc.BF16_PANEL, self.panels.shape[1] * 2, self.ANY_ROWS,
                                self.panels.data_ptr())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows `ids` of the weight (a tied embedding's lookups in its LM head)."""
+        ids = ids.reshape(-1)
+        picked = self.panels[ids // 64, :, ids % 64, :]  # [n, KP/2, 2]
+        return picked.reshape(len(ids), -1)[:, :self.in_features].float()
+
     def weight_bytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
 
 def store_in_bf16(model: nn.Module) -> None:
-    """Before loading: every float linear's own weight becomes an (empty) bf16 parameter, so
-    the checkpoint loads straight into bf16 — no float32 copy of the whole model on the way.
-    Weights read directly (MLA's kv_b_proj), kept in float (a router) or shared with another
-    module (an LM head tied to the embedding) stay as they are: the kernel choice rounds a
-    shared one into panels of its own."""
-    owned: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owned[id(param)] = owned.get(id(param), 0) + 1
+    """Before loading: every float linear's own weight and every embedding table becomes an
+    (empty) bf16 parameter, so the checkpoint loads straight into bf16 — no float32 copy of
+    the whole model on the way; a table's lookups give float32 rows. A tensor shared (a
+    tied LM head and its table) is replaced for every module holding it. Weights read
+    directly (MLA's kv_b_proj), kept in float (a router) or held by anything else (a norm)
+    stay float32."""
+    holders: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if (not isinstance(module, Linear) or module.keep_weight or module.keep_float
-                or w is None or w.is_meta or owned.get(id(w), 0) > 1):
+        if isinstance(w, nn.Parameter) and not w.is_meta and w.dtype == torch.float32:
+            holders.setdefault(id(w), []).append(module)
+
+    def bf16_ready(module: nn.Module) -> bool:
+        if isinstance(module, Linear):
+            return not (module.keep_weight or module.keep_float)
+        return isinstance(module, VocabParallelEmbedding)
+
+    for modules in holders.values():
+        if not all(bf16_ready(m) for m in modules):
             continue
+        w = modules[0].weight
         stored = nn.Parameter(torch.empty(w.shape, dtype=torch.bfloat16, device=w.device),
                               requires_grad=False)
         for name, value in vars(w).items():  # (weight_loader and the like)
             setattr(stored, name, value)
-        module.weight = stored
+        for module in modules:
+            module.weight = stored
+            if isinstance(module, VocabParallelEmbedding):
+                module.out_dtype = torch.float32
+
+
+def tied_tables(model: nn.Module) -> list[tuple[VocabParallelEmbedding, Linear]]:
+    """(table, LM head) pairs sharing one weight, found before the kernels replace it."""
+    tables = {id(m.weight): m for m in model.modules()
+              if isinstance(m, VocabParallelEmbedding) and m.weight is not None}
+    return [(tables[id(m.weight)], m) for m in model.modules()
+            if isinstance(m, Linear) and m.weight is not None and id(m.weight) in tables]
+
+
+def look_up_in_panels(pairs: list[tuple[VocabParallelEmbedding, Linear]]) -> None:
+    """After the kernel choice: a table tied to a head with bf16 panels reads its rows there
+    (the same bf16 values) and drops its own copy."""
+    for table, head in pairs:
+        if isinstance(head.kernel, CpuBf16Kernel):
+            table.share_rows(head)

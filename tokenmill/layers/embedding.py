@@ -29,6 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden), requires_grad=False)
         self.weight.weight_loader = _narrowed(0, self.first, self.rows)
         self.head = None  # a tied LM head whose quantized rows the lookups read instead
+        self.out_dtype: torch.dtype | None = None  # rows converted to it (a bf16 table)
 
     def share_rows(self, head: nn.Module) -> None:
         """Look rows up in the tied LM head's quantized kernel (the same rows on each rank)
@@ -38,7 +39,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.head is None:
-            return F.embedding(ids, self.weight)
+            rows = F.embedding(ids, self.weight)
+            return rows if self.out_dtype is None else rows.to(self.out_dtype)
         flat = ids.reshape(-1)
         return self.head.kernel.rows(flat).view(*ids.shape, -1)
 

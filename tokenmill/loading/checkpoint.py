@@ -19,7 +19,7 @@ from tokenmill import csrc, heap
 from tokenmill.config import kernels as kernel_switches
 from tokenmill.config.quantization import QuantConfig, checkpoint_quant_config
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
-from tokenmill.layers.bf16_linear import store_in_bf16
+from tokenmill.layers.bf16_linear import look_up_in_panels, store_in_bf16, tied_tables
 from tokenmill.layers.kernel_choice import choose_linear_kernels
 from tokenmill.layers.linear import (
     CheckpointSlice,
@@ -186,7 +186,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         model = build_model(hf_config, max_positions, head_on_first_stage=head_on_first_stage)
     model.to(dtype=dtype)
     bf16_weights = bf16_weights and not float_weights
-    if bf16_weights and quant is None:
+    if bf16_weights and quant is None and not is_gguf(path):  # (GGUF: rounded after loading)
         store_in_bf16(model)
     # quantized at load, or shard files being written: whole-row scales for slices
     if (quant is not None or float_weights) and tp.size > 1:
@@ -209,7 +209,9 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
         qmodel.quantize_linears(model, quant)
     if float_weights:
         return model.eval()
+    tied = tied_tables(model) if bf16_weights else []
     kernels = choose_linear_kernels(model, bf16_weights)
+    look_up_in_panels(tied)
     for module in model.modules():  # GPU float experts: grouped Triton matmuls
         if isinstance(module, SparseMoE):
             module.fuse_experts()
