@@ -39,6 +39,21 @@ def warmup_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return make_prompts(n, min(length, WARMUP_MAX), vocab, seed=1)
 
 
+def timed_steps(engine, add_request, n_expected: int) -> dict:
+    """W2 from an engine's own step loop (tokenmill's and vLLM's LLMEngine): the request
+    added, the first token's time seen as it comes, then the decode rate after it."""
+    start, first, n = time.perf_counter(), None, 0
+    add_request()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            if first is None and n:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    assert n == n_expected
+    return {"ttft": first - start, "decode_tps": (n - 1) / (end - first)}
+
+
 def measure_turns(generate, vocab: int, args) -> dict:
     """W4 for engines with a blocking `generate(prompt, n) -> tokens` and a prefix cache."""
     prompt = make_prompts(1, args.input_len, vocab)[0]
@@ -81,7 +96,7 @@ def tokenmill(args):
     from tokenmill import LLM, SamplingParams
     from tokenmill.quantization.model import weight_bytes
 
-    # prefix caching off, as vLLM runs here: every prompt is computed in full
+    # prefix caching off, as vLLM runs here: every prompt is computed in full (W4: on)
     engine_args = {"dtype": args.dtype, "kv_cache_memory_gib": 2.0, "seed": 0,
                    "enable_prefix_caching": args.workload == "w4", **json.loads(args.engine_args)}
     llm = LLM(args.model, **engine_args)
@@ -110,18 +125,9 @@ def tokenmill(args):
                        params.clone(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
-    start = time.perf_counter()
-    first = None
-    engine.add_request(None, {"prompt_token_ids": prompt}, params)
-    n = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            n = len(out.outputs[0].token_ids)
-            if first is None and n:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    assert n == args.output_len
-    return {"ttft": first - start, "decode_tps": (n - 1) / (end - first), **memory}
+    return {**timed_steps(engine, lambda: engine.add_request(None, {"prompt_token_ids": prompt},
+                                                             params), args.output_len),
+            **memory}
 
 
 # -- transformers ---------------------------------------------------------------------------
@@ -179,17 +185,9 @@ def vllm(args):
     engine = llm.llm_engine
     streamed = params(args.output_len)
     streamed.output_kind = RequestOutputKind.CUMULATIVE
-    engine.add_request("w2", TokensPrompt(prompt_token_ids=make_prompts(1, args.input_len,
-                                                                          vocab)[0]), streamed)
-    start, first, n = time.perf_counter(), None, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            n = len(out.outputs[0].token_ids)
-            if first is None and n:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    assert n == args.output_len
-    return {"ttft": first - start, "decode_tps": (n - 1) / (end - first)}
+    prompt = TokensPrompt(prompt_token_ids=make_prompts(1, args.input_len, vocab)[0])
+    return timed_steps(engine, lambda: engine.add_request("w2", prompt, streamed),
+                       args.output_len)
 
 
 # -- llama.cpp (low-level batch API) --------------------------------------------------------
