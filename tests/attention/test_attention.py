@@ -114,12 +114,14 @@ def test_compiled_decode_is_used_where_the_kernels_build():
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (32, 2, 32)])
 def test_compiled_prompts_match_reference(monkeypatch, hq, hkv, d):
     # Prompt attention in place over the paged cache: fresh prompts and chunks with cached
-    # context, query counts around the kernel's 16-token query blocks and 32-key blocks,
-    # 1-16 query heads per KV head, beside decodes in the same step.
+    # context, query counts around the kernel's 32-key blocks and past its work items (128 or
+    # 288 rows: 8-288 query tokens with their heads), 1-16 query heads per KV head, beside
+    # decodes in the same step.
     calls = []
     kernel = csrc.prompt_attention
     monkeypatch.setattr(csrc, "prompt_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
-    prefills = [(0, 1), (0, 16), (0, 17), (0, 33), (31, 1), (32, 15), (40, 70), (100, 128)]
+    prefills = [(0, 1), (0, 16), (0, 17), (0, 33), (31, 1), (32, 15), (40, 70), (100, 128),
+                (7, 300)]
     q, k, v, cache, meta = random_step(5, 2, prefills, block_size=16, hq=hq, hkv=hkv, d=d,
                                        num_blocks=128)
     q = torch.cat([q, torch.randn(q.shape[0], 2, d)], dim=1)[:, :hq]  # a view, as in a model
