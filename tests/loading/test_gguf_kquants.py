@@ -191,3 +191,22 @@ def test_a_large_table_converted_a_slice_at_a_time_is_the_whole_conversion(kind,
     assert sliced[0] == whole[0] and sliced[1].keys() == whole[1].keys()
     for leaf, t in whole[1].items():
         assert torch.equal(sliced[1][leaf], t), leaf
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_panels_built_a_slice_at_a_time_are_the_whole_blob(kind, monkeypatch):
+    """kquant_blob builds a layer's panels about BLOB_CHUNK_BYTES of rows at a time (so the
+    regrouping's temporaries are a slice's): the same bytes as building them all at once,
+    the last panel's channels past N included, and the rows read back from them."""
+    from tokenmill.csrc import kquant
+    from tokenmill.quantization import gguf_blocks
+
+    raw = random_blocks(kind, (50, 256))
+    method, tensors = gguf_blocks.to_kernel_tensors(raw, kind, 50, 256)
+    whole = kquant.kquant_blob(method, tensors)
+    monkeypatch.setattr(kquant, "BLOB_CHUNK_BYTES", 1)  # one panel a slice: 16 + 16 + 16 + 2
+    sliced = kquant.kquant_blob(method, tensors)
+    assert torch.equal(sliced, whole)
+    back = kquant.kquant_rows(method, sliced, 256, torch.arange(50))
+    for leaf, t in tensors.items():
+        assert torch.equal(back[leaf], t), leaf

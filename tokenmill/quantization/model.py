@@ -228,9 +228,14 @@ def load_shards(model: nn.Module, shards: dict[str, dict[int | None, QuantizedSh
             and all(t.shape[1:] == parts[0].tensors[leaf].shape[1:]
                     for leaf, t in p.tensors.items()) for p in parts)
         if same:
-            joined = {leaf: torch.cat([p.tensors[leaf] for p in parts])
-                      for leaf in parts[0].tensors}
-            module.use_kernel(KERNELS[parts[0].method](_on(joined, module.device)))
+            method = parts[0].method
+            joined = {leaf: parts[0].tensors[leaf] if len(parts) == 1 else
+                      torch.cat([p.tensors[leaf] for p in parts]) for leaf in parts[0].tensors}
+            # (the parts go before the kernel repacks the joined copy: one copy less at the
+            # load's peak)
+            parts.clear()
+            by_index.clear()
+            module.use_kernel(KERNELS[method](_on(joined, module.device)))
         elif every and merged and all(p is not None for p in parts):
             # formats differ (llama.cpp's Q4_K_M: v in Q6_K beside Q4_K q and k): a kernel each
             module.use_kernel(PartsKernel([KERNELS[p.method](_on(p.tensors, module.device))
