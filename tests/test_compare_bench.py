@@ -252,3 +252,27 @@ def test_long_context_table_has_a_row_per_length_and_the_turns():
                                "prefix_len": 16000, "runs": runs})
     assert "| 4000 tokens: TTFT / decode | 1.50 s / 20.0 tok/s | failed |" in text
     assert "16000-token prefix: TTFT cold / cached | 30.00 s / 0.50 s | – |" in text
+
+
+@pytest.mark.skipif(not __import__("tokenmill").csrc.available(),
+                    reason="no compiled CPU kernels")
+def test_prompt_attention_bench_times_a_source_against_the_loaded_kernel(tmp_path, monkeypatch):
+    # --against the very source the loaded library was built from: the same outputs, both
+    # timed, the result file written with its rows
+    import json
+
+    import prompt_attention_cpu
+
+    from tokenmill.csrc import build
+
+    source = os.path.join(os.path.dirname(build.__file__), "prompt_attention.c")
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["prompt_attention_cpu.py", "--shapes", "40:70,17:0",
+                                      "--heads", "9:3:64", "--repeats", "1", "--against",
+                                      source, "--out", str(out)])
+    prompt_attention_cpu.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["query_tokens"], r["context"]) for r in rows] == [(40, 70), (17, 0)]
+    for row in rows:
+        assert row["max_abs_difference"] == 0.0
+        assert row["current"]["gflops"] > 0 and row["against"]["gflops"] > 0

@@ -83,7 +83,7 @@ def test_decode_batch_head_shapes_and_int8_cache(compiled, kv_dtype, hq, hkv, d)
 
 
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_long_decodes_split_into_chunks_match_reference_and_each_other(kv_dtype):
     # The compiled kernel splits a sequence into 64-token chunks across threads and merges
     # them; lengths around the chunk edges, and a sequence's result must not depend on what
@@ -91,7 +91,7 @@ def test_long_decodes_split_into_chunks_match_reference_and_each_other(kv_dtype)
     contexts = [0, 62, 63, 64, 127, 200, 300]
     q, k, v, cache, meta = random_step(7, None, [], block_size=16, hq=9, hkv=3, d=64,
                                        decode_contexts=contexts, num_blocks=160)
-    caches = [c if kv_dtype == torch.float32 else quantize_kv(c) for c in cache]
+    caches = [quantize_kv(c) if kv_dtype == torch.int8 else c.to(kv_dtype) for c in cache]
     ref = ReferenceBackend().forward(q, k, v, *(c.clone() for c in caches), meta, 0.125)
     out = TorchSDPABackend(True).forward(q, k, v, *(c.clone() for c in caches), meta, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -111,12 +111,14 @@ def test_compiled_decode_is_used_where_the_kernels_build():
 
 
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (14, 2, 64), (4, 4, 128), (32, 2, 32)])
-def test_compiled_prompts_match_reference(monkeypatch, hq, hkv, d):
+def test_compiled_prompts_match_reference(monkeypatch, hq, hkv, d, kv_dtype):
     # Prompt attention in place over the paged cache: fresh prompts and chunks with cached
     # context, query counts around the kernel's 32-key blocks and past its work items (128 or
     # 288 rows: 8-288 query tokens with their heads), 1-16 query heads per KV head, beside
-    # decodes in the same step.
+    # decodes in the same step; float32, bfloat16 and int8 caches (the rows the reference
+    # reads: the cache's own, widened).
     calls = []
     kernel = csrc.prompt_attention
     monkeypatch.setattr(csrc, "prompt_attention", lambda *a: calls.append(kernel(*a)) or calls[-1])
@@ -125,6 +127,7 @@ def test_compiled_prompts_match_reference(monkeypatch, hq, hkv, d):
     q, k, v, cache, meta = random_step(5, 2, prefills, block_size=16, hq=hq, hkv=hkv, d=d,
                                        num_blocks=128)
     q = torch.cat([q, torch.randn(q.shape[0], 2, d)], dim=1)[:, :hq]  # a view, as in a model
+    cache = [quantize_kv(c) if kv_dtype == torch.int8 else c.to(kv_dtype) for c in cache]
     ref = ReferenceBackend().forward(q, k, v, cache[0].clone(), cache[1].clone(), meta, 0.2)
     out = TorchSDPABackend(True).forward(q, k, v, cache[0].clone(), cache[1].clone(), meta,
                                          0.2)
@@ -134,11 +137,11 @@ def test_compiled_prompts_match_reference(monkeypatch, hq, hkv, d):
 
 @pytest.mark.skipif(not csrc.available(), reason="no compiled CPU kernels")
 def test_prompt_kernel_declines_head_sizes_it_does_not_take():
-    # head size 8 (not a multiple of 32) and int8 caches stay with SDPA: the same result as
+    # head size 8 (not a multiple of 32) and float8 caches stay with SDPA: the same result as
     # the torch path
-    for d, kv_dtype in ((8, torch.float32), (64, torch.int8)):
+    for d, kv_dtype in ((8, torch.float32), (64, torch.float8_e4m3fn)):
         q, k, v, cache, meta = random_step(2, 1, [(0, 9), (5, 4)], block_size=16, d=d)
-        caches = [c if kv_dtype == torch.float32 else quantize_kv(c) for c in cache]
+        caches = [c.to(kv_dtype) for c in cache]
         ref = TorchSDPABackend(False).forward(q, k, v, *(c.clone() for c in caches), meta, 0.3)
         out = TorchSDPABackend(True).forward(q, k, v, *(c.clone() for c in caches), meta, 0.3)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -181,3 +184,39 @@ def test_fp8_cache_engine(tiny_models):
     diffs = [abs(fp8.logprobs[i][t].logprob - exact.logprobs[i][t].logprob)
              for i in same for t in [exact.token_ids[i]]]
     assert max(diffs) < 0.5
+
+
+def test_bf16_cache_engine(tiny_models, monkeypatch):
+    """--kv-cache-dtype bfloat16 on the CPU: half of float32's bytes per block, read and
+    written by the compiled kernels (prompts, decodes, the decode step); the prompt's own token
+    as transformers', later ones close to the float cache's; and the default under --dtype
+    bfloat16."""
+    from helpers import hf_greedy
+
+    from tokenmill import LLM, SamplingParams
+
+    path, hf = tiny_models("llama")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    prompt = list(range(10, 70))
+    calls = []
+    kernel = csrc.prompt_attention
+    monkeypatch.setattr(csrc, "prompt_attention",
+                        lambda q, kc, *a: calls.append(kc.dtype) or kernel(q, kc, *a))
+    outs = {}
+    for kv in ("auto", "bfloat16"):
+        llm = LLM(path, kv_cache_memory_gib=0.01, kv_cache_dtype=kv)
+        outs[kv] = (llm.engine.core.runner.block_bytes, llm.generate(
+            {"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0])
+        if kv == "bfloat16" and csrc.available():
+            assert llm.engine.core.runner.decode_step is not None
+    (full, exact), (small, bf16) = outs["auto"], outs["bfloat16"]
+    assert small * 2 == full
+    if csrc.available():
+        assert calls == [torch.float32, torch.bfloat16]
+    assert bf16.token_ids[0] == exact.token_ids[0] == hf_greedy(hf, prompt, 1)[0]
+    same = [i for i in range(8) if bf16.token_ids[:i + 1] == exact.token_ids[:i + 1]]
+    diffs = [abs(bf16.logprobs[i][t].logprob - exact.logprobs[i][t].logprob)
+             for i in same for t in [exact.token_ids[i]]]
+    assert max(diffs) < 0.1
+    llm = LLM(path, kv_cache_memory_gib=0.01, dtype="bfloat16")
+    assert llm.engine.core.runner.kv_dtype == torch.bfloat16

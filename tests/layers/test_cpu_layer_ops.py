@@ -62,11 +62,13 @@ def test_silu_and_mul_matches_torch(t, i):
     torch.testing.assert_close(csrc.silu_and_mul(x), expect, atol=1e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_write_kv_matches_index_copy(kv_dtype, monkeypatch):
     torch.manual_seed(1)
     t, h, d, blocks, bs = 6, 3, 64, 10, 4
     qkv = torch.randn(t, (4 * h) * d) * 2
+    qkv[0, 2 * h * d:2 * h * d + 3] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8,
+                                                    -float("inf")])  # bf16's ties, inf
     k = qkv[:, 2 * h * d: 3 * h * d].view(t, h, d)
     v = qkv[:, 3 * h * d:].view(t, h, d)
     slots = torch.tensor([0, 7, 39, 12, 13, 25])
@@ -75,19 +77,22 @@ def test_write_kv_matches_index_copy(kv_dtype, monkeypatch):
     write_kv = csrc.write_kv
     write_kv(k, v, caches[0], caches[1], slots)
     for new, cache in ((k, caches[2]), (v, caches[3])):  # the torch path
-        new = quantize_kv(new) if kv_dtype == torch.int8 else new
+        new = quantize_kv(new) if kv_dtype == torch.int8 else new.to(kv_dtype)
         cache.view(-1, h, width).index_copy_(0, slots, new)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    def same(a, b):  # bit for bit
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    assert same(caches[0], caches[2]) and same(caches[1], caches[3])
     # and the backend picks the kernel for such views
     fresh = [torch.zeros_like(caches[0]) for _ in range(2)]
     calls = []
     monkeypatch.setattr(csrc, "write_kv", lambda *a: calls.append(a) or write_kv(*a))
     AttentionBackend.write_kv(k, v, *fresh, slots)
-    assert torch.equal(fresh[0], caches[2]) and torch.equal(fresh[1], caches[3])
+    assert same(fresh[0], caches[2]) and same(fresh[1], caches[3])
     # one decode token: views of a [1, width] row get unequal token strides from `view`
     one = qkv[:1]
     k1, v1 = one[:, 2 * h * d: 3 * h * d].view(1, h, d), one[:, 3 * h * d:].view(1, h, d)
     AttentionBackend.write_kv(k1, v1, *fresh, torch.tensor([31]))
     assert len(calls) == 2
-    expect = quantize_kv(k1[0]) if kv_dtype == torch.int8 else k1[0]
-    assert torch.equal(fresh[0].view(-1, h, width)[31], expect)
+    expect = quantize_kv(k1[0]) if kv_dtype == torch.int8 else k1[0].to(kv_dtype)
+    assert same(fresh[0].view(-1, h, width)[31], expect)

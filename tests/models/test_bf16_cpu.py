@@ -48,7 +48,9 @@ def logprob_diffs(out, prompt, ref_model) -> list[float]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])  # qwen3: a tied LM head
 def test_bf16_weights_equal_their_slow_formula_and_stay_near_float32(tiny_models, arch):
     path, hf = tiny_models(arch)
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory_gib=0.01)
+    # (float32 K/V, as the formula keeps them; bfloat16 ones are the default:
+    # test_attention.py's test_bf16_cache_engine)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory_gib=0.01, kv_cache_dtype="float32")
     runner = llm.engine.core.runner
     assert runner.dtype == torch.float32 and runner.kv_dtype == torch.float32
     kernels = {type(m.kernel).__name__ for m in runner.model.modules() if hasattr(m, "kernel")}

@@ -47,7 +47,7 @@ def assert_same_outputs(fused, layered, tolerance=1e-5):
 
 @pytest.mark.parametrize("arch,quantization,kv_cache_dtype,vnni", [
     ("llama", None, "auto", None), ("qwen2", None, "auto", None), ("qwen3", None, "auto", None),
-    ("llama3", None, "int8", None),
+    ("llama3", None, "int8", None), ("llama3", None, "bfloat16", None),
     # both weight layouts of int8 / int4, whichever this CPU picks (the VNNI panels have a
     # portable build with the same results)
     ("llama", "int8", "auto", True), ("llama", "int8", "auto", False),

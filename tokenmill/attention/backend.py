@@ -177,7 +177,7 @@ class AttentionBackend(ABC):
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if (csrc.usable(k) and k_cache.device.type == "cpu"
-                and k_cache.dtype in (torch.float32, torch.int8)
+                and k_cache.dtype in csrc.KV_KINDS
                 and csrc.heads_contiguous(k) and csrc.heads_contiguous(v)):
             csrc.write_kv(k, v, k_cache, v_cache, slot_mapping)
             return

@@ -74,7 +74,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def _compiled_prompts(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         # the same switch as decodes: the compiled kernels are one choice
-        return (self._compiled_decode(q) and k_cache.dtype == torch.float32
+        return (self._compiled_decode(q) and k_cache.dtype in csrc.KV_KINDS
                 and csrc.heads_contiguous(q))
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -115,7 +115,7 @@ class TorchSDPABackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         loc = meta.query_start_loc
-        if nd and self._compiled_decode(q) and k_cache.dtype in (torch.float32, torch.int8):
+        if nd and self._compiled_decode(q) and k_cache.dtype in csrc.KV_KINDS:
             # q may be a view of the qkv output (read in place); out's first rows are contiguous
             decodes = q[:nd] if csrc.heads_contiguous(q) else q[:nd].contiguous()
             csrc.paged_decode_attention(decodes, k_cache, v_cache, meta.block_table,

@@ -98,8 +98,11 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="GPU: the share of the card's memory weights, activations and KV blocks may use "
            "(default 0.9)")
     a("--num-kv-blocks", type=int, default=None, help="exact KV block count (env BLOCK_BS)")
-    a("--kv-cache-dtype", default=None, choices=["auto", "int8", "fp8", "fp8_e4m3"],
-      help="int8: int8 K/V cache (env USE_CACHE_KV_INT8=1); fp8: float8 e4m3 K/V")
+    a("--kv-cache-dtype", default=None,
+      choices=["auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3"],
+      help="auto: the model's dtype (bfloat16 under --dtype bfloat16, on a CPU too); "
+           "float32 / bfloat16: K/V in that dtype (on a GPU: the model's own); int8: int8 K/V "
+           "cache (env USE_CACHE_KV_INT8=1); fp8: float8 e4m3 K/V")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
       help="reuse the KV blocks of a prompt prefix already computed (default on)")
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,

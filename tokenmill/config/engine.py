@@ -185,6 +185,6 @@ class EngineConfig:
                              "--pipeline-parallel-size and --speculative-config.")
         if self.kv_cache_dtype == "fp8_e4m3":  # (vLLM's other name of it)
             self.kv_cache_dtype = "fp8"
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise ValueError("kv_cache_dtype must be 'auto', 'int8' or 'fp8', got "
-                             f"{self.kv_cache_dtype!r}.")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
+            raise ValueError("kv_cache_dtype must be 'auto', 'float32', 'bfloat16', 'int8' or "
+                             f"'fp8', got {self.kv_cache_dtype!r}.")

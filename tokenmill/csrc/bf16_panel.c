@@ -35,14 +35,6 @@ void tm_bf16_to_panels(const uint16_t *w, int64_t N, int64_t K, int64_t KP, uint
     }
 }
 
-/* fp32 -> bf16, rounded to nearest, ties to even (NaN stays a quiet NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
 /* x [M, K] -> xb [M, KP] in bf16 (a zero past K) */
 static void round_rows(const float *x, uint16_t *xb, int64_t M, int64_t K, int64_t KP) {
     for (int64_t i = 0; i < M; i++) {

@@ -26,7 +26,7 @@ _SOURCES = [os.path.join(_HERE, name)
                          "dequant_panels.c", "vnni_panels.c", "kquant_panels.c",
                          "paged_attention.c", "prompt_attention.c", "layer_ops.c",
                          "decode_step.c", "shm_allreduce.c")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h", "panel.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h", "panel.h", "kv_rows.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
@@ -105,7 +105,7 @@ def loaded() -> ctypes.CDLL | None:
                                               + [i64] * 5 + [ctypes.c_float, i64])
     f32 = ctypes.c_float
     lib.tm_prompt_attention.argtypes = ([ptr, i64] + [ptr] * 3 + [i64, ptr, i64, ptr] + [i64] * 4
-                                        + [f32])
+                                        + [f32, i64])
     lib.tm_prompt_attention.restype = i64
     lib.tm_quantize_rows_q16.argtypes = [ptr] * 4 + [i64] * 2
     lib.tm_int8_gemm_q16.argtypes = [ptr] * 6 + [i64] * 4

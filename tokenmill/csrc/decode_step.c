@@ -73,7 +73,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, q_heads, kv_heads, head_dim, intermediate, block_size;
-    int64_t kv_int8, max_rows;
+    int64_t kv_kind, max_rows;
     float eps, scale;
     const tm_layer *layers;
     const float *final_norm, *cos, *signed_sin;
@@ -294,10 +294,10 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
             }
         tm_rotary(m->qkv, T, hq + hkv, D, width, m->cos, m->signed_sin, positions);
         tm_write_kv(m->qkv + q_size, m->qkv + q_size + kv_size, width, width, layer->k_cache,
-                    layer->v_cache, slots, T, hkv, D, m->kv_int8);
+                    layer->v_cache, slots, T, hkv, D, m->kv_kind);
         tm_paged_decode_attention(m->qkv, width, layer->k_cache, layer->v_cache, block_table,
                                   table_stride, seq_lens, m->attn, T, hq, hkv, D,
-                                  m->block_size, m->scale, m->kv_int8);
+                                  m->block_size, m->scale, m->kv_kind);
         linear(scratch, &layer->o, m->attn, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);

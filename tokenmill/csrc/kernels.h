@@ -45,7 +45,7 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
                                const void *v_cache, const int64_t *block_table,
                                int64_t table_stride, const int64_t *seq_lens, float *out,
                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                               int64_t block_size, float scale, int64_t kv_int8);
+                               int64_t block_size, float scale, int64_t kv_kind);
 void tm_add_rms_norm(float *x, float *residual, const float *weight, float *out, int64_t T,
                      int64_t D, float eps);
 void tm_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t stride, const float *cos,
@@ -53,7 +53,7 @@ void tm_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t stride, const 
 void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I);
 void tm_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride,
                  void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t H,
-                 int64_t D, int64_t kv_int8);
+                 int64_t D, int64_t kv_kind);
 int64_t tm_shm_allreduce(char *base, int64_t rank, int64_t size, int64_t slot_floats,
                          int64_t *seq, float *x, int64_t n);
 void tm_bf16_to_panels(const uint16_t *w, int64_t N, int64_t K, int64_t KP, uint16_t *out);

@@ -11,7 +11,15 @@ from tokenmill.csrc.build import address
 from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["paged_decode_attention", "prompt_attention", "heads_contiguous", "add_rms_norm",
-           "rotary_", "argmax_rows", "silu_and_mul", "write_kv"]
+           "rotary_", "argmax_rows", "silu_and_mul", "write_kv", "KV_KINDS", "kv_kind"]
+
+# the cache dtypes the kernels read and write, as kv_rows.h numbers their row formats
+KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
+
+
+def kv_kind(cache: torch.Tensor) -> int:
+    """kv_rows.h's number for the cache's row format (int8: D int8 and a float32 scale)."""
+    return KV_KINDS[cache.dtype]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -19,15 +27,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor) -> None:
     """One query token per sequence attending over its cached keys, written into `out`
     [B, Hq, D] (contiguous): q [B, Hq, D] float32 with each token's heads contiguous (any
-    token stride); caches [num_blocks, block_size, Hkv, D] float32 or [..., D + 4] int8;
-    block_table int64 [>= B, max_blocks] (rows contiguous); seq_lens int64 [B]."""
+    token stride); caches [num_blocks, block_size, Hkv, D] float32 or bfloat16, or
+    [..., D + 4] int8; block_table int64 [>= B, max_blocks] (rows contiguous); seq_lens int64
+    [B]."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     assert heads_contiguous(q) and out.is_contiguous() and out.shape == q.shape
     _library().tm_paged_decode_attention(
         address(q), q.stride(0), address(k_cache), address(v_cache), address(block_table),
         block_table.stride(0), address(seq_lens), address(out), b, hq, hkv, d, block_size, scale,
-        int(k_cache.dtype == torch.int8))
+        kv_kind(k_cache))
 
 
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -35,7 +44,8 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor) -> bool:
     """Causal attention of prompt tokens over their sequences' cached keys (this step's K/V
     written first), into `out` [T, Hq, D] (contiguous): q [T, Hq, D] float32 with each token's
-    heads contiguous (any token stride); float32 caches [num_blocks, block_size, Hkv, D];
+    heads contiguous (any token stride); caches [num_blocks, block_size, Hkv, D] float32 or
+    bfloat16, or [..., D + 4] int8;
     block_table int64 [S, max_blocks] (rows contiguous); seqs int64 [S, 3]: each sequence's
     first token row, query tokens and context length. False (nothing written) where the
     kernel does not take the shapes (head size not a multiple of 32, more than 16 query heads
@@ -43,11 +53,11 @@ def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     assert heads_contiguous(q) and out.is_contiguous() and out.shape == q.shape
-    assert k_cache.dtype == torch.float32 and seqs.is_contiguous() and block_table.stride(1) == 1
+    assert seqs.is_contiguous() and block_table.stride(1) == 1
     return _library().tm_prompt_attention(
         address(q), q.stride(0), address(k_cache), address(v_cache), address(block_table),
         block_table.stride(0), address(seqs), seqs.shape[0], address(out), hq, hkv, d,
-        block_size, scale) == 0
+        block_size, scale, kv_kind(k_cache)) == 0
 
 
 def heads_contiguous(x: torch.Tensor) -> bool:
@@ -97,9 +107,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store k, v [T, Hkv, D] (each token's heads contiguous, any token stride) in their cache
-    slots; int8 caches get each row quantized with its scale."""
+    slots: bfloat16 caches rounded to nearest even, int8 ones each row quantized with its
+    scale."""
     t, h, d = k.shape
     assert heads_contiguous(k) and heads_contiguous(v)
     _library().tm_write_kv(address(k), address(v), k.stride(0), v.stride(0), address(k_cache),
                            address(v_cache),
-                           address(slot_mapping), t, h, d, int(k_cache.dtype == torch.int8))
+                           address(slot_mapping), t, h, d, kv_kind(k_cache))

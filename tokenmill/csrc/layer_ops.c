@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "simd.h"
+#include "kv_rows.h"
 
 /* residual += x (when residual is given), then out = weight * (r / sqrt(mean(r^2) + eps)) */
 void tm_add_rms_norm(float *x, float *residual, const float *weight, float *out, int64_t T,
@@ -72,19 +72,24 @@ void tm_silu_and_mul(const float *x, float *out, int64_t T, int64_t I) {
 }
 
 /* Write T tokens' K and V rows (H heads of D floats; token rows k_stride / v_stride floats
- * apart) into
- * cache slots. int8 caches: each row quantized symmetric by its absmax / 127 and stored as D
- * int8 + the float32 scale (quantization/kv_cache.py). */
+ * apart) into cache slots, in kv_rows.h's format `kv_kind`: float32 copied; bfloat16 rounded
+ * to nearest even (torch's .to(torch.bfloat16)); int8 each row quantized symmetric by its
+ * absmax / 127 and stored as D int8 + the float32 scale (quantization/kv_cache.py). */
 void tm_write_kv(const float *k, const float *v, int64_t k_stride, int64_t v_stride,
                  void *k_cache, void *v_cache,
-                 const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t kv_int8) {
-    const int64_t row_bytes = kv_int8 ? D + 4 : D * 4;
+                 const int64_t *slots, int64_t T, int64_t H, int64_t D, int64_t kv_kind) {
+    const int64_t row_bytes = kv_row_bytes(D, (int)kv_kind);
     for (int64_t t = 0; t < T; t++) {
         for (int which = 0; which < 2; which++) {
             const float *src = which ? v + t * v_stride : k + t * k_stride;
             char *dst = (char *)(which ? v_cache : k_cache) + slots[t] * H * row_bytes;
-            if (!kv_int8) {
+            if (kv_kind == TM_KV_F32) {
                 memcpy(dst, src, H * D * sizeof(float));
+                continue;
+            }
+            if (kv_kind == TM_KV_BF16) {
+                uint16_t *b = (uint16_t *)dst;
+                for (int64_t i = 0; i < H * D; i++) b[i] = to_bf16(src[i]);
                 continue;
             }
             for (int64_t h = 0; h < H; h++) {

@@ -1,5 +1,5 @@
 /* Prompt attention over the paged KV cache, read in place (x86 AVX2 + FMA, AVX-512 where
- * the CPU has it; float32 caches).
+ * the CPU has it; float32, bfloat16 or int8 caches).
  *
  * A prompt step's queries attend causally over their sequence's keys: the cached context and
  * this step's own tokens, whose K/V were written to the cache first. torch's SDPA needs the
@@ -16,7 +16,8 @@
  * (rows down, keys across, the keys transposed per block): 135 GFLOP/s on a 2048-token chunk
  * after 14,000 cached tokens (Qwen2.5-0.5B's heads, two Zen 4 threads); now ~170.
  * Layouts: q [T, Hq, D] with token rows q_stride floats apart, out [T, Hq, D] contiguous,
- * caches [num_blocks, block_size, Hkv, D]; seqs [S][3] int64: a sequence's first token row,
+ * caches [num_blocks, block_size, Hkv, row] in kv_rows.h's format kv_kind (a block of rows
+ * other than float32 is converted to floats once per work item); seqs [S][3] int64: a sequence's first token row,
  * its query tokens, its context (tokens cached before them); block_table rows table_stride
  * apart, one per sequence. D must be a multiple of 32 (other head sizes stay with SDPA). */
 #include <immintrin.h>
@@ -25,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
+#include "kv_rows.h"
 
 #define KB 32 /* keys per block */
 
@@ -77,9 +78,12 @@ static inline vec hide_first(vec s, int64_t n) {
 }
 #endif
 
-static inline const float *cache_row(const float *cache, const int64_t *table, int64_t t,
-                                     int64_t block_size, int64_t Hkv, int64_t D, int64_t h) {
-    return cache + ((table[t / block_size] * block_size + t % block_size) * Hkv + h) * D;
+/* token t's row of KV head h (row_bytes a row) */
+static inline const void *cache_row(const void *cache, const int64_t *table, int64_t t,
+                                    int64_t block_size, int64_t Hkv, int64_t row_bytes,
+                                    int64_t h) {
+    return (const char *)cache +
+           ((table[t / block_size] * block_size + t % block_size) * Hkv + h) * row_bytes;
 }
 
 /* sT[j][0 .. nv * VL) = scale * key_j . q_r for nk <= TK keys and nv row vectors (qT: the
@@ -125,13 +129,15 @@ INLINE void value_tile(const float *pT, int64_t Rp, const float *const *vrow, in
  * Row r is token i0 + r / G, query head h * G + r % G; the rows lie across the lanes
  * (queries, scores and sums transposed, Rp rows padded to whole vectors with zero queries), so
  * the online softmax is lane-wise: no transposes of keys, no horizontal maxima or sums. */
-static void prompt_item(const float *q, int64_t q_stride, const float *k_cache,
-                        const float *v_cache, const int64_t *table, int64_t ctx, int64_t i0,
+static void prompt_item(const float *q, int64_t q_stride, const void *k_cache,
+                        const void *v_cache, const int64_t *table, int64_t ctx, int64_t i0,
                         int64_t i1, int64_t h, int64_t G, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, float *out, float *work) {
+                        int64_t block_size, float scale, int kind, float *out, float *work) {
     const int64_t R = (i1 - i0) * G, Rp = (R + VL - 1) / VL * VL, Hq = Hkv * G;
-    float *qT = work, *sT = qT + D * Rp, *oT = sT + KB * Rp, *m = oT + D * Rp, *l = m + Rp,
-          *alpha = l + Rp;
+    const int64_t row_bytes = kv_row_bytes(D, kind);
+    /* (kb, vb: a block's rows as floats, for the caches that hold another format) */
+    float *kb = work, *vb = kb + KB * D, *qT = vb + KB * D, *sT = qT + D * RT,
+          *oT = sT + KB * RT, *m = oT + D * RT, *l = m + RT, *alpha = l + RT;
     for (int64_t r = 0; r < Rp; r++) {
         const float *src = q + (i0 + r / G) * q_stride + (h * G + r % G) * D;
         for (int64_t d = 0; d < D; d++) qT[d * Rp + r] = r < R ? src[d] : 0.0f;
@@ -144,8 +150,17 @@ static void prompt_item(const float *q, int64_t q_stride, const float *k_cache,
         const int64_t nk = last + 1 - j0 < KB ? last + 1 - j0 : KB;
         const float *krow[KB], *vrow[KB];
         for (int64_t j = 0; j < nk; j++) {
-            krow[j] = cache_row(k_cache, table, j0 + j, block_size, Hkv, D, h);
-            vrow[j] = cache_row(v_cache, table, j0 + j, block_size, Hkv, D, h);
+            const void *kr = cache_row(k_cache, table, j0 + j, block_size, Hkv, row_bytes, h);
+            const void *vr = cache_row(v_cache, table, j0 + j, block_size, Hkv, row_bytes, h);
+            if (kind == TM_KV_F32) {
+                krow[j] = kr;
+                vrow[j] = vr;
+                continue;
+            }
+            kv_row_floats(kr, D, kind, kb + j * D);
+            kv_row_floats(vr, D, kind, vb + j * D);
+            krow[j] = kb + j * D;
+            vrow[j] = vb + j * D;
         }
         for (int64_t r0 = 0; r0 < Rp; r0 += NV * VL) {
             const int nv = Rp - r0 < NV * VL ? (Rp - r0) / VL : NV;
@@ -225,11 +240,11 @@ static void prompt_item(const float *q, int64_t q_stride, const float *k_cache,
 }
 
 /* Returns 0, or -1 when the shapes are outside what the kernel takes (nothing is written). */
-int64_t tm_prompt_attention(const float *q, int64_t q_stride, const float *k_cache,
-                            const float *v_cache, const int64_t *block_table,
+int64_t tm_prompt_attention(const float *q, int64_t q_stride, const void *k_cache,
+                            const void *v_cache, const int64_t *block_table,
                             int64_t table_stride, const int64_t *seqs, int64_t S, float *out,
                             int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                            float scale) {
+                            float scale, int64_t kv_kind) {
     const int64_t G = Hq / Hkv, QB = RT / (G > 0 ? G : 1);
     if (D % 32 || G > 16 || G * Hkv != Hq) return -1;
     /* items of sequence s: Hkv * blocks[s], the query blocks in descending order (the
@@ -241,7 +256,7 @@ int64_t tm_prompt_attention(const float *q, int64_t q_stride, const float *k_cac
     const int64_t items = first[S];
 #pragma omp parallel
     {
-        float *work = malloc((size_t)((2 * D + KB + 3) * RT) * sizeof(float));
+        float *work = malloc((size_t)((2 * D + KB + 3) * RT + 2 * KB * D) * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
             int64_t s = 0;
@@ -252,7 +267,7 @@ int64_t tm_prompt_attention(const float *q, int64_t q_stride, const float *k_cac
             const int64_t i0 = b * QB, i1 = i0 + QB < n ? i0 + QB : n;
             prompt_item(q + row0 * q_stride, q_stride, k_cache, v_cache,
                         block_table + s * table_stride, ctx, i0, i1, h, G, Hkv, D, block_size,
-                        scale, out + row0 * Hq * D, work);
+                        scale, (int)kv_kind, out + row0 * Hq * D, work);
         }
         free(work);
     }

@@ -2,9 +2,18 @@
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 /* for kernel bodies whose loop counts must be compile-time constants to stay in registers */
 #define INLINE static inline __attribute__((always_inline))
+
+/* fp32 -> bf16, rounded to nearest, ties to even (NaN stays a quiet NaN) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
 
 /* sum of the 8 lanes */
 static inline float hsum8(__m256 v) {

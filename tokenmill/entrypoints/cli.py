@@ -22,9 +22,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the engine's random seed (vLLM's --seed): requests without a "
                              "seed of their own draw from it")
     parser.add_argument("--quantization", "-q", default=None, help="int8, int4, a8w8, fp8")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
-                        help="auto: the model's dtype; int8: K/V in int8 with a scale per row "
-                             "and head (half the memory of bf16, a quarter of fp32)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "int8"],
+                        help="auto: the model's dtype; float32 / bfloat16: K/V in that dtype "
+                             "(bf16: half of fp32's memory); int8: K/V in int8 with a scale "
+                             "per row and head (half the memory of bf16, a quarter of fp32)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:

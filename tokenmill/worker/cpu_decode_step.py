@@ -58,7 +58,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = ([(name, _i64) for name in ("num_layers", "hidden", "q_heads", "kv_heads",
-                                           "head_dim", "intermediate", "block_size", "kv_int8",
+                                           "head_dim", "intermediate", "block_size", "kv_kind",
                                            "max_rows")]
                 + [("eps", _f32), ("scale", _f32), ("layers", ctypes.POINTER(_Layer))]
                 + [(name, _ptr) for name in ("final_norm", "cos", "signed_sin", "residual",
@@ -169,7 +169,7 @@ class CpuDecodeStep:
             num_layers=len(layers), hidden=hidden, q_heads=attn.num_heads,
             kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=dense[0] if dense else 0,
-            block_size=attn.k_cache.shape[1], kv_int8=int(attn.k_cache.dtype == torch.int8),
+            block_size=attn.k_cache.shape[1], kv_kind=csrc.kv_kind(attn.k_cache),
             max_rows=rows,
             eps=inner.norm.eps, scale=attn.scale, layers=self._layers,
             final_norm=inner.norm.weight.data_ptr(), cos=rotary.cos.data_ptr(),
@@ -239,9 +239,9 @@ class CpuDecodeStep:
         if not all(isinstance(m.act, SiluAndMul) for layer in stage for m in _mlps(layer)):
             return "activations other than SiLU run in Python"
         if any(getattr(layer.self_attn, "k_cache", None) is not None
-               and layer.self_attn.k_cache.dtype not in (torch.float32, torch.int8)
+               and layer.self_attn.k_cache.dtype not in csrc.KV_KINDS
                for layer in stage):
-            return "the compiled kernels read float32 or int8 K/V caches"
+            return "the compiled kernels read float32, bfloat16 or int8 K/V caches"
         if not all(isinstance(layer.self_attn, Attention) for layer in stage):
             return "latent attention runs in Python"
         if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None

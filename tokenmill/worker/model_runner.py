@@ -64,8 +64,18 @@ class ModelRunner:
         # The seed's 3.0 checkpoints mark an int8 KV cache in config.json; it wins over "auto".
         kv_int8 = config.kv_cache_dtype == "int8" or hasattr(hf_config,
                                                              "infer_model_cachekv_int8_type")
+        # "auto": the model's dtype as asked (under bf16 weights a CPU computes in float32
+        # and keeps bf16 K/V rows, read as its weights are)
+        floats = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        kv_float = floats.get(config.kv_cache_dtype,
+                              torch.bfloat16 if bf16_weights else self.dtype)
+        if (config.kv_cache_dtype in floats and self.device.type != "cpu"
+                and kv_float != self.dtype):
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} on a GPU keeps K/V in "
+                             f"the model's own dtype ({str(self.dtype).removeprefix('torch.')}"
+                             "): drop the flag, or pick that --dtype.")
         self.kv_dtype = (torch.int8 if kv_int8 else torch.float8_e4m3fn
-                         if config.kv_cache_dtype == "fp8" else self.dtype)
+                         if config.kv_cache_dtype == "fp8" else kv_float)
         self.backend = self.platform.attention_backend(config.attention_backend)
         self.platform.check_kv_cache(self.kv_dtype, self.backend)  # (before the weights load)
         spec = config.speculative_config
