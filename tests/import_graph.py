@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("attention", "layers", "quantization"),
     ("platforms", "models"),
-    ("hub", "loading"),
+    ("hub", "loading", "lora"),
     ("sample", "structured_output"),
     ("worker",),
     ("spec_decode",),

@@ -54,6 +54,13 @@ class EngineConfig:
     async_scheduling: bool = False
     # vLLM's --speculative-config (a dict, its JSON text, or a SpeculativeConfig); None: off
     speculative_config: Any = None
+    # LoRA adapters (vLLM's flags): a request may name one; at most max_loras different ones
+    # run at once, of rank <= max_lora_rank; max_cpu_loras stay read in host memory (None:
+    # max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
     # processes on this node; start-up waits this long for every rank to join.
     tensor_parallel_size: int = 1
@@ -178,6 +185,14 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}.")
+        positive_int("max_loras")
+        positive_int("max_lora_rank")
+        positive_int("max_cpu_loras", allow_none=True)
+        if self.max_lora_rank > 512:
+            raise ValueError(f"max_lora_rank must be <= 512, got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}).")
         if self.async_scheduling and (self.pipeline_parallel_size > 1
                                       or self.speculative_config):
             raise ValueError("async_scheduling (--async-scheduling) runs without pipeline "

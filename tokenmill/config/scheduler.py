@@ -19,6 +19,8 @@ class SchedulerConfig:
     # slots past each scheduled request's tokens for a proposer that writes its drafts' KV
     # rows into the request's blocks (MTP, EAGLE)
     num_lookahead_tokens: int = 0
+    # LoRA: adapters the running requests may use at once (the runner's slots; 0: no LoRA)
+    max_loras: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -32,4 +34,5 @@ class SchedulerConfig:
         return cls(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                    max_model_len=max_model_len,
                    enable_chunked_prefill=config.enable_chunked_prefill,
-                   num_lookahead_tokens=spec.num_lookahead_slots if spec is not None else 0)
+                   num_lookahead_tokens=spec.num_lookahead_slots if spec is not None else 0,
+                   max_loras=config.max_loras if config.enable_lora else 0)

@@ -53,7 +53,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else request.cache_root
             hashes.append(hash_block_tokens(parent, request.token_ids(i * bs, (i + 1) * bs)))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:

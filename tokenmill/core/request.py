@@ -69,6 +69,19 @@ class Request:
     # tokens sampled by steps in flight, not appended yet (one per such step; asynchronous
     # scheduling launches the next step, computing at that token's position, before it lands)
     num_pending: int = 0
+    # LoRA: the adapter it runs with (lora/request.py's LoRARequest; None: the base model)
+    lora_request: Any = None
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def cache_root(self) -> bytes | None:
+        """What its first block's prefix-cache hash starts from: its adapter's key (the
+        same tokens under another adapter never share KV); None: the base model's."""
+        return self.lora_request.cache_key() if self.lora_request is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

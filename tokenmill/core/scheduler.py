@@ -176,9 +176,17 @@ class Scheduler:
             break  # the request preempted itself: nothing after it is left to run
 
         # Admitting new work right after preempting would only thrash the cache.
+        # LoRA: no more adapters among the running requests than the runner has slots; a
+        # request for another adapter waits, the ones behind it are admitted meanwhile.
+        adapters = {r.lora_id for r in self.running} - {0}
+        passed: list[Request] = []
         while (not preempted and self.waiting and budget > 0 and len(scheduled) < max_seqs
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if (request.lora_id and request.lora_id not in adapters
+                    and len(adapters) >= self.config.max_loras):
+                passed.append(self.waiting.popleft())
+                continue
             hits, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -196,6 +204,9 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
+            if request.lora_id:
+                adapters.add(request.lora_id)
+        self.waiting.extendleft(reversed(passed))  # (in their order, ahead of the rest)
 
         block_row = self.kv_cache.block_row
         for s in scheduled:

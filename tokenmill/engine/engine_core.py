@@ -158,8 +158,15 @@ class EngineCore:
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
                       self.kv_cache.num_blocks, self.config.block_size,
                       self.scheduler.config.num_lookahead_tokens)
+        lora = request.lora_request
+        if lora is not None:  # (read and checked now: a bad adapter refuses its request)
+            if self.runner.lora is None:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not "
+                                 "enabled: start the engine with --enable-lora.")
+            self.runner.lora.add(lora)
         new = Request(request.request_id, list(request.prompt_token_ids),
-                      request.sampling_params, arrival_time=request.arrival_time)
+                      request.sampling_params, arrival_time=request.arrival_time,
+                      lora_request=lora)
         if request.sampling_params.structured_outputs is not None:
             self.structured.submit(new)  # (enters the scheduler once compiled)
         else:

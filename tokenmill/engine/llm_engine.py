@@ -15,6 +15,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreRequest
 from tokenmill.loading.checkpoint import load_tokenizer, resolve_model_path
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template, bad_words_token_ids, eos_token_ids
@@ -82,7 +83,7 @@ class LLMEngine:
         return {"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams) -> str:
+                    params: SamplingParams, lora_request: LoRARequest | None = None) -> str:
         request_id = str(next(self._counter)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
@@ -98,7 +99,7 @@ class LLMEngine:
             for i, child_id in enumerate(child_ids):
                 child_params = params.for_child(i)
                 self.client.add_request(EngineCoreRequest(child_id, prompt_ids, child_params,
-                                                          time.monotonic()))
+                                                          time.monotonic(), lora_request))
                 added.append(child_id)
         except Exception:
             self.client.abort_requests(added)

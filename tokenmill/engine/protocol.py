@@ -6,6 +6,7 @@ import enum
 
 import msgspec
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 # (top ids, top logprobs, chosen logprob, chosen rank) of one position
@@ -17,6 +18,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

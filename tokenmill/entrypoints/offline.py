@@ -17,6 +17,7 @@ from tokenmill.beam_search import (
 from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.entrypoints.parsers.tool_request import template_messages
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -53,7 +54,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the
+        base model; the engine needs `enable_lora=True`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -64,14 +69,21 @@ class LLM:
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"Got {len(sampling_params)} sampling params for {len(prompts)} "
                              "prompts; give one, or one per prompt.")
-        return self._run(prompts, list(sampling_params), use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        elif len(lora_request) != len(prompts):
+            raise ValueError(f"Got {len(lora_request)} LoRA requests for {len(prompts)} "
+                             "prompts; give one, or one per prompt.")
+        return self._run(prompts, list(sampling_params), use_tqdm, list(lora_request))
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """`tools` (OpenAI's function definitions) are rendered by the chat template; the
         output is text (read it with
         `tokenmill.entrypoints.parsers.tool_calls.get_parser(...).parse`).
@@ -81,7 +93,7 @@ class LLM:
         prompts = [self.engine.chat_prompt(template_messages([dict(m) for m in c]),
                                            add_generation_prompt, chat_template, **kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -106,12 +118,13 @@ class LLM:
         return [BeamSearchOutput(s.results(decode)) for s in searches]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
+                ids.append(engine.add_request(None, prompt, p, lora))
         except Exception:
             engine.abort_request(ids)
             raise

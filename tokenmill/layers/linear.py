@@ -190,6 +190,8 @@ class Linear(nn.Module):
     # dense kernel. A layer kept in float (a mixture of experts' router): never quantized.
     keep_weight = False
     keep_float = False
+    # LoRA adapters' slots for this layer (lora/layers.py's LoRALayer), once one targets it
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -210,7 +212,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(self, x)
-        return self.kernel.apply(self, x)
+        out = self.kernel.apply(self, x)
+        return out if self.lora is None else self.lora.add(x, out)
+
+    def apply_gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of a merged gate|up layer in one pass where its kernel has one
+        (and no adapter adds to the product); None: the caller runs them apart."""
+        return None if self.lora is not None else self.kernel.apply_gated(self, x)
 
     @property
     def device(self) -> torch.device:
@@ -296,6 +304,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(self, x)
         out = self.kernel.apply(self, x)
+        if self.lora is not None:  # (this rank's columns' share, summed with the rest)
+            out = self.lora.add(x, out)
         return self.tp.all_reduce(out) if self.reduce else out
 
     def checkpoint_slice(self, shard: int | None = None) -> tuple[int, int, int] | None:

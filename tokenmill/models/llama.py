@@ -118,7 +118,7 @@ class MLP(nn.Module):
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T): in one pass where the kernel fuses them."""
-        out = (self.gate_up_proj.kernel.apply_gated(self.gate_up_proj, x)
+        out = (self.gate_up_proj.apply_gated(x)
                if isinstance(self.act, SiluAndMul) else None)
         return out if out is not None else self.act(self.gate_up_proj(x))
 

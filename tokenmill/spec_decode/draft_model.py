@@ -84,7 +84,7 @@ class DraftModelProposer(Proposer):
             engine_config, model=path, quantization=config.quantization,
             speculative_config=None, num_kv_blocks=num_blocks, kv_cache_dtype="auto",
             max_model_len=None, tensor_parallel_size=1, pipeline_parallel_size=1, nnodes=1,
-            node_rank=0, enable_expert_parallel=False)
+            node_rank=0, enable_expert_parallel=False, enable_lora=False)  # (no adapters)
         super().__init__(config, min(target.max_model_len,
                                      derive_max_model_len(draft_config, hf)))
         with single_rank():

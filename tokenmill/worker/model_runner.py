@@ -106,7 +106,15 @@ class ModelRunner:
                                                     attn.num_kv_heads, attn.head_dim,
                                                     self.kv_dtype, values)
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
-        eager = EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None)
+        self.lora = None
+        if config.enable_lora:  # (every step's rows through every layer: see LoRABatch)
+            from tokenmill.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.dtype,
+                                    self.device)
+        eager = EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None
+                          and self.lora is None)
         self.paths = step_paths.ordered(None, None, eager)  # (the profiling step: eager)
         self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
@@ -118,7 +126,8 @@ class ModelRunner:
             self.heads = HeadDrafter(TargetView.of(self), spec, heads)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
-        if self.target_states is not None and self.target_states.aux:  # (hooks C would skip)
+        if (self.target_states is not None and self.target_states.aux  # (hooks C would skip)
+                or self.lora is not None):  # (adapters' products: in the Python forward)
             self.decode_step = None
         # Tensor-parallel ranks must take the same path every step (their collectives pair up).
         rows = self.tp.all_reduce_min(self.decode_step.max_rows if self.decode_step else 0)
@@ -279,6 +288,9 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
+        if self.lora is not None:
+            self.lora.prepare(inputs.lora_ids, inputs.lora_requests,
+                              [end - start for start, end in zip(inputs.starts, inputs.ends)])
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.io.link

@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 
 from tokenmill.core.scheduler import ScheduledRequest
+from tokenmill.lora.request import LoRARequest
 
 Ints = list[int] | np.ndarray
 
@@ -24,6 +25,10 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     prompt_rows: list[tuple[int, int]]  # per prompt_seqs entry: (first row, row count)
     # per sample_seqs entry: its last rows scored (1, or with draft tokens 1 + drafts)
     sample_counts: list[int]
+    # LoRA: per sequence its adapter's id (0: the base model), and those adapters; empty
+    # when no sequence of the step has one
+    lora_ids: list[int] = []
+    lora_requests: list[LoRARequest] = []
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest]) -> StepInputs:
@@ -51,9 +56,13 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                 if s.start < last:
                     prompt_seqs.append(i)
                     prompt_rows.append((first, last - s.start))
+        adapters = {s.request.lora_id: s.request.lora_request for s in scheduled
+                    if s.request.lora_request is not None}
         return cls(token_ids, [s.start for s in scheduled], [s.end for s in scheduled],
                    [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
-                   prompt_rows, sample_counts)
+                   prompt_rows, sample_counts,
+                   [s.request.lora_id for s in scheduled] if adapters else [],
+                   list(adapters.values()))
 
     @property
     def num_sampled_rows(self) -> int:

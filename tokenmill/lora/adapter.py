@@ -1,0 +1,225 @@
+"""A PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`, as `peft` saves
+them) read and checked against the base model it is served with: each low-rank pair placed
+on our layer that holds its module (q|k|v and gate|up are merged here), cut to this rank's
+part under tensor parallel, its scale folded into B. Every refusal is one line naming the
+adapter and, where there is one, the module."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from tokenmill.loading.file_checks import ModelFileError, check_json_file, check_safetensors
+from tokenmill.lora.request import LoRARequest
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+
+# PEFT features whose weights would change what the model computes beyond A and B: refused by
+# name rather than served wrong (config key -> what the error calls it).
+_REFUSED = {
+    "use_dora": "DoRA (use_dora)",
+    "modules_to_save": "modules_to_save (fully trained copies of base layers)",
+    "lora_bias": "lora_bias",
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D layers)",
+    "layer_replication": "layer_replication",
+    "trainable_token_indices": "trainable_token_indices",
+    "target_parameters": "target_parameters (LoRA on expert parameters)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+}
+# Modules PEFT can target that this engine does not take adapters for.
+_REFUSED_MODULES = ("embed_tokens", "lm_head")
+
+
+class LoRAError(ValueError):
+    """An adapter refused (its message is one line and names what is wrong)."""
+
+
+@dataclass
+class LoRAWeights:
+    """One layer's part of an adapter: per projection of the layer (None: the layer is one
+    projection; 0, 1, 2: q, k, v or gate, up of a merged layer), A [r, in] and B [out, r]
+    with the scale folded in, both this rank's part."""
+
+    pairs: dict[int | None, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class LoRAAdapter:
+    request: LoRARequest
+    rank: int
+    layers: dict[str, LoRAWeights]  # our layer's module name -> its pairs
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for w in self.layers.values()
+                   for pair in w.pairs.values() for t in pair)
+
+
+def _config(request: LoRARequest, max_rank: int) -> dict[str, Any]:
+    where = f"LoRA adapter {request.lora_name!r}"
+    path = os.path.join(request.lora_path, CONFIG_FILE)
+    if not request.lora_path or not os.path.isfile(path):
+        raise LoRAError(f"{where}: no {CONFIG_FILE} in its folder {request.lora_path!r}.")
+    if not os.path.isfile(os.path.join(request.lora_path, WEIGHTS_FILE)):
+        raise LoRAError(f"{where}: no {WEIGHTS_FILE} in its folder (only safetensors "
+                        "adapters are read).")
+    try:
+        check_json_file(path)
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ModelFileError, ValueError, UnicodeDecodeError) as exc:
+        raise LoRAError(f"{where}: {CONFIG_FILE} is not valid: {str(exc).splitlines()[0]}"
+                        ) from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{where}: {CONFIG_FILE} is not a JSON object.")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA.")
+    for key, what in _REFUSED.items():
+        if config.get(key):
+            raise LoRAError(f"{where}: {what} is not supported.")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"{where}: bias={config['bias']!r} is not supported (only 'none').")
+    r, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise LoRAError(f"{where}: r must be a positive integer, got {r!r}.")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAError(f"{where}: lora_alpha must be a number, got {alpha!r}.")
+    ranks = [r, *(config.get("rank_pattern") or {}).values()]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in ranks):
+        raise LoRAError(f"{where}: rank_pattern holds a rank that is not a positive integer.")
+    if max(ranks) > max_rank:
+        raise LoRAError(f"{where}: rank {max(ranks)} is above --max-lora-rank ({max_rank}).")
+    for patterns in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(patterns) or {}, dict):
+            raise LoRAError(f"{where}: {patterns} is not a JSON object.")
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):
+        targets = [targets]
+    for name in _REFUSED_MODULES:
+        if name in targets:
+            raise LoRAError(f"{where}: target module {name!r} is not supported (adapters on "
+                            "the attention and MLP projections are).")
+    return config
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the module's name
+    (as a whole or as its dotted tail)."""
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+            return value
+    return default
+
+
+def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
+    """The adapter of `request` for `model`, or LoRAError."""
+    from safetensors import safe_open
+
+    where = f"LoRA adapter {request.lora_name!r}"
+    config = _config(request, max_rank)
+    weights_path = os.path.join(request.lora_path, WEIGHTS_FILE)
+    try:
+        check_safetensors(weights_path)
+    except ModelFileError as exc:
+        raise LoRAError(f"{where}: {exc}") from None
+    modules = dict(model.named_modules())
+    found: dict[str, dict[str, Any]] = {}  # peft module name -> {"A": slice, "B": slice}
+    with safe_open(weights_path, framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            module, part = _split_key(key, where)
+            found.setdefault(module, {})[part] = f.get_slice(key)
+        layers: dict[str, LoRAWeights] = {}
+        rank = 0
+        for module, parts in found.items():
+            if set(parts) != {"A", "B"}:
+                raise LoRAError(f"{where}: module {module!r} has lora_{next(iter(parts))} "
+                                "without its other half.")
+            target, shard = model.checkpoint_target(f"{module}.weight")
+            if not model.holds(f"{module}.weight"):
+                continue  # (another pipeline stage's layer)
+            layer_name = target.removesuffix(".weight")
+            layer = modules.get(layer_name)
+            if not isinstance(layer, Linear) or ".experts." in layer_name:
+                raise LoRAError(f"{where}: module {module!r} is not a linear layer of this "
+                                "model that takes adapters.")
+            a, b = _checked_pair(parts["A"], parts["B"], layer, shard, module, where)
+            r = a.shape[0]
+            rank = max(rank, r)
+            alpha = _pattern_value(config.get("alpha_pattern") or {}, module,
+                                   config.get("lora_alpha", config["r"]))
+            scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+            a = a.to(device=device, dtype=dtype).contiguous()
+            b = (b.to(torch.float32) * scale).to(device=device, dtype=dtype).contiguous()
+            layers.setdefault(layer_name, LoRAWeights({})).pairs[shard] = (a, b)
+    if not layers:
+        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights for this model.")
+    if rank > max_rank:
+        raise LoRAError(f"{where}: rank {rank} is above --max-lora-rank ({max_rank}).")
+    return LoRAAdapter(request, rank, layers)
+
+
+def _split_key(key: str, where: str) -> tuple[str, str]:
+    """'base_model.model.<module>.lora_A.weight' -> (<module>, 'A')."""
+    for part in ("A", "B"):
+        for suffix in (f".lora_{part}.weight", f".lora_{part}.default.weight"):
+            if key.endswith(suffix) and key.startswith(_PREFIX):
+                return key[len(_PREFIX):-len(suffix)], part
+    if "lora_embedding" in key or "lm_head" in key or "embed_tokens" in key:
+        raise LoRAError(f"{where}: tensor {key[:120]!r}: adapters on the embeddings or the "
+                        "LM head are not supported.")
+    raise LoRAError(f"{where}: tensor {key[:120]!r} is not a LoRA A or B weight "
+                    "(DoRA magnitudes, biases and saved modules are not supported).")
+
+
+def _full_sizes(layer: Linear, shard: int | None) -> tuple[int, int]:
+    """(output rows, input columns) of the checkpoint's weight for this projection."""
+    if isinstance(layer, MergedLinear) and shard is not None:
+        out = layer.full_sizes[shard]
+    elif isinstance(layer, ColumnParallelLinear):
+        out = layer.full_out
+    else:
+        out = layer.out_features
+    cols = layer.in_features * (layer.tp.size if isinstance(layer, RowParallelLinear) else 1)
+    return out, cols
+
+
+def _checked_pair(a_slice: Any, b_slice: Any, layer: Linear, shard: int | None, module: str,
+                  where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B read (this rank's part only) after their shapes are checked."""
+    a_shape, b_shape = list(a_slice.get_shape()), list(b_slice.get_shape())
+    out, cols = _full_sizes(layer, shard)
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+        raise LoRAError(f"{where}: module {module!r}: lora_A {a_shape} and lora_B {b_shape} "
+                        "are not a low-rank pair.")
+    r = a_shape[0]
+    if a_shape[1] != cols or b_shape[0] != out:
+        raise LoRAError(f"{where}: module {module!r}: lora_A {a_shape} / lora_B {b_shape} do "
+                        f"not fit the base layer ({out} x {cols}, expects lora_A [{r}, {cols}]"
+                        f" and lora_B [{out}, {r}]): an adapter of another base model?")
+    piece = layer.checkpoint_slice(shard)
+    if piece is None:
+        return a_slice[:], b_slice[:]
+    dim, start, size = piece
+    if dim == 0:  # (this rank's output rows: B's rows)
+        kept = max(0, min(size, out - start))
+        b = torch.zeros(size, r, dtype=_dtype(b_slice))
+        b[:kept] = b_slice[start:start + kept]
+        return a_slice[:], b
+    return a_slice[:, start:start + size], b_slice[:]  # (this rank's input columns: A's)
+
+
+def _dtype(lazy: Any) -> torch.dtype:
+    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "F64": torch.float64}.get(lazy.get_dtype(), torch.float32)

@@ -1,0 +1,102 @@
+"""The low-rank products of a step's adapters added to a linear layer's output: the base
+product once for every row, then per adapter in the step one shrink (x @ A^T) and one expand
+(@ B^T) over that adapter's rows, gathered and scattered by index (the S-LoRA / Punica
+grouping, in torch ops: any device). Adapters sit in a fixed number of slots per layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.lora.adapter import LoRAWeights
+
+
+class LoRABatch:
+    """Which rows of the step run which slot: set once per step by the runner, read by every
+    layer. A layer may see the step's rows in consecutive chunks (a CPU prompt's MLP): each
+    layer keeps its own cursor."""
+
+    def __init__(self) -> None:
+        self.num_rows = 0
+        self.slot_of_row = np.zeros(0, dtype=np.int64)
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self._device = torch.device("cpu")
+
+    def set(self, slot_of_row: np.ndarray, device: torch.device) -> None:
+        """`slot_of_row`: the slot of each row of the step, -1 for the base model's rows."""
+        self.num_rows = len(slot_of_row)
+        self.slot_of_row, self._device = slot_of_row, device
+        self.groups = self._grouped(slot_of_row)
+
+    def clear(self) -> None:
+        self.set(np.zeros(0, dtype=np.int64), self._device)
+
+    def _grouped(self, slots: np.ndarray) -> list[tuple[int, slice | torch.Tensor]]:
+        groups = []
+        for slot in np.unique(slots):
+            if slot < 0:
+                continue
+            rows = np.flatnonzero(slots == slot)
+            if rows[-1] - rows[0] + 1 == len(rows):  # (one run of rows: a view, no gather)
+                groups.append((int(slot), slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                groups.append((int(slot), torch.from_numpy(rows).to(self._device)))
+        return groups
+
+    def groups_for(self, start: int, count: int) -> list[tuple[int, slice | torch.Tensor]]:
+        """The groups of rows [start, start + count) of the step, numbered from 0."""
+        if start == 0 and count == self.num_rows:
+            return self.groups
+        return self._grouped(self.slot_of_row[start:start + count])
+
+
+class LoRALayer:
+    """`max_loras` slots of one linear layer's adapters: A [slots, P * r, in] and B [slots,
+    out, P * r] for a layer of P projections (q|k|v: projection i's pair in columns
+    i * r .. of A's rows and B's block of rows), r the adapter's rank at this layer."""
+
+    def __init__(self, layer: Linear, batch: LoRABatch, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.batch = batch
+        sizes = layer.output_sizes if isinstance(layer, MergedLinear) else [layer.out_features]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        width = len(sizes) * max_rank
+        self.a = torch.zeros(max_loras, width, layer.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, layer.out_features, width, dtype=dtype, device=device)
+        self.widths = [0] * max_loras  # per slot: A's rows in use (0: no adapter here)
+        self._at = 0  # where this layer's next chunk of the step's rows starts
+
+    def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.widths[slot] = 0
+        if weights is None:
+            return
+        r = max(a.shape[0] for a, _ in weights.pairs.values())
+        for shard, (a, b) in weights.pairs.items():
+            i = shard or 0
+            self.a[slot, i * r:i * r + a.shape[0]].copy_(a)
+            rows = b.shape[0]
+            self.b[slot, self.offsets[i]:self.offsets[i] + rows,
+                   i * r:i * r + b.shape[1]].copy_(b)
+        self.widths[slot] = len(self.offsets) * r
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (x's base product) plus each row's adapter product, in place."""
+        n, batch = x.shape[0], self.batch
+        if not batch.groups or x.dim() != 2:
+            return out
+        start = 0 if n == batch.num_rows else self._at
+        self._at = (start + n) % batch.num_rows if n != batch.num_rows else 0
+        for slot, rows in batch.groups_for(start, n):
+            width = self.widths[slot]
+            if not width:
+                continue
+            a, b = self.a[slot, :width], self.b[slot, :, :width]
+            delta = (x[rows] @ a.T) @ b.T
+            if isinstance(rows, slice):
+                out[rows] += delta
+            else:
+                out.index_add_(0, rows, delta)
+        return out

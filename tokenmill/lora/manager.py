@@ -1,0 +1,111 @@
+"""`LoRAManager`: a rank's adapters. Up to `max_cpu_loras` are kept read and checked in host
+memory (least recently used dropped first); the `max_loras` slots hold the ones a step runs,
+copied into each targeted layer's slot tensors. The scheduler never puts more adapters in a
+step than there are slots."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import Linear
+from tokenmill.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from tokenmill.lora.layers import LoRABatch, LoRALayer
+from tokenmill.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model, self.dtype, self.device = model, dtype, device
+        self.max_loras, self.max_rank = max_loras, max_lora_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.batch = LoRABatch()
+        self.layers: dict[str, LoRALayer] = {}  # built for a layer when an adapter targets it
+        self._modules = dict(model.named_modules())
+        self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
+        self.slots: list[int | None] = [None] * max_loras  # adapter id per slot
+        self._slot_use = [0] * max_loras  # step count of each slot's last use (LRU)
+        self._steps = 0
+
+    # ---- adapters in host memory --------------------------------------------------------
+    def add(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter read and checked (LoRAError if refused), kept in host memory."""
+        held = self.cpu.get(request.lora_int_id)
+        if held is not None and held.request == request:
+            self.cpu.move_to_end(request.lora_int_id)
+            return held
+        if held is not None:  # (the same id for another adapter: the new one replaces it)
+            self.remove(request.lora_int_id)
+        adapter = load_adapter(request, self.model, self.max_rank, self.dtype,
+                               torch.device("cpu"))
+        self.cpu[request.lora_int_id] = adapter
+        while len(self.cpu) > self.max_cpu_loras:
+            dropped, _ = self.cpu.popitem(last=False)
+            logger.info("LoRA adapter %d left host memory (--max-cpu-loras %d)", dropped,
+                        self.max_cpu_loras)
+        logger.info("LoRA adapter %r (id %d) loaded: rank %d, %d layers, %.1f MiB",
+                    request.lora_name, request.lora_int_id, adapter.rank, len(adapter.layers),
+                    adapter.num_bytes / 2**20)
+        return adapter
+
+    def remove(self, lora_id: int) -> bool:
+        """Forget an adapter (its slot freed too); whether it was held."""
+        held = self.cpu.pop(lora_id, None) is not None
+        for slot, owner in enumerate(self.slots):
+            if owner == lora_id:
+                for layer in self.layers.values():
+                    layer.set_slot(slot, None)
+                self.slots[slot] = None
+                held = True
+        return held
+
+    def list(self) -> list[int]:
+        return list(self.cpu)
+
+    # ---- one step -------------------------------------------------------------------------
+    def prepare(self, lora_ids: list[int], requests: list[LoRARequest],
+                rows_per_seq: list[int]) -> None:
+        """The step's rows mapped to slots: `lora_ids` per sequence (0: the base model),
+        `requests` the adapters among them (read from their folders where not held)."""
+        self._steps += 1
+        if not any(lora_ids):
+            self.batch.clear()
+            return
+        wanted = {r.lora_int_id: r for r in requests}
+        slot_of = {}
+        for lora_id in dict.fromkeys(i for i in lora_ids if i):
+            slot_of[lora_id] = self._slot(wanted[lora_id], set(slot_of.values()))
+        slots = np.array([slot_of.get(i, -1) for i in lora_ids], dtype=np.int64)
+        self.batch.set(np.repeat(slots, rows_per_seq), self.device)
+
+    def _slot(self, request: LoRARequest, taken: set[int]) -> int:
+        lora_id = request.lora_int_id
+        if lora_id in self.slots:
+            slot = self.slots.index(lora_id)
+        else:
+            free = [s for s in range(self.max_loras) if s not in taken]
+            if not free:
+                raise LoRAError(f"A step holds more adapters than --max-loras "
+                                f"({self.max_loras}).")
+            slot = min(free, key=lambda s: (self.slots[s] is not None, self._slot_use[s]))
+            self._fill(slot, self.add(request))
+        self._slot_use[slot] = self._steps
+        return slot
+
+    def _fill(self, slot: int, adapter: LoRAAdapter) -> None:
+        for name in adapter.layers:
+            if name not in self.layers:
+                layer = self._modules[name]
+                assert isinstance(layer, Linear)
+                self.layers[name] = layer.lora = LoRALayer(
+                    layer, self.batch, self.max_loras, self.max_rank, self.dtype, self.device)
+        for name, layer in self.layers.items():
+            layer.set_slot(slot, adapter.layers.get(name))
+        self.slots[slot] = adapter.request.lora_int_id
