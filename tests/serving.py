@@ -103,15 +103,15 @@ def engine_process(path: str, **engine):
 
 
 def api_settings(path: str, address: str, sampling_defaults: dict | None = None,
-                 **config):
+                 engine_config=None, **config):
     """An API process's settings for the model at `path` behind the engine at `address`:
     `config` holds ServerConfig's fields (served model 'tiny', 64 waiting requests unless
-    given)."""
+    given); `engine_config` the EngineConfig (default: the model's, all else default)."""
     from tokenmill.config.engine import EngineConfig
     from tokenmill.config.server import ServerConfig
     from tokenmill.entrypoints.api.state import ApiSettings
 
-    config = ServerConfig(engine=EngineConfig(model=path), **{
+    config = ServerConfig(engine=engine_config or EngineConfig(model=path), **{
         "served_model_name": ["tiny"], "max_cached_task_num": 64, **config})
     return ApiSettings(config=config, engine_address=address, tokenizer_path=path,
                        model_path=path, sampling_defaults=sampling_defaults or {})

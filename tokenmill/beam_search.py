@@ -173,8 +173,10 @@ def top_pairs(logprobs: dict, k: int) -> list[tuple[int, float]]:
 
 
 async def run_async(engine, prompt: list[int], params: BeamSearchParams,
-                    request_id: str, reservation=None) -> list[BeamSequence]:
-    """The search over an AsyncLLM: each step's beams as concurrent one-token requests."""
+                    request_id: str, reservation=None, lora_request=None
+                    ) -> list[BeamSequence]:
+    """The search over an AsyncLLM: each step's beams as concurrent one-token requests
+    (under `lora_request`'s adapter where given)."""
     search = BeamSearch(prompt, params, engine.eos_token_ids)
     counter = itertools.count()
 
@@ -183,7 +185,8 @@ async def run_async(engine, prompt: list[int], params: BeamSearchParams,
         async for out in engine.generate(tokens, step_params(search),
                                          request_id=f"{request_id}-beam{next(counter)}",
                                          reservation=reservation,
-                                         output_kind=OutputKind.FINAL_ONLY):
+                                         output_kind=OutputKind.FINAL_ONLY,
+                                         lora_request=lora_request):
             final = out
         return top_pairs(final.outputs[0].logprobs[0], search.k)
 

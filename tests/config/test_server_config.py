@@ -97,8 +97,16 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     (["--scheduling-policy", "priority"], {}, "--scheduling-policy priority is not supported"),
     (["--guided-decoding-backend", "outlines"], {}, "'outlines' is not available"),
     (["--max-logprobs", "21"], {}, "max_logprobs must be between 0 and 20, got 21"),
-    (["--enable-lora"], {}, "--enable-lora is refused: LoRA adapters are not supported"),
-    (["--lora-modules", "a=/x"], {}, "--lora-modules is refused"),
+    (["--lora-modules", "a=/x"], {}, "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], {}, "--lora-modules takes NAME=PATH or JSON"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], {}, "names an adapter twice"),
+    (["--enable-lora", "--lora-modules", "{bad"], {}, "is not valid JSON"),
+    (["--enable-lora", "--lora-modules", '{"name": "a"}'], {}, "JSON takes \"name\", \"path\""),
+    (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"], {},
+     "'m' is the served model's own name"),
+    (["--enable-lora", "--max-lora-rank", "0"], {}, "max_lora_rank must be a positive integer"),
+    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], {},
+     "max_cpu_loras (2) must be >= max_loras (4)"),
     (["--middleware", "pkg.Mw"], {}, "--middleware is refused: the server runs no code"),
     (["--hf-overrides", "{}"], {}, "--hf-overrides is refused"),
     (["--load-format", "pt"], {}, "--load-format 'pt' is not available"),
@@ -210,3 +218,16 @@ def test_a_model_type_transformers_does_not_know_is_one_line(tmp_path):
         load_hf_config(str(tmp_path))
     assert "of a type transformers does not know ('my_new_lm')" in str(err.value)
     assert "LlamaForCausalLM" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lora_flags():
+    config = build_server_config(["--enable-lora", "--max-loras", "4", "--max-lora-rank", "64",
+                                  "--max-cpu-loras", "8", "--lora-modules", "a=/x",
+                                  '{"name": "b", "path": "/y", "base_model_name": "m"}'], {})
+    engine = config.engine
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank,
+            engine.max_cpu_loras) == (True, 4, 64, 8)
+    assert engine.lora_modules == [("a", "/x", None), ("b", "/y", "m")]
+    defaults = build_server_config([], {}).engine
+    assert (defaults.enable_lora, defaults.max_loras, defaults.max_lora_rank,
+            defaults.lora_modules) == (False, 1, 16, None)

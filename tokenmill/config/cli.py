@@ -147,6 +147,18 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (env "
            "SPECULATE_METHOD, SPECULATE_*)")
 
+    g = p.add_argument_group("LoRA adapters")
+    a = g.add_argument
+    a("--enable-lora", action="store_true", default=None,
+      help="serve LoRA adapters (PEFT folders) beside the base model")
+    a("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+      help="adapters served by name (the OpenAI `model` field), NAME=PATH or JSON "
+           "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    a("--max-loras", type=int, default=None, help="adapters in one step (default 1)")
+    a("--max-lora-rank", type=int, default=None, help="highest adapter rank (default 16)")
+    a("--max-cpu-loras", type=int, default=None,
+      help="adapters kept read in host memory (default: --max-loras)")
+
     g = p.add_argument_group("chat, tools and outputs")
     a = g.add_argument
     a("--chat-template", default=None, metavar="FILE|TEMPLATE",
@@ -237,8 +249,6 @@ def _vllm_flags(a, argparse) -> None:
 
 _TLS = "terminate TLS in front of the server (a proxy or load balancer)"
 REFUSED_FLAGS = {  # vLLM's flags refused whatever their value: why
-    "enable_lora": "LoRA adapters are not supported",
-    "lora_modules": "LoRA adapters are not supported",
     "middleware": "the server runs no code named on its command line",
     "hf_overrides": "a model's config is read as it is",
     "ssl_keyfile": _TLS, "ssl_certfile": _TLS, "ssl_ca_certs": _TLS, "ssl_cert_reqs": _TLS,

@@ -61,6 +61,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # adapters served from start-up: (name, folder, base model name or None), ids 1.. in order
+    # (--lora-modules NAME=PATH or its JSON form)
+    lora_modules: list[tuple[str, str, str | None]] | None = None
     # Tensor parallel: ranks splitting every layer (MP_NUM); `mp` starts ranks 1.. as
     # processes on this node; start-up waits this long for every rank to join.
     tensor_parallel_size: int = 1
@@ -121,6 +124,7 @@ class EngineConfig:
         from tokenmill.config.speculative import SpeculativeConfig
         self.quantization = parse_method(self.quantization)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.lora_modules = parse_lora_modules(self.lora_modules)
         from tokenmill.config.generation import checked
         if self.kernels is None:
             self.kernels = KernelConfig.from_env()
@@ -190,6 +194,8 @@ class EngineConfig:
         positive_int("max_cpu_loras", allow_none=True)
         if self.max_lora_rank > 512:
             raise ValueError(f"max_lora_rank must be <= 512, got {self.max_lora_rank}.")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora.")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras}).")
@@ -203,3 +209,41 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
             raise ValueError("kv_cache_dtype must be 'auto', 'float32', 'bfloat16', 'int8' or "
                              f"'fp8', got {self.kv_cache_dtype!r}.")
+
+
+def parse_lora_modules(values: Any) -> list[tuple[str, str, str | None]] | None:
+    """vLLM's --lora-modules: NAME=PATH or JSON {"name", "path", "base_model_name"} each (or
+    such tuples already) -> (name, path, base model name); names unique."""
+    import json
+
+    if not values:
+        return None
+    modules = []
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            name, path, base = (list(value) + [None])[:3]
+        elif isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                obj = json.loads(value)
+            except ValueError:
+                raise ValueError(f"--lora-modules: {value[:80]!r} is not valid JSON.") from None
+            if not isinstance(obj, dict) or not {"name", "path"} <= obj.keys() or not set(
+                    obj) <= {"name", "path", "base_model_name"}:
+                raise ValueError("--lora-modules JSON takes \"name\", \"path\" and optionally "
+                                 f"\"base_model_name\", got {value[:80]!r}.")
+            name, path, base = obj["name"], obj["path"], obj.get("base_model_name")
+        elif isinstance(value, str) and "=" in value:
+            name, path = value.split("=", 1)
+            base = None
+        else:
+            raise ValueError(f"--lora-modules takes NAME=PATH or JSON, got {str(value)[:80]!r}.")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise ValueError(f"--lora-modules: an adapter needs a name and a path, got "
+                             f"{str(value)[:80]!r}.")
+        if base is not None and not isinstance(base, str):
+            raise ValueError("--lora-modules: base_model_name must be a string.")
+        modules.append((name, path, base))
+    names = [name for name, _, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names an adapter twice: {names}.")
+    return modules

@@ -109,6 +109,9 @@ class ServerConfig:
                              f"{self.check_health_interval}.")
         if self.served_model_name is not None and not all(self.served_model_name):
             raise ValueError("served_model_name must not be empty.")
+        for name, _, _ in self.engine.lora_modules or ():
+            if name in self.model_names:
+                raise ValueError(f"--lora-modules: {name!r} is the served model's own name.")
 
 
 def build_server_config(argv: list[str], environ=None, **parser_text: str) -> ServerConfig:
@@ -190,6 +193,10 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
         "log_format": args.log_format or "text", "log_level": args.log_level or "info",
+        "enable_lora": bool(args.enable_lora),
+        "lora_modules": args.lora_modules,
+        **{name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras")
+           if getattr(args, name) is not None},
     }
     engine = EngineConfig(**engine_kwargs)
     ports = {name: port for name, new, old in _PORT_ENV

@@ -17,6 +17,7 @@ from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import Metrics
 from tokenmill.outputs import OutputKind, OutputSum, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -123,7 +124,8 @@ class AsyncLLM:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, prompt: str | None = None,
                        reservation: Any = None,
-                       output_kind: OutputKind = OutputKind.CUMULATIVE
+                       output_kind: OutputKind = OutputKind.CUMULATIVE,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """`reservation`: the API's admission reservation (`consume(n)`), handed over once
         the request counts as in flight here. `output_kind`: cumulative results, deltas
@@ -155,7 +157,8 @@ class AsyncLLM:
             for i, child_id in enumerate(child_ids):
                 child_params = params.for_child(i)
                 await self.client.add_request(EngineCoreRequest(
-                    child_id, list(prompt_token_ids), child_params, time.monotonic()))
+                    child_id, list(prompt_token_ids), child_params, time.monotonic(),
+                    lora_request))
             while not finished:
                 deltas = await queue.take()  # (several: what came while the reader was busy)
                 for item in deltas:

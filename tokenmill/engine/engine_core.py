@@ -16,6 +16,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
+from tokenmill.lora.request import served_adapters
 from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, kv_window
 from tokenmill.structured_output.manager import StructuredOutputs, advance
 
@@ -87,6 +88,12 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
+        for adapter in served_adapters(config.lora_modules).values():
+            try:  # (--lora-modules: read and checked at start-up, a bad one stops it here)
+                self.runner.lora.add(adapter)
+            except BaseException:
+                self.shutdown()
+                raise
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, kv_window(self.hf_config))
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)

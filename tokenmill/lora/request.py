@@ -39,3 +39,10 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
         """What the prefix cache keys this adapter's blocks by: the same prompt under two
         adapters (or an adapter and the base) never shares KV."""
         return f"lora\0{self.lora_int_id}\0{self.lora_name}\0{self.lora_path}".encode()
+
+
+def served_adapters(modules: list[tuple[str, str, str | None]] | None) -> dict[str, LoRARequest]:
+    """The adapters of --lora-modules by name, ids 1.. in their order (every process builds
+    the same table from the same configuration)."""
+    return {name: LoRARequest(name, i + 1, path)
+            for i, (name, path, _) in enumerate(modules or ())}

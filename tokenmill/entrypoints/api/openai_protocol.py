@@ -81,7 +81,8 @@ UNSUPPORTED_FIELDS = {
     "vllm_xargs": "vllm_xargs is not supported",
     "priority": "request priorities are not supported (requests are scheduled first come, "
                 "first served)",
-    "lora_request": "LoRA adapters are not supported",
+    "lora_request": "a LoRA adapter is chosen by its name in `model` (--lora-modules); "
+                    "this field is not supported",
 }
 # A value that asks for nothing beyond the default (vLLM's priority 0).
 _NEUTRAL = {"priority": 0}

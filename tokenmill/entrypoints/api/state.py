@@ -3,6 +3,7 @@ limits and admission (`ServerState`, built from `ApiSettings` by `build_state`),
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from tokenmill.entrypoints.api.prompts import PromptEncoder
 from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
 from tokenmill.entrypoints.parsers.tool_calls import get_parser, parser_for_template
 from tokenmill.loading.checkpoint import load_tokenizer
+from tokenmill.lora.request import LoRARequest, served_adapters
 from tokenmill.metrics import Metrics
 from tokenmill.tokenizer import eos_token_ids
 
@@ -105,7 +107,17 @@ class ServerState:
 
     @property
     def model_names(self) -> set[str]:
-        return set(self.config.model_names)
+        """Names accepted in `model`: the base model's and the adapters'."""
+        return set(self.config.model_names) | set(self.adapters)
+
+    @functools.cached_property
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters served, by name (--lora-modules)."""
+        return served_adapters(self.config.engine.lora_modules)
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None: the base model."""
+        return self.adapters.get(model) if model is not None else None
 
     def num_waiting(self) -> int:
         """Requests queued in the engine. The core's count arrives with each step; this

@@ -47,9 +47,10 @@ def openai_beam_params(req, max_tokens: int) -> BeamSearchParams | None:
 
 
 async def search_all(state, prompts: list[list[int]], params: BeamSearchParams,
-                     request_id: str, reservation=None) -> list[list[BeamSequence]]:
+                     request_id: str, reservation=None, lora_request=None
+                     ) -> list[list[BeamSequence]]:
     return list(await asyncio.gather(*(
-        run_async(state.engine, ids, params, f"{request_id}-{i}", reservation)
+        run_async(state.engine, ids, params, f"{request_id}-{i}", reservation, lora_request)
         for i, ids in enumerate(prompts))))
 
 
@@ -127,7 +128,8 @@ async def beam_response(state, chat: bool, req, jobs: list, beams: BeamSearchPar
 
     prompts = [job.ids for job in jobs]
     found, failed = await searched(request, search_all(
-        state, prompts, beams, f"beam-{uuid.uuid4().hex}", reservation), reservation,
+        state, prompts, beams, f"beam-{uuid.uuid4().hex}", reservation,
+        state.lora_for(req.model)), reservation,
         error_response)
     if failed is not None:
         return failed

@@ -68,10 +68,17 @@ def api_error(exc: Exception) -> JSONResponse:
 
 
 def list_models(state: ServerState) -> dict:
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
-         "root": name, "parent": None, "max_model_len": state.max_model_len, "permission": []}
-        for name in state.config.model_names]}
+    """The base model's names, then each LoRA adapter with its base as `parent` (vLLM's
+    cards; an adapter's `root` is its name: no server paths in responses)."""
+    def card(name: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": state.created,
+                "owned_by": "tokenmill", "root": name, "parent": parent,
+                "max_model_len": state.max_model_len, "permission": []}
+
+    bases = {name: base for name, _, base in state.config.engine.lora_modules or ()}
+    return {"object": "list", "data": [card(name, None) for name in state.config.model_names]
+            + [card(name, bases.get(name) or state.served_model_name)
+               for name in state.adapters]}
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
@@ -173,8 +180,10 @@ class _Responder:
         self.as_ids = state.config.api.tokens_as_ids  # (--return-tokens-as-token-ids)
 
     def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
+        lora = self.state.lora_for(self.req.model)
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
-                                           reservation=self.reservation, output_kind=kind)
+                                           reservation=self.reservation, output_kind=kind,
+                                           lora_request=lora)
                 for i, job in enumerate(self.jobs)]
 
     def _usage(self, completion_tokens: int) -> dict:
