@@ -40,7 +40,8 @@ async def step_messages(req: NativeRequest, state: ServerState,
     text and ids since the previous message."""
     started = time.monotonic()
     stream = state.engine.generate(req.prompt_token_ids, req.params, request_id=req.req_id,
-                                   reservation=req.reservation, output_kind=OutputKind.DELTA)
+                                   reservation=req.reservation, output_kind=OutputKind.DELTA,
+                                   lora_request=req.lora_request)
     texts: list[str] = []  # everything so far, for the last message
     ids: list[int] = []
     generated = 0

@@ -13,6 +13,7 @@ from tokenmill.entrypoints.api import defaults
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
 from tokenmill.entrypoints.api.state import Reservation, ServerState
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.response_format import from_response_format
 from tokenmill.tokenizer import ChatTemplateError
@@ -54,6 +55,7 @@ class NativeRequest:
     benchmark: bool
     timeout: float
     reservation: Reservation | None = None  # admission's, handed to the engine
+    lora_request: LoRARequest | None = None  # `lora_task_id`'s adapter; None: the base model
 
 
 def _first_present(body: dict, *names: str) -> tuple[str, Any] | None:
@@ -99,7 +101,7 @@ def validate(body: dict, state: ServerState) -> dict:
             raise NativeError(f"The `{name}` must be a number")
     if "timeout" in body and body["timeout"] <= 0:
         raise NativeError("The `timeout` must be a positive number of seconds")
-    for name in ("seed", "infer_seed"):
+    for name in ("seed", "infer_seed", "lora_task_id"):
         if name in body and not _is_int(body[name]):
             raise NativeError(f"The `{name}` must be an integer")
     for name in ("stream", "return_usage", "return_all_tokens", "benchmark"):
@@ -190,6 +192,12 @@ async def tokenize(body: dict, state: ServerState) -> list[int]:
 
 async def build_request(body: dict, state: ServerState) -> NativeRequest:
     body = validate(body, state)
+    lora = None
+    if "lora_task_id" in body:  # (TensorRT-LLM's field: an adapter of --lora-modules by id)
+        lora = state.lora_of_task(body["lora_task_id"])
+        if lora is None:
+            raise NativeError(f"The `lora_task_id` ({body['lora_task_id']}) names no adapter "
+                              "served here", 404)
     ids = await tokenize(body, state)
     n_in = len(ids)
     if n_in == 0:
@@ -228,4 +236,5 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
         raise NativeError(str(exc)) from None
     return NativeRequest(body["req_id"], ids, params, body.get("stream", False),
                          body.get("return_usage", False), body.get("return_all_tokens", False),
-                         body.get("benchmark", False), float(body["timeout"]))
+                         body.get("benchmark", False), float(body["timeout"]),
+                         lora_request=lora)

@@ -119,6 +119,11 @@ class ServerState:
         """The adapter a request's `model` names; None: the base model."""
         return self.adapters.get(model) if model is not None else None
 
+    def lora_of_task(self, task_id: int) -> LoRARequest | None:
+        """The adapter of TensorRT-LLM's `lora_task_id` (an adapter's id: its place in
+        --lora-modules, from 1); None where no adapter has it."""
+        return next((a for a in self.adapters.values() if a.lora_int_id == task_id), None)
+
     def num_waiting(self) -> int:
         """Requests queued in the engine. The core's count arrives with each step; this
         process's own requests beyond the running slots count at once, so a burst between

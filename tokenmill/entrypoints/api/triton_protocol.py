@@ -24,7 +24,9 @@ INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p",
           "seed", "beam_width", "num_return_sequences", "length_penalty",
           "exclude_input_in_output", "return_perf_metrics",
           # structured outputs: TensorRT-LLM's guide (type + text), or a JSON schema
-          "guided_decoding_guide_type", "guided_decoding_guide", "guided_json")
+          "guided_decoding_guide_type", "guided_decoding_guide", "guided_json",
+          # LoRA: an adapter served by --lora-modules, by id (the model name picks one too)
+          "lora_task_id", "lora_weights", "lora_config")
 # TensorRT-LLM's guided_decoding_guide_type -> the StructuredOutputsParams field
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
                "ebnf_grammar": "grammar"}
@@ -65,7 +67,7 @@ _NUMBERS = {"max_tokens": (int, 1, None), "temperature": (float, 0.0, None),
             "random_seed": (int, 0, 2**64 - 1), "seed": (int, 0, 2**64 - 1),
             "end_id": (int, 0, None), "pad_id": (int, 0, None),
             "beam_width": (int, 1, CAPS.max_n), "num_return_sequences": (int, 1, CAPS.max_n),
-            "length_penalty": (float, -1e3, 1e3)}
+            "length_penalty": (float, -1e3, 1e3), "lora_task_id": (int, 0, 2**64 - 1)}
 _DEFAULTS = defaults.TRITON
 
 
@@ -165,11 +167,33 @@ def beam_fields(beams: list, options: dict) -> dict:
     return out
 
 
-async def parse_fields(fields: dict, state: ServerState
+def _lora(fields: dict, num: dict, state: ServerState, model: str | None):
+    """The adapter the request runs with: its model's name, or `lora_task_id`."""
+    for name in ("lora_weights", "lora_config"):
+        if fields.get(name) is not None:
+            raise TritonError(f"{name}: adapters sent as tensors are not supported; serve the "
+                              "adapter's PEFT folder with --lora-modules and name it by "
+                              "lora_task_id or as the model.")
+    by_model = state.lora_for(model)
+    task = num["lora_task_id"]
+    if task is None:
+        return by_model
+    by_task = state.lora_of_task(task)
+    if by_task is None:
+        raise TritonError(f"lora_task_id {task} names no adapter served here (--lora-modules "
+                          f"gives ids 1 to {len(state.adapters)} in order).", 404)
+    if by_model is not None and by_model != by_task:
+        raise TritonError(f"lora_task_id {task} is adapter {by_task.lora_name!r}, but the "
+                          f"model asked for is {model!r}.")
+    return by_task
+
+
+async def parse_fields(fields: dict, state: ServerState, model: str | None = None
                        ) -> tuple[list[int], SamplingParams, dict]:
     """TensorRT-LLM ensemble inputs (HTTP generate or gRPC tensors, as Python values) ->
-    prompt ids, sampling params and options (stream, log probs, echo). Every input is
-    checked before the prompt is tokenized (off the event loop when long)."""
+    prompt ids, sampling params and options (stream, log probs, echo, the LoRA adapter of
+    `model` or `lora_task_id`). Every input is checked before the prompt is tokenized (off
+    the event loop when long)."""
     unknown = sorted(set(fields) - set(INPUTS))
     if unknown:
         raise TritonError(f"unexpected inference input(s) {unknown[:8]}; accepted: "
@@ -184,6 +208,7 @@ async def parse_fields(fields: dict, state: ServerState
     num = {name: _number(fields, name, vocab) for name in _NUMBERS}
     stop = _words(fields.get("stop_words"), "stop_words")
     bad = _words(fields.get("bad_words"), "bad_words")
+    lora = _lora(fields, num, state, model)
     try:
         ids = await state.prompts.encode(text, "text_input")
     except PromptTooLong as exc:
@@ -215,7 +240,8 @@ async def parse_fields(fields: dict, state: ServerState
                "stream": fields.get("stream", False),
                "log_probs": fields.get("return_log_probs", False),
                "perf": fields.get("return_perf_metrics", False),
-               "echo": "" if fields.get("exclude_input_in_output", False) else text}
+               "echo": "" if fields.get("exclude_input_in_output", False) else text,
+               "lora": lora}
     return ids, sampling, options
 
 

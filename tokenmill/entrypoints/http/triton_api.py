@@ -55,7 +55,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
                          "down, or its engine stopped).", 503)
         try:
             body = await read_body(request)
-            ids, params, options = await parse_fields(parse(body), state)
+            ids, params, options = await parse_fields(parse(body), state, model)
         except (BodyError, TritonError) as exc:
             reservation.cancel()
             return error(getattr(exc, "message", str(exc)), getattr(exc, "status", 400))
@@ -68,11 +68,13 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
                                      reservation)
         if streaming:
             stream = state.engine.generate(ids, params, reservation=reservation,
-                                           output_kind=OutputKind.DELTA)
+                                           output_kind=OutputKind.DELTA,
+                                           lora_request=options["lora"])
             return StreamingResponse(_events(stream, options, head),
                                      media_type="text/event-stream")
         stream = state.engine.generate(ids, params, reservation=reservation,
-                                       output_kind=OutputKind.FINAL_ONLY)
+                                       output_kind=OutputKind.FINAL_ONLY,
+                                       lora_request=options["lora"])
 
         async def whole() -> Response:
             last = None
@@ -134,7 +136,8 @@ async def _beam_route(request: Request, state: ServerState, ids: list[int], opti
     from tokenmill.entrypoints.http.beam_api import searched
 
     beams, failed = await searched(request, run_async(
-        state.engine, ids, options["beams"], f"beam-{uuid.uuid4().hex}", reservation),
+        state.engine, ids, options["beams"], f"beam-{uuid.uuid4().hex}", reservation,
+        options["lora"]),
         reservation, error)
     if failed is not None:
         return failed

@@ -11,7 +11,9 @@ _TEXT = {"text_input", "guided_json", "guided_decoding_guide_type", "guided_deco
 _WORDS = {"stop_words", "bad_words"}
 _BOOLS = {"stream", "return_log_probs", "exclude_input_in_output", "return_perf_metrics"}
 _INTS = {"max_tokens", "top_k", "end_id", "pad_id", "beam_width", "num_return_sequences",
-         "min_tokens", "min_length", "random_seed", "seed"}
+         "min_tokens", "min_length", "random_seed", "seed", "lora_task_id"}
+# TensorRT-LLM's adapter tensors: taken so parse_fields refuses them by name
+_LORA_TENSORS = {"lora_weights", "lora_config"}
 _FLOATS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "length_penalty"}
 _INT_TYPES = {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
@@ -27,7 +29,7 @@ _DECLARED = [("text_input", "BYTES"), ("max_tokens", "INT32"), ("stream", "BOOL"
              ("length_penalty", "FP32"), ("return_log_probs", "BOOL"),
              ("exclude_input_in_output", "BOOL"), ("return_perf_metrics", "BOOL"),
              ("guided_decoding_guide_type", "BYTES"), ("guided_decoding_guide", "BYTES"),
-             ("guided_json", "BYTES")]
+             ("guided_json", "BYTES"), ("lora_task_id", "UINT64")]
 _OUTPUTS = [("text_output", "BYTES"), ("cum_log_probs", "FP32"), ("output_log_probs", "FP32"),
             *((name, "INT64") for name in PERF_INTS), ("acceptance_rate", "FP32")]
 
@@ -74,6 +76,8 @@ def ensemble_fields(inputs: dict[str, tuple[str, list[int], list]]) -> tuple[dic
             if dtype not in _INT_TYPES:
                 raise ValueError(f"input '{name}' must be an integer type (INT32), got {dtype}")
             fields[name] = int(_one(name, elements))
+        elif name in _LORA_TENSORS:
+            fields[name] = True
         elif name in _FLOATS:
             if dtype not in _FLOAT_TYPES:
                 raise ValueError(f"input '{name}' must be FP32, got {dtype}")

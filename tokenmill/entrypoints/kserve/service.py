@@ -307,7 +307,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """beam_width > 1: the beams best first, TensorRT-LLM's shapes ([batch, beams])."""
         try:
             beams = await beam_search.run_async(state.engine, ids, options["beams"],
-                                                f"beam-{uuid.uuid4().hex}", reservation)
+                                                f"beam-{uuid.uuid4().hex}", reservation,
+                                                options["lora"])
         finally:
             reservation.cancel()
         fields = triton_protocol.beam_fields(beams, options)
@@ -328,7 +329,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """Yields (outputs, is_last) for the TensorRT-LLM-style models."""
         try:
             fields, out_shape = ensemble_fields(inputs)
-            ids, params, options = await triton_protocol.parse_fields(fields, state)
+            ids, params, options = await triton_protocol.parse_fields(fields, state,
+                                                                      request.model_name)
         except (ValueError, triton_protocol.TritonError) as exc:
             raise GrpcError(_INVALID, getattr(exc, "message", str(exc))) from None
         reservation = state.try_admit(1)
@@ -341,7 +343,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         stream_deltas = streaming and options["stream"]
         generate = state.engine.generate(
             ids, params, reservation=reservation,
-            output_kind=OutputKind.DELTA if stream_deltas else OutputKind.FINAL_ONLY)
+            output_kind=OutputKind.DELTA if stream_deltas else OutputKind.FINAL_ONLY,
+            lora_request=options["lora"])
         async with contextlib.aclosing(generate):
             async for out in generate:
                 c = out.outputs[0]

@@ -1,0 +1,114 @@
+"""Adapters through `tokenmill serve` on every front end: the native API and Triton's
+generate (HTTP and KServe gRPC) pick one by TensorRT-LLM's `lora_task_id` (Triton also by the
+model name), answering as the OpenAI route does for that adapter (itself checked against
+peft in test_lora_server.py); unknown ids are refused in each route's shape; a bad adapter
+stops start-up with one line."""
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.serving import Served
+
+ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TEXT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, adapters, tmp_path_factory):
+    a_path, _ = adapters("llama", "mix-a", seed=1, target_modules=ATTN_MLP)
+    b_path, _ = adapters("llama", "mix-b", seed=2, r=16,
+                         target_modules=["q_proj", "v_proj", "down_proj"])
+    flags = ["--enable-lora", "--max-loras", "2", "--lora-modules", f"sql={a_path}",
+             f"chat={b_path}"]
+    with Served(tiny_models("llama")[0], tmp_path_factory.mktemp("lora"),
+                *flags).running() as s:
+        yield s
+
+
+def _openai(served, model: str, **body) -> str:
+    resp = httpx.post(served.api + "/v1/completions", json={
+        "model": model, "max_tokens": 8, "temperature": 0, **body}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["text"]
+
+
+def test_native_lora_task_id(served):
+    ids = [5, 9, 23, 41, 7, 3]
+    got = {}
+    for task, model in ((None, "tiny"), (1, "sql"), (2, "chat")):
+        body = {"input_ids": ids, "temperature": 0, "max_dec_len": 8}
+        if task is not None:
+            body["lora_task_id"] = task
+        resp = httpx.post(served.api + "/v1/chat/completions", json=body, timeout=60).json()
+        assert resp["error_code"] == 0, resp
+        got[model] = resp["result"]
+        assert got[model] == _openai(served, model, prompt=ids)
+    assert len(set(got.values())) == 3
+    bad = httpx.post(served.api + "/v1/chat/completions",
+                     json={"input_ids": ids, "lora_task_id": 7}, timeout=60)
+    assert bad.status_code == 404 and "lora_task_id" in bad.json()["error_msg"]
+    wrong = httpx.post(served.api + "/v1/chat/completions",
+                       json={"input_ids": ids, "lora_task_id": "x"}, timeout=60)
+    assert wrong.status_code == 400 and "must be an integer" in wrong.json()["error_msg"]
+
+
+def test_triton_generate_by_task_id_and_model(served):
+    def generate(model: str, **fields) -> httpx.Response:
+        return httpx.post(f"{served.api}/v2/models/{model}/generate", json={
+            "text_input": TEXT, "max_tokens": 8, "temperature": 0.0,
+            "exclude_input_in_output": True, **fields}, timeout=60)
+
+    expected = _openai(served, "sql", prompt=TEXT)
+    assert expected != _openai(served, "tiny", prompt=TEXT)
+    for model, fields in (("ensemble", {"lora_task_id": 1}), ("sql", {}),
+                          ("sql", {"lora_task_id": 1})):
+        resp = generate(model, **fields)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["text_output"] == expected
+    cases = [(generate("ensemble", lora_task_id=9), 404, "names no adapter"),
+             (generate("sql", lora_task_id=2), 400, "is adapter 'chat'"),
+             (generate("ensemble", lora_weights=[[0.0]]), 400, "lora_weights: adapters sent "
+                                                                "as tensors are not supported")]
+    for resp, status, fragment in cases:
+        assert resp.status_code == status and set(resp.json()) == {"error"}, resp.text
+        assert fragment in resp.json()["error"]
+
+
+def test_grpc_lora_task_id(served):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports['grpc']}")
+    try:
+        def infer(task=None):
+            inputs = []
+            for name, dtype, value in (("text_input", "BYTES", TEXT), ("max_tokens", "INT32", 8),
+                                       ("exclude_input_in_output", "BOOL", True),
+                                       ("temperature", "FP32", 0.0),
+                                       *((("lora_task_id", "UINT64", task),) if task else ())):
+                x = grpcclient.InferInput(name, [1, 1], dtype)
+                np_type = {"BYTES": object, "INT32": np.int32, "BOOL": bool,
+                           "FP32": np.float32, "UINT64": np.uint64}[dtype]
+                x.set_data_from_numpy(np.array([[value]], dtype=np_type))
+                inputs.append(x)
+            out = client.infer("ensemble", inputs)
+            return out.as_numpy("text_output").reshape(-1)[0].decode()
+
+        assert infer(2) == _openai(served, "chat", prompt=TEXT)
+        assert infer() == _openai(served, "tiny", prompt=TEXT)
+        with pytest.raises(InferenceServerException, match="names no adapter"):
+            infer(5)
+    finally:
+        client.close()
+
+
+def test_bad_adapter_stops_start_up(tiny_models, tmp_path):
+    server = Served(tiny_models("llama")[0], tmp_path, "--enable-lora", "--lora-modules",
+                    f"broken={tmp_path / 'nowhere'}")
+    server.start()
+    try:
+        assert server.process.wait(300) != 0
+        log = server.process.stdout.read().decode()
+        assert "LoRA adapter 'broken': no adapter_config.json in its folder" in log
+    finally:
+        server.stop()
