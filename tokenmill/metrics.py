@@ -7,6 +7,8 @@ supervisor's metrics port merges them (`multiprocess_registry`)."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -110,6 +112,13 @@ class Metrics:
                                      "Draft tokens accepted / verified", labels, registry=r)
         self.spec_length = Gauge("tokenmill:spec_decode_mean_accepted_length",
                                  "Tokens emitted per drafted step", labels, registry=r)
+        # LoRA (vLLM's lora_requests_info): one series per engine, its labels the adapters
+        # of running and of waiting requests (comma-separated), its value the time (s)
+        self.lora_info = Gauge("tokenmill:lora_requests_info", "Running and waiting LoRA "
+                               "adapters (labels); value: when observed", labels + [
+                                   "max_lora", "running_lora_adapters",
+                                   "waiting_lora_adapters"], registry=r)
+        self._lora_labels: dict[str, tuple[str, ...]] = {}
         # The seed's family: one series per quantity, each with one label whose key equals
         # its value. Label sets differ between series, which only a custom collector can say.
         self.seed_values: dict[str, float] = {}
@@ -144,10 +153,21 @@ class Metrics:
             # (a replica that restarted counts from 0 again)
             self._m(counter, engine=e).inc(value - last if value >= last else value)
             self._spec_seen[field, e] = value
+        if stats.max_loras:
+            self._observe_loras(stats, e)
         if stats.spec_draft_tokens:
             self._m(self.spec_acceptance, engine=e).set(
                 stats.spec_accepted_tokens / stats.spec_draft_tokens)
             self._m(self.spec_length, engine=e).set(stats.spec_emitted_tokens / stats.spec_steps)
+
+    def _observe_loras(self, stats: SchedulerStats, e: str) -> None:
+        labels = (self.model_name, e, str(stats.max_loras), ",".join(stats.running_loras),
+                  ",".join(stats.waiting_loras))
+        before = self._lora_labels.get(e)
+        if before is not None and before != labels:  # (one series per engine, not one per set)
+            self.lora_info.remove(*before)
+        self._lora_labels[e] = labels
+        self.lora_info.labels(*labels).set(time.time())
 
     def observe_totals(self, stats: SchedulerStats) -> None:
         """Every replica together: the seed's gauges."""

@@ -100,7 +100,7 @@ def test_generated_tokens_are_counted_as_they_arrive_not_at_the_end():
     """tokenmill:generation_tokens_total grows with every step's tokens (vLLM's counting), so
     the dashboard's and Grafana's rate over it move while long generations run; the totals
     at the end are what they were (finished and aborted requests alike)."""
-    from tokenmill.engine.async_engine import _RequestTimer
+    from tokenmill.engine.request_stream import RequestTimer
     from tokenmill.metrics import Metrics
     from tokenmill.outputs import CompletionOutput, RequestOutput
 
@@ -112,7 +112,7 @@ def test_generated_tokens_are_counted_as_they_arrive_not_at_the_end():
         return RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", tokens, reason)],
                              finished=reason is not None)
 
-    timer, aborted = _RequestTimer(metrics, 2), _RequestTimer(metrics, 2)
+    timer, aborted = RequestTimer(metrics, 2), RequestTimer(metrics, 2)
     assert counted() == 0
     timer.output(delta([5, 6, 7]))
     assert counted() == 3  # (the request still running)

@@ -10,7 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.serving import Served
+from tests.serving import Served, wait_until
 
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TEXT = "the quick brown fox"
@@ -112,3 +112,29 @@ def test_bad_adapter_stops_start_up(tiny_models, tmp_path):
         assert "LoRA adapter 'broken': no adapter_config.json in its folder" in log
     finally:
         server.stop()
+
+
+def test_lora_requests_info_metric(served):
+    """vLLM's lora_requests_info: the adapters of running requests while one runs, none
+    after; one series at a time."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def series() -> list[dict]:
+        text = httpx.get(served.metrics + "/metrics", timeout=10).text
+        return [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "tokenmill:lora_requests_info"]
+
+    with httpx.stream("POST", served.api + "/v1/completions", json={
+            "model": "chat", "prompt": [5, 9, 23], "max_tokens": 400, "temperature": 0,
+            "stream": True, "ignore_eos": True}, timeout=120) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # (running now)
+        # (the engine's stats reach the metrics port with each step; the bound guards a hang)
+        assert wait_until(lambda: [s["running_lora_adapters"] for s in series()] == ["chat"],
+                          60)
+        seen = series()
+        assert len(seen) == 1 and seen[0]["running_lora_adapters"] == "chat", seen
+        assert seen[0]["max_lora"] == "2" and seen[0]["waiting_lora_adapters"] == ""
+        for _ in lines:
+            pass
+    assert wait_until(lambda: [s["running_lora_adapters"] for s in series()] == [""], 60)

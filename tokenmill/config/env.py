@@ -45,13 +45,16 @@ class Env:
             raise ValueError(f"Environment variable {found[0]} must be a number, got "
                              f"{found[1]!r}.") from None
 
-    def flag(self, name: str):
+    def flag(self, name: str, words: bool = False):
+        """0 or 1 (`words`: also true / false, any case, as vLLM reads its own)."""
         found = self.raw(name)
         if found is None:
             return None
-        if found[1] not in ("0", "1"):
-            raise ValueError(f"Environment variable {name} must be 0 or 1, got {found[1]!r}.")
-        return found[1] == "1"
+        value = found[1].lower() if words else found[1]
+        if value not in ("0", "1", *(("true", "false") if words else ())):
+            raise ValueError(f"Environment variable {name} must be 0 or 1"
+                             f"{' (or true / false)' if words else ''}, got {found[1]!r}.")
+        return value in ("1", "true")
 
 
 def cache_dir(environ=None) -> str:
@@ -125,6 +128,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
                                             "counts as stalled, at the least (default 60)"),
     "FD_LOG_DIR": ("--log-dir", "where start_server writes server.log and server.pid"),
     "VLLM_API_KEY": ("--api-key", "require Authorization: Bearer KEY"),
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": ("", "1 / true: /v1/load_lora_adapter and "
+                                             "/v1/unload_lora_adapter serve (--enable-lora)"),
     "SPECULATE_METHOD": ("--speculative-config", "PaddleNLP's speculative decoding: "
                                                  "inference_with_reference, eagle or mtp"),
     "SPECULATE_MAX_DRAFT_TOKEN_NUM": ("--speculative-config", "draft tokens per step"),

@@ -63,6 +63,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
     log_requests: bool = False  # access lines carry prompt and output text
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: one span per request
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
     # vLLM flags given that have no effect here: (flag, why), logged once at start-up
     ignored_flags: tuple[tuple[str, str], ...] = ()
 
@@ -109,6 +111,8 @@ class ServerConfig:
                              f"{self.check_health_interval}.")
         if self.served_model_name is not None and not all(self.served_model_name):
             raise ValueError("served_model_name must not be empty.")
+        if self.allow_runtime_lora_updating and not self.engine.enable_lora:
+            raise ValueError("VLLM_ALLOW_RUNTIME_LORA_UPDATING needs --enable-lora.")
         for name, _, _ in self.engine.lora_modules or ():
             if name in self.model_names:
                 raise ValueError(f"--lora-modules: {name!r} is the served model's own name.")
@@ -234,6 +238,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         tool_call_parser=args.tool_call_parser,
         log_requests=bool(args.log_requests),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        allow_runtime_lora_updating=pick(
+            None, env.flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING", words=True), False),
         ignored_flags=tuple(flag for name, flag in IGNORED_FLAGS.items()
                             if getattr(args, name) is not None) + tuple(
             (name, "nothing listens there: the engine link is a private unix socket")

@@ -16,7 +16,13 @@ from tokenmill.engine import request_log
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    LoRAUpdate,
+    SchedulerStats,
+)
+from tokenmill.engine.request_stream import RequestStream, RequestTimer
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import Metrics
 from tokenmill.outputs import OutputKind, OutputSum, RequestOutput
@@ -71,13 +77,15 @@ class AsyncLLM:
         self.liveness = [Liveness(dead_after_s, stall_after_s)
                          for _ in range(client.num_replicas)]
         self._checked_at: float | None = None  # the last check_health (this loop's pulse)
-        self._queues: dict[str, _Stream] = {}
+        self._queues: dict[str, RequestStream] = {}
         self._counter = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self.dead: BaseException | None = None
         self._num_sequences = 0  # engine sequences (n per request) of in-flight requests
         self.num_aborted = 0  # requests left before they finished (client gone, cancelled)
+        self.loras: list[LoRARequest] = []  # the adapters served by name (the core's list)
+        self._lora_answers: dict[str, asyncio.Future] = {}  # load / unload ids -> answer
 
     @property
     def max_model_len(self) -> int:
@@ -85,6 +93,7 @@ class AsyncLLM:
 
     async def start(self) -> None:
         info = await self.client.connect()
+        self.loras = list(info.loras)
         self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
         share = info.num_kv_blocks // len(self.replica_stats)
         self.replica_stats = [SchedulerStats(kv_blocks_total=share) for _ in self.replica_stats]
@@ -139,9 +148,9 @@ class AsyncLLM:
         bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params = params.clone(eos_token_ids=list(self.eos_token_ids),
                               bad_words_token_ids=bad_ids)
-        timer = _RequestTimer(self.metrics, len(prompt_token_ids))
+        timer = RequestTimer(self.metrics, len(prompt_token_ids))
         # delta results, or the error that ends it
-        queue = self._queues[request_id] = _Stream(
+        queue = self._queues[request_id] = RequestStream(
             timer, self.stream_interval if output_kind is OutputKind.DELTA else 1)
         self._num_sequences += params.n
         if reservation is not None:
@@ -206,6 +215,8 @@ class AsyncLLM:
                 if batch.stats is not None:
                     self.replica_stats[replica] = batch.stats
                     self.stats = sum_stats(self.replica_stats)
+                    if replica == 0:  # (every replica serves the same adapters)
+                        self.loras = batch.stats.loras
                     if self.metrics is not None:
                         self.metrics.observe_stats(batch.stats, replica)
                         self.metrics.observe_totals(self.stats)
@@ -213,7 +224,8 @@ class AsyncLLM:
                     for out in batch.outputs:
                         if out.queue_time is not None:
                             self.metrics.queued(out.queue_time)
-                outputs = [o for o in batch.outputs if not self._fail_if_error(o)]
+                outputs = [o for o in batch.outputs
+                           if not self._lora_answered(o) and not self._fail_if_error(o)]
                 results, stopped = self.processor.process_outputs(outputs)
                 for result in results:
                     queue = self._queues.get(result.request_id)
@@ -228,6 +240,29 @@ class AsyncLLM:
         except Exception as exc:  # noqa: BLE001 - any failure here means no more outputs
             logger.exception("engine output loop failed")
             self.fail_all(EngineDeadError(f"The engine output loop failed: {exc}"))
+
+    async def update_lora(self, name: str, path: str = "", timeout: float = 300.0) -> None:
+        """Serve the adapter at `path` as `name`, or (no path) stop serving `name`; once
+        this returns, `loras` says so. EngineRequestError: the core refused (its reason)."""
+        if self.dead is not None:
+            raise EngineDeadError("The engine is not running.")
+        request_id = f"lora-{next(self._counter)}"
+        answer = self._lora_answers[request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self.client.update_lora(LoRAUpdate(request_id, name, path))
+            error = await asyncio.wait_for(answer, timeout)
+        finally:
+            self._lora_answers.pop(request_id, None)
+        if error is not None:
+            raise EngineRequestError(error)
+
+    def _lora_answered(self, out: EngineCoreOutput) -> bool:
+        answer = self._lora_answers.get(out.request_id)
+        if answer is None:
+            return False
+        if not answer.done():
+            answer.set_result(out.error)
+        return True
 
     def _fail_if_error(self, out: EngineCoreOutput) -> bool:
         if out.error is None:
@@ -248,9 +283,13 @@ class AsyncLLM:
         self.end_all(error)
 
     def end_all(self, error: BaseException) -> None:
-        """Every in-flight request ends with `error` (its handler aborts it in the core)."""
+        """Every in-flight request ends with `error` (its handler aborts it in the core), and
+        every adapter load or unload waiting for its answer."""
         for queue in self._queues.values():
             queue.put(error)
+        for answer in self._lora_answers.values():
+            if not answer.done():
+                answer.set_exception(error)
 
     async def check_health(self) -> None:
         """Marks the engine dead when its heartbeats stopped or a step stalled (see
@@ -281,82 +320,6 @@ class AsyncLLM:
         self.client.close()
 
 
-class _Stream:
-    """One request's results on their way to its reader (or the error that ends it). The
-    reader wakes for every result, or with an interval for the first one with tokens, then
-    once `interval` tokens are held, and for the last one or an error. Each result's tokens
-    reach the metrics as it arrives, however long it is held."""
-
-    __slots__ = ("timer", "interval", "items", "ready", "held", "started")
-
-    def __init__(self, timer: _RequestTimer, interval: int) -> None:
-        self.timer, self.interval = timer, interval
-        self.items: list = []
-        self.ready = asyncio.Event()
-        self.held = 0  # tokens held back
-        self.started = False  # its first tokens were handed on
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.items.append(item)
-        if isinstance(item, RequestOutput):
-            new = self.timer.output(item)
-            if self.interval > 1 and not item.finished:
-                self.held += new
-                if self.held < self.interval and (self.started or not new):
-                    return
-                self.started, self.held = True, 0
-        self.ready.set()
-
-    async def take(self) -> list:
-        """Every result since the last take, once there is one to hand on."""
-        await self.ready.wait()
-        self.ready.clear()
-        items, self.items = self.items, []
-        return items
-
-
-class _RequestTimer:
-    """Feeds one request's latencies into the metrics (no-op without metrics)."""
-
-    def __init__(self, metrics: Metrics | None, num_prompt_tokens: int) -> None:
-        self.metrics = metrics
-        self.num_prompt_tokens = num_prompt_tokens
-        self.start = self.last = time.monotonic()
-        self.num_tokens = 0
-        self.done = False
-        if metrics is not None:
-            metrics.request_started()
-
-    def ended(self, disconnected: bool) -> None:
-        if self.metrics is not None:
-            self.metrics.request_ended(disconnected)
-
-    def output(self, delta: RequestOutput) -> int:
-        """Observes a result as it arrives; returns its new tokens."""
-        new = sum(len(c.token_ids) for c in delta.outputs)
-        if self.metrics is None:
-            return new
-        now = time.monotonic()
-        if new:
-            self.metrics.tokens_generated(new)
-            if self.num_tokens == 0:
-                self.metrics.first_token(now - self.start)
-            else:
-                self.metrics.inter_token(now - self.last)
-            self.num_tokens, self.last = self.num_tokens + new, now
-        if delta.finished:
-            reasons = {c.finish_reason for c in delta.outputs}
-            self.finish("length" if reasons == {"length"} else "stop")
-        return new
-
-    def finish(self, outcome: str) -> None:
-        if self.metrics is None or self.done:
-            return
-        self.done = True
-        self.metrics.request_finished(outcome, self.num_prompt_tokens, self.num_tokens,
-                                      time.monotonic() - self.start)
-
-
 def _summed(deltas: list[RequestOutput]) -> RequestOutput:
     summed = OutputSum()
     for delta in deltas:
@@ -368,5 +331,8 @@ def sum_stats(parts: list[SchedulerStats]) -> SchedulerStats:
     """One view of several replicas: every gauge and counter added up."""
     if len(parts) == 1:
         return parts[0]
-    return SchedulerStats(*(sum(getattr(p, f) for p in parts)
-                            for f in SchedulerStats.__struct_fields__))
+    return SchedulerStats(*(
+        sum(values) if not isinstance(values[0], list) else  # (LoRA names: every replica's)
+        parts[0].loras if f == "loras" else sorted(set().union(*values))
+        for f in SchedulerStats.__struct_fields__
+        for values in [[getattr(p, f) for p in parts]]))

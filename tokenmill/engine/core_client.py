@@ -21,6 +21,7 @@ from tokenmill.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    LoRAUpdate,
     RequestType,
 )
 
@@ -116,6 +117,9 @@ class AsyncMPClient:
     async def finish_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             await self._send(RequestType.FINISH, self.encoder.encode(request_ids))
+
+    async def update_lora(self, update: LoRAUpdate) -> None:
+        await self._send(RequestType.LORA, self.encoder.encode(update))
 
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:
         while True:

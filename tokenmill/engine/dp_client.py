@@ -103,7 +103,7 @@ class DataParallelClient:
         first = infos[0]
         self.info = EngineCoreInfo(first.max_model_len, sum(i.num_kv_blocks for i in infos),
                                    first.block_size, first.vocab_size,
-                                   sum(i.max_num_seqs for i in infos))
+                                   sum(i.max_num_seqs for i in infos), loras=first.loras)
         self.router = PrefixRouter(len(infos), first.block_size)
         for i, replica in enumerate(self.replicas):
             self._pumps.append(asyncio.create_task(self._pump(replica.get_output,
@@ -135,6 +135,10 @@ class DataParallelClient:
     async def finish_requests(self, request_ids: list[str]) -> None:
         for replica, ids in self.router.release(request_ids).items():
             await self.replicas[replica].finish_requests(ids)
+
+    async def update_lora(self, update) -> None:
+        raise ValueError("Loading or unloading LoRA adapters at run time is not supported "
+                         "with --data-parallel-size > 1: list them in --lora-modules.")
 
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:
         replica, batch = await self._outputs.get()

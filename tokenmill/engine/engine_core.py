@@ -16,7 +16,8 @@ from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
-from tokenmill.lora.request import served_adapters
+from tokenmill.lora.registry import LoRARegistry
+from tokenmill.lora.request import LoRARequest
 from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, kv_window
 from tokenmill.structured_output.manager import StructuredOutputs, advance
 
@@ -88,12 +89,12 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
-        for adapter in served_adapters(config.lora_modules).values():
-            try:  # (--lora-modules: read and checked at start-up, a bad one stops it here)
-                self.runner.lora.add(adapter)
-            except BaseException:
-                self.shutdown()
-                raise
+        self.loras = LoRARegistry(self.runner.lora, config.lora_modules)
+        try:  # (--lora-modules: read and checked at start-up, a bad one stops it here)
+            self.loras.start()
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching, kv_window(self.hf_config))
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
@@ -167,10 +168,7 @@ class EngineCore:
                       self.scheduler.config.num_lookahead_tokens)
         lora = request.lora_request
         if lora is not None:  # (read and checked now: a bad adapter refuses its request)
-            if self.runner.lora is None:
-                raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not "
-                                 "enabled: start the engine with --enable-lora.")
-            self.runner.lora.add(lora)
+            self.loras.check(lora)
         new = Request(request.request_id, list(request.prompt_token_ids),
                       request.sampling_params, arrival_time=request.arrival_time,
                       lora_request=lora)
@@ -178,6 +176,20 @@ class EngineCore:
             self.structured.submit(new)  # (enters the scheduler once compiled)
         else:
             self.scheduler.add_request(new)
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """An adapter served from now on under `name` (ValueError: refused)."""
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> LoRARequest | None:
+        """The adapter `name` served no more (None: there is none); requests using it
+        finish with it."""
+        unloaded = self.loras.unload(name)
+        self._release_loras()
+        return unloaded
+
+    def _release_loras(self) -> None:
+        self.loras.release(r.lora_id for r in self.scheduler.requests.values())
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.structured.drop(request_ids)
@@ -205,12 +217,22 @@ class EngineCore:
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             spec_emitted_tokens=self.scheduler.num_spec_emitted,
-            spec_steps=self.scheduler.num_spec_steps)
+            spec_steps=self.scheduler.num_spec_steps, **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        if self.runner.lora is None:
+            return {}
+        scheduler = self.scheduler
+        names = lambda requests: sorted({r.lora_request.lora_name for r in requests  # noqa: E731
+                                         if r.lora_request is not None})
+        return {"loras": self.loras.served(), "running_loras": names(scheduler.running),
+                "waiting_loras": names(scheduler.waiting), "max_loras": self.config.max_loras}
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run and sample one step. Under pipeline parallel up to one micro-batch
         per stage is in flight: a call launches one more while requests are left to schedule
         and a stage is free (returning nothing yet), else completes the oldest."""
+        self._release_loras()  # (adapters unloaded whose last request finished)
         refused = self._admit_compiled()
         if refused:
             return refused

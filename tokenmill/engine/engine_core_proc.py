@@ -27,6 +27,7 @@ from tokenmill.engine.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    LoRAUpdate,
     RequestType,
 )
 from tokenmill.logs import configure_logging
@@ -61,7 +62,7 @@ class EngineCoreProc:
                                    vocab_size=core.hf_config.vocab_size,
                                    max_num_seqs=core.config.max_num_seqs,
                                    num_lookahead_tokens=core.scheduler.config
-                                   .num_lookahead_tokens)
+                                   .num_lookahead_tokens, loras=core.loras.served())
         self._last_sent = 0.0
         self._beating = threading.Event()
         self._beater = threading.Thread(target=self._beat, args=(heartbeat_address(address),),
@@ -130,9 +131,26 @@ class EngineCoreProc:
                 self.core.finish_requests(ids)
             for request_id in ids:
                 self.owner.pop(request_id, None)
+        elif kind == RequestType.LORA:
+            self._update_lora(identity, msgspec.msgpack.decode(payload, type=LoRAUpdate))
         elif kind == RequestType.SHUTDOWN:
             return False
         return True
+
+    def _update_lora(self, identity: bytes, update: LoRAUpdate) -> None:
+        """Loads or unloads an adapter; the answer (with the stats that list the adapters)
+        to the asking client, the new list to the others."""
+        error = None
+        try:
+            if update.path:
+                self.core.load_lora(update.name, update.path)
+            elif self.core.unload_lora(update.name) is None:
+                error = f"The LoRA adapter {update.name!r} cannot be found."
+        except ValueError as exc:
+            error = str(exc)
+        self._send_to(identity, [EngineCoreOutput(update.request_id, [], int(FinishReason.STOP),
+                                                  error=error)])
+        self._send([])
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:
         by_client: dict[bytes, list[EngineCoreOutput]] = {c: [] for c in self.clients}

@@ -54,6 +54,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
     spec_steps: int = 0
+    # LoRA: the adapters served by name, those of running and of waiting requests, the slots
+    loras: list[LoRARequest] = []
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
+    max_loras: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -75,6 +80,7 @@ class EngineCoreInfo(msgspec.Struct):
     vocab_size: int
     max_num_seqs: int = 256
     num_lookahead_tokens: int = 0  # KV slots a proposer uses past a request's tokens
+    loras: list[LoRARequest] = []  # the LoRA adapters served by name at start-up
 
 
 class RequestType(enum.IntEnum):
@@ -83,3 +89,12 @@ class RequestType(enum.IntEnum):
     ABORT = 2  # list[str] request ids
     FINISH = 3  # list[str] request ids stopped by a stop string
     SHUTDOWN = 4
+    LORA = 5  # LoRAUpdate: answered by an EngineCoreOutput of its request id (error or not)
+
+
+class LoRAUpdate(msgspec.Struct, array_like=True):
+    """Serve an adapter from `path` under `name`, or (`path` empty) stop serving it."""
+
+    request_id: str
+    name: str
+    path: str = ""

@@ -67,6 +67,7 @@ class LoRALayer:
         self.widths = [0] * max_loras  # per slot: A's rows in use (0: no adapter here)
         self._at = 0  # where this layer's next chunk of the step's rows starts
 
+    @torch.inference_mode()  # (the slots were made in a step's inference mode)
     def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()

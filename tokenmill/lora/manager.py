@@ -104,8 +104,10 @@ class LoRAManager:
             if name not in self.layers:
                 layer = self._modules[name]
                 assert isinstance(layer, Linear)
-                self.layers[name] = layer.lora = LoRALayer(
-                    layer, self.batch, self.max_loras, self.max_rank, self.dtype, self.device)
+                with torch.inference_mode():
+                    self.layers[name] = layer.lora = LoRALayer(
+                        layer, self.batch, self.max_loras, self.max_rank, self.dtype,
+                        self.device)
         for name, layer in self.layers.items():
             layer.set_slot(slot, adapter.layers.get(name))
         self.slots[slot] = adapter.request.lora_int_id

@@ -3,7 +3,6 @@ limits and admission (`ServerState`, built from `ApiSettings` by `build_state`),
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from tokenmill.entrypoints.api.prompts import PromptEncoder
 from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
 from tokenmill.entrypoints.parsers.tool_calls import get_parser, parser_for_template
 from tokenmill.loading.checkpoint import load_tokenizer
-from tokenmill.lora.request import LoRARequest, served_adapters
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import Metrics
 from tokenmill.tokenizer import eos_token_ids
 
@@ -110,10 +109,11 @@ class ServerState:
         """Names accepted in `model`: the base model's and the adapters'."""
         return set(self.config.model_names) | set(self.adapters)
 
-    @functools.cached_property
+    @property
     def adapters(self) -> dict[str, LoRARequest]:
-        """The LoRA adapters served, by name (--lora-modules)."""
-        return served_adapters(self.config.engine.lora_modules)
+        """The LoRA adapters served now, by name (--lora-modules, then those loaded and
+        unloaded at run time: the engine core's list)."""
+        return {adapter.lora_name: adapter for adapter in self.engine.loras}
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None: the base model."""

@@ -19,7 +19,13 @@ from tokenmill.entrypoints.api.openai_protocol import (
 )
 from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state, readiness
 from tokenmill.entrypoints.auth import ApiKey
-from tokenmill.entrypoints.http import native_api, openai_api, tokenize_api, triton_api
+from tokenmill.entrypoints.http import (
+    lora_api,
+    native_api,
+    openai_api,
+    tokenize_api,
+    triton_api,
+)
 from tokenmill.entrypoints.http.access_log import AccessLog
 from tokenmill.entrypoints.http.request_body import (
     RequestLimitMiddleware,
@@ -236,6 +242,18 @@ def _add_tokenizer_and_model_routes(app: FastAPI, settings: ApiSettings,
     @app.get("/v1/models", dependencies=guarded)
     async def models(request: Request) -> dict:
         return openai_api.list_models(request.app.state.server)
+
+    if settings.config.allow_runtime_lora_updating:  # (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        for path, handler in (("/v1/load_lora_adapter", lora_api.load),
+                              ("/v1/unload_lora_adapter", lora_api.unload)):
+            def route(handler=handler):
+                async def call(request: Request) -> Response:
+                    body = await read_json(request)
+                    if isinstance(body, Response):
+                        return body
+                    return await handler(body, request.app.state.server)
+                return call
+            app.add_api_route(path, route(), methods=["POST"], dependencies=guarded)
 
     if settings.config.api.load_tracking:  # (vLLM's --enable-server-load-tracking)
         @app.get("/load")
