@@ -276,3 +276,21 @@ def test_prompt_attention_bench_times_a_source_against_the_loaded_kernel(tmp_pat
     for row in rows:
         assert row["max_abs_difference"] == 0.0
         assert row["current"]["gflops"] > 0 and row["against"]["gflops"] > 0
+
+
+def test_lora_bench_runs_every_configuration(tiny_models, tmp_path, monkeypatch):
+    # the tiny model, two adapter counts: every configuration measured, ratios to the base
+    import json
+
+    import lora
+
+    out = tmp_path / "lora.json"
+    monkeypatch.setattr(sys, "argv", ["lora.py", "--model", tiny_models("llama")[0],
+                                      "--requests", "4", "--prompt-len", "6", "--output-len",
+                                      "3", "--rank", "8", "--adapters", "1,2", "--rounds", "1",
+                                      "--out", str(out)])
+    lora.main()
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["base", "enable-lora, base requests", "1 adapters", "2 adapters"]
+    assert results["base"]["ratio"] == 1.0
+    assert all(r["tok_s"] > 0 for r in results.values())

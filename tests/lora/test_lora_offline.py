@@ -23,6 +23,7 @@ def _tokens(outs):
     ("llama", ["q_proj", "v_proj"], 64, {"lora_alpha": 32}),
     ("qwen2", ATTN + MLP, 16, {"use_rslora": True}),
     ("phi3", ["qkv_proj", "gate_up_proj", "down_proj"], 16, {}),
+    ("mixtral", ATTN, 8, {}),  # (a mixture of experts: adapters on its attention)
 ])
 def test_adapter_matches_peft(tiny_models, adapters, arch, targets, rank, extra):
     path, hf_model = tiny_models(arch)

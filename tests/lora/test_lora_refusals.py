@@ -84,3 +84,23 @@ def test_lora_request_without_enable_lora(tiny_models, adapters):
 def test_lora_request_checked(args, message):
     with pytest.raises(ValueError, match=message):
         LoRARequest(*args)
+
+
+def test_adapter_on_experts_is_refused(tiny_models, tmp_path):
+    """An expert's projection (Mixtral's checkpoint names, written by hand: peft targets fused
+    experts through target_parameters, refused by name too)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "experts"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["w1"]}))
+    key = "base_model.model.model.layers.0.block_sparse_moe.experts.0.w1"
+    save_file({f"{key}.lora_A.weight": torch.zeros(4, 64),
+               f"{key}.lora_B.weight": torch.zeros(128, 4)},
+              str(folder / "adapter_model.safetensors"))
+    with LLM(tiny_models("mixtral")[0], enable_lora=True, max_model_len=128) as llm, \
+            pytest.raises(ValueError, match="experts, routers and latent attention"):
+        llm.generate([PROMPT], GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("e", 1, str(folder)))

@@ -258,7 +258,7 @@ def test_native_build_request_raises_only_native_error(tokenizer, grammars, body
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, max_seq_len=63,
                             config=SimpleNamespace(max_dec_len=16),
                             prompts=PromptEncoder(tokenizer, 64),
-                            check_structured=grammars.check)
+                            check_structured=grammars.check, lora_of_task=lambda task: None)
     try:
         req = asyncio.run(native_protocol.build_request(body, state))
     except native_protocol.NativeError:
@@ -413,7 +413,8 @@ def test_ensemble_path_raises_only_its_errors(tokenizer, grammars, case):
     request, _ = case
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64,
                             prompts=PromptEncoder(tokenizer, 64),
-                            check_structured=grammars.check)
+                            check_structured=grammars.check, lora_for=lambda model: None,
+                            lora_of_task=lambda task: None, adapters={})
     try:
         fields, shape = ensemble_fields(tensors.read_inputs(request))
         ids, params, options = asyncio.run(triton_protocol.parse_fields(fields, state))

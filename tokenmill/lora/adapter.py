@@ -151,9 +151,13 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
                 continue  # (another pipeline stage's layer)
             layer_name = target.removesuffix(".weight")
             layer = modules.get(layer_name)
-            if not isinstance(layer, Linear) or ".experts." in layer_name:
+            # (experts, a router, MLA's kv_b_proj whose weight attention reads directly: their
+            # products do not go through the layer's forward, so an adapter there is refused)
+            if (not isinstance(layer, Linear) or ".experts." in layer_name
+                    or layer.keep_weight or layer.keep_float):
                 raise LoRAError(f"{where}: module {module!r} is not a linear layer of this "
-                                "model that takes adapters.")
+                                "model that takes adapters (experts, routers and latent "
+                                "attention's kv_b_proj do not).")
             a, b = _checked_pair(parts["A"], parts["B"], layer, shard, module, where)
             r = a.shape[0]
             rank = max(rank, r)

@@ -1,0 +1,54 @@
+"""Adapters with the rest of the engine: a quantized base (against peft over transformers
+with the same rounded weights), speculative decoding (n-gram drafts, and a draft model that
+runs without adapters while the target verifies with them): greedy tokens as peft's."""
+
+import copy
+
+import pytest
+import torch
+from helpers import hf_greedy
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.lora.request import LoRARequest
+
+PROMPTS = [[5, 9, 23, 41, 7, 3], [11, 12, 13, 11, 12, 13, 11, 12], [100, 3, 77, 2, 9, 9, 31]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _run(path, adapter_path, **engine):
+    lora = LoRARequest("a", 1, adapter_path)
+    with LLM(path, enable_lora=True, max_model_len=256, **engine) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                            use_tqdm=False, lora_request=lora)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_int8_base(tiny_models, adapters, monkeypatch):
+    from peft import PeftModel
+
+    from tokenmill.quantization.model import KERNELS
+
+    monkeypatch.setenv("TOKENMILL_CPU_INT_DOT", "0")  # (float activations: exact weight-only)
+    path, hf = tiny_models("llama")
+    adapter_path, _ = adapters("llama", "with-all", seed=11, target_modules=TARGETS)
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(KERNELS["int8"].from_weight(module.weight).dequantize())
+    reference = PeftModel.from_pretrained(rounded, adapter_path).eval()
+    assert _run(path, adapter_path, quantization="int8") == [hf_greedy(reference, p, 12)
+                                                             for p in PROMPTS]
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+     "prompt_lookup_max": 3},
+    {"quantization": "int4", "num_speculative_tokens": 3},  # (a self-draft, no adapters)
+])
+def test_speculative_decoding(tiny_models, adapters, spec):
+    path, _ = tiny_models("llama")
+    adapter_path, reference = adapters("llama", "with-all", seed=11, target_modules=TARGETS)
+    assert _run(path, adapter_path, speculative_config=spec) == [
+        hf_greedy(reference, p, 12) for p in PROMPTS]
