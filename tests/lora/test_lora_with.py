@@ -52,3 +52,27 @@ def test_speculative_decoding(tiny_models, adapters, spec):
     adapter_path, reference = adapters("llama", "with-all", seed=11, target_modules=TARGETS)
     assert _run(path, adapter_path, speculative_config=spec) == [
         hf_greedy(reference, p, 12) for p in PROMPTS]
+
+
+def test_graph_buckets_run_base_steps_only(tiny_models, adapters, monkeypatch):
+    """Decode graphs and piecewise graphs (run eagerly on the CPU) hold the base model: steps
+    with adapters run outside them, base-only steps in them, every answer as peft's."""
+    monkeypatch.setenv("TOKENMILL_CPU_GRAPH_BUCKETS", "1")
+    path, hf = tiny_models("llama")
+    adapter_path, reference = adapters("llama", "with-all", seed=11, target_modules=TARGETS)
+    lora = LoRARequest("a", 1, adapter_path)
+    with LLM(path, enable_lora=True, max_model_len=256, attention_backend="triton",
+             max_num_seqs=4, max_num_batched_tokens=24) as llm:
+        graphs = llm.engine.core.runner.graphs
+        ran = []
+        run = graphs.run
+        monkeypatch.setattr(graphs, "run", lambda inputs, fill=None: ran.append(
+            bool(inputs.lora_ids)) or run(inputs, fill))
+        got = {}
+        for name, request in (("base", None), ("lora", lora)):
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
+                                use_tqdm=False, lora_request=request)
+            got[name] = [o.outputs[0].token_ids for o in outs]
+    assert got["base"] == [hf_greedy(hf, p, 12) for p in PROMPTS]
+    assert got["lora"] == [hf_greedy(reference, p, 12) for p in PROMPTS]
+    assert ran and not any(ran)  # (base steps in graphs; none with an adapter)

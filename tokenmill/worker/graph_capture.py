@@ -35,7 +35,6 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
     config, settings, tp = runner.config, runner.config.kernels.gpu, runner.tp
     if not agreed(tp, (runner.platform.supports_graphs or settings.cpu_graph_buckets)
                   and not config.enforce_eager and runner.world.pp_size == 1
-                  and runner.lora is None
                   and runner.decode_step is None and runner.backend.graph_safe
                   and runner.model.graphable):
         return None, None

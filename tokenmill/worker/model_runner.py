@@ -107,14 +107,13 @@ class ModelRunner:
                                                     self.kv_dtype, values)
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
         self.lora = None
-        if config.enable_lora:  # (every step's rows through every layer: see LoRABatch)
+        if config.enable_lora:
             from tokenmill.lora.manager import LoRAManager
 
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, self.dtype,
                                     self.device)
-        eager = EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None
-                          and self.lora is None)
+        eager = EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None)
         self.paths = step_paths.ordered(None, None, eager)  # (the profiling step: eager)
         self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
@@ -126,8 +125,7 @@ class ModelRunner:
             self.heads = HeadDrafter(TargetView.of(self), spec, heads)
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
-        if (self.target_states is not None and self.target_states.aux  # (hooks C would skip)
-                or self.lora is not None):  # (adapters' products: in the Python forward)
+        if self.target_states is not None and self.target_states.aux:  # (hooks C would skip)
             self.decode_step = None
         # Tensor-parallel ranks must take the same path every step (their collectives pair up).
         rows = self.tp.all_reduce_min(self.decode_step.max_rows if self.decode_step else 0)
@@ -209,8 +207,10 @@ class ModelRunner:
         if step.empty:
             self.io.release(step.finished_ids)
             return None
-        # Decodes first: the backend attends over them in one batched gather.
-        scheduled = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Decodes first: the backend attends over them in one batched gather; then by LoRA
+        # adapter, so that each adapter's rows are one run (lora/layers.py: a view, no gather).
+        scheduled = sorted(step.scheduled, key=lambda s: (s.num_new_tokens != 1,
+                                                          s.request.lora_id))
         inputs = StepInputs.of(scheduled)
         data = self.io.send(inputs, scheduled, step.finished_ids)
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
@@ -281,16 +281,17 @@ class ModelRunner:
         None (or Nones) on the other ranks."""
         if self.async_scheduling:
             fill = self.io.shared_fill(fill)
-        if self.graphs is not None and self.graphs.bucket_rows(inputs):
+        if self.lora is not None:  # (each row's adapter slot, for the layers that add theirs)
+            self.lora.prepare(inputs.lora_ids, inputs.lora_requests,
+                              [end - start for start, end in zip(inputs.starts, inputs.ends)])
+        # (graphs hold the base model's forward: a step with LoRA adapters runs eagerly)
+        if self.graphs is not None and not inputs.lora_ids and self.graphs.bucket_rows(inputs):
             logits, hidden_states = self.graphs.run(inputs, fill)
             states = self.target_states
             return logits, [], states.taken(hidden_states) if states else None
         input_ids, positions, meta = self.prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
-        if self.lora is not None:
-            self.lora.prepare(inputs.lora_ids, inputs.lora_requests,
-                              [end - start for start, end in zip(inputs.starts, inputs.ends)])
         sample_rows = inputs.sample_seqs
         drafted = inputs.num_sampled_rows > len(sample_rows)  # rows of draft tokens scored
         world, link = self.world, self.io.link

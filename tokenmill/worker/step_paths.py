@@ -3,12 +3,12 @@ the model runner tries them in order and runs the first that takes the step. (De
 cuda_graphs.py, run a uniform step all the way to its logits and are asked before these.)
 
 - `PiecewisePath`: steps of up to the largest bucket of token rows, as piecewise CUDA graphs
-  between eager attention calls (piecewise_graphs.py);
+  between eager attention calls (piecewise_graphs.py), none of them with a LoRA adapter;
 - `CompiledCpuPath`: all-decode steps of up to `max_rows` sequences on the CPU, every layer in
-  one compiled call (cpu_decode_step.py);
+  one compiled call (cpu_decode_step.py), none of them with a LoRA adapter;
 - `EagerPath`: any step, op by op through the model, the reference of the others; where
-  nothing reads the other rows, only the sampled ones go past the last layer's K/V
-  projection."""
+  nothing reads the other rows (and no row has a LoRA adapter: lora/layers.py maps every row
+  of the step), only the sampled ones go past the last layer's K/V projection."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ class PiecewisePath(StepPath):
         self.pieces = pieces
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if not self.pieces.fits(len(step.input_ids)):
-            return None
+        if step.inputs.lora_ids or not self.pieces.fits(len(step.input_ids)):
+            return None  # (the graphs hold the base model's forward: no adapters)
         return self.pieces.run(step.input_ids, step.positions, step.meta), None
 
 
@@ -57,6 +57,8 @@ class CompiledCpuPath(StepPath):
         self.decode_step = decode_step
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
+        if step.inputs.lora_ids:  # (adapters' products run in the layers' Python forward)
+            return None
         hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.intermediate,
                                   step.drafted and step.inputs.only_decodes)
         return None if hidden is None else (hidden, None)
@@ -74,7 +76,7 @@ class EagerPath(StepPath):
         logits_rows = None
         # Prompt logprobs and scored drafts read every row's hidden state.
         if (self.logits_rows_only and len(sample_rows) < len(step.input_ids)
-                and not inputs.prompt_seqs and not step.drafted):
+                and not inputs.prompt_seqs and not step.drafted and not inputs.lora_ids):
             logits_rows = LogitsRows.last_of(step.meta, sample_rows, self.backend)
         hidden = self.model(step.input_ids, step.positions, step.meta, logits_rows,
                             step.intermediate)
