@@ -25,7 +25,7 @@ _SOURCES = [os.path.join(_HERE, name)
             for name in ("gemm.c", "panel_gemm.c", "f32_panel.c", "bf16_panel.c",
                          "dequant_panels.c", "vnni_panels.c", "kquant_panels.c",
                          "paged_attention.c", "prompt_attention.c", "layer_ops.c",
-                         "decode_step.c", "shm_allreduce.c")]
+                         "decode_step.c", "shm_allreduce.c", "lora.c")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h", "panel.h", "kv_rows.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).

@@ -31,6 +31,13 @@
 enum { TM_F32_PANEL = 0, TM_INT8 = 1, TM_INT8_Q16 = 2, TM_INT4 = 3, TM_INT4_Q16 = 4,
        TM_INT8_VNNI = 5, TM_INT4_VNNI = 6, TM_KQUANT = 7, TM_PARTS = 8, TM_BF16_PANEL = 9 };
 
+/* A linear layer's LoRA adapter slots (lora.c's layout), or none */
+typedef struct {
+    const float *a, *bt;
+    int64_t width, slices;
+    const int64_t *offsets, *ranks;
+} tm_lora;
+
 typedef struct {
     int64_t kind, n, k;
     int64_t param; /* TM_F32_PANEL, TM_BF16_PANEL: KP (padded K); int8 / int4: the
@@ -39,6 +46,7 @@ typedef struct {
      * merged layer's parts in different formats, their outputs side by side */
     const void *w, *scale, *min;
     const float *bias;
+    const tm_lora *lora; /* NULL: no adapter targets the layer */
 } tm_linear;
 
 /* A mixture-of-experts block with a softmax top-k router (Mixtral, Qwen2-MoE, Qwen3-MoE) in
@@ -69,6 +77,10 @@ typedef struct {
     float *gate_up, *act, *xs, *xsum, *rows_in, *part_out;
     int16_t *xq; /* (int8 [rows][2][K] for the K-quant kernels) */
     int32_t *hsum;
+    /* LoRA: each row's adapter slot (-1: none) this step, NULL when no row has one; the
+     * shrunk rows [rows][widest width] */
+    const int64_t *lora_slots;
+    float *lora_tmp;
 } tm_scratch;
 
 typedef struct {
@@ -162,12 +174,18 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
         default: /* a kind this file does not know: never leave y unwritten */
             abort();
     }
+    const tm_lora *lora = l->lora;
+    if (lora != NULL && m->lora_slots != NULL)
+        tm_lora_add(x, y, T, l->k, l->n, lora->a, lora->bt, lora->width, lora->slices,
+                    lora->offsets, lora->ranks, m->lora_slots, m->lora_tmp);
 }
 
 /* y = (silu(x @ Wgate) * (x @ Wup)) @ Wdown, the gate|up product fused where it can be */
 static void mlp(const tm_scratch *m, const tm_linear *gate_up, const tm_linear *down,
                 int64_t inter, const float *x, float *y, int64_t T) {
+    const int adapted = gate_up->lora != NULL && m->lora_slots != NULL;
     const int fused =
+        adapted ? 0 :
         gate_up->kind == TM_F32_PANEL
             ? tm_f32_panel_glu(x, gate_up->w, gate_up->bias, m->act, T, inter, gate_up->k,
                                gate_up->param) == 0

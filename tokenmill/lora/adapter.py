@@ -165,8 +165,10 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
                                    config.get("lora_alpha", config["r"]))
             scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
             a = a.to(device=device, dtype=dtype).contiguous()
-            b = (b.to(torch.float32) * scale).to(device=device, dtype=dtype).contiguous()
-            layers.setdefault(layer_name, LoRAWeights({})).pairs[shard] = (a, b)
+            b = (b.to(torch.float32) * scale).to(device=device, dtype=dtype)
+            pairs = layers.setdefault(layer_name, LoRAWeights({})).pairs
+            for index, b_part in _by_projection(layer, shard, b).items():
+                pairs[index] = (a, b_part.contiguous())
     if not layers:
         raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights for this model.")
     if rank > max_rank:
@@ -187,10 +189,24 @@ def _split_key(key: str, where: str) -> tuple[str, str]:
                     "(DoRA magnitudes, biases and saved modules are not supported).")
 
 
+def _by_projection(layer: Linear, shard: int | None, b: torch.Tensor
+                   ) -> dict[int | None, torch.Tensor]:
+    """B of a checkpoint module that is a whole merged layer (Phi-3's fused qkv_proj /
+    gate_up_proj) as one B per projection, each cut to this rank's rows: the layer's slots
+    hold a pair per projection. Any other module's B as it is."""
+    if shard is not None or not isinstance(layer, MergedLinear):
+        return {shard: b}
+    parts = {}
+    for i, part in enumerate(b.split(layer.full_sizes)):
+        piece = layer.checkpoint_slice(i)
+        parts[i] = part if piece is None else part[piece[1]:piece[1] + piece[2]]
+    return parts
+
+
 def _full_sizes(layer: Linear, shard: int | None) -> tuple[int, int]:
     """(output rows, input columns) of the checkpoint's weight for this projection."""
-    if isinstance(layer, MergedLinear) and shard is not None:
-        out = layer.full_sizes[shard]
+    if isinstance(layer, MergedLinear):
+        out = layer.full_sizes[shard] if shard is not None else sum(layer.full_sizes)
     elif isinstance(layer, ColumnParallelLinear):
         out = layer.full_out
     else:
@@ -213,8 +229,8 @@ def _checked_pair(a_slice: Any, b_slice: Any, layer: Linear, shard: int | None, 
                         f"not fit the base layer ({out} x {cols}, expects lora_A [{r}, {cols}]"
                         f" and lora_B [{out}, {r}]): an adapter of another base model?")
     piece = layer.checkpoint_slice(shard)
-    if piece is None:
-        return a_slice[:], b_slice[:]
+    if piece is None or (shard is None and isinstance(layer, MergedLinear)):
+        return a_slice[:], b_slice[:]  # (a whole merged layer: cut by _by_projection)
     dim, start, size = piece
     if dim == 0:  # (this rank's output rows: B's rows)
         kept = max(0, min(size, out - start))

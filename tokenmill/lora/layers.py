@@ -52,26 +52,33 @@ class LoRABatch:
 
 
 class LoRALayer:
-    """`max_loras` slots of one linear layer's adapters: A [slots, P * r, in] and B [slots,
-    out, P * r] for a layer of P projections (q|k|v: projection i's pair in columns
-    i * r .. of A's rows and B's block of rows), r the adapter's rank at this layer."""
+    """`max_loras` slots of one linear layer's adapters, for a layer of P projections
+    (q|k|v: 3, gate|up: 2, else 1) and an adapter of rank r at this layer: A [slots, P * R,
+    in] with projection i's A in rows i * r .. i * r + r, and B transposed, bt [slots, P * R,
+    out], with projection i's B^T in the same rows and in its own output columns (zeros
+    elsewhere: the block-diagonal product of the Python path). csrc/lora.c reads the same
+    layout without the zeros (the compiled decode step)."""
 
     def __init__(self, layer: Linear, batch: LoRABatch, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.batch = batch
         sizes = layer.output_sizes if isinstance(layer, MergedLinear) else [layer.out_features]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        width = len(sizes) * max_rank
-        self.a = torch.zeros(max_loras, width, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, layer.out_features, width, dtype=dtype, device=device)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.width = len(sizes) * max_rank
+        self.a = torch.zeros(max_loras, self.width, layer.in_features, dtype=dtype,
+                             device=device)
+        self.bt = torch.zeros(max_loras, self.width, layer.out_features, dtype=dtype,
+                              device=device)
         self.widths = [0] * max_loras  # per slot: A's rows in use (0: no adapter here)
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # per slot: r (0: none)
         self._at = 0  # where this layer's next chunk of the step's rows starts
 
     @torch.inference_mode()  # (the slots were made in a step's inference mode)
     def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        self.bt[slot].zero_()
         self.widths[slot] = 0
+        self.ranks[slot] = 0
         if weights is None:
             return
         r = max(a.shape[0] for a, _ in weights.pairs.values())
@@ -79,9 +86,10 @@ class LoRALayer:
             i = shard or 0
             self.a[slot, i * r:i * r + a.shape[0]].copy_(a)
             rows = b.shape[0]
-            self.b[slot, self.offsets[i]:self.offsets[i] + rows,
-                   i * r:i * r + b.shape[1]].copy_(b)
-        self.widths[slot] = len(self.offsets) * r
+            self.bt[slot, i * r:i * r + b.shape[1],
+                    self.offsets[i]:self.offsets[i] + rows].copy_(b.T)
+        self.widths[slot] = (len(self.offsets) - 1) * r
+        self.ranks[slot] = r
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (x's base product) plus each row's adapter product, in place."""
@@ -94,8 +102,8 @@ class LoRALayer:
             width = self.widths[slot]
             if not width:
                 continue
-            a, b = self.a[slot, :width], self.b[slot, :, :width]
-            delta = (x[rows] @ a.T) @ b.T
+            a, bt = self.a[slot, :width], self.bt[slot, :width]
+            delta = (x[rows] @ a.T) @ bt
             if isinstance(rows, slice):
                 out[rows] += delta
             else:

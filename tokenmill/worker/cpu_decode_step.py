@@ -34,7 +34,12 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("param", _i64), ("w", _ptr),
-                ("scale", _ptr), ("min", _ptr), ("bias", _ptr)]
+                ("scale", _ptr), ("min", _ptr), ("bias", _ptr), ("lora", _ptr)]
+
+
+class _Lora(ctypes.Structure):  # a layer's LoRA slots (decode_step.c's tm_lora)
+    _fields_ = [("a", _ptr), ("bt", _ptr), ("width", _i64), ("slices", _i64),
+                ("offsets", _ptr), ("ranks", _ptr)]
 
 
 class _Moe(ctypes.Structure):
@@ -47,7 +52,7 @@ class _Moe(ctypes.Structure):
 
 class _Scratch(ctypes.Structure):  # one thread's (decode_step.c's tm_scratch)
     _fields_ = [(name, _ptr) for name in ("gate_up", "act", "xs", "xsum", "rows_in",
-                                          "part_out", "xq", "hsum")]
+                                          "part_out", "xq", "hsum", "lora_slots", "lora_tmp")]
 
 
 class _Layer(ctypes.Structure):
@@ -164,6 +169,19 @@ class CpuDecodeStep:
             _pointers(s) for s in self._threads))
         self._described = layers  # (each keeps its experts' descriptions alive)
         self._layers = (_Layer * len(layers))(*layers)
+        # LoRA (`lora`: the runner's LoRAManager, None without --enable-lora): the layers
+        # adapters may target, by (layer, field); their slots described once they exist
+        self.lora = None
+        self._adaptable = [(i, field, module) for i, layer in enumerate(stage)
+                           for field, module in (("qkv", layer.self_attn.qkv_proj),
+                                                 ("o", layer.self_attn.o_proj),
+                                                 *(() if isinstance(layer.mlp, SparseMoE) else
+                                                   (("gate_up", layer.mlp.gate_up_proj),
+                                                    ("down", layer.mlp.down_proj))))]
+        self._loras: dict[int, tuple] = {}  # id(module) -> its _Lora and what it points to
+        self._lora_count = 0
+        self._lora_slots = torch.full((max_rows,), -1, dtype=torch.int64)
+        self._lora_tmp = torch.empty(0)
         rotary = inner.rotary
         self._model = _Model(
             num_layers=len(layers), hidden=hidden, q_heads=attn.num_heads,
@@ -339,6 +357,7 @@ class CpuDecodeStep:
             table = table[torch.repeat_interleave(torch.arange(len(counts)), counts)]
             seq_lens = positions + 1
         assert table.stride(1) == 1 and positions.is_contiguous()
+        self._model.scratch.lora_slots = self._step_loras(t)
         status = csrc.library().tm_decode_layers(
             ctypes.byref(self._model), hidden.data_ptr(), out.data_ptr(), t,
             positions.data_ptr(), meta.slot_mapping.data_ptr(), table.data_ptr(),
@@ -346,3 +365,30 @@ class CpuDecodeStep:
         if status == -2:
             raise RuntimeError("A tensor-parallel rank died during an all-reduce.")
         return out if self._last_stage else (hidden, residual.clone())
+
+    def _step_loras(self, rows: int) -> int | None:
+        """This step's row slots for C (None: no row has an adapter), the adapters' layers
+        described first where they are new."""
+        batch = None if self.lora is None else self.lora.batch
+        if batch is None or not batch.groups:
+            return None
+        if self._lora_count != len(self.lora.layers):  # (layers get slots as adapters come)
+            self._lora_count = len(self.lora.layers)
+            self._describe_loras()
+        self._lora_slots[:rows] = torch.from_numpy(batch.slot_of_row[:rows])
+        return self._lora_slots.data_ptr()
+
+    def _describe_loras(self) -> None:
+        """Points each adapted layer's description at its LoRA slots (lora/layers.py)."""
+        for i, field, module in self._adaptable:
+            slots = module.lora
+            if slots is None or id(module) in self._loras:
+                continue
+            offsets = torch.tensor(slots.offsets, dtype=torch.int64)
+            struct = _Lora(slots.a.data_ptr(), slots.bt.data_ptr(), slots.width,
+                           len(slots.offsets) - 1, offsets.data_ptr(), slots.ranks.data_ptr())
+            self._loras[id(module)] = (struct, offsets, slots)
+            getattr(self._layers[i], field).lora = ctypes.addressof(struct)
+            if slots.width > self._lora_tmp.shape[-1]:
+                self._lora_tmp = torch.empty(self.max_rows, slots.width)
+                self._model.scratch.lora_tmp = self._lora_tmp.data_ptr()

@@ -133,6 +133,7 @@ class ModelRunner:
             self.decode_step = None
         else:
             self.decode_step.max_rows = rows
+            self.decode_step.lora = self.lora  # (its steps add the adapters' products too)
         reserved = self.platform.reserved_bytes()
         self.graphs, self.pieces = graph_capture.build(self, max_model_len)
         self.paths = step_paths.ordered(self.pieces, self.decode_step, eager)

@@ -5,7 +5,7 @@ cuda_graphs.py, run a uniform step all the way to its logits and are asked befor
 - `PiecewisePath`: steps of up to the largest bucket of token rows, as piecewise CUDA graphs
   between eager attention calls (piecewise_graphs.py), none of them with a LoRA adapter;
 - `CompiledCpuPath`: all-decode steps of up to `max_rows` sequences on the CPU, every layer in
-  one compiled call (cpu_decode_step.py), none of them with a LoRA adapter;
+  one compiled call (cpu_decode_step.py; LoRA adapters' products in it too, csrc/lora.c);
 - `EagerPath`: any step, op by op through the model, the reference of the others; where
   nothing reads the other rows (and no row has a LoRA adapter: lora/layers.py maps every row
   of the step), only the sampled ones go past the last layer's K/V projection."""
@@ -57,8 +57,6 @@ class CompiledCpuPath(StepPath):
         self.decode_step = decode_step
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if step.inputs.lora_ids:  # (adapters' products run in the layers' Python forward)
-            return None
         hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.intermediate,
                                   step.drafted and step.inputs.only_decodes)
         return None if hidden is None else (hidden, None)
