@@ -55,3 +55,29 @@ def test_layer_without_groups_is_the_base():
     batch.set(np.full(3, -1, dtype=np.int64), torch.device("cpu"))
     base = torch.randn(3, 8)
     assert torch.equal(lora.add(torch.randn(3, 8), base.clone()), base)
+
+
+def test_compiled_products_equal_the_reference():
+    """csrc/lora.c (runs of one slot in blocks, the expand without the block-diagonal zeros)
+    against `add_reference`'s matmuls: slots in runs and scattered, ranks differing by slot,
+    an empty slot, more rows than one block list holds."""
+    from tokenmill import csrc
+
+    if not csrc.available():
+        return
+    torch.manual_seed(1)
+    layer = MergedLinear(40, [24, 8, 8])
+    batch = LoRABatch()
+    lora = LoRALayer(layer, batch, max_loras=4, max_rank=8, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    assert lora.fast
+    for slot, r in ((0, 8), (1, 3), (3, 5)):
+        lora.set_slot(slot, LoRAWeights({i: (torch.randn(r, 40), torch.randn(n, r))
+                                         for i, n in enumerate([24, 8, 8])}))
+    rng = np.random.default_rng(0)
+    for rows in (1, 7, 64, 150):
+        slots = np.sort(rng.integers(-1, 4, rows)) if rows % 2 else rng.integers(-1, 4, rows)
+        batch.set(slots.astype(np.int64), torch.device("cpu"))
+        x, base = torch.randn(rows, 40), torch.randn(rows, 40)
+        expected = lora.add_reference(x, base.clone(), batch.groups)
+        torch.testing.assert_close(lora.add(x, base.clone()), expected, rtol=1e-5, atol=1e-5)

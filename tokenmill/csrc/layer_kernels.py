@@ -11,7 +11,8 @@ from tokenmill.csrc.build import address
 from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["paged_decode_attention", "prompt_attention", "heads_contiguous", "add_rms_norm",
-           "rotary_", "argmax_rows", "silu_and_mul", "write_kv", "KV_KINDS", "kv_kind"]
+           "rotary_", "argmax_rows", "silu_and_mul", "write_kv", "KV_KINDS", "kv_kind",
+           "lora_add"]
 
 # the cache dtypes the kernels read and write, as kv_rows.h numbers their row formats
 KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
@@ -114,3 +115,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _library().tm_write_kv(address(k), address(v), k.stride(0), v.stride(0), address(k_cache),
                            address(v_cache),
                            address(slot_mapping), t, h, d, kv_kind(k_cache))
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor, bt: torch.Tensor,
+             slices: int, offsets: torch.Tensor, ranks: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """y [T, N] += each row's LoRA product (lora.c): x [T, K] and y float32 contiguous; at
+    [slots, K, width] and bt [slots, width, N] a layer's slots; offsets [slices + 1] and
+    ranks [slots] int64; slots [T] int64, each row's slot (-1: none)."""
+    t, k = x.shape
+    width = at.shape[-1]
+    tmp = torch.empty(t, width)
+    _library().tm_lora_add(address(x), address(y), t, k, y.shape[1], address(at), address(bt),
+                           width, slices, address(offsets), address(ranks), address(slots),
+                           address(tmp))
+

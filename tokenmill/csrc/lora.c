@@ -1,58 +1,92 @@
-/* LoRA adapters' products added to a linear layer's output rows, for the compiled decode
- * step (decode_step.c), as lora/layers.py's LoRALayer lays its slots out:
+/* LoRA adapters' products added to a linear layer's output rows (float32, the CPU), as
+ * lora/layers.py's LoRALayer lays its slots out:
  *
- *   a  [slots][width][K]  slot s's A of projection i in rows i * r .. i * r + r
+ *   at [slots][K][width]  slot s's A transposed: projection i's A^T in columns i * r ..
  *   bt [slots][width][N]  its B transposed: row i * r + j holds B_i[:, j] in the columns of
  *                         projection i (offsets[i] .. offsets[i + 1]), zeros elsewhere
  *
  * with r = ranks[s] (0: no adapter in that slot at this layer) and `slices` projections (q|k|v:
  * 3, gate|up: 2, else 1). For each row t with slot s = slots[t] >= 0:
- *   tmp[t][q] = A[s][q] . x[t]                                  (q < slices * r)
- *   y[t][n] += sum over j < r of tmp[t][i * r + j] * bt[s][i * r + j][n]   (n in projection i)
- * The same products as the Python path's (x A^T) B^T, without its block-diagonal zeros; the
- * sums run in another order (float results equal to rounding, not bit for bit). */
+ *   tmp[t][q] = sum over k of x[t][k] * at[s][k][q]                       (q < slices * r)
+ *   y[t][n] += sum over j < r of tmp[t][i * r + j] * bt[s][i * r + j][n]  (n in projection i)
+ * The rows are taken in runs of one slot (the runner sorts a step's rows by adapter) and in
+ * blocks of ROWS, so each A and B row is read once per block, not once per row; the expand
+ * skips the block-diagonal zeros the Python path multiplies. The same products as that path's
+ * (x A^T) B^T; the sums run in another order (results equal to rounding, not bit for bit). */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
-    return acc;
+enum { ROWS = 8, COLS = 128 }; /* a task's rows; an expand task's output columns */
+
+typedef struct {
+    int64_t first, count, slot;
+} run_t;
+
+/* Runs of consecutive rows of one slot with an adapter here, cut into blocks of ROWS */
+static int64_t blocks_of(const int64_t *slots, const int64_t *ranks, int64_t T, run_t *out) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T;) {
+        const int64_t s = slots[t];
+        int64_t end = t + 1;
+        while (end < T && slots[end] == s && end - t < ROWS) end++;
+        if (s >= 0 && ranks[s] > 0) out[n++] = (run_t){t, end - t, s};
+        t = end;
+    }
+    return n;
 }
 
-enum { EXPAND_COLS = 256 }; /* output columns a task expands */
-
-void tm_lora_add(const float *x, float *y, int64_t T, int64_t K, int64_t N, const float *a,
+void tm_lora_add(const float *x, float *y, int64_t T, int64_t K, int64_t N, const float *at,
                  const float *bt, int64_t width, int64_t slices, const int64_t *offsets,
                  const int64_t *ranks, const int64_t *slots, float *tmp) {
-    /* shrink: a task per (row, rank row of A) */
-#pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < T * width; task++) {
-        const int64_t t = task / width, q = task % width, s = slots[t];
-        if (s < 0 || q >= slices * ranks[s]) continue;
-        tmp[t * width + q] = dot(a + (s * width + q) * K, x + t * K, K);
-    }
-    /* expand: a task per (row, EXPAND_COLS output columns) */
-    const int64_t chunks = (N + EXPAND_COLS - 1) / EXPAND_COLS;
-#pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < T * chunks; task++) {
-        const int64_t t = task / chunks, n0 = task % chunks * EXPAND_COLS, s = slots[t];
-        if (s < 0 || ranks[s] == 0) continue;
-        const int64_t r = ranks[s], n1 = n0 + EXPAND_COLS < N ? n0 + EXPAND_COLS : N;
-        float *out = y + t * N;
-        for (int64_t i = 0; i < slices; i++) {
-            const int64_t lo = offsets[i] > n0 ? offsets[i] : n0;
-            const int64_t hi = offsets[i + 1] < n1 ? offsets[i + 1] : n1;
-            for (int64_t j = 0; j < r && lo < hi; j++) {
-                const int64_t q = i * r + j;
-                const float c = tmp[t * width + q];
-                const float *row = bt + (s * width + q) * N;
+    run_t stack[64];
+    run_t *blocks = T <= 64 ? stack : malloc(T * sizeof(run_t));
+    if (blocks == NULL) abort();
+    const int64_t nb = blocks_of(slots, ranks, T, blocks);
+    /* shrink: a task per block; tmp rows accumulated over K, A^T rows read once a block */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < nb; b++) {
+        const run_t blk = blocks[b];
+        const int64_t w = slices * ranks[blk.slot];
+        const float *a = at + blk.slot * K * width;
+        for (int64_t i = 0; i < blk.count; i++) {
+            float *acc = tmp + (blk.first + i) * width;
+            for (int64_t q = 0; q < w; q++) acc[q] = 0.0f;
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const float *arow = a + k * width;
+            for (int64_t i = 0; i < blk.count; i++) {
+                const float xk = x[(blk.first + i) * K + k];
+                float *acc = tmp + (blk.first + i) * width;
 #pragma omp simd
-                for (int64_t n = lo; n < hi; n++) out[n] += c * row[n];
+                for (int64_t q = 0; q < w; q++) acc[q] += xk * arow[q];
             }
         }
     }
+    /* expand: a task per (block, COLS output columns); B^T rows read once a block */
+    const int64_t chunks = (N + COLS - 1) / COLS;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < nb * chunks; task++) {
+        const run_t blk = blocks[task / chunks];
+        const int64_t n0 = task % chunks * COLS, n1 = n0 + COLS < N ? n0 + COLS : N;
+        const int64_t r = ranks[blk.slot];
+        for (int64_t p = 0; p < slices; p++) {
+            const int64_t lo = offsets[p] > n0 ? offsets[p] : n0;
+            const int64_t hi = offsets[p + 1] < n1 ? offsets[p + 1] : n1;
+            for (int64_t j = 0; j < r && lo < hi; j++) {
+                const int64_t q = p * r + j;
+                const float *brow = bt + (blk.slot * width + q) * N;
+                for (int64_t i = 0; i < blk.count; i++) {
+                    const int64_t t = blk.first + i;
+                    const float c = tmp[t * width + q];
+                    float *out = y + t * N;
+#pragma omp simd
+                    for (int64_t n = lo; n < hi; n++) out[n] += c * brow[n];
+                }
+            }
+        }
+    }
+    if (blocks != stack) free(blocks);
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill import csrc
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.lora.adapter import LoRAWeights
 
@@ -44,6 +45,10 @@ class LoRABatch:
                 groups.append((int(slot), torch.from_numpy(rows).to(self._device)))
         return groups
 
+    def slots_tensor(self, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count)'s slots as an int64 tensor (host memory)."""
+        return torch.from_numpy(np.ascontiguousarray(self.slot_of_row[start:start + count]))
+
     def groups_for(self, start: int, count: int) -> list[tuple[int, slice | torch.Tensor]]:
         """The groups of rows [start, start + count) of the step, numbered from 0."""
         if start == 0 and count == self.num_rows:
@@ -53,11 +58,11 @@ class LoRABatch:
 
 class LoRALayer:
     """`max_loras` slots of one linear layer's adapters, for a layer of P projections
-    (q|k|v: 3, gate|up: 2, else 1) and an adapter of rank r at this layer: A [slots, P * R,
-    in] with projection i's A in rows i * r .. i * r + r, and B transposed, bt [slots, P * R,
-    out], with projection i's B^T in the same rows and in its own output columns (zeros
-    elsewhere: the block-diagonal product of the Python path). csrc/lora.c reads the same
-    layout without the zeros (the compiled decode step)."""
+    (q|k|v: 3, gate|up: 2, else 1) and an adapter of rank r at this layer: A transposed, at
+    [slots, in, P * R], projection i's A^T in columns i * r .. i * r + r, and B transposed,
+    bt [slots, P * R, out], projection i's B^T in the same rows and in its own output columns
+    (zeros elsewhere). On a CPU in float32 csrc/lora.c adds the products (without the
+    zeros); elsewhere, and as its reference, `add_reference`'s two matmuls."""
 
     def __init__(self, layer: Linear, batch: LoRABatch, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -65,8 +70,10 @@ class LoRALayer:
         sizes = layer.output_sizes if isinstance(layer, MergedLinear) else [layer.out_features]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.width = len(sizes) * max_rank
-        self.a = torch.zeros(max_loras, self.width, layer.in_features, dtype=dtype,
-                             device=device)
+        self.at = torch.zeros(max_loras, layer.in_features, self.width, dtype=dtype,
+                              device=device)
+        self.offsets_t = torch.tensor(self.offsets, dtype=torch.int64)
+        self.fast = csrc.usable(self.at)
         self.bt = torch.zeros(max_loras, self.width, layer.out_features, dtype=dtype,
                               device=device)
         self.widths = [0] * max_loras  # per slot: A's rows in use (0: no adapter here)
@@ -75,7 +82,7 @@ class LoRALayer:
 
     @torch.inference_mode()  # (the slots were made in a step's inference mode)
     def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
-        self.a[slot].zero_()
+        self.at[slot].zero_()
         self.bt[slot].zero_()
         self.widths[slot] = 0
         self.ranks[slot] = 0
@@ -84,7 +91,7 @@ class LoRALayer:
         r = max(a.shape[0] for a, _ in weights.pairs.values())
         for shard, (a, b) in weights.pairs.items():
             i = shard or 0
-            self.a[slot, i * r:i * r + a.shape[0]].copy_(a)
+            self.at[slot, :, i * r:i * r + a.shape[0]].copy_(a.T)
             rows = b.shape[0]
             self.bt[slot, i * r:i * r + b.shape[1],
                     self.offsets[i]:self.offsets[i] + rows].copy_(b.T)
@@ -98,12 +105,20 @@ class LoRALayer:
             return out
         start = 0 if n == batch.num_rows else self._at
         self._at = (start + n) % batch.num_rows if n != batch.num_rows else 0
-        for slot, rows in batch.groups_for(start, n):
+        if self.fast and x.is_contiguous() and out.is_contiguous():
+            csrc.lora_add(x, out, self.at, self.bt, len(self.offsets) - 1, self.offsets_t,
+                          self.ranks, batch.slots_tensor(start, n))
+            return out
+        return self.add_reference(x, out, batch.groups_for(start, n))
+
+    def add_reference(self, x: torch.Tensor, out: torch.Tensor,
+                      groups: list[tuple[int, slice | torch.Tensor]]) -> torch.Tensor:
+        """The products as two matmuls per adapter over its rows, gathered and scattered."""
+        for slot, rows in groups:
             width = self.widths[slot]
             if not width:
                 continue
-            a, bt = self.a[slot, :width], self.bt[slot, :width]
-            delta = (x[rows] @ a.T) @ bt
+            delta = (x[rows] @ self.at[slot, :, :width]) @ self.bt[slot, :width]
             if isinstance(rows, slice):
                 out[rows] += delta
             else:

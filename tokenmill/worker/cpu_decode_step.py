@@ -38,7 +38,7 @@ class _Linear(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):  # a layer's LoRA slots (decode_step.c's tm_lora)
-    _fields_ = [("a", _ptr), ("bt", _ptr), ("width", _i64), ("slices", _i64),
+    _fields_ = [("at", _ptr), ("bt", _ptr), ("width", _i64), ("slices", _i64),
                 ("offsets", _ptr), ("ranks", _ptr)]
 
 
@@ -384,8 +384,8 @@ class CpuDecodeStep:
             slots = module.lora
             if slots is None or id(module) in self._loras:
                 continue
-            offsets = torch.tensor(slots.offsets, dtype=torch.int64)
-            struct = _Lora(slots.a.data_ptr(), slots.bt.data_ptr(), slots.width,
+            offsets = slots.offsets_t
+            struct = _Lora(slots.at.data_ptr(), slots.bt.data_ptr(), slots.width,
                            len(slots.offsets) - 1, offsets.data_ptr(), slots.ranks.data_ptr())
             self._loras[id(module)] = (struct, offsets, slots)
             getattr(self._layers[i], field).lora = ctypes.addressof(struct)
