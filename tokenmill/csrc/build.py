@@ -135,7 +135,7 @@ def loaded() -> ctypes.CDLL | None:
     lib.tm_silu_and_mul.argtypes = [ptr] * 2 + [i64] * 2
     lib.tm_argmax_rows.argtypes = [ptr] + [i64] * 3 + [ptr]
     lib.tm_write_kv.argtypes = [ptr] * 2 + [i64] * 2 + [ptr] * 3 + [i64] * 4
-    lib.tm_lora_add.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 2 + [ptr] * 4
+    lib.tm_lora_add.argtypes = [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [ptr] * 4
     lib.tm_decode_layers.argtypes = [ptr] * 3 + [i64] + [ptr] * 3 + [i64, ptr]
     lib.tm_decode_layers.restype = i64
     lib.tm_shm_allreduce.argtypes = [ptr] + [i64] * 3 + [ptr, ptr, i64]

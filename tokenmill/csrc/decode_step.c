@@ -34,7 +34,7 @@ enum { TM_F32_PANEL = 0, TM_INT8 = 1, TM_INT8_Q16 = 2, TM_INT4 = 3, TM_INT4_Q16 
 /* A linear layer's LoRA adapter slots (lora.c's layout), or none */
 typedef struct {
     const float *at, *bt;
-    int64_t width, slices;
+    int64_t ldb, width, slices;
     const int64_t *offsets, *ranks;
 } tm_lora;
 
@@ -176,7 +176,8 @@ static void linear(const tm_scratch *m, const tm_linear *l, const float *x, floa
     }
     const tm_lora *lora = l->lora;
     if (lora != NULL && m->lora_slots != NULL)
-        tm_lora_add(x, y, T, l->k, l->n, lora->at, lora->bt, lora->width, lora->slices,
+        tm_lora_add(x, y, T, l->k, l->n, lora->at, lora->bt, lora->ldb, lora->width,
+                    lora->slices,
                     lora->offsets, lora->ranks, m->lora_slots, m->lora_tmp);
 }
 

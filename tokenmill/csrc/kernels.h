@@ -62,5 +62,5 @@ int64_t tm_bf16_panel_gemm(const float *x, const uint16_t *w, const float *bias,
 int64_t tm_bf16_panel_glu(const float *x, const uint16_t *w, const float *bias, float *act,
                           int64_t M, int64_t I, int64_t K, int64_t KP);
 void tm_lora_add(const float *x, float *y, int64_t T, int64_t K, int64_t N, const float *at,
-                 const float *bt, int64_t width, int64_t slices, const int64_t *offsets,
-                 const int64_t *ranks, const int64_t *slots, float *tmp);
+                 const float *bt, int64_t ldb, int64_t width, int64_t slices,
+                 const int64_t *offsets, const int64_t *ranks, const int64_t *slots, float *tmp);

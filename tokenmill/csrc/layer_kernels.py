@@ -121,12 +121,12 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, at: torch.Tensor, bt: torch.Tenso
              slices: int, offsets: torch.Tensor, ranks: torch.Tensor,
              slots: torch.Tensor) -> None:
     """y [T, N] += each row's LoRA product (lora.c): x [T, K] and y float32 contiguous; at
-    [slots, K, width] and bt [slots, width, N] a layer's slots; offsets [slices + 1] and
+    [slots, K, width] and bt [slots, width, >= N] a layer's slots; offsets [slices + 1] and
     ranks [slots] int64; slots [T] int64, each row's slot (-1: none)."""
     t, k = x.shape
     width = at.shape[-1]
     tmp = torch.empty(t, width)
     _library().tm_lora_add(address(x), address(y), t, k, y.shape[1], address(at), address(bt),
-                           width, slices, address(offsets), address(ranks), address(slots),
-                           address(tmp))
+                           bt.shape[-1], width, slices, address(offsets), address(ranks),
+                           address(slots), address(tmp))
 

@@ -74,8 +74,10 @@ class LoRALayer:
                               device=device)
         self.offsets_t = torch.tensor(self.offsets, dtype=torch.int64)
         self.fast = csrc.usable(self.at)
-        self.bt = torch.zeros(max_loras, self.width, layer.out_features, dtype=dtype,
-                              device=device)
+        # (rows padded off multiples of 1 KiB: see csrc/lora.c)
+        out = layer.out_features
+        self.bt = torch.zeros(max_loras, self.width, out + (16 if out % 256 == 0 else 0),
+                              dtype=dtype, device=device)
         self.widths = [0] * max_loras  # per slot: A's rows in use (0: no adapter here)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # per slot: r (0: none)
         self._at = 0  # where this layer's next chunk of the step's rows starts
@@ -118,7 +120,8 @@ class LoRALayer:
             width = self.widths[slot]
             if not width:
                 continue
-            delta = (x[rows] @ self.at[slot, :, :width]) @ self.bt[slot, :width]
+            delta = ((x[rows] @ self.at[slot, :, :width])
+                     @ self.bt[slot, :width, :out.shape[1]])
             if isinstance(rows, slice):
                 out[rows] += delta
             else:

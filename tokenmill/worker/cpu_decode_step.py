@@ -38,7 +38,7 @@ class _Linear(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):  # a layer's LoRA slots (decode_step.c's tm_lora)
-    _fields_ = [("at", _ptr), ("bt", _ptr), ("width", _i64), ("slices", _i64),
+    _fields_ = [("at", _ptr), ("bt", _ptr), ("ldb", _i64), ("width", _i64), ("slices", _i64),
                 ("offsets", _ptr), ("ranks", _ptr)]
 
 
@@ -385,7 +385,8 @@ class CpuDecodeStep:
             if slots is None or id(module) in self._loras:
                 continue
             offsets = slots.offsets_t
-            struct = _Lora(slots.at.data_ptr(), slots.bt.data_ptr(), slots.width,
+            struct = _Lora(slots.at.data_ptr(), slots.bt.data_ptr(), slots.bt.shape[-1],
+                           slots.width,
                            len(slots.offsets) - 1, offsets.data_ptr(), slots.ranks.data_ptr())
             self._loras[id(module)] = (struct, offsets, slots)
             getattr(self._layers[i], field).lora = ctypes.addressof(struct)
