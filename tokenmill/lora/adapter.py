@@ -66,12 +66,26 @@ class LoRAAdapter:
                    for pair in w.pairs.values() for t in pair)
 
 
-def _config(request: LoRARequest, max_rank: int) -> dict[str, Any]:
+def adapter_folder(request: LoRARequest) -> str:
+    """The adapter's local folder: its path, or a hub name (ORG/NAME) fetched through the
+    engine's hub code (the verified cached copy when there is one)."""
+    from tokenmill.hub.fetch import HubError, looks_like_repo, resolve
+
+    path = request.lora_path
+    if os.path.isdir(path) or not looks_like_repo(path):
+        return path
+    try:
+        return resolve(path)
+    except HubError as exc:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: {exc}") from None
+
+
+def _config(request: LoRARequest, folder: str, max_rank: int) -> dict[str, Any]:
     where = f"LoRA adapter {request.lora_name!r}"
-    path = os.path.join(request.lora_path, CONFIG_FILE)
-    if not request.lora_path or not os.path.isfile(path):
+    path = os.path.join(folder, CONFIG_FILE)
+    if not folder or not os.path.isfile(path):
         raise LoRAError(f"{where}: no {CONFIG_FILE} in its folder {request.lora_path!r}.")
-    if not os.path.isfile(os.path.join(request.lora_path, WEIGHTS_FILE)):
+    if not os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
         raise LoRAError(f"{where}: no {WEIGHTS_FILE} in its folder (only safetensors "
                         "adapters are read).")
     try:
@@ -128,8 +142,9 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
     from safetensors import safe_open
 
     where = f"LoRA adapter {request.lora_name!r}"
-    config = _config(request, max_rank)
-    weights_path = os.path.join(request.lora_path, WEIGHTS_FILE)
+    folder = adapter_folder(request)
+    config = _config(request, folder, max_rank)
+    weights_path = os.path.join(folder, WEIGHTS_FILE)
     try:
         check_safetensors(weights_path)
     except ModelFileError as exc:
