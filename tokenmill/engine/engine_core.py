@@ -90,6 +90,10 @@ class EngineCore:
             self.shutdown()
             raise
         self.loras = LoRARegistry(self.runner.lora, config.lora_modules)
+        # a request whose adapter is not in host memory waits while a thread reads it (the
+        # engine-core process sets this; in-process, `LLM` callers get a bad adapter's error
+        # from generate itself)
+        self.defer_lora_reads = False
         try:  # (--lora-modules: read and checked at start-up, a bad one stops it here)
             self.loras.start()
         except BaseException:
@@ -139,6 +143,8 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
+        if getattr(self, "loras", None) is not None:
+            self.loras.shutdown()
         workers, self.workers = self.workers, None
         if workers is None:
             return
@@ -167,15 +173,21 @@ class EngineCore:
                       self.kv_cache.num_blocks, self.config.block_size,
                       self.scheduler.config.num_lookahead_tokens)
         lora = request.lora_request
-        if lora is not None:  # (read and checked now: a bad adapter refuses its request)
-            self.loras.check(lora)
         new = Request(request.request_id, list(request.prompt_token_ids),
                       request.sampling_params, arrival_time=request.arrival_time,
                       lora_request=lora)
+        if lora is not None:
+            if self.defer_lora_reads and not self.loras.held(lora):
+                self.loras.submit(new)  # (read off the step loop; `_admit_compiled` admits)
+                return
+            self.loras.check(lora)  # (read now: a bad adapter refuses its request here)
+        self._enqueue(new)
+
+    def _enqueue(self, request: Request) -> None:
         if request.sampling_params.structured_outputs is not None:
-            self.structured.submit(new)  # (enters the scheduler once compiled)
+            self.structured.submit(request)  # (enters the scheduler once compiled)
         else:
-            self.scheduler.add_request(new)
+            self.scheduler.add_request(request)
 
     def load_lora(self, name: str, path: str) -> LoRARequest:
         """An adapter served from now on under `name` (ValueError: refused)."""
@@ -193,6 +205,7 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.structured.drop(request_ids)
+        self.loras.drop(request_ids)
         self.scheduler.abort_requests(request_ids)
         if self.proposer is not None:
             self.proposer.release(request_ids)
@@ -205,7 +218,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
-                or bool(self.structured.pending))
+                or bool(self.structured.pending) or bool(self.loras.pending))
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
@@ -283,15 +296,20 @@ class EngineCore:
                                                len(launched.inputs.token_ids)))
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Constrained requests whose grammar compiled join the scheduler; those whose
-        grammar failed finish with the error. With nothing else to run, waits a little for
-        a compile instead of spinning."""
+        """Requests whose adapter was read go on (to the scheduler, or to compile their
+        grammar); constrained requests whose grammar compiled join the scheduler; those whose
+        adapter or grammar failed finish with the error. With nothing else to run, waits a
+        little for a read or a compile instead of spinning."""
         idle = not (self.scheduler.has_unfinished_requests() or self.batch_queue)
-        ready, failed = self.structured.ready(0.05 if idle else 0.0)
+        waited = idle and bool(self.loras.pending)
+        read, refused = self.loras.ready(0.05 if idle else 0.0)
+        for request in read:
+            self._enqueue(request)
+        ready, failed = self.structured.ready(0.05 if idle and not waited else 0.0)
         for request in ready:
             self.scheduler.add_request(request)
         return [EngineCoreOutput(r.request_id, [], int(FinishReason.ABORT), error=message)
-                for r, message in failed]
+                for r, message in refused + failed]
 
     def _kv_blocks(self, request: Request) -> tuple[int, int]:
         size = self.config.block_size

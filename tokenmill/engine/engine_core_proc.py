@@ -48,6 +48,7 @@ def heartbeat_address(address: str) -> str:
 class EngineCoreProc:
     def __init__(self, core: EngineCore, address: str) -> None:
         self.core = core
+        core.defer_lora_reads = True  # (an adapter's read never holds the other requests up)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)

@@ -41,10 +41,27 @@ class LoRAManager:
         if held is not None and held.request == request:
             self.cpu.move_to_end(request.lora_int_id)
             return held
-        if held is not None:  # (the same id for another adapter: the new one replaces it)
+        return self.keep(self.read(request))
+
+    def holds(self, request: LoRARequest) -> bool:
+        held = self.cpu.get(request.lora_int_id)
+        return held is not None and held.request == request
+
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter read from its folder and checked against the model (LoRAError if
+        refused); nothing kept: safe off the engine's thread."""
+        return load_adapter(request, self.model, self.max_rank, self.dtype,
+                            torch.device("cpu"))
+
+    def keep(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """A read adapter kept in host memory (the least recently used past
+        --max-cpu-loras dropped)."""
+        request = adapter.request
+        if self.holds(request):  # (read twice meanwhile: the first copy stays)
+            self.cpu.move_to_end(request.lora_int_id)
+            return self.cpu[request.lora_int_id]
+        if request.lora_int_id in self.cpu:  # (the same id for another adapter: replaced)
             self.remove(request.lora_int_id)
-        adapter = load_adapter(request, self.model, self.max_rank, self.dtype,
-                               torch.device("cpu"))
         self.cpu[request.lora_int_id] = adapter
         while len(self.cpu) > self.max_cpu_loras:
             dropped, _ = self.cpu.popitem(last=False)

@@ -1,10 +1,14 @@
 """`LoRARegistry`: the adapters an engine serves by name (--lora-modules, then those loaded
 and unloaded at run time). It hands out ids (never reused), and an adapter unloaded while
-requests still use it stays in memory until the last of them finishes."""
+requests still use it stays in memory until the last of them finishes. A request whose
+adapter is not in host memory can wait while a thread reads it (`submit` / `ready`), so the
+engine's step loop goes on meanwhile."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterable
+from typing import Any
 
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest, served_adapters
@@ -18,6 +22,9 @@ class LoRARegistry:
         self._next_id = len(self.adapters) + 1
         self._unloaded: set[int] = set()  # ids of adapters unloaded (never served again)
         self._draining: set[int] = set()  # unloaded, still in memory for running requests
+        # requests waiting for their adapter's read, in arrival order: (request, its future)
+        self.pending: list[tuple[Any, concurrent.futures.Future]] = []
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self) -> None:
         """Reads and checks the --lora-modules adapters (LoRAError: one is refused)."""
@@ -31,9 +38,57 @@ class LoRARegistry:
 
     def check(self, request: LoRARequest) -> None:
         """A request's adapter, read and checked where not held (ValueError: refused)."""
+        self._refuse_unloaded(request)
+        self._manager().add(request)
+
+    def _refuse_unloaded(self, request: LoRARequest) -> None:
         if request.lora_int_id in self._unloaded:
             raise ValueError(f"LoRA adapter {request.lora_name!r} was unloaded.")
-        self._manager().add(request)
+
+    def held(self, request: LoRARequest) -> bool:
+        """Whether the adapter is read and in host memory (a request for it can run now)."""
+        return self._manager().holds(request)
+
+    def submit(self, request: Any) -> None:
+        """An engine request (core/request.py's) whose adapter a thread reads; `ready`
+        hands it back once read (ValueError now: the adapter was unloaded)."""
+        lora = request.lora_request
+        self._refuse_unloaded(lora)
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tokenmill-lora")
+        self.pending.append((request, self._reader.submit(self._manager().read, lora)))
+
+    def ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """Requests whose adapter is now in host memory, and those whose adapter was
+        refused with the reason; waits up to `wait_s` for a first one."""
+        if not self.pending:
+            return [], []
+        if wait_s:
+            concurrent.futures.wait([f for _, f in self.pending], wait_s,
+                                    concurrent.futures.FIRST_COMPLETED)
+        done = [(r, f) for r, f in self.pending if f.done()]
+        self.pending = [(r, f) for r, f in self.pending if not f.done()]
+        ok, failed = [], []
+        for request, future in done:
+            exc = future.exception()
+            if exc is None:
+                self._manager().keep(future.result())
+                ok.append(request)
+            elif isinstance(exc, ValueError):
+                failed.append((request, str(exc)))
+            else:
+                raise exc
+        return ok, failed
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Forget waiting requests (aborted)."""
+        ids = set(request_ids)
+        self.pending = [(r, f) for r, f in self.pending if r.request_id not in ids]
+
+    def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def load(self, name: str, path: str) -> LoRARequest:
         """A new adapter served under `name` (ValueError: refused, nothing loaded)."""
