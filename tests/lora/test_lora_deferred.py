@@ -5,6 +5,7 @@ and a bad adapter finishes its request with the error instead of raising."""
 import threading
 
 from helpers import hf_greedy
+
 from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.protocol import EngineCoreRequest
