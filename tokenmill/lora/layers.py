@@ -21,14 +21,24 @@ class LoRABatch:
     def __init__(self) -> None:
         self.num_rows = 0
         self.slot_of_row = np.zeros(0, dtype=np.int64)
-        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.active = False  # some row of the step has an adapter
+        self._groups: list[tuple[int, slice | torch.Tensor]] | None = []
         self._device = torch.device("cpu")
 
     def set(self, slot_of_row: np.ndarray, device: torch.device) -> None:
         """`slot_of_row`: the slot of each row of the step, -1 for the base model's rows."""
         self.num_rows = len(slot_of_row)
         self.slot_of_row, self._device = slot_of_row, device
-        self.groups = self._grouped(slot_of_row)
+        self.active = bool((slot_of_row >= 0).any())
+        self._groups = None  # (made when the torch path asks: the C kernel takes the slots)
+
+    @property
+    def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, its rows) for the slots of the step's rows: a slice where the rows are one
+        run, else their indices on the device."""
+        if self._groups is None:
+            self._groups = self._grouped(self.slot_of_row)
+        return self._groups
 
     def clear(self) -> None:
         self.set(np.zeros(0, dtype=np.int64), self._device)
@@ -103,7 +113,7 @@ class LoRALayer:
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (x's base product) plus each row's adapter product, in place."""
         n, batch = x.shape[0], self.batch
-        if not batch.groups or x.dim() != 2:
+        if not batch.active or x.dim() != 2:
             return out
         start = 0 if n == batch.num_rows else self._at
         self._at = (start + n) % batch.num_rows if n != batch.num_rows else 0

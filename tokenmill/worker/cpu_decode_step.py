@@ -370,7 +370,7 @@ class CpuDecodeStep:
         """This step's row slots for C (None: no row has an adapter), the adapters' layers
         described first where they are new."""
         batch = None if self.lora is None else self.lora.batch
-        if batch is None or not batch.groups:
+        if batch is None or not batch.active:
             return None
         if self._lora_count != len(self.lora.layers):  # (layers get slots as adapters come)
             self._lora_count = len(self.lora.layers)
