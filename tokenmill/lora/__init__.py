@@ -1,4 +1,5 @@
 """LoRA adapters served beside their base model: `request.py` (`LoRARequest`, which adapter a
 request runs with), `adapter.py` (a PEFT adapter read and checked against the model),
 `layers.py` (the low-rank products added to a linear layer's, grouped by adapter),
-`manager.py` (adapters kept in memory and in the step's slots)."""
+`triton_ops.py` (those products on a GPU in two Triton kernels), `manager.py` (adapters kept
+in memory and in the step's slots), `registry.py` (the adapters an engine serves by name)."""

@@ -1,7 +1,8 @@
 """The low-rank products of a step's adapters added to a linear layer's output: the base
 product once for every row, then per adapter in the step one shrink (x @ A^T) and one expand
 (@ B^T) over that adapter's rows, gathered and scattered by index (the S-LoRA / Punica
-grouping, in torch ops: any device). Adapters sit in a fixed number of slots per layer."""
+grouping: csrc/lora.c on a CPU in float32, lora/triton_ops.py's kernels on a GPU, torch ops
+elsewhere and as their reference). Adapters sit in a fixed number of slots per layer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from tokenmill import csrc
 from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.lora import triton_ops
 from tokenmill.lora.adapter import LoRAWeights
 
 
@@ -23,6 +25,7 @@ class LoRABatch:
         self.slot_of_row = np.zeros(0, dtype=np.int64)
         self.active = False  # some row of the step has an adapter
         self._groups: list[tuple[int, slice | torch.Tensor]] | None = []
+        self._aligned: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._device = torch.device("cpu")
 
     def set(self, slot_of_row: np.ndarray, device: torch.device) -> None:
@@ -31,6 +34,7 @@ class LoRABatch:
         self.slot_of_row, self._device = slot_of_row, device
         self.active = bool((slot_of_row >= 0).any())
         self._groups = None  # (made when the torch path asks: the C kernel takes the slots)
+        self._aligned = {}
 
     @property
     def groups(self) -> list[tuple[int, slice | torch.Tensor]]:
@@ -59,6 +63,16 @@ class LoRABatch:
         """Rows [start, start + count)'s slots as an int64 tensor (host memory)."""
         return torch.from_numpy(np.ascontiguousarray(self.slot_of_row[start:start + count]))
 
+    def aligned(self, start: int, count: int, num_slots: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [start, start + count) sorted by slot in blocks on the device, for the
+        Triton kernels (`triton_ops.align_rows`): made once per step and chunk."""
+        key = (start, count, num_slots)
+        if key not in self._aligned:
+            slots = torch.from_numpy(np.ascontiguousarray(self.slot_of_row[start:start + count]))
+            self._aligned[key] = triton_ops.align_rows(slots.to(self._device), num_slots)
+        return self._aligned[key]
+
     def groups_for(self, start: int, count: int) -> list[tuple[int, slice | torch.Tensor]]:
         """The groups of rows [start, start + count) of the step, numbered from 0."""
         if start == 0 and count == self.num_rows:
@@ -72,7 +86,8 @@ class LoRALayer:
     [slots, in, P * R], projection i's A^T in columns i * r .. i * r + r, and B transposed,
     bt [slots, P * R, out], projection i's B^T in the same rows and in its own output columns
     (zeros elsewhere). On a CPU in float32 csrc/lora.c adds the products (without the
-    zeros); elsewhere, and as its reference, `add_reference`'s two matmuls."""
+    zeros), on a GPU lora/triton_ops.py's two kernels; elsewhere, and as their reference,
+    `add_reference`'s two matmuls."""
 
     def __init__(self, layer: Linear, batch: LoRABatch, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -84,12 +99,14 @@ class LoRALayer:
                               device=device)
         self.offsets_t = torch.tensor(self.offsets, dtype=torch.int64)
         self.fast = csrc.usable(self.at)
+        self.triton = not self.fast and triton_ops.usable(self.at)
         # (rows padded off multiples of 1 KiB: see csrc/lora.c)
         out = layer.out_features
         self.bt = torch.zeros(max_loras, self.width, out + (16 if out % 256 == 0 else 0),
                               dtype=dtype, device=device)
         self.widths = [0] * max_loras  # per slot: A's rows in use (0: no adapter here)
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # per slot: r (0: none)
+        self.widths_t = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self._at = 0  # where this layer's next chunk of the step's rows starts
 
     @torch.inference_mode()  # (the slots were made in a step's inference mode)
@@ -98,6 +115,7 @@ class LoRALayer:
         self.bt[slot].zero_()
         self.widths[slot] = 0
         self.ranks[slot] = 0
+        self.widths_t[slot] = 0
         if weights is None:
             return
         r = max(a.shape[0] for a, _ in weights.pairs.values())
@@ -109,6 +127,7 @@ class LoRALayer:
                     self.offsets[i]:self.offsets[i] + rows].copy_(b.T)
         self.widths[slot] = (len(self.offsets) - 1) * r
         self.ranks[slot] = r
+        self.widths_t[slot] = self.widths[slot]
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (x's base product) plus each row's adapter product, in place."""
@@ -121,6 +140,10 @@ class LoRALayer:
             csrc.lora_add(x, out, self.at, self.bt, len(self.offsets) - 1, self.offsets_t,
                           self.ranks, batch.slots_tensor(start, n))
             return out
+        if self.triton and x.stride(-1) == 1 and out.stride(-1) == 1:
+            rows, block_slot = batch.aligned(start, n, self.at.shape[0])
+            return triton_ops.add(x, out, self.at, self.bt, self.widths_t, max(self.widths),
+                                  rows, block_slot)
         return self.add_reference(x, out, batch.groups_for(start, n))
 
     def add_reference(self, x: torch.Tensor, out: torch.Tensor,
