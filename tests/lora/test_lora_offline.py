@@ -103,11 +103,12 @@ def test_more_adapters_than_slots(tiny_models, adapters):
 
 def test_mixed_batch_tensor_parallel(tiny_models, adapters):
     """Tensor parallel 2: A and B cut as their base layers (column-parallel B by rows,
-    row-parallel A by columns), the same tokens as peft."""
+    row-parallel A by columns, the embedding's A and the LM head's B by vocabulary rows),
+    the same tokens as peft."""
     path, hf_model = tiny_models("qwen2")
     a_path, a_ref = adapters("qwen2", "tp-a", seed=6, r=16, target_modules=ATTN + MLP)
-    b_path, b_ref = adapters("qwen2", "tp-b", seed=7, target_modules=["k_proj", "o_proj",
-                                                                    "up_proj", "down_proj"])
+    b_path, b_ref = adapters("qwen2", "tp-b", seed=7, target_modules=[
+        "k_proj", "o_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"])
     a, b = LoRARequest("a", 1, a_path), LoRARequest("b", 2, b_path)
     plan = [(p, lora, ref) for p in PROMPTS
             for lora, ref in ((a, a_ref), (None, hf_model), (b, b_ref))]

@@ -30,6 +30,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = _narrowed(0, self.first, self.rows)
         self.head = None  # a tied LM head whose quantized rows the lookups read instead
         self.out_dtype: torch.dtype | None = None  # rows converted to it (a bf16 table)
+        # LoRA adapters' slots for the table (lora/layers.py's EmbeddingLoRA), once one
+        # targets it
+        self.lora = None
 
     def share_rows(self, head: nn.Module) -> None:
         """Look rows up in the tied LM head's quantized kernel (the same rows on each rank)
@@ -46,10 +49,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self._lookup(input_ids)
+            out = self._lookup(input_ids)
+            return out if self.lora is None else self.lora.add(input_ids, out)
         local = input_ids - self.first
         mine = (local >= 0) & (local < self.rows)
-        out = self._lookup(local.clamp(0, self.rows - 1))
+        local = local.clamp(0, self.rows - 1)
+        out = self._lookup(local)
+        if self.lora is not None:
+            out = self.lora.add(local, out)
         out.masked_fill_(~mine.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 

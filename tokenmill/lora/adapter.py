@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from tokenmill.loading.file_checks import ModelFileError, check_json_file, check_safetensors
 from tokenmill.lora.request import LoRARequest
@@ -37,8 +38,6 @@ _REFUSED = {
     "use_qalora": "QA-LoRA (use_qalora)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
 }
-# Modules PEFT can target that this engine does not take adapters for.
-_REFUSED_MODULES = ("embed_tokens", "lm_head")
 
 
 class LoRAError(ValueError):
@@ -117,13 +116,6 @@ def _config(request: LoRARequest, folder: str, max_rank: int) -> dict[str, Any]:
     for patterns in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(patterns) or {}, dict):
             raise LoRAError(f"{where}: {patterns} is not a JSON object.")
-    targets = config.get("target_modules") or []
-    if isinstance(targets, str):
-        targets = [targets]
-    for name in _REFUSED_MODULES:
-        if name in targets:
-            raise LoRAError(f"{where}: target module {name!r} is not supported (adapters on "
-                            "the attention and MLP projections are).")
     return config
 
 
@@ -158,6 +150,10 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
         layers: dict[str, LoRAWeights] = {}
         rank = 0
         for module, parts in found.items():
+            saved = parts.pop("base", None)  # (PEFT's copy of a targeted embedding / head)
+            if saved is not None and not parts:
+                raise LoRAError(f"{where}: module {module!r} is a saved copy of a base layer "
+                                "(modules_to_save), which is not supported.")
             if set(parts) != {"A", "B"}:
                 raise LoRAError(f"{where}: module {module!r} has lora_{next(iter(parts))} "
                                 "without its other half.")
@@ -166,6 +162,16 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
                 continue  # (another pipeline stage's layer)
             layer_name = target.removesuffix(".weight")
             layer = modules.get(layer_name)
+            if saved is not None:
+                _check_saved_copy(saved, layer, module, where, dtype)
+            if isinstance(layer, VocabParallelEmbedding):
+                a, b = _embedding_pair(parts["A"], parts["B"], layer, module, where)
+                rank = max(rank, a.shape[0])
+                scale = _scale(config, module, a.shape[0])
+                layers[layer_name] = LoRAWeights({None: (
+                    a.to(device=device, dtype=dtype).contiguous(),
+                    (b.to(torch.float32) * scale).to(device=device, dtype=dtype))})
+                continue
             # (experts, a router, MLA's kv_b_proj whose weight attention reads directly: their
             # products do not go through the layer's forward, so an adapter there is refused)
             if (not isinstance(layer, Linear) or ".experts." in layer_name
@@ -174,11 +180,8 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
                                 "model that takes adapters (experts, routers and latent "
                                 "attention's kv_b_proj do not).")
             a, b = _checked_pair(parts["A"], parts["B"], layer, shard, module, where)
-            r = a.shape[0]
-            rank = max(rank, r)
-            alpha = _pattern_value(config.get("alpha_pattern") or {}, module,
-                                   config.get("lora_alpha", config["r"]))
-            scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+            rank = max(rank, a.shape[0])
+            scale = _scale(config, module, a.shape[0])
             a = a.to(device=device, dtype=dtype).contiguous()
             b = (b.to(torch.float32) * scale).to(device=device, dtype=dtype)
             pairs = layers.setdefault(layer_name, LoRAWeights({})).pairs
@@ -191,17 +194,91 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
     return LoRAAdapter(request, rank, layers)
 
 
+def _scale(config: dict[str, Any], module: str, r: int) -> float:
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module,
+                           config.get("lora_alpha", config["r"]))
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
 def _split_key(key: str, where: str) -> tuple[str, str]:
-    """'base_model.model.<module>.lora_A.weight' -> (<module>, 'A')."""
-    for part in ("A", "B"):
-        for suffix in (f".lora_{part}.weight", f".lora_{part}.default.weight"):
-            if key.endswith(suffix) and key.startswith(_PREFIX):
-                return key[len(_PREFIX):-len(suffix)], part
-    if "lora_embedding" in key or "lm_head" in key or "embed_tokens" in key:
-        raise LoRAError(f"{where}: tensor {key[:120]!r}: adapters on the embeddings or the "
-                        "LM head are not supported.")
+    """'base_model.model.<module>.lora_A.weight' -> (<module>, 'A'); an embedding's
+    '.lora_embedding_A' likewise; a targeted embedding's or head's saved base weight
+    ('.base_layer.weight', PEFT's save_embedding_layers) -> (<module>, 'base')."""
+    suffixes = [(f".lora_{part}{tail}", part) for part in ("A", "B")
+                for tail in (".weight", ".default.weight")]
+    suffixes += [(f".lora_embedding_{part}{tail}", part) for part in ("A", "B")
+                 for tail in ("", ".default")]
+    suffixes.append((".base_layer.weight", "base"))
+    for suffix, part in suffixes:
+        if key.endswith(suffix) and key.startswith(_PREFIX):
+            return key[len(_PREFIX):-len(suffix)], part
     raise LoRAError(f"{where}: tensor {key[:120]!r} is not a LoRA A or B weight "
                     "(DoRA magnitudes, biases and saved modules are not supported).")
+
+
+def _check_saved_copy(saved: Any, layer: nn.Module | None, module: str, where: str,
+                      dtype: torch.dtype) -> None:
+    """PEFT saves a targeted embedding's or LM head's whole base weight beside its pair (to
+    carry a resized or trained vocabulary): served only where it is the base model's own
+    (its shape always; its values where the base layer's are float: a quantized base's
+    rounded weights cannot equal them)."""
+    if isinstance(layer, VocabParallelEmbedding):
+        first, local = layer.first, layer.rows
+        width = layer.weight.shape[1] if layer.weight is not None else layer.head.in_features
+        vocab = layer.vocab_size
+    elif isinstance(layer, Linear):
+        first = layer.tp.rank * layer.out_features if isinstance(
+            layer, ColumnParallelLinear) else 0
+        local, width = layer.out_features, layer.in_features
+        vocab = getattr(layer, "full_out", layer.out_features)
+    else:
+        return  # (not a layer adapters are served on: refused below)
+    shape = list(saved.get_shape())
+    if shape != [vocab, width]:
+        raise LoRAError(f"{where}: module {module!r} carries its own base weight {shape}, not "
+                        f"this base model's ({vocab} x {width}): a resized vocabulary is not "
+                        "supported.")
+    rows = max(0, min(local, vocab - first))
+    ours, stored = _base_rows(layer, rows, dtype)
+    if ours is not None and not torch.equal(
+            saved[first:first + rows].to(stored).to(ours.dtype), ours):
+        raise LoRAError(f"{where}: module {module!r} carries its own base weight, which is "
+                        "not this base model's (a trained vocabulary is not supported).")
+
+
+def _base_rows(layer: nn.Module, rows: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor | None, torch.dtype]:
+    """(the first `rows` rows of a layer's float base weight on the CPU, the dtype it is
+    stored in), or None where the layer holds it quantized. A Linear whose kernel repacked
+    it: read back through the kernel (the identity's product, exact for float weights)."""
+    weight = getattr(layer, "weight", None)
+    if weight is not None and not weight.is_meta:
+        return weight[:rows].cpu(), weight.dtype
+    kind = type(getattr(layer, "kernel", None)).__name__
+    if (not isinstance(layer, Linear) or layer.bias is not None
+            or kind not in ("CpuPackedKernel", "CpuBf16Kernel")):
+        return None, dtype
+    eye = torch.eye(layer.in_features, dtype=dtype)
+    ours = torch.cat([layer.kernel.apply(layer, eye[i:i + 64])[:, :rows].T
+                      for i in range(0, layer.in_features, 64)], dim=1)
+    return ours, torch.bfloat16 if kind == "CpuBf16Kernel" else torch.float32
+
+
+def _embedding_pair(a_slice: Any, b_slice: Any, layer: VocabParallelEmbedding, module: str,
+                    where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding's lora_embedding_A [r, vocab] (this rank's rows of the vocabulary, the
+    padding zeros) and lora_embedding_B [hidden, r], after their shapes are checked."""
+    a_shape, b_shape = list(a_slice.get_shape()), list(b_slice.get_shape())
+    hidden = layer.weight.shape[1] if layer.weight is not None else layer.head.in_features
+    if (len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]
+            or a_shape[1] != layer.vocab_size or b_shape[0] != hidden):
+        raise LoRAError(f"{where}: module {module!r}: lora_embedding_A {a_shape} / "
+                        f"lora_embedding_B {b_shape} do not fit the embedding "
+                        f"({layer.vocab_size} x {hidden}): an adapter of another base model?")
+    kept = max(0, min(layer.rows, layer.vocab_size - layer.first))
+    a = torch.zeros(a_shape[0], layer.rows, dtype=_dtype(a_slice))
+    a[:, :kept] = a_slice[:, layer.first:layer.first + kept]
+    return a, b_slice[:]
 
 
 def _by_projection(layer: Linear, shard: int | None, b: torch.Tensor

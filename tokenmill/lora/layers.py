@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill import csrc
+from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.lora import triton_ops
 from tokenmill.lora.adapter import LoRAWeights
@@ -159,4 +160,51 @@ class LoRALayer:
                 out[rows] += delta
             else:
                 out.index_add_(0, rows, delta)
+        return out
+
+
+class EmbeddingLoRA:
+    """`max_loras` slots of the token embedding's adapters (PEFT's lora_embedding_A / _B):
+    A^T [slots, vocabulary rows on this rank, R], a token's row of it that token's low-rank
+    code, and B^T [slots, R, hidden] with the scale folded in. A row of the step adds
+    A^T[slot, token] @ B^T[slot]: a row gather and one small matmul per adapter, in torch
+    ops on any device (the lookup's cost, not a layer's)."""
+
+    def __init__(self, layer: VocabParallelEmbedding, batch: LoRABatch, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.batch = batch
+        hidden = layer.weight.shape[1] if layer.weight is not None else layer.head.in_features
+        self.at = torch.zeros(max_loras, layer.rows, max_rank, dtype=dtype, device=device)
+        self.bt = torch.zeros(max_loras, max_rank, hidden, dtype=dtype, device=device)
+        self.widths = [0] * max_loras
+
+    @torch.inference_mode()
+    def set_slot(self, slot: int, weights: LoRAWeights | None) -> None:
+        self.at[slot].zero_()
+        self.bt[slot].zero_()
+        self.widths[slot] = 0
+        if weights is None:
+            return
+        a, b = weights.pairs[None]
+        self.at[slot, :, :a.shape[0]].copy_(a.T)
+        self.bt[slot, :a.shape[0]].copy_(b.T)
+        self.widths[slot] = a.shape[0]
+
+    def add(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (the looked-up rows of `ids`, this rank's token numbers) plus each row's
+        adapter product, in place. Lookups of other rows than the step's (a draft head's)
+        are the base model's."""
+        batch = self.batch
+        if not batch.active or ids.numel() != batch.num_rows:
+            return out
+        flat, rows_out = ids.reshape(-1), out.view(-1, out.shape[-1])
+        for slot, rows in batch.groups:
+            width = self.widths[slot]
+            if not width:
+                continue
+            delta = self.at[slot, flat[rows], :width] @ self.bt[slot, :width]
+            if isinstance(rows, slice):
+                rows_out[rows] += delta
+            else:
+                rows_out.index_add_(0, rows, delta)
         return out

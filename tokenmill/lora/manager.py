@@ -12,9 +12,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.lora.adapter import LoRAAdapter, LoRAError, load_adapter
-from tokenmill.lora.layers import LoRABatch, LoRALayer
+from tokenmill.lora.layers import EmbeddingLoRA, LoRABatch, LoRALayer
 from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -26,8 +27,10 @@ class LoRAManager:
         self.model, self.dtype, self.device = model, dtype, device
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.batch = LoRABatch()
-        self.layers: dict[str, LoRALayer] = {}  # built for a layer when an adapter targets it
+        self.batch = LoRABatch()  # the step's token rows
+        self.logits_batch = LoRABatch()  # the rows the LM head gets next (`logits_rows`)
+        # built for a layer when an adapter targets it
+        self.layers: dict[str, LoRALayer | EmbeddingLoRA] = {}
         self._modules = dict(model.named_modules())
         self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self.slots: list[int | None] = [None] * max_loras  # adapter id per slot
@@ -102,6 +105,14 @@ class LoRAManager:
         slots = np.array([slot_of.get(i, -1) for i in lora_ids], dtype=np.int64)
         self.batch.set(np.repeat(slots, rows_per_seq), self.device)
 
+    def logits_rows(self, rows: np.ndarray | None) -> None:
+        """The step's token rows whose hidden states the LM head is given next, in order
+        (None: rows of no step, such as a draft head's: the base model's head)."""
+        if rows is None or not self.batch.active:
+            self.logits_batch.clear()
+        else:
+            self.logits_batch.set(self.batch.slot_of_row[rows], self.device)
+
     def _slot(self, request: LoRARequest, taken: set[int]) -> int:
         lora_id = request.lora_int_id
         if lora_id in self.slots:
@@ -120,11 +131,17 @@ class LoRAManager:
         for name in adapter.layers:
             if name not in self.layers:
                 layer = self._modules[name]
-                assert isinstance(layer, Linear)
                 with torch.inference_mode():
-                    self.layers[name] = layer.lora = LoRALayer(
-                        layer, self.batch, self.max_loras, self.max_rank, self.dtype,
-                        self.device)
+                    if isinstance(layer, VocabParallelEmbedding):
+                        made = EmbeddingLoRA(layer, self.batch, self.max_loras, self.max_rank,
+                                             self.dtype, self.device)
+                    else:  # (an LM head's rows are the sampled ones: a batch of their own)
+                        assert isinstance(layer, Linear)
+                        batch = self.logits_batch if isinstance(layer, ParallelLMHead) \
+                            else self.batch
+                        made = LoRALayer(layer, batch, self.max_loras, self.max_rank,
+                                         self.dtype, self.device)
+                    self.layers[name] = layer.lora = made
         for name, layer in self.layers.items():
             layer.set_slot(slot, adapter.layers.get(name))
         self.slots[slot] = adapter.request.lora_int_id

@@ -8,6 +8,7 @@ import itertools
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, leading_decodes
@@ -322,12 +323,13 @@ class ModelRunner:
         if sample_rows:
             # with `logits_rows`, hidden holds exactly the sampled rows (their last tokens), in
             # order; so does a step whose every row is sampled (decodes)
-            rows = hidden if logits_rows is not None or inputs.num_sampled_rows == len(hidden) \
-                else hidden[[meta.query_start_loc[i + 1] - n + r
-                             for i, n in zip(sample_rows, inputs.sample_counts)
-                             for r in range(n)]]
-            logits = self.model.compute_logits(rows)
-        prompt_logits = [self.model.compute_logits(hidden[first:first + n])
+            every = logits_rows is not None or inputs.num_sampled_rows == len(hidden)
+            index = None if every else [meta.query_start_loc[i + 1] - n + r
+                                        for i, n in zip(sample_rows, inputs.sample_counts)
+                                        for r in range(n)]
+            logits = self._logits(hidden if every else hidden[index],
+                                  np.arange(len(hidden)) if every else np.array(index))
+        prompt_logits = [self._logits(hidden[first:first + n], np.arange(first, first + n))
                          for first, n in inputs.prompt_rows]
         hidden_states = self.target_states.of_step(before, hidden) if self.target_states else []
         if link is not None:  # the last stage's logits (and hidden_states) to stage 0
@@ -336,6 +338,16 @@ class ModelRunner:
             return None
         taken = self.target_states.taken(hidden_states) if hidden_states else None
         return logits, prompt_logits, taken
+
+    def _logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor | None:
+        """compute_logits of `hidden`, the step's token `rows` (an LM head's adapters)."""
+        if self.lora is None:
+            return self.model.compute_logits(hidden)
+        self.lora.logits_rows(rows)
+        try:
+            return self.model.compute_logits(hidden)
+        finally:
+            self.lora.logits_rows(None)
 
     def serve_steps(self) -> None:
         """Ranks other than 0: run each step rank 0 sends, until it sends the stop."""
