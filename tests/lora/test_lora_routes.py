@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.lora.trtllm_convert import trtllm_tensors
 from tests.serving import Served, wait_until
 
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -68,10 +69,10 @@ def test_triton_generate_by_task_id_and_model(served):
         resp = generate(model, **fields)
         assert resp.status_code == 200, resp.text
         assert resp.json()["text_output"] == expected
-    cases = [(generate("ensemble", lora_task_id=9), 404, "names no adapter"),
+    cases = [(generate("ensemble", lora_task_id=9), 404, "LoRA task 9 not found"),
              (generate("sql", lora_task_id=2), 400, "is adapter 'chat'"),
-             (generate("ensemble", lora_weights=[[0.0]]), 400, "lora_weights: adapters sent "
-                                                                "as tensors are not supported")]
+             (generate("ensemble", lora_weights=[[0.0]]), 400, "sent together, with the "
+                                                                "lora_task_id")]
     for resp, status, fragment in cases:
         assert resp.status_code == status and set(resp.json()) == {"error"}, resp.text
         assert fragment in resp.json()["error"]
@@ -96,10 +97,63 @@ def test_grpc_lora_task_id(served):
 
         assert infer(2) == _openai(served, "chat", prompt=TEXT)
         assert infer() == _openai(served, "tiny", prompt=TEXT)
-        with pytest.raises(InferenceServerException, match="names no adapter"):
+        with pytest.raises(InferenceServerException, match="LoRA task 5 not found"):
             infer(5)
     finally:
         client.close()
+
+
+def test_adapter_sent_as_tensors(served, adapters):
+    """TensorRT-LLM's lora_weights / lora_config with a lora_task_id register that adapter
+    (the tensors of --lora-modules' "sql", converted as hf_lora_convert.py does): it answers
+    as "sql" does, then by the id alone, over HTTP and gRPC; bad tensors are refused in each
+    route's shape and register nothing."""
+    a_path, _ = adapters("llama", "mix-a", seed=1, target_modules=ATTN_MLP)
+    weights, config = trtllm_tensors(a_path)
+    expected = _openai(served, "sql", prompt=TEXT)
+
+    def generate(**fields) -> httpx.Response:
+        return httpx.post(f"{served.api}/v2/models/ensemble/generate", json={
+            "text_input": TEXT, "max_tokens": 8, "temperature": 0.0,
+            "exclude_input_in_output": True, **fields}, timeout=60)
+
+    sent = generate(lora_task_id=77, lora_weights=weights.tolist(), lora_config=config.tolist())
+    assert sent.status_code == 200, sent.text
+    assert sent.json()["text_output"] == expected
+    again = generate(lora_task_id=77)
+    assert again.status_code == 200 and again.json()["text_output"] == expected
+    bad_config = config.copy()
+    bad_config[0, 0] = 13
+    cases = [(generate(lora_task_id=1, lora_weights=weights.tolist(),
+                       lora_config=config.tolist()), 400, "is the adapter 'sql'"),
+             (generate(lora_task_id=78, lora_weights=weights.tolist(),
+                       lora_config=bad_config.tolist()), 400, "module id 13 (moe_h_to_4h)"),
+             (generate(lora_task_id=79, lora_weights=weights[:, :10].tolist(),
+                       lora_config=config.tolist()), 400, "holds 10 values"),
+             (generate(lora_task_id=78), 404, "LoRA task 78 not found")]
+    for resp, status, fragment in cases:
+        assert resp.status_code == status and set(resp.json()) == {"error"}, resp.text
+        assert fragment in resp.json()["error"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports['grpc']}")
+    try:
+        inputs = []
+        for name, dtype, value in (("text_input", "BYTES", np.array([[TEXT]], dtype=object)),
+                                   ("max_tokens", "INT32", np.array([[8]], dtype=np.int32)),
+                                   ("exclude_input_in_output", "BOOL", np.array([[True]])),
+                                   ("temperature", "FP32", np.array([[0.0]], dtype=np.float32)),
+                                   ("lora_task_id", "UINT64", np.array([[88]], dtype=np.uint64)),
+                                   ("lora_weights", "FP32", weights[None]),
+                                   ("lora_config", "INT32", config[None])):
+            tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        out = client.infer("ensemble", inputs)
+        assert out.as_numpy("text_output").reshape(-1)[0].decode() == expected
+    finally:
+        client.close()
+    names = {m["id"] for m in httpx.get(served.api + "/v1/models", timeout=30).json()["data"]}
+    assert {"trtllm-task-77", "trtllm-task-88"} <= names
+    assert not names & {"trtllm-task-78", "trtllm-task-79"}
 
 
 def test_bad_adapter_stops_start_up(tiny_models, tmp_path):

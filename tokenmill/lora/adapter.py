@@ -19,6 +19,7 @@ from torch import nn
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from tokenmill.loading.file_checks import ModelFileError, check_json_file, check_safetensors
+from tokenmill.lora import trtllm_format
 from tokenmill.lora.request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
@@ -130,65 +131,103 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 
 def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
-    """The adapter of `request` for `model`, or LoRAError."""
+    """The adapter of `request` for `model` (a PEFT folder, or TensorRT-LLM's tensors saved
+    as a folder: lora/trtllm_format.py), or LoRAError."""
     from safetensors import safe_open
 
     where = f"LoRA adapter {request.lora_name!r}"
     folder = adapter_folder(request)
+    modules = dict(model.named_modules())
+    if (folder and trtllm_format.is_folder(folder)
+            and not os.path.isfile(os.path.join(folder, CONFIG_FILE))):
+        try:
+            config, found = trtllm_format.read_folder(
+                folder, lambda module: _shape_of(model, modules, module))
+        except trtllm_format.TensorsError as exc:
+            raise LoRAError(f"{where}: {exc}") from None
+        return _placed(request, config, found, model, modules, max_rank, dtype, device)
     config = _config(request, folder, max_rank)
     weights_path = os.path.join(folder, WEIGHTS_FILE)
     try:
         check_safetensors(weights_path)
     except ModelFileError as exc:
         raise LoRAError(f"{where}: {exc}") from None
-    modules = dict(model.named_modules())
     found: dict[str, dict[str, Any]] = {}  # peft module name -> {"A": slice, "B": slice}
     with safe_open(weights_path, framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
             module, part = _split_key(key, where)
             found.setdefault(module, {})[part] = f.get_slice(key)
-        layers: dict[str, LoRAWeights] = {}
-        rank = 0
-        for module, parts in found.items():
-            saved = parts.pop("base", None)  # (PEFT's copy of a targeted embedding / head)
-            if saved is not None and not parts:
-                raise LoRAError(f"{where}: module {module!r} is a saved copy of a base layer "
-                                "(modules_to_save), which is not supported.")
-            if set(parts) != {"A", "B"}:
-                raise LoRAError(f"{where}: module {module!r} has lora_{next(iter(parts))} "
-                                "without its other half.")
-            target, shard = model.checkpoint_target(f"{module}.weight")
-            if not model.holds(f"{module}.weight"):
-                continue  # (another pipeline stage's layer)
-            layer_name = target.removesuffix(".weight")
-            layer = modules.get(layer_name)
-            if saved is not None:
-                _check_saved_copy(saved, layer, module, where, dtype)
-            if isinstance(layer, VocabParallelEmbedding):
-                a, b = _embedding_pair(parts["A"], parts["B"], layer, module, where)
-                rank = max(rank, a.shape[0])
-                scale = _scale(config, module, a.shape[0])
-                layers[layer_name] = LoRAWeights({None: (
-                    a.to(device=device, dtype=dtype).contiguous(),
-                    (b.to(torch.float32) * scale).to(device=device, dtype=dtype))})
-                continue
-            # (experts, a router, MLA's kv_b_proj whose weight attention reads directly: their
-            # products do not go through the layer's forward, so an adapter there is refused)
-            if (not isinstance(layer, Linear) or ".experts." in layer_name
-                    or layer.keep_weight or layer.keep_float):
-                raise LoRAError(f"{where}: module {module!r} is not a linear layer of this "
-                                "model that takes adapters (experts, routers and latent "
-                                "attention's kv_b_proj do not).")
-            a, b = _checked_pair(parts["A"], parts["B"], layer, shard, module, where)
+        return _placed(request, config, found, model, modules, max_rank, dtype, device)
+
+
+def _shape_of(model: nn.Module, modules: dict[str, nn.Module], module: str
+              ) -> tuple[int, int] | tuple[()] | None:
+    """A checkpoint module's base weight shape (out, in); () where another pipeline stage
+    holds it; None where it is no linear layer of this model."""
+    if not model.holds(f"{module}.weight"):
+        return () if _in_model(modules, module) else None
+    target, shard = model.checkpoint_target(f"{module}.weight")
+    layer = modules.get(target.removesuffix(".weight"))
+    return _full_sizes(layer, shard) if isinstance(layer, Linear) else None
+
+
+def _in_model(modules: dict[str, nn.Module], module: str) -> bool:
+    """Whether a decoder layer `module` is in ("model.layers.N.*": that layer exists, on
+    this pipeline stage or another)."""
+    parts = module.split(".")
+    return len(parts) < 3 or ".".join(parts[:3]) in modules
+
+
+def _placed(request: LoRARequest, config: dict[str, Any], found: dict[str, dict[str, Any]],
+            model: nn.Module, modules: dict[str, nn.Module], max_rank: int,
+            dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
+    """Each module's pair checked and placed on the layer of ours that holds it."""
+    where = f"LoRA adapter {request.lora_name!r}"
+    layers: dict[str, LoRAWeights] = {}
+    rank = 0
+    for module, parts in found.items():
+        saved = parts.pop("base", None)  # (PEFT's copy of a targeted embedding / head)
+        if saved is not None and not parts:
+            raise LoRAError(f"{where}: module {module!r} is a saved copy of a base layer "
+                            "(modules_to_save), which is not supported.")
+        if set(parts) != {"A", "B"}:
+            raise LoRAError(f"{where}: module {module!r} has lora_{next(iter(parts))} "
+                            "without its other half.")
+        target, shard = model.checkpoint_target(f"{module}.weight")
+        if not model.holds(f"{module}.weight"):
+            if not _in_model(modules, module):
+                raise LoRAError(f"{where}: module {module!r} is not a layer of this model "
+                                "(an adapter of another base model?).")
+            continue  # (another pipeline stage's layer)
+        layer_name = target.removesuffix(".weight")
+        layer = modules.get(layer_name)
+        if saved is not None:
+            _check_saved_copy(saved, layer, module, where, dtype)
+        if isinstance(layer, VocabParallelEmbedding):
+            a, b = _embedding_pair(parts["A"], parts["B"], layer, module, where)
             rank = max(rank, a.shape[0])
             scale = _scale(config, module, a.shape[0])
-            a = a.to(device=device, dtype=dtype).contiguous()
-            b = (b.to(torch.float32) * scale).to(device=device, dtype=dtype)
-            pairs = layers.setdefault(layer_name, LoRAWeights({})).pairs
-            for index, b_part in _by_projection(layer, shard, b).items():
-                pairs[index] = (a, b_part.contiguous())
+            layers[layer_name] = LoRAWeights({None: (
+                a.to(device=device, dtype=dtype).contiguous(),
+                (b.to(torch.float32) * scale).to(device=device, dtype=dtype))})
+            continue
+        # (experts, a router, MLA's kv_b_proj whose weight attention reads directly: their
+        # products do not go through the layer's forward, so an adapter there is refused)
+        if (not isinstance(layer, Linear) or ".experts." in layer_name
+                or layer.keep_weight or layer.keep_float):
+            raise LoRAError(f"{where}: module {module!r} is not a linear layer of this "
+                            "model that takes adapters (experts, routers and latent "
+                            "attention's kv_b_proj do not).")
+        a, b = _checked_pair(parts["A"], parts["B"], layer, shard, module, where)
+        rank = max(rank, a.shape[0])
+        scale = _scale(config, module, a.shape[0])
+        a = a.to(device=device, dtype=dtype).contiguous()
+        b = (b.to(torch.float32) * scale).to(device=device, dtype=dtype)
+        pairs = layers.setdefault(layer_name, LoRAWeights({})).pairs
+        for index, b_part in _by_projection(layer, shard, b).items():
+            pairs[index] = (a, b_part.contiguous())
     if not layers:
-        raise LoRAError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights for this model.")
+        raise LoRAError(f"{where}: its weights hold no LoRA pairs for this model.")
     if rank > max_rank:
         raise LoRAError(f"{where}: rank {rank} is above --max-lora-rank ({max_rank}).")
     return LoRAAdapter(request, rank, layers)

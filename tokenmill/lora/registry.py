@@ -10,6 +10,7 @@ import concurrent.futures
 from collections.abc import Iterable
 from typing import Any
 
+from tokenmill.lora import trtllm_format
 from tokenmill.lora.manager import LoRAManager
 from tokenmill.lora.request import LoRARequest, served_adapters
 
@@ -22,6 +23,7 @@ class LoRARegistry:
         self._next_id = len(self.adapters) + 1
         self._unloaded: set[int] = set()  # ids of adapters unloaded (never served again)
         self._draining: set[int] = set()  # unloaded, still in memory for running requests
+        self._paths: dict[int, str] = {}  # the folders of those draining
         # requests waiting for their adapter's read, in arrival order: (request, its future)
         self.pending: list[tuple[Any, concurrent.futures.Future]] = []
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
@@ -111,6 +113,7 @@ class LoRARegistry:
         if request is not None:
             self._unloaded.add(request.lora_int_id)
             self._draining.add(request.lora_int_id)
+            self._paths[request.lora_int_id] = request.lora_path
         return request
 
     def release(self, in_use: Iterable[int]) -> None:
@@ -120,6 +123,7 @@ class LoRARegistry:
         for lora_id in self._draining - set(in_use):
             self._draining.discard(lora_id)
             self._manager().remove(lora_id)
+            trtllm_format.remove_if_owned(self._paths.pop(lora_id, ""))
 
     def served(self) -> list[LoRARequest]:
         return list(self.adapters.values())

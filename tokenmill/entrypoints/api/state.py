@@ -12,6 +12,8 @@ from tokenmill.config.server import ServerConfig
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.dp_client import DataParallelClient
+from tokenmill.entrypoints.api.lora_tensors import PREFIX as TASK_PREFIX
+from tokenmill.entrypoints.api.lora_tensors import TaskAdapters, task_name
 from tokenmill.entrypoints.api.prompts import PromptEncoder
 from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
 from tokenmill.entrypoints.parsers.tool_calls import get_parser, parser_for_template
@@ -78,6 +80,8 @@ class ServerState:
     _grammar_checker: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
     prompts: PromptEncoder = field(init=False)
+    # adapters sent as TensorRT-LLM tensors with a request (Triton generate, KServe)
+    task_adapters: TaskAdapters = field(default_factory=TaskAdapters)
 
     @property
     def config(self) -> ServerConfig:
@@ -120,9 +124,15 @@ class ServerState:
         return self.adapters.get(model) if model is not None else None
 
     def lora_of_task(self, task_id: int) -> LoRARequest | None:
-        """The adapter of TensorRT-LLM's `lora_task_id` (an adapter's id: its place in
-        --lora-modules, from 1); None where no adapter has it."""
-        return next((a for a in self.adapters.values() if a.lora_int_id == task_id), None)
+        """The adapter of TensorRT-LLM's `lora_task_id`: one registered from a request's
+        tensors under that id (api/lora_tensors.py), else the adapter whose id it is (its
+        place in --lora-modules, from 1); None where no adapter has it."""
+        adapters = self.adapters
+        sent = adapters.get(task_name(task_id))
+        if sent is not None:
+            return sent
+        return next((a for a in adapters.values() if a.lora_int_id == task_id
+                     and not a.lora_name.startswith(TASK_PREFIX)), None)
 
     def num_waiting(self) -> int:
         """Requests queued in the engine. The core's count arrives with each step; this

@@ -11,6 +11,7 @@ from typing import Any
 from tokenmill.beam_search import BeamSearchParams
 from tokenmill.core.limits import context_overflow
 from tokenmill.entrypoints.api import defaults
+from tokenmill.entrypoints.api.lora_tensors import task_name
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
 from tokenmill.entrypoints.api.state import ServerState
@@ -167,21 +168,36 @@ def beam_fields(beams: list, options: dict) -> dict:
     return out
 
 
-def _lora(fields: dict, num: dict, state: ServerState, model: str | None):
-    """The adapter the request runs with: its model's name, or `lora_task_id`."""
-    for name in ("lora_weights", "lora_config"):
-        if fields.get(name) is not None:
-            raise TritonError(f"{name}: adapters sent as tensors are not supported; serve the "
-                              "adapter's PEFT folder with --lora-modules and name it by "
-                              "lora_task_id or as the model.")
+async def _lora(fields: dict, num: dict, state: ServerState, model: str | None):
+    """The adapter the request runs with: its model's name, or `lora_task_id` (with
+    `lora_weights` and `lora_config`: registered from them first, api/lora_tensors.py)."""
     by_model = state.lora_for(model)
     task = num["lora_task_id"]
+    sent = [fields.get(name) is not None for name in ("lora_weights", "lora_config")]
+    if any(sent):
+        if not all(sent) or task is None:
+            raise TritonError("lora_weights and lora_config are sent together, with the "
+                              "lora_task_id they register.")
+        if not state.config.engine.enable_lora:
+            raise TritonError("LoRA adapters are not enabled: start the server with "
+                              "--enable-lora.")
+        served = state.lora_of_task(task)
+        if served is not None and served.lora_name != task_name(task):
+            raise TritonError(f"lora_task_id {task} is the adapter {served.lora_name!r} "
+                              "served here; send the id without lora_weights and "
+                              "lora_config.")
+        try:
+            await state.task_adapters.register(state, task, fields["lora_weights"],
+                                               fields["lora_config"])
+        except ValueError as exc:
+            raise TritonError(str(exc)) from None
     if task is None:
         return by_model
     by_task = state.lora_of_task(task)
     if by_task is None:
-        raise TritonError(f"lora_task_id {task} names no adapter served here (--lora-modules "
-                          f"gives ids 1 to {len(state.adapters)} in order).", 404)
+        raise TritonError(f"LoRA task {task} not found: send its lora_weights and lora_config "
+                          f"with it, or name an adapter served here (--lora-modules gives "
+                          f"ids 1 to {len(state.adapters)} in order).", 404)
     if by_model is not None and by_model != by_task:
         raise TritonError(f"lora_task_id {task} is adapter {by_task.lora_name!r}, but the "
                           f"model asked for is {model!r}.")
@@ -208,7 +224,7 @@ async def parse_fields(fields: dict, state: ServerState, model: str | None = Non
     num = {name: _number(fields, name, vocab) for name in _NUMBERS}
     stop = _words(fields.get("stop_words"), "stop_words")
     bad = _words(fields.get("bad_words"), "bad_words")
-    lora = _lora(fields, num, state, model)
+    lora = await _lora(fields, num, state, model)
     try:
         ids = await state.prompts.encode(text, "text_input")
     except PromptTooLong as exc:

@@ -3,6 +3,7 @@ the HTTP generate API takes (api/triton_protocol.py `parse_fields`), and its met
 
 from __future__ import annotations
 
+import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from tokenmill.entrypoints.api.triton_protocol import PERF_INTS
@@ -12,7 +13,7 @@ _WORDS = {"stop_words", "bad_words"}
 _BOOLS = {"stream", "return_log_probs", "exclude_input_in_output", "return_perf_metrics"}
 _INTS = {"max_tokens", "top_k", "end_id", "pad_id", "beam_width", "num_return_sequences",
          "min_tokens", "min_length", "random_seed", "seed", "lora_task_id"}
-# TensorRT-LLM's adapter tensors: taken so parse_fields refuses them by name
+# TensorRT-LLM's adapter tensors (api/lora_tensors.py registers them under lora_task_id)
 _LORA_TENSORS = {"lora_weights", "lora_config"}
 _FLOATS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "length_penalty"}
@@ -29,7 +30,8 @@ _DECLARED = [("text_input", "BYTES"), ("max_tokens", "INT32"), ("stream", "BOOL"
              ("length_penalty", "FP32"), ("return_log_probs", "BOOL"),
              ("exclude_input_in_output", "BOOL"), ("return_perf_metrics", "BOOL"),
              ("guided_decoding_guide_type", "BYTES"), ("guided_decoding_guide", "BYTES"),
-             ("guided_json", "BYTES"), ("lora_task_id", "UINT64")]
+             ("guided_json", "BYTES"), ("lora_task_id", "UINT64"), ("lora_weights", "FP16"),
+             ("lora_config", "INT32")]
 _OUTPUTS = [("text_output", "BYTES"), ("cum_log_probs", "FP32"), ("output_log_probs", "FP32"),
             *((name, "INT64") for name in PERF_INTS), ("acceptance_rate", "FP32")]
 
@@ -77,7 +79,11 @@ def ensemble_fields(inputs: dict[str, tuple[str, list[int], list]]) -> tuple[dic
                 raise ValueError(f"input '{name}' must be an integer type (INT32), got {dtype}")
             fields[name] = int(_one(name, elements))
         elif name in _LORA_TENSORS:
-            fields[name] = True
+            wanted = _FLOAT_TYPES - _INT_TYPES if name == "lora_weights" else _INT_TYPES
+            if dtype not in wanted:
+                raise ValueError(f"input '{name}' must be "
+                                 f"{'FP16' if name == 'lora_weights' else 'INT32'}, got {dtype}")
+            fields[name] = np.asarray(elements).reshape(_shape)
         elif name in _FLOATS:
             if dtype not in _FLOAT_TYPES:
                 raise ValueError(f"input '{name}' must be FP32, got {dtype}")
