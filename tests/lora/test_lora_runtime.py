@@ -95,3 +95,60 @@ def test_routes_absent_without_the_variable(server):
     resp = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "a",
                                                               "lora_path": "/x"}, timeout=30)
     assert resp.status_code == 404
+
+
+def test_runtime_updates_under_data_parallel(tiny_models, adapters):
+    """Two replicas behind one API: a run-time load reaches both with one id (requests on
+    either replica answer as peft), an unload leaves both; a replica refusing the adapter
+    (here: a lower --max-lora-rank) undoes the other's load and nothing is listed."""
+    import asyncio
+    import dataclasses
+
+    from tests.serving import ServerThread, api_settings, engine_process, free_port
+    from tokenmill.entrypoints.http.server import create_service_app
+
+    path, _ = tiny_models("llama_long")
+    small, ref = adapters("llama_long", "dp-small", seed=12, r=8, target_modules=["q_proj"])
+    big, _ = adapters("llama_long", "dp-big", seed=13, r=16, target_modules=["v_proj"])
+    engines = [engine_process(path, enable_lora=True, max_lora_rank=rank, max_loras=2)
+               for rank in (16, 8)]
+    try:
+        settings = dataclasses.replace(
+            api_settings(path, engines[0][1], allow_runtime_lora_updating=True,
+                         engine_config=EngineConfig(model=path, enable_lora=True)),
+            more_engine_addresses=(engines[1][1],))
+        app = create_service_app(settings)
+        with ServerThread(app, free_port()) as thread:
+            base = f"http://127.0.0.1:{thread.port}"
+            load = httpx.post(base + "/v1/load_lora_adapter",
+                              json={"lora_name": "s", "lora_path": small}, timeout=60)
+            assert load.status_code == 200, load.text
+            refused = httpx.post(base + "/v1/load_lora_adapter",
+                                 json={"lora_name": "b", "lora_path": big}, timeout=60)
+            assert refused.status_code == 400
+            assert "rank 16 is above --max-lora-rank (8)" in refused.json()["error"]["message"]
+            models = [m["id"] for m in httpx.get(base + "/v1/models", timeout=30).json()["data"]]
+            assert "s" in models and "b" not in models
+
+            async def together():  # (in flight at once: the router spreads them)
+                async with httpx.AsyncClient(timeout=120) as client:
+                    return await asyncio.gather(*(client.post(base + "/v1/completions", json={
+                        "model": "s", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                        "ignore_eos": True}) for _ in range(4)))
+
+            from transformers import AutoTokenizer
+
+            expected = AutoTokenizer.from_pretrained(path).decode(hf_greedy(ref, PROMPT, 6),
+                                                                  skip_special_tokens=True)
+            outs = asyncio.run(together())
+            assert [o.json()["choices"][0]["text"] for o in outs] == [expected] * 4
+            unload = httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "s"},
+                                timeout=60)
+            assert unload.status_code == 200, unload.text
+            again = httpx.post(base + "/v1/load_lora_adapter",
+                               json={"lora_name": "s", "lora_path": small}, timeout=60)
+            assert again.status_code == 200, again.text  # (both replicas had let it go)
+    finally:
+        for process, _ in engines:
+            process.kill()
+            process.join(10)

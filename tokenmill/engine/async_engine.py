@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -243,18 +244,33 @@ class AsyncLLM:
 
     async def update_lora(self, name: str, path: str = "", timeout: float = 300.0) -> None:
         """Serve the adapter at `path` as `name`, or (no path) stop serving `name`; once
-        this returns, `loras` says so. EngineRequestError: the core refused (its reason)."""
+        this returns, `loras` says so. EngineRequestError: the core refused (its reason).
+        Data-parallel replicas are asked in turn, a new adapter with one id drawn here for
+        all (API processes never share a counter); one refusing undoes the others' load."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
+        replicas = getattr(self.client, "num_replicas", 1)
+        lora_id = (1 << 20) + secrets.randbelow(1 << 29) if replicas > 1 and path else 0
+        errors = []
+        for replica in range(replicas):
+            error = await self._ask_lora(name, path, lora_id, replica, timeout)
+            if error is not None and path:
+                for done in range(replica):
+                    await self._ask_lora(name, "", 0, done, timeout)
+                raise EngineRequestError(error)
+            errors.append(error)
+        if all(e is not None for e in errors):  # (an unload: refused only where none had it)
+            raise EngineRequestError(errors[0])
+
+    async def _ask_lora(self, name: str, path: str, lora_id: int, replica: int,
+                        timeout: float) -> str | None:
         request_id = f"lora-{next(self._counter)}"
         answer = self._lora_answers[request_id] = asyncio.get_running_loop().create_future()
         try:
-            await self.client.update_lora(LoRAUpdate(request_id, name, path))
-            error = await asyncio.wait_for(answer, timeout)
+            await self.client.update_lora(LoRAUpdate(request_id, name, path, lora_id), replica)
+            return await asyncio.wait_for(answer, timeout)
         finally:
             self._lora_answers.pop(request_id, None)
-        if error is not None:
-            raise EngineRequestError(error)
 
     def _lora_answered(self, out: EngineCoreOutput) -> bool:
         answer = self._lora_answers.get(out.request_id)

@@ -118,7 +118,7 @@ class AsyncMPClient:
         if request_ids:
             await self._send(RequestType.FINISH, self.encoder.encode(request_ids))
 
-    async def update_lora(self, update: LoRAUpdate) -> None:
+    async def update_lora(self, update: LoRAUpdate, replica: int = 0) -> None:
         await self._send(RequestType.LORA, self.encoder.encode(update))
 
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:

@@ -136,9 +136,9 @@ class DataParallelClient:
         for replica, ids in self.router.release(request_ids).items():
             await self.replicas[replica].finish_requests(ids)
 
-    async def update_lora(self, update) -> None:
-        raise ValueError("Loading or unloading LoRA adapters at run time is not supported "
-                         "with --data-parallel-size > 1: list them in --lora-modules.")
+    async def update_lora(self, update, replica: int = 0) -> None:
+        """To one replica (AsyncLLM.update_lora asks each in turn, with one id)."""
+        await self.replicas[replica].update_lora(update)
 
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:
         replica, batch = await self._outputs.get()

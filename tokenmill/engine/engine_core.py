@@ -189,9 +189,10 @@ class EngineCore:
         else:
             self.scheduler.add_request(request)
 
-    def load_lora(self, name: str, path: str) -> LoRARequest:
-        """An adapter served from now on under `name` (ValueError: refused)."""
-        return self.loras.load(name, path)
+    def load_lora(self, name: str, path: str, lora_id: int = 0) -> LoRARequest:
+        """An adapter served from now on under `name` (ValueError: refused); `lora_id`: its
+        id (0: the next)."""
+        return self.loras.load(name, path, lora_id)
 
     def unload_lora(self, name: str) -> LoRARequest | None:
         """The adapter `name` served no more (None: there is none); requests using it

@@ -144,7 +144,7 @@ class EngineCoreProc:
         error = None
         try:
             if update.path:
-                self.core.load_lora(update.name, update.path)
+                self.core.load_lora(update.name, update.path, update.lora_id)
             elif self.core.unload_lora(update.name) is None:
                 error = f"The LoRA adapter {update.name!r} cannot be found."
         except ValueError as exc:

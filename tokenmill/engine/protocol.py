@@ -93,8 +93,10 @@ class RequestType(enum.IntEnum):
 
 
 class LoRAUpdate(msgspec.Struct, array_like=True):
-    """Serve an adapter from `path` under `name`, or (`path` empty) stop serving it."""
+    """Serve an adapter from `path` under `name`, or (`path` empty) stop serving it.
+    `lora_id`: the id it gets (data-parallel replicas must agree); 0: the core's next."""
 
     request_id: str
     name: str
     path: str = ""
+    lora_id: int = 0

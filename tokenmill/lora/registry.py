@@ -92,16 +92,20 @@ class LoRARegistry:
         if self._reader is not None:
             self._reader.shutdown(wait=False, cancel_futures=True)
 
-    def load(self, name: str, path: str) -> LoRARequest:
-        """A new adapter served under `name` (ValueError: refused, nothing loaded)."""
+    def load(self, name: str, path: str, lora_id: int = 0) -> LoRARequest:
+        """A new adapter served under `name` (ValueError: refused, nothing loaded), with id
+        `lora_id` (one no adapter ever had; 0: the next)."""
         manager = self._manager()
         if not name or not path:
             raise ValueError("lora_name and lora_path must be non-empty strings.")
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded.")
-        request = LoRARequest(name, self._next_id, path)
+        if lora_id and (lora_id in self._unloaded or lora_id in {
+                a.lora_int_id for a in self.adapters.values()}):
+            raise ValueError(f"LoRA adapter id {lora_id} was given to another adapter.")
+        request = LoRARequest(name, lora_id or self._next_id, path)
         manager.add(request)
-        self._next_id += 1
+        self._next_id = max(self._next_id, request.lora_int_id) + 1
         self.adapters[name] = request
         return request
 
