@@ -55,3 +55,64 @@ def test_an_adapter_read_holds_up_no_other_request(tiny_models, adapters, tmp_pa
     finally:
         gate.set()
         core.shutdown()
+
+
+def test_other_ranks_read_ahead(tiny_models, adapters, monkeypatch):
+    """Tensor parallel 2: an adapter rank 0 reads off its loop is announced in the next
+    step's inputs, before any step runs its request, and the answers are peft's."""
+    from tokenmill.worker import model_runner
+    from tokenmill.worker.step_inputs import StepInputs
+
+    path, hf = tiny_models("llama")
+    adapter_path, reference = adapters("llama", "deferred", seed=14,
+                                       target_modules=["q_proj", "v_proj", "down_proj"])
+    steps = []
+    made = StepInputs.of
+    monkeypatch.setattr(model_runner.StepInputs, "of", lambda scheduled, prefetch=None: (
+        steps.append(made(scheduled, prefetch)) or steps[-1]))
+    core = EngineCore(EngineConfig(model=path, enable_lora=True, kv_cache_memory_gib=0.02,
+                                   max_model_len=256, tensor_parallel_size=2), path)
+    core.defer_lora_reads = True
+    gate = threading.Event()
+    manager = core.loras.manager
+    read = manager.read
+    manager.read = lambda request: (gate.wait(120), read(request))[1]
+    try:
+        core.add_request(EngineCoreRequest("base", PROMPT, PARAMS))
+        core.add_request(EngineCoreRequest("lora", PROMPT, PARAMS,
+                                           lora_request=LoRARequest("a", 1, adapter_path)))
+        outputs = {}
+        _step_until(core, outputs, lambda: len(steps) >= 2)
+        gate.set()
+        _step_until(core, outputs, lambda: not core.has_unfinished_requests())
+        announced = [i for i, s in enumerate(steps) if s.lora_prefetch]
+        first_run = min(i for i, s in enumerate(steps) if s.lora_ids)
+        assert announced and announced[0] < first_run
+        assert [r.lora_name for r in steps[announced[0]].lora_prefetch] == ["a"]
+        assert outputs["lora"][0] == hf_greedy(reference, PROMPT, 8)
+        assert outputs["base"][0] == hf_greedy(hf, PROMPT, 8)
+    finally:
+        gate.set()
+        core.shutdown()
+
+
+def test_a_read_begun_ahead_is_taken(tiny_models, adapters):
+    """`prefetch` reads on a thread; the step that needs the adapter takes that read (one
+    read in all)."""
+    path, _ = tiny_models("llama")
+    adapter_path, _ = adapters("llama", "deferred", seed=14,
+                               target_modules=["q_proj", "v_proj", "down_proj"])
+    core = EngineCore(EngineConfig(model=path, enable_lora=True, kv_cache_memory_gib=0.02,
+                                   max_model_len=256), path)
+    try:
+        manager = core.loras.manager
+        reads = []
+        read = manager.read
+        manager.read = lambda request: reads.append(request) or read(request)
+        lora = LoRARequest("a", 1, adapter_path)
+        manager.prefetch([lora])
+        manager.prefetch([lora])  # (begun already: not again)
+        assert manager.add(lora).request == lora and manager.holds(lora)
+        assert reads == [lora]
+    finally:
+        core.shutdown()

@@ -179,6 +179,7 @@ class EngineCore:
         if lora is not None:
             if self.defer_lora_reads and not self.loras.held(lora):
                 self.loras.submit(new)  # (read off the step loop; `_admit_compiled` admits)
+                self.runner.lora.announce(lora)  # (the other ranks read it meanwhile)
                 return
             self.loras.check(lora)  # (read now: a bad adapter refuses its request here)
         self._enqueue(new)

@@ -6,6 +6,7 @@ step than there are slots."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 
 import numpy as np
@@ -35,6 +36,10 @@ class LoRAManager:
         self.cpu: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()
         self.slots: list[int | None] = [None] * max_loras  # adapter id per slot
         self._slot_use = [0] * max_loras  # step count of each slot's last use (LRU)
+        # reads begun ahead of the step that needs them (other ranks: `prefetch`)
+        self._reading: dict[int, tuple[LoRARequest, concurrent.futures.Future]] = {}
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._announced: list[LoRARequest] = []
         self._steps = 0
 
     # ---- adapters in host memory --------------------------------------------------------
@@ -44,7 +49,30 @@ class LoRAManager:
         if held is not None and held.request == request:
             self.cpu.move_to_end(request.lora_int_id)
             return held
+        reading = self._reading.pop(request.lora_int_id, None)
+        if reading is not None and reading[0] == request:
+            return self.keep(reading[1].result())  # (begun by `prefetch`: its rest waited)
         return self.keep(self.read(request))
+
+    def announce(self, request: LoRARequest) -> None:
+        """Rank 0 began reading `request`'s adapter off its step loop: the next step's
+        inputs tell the other ranks (`take_announced`), which begin theirs (`prefetch`)."""
+        self._announced.append(request)
+
+    def take_announced(self) -> list[LoRARequest]:
+        announced, self._announced = self._announced, []
+        return announced
+
+    def prefetch(self, requests: list[LoRARequest]) -> None:
+        """Begin reading adapters not in host memory on a thread (`add` takes them)."""
+        for request in requests:
+            if self.holds(request) or request.lora_int_id in self._reading:
+                continue
+            if self._reader is None:
+                self._reader = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tokenmill-lora-prefetch")
+            self._reading[request.lora_int_id] = (request,
+                                                  self._reader.submit(self.read, request))
 
     def holds(self, request: LoRARequest) -> bool:
         held = self.cpu.get(request.lora_int_id)

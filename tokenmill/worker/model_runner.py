@@ -213,7 +213,8 @@ class ModelRunner:
         # adapter, so that each adapter's rows are one run (lora/layers.py: a view, no gather).
         scheduled = sorted(step.scheduled, key=lambda s: (s.num_new_tokens != 1,
                                                           s.request.lora_id))
-        inputs = StepInputs.of(scheduled)
+        announced = self.lora.take_announced() if self.lora is not None else None
+        inputs = StepInputs.of(scheduled, announced if self.world.size > 1 else None)
         data = self.io.send(inputs, scheduled, step.finished_ids)
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
         result = self.run(inputs, data, self._fill(scheduled) if self.async_scheduling else None)
@@ -283,6 +284,8 @@ class ModelRunner:
         None (or Nones) on the other ranks."""
         if self.async_scheduling:
             fill = self.io.shared_fill(fill)
+        if self.lora is not None and inputs.lora_prefetch and self.world.rank != 0:
+            self.lora.prefetch(inputs.lora_prefetch)
         if self.lora is not None:  # (each row's adapter slot, for the layers that add theirs)
             self.lora.prepare(inputs.lora_ids, inputs.lora_requests,
                               [end - start for start, end in zip(inputs.starts, inputs.ends)])

@@ -29,9 +29,13 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     # when no sequence of the step has one
     lora_ids: list[int] = []
     lora_requests: list[LoRARequest] = []
+    # adapters rank 0 began reading off its step loop: the other ranks read them meanwhile
+    # (their requests run in a later step), so no rank's step waits on the whole read
+    lora_prefetch: list[LoRARequest] = []
 
     @classmethod
-    def of(cls, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def of(cls, scheduled: list[ScheduledRequest],
+           lora_prefetch: list[LoRARequest] | None = None) -> StepInputs:
         token_ids: list[int] = []
         sample_seqs, prompt_seqs, prompt_rows, sample_counts = [], [], [], []
         for i, s in enumerate(scheduled):
@@ -62,7 +66,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
-                   list(adapters.values()))
+                   list(adapters.values()), lora_prefetch or [])
 
     @property
     def num_sampled_rows(self) -> int:
