@@ -71,7 +71,6 @@ UNSUPPORTED_FIELDS = {
                     "this server takes text only"),
     "allowed_token_ids": "allowed_token_ids is not supported",
     "logits_processors": "custom logits processors are not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported by the HTTP API yet",
     "truncate_prompt_tokens": "prompt truncation is not supported",
     "prediction": "predicted outputs are not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
@@ -131,6 +130,8 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: each prompt token's logprob and this many alternatives (the first has none)
+    prompt_logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
     use_beam_search: bool = False  # vLLM's: `n` beams
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
@@ -214,7 +215,7 @@ class _SamplingFields(BaseModel):
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()}
-            if self.logit_bias else None,
+            if self.logit_bias else None, prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self.structured()[0])
 
     def check(self) -> None:
@@ -237,7 +238,8 @@ def _given(value, model_defaults: dict, name: str):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 with echo: the prompt alone, scored (the loglikelihood request of lm-evaluation-harness)
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
     best_of: int | None = Field(None, ge=1, le=CAPS.max_n)
@@ -247,6 +249,9 @@ class CompletionRequest(_SamplingFields):
         super().check()
         if self.suffix:
             raise InvalidParameter("suffix", "suffix is not supported by this server.")
+        if self.max_tokens == 0 and (not self.echo or self.stream or self.use_beam_search):
+            raise InvalidParameter("max_tokens", "max_tokens 0 returns the prompt alone: it "
+                                   "needs echo, without stream or beam search.")
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidParameter("best_of", f"best_of ({self.best_of}) must be at least n "
                                    f"({self.n}).")
@@ -276,6 +281,8 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: dict | None = None) -> SamplingParams:
         params = super().sampling_params(max_tokens, logprobs, defaults)
+        if self.echo and logprobs is not None:  # (the echoed prompt's tokens come scored)
+            params = params.clone(prompt_logprobs=max(logprobs, params.prompt_logprobs or 0))
         if self.samples() > self.n:  # (ranked by cumulative logprob, which logprobs give)
             params = params.clone(n=self.samples(), logprobs=logprobs or 0)
         return params

@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from tokenmill.engine.async_engine import EngineRequestError
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.http.openai_api import error_response
+from tokenmill.entrypoints.http.openai_errors import error_response
 
 _MAX_TEXT = 4096  # (a name or path longer than this is refused before any work)
 

@@ -22,7 +22,7 @@ from tokenmill.entrypoints.api.native_messages import (
 )
 from tokenmill.entrypoints.api.native_protocol import NativeError, NativeRequest, echoed_request_id
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.http.openai_api import RETRY_AFTER_S
+from tokenmill.entrypoints.http.openai_errors import RETRY_AFTER_S
 from tokenmill.entrypoints.http.streaming import json_line, unless_disconnected
 
 

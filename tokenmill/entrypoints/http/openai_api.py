@@ -24,47 +24,23 @@ from tokenmill.entrypoints.api.openai_protocol import (
 from tokenmill.entrypoints.api.state import Reservation, ServerState
 from tokenmill.entrypoints.http.beam_api import beam_response, openai_beam_params
 from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
-from tokenmill.entrypoints.http.openai_logprobs import chat_logprobs, completion_logprobs
+from tokenmill.entrypoints.http.openai_errors import (
+    ApiError,
+    api_error,
+    error_body,
+    error_response,
+    validation_error,
+)
+from tokenmill.entrypoints.http.openai_logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_logprobs,
+    prompt_logprobs_field,
+)
 from tokenmill.entrypoints.http.streaming import json_line, merge, unless_disconnected
 from tokenmill.entrypoints.parsers.reasoning import constraint_start
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
-                431: "RequestHeaderFieldsTooLargeError",
-                500: "InternalServerError", 503: "ServiceUnavailableError",
-                504: "TimeoutError"}
-RETRY_AFTER_S = "1"  # sent with every 503: overload and shutdown are short-lived here
-
-
-class ApiError(Exception):
-    """A request the server refuses; `param` names the offending field when there is one."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error object (what the `openai` SDK parses)."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
-
-
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
-    return JSONResponse(error_body(message, status, param), status_code=status,
-                        headers=headers)
-
-
-def api_error(exc: Exception) -> JSONResponse:
-    """An `ApiError`, or a `ValueError` from validation (`param` when it names one)."""
-    status = getattr(exc, "status", 400)
-    message = getattr(exc, "message", None) or str(exc)
-    return error_response(message, status, getattr(exc, "param", None))
 
 
 def list_models(state: ServerState) -> dict:
@@ -81,24 +57,13 @@ def list_models(state: ServerState) -> dict:
                for name in state.adapters]}
 
 
-def _validation_error(exc: ValidationError) -> ApiError:
-    """pydantic's errors as one sentence (with the full paths); `param` = the top-level field
-    of the first error, the one the client has to fix."""
-    parts, params = [], []
-    for err in exc.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "body"
-        params.append(str(err["loc"][0]) if err["loc"] else None)
-        parts.append(f"{where}: {err['msg']}")
-    return ApiError("; ".join(parts), 400, params[0] if params else None)
-
-
 def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
     try:
         refuse_unsupported(body)
         req = model_cls.model_validate(body)
         req.check()
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     except ValueError as exc:
         raise ApiError(str(exc), 400, getattr(exc, "param", None)) from None
     if check_model and req.model is not None and req.model not in state.model_names:
@@ -178,6 +143,8 @@ class _Responder:
         self.n = req.n
         self.cached: dict[int, int] = {}  # per job: its prompt's prefix-cache hit tokens
         self.as_ids = state.config.api.tokens_as_ids  # (--return-tokens-as-token-ids)
+        # completions' max_tokens 0 (echo): the one token generated is not returned
+        self.zero = not chat and req.max_tokens == 0
 
     def _streams(self, kind: OutputKind) -> list[AsyncIterator[RequestOutput]]:
         lora = self.state.lora_for(self.req.model)
@@ -208,7 +175,7 @@ class _Responder:
         choices, generated = [], 0
         for i in range(len(self.jobs)):
             outputs = finals[i].outputs
-            generated += sum(len(c.token_ids) for c in outputs)
+            generated += 0 if self.zero else sum(len(c.token_ids) for c in outputs)
             if len(outputs) > self.n:  # best_of: the n with the highest cumulative logprob
                 outputs = sorted(outputs, key=lambda c: -c.cumulative_logprob)[:self.n]
             for k, c in enumerate(outputs):
@@ -222,13 +189,11 @@ class _Responder:
                         choice["logprobs"] = chat_logprobs(c, 0, len(c.token_ids),
                                                            self.top_logprobs, self.as_ids)
                 else:
-                    prefix = self.jobs[i].prompt_text if self.echo else ""
-                    choice["text"] = (prefix or "") + c.text
-                    if c.logprobs is not None and self.req.logprobs is not None:
-                        choice["logprobs"] = completion_logprobs(
-                            c, 0, len(c.token_ids), len(prefix or ""), self.as_ids)
+                    self._completion(choice, i, c, finals[i], 0, len(c.token_ids))
                 choices.append(choice)
         body = self._envelope(sorted(choices, key=lambda ch: ch["index"]), chunk=False)
+        if self.chat and self.req.prompt_logprobs is not None:  # (vLLM's, beside choices)
+            body["prompt_logprobs"] = prompt_logprobs_field(finals[0].prompt_logprobs)
         body["usage"] = self._usage(generated)
         return JSONResponse(body)
 
@@ -269,7 +234,7 @@ class _Responder:
                         continue
                     if done:
                         ended.add(key)
-                    chunk = self._chunk(i, c, text, first, done, delta)
+                    chunk = self._chunk(i, c, text, first, done, delta, out)
                     if continuous:
                         chunk["usage"] = self._usage(sum(counts.values()))
                     yield self._sse(chunk)
@@ -283,8 +248,25 @@ class _Responder:
             yield self._sse(error_body(str(exc), 503))
         yield "data: [DONE]\n\n"
 
+    def _completion(self, choice: dict, i: int, c: CompletionOutput, out: RequestOutput,
+                    first: int, end: int) -> None:
+        """A completions choice's text and logprobs (`c`'s tokens `first`..: the prompt
+        echoed and scored before the first) and vLLM's prompt_logprobs."""
+        job, echo = self.jobs[i], self.echo and first == 0
+        prefix = job.prompt_text or "" if echo else ""
+        choice["text"] = prefix + ("" if self.zero else c.text)
+        if self.zero:
+            end, choice["finish_reason"] = 0, "length"
+        if self.req.logprobs is not None and (c.logprobs is not None or self.zero):
+            logprobs = completion_logprobs(c, 0, end, len(prefix), self.as_ids)
+            choice["logprobs"] = echoed_logprobs(
+                job.ids, out.prompt_logprobs, self.state.tokenizer.decode(job.ids[:1]),
+                logprobs, self.as_ids) if echo else logprobs
+        if self.req.prompt_logprobs is not None and first == 0:
+            choice["prompt_logprobs"] = prompt_logprobs_field(out.prompt_logprobs)
+
     def _chunk(self, i: int, c: CompletionOutput, text: str, first: int, done: bool,
-               delta: dict | None = None) -> dict:
+               delta: dict | None = None, out: RequestOutput | None = None) -> dict:
         """`c`: a delta; `first`: the index of its first token in the whole choice."""
         end = len(c.token_ids)
         choice = {"index": i * self.n + c.index, "logprobs": None,
@@ -295,10 +277,7 @@ class _Responder:
             if c.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(c, 0, end, self.top_logprobs, self.as_ids)
         else:
-            prefix = self.jobs[i].prompt_text or "" if self.echo and first == 0 else ""
-            choice["text"] = prefix + text
-            if c.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(c, 0, end, 0, self.as_ids)
+            self._completion(choice, i, c, out, first, end)
         return self._envelope([choice], chunk=True)
 
     @staticmethod
@@ -332,7 +311,8 @@ async def create_completion(body: dict, request: Request, state: ServerState,
             _check_ids(ids, state, "prompt")
             if text is None and req.echo:
                 text = state.tokenizer.decode(ids)
-            max_tokens = _max_tokens(req.max_tokens, len(ids), state, None, "prompt")
+            max_tokens = _max_tokens(req.max_tokens or (1 if req.max_tokens == 0 else None),
+                                     len(ids), state, None, "prompt")
             jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs,
                                                       state.settings.sampling_defaults), text))
         await state.check_structured(*req.structured())

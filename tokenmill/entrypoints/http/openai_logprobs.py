@@ -47,3 +47,40 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, top_n: int,
 def _entry(token_id: int, lp: Logprob, as_ids: bool) -> dict:
     shown = _shown(token_id, lp, as_ids)
     return {"token": shown, "logprob": finite(lp.logprob), "bytes": list((shown or "").encode())}
+
+
+def echoed_logprobs(prompt_ids: list[int], positions: list | None, first_text: str,
+                    generated: dict, as_ids: bool = False) -> dict:
+    """An echoed completion's logprobs: the prompt's tokens first (the first with none, as
+    OpenAI and vLLM send it; `positions`: the request's prompt logprobs), then `generated`
+    (`completion_logprobs` of the new tokens, its offsets already past the prompt's text)."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = 0
+    for i, token in enumerate(prompt_ids):
+        position = positions[i] if positions is not None and i < len(positions) else None
+        if position is None or token not in position:
+            shown, text = (f"token_id:{token}" if as_ids else first_text), first_text
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            chosen = position[token]
+            shown, text = _shown(token, chosen, as_ids), chosen.decoded_token or ""
+            token_logprobs.append(finite(chosen.logprob))
+            top.append({_shown(t, lp, as_ids): finite(lp.logprob) for t, lp in position.items()})
+        tokens.append(shown)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens + generated["tokens"],
+            "token_logprobs": token_logprobs + generated["token_logprobs"],
+            "top_logprobs": top + generated["top_logprobs"],
+            "text_offset": offsets + generated["text_offset"]}
+
+
+def prompt_logprobs_field(positions: list | None) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the token and its alternatives."""
+    if positions is None:
+        return None
+    return [None if p is None else {
+        str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token} for t, lp in p.items()} for p in positions]

@@ -36,7 +36,7 @@ def error_json(message: str, status: int, path: str = "") -> bytes:
     to: Triton's `{"error": message}` under /v2/, else OpenAI's error object with the native
     API's `error_msg` / `error_code` beside it (both APIs share their paths, and which one a
     request speaks is only known from its body)."""
-    from tokenmill.entrypoints.http.openai_api import error_body
+    from tokenmill.entrypoints.http.openai_errors import error_body
 
     if path.startswith("/v2/"):
         return json.dumps({"error": message}).encode()

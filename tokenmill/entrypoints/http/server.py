@@ -23,6 +23,7 @@ from tokenmill.entrypoints.http import (
     lora_api,
     native_api,
     openai_api,
+    openai_errors,
     tokenize_api,
     triton_api,
 )
@@ -48,14 +49,14 @@ async def read_json(request: Request) -> dict | Response:
     try:
         return await read_body(request)
     except BodyError as exc:
-        return openai_api.error_response(str(exc), 400)
+        return openai_errors.error_response(str(exc), 400)
 
 
 def _family_error(path: str, message: str, status: int, headers=None) -> JSONResponse:
     """An error outside a handler, in the shape of the route family of `path`."""
     if path.startswith("/v2/"):
         return JSONResponse({"error": message}, status_code=status, headers=headers)
-    return JSONResponse(openai_api.error_body(message, status), status_code=status,
+    return JSONResponse(openai_errors.error_body(message, status), status_code=status,
                         headers=headers)
 
 
@@ -170,7 +171,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.error("unhandled error in %s: %s", request.url.path, exception_line(exc))
         message = "Internal server error."
         return JSONResponse({"error_msg": message, "error_code": 500,
-                             **openai_api.error_body(message, 500)}, status_code=500)
+                             **openai_errors.error_body(message, 500)}, status_code=500)
 
 
 def _add_generate_routes(app: FastAPI, key: ApiKey | None) -> None:
@@ -195,7 +196,7 @@ def _add_generate_routes(app: FastAPI, key: ApiKey | None) -> None:
             server.reject("not_ready")
             if native:
                 return native_api.error_response(body, message, 503)
-            return openai_api.error_response(message, 503)
+            return openai_errors.error_response(message, 503)
         if native:
             return await native_api.handle(body, request, server)
         create = openai_api.create_chat_completion if chat else openai_api.create_completion

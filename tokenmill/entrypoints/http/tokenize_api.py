@@ -17,7 +17,7 @@ from tokenmill.entrypoints.api.openai_protocol import (
 )
 from tokenmill.entrypoints.api.prompts import OFF_LOOP_CHARS
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.http.openai_api import ApiError, _validation_error, api_error
+from tokenmill.entrypoints.http.openai_errors import ApiError, api_error, validation_error
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize request
 
@@ -53,7 +53,7 @@ def _parse(model_cls, body: Any, state: ServerState):
     try:
         req = model_cls.model_validate(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
     if req.model is not None and req.model not in state.model_names:
         raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
     return req
@@ -72,7 +72,7 @@ async def tokenize(body: Any, state: ServerState) -> dict:
             messages = ChatCompletionRequest.model_validate(
                 {"messages": req.messages}).plain_messages()
         except ValidationError as exc:
-            raise _validation_error(exc) from None
+            raise validation_error(exc) from None
         ids = await state.prompts.render(messages, "messages",
                                          add_generation_prompt=req.add_generation_prompt,
                                          **(req.chat_template_kwargs or {}))

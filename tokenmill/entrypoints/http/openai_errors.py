@@ -1,0 +1,55 @@
+"""OpenAI's error shapes (what the `openai` SDK parses), shared by every route that answers
+in them: `ApiError` (a refusal with its status and field), the error body and response
+(503s carry Retry-After), pydantic's validation errors as one sentence."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
+                431: "RequestHeaderFieldsTooLargeError",
+                500: "InternalServerError", 503: "ServiceUnavailableError",
+                504: "TimeoutError"}
+RETRY_AFTER_S = "1"  # sent with every 503: overload and shutdown are short-lived here
+
+
+class ApiError(Exception):
+    """A request the server refuses; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error object (what the `openai` SDK parses)."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"),
+                      "param": param, "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse(error_body(message, status, param), status_code=status,
+                        headers=headers)
+
+
+def api_error(exc: Exception) -> JSONResponse:
+    """An `ApiError`, or a `ValueError` from validation (`param` when it names one)."""
+    status = getattr(exc, "status", 400)
+    message = getattr(exc, "message", None) or str(exc)
+    return error_response(message, status, getattr(exc, "param", None))
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """pydantic's errors as one sentence (with the full paths); `param` = the top-level field
+    of the first error, the one the client has to fix."""
+    parts, params = [], []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        params.append(str(err["loc"][0]) if err["loc"] else None)
+        parts.append(f"{where}: {err['msg']}")
+    return ApiError("; ".join(parts), 400, params[0] if params else None)
