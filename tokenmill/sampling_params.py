@@ -113,6 +113,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None  # words never generated (any of their tokenizations)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens are generated (vLLM's)
     # the output follows a JSON schema / regex / choice / grammar (structured_output/)
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer/generation config; not part of the public surface.
@@ -128,6 +129,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
@@ -186,6 +189,11 @@ class SamplingParams:
             raise bad("logit_bias", "a map of token ids to numbers in [-100, 100]")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or not all(
+                    isinstance(t, int) and 0 <= t <= _INT64_MAX
+                    for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "a non-empty list of token ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -171,7 +171,6 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_alone(server, server_th
 # Unsupported fields -------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [
     ("guided_whitespace_pattern", " "),
-    ("allowed_token_ids", [1, 2]),
     ("functions", [{"name": "f"}]), ("priority", 200), ("priority", -1),
     ("lora_request", {"lora_name": "a", "lora_int_id": 1, "lora_path": "/x"}),
 ])

@@ -35,11 +35,12 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
         raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
                          f"generate within max_model_len ({max_model_len}).")
     params = request.sampling_params
-    # Stop ids and logit_bias index the logits row (min_tokens bans the stop ids): out of
-    # range would fail the whole engine step, not just this request.
+    # Stop ids, logit_bias and allowed_token_ids index the logits row (min_tokens bans the
+    # stop ids): out of range would fail the whole engine step, not just this request.
     for what, ids in (("Prompt token ids", request.prompt_token_ids),
                       ("stop_token_ids", params.stop_token_ids),
-                      ("logit_bias token ids", params.logit_bias or ())):
+                      ("logit_bias token ids", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
         refused = token_out_of_range(ids, vocab)
         if refused is not None:
             raise ValueError(refused.message(what))

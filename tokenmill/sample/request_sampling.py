@@ -64,6 +64,8 @@ class RequestSampling:
         batch.bias = [(row, [i for i in ids if i < width], [v for i, v in zip(ids, vs)
                                                            if i < width])
                       for row, ids, vs in batch.bias]
+        batch.allowed = [(row, kept) for row, ids in batch.allowed
+                         if (kept := [i for i in ids if i < width])]
         tokens, probs = draw(adjusted(logits, batch), batch, generator)
         return (tokens.tolist() if host else tokens), probs
 
@@ -225,6 +227,8 @@ class RequestSampling:
                 banning_rows.append(row)
             if p.logit_bias:
                 batch.bias.append((row, list(p.logit_bias), list(p.logit_bias.values())))
+            if p.allowed_token_ids:
+                batch.allowed.append((row, p.allowed_token_ids))
             gen = self.generator(r)
             if gen is not None:
                 batch.generators[row] = gen

@@ -25,6 +25,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None  # [N, V] float: occurrences in the output
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids) min_tokens
     bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)  # logit_bias
+    allowed: list[tuple[int, list[int]]] = field(default_factory=list)  # allowed_token_ids
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # seeded rows
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, None = not asked
     # every row greedy: known on the host from the requests' settings (the runner passes it;
@@ -106,10 +107,16 @@ def probabilities(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The scores each row draws from before temperature: penalties applied, logit_bias
-    added, banned tokens (min_tokens, bad words) out (in place when no penalty applies)."""
+    added, tokens outside allowed_token_ids and banned tokens (min_tokens, bad words) out (in
+    place when no penalty applies)."""
     logits = apply_penalties(logits, batch)
     for row, ids, values in batch.bias:
         logits[row, ids] += on_device(values, logits.dtype, logits.device)
+    for row, ids in batch.allowed:
+        index = on_device(ids, torch.int64, logits.device)
+        kept = logits[row].index_select(0, index)
+        logits[row] = float("-inf")
+        logits[row].index_copy_(0, index, kept)
     for row, ids in batch.banned:
         logits[row, ids] = float("-inf")
     return logits

@@ -69,7 +69,6 @@ UNSUPPORTED_FIELDS = {
                     "supported (use tools and tool_choice)"),
     **dict.fromkeys(("audio", "modalities", "prompt_embeds", "mm_processor_kwargs"),
                     "this server takes text only"),
-    "allowed_token_ids": "allowed_token_ids is not supported",
     "logits_processors": "custom logits processors are not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported",
     "prediction": "predicted outputs are not supported",
@@ -130,6 +129,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: Annotated[list[_TokenId], Field(min_length=1)] | None = None  # vLLM's
     # vLLM's: each prompt token's logprob and this many alternatives (the first has none)
     prompt_logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
     use_beam_search: bool = False  # vLLM's: `n` beams
@@ -216,6 +216,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()}
             if self.logit_bias else None, prompt_logprobs=self.prompt_logprobs,
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self.structured()[0])
 
     def check(self) -> None:

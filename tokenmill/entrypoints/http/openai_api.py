@@ -73,10 +73,11 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         if type(asked) is int and asked > state.config.api.max_logprobs:
             raise ApiError(f"{name} may be at most {state.config.api.max_logprobs} on this server "
                            f"(--max-logprobs), got {asked}.", 400, name)
-    refused = token_out_of_range(map(int, req.logit_bias or ()),
-                                 state.engine.client.info.vocab_size)
-    if refused is not None:
-        raise ApiError(refused.message("logit_bias token ids"), 400, "logit_bias")
+    for name, ids in (("logit_bias", map(int, req.logit_bias or ())),
+                      ("allowed_token_ids", req.allowed_token_ids or ())):
+        refused = token_out_of_range(ids, state.engine.client.info.vocab_size)
+        if refused is not None:
+            raise ApiError(refused.message(f"{name} token ids"), 400, name)
     reservation = state.try_admit(req.slots())  # before any tokenizing or templating
     if reservation is None:
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
