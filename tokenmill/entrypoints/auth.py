@@ -16,5 +16,9 @@ class ApiKey:
 
     def accepts(self, authorization: str | None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
-        given = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).digest()
-        return hmac.compare_digest(given, self._digest) and scheme.lower() == "bearer"
+        return self.accepts_key(token.strip()) and scheme.lower() == "bearer"
+
+    def accepts_key(self, token: str | None) -> bool:
+        """The key itself (Anthropic's `x-api-key` header)."""
+        given = hashlib.sha256((token or "").encode("utf-8", "surrogatepass")).digest()
+        return hmac.compare_digest(given, self._digest)

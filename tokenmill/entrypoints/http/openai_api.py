@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -329,8 +330,21 @@ async def create_completion(body: dict, request: Request, state: ServerState,
                             echo=req.echo).respond(request)
 
 
-async def create_chat_completion(body: dict, request: Request, state: ServerState,
-                                 check_model: bool = True) -> Response:
+@dataclass
+class ChatRun:
+    """A chat request checked, rendered and admitted: what the engine runs and how its text
+    becomes a message (shared with the Anthropic Messages API, which speaks through it)."""
+
+    req: ChatCompletionRequest
+    ids: list[int]
+    params: SamplingParams
+    output: ChatOutput
+    reservation: Reservation
+    beams: Any = None
+
+
+async def prepare_chat(body: dict, state: ServerState, check_model: bool = True) -> ChatRun:
+    """ApiError / ValueError: refused (any reservation released)."""
     reservation = None
     try:
         req, reservation = _parse(ChatCompletionRequest, body, state, check_model)
@@ -352,16 +366,26 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
             # the constraint applies to the answer, after the reasoning section
             params.structured_outputs.after_token_ids = constraint_start(state.tokenizer, ids)
         beams = openai_beam_params(req, max_tokens)
-    except (ApiError, ValueError) as exc:
+    except (ApiError, ValueError):
         if reservation is not None:
             reservation.cancel()
-        return api_error(exc)
-    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.config.api.response_role)
-    if beams is not None:
-        return await beam_response(state, True, req, [_Job(ids, params)], beams, reservation,
-                                    request, error_response, output)
+        raise
     if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
         params.skip_special_tokens = False  # (the parser reads its control-token markers)
-    responder = _Responder(state, True, req, [_Job(ids, params)], reservation,
-                           top_logprobs=top, output=output)
+    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.config.api.response_role)
+    return ChatRun(req, ids, params, output, reservation, beams)
+
+
+async def create_chat_completion(body: dict, request: Request, state: ServerState,
+                                 check_model: bool = True) -> Response:
+    try:
+        run = await prepare_chat(body, state, check_model)
+    except (ApiError, ValueError) as exc:
+        return api_error(exc)
+    job = _Job(run.ids, run.params)
+    if run.beams is not None:
+        return await beam_response(state, True, run.req, [job], run.beams, run.reservation,
+                                   request, error_response, run.output)
+    responder = _Responder(state, True, run.req, [job], run.reservation,
+                           top_logprobs=run.req.top_logprobs or 0, output=run.output)
     return await responder.respond(request)

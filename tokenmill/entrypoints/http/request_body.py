@@ -40,6 +40,10 @@ def error_json(message: str, status: int, path: str = "") -> bytes:
 
     if path.startswith("/v2/"):
         return json.dumps({"error": message}).encode()
+    if path.startswith("/v1/messages"):  # (Anthropic's Messages API)
+        from tokenmill.entrypoints.api.anthropic_protocol import error_body as anthropic
+
+        return json.dumps(anthropic(message, status)).encode()
     return json.dumps({**error_body(message, status), "error_msg": message,
                        "error_code": status}).encode()
 

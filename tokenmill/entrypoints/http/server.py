@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from tokenmill.entrypoints.api.anthropic_protocol import error_body as anthropic_error_body
 from tokenmill.entrypoints.api.json_body import BodyError
 from tokenmill.entrypoints.api.openai_protocol import (
     ChatCompletionRequest,
@@ -20,6 +21,7 @@ from tokenmill.entrypoints.api.openai_protocol import (
 from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state, readiness
 from tokenmill.entrypoints.auth import ApiKey
 from tokenmill.entrypoints.http import (
+    anthropic_api,
     lora_api,
     native_api,
     openai_api,
@@ -56,6 +58,9 @@ def _family_error(path: str, message: str, status: int, headers=None) -> JSONRes
     """An error outside a handler, in the shape of the route family of `path`."""
     if path.startswith("/v2/"):
         return JSONResponse({"error": message}, status_code=status, headers=headers)
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(message, status), status_code=status,
+                            headers=headers)
     return JSONResponse(openai_errors.error_body(message, status), status_code=status,
                         headers=headers)
 
@@ -112,6 +117,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     key = ApiKey(settings.config.api_key) if settings.config.api_key else None
     guarded = [Depends(_key_check(key))]
     _add_generate_routes(app, key)
+    _add_anthropic_routes(app, key)
     _add_tokenizer_and_model_routes(app, settings, guarded)
     _add_health_routes(app)
     app.include_router(triton_api.create_router(lambda request: request.app.state.server,
@@ -144,7 +150,9 @@ def _key_check(key: ApiKey | None):
 
 
 def _authorized(key: ApiKey | None, request: Request) -> bool:
-    return key is None or key.accepts(request.headers.get("authorization"))
+    """`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
+    return key is None or key.accepts(request.headers.get("authorization")) or (
+        "x-api-key" in request.headers and key.accepts_key(request.headers["x-api-key"]))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -221,6 +229,31 @@ def _add_generate_routes(app: FastAPI, key: ApiKey | None) -> None:
     @app.post("/v1/chat/completions/completions", openapi_extra=completion_body)
     async def seed_completions(request: Request) -> Response:
         return await dispatch(request, chat=False, seed_path=True)
+
+
+def _add_anthropic_routes(app: FastAPI, key: ApiKey | None) -> None:
+    """Anthropic's Messages API (its errors in its own shape, before the handler too)."""
+
+    def route(count: bool):
+        async def call(request: Request) -> Response:
+            if not _authorized(key, request):
+                return _family_error(request.url.path, UNAUTHORIZED, 401, _CHALLENGE)
+            try:
+                body = await read_body(request)
+            except BodyError as exc:
+                return anthropic_api.error_response(str(exc), 400)
+            server: ServerState = request.app.state.server
+            if server.draining or server.engine.dead is not None:
+                server.reject("not_ready")
+                return anthropic_api.error_response("The server is not ready: it is shutting "
+                                                    "down or its engine stopped.", 503)
+            if count:
+                return await anthropic_api.count_tokens(body, server)
+            return await anthropic_api.messages(body, request, server)
+        return call
+
+    app.add_api_route("/v1/messages", route(False), methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", route(True), methods=["POST"])
 
 
 def _add_tokenizer_and_model_routes(app: FastAPI, settings: ApiSettings,
