@@ -157,11 +157,15 @@ def _native(case) -> bool:
 
 def _check_error_shape(case, response) -> None:
     """4xx on /v1/*: the OpenAI error object; native requests, dispatched by their keys on the
-    same paths, answer in the seed's shape instead."""
+    same paths, answer in the seed's shape instead, and /v1/messages in Anthropic's."""
     assert_no_leak(response.text)
     if not (400 <= response.status_code < 500 and case.path.startswith("/v1/")):
         return
     body = response.json()
+    if case.path.startswith("/v1/messages"):
+        assert set(body) == {"type", "error"} and body["type"] == "error", body
+        assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+        return
     if _native(case):
         assert isinstance(body.get("error_msg"), str) and body["error_msg"], body
         assert body.get("error_code") == response.status_code, body

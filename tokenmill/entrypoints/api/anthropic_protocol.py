@@ -27,6 +27,25 @@ _FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "strea
 _IGNORED_BLOCK_FIELDS = {"cache_control", "citations"}
 
 
+_BLOCK = {"type": "object", "properties": {"type": {"type": "string"},
+                                          "text": {"type": "string"}},
+          "required": ["type"]}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["user", "assistant"]},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]}}}
+# The request body for /openapi.json (the handler checks bodies itself, in Anthropic's shape).
+OPENAPI_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["model", "max_tokens", "messages"], "properties": {
+        "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1},
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]},
+        "stop_sequences": {"type": "array", "items": {"type": "string"}},
+        "stream": {"type": "boolean"}, "temperature": {"type": "number", "minimum": 0},
+        "top_p": {"type": "number"}, "top_k": {"type": "integer"},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"type": "object"}, "metadata": {"type": "object"}}}}}}}
+
+
 class AnthropicError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)

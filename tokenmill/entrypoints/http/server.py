@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
+from tokenmill.entrypoints.api.anthropic_protocol import OPENAPI_BODY as ANTHROPIC_BODY
 from tokenmill.entrypoints.api.anthropic_protocol import error_body as anthropic_error_body
 from tokenmill.entrypoints.api.json_body import BodyError
 from tokenmill.entrypoints.api.openai_protocol import (
@@ -252,8 +253,10 @@ def _add_anthropic_routes(app: FastAPI, key: ApiKey | None) -> None:
             return await anthropic_api.messages(body, request, server)
         return call
 
-    app.add_api_route("/v1/messages", route(False), methods=["POST"])
-    app.add_api_route("/v1/messages/count_tokens", route(True), methods=["POST"])
+    app.add_api_route("/v1/messages", route(False), methods=["POST"],
+                      openapi_extra=ANTHROPIC_BODY)
+    app.add_api_route("/v1/messages/count_tokens", route(True), methods=["POST"],
+                      openapi_extra=ANTHROPIC_BODY)
 
 
 def _add_tokenizer_and_model_routes(app: FastAPI, settings: ApiSettings,
