@@ -94,7 +94,6 @@ def test_block_bs_sizes_the_cache_like_the_seed():
     (["--override-generation-config", '{"temprature": 1}'], {}, "unknown field(s) temprature"),
     (["--generation-config", ""], {}, "generation_config must be 'auto', 'vllm' or a folder"),
     (["--enable-reasoning"], {}, "--enable-reasoning needs --reasoning-parser"),
-    (["--scheduling-policy", "priority"], {}, "--scheduling-policy priority is not supported"),
     (["--guided-decoding-backend", "outlines"], {}, "'outlines' is not available"),
     (["--max-logprobs", "21"], {}, "max_logprobs must be between 0 and 20, got 21"),
     (["--lora-modules", "a=/x"], {}, "--lora-modules needs --enable-lora"),

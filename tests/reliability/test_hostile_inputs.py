@@ -171,7 +171,8 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_size_alone(server, server_th
 # Unsupported fields -------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value", [
     ("guided_whitespace_pattern", " "),
-    ("functions", [{"name": "f"}]), ("priority", 200), ("priority", -1),
+    ("functions", [{"name": "f"}]),
+    ("priority", 200), ("priority", -1),  # (under --scheduling-policy fcfs, the default)
     ("lora_request", {"lora_name": "a", "lora_int_id": 1, "lora_path": "/x"}),
 ])
 def test_known_unsupported_fields_are_refused_by_name(server, field, value):

@@ -222,7 +222,8 @@ def _vllm_flags(a, argparse) -> None:
     """vLLM's flags, so its command lines run unchanged: those accepted with no effect (logged
     once at start-up) or refused where they ask for what tokenmill does not do."""
     a("--scheduling-policy", choices=["fcfs", "priority"], default=None,
-      help="fcfs only (priority is refused)")
+      help="fcfs (arrival order, the default) or priority (each request's `priority`, lower "
+      "first; lower-priority work is preempted first when memory or slots are short)")
     a("--num-scheduler-steps", type=int, default=None, help="no effect")
     a("--trust-remote-code", action="store_true", default=None,
       help="accepted; no code from a model folder is run")
@@ -285,9 +286,6 @@ def check_vllm_flags(args) -> None:
     """vLLM's flags that ask for what tokenmill does not do: refused, naming the flag."""
     if args.enable_reasoning and not args.reasoning_parser:
         raise ValueError("--enable-reasoning needs --reasoning-parser (deepseek_r1 or qwen3).")
-    if args.scheduling_policy == "priority":
-        raise ValueError("--scheduling-policy priority is not supported: requests are "
-                         "scheduled first come, first served (fcfs).")
     for name, why in REFUSED_FLAGS.items():
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is refused: {why}.")

@@ -57,6 +57,9 @@ class EngineConfig:
     # LoRA adapters (vLLM's flags): a request may name one; at most max_loras different ones
     # run at once, of rank <= max_lora_rank; max_cpu_loras stay read in host memory (None:
     # max_loras)
+    # fcfs: requests run in arrival order; priority: by each request's `priority` (lower
+    # first, then arrival), which also picks whom to preempt (vLLM's --scheduling-policy)
+    scheduling_policy: str = "fcfs"
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -189,6 +192,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{self.scheduling_policy!r}.")
         positive_int("max_loras")
         positive_int("max_lora_rank")
         positive_int("max_cpu_loras", allow_none=True)

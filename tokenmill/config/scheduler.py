@@ -21,6 +21,7 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     # LoRA: adapters the running requests may use at once (the runner's slots; 0: no LoRA)
     max_loras: int = 0
+    policy: str = "fcfs"  # or "priority" (EngineConfig.scheduling_policy)
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -35,4 +36,5 @@ class SchedulerConfig:
                    max_model_len=max_model_len,
                    enable_chunked_prefill=config.enable_chunked_prefill,
                    num_lookahead_tokens=spec.num_lookahead_slots if spec is not None else 0,
-                   max_loras=config.max_loras if config.enable_lora else 0)
+                   max_loras=config.max_loras if config.enable_lora else 0,
+                   policy=config.scheduling_policy)

@@ -197,6 +197,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "distributed_executor_backend": pick(args.distributed_executor_backend, None, "mp"),
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
         "log_format": args.log_format or "text", "log_level": args.log_level or "info",
+        "scheduling_policy": args.scheduling_policy or "fcfs",
         "enable_lora": bool(args.enable_lora),
         "lora_modules": args.lora_modules,
         **{name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras")

@@ -71,6 +71,7 @@ class Request:
     num_pending: int = 0
     # LoRA: the adapter it runs with (lora/request.py's LoRARequest; None: the base model)
     lora_request: Any = None
+    priority: int = 0  # --scheduling-policy priority: lower runs first
 
     @property
     def lora_id(self) -> int:

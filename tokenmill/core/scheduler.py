@@ -54,10 +54,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS. Running requests are served first (one token for decode, plus its draft tokens
-    when it has some; a chunk for a long prompt), then waiting ones are admitted while the
-    token budget, `max_num_seqs` and free blocks allow. Out of blocks: the newest running
-    request is preempted and recomputed later."""
+    """Running requests are served first (one token for decode, plus its draft tokens when
+    it has some; a chunk for a long prompt), then waiting ones are admitted while the token
+    budget, `max_num_seqs` and free blocks allow. Out of blocks: a running request is
+    preempted and recomputed later. FCFS (`policy` "fcfs"): requests wait in arrival order
+    and the newest running one is preempted. "priority": they wait by (priority, arrival),
+    the running request last in that order is preempted, and one that waits ahead of it is
+    admitted in its place when slots or blocks are short (vLLM's priority policy, plus that
+    admission, so a high-priority request's wait does not grow with lower-priority load)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -77,7 +81,27 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._wait(request)
+
+    def _key(self, request: Request) -> tuple[int, float]:
+        return (request.priority, request.arrival_time)
+
+    def _wait(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: FCFS at the back (`front`: a preempted request, first);
+        by priority at its place in (priority, arrival) order."""
+        if self.config.policy != "priority":
+            (self.waiting.appendleft if front else self.waiting.append)(request)
+            return
+        key, i = self._key(request), len(self.waiting)
+        while i > 0 and self._key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, request)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest (FCFS), or last by priority."""
+        if self.config.policy != "priority":
+            return self.running[-1]
+        return max(self.running, key=self._key)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -111,7 +135,7 @@ class Scheduler:
         request.num_pending = 0  # (the result of a step in flight is dropped)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._wait(request, front=True)
 
     @property
     def num_waiting(self) -> int:
@@ -160,11 +184,14 @@ class Scheduler:
                 else:
                     drafts, probs = [], None
             while not allocate(request, num_new, None, lookahead):
-                victim = running.pop()
+                victim = self._victim()
+                running.remove(victim)
+                budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
+                i = running.index(request)  # (a victim ahead of it moved it up)
             else:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new,
                                                   drafts=drafts, draft_probs=probs,
@@ -172,17 +199,27 @@ class Scheduler:
                                                   output_pending=pending > 0))
                 budget -= num_new
                 i += 1
-                continue
-            break  # the request preempted itself: nothing after it is left to run
+            # (else it preempted itself: FCFS, nothing after it is left; by priority, those
+            # after it ranked ahead of it, and the next one is at i now)
 
-        # Admitting new work right after preempting would only thrash the cache.
+        # Admitting new work right after preempting would only thrash the cache, unless it
+        # ranks ahead of a running request (priority policy): then that one makes room.
         # LoRA: no more adapters among the running requests than the runner has slots; a
         # request for another adapter waits, the ones behind it are admitted meanwhile.
         adapters = {r.lora_id for r in self.running} - {0}
         passed: list[Request] = []
-        while (not preempted and self.waiting and budget > 0 and len(scheduled) < max_seqs
-               and len(self.running) < self.config.max_num_seqs):
+        favoured = None  # the waiting request running ones were preempted for
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            ahead = self._ranks_ahead(request)
+            if preempted and not ahead and request is not favoured:
+                break
+            if len(scheduled) >= max_seqs or len(self.running) >= self.config.max_num_seqs:
+                if not ahead:
+                    break
+                budget += self._displace(scheduled)
+                preempted, favoured = True, request
+                continue
             if (request.lora_id and request.lora_id not in adapters
                     and len(adapters) >= self.config.max_loras):
                 passed.append(self.waiting.popleft())
@@ -193,7 +230,11 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hits, lookahead):
-                break
+                if not ahead:
+                    break
+                budget += self._displace(scheduled)
+                preempted, favoured = True, request
+                continue
             self.waiting.popleft()
             self.kv_cache.record_prefix_query(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
@@ -220,6 +261,30 @@ class Scheduler:
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output
+
+    def _ranks_ahead(self, request: Request) -> bool:
+        """Priority policy: whether a running request ranks behind `request`."""
+        return (self.config.policy == "priority" and bool(self.running)
+                and self._key(self._victim()) > self._key(request))
+
+    def _displace(self, scheduled: list[ScheduledRequest]) -> int:
+        """Preempts the running request last in priority order for one that ranks ahead;
+        returns the step's tokens it had."""
+        victim = self._victim()
+        self.running.remove(victim)
+        tokens = self._unschedule(scheduled, victim)
+        self._preempt(victim)
+        return tokens
+
+    @staticmethod
+    def _unschedule(scheduled: list[ScheduledRequest], request: Request) -> int:
+        """Takes `request` out of this step's `scheduled` (a victim chosen by priority may
+        already be in it); returns the tokens it had."""
+        for k, s in enumerate(scheduled):
+            if s.request is request:
+                del scheduled[k]
+                return s.num_new_tokens
+        return 0
 
     def _schedulable_async(self, request: Request) -> bool:
         """Its pending token is not its last (max_tokens, the model's length) and its next

@@ -135,7 +135,7 @@ class AsyncLLM:
                        request_id: str | None = None, prompt: str | None = None,
                        reservation: Any = None,
                        output_kind: OutputKind = OutputKind.CUMULATIVE,
-                       lora_request: LoRARequest | None = None
+                       lora_request: LoRARequest | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         """`reservation`: the API's admission reservation (`consume(n)`), handed over once
         the request counts as in flight here. `output_kind`: cumulative results, deltas
@@ -168,7 +168,7 @@ class AsyncLLM:
                 child_params = params.for_child(i)
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic(),
-                    lora_request))
+                    lora_request, priority))
             while not finished:
                 deltas = await queue.take()  # (several: what came while the reader was busy)
                 for item in deltas:

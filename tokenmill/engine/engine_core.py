@@ -173,10 +173,13 @@ class EngineCore:
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
                       self.kv_cache.num_blocks, self.config.block_size,
                       self.scheduler.config.num_lookahead_tokens)
+        if request.priority and self.scheduler.config.policy != "priority":
+            raise ValueError(f"priority {request.priority} needs --scheduling-policy priority "
+                             "(requests are served first come, first served).")
         lora = request.lora_request
         new = Request(request.request_id, list(request.prompt_token_ids),
                       request.sampling_params, arrival_time=request.arrival_time,
-                      lora_request=lora)
+                      lora_request=lora, priority=request.priority)
         if lora is not None:
             if self.defer_lora_reads and not self.loras.held(lora):
                 self.loras.submit(new)  # (read off the step loop; `_admit_compiled` admits)

@@ -83,7 +83,8 @@ class LLMEngine:
         return {"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)}
 
     def add_request(self, request_id: str | None, prompt: PromptType,
-                    params: SamplingParams, lora_request: LoRARequest | None = None) -> str:
+                    params: SamplingParams, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> str:
         request_id = str(next(self._counter)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
@@ -99,7 +100,8 @@ class LLMEngine:
             for i, child_id in enumerate(child_ids):
                 child_params = params.for_child(i)
                 self.client.add_request(EngineCoreRequest(child_id, prompt_ids, child_params,
-                                                          time.monotonic(), lora_request))
+                                                          time.monotonic(), lora_request,
+                                                          priority))
                 added.append(child_id)
         except Exception:
             self.client.abort_requests(added)

@@ -19,6 +19,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     lora_request: LoRARequest | None = None  # None: the base model
+    priority: int = 0  # (vLLM's: lower runs first under --scheduling-policy priority)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -55,10 +55,11 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """`lora_request`: the adapter every prompt runs with, or one per prompt (None: the
-        base model; the engine needs `enable_lora=True`)."""
+        base model; the engine needs `enable_lora=True`). `priority`: one per prompt (lower
+        runs first; the engine needs `scheduling_policy="priority"`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -74,7 +75,11 @@ class LLM:
         elif len(lora_request) != len(prompts):
             raise ValueError(f"Got {len(lora_request)} LoRA requests for {len(prompts)} "
                              "prompts; give one, or one per prompt.")
-        return self._run(prompts, list(sampling_params), use_tqdm, list(lora_request))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts; give "
+                             "one per prompt.")
+        return self._run(prompts, list(sampling_params), use_tqdm, list(lora_request),
+                         list(priority) if priority is not None else None)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -118,13 +123,14 @@ class LLM:
         return [BeamSearchOutput(s.results(decode)) for s in searches]
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
-             use_tqdm: bool, loras: list[LoRARequest | None] | None = None
-             ) -> list[RequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
-                ids.append(engine.add_request(None, prompt, p, lora))
+            for prompt, p, lora, priority in zip(prompts, params, loras or [None] * len(prompts),
+                                                 priorities or [0] * len(prompts)):
+                ids.append(engine.add_request(None, prompt, p, lora, priority))
         except Exception:
             engine.abort_request(ids)
             raise

@@ -56,6 +56,7 @@ class NativeRequest:
     timeout: float
     reservation: Reservation | None = None  # admission's, handed to the engine
     lora_request: LoRARequest | None = None  # `lora_task_id`'s adapter; None: the base model
+    priority: int = 0  # (vLLM's field: lower runs first under --scheduling-policy priority)
 
 
 def _first_present(body: dict, *names: str) -> tuple[str, Any] | None:
@@ -101,9 +102,11 @@ def validate(body: dict, state: ServerState) -> dict:
             raise NativeError(f"The `{name}` must be a number")
     if "timeout" in body and body["timeout"] <= 0:
         raise NativeError("The `timeout` must be a positive number of seconds")
-    for name in ("seed", "infer_seed", "lora_task_id"):
+    for name in ("seed", "infer_seed", "lora_task_id", "priority"):
         if name in body and not _is_int(body[name]):
             raise NativeError(f"The `{name}` must be an integer")
+    if "priority" in body and not -(2**63) <= body["priority"] < 2**63:
+        raise NativeError("The `priority` must be a 64-bit integer")
     for name in ("stream", "return_usage", "return_all_tokens", "benchmark"):
         if name in body and not isinstance(body[name], bool):
             raise NativeError(f"The `{name}` must be a boolean")
@@ -192,6 +195,9 @@ async def tokenize(body: dict, state: ServerState) -> list[int]:
 
 async def build_request(body: dict, state: ServerState) -> NativeRequest:
     body = validate(body, state)
+    problem = state.priority_problem(body.get("priority", 0))
+    if problem is not None:
+        raise NativeError(problem)
     lora = None
     if "lora_task_id" in body:  # (TensorRT-LLM's field: an adapter of --lora-modules by id)
         lora = state.lora_of_task(body["lora_task_id"])
@@ -237,4 +243,4 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
     return NativeRequest(body["req_id"], ids, params, body.get("stream", False),
                          body.get("return_usage", False), body.get("return_all_tokens", False),
                          body.get("benchmark", False), float(body["timeout"]),
-                         lora_request=lora)
+                         lora_request=lora, priority=body.get("priority", 0))

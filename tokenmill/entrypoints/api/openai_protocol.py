@@ -77,21 +77,15 @@ UNSUPPORTED_FIELDS = {
     "documents": "documents are not supported",
     "kv_transfer_params": "KV transfer is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
-    "priority": "request priorities are not supported (requests are scheduled first come, "
-                "first served)",
     "lora_request": "a LoRA adapter is chosen by its name in `model` (--lora-modules); "
                     "this field is not supported",
 }
-# A value that asks for nothing beyond the default (vLLM's priority 0).
-_NEUTRAL = {"priority": 0}
 
 
 def refuse_unsupported(body: dict) -> None:
     """Raises InvalidParameter for the first field of UNSUPPORTED_FIELDS the body sets."""
     for name, why in UNSUPPORTED_FIELDS.items():
         value = body.get(name)
-        if name in _NEUTRAL and value == _NEUTRAL[name] and not isinstance(value, bool):
-            continue
         if value is not None and value is not False and value != [] and value != {} \
                 and value != "":
             raise InvalidParameter(name, f"{name}: {why} by this server.")
@@ -132,6 +126,8 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: Annotated[list[_TokenId], Field(min_length=1)] | None = None  # vLLM's
     # vLLM's: each prompt token's logprob and this many alternatives (the first has none)
     prompt_logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
+    # vLLM's: lower runs first under --scheduling-policy priority
+    priority: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     use_beam_search: bool = False  # vLLM's: `n` beams
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False

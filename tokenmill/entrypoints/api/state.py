@@ -134,6 +134,13 @@ class ServerState:
         return next((a for a in adapters.values() if a.lora_int_id == task_id
                      and not a.lora_name.startswith(TASK_PREFIX)), None)
 
+    def priority_problem(self, priority: int) -> str | None:
+        """Why a request's `priority` cannot be honoured here (None: it can)."""
+        if priority and self.config.engine.scheduling_policy != "priority":
+            return (f"priority {priority} needs --scheduling-policy priority (requests are "
+                    "served first come, first served).")
+        return None
+
     def num_waiting(self) -> int:
         """Requests queued in the engine. The core's count arrives with each step; this
         process's own requests beyond the running slots count at once, so a burst between

@@ -27,7 +27,7 @@ INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p",
           # structured outputs: TensorRT-LLM's guide (type + text), or a JSON schema
           "guided_decoding_guide_type", "guided_decoding_guide", "guided_json",
           # LoRA: an adapter served by --lora-modules, by id (the model name picks one too)
-          "lora_task_id", "lora_weights", "lora_config")
+          "lora_task_id", "lora_weights", "lora_config", "priority")
 # TensorRT-LLM's guided_decoding_guide_type -> the StructuredOutputsParams field
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
                "ebnf_grammar": "grammar"}
@@ -68,7 +68,8 @@ _NUMBERS = {"max_tokens": (int, 1, None), "temperature": (float, 0.0, None),
             "random_seed": (int, 0, 2**64 - 1), "seed": (int, 0, 2**64 - 1),
             "end_id": (int, 0, None), "pad_id": (int, 0, None),
             "beam_width": (int, 1, CAPS.max_n), "num_return_sequences": (int, 1, CAPS.max_n),
-            "length_penalty": (float, -1e3, 1e3), "lora_task_id": (int, 0, 2**64 - 1)}
+            "length_penalty": (float, -1e3, 1e3), "lora_task_id": (int, 0, 2**64 - 1),
+            "priority": (int, -(2**63), 2**63 - 1)}
 _DEFAULTS = defaults.TRITON
 
 
@@ -225,6 +226,9 @@ async def parse_fields(fields: dict, state: ServerState, model: str | None = Non
     stop = _words(fields.get("stop_words"), "stop_words")
     bad = _words(fields.get("bad_words"), "bad_words")
     lora = await _lora(fields, num, state, model)
+    problem = state.priority_problem(num["priority"] or 0)
+    if problem is not None:
+        raise TritonError(problem)
     try:
         ids = await state.prompts.encode(text, "text_input")
     except PromptTooLong as exc:
@@ -257,7 +261,7 @@ async def parse_fields(fields: dict, state: ServerState, model: str | None = Non
                "log_probs": fields.get("return_log_probs", False),
                "perf": fields.get("return_perf_metrics", False),
                "echo": "" if fields.get("exclude_input_in_output", False) else text,
-               "lora": lora}
+               "lora": lora, "priority": num["priority"] or 0}
     return ids, sampling, options
 
 

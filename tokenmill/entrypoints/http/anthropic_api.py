@@ -89,7 +89,8 @@ class _Reply:
         run = self.run
         return self.state.engine.generate(run.ids, run.params, request_id=self.id,
                                           reservation=run.reservation, output_kind=kind,
-                                          lora_request=self.state.lora_for(self.model))
+                                          lora_request=self.state.lora_for(self.model),
+                                          priority=run.req.priority or 0)
 
     def _message(self, content: list, reason: str | None, sequence: str | None,
                  output_tokens: int) -> dict:

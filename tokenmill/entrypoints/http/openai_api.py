@@ -74,6 +74,9 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         if type(asked) is int and asked > state.config.api.max_logprobs:
             raise ApiError(f"{name} may be at most {state.config.api.max_logprobs} on this server "
                            f"(--max-logprobs), got {asked}.", 400, name)
+    problem = state.priority_problem(req.priority or 0)
+    if problem is not None:
+        raise ApiError(problem, 400, "priority")
     for name, ids in (("logit_bias", map(int, req.logit_bias or ())),
                       ("allowed_token_ids", req.allowed_token_ids or ())):
         refused = token_out_of_range(ids, state.engine.client.info.vocab_size)
@@ -152,7 +155,7 @@ class _Responder:
         lora = self.state.lora_for(self.req.model)
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
                                            reservation=self.reservation, output_kind=kind,
-                                           lora_request=lora)
+                                           lora_request=lora, priority=self.req.priority or 0)
                 for i, job in enumerate(self.jobs)]
 
     def _usage(self, completion_tokens: int) -> dict:

@@ -69,12 +69,14 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
         if streaming:
             stream = state.engine.generate(ids, params, reservation=reservation,
                                            output_kind=OutputKind.DELTA,
-                                           lora_request=options["lora"])
+                                           lora_request=options["lora"],
+                                           priority=options["priority"])
             return StreamingResponse(_events(stream, options, head),
                                      media_type="text/event-stream")
         stream = state.engine.generate(ids, params, reservation=reservation,
                                        output_kind=OutputKind.FINAL_ONLY,
-                                       lora_request=options["lora"])
+                                       lora_request=options["lora"],
+                                       priority=options["priority"])
 
         async def whole() -> Response:
             last = None

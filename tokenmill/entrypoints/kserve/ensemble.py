@@ -12,7 +12,7 @@ _TEXT = {"text_input", "guided_json", "guided_decoding_guide_type", "guided_deco
 _WORDS = {"stop_words", "bad_words"}
 _BOOLS = {"stream", "return_log_probs", "exclude_input_in_output", "return_perf_metrics"}
 _INTS = {"max_tokens", "top_k", "end_id", "pad_id", "beam_width", "num_return_sequences",
-         "min_tokens", "min_length", "random_seed", "seed", "lora_task_id"}
+         "min_tokens", "min_length", "random_seed", "seed", "lora_task_id", "priority"}
 # TensorRT-LLM's adapter tensors (api/lora_tensors.py registers them under lora_task_id)
 _LORA_TENSORS = {"lora_weights", "lora_config"}
 _FLOATS = {"temperature", "top_p", "repetition_penalty", "presence_penalty",
