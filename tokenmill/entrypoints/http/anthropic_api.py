@@ -2,7 +2,7 @@
 events: message_start, content_block_start / _delta / _stop per text, thinking or tool_use
 block, message_delta with the stop reason and usage, message_stop) and
 `POST /v1/messages/count_tokens`. Requests run as the chat requests they stand for
-(api/anthropic_protocol.py; openai_api.prepare_chat); errors in Anthropic's shape."""
+(api/anthropic_protocol.py; openai_requests.prepare_chat); errors in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from tokenmill.entrypoints.api.anthropic_protocol import (
 )
 from tokenmill.entrypoints.api.openai_protocol import ChatCompletionRequest
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.http.openai_api import ChatRun, prepare_chat
 from tokenmill.entrypoints.http.openai_errors import (
     RETRY_AFTER_S,
     ApiError,
     validation_error,
 )
+from tokenmill.entrypoints.http.openai_requests import ChatRun, prepare_chat
 from tokenmill.entrypoints.http.streaming import unless_disconnected
 from tokenmill.outputs import OutputKind
 

@@ -5,32 +5,23 @@ Streams are Server-Sent Events ending in `data: [DONE]`, sent after the last con
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
-from tokenmill.entrypoints.api.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    refuse_unsupported,
-)
 from tokenmill.entrypoints.api.state import Reservation, ServerState
-from tokenmill.entrypoints.http.beam_api import beam_response, openai_beam_params
+from tokenmill.entrypoints.http.beam_api import beam_response
 from tokenmill.entrypoints.http.chat_output import ChatDeltas, ChatOutput
 from tokenmill.entrypoints.http.openai_errors import (
     ApiError,
     api_error,
     error_body,
     error_response,
-    validation_error,
 )
 from tokenmill.entrypoints.http.openai_logprobs import (
     chat_logprobs,
@@ -38,10 +29,13 @@ from tokenmill.entrypoints.http.openai_logprobs import (
     echoed_logprobs,
     prompt_logprobs_field,
 )
+from tokenmill.entrypoints.http.openai_requests import (
+    Job,
+    prepare_chat,
+    prepare_completion,
+)
 from tokenmill.entrypoints.http.streaming import json_line, merge, unless_disconnected
-from tokenmill.entrypoints.parsers.reasoning import constraint_start
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
-from tokenmill.sampling_params import SamplingParams
 
 
 def list_models(state: ServerState) -> dict:
@@ -58,83 +52,10 @@ def list_models(state: ServerState) -> dict:
                for name in state.adapters]}
 
 
-def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
-    try:
-        refuse_unsupported(body)
-        req = model_cls.model_validate(body)
-        req.check()
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    except ValueError as exc:
-        raise ApiError(str(exc), 400, getattr(exc, "param", None)) from None
-    if check_model and req.model is not None and req.model not in state.model_names:
-        raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
-    for name in ("logprobs", "top_logprobs"):  # (--max-logprobs below the schema's cap)
-        asked = getattr(req, name, None)
-        if type(asked) is int and asked > state.config.api.max_logprobs:
-            raise ApiError(f"{name} may be at most {state.config.api.max_logprobs} on this server "
-                           f"(--max-logprobs), got {asked}.", 400, name)
-    problem = state.priority_problem(req.priority or 0)
-    if problem is not None:
-        raise ApiError(problem, 400, "priority")
-    for name, ids in (("logit_bias", map(int, req.logit_bias or ())),
-                      ("allowed_token_ids", req.allowed_token_ids or ())):
-        refused = token_out_of_range(ids, state.engine.client.info.vocab_size)
-        if refused is not None:
-            raise ApiError(refused.message(f"{name} token ids"), 400, name)
-    reservation = state.try_admit(req.slots())  # before any tokenizing or templating
-    if reservation is None:
-        raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
-                       503)
-    return req, reservation
-
-
-
-
-def _check_ids(ids: list[int], state: ServerState, what: str) -> None:
-    if not ids:
-        raise ApiError("The prompt is empty.", 400, what)
-    refused = token_out_of_range(ids, len(state.tokenizer))
-    if refused is not None:
-        raise ApiError(refused.message("Prompt token ids"), 400, what)
-
-
-def _max_tokens(requested: int | None, n_in: int, state: ServerState, default: int | None,
-                what: str) -> int:
-    """The completion's token budget: `requested`, else `default` (capped by the room left),
-    else all the room left. A prompt that leaves no room is refused for its own length."""
-    limit = state.max_model_len
-    room = limit - n_in
-    if requested is not None and requested < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {requested}.", 400, "max_tokens")
-    overflow = context_overflow(n_in, requested or 1, limit)
-    if overflow is not None and overflow.no_room:
-        raise ApiError(f"This model's maximum context length is {limit} tokens. However, your "
-                       f"{what} has {n_in} tokens, which leaves no room for a completion. "
-                       f"Please reduce the length of the {what}.", 400, what)
-    if overflow is not None:
-        raise ApiError(f"This model's maximum context length is {limit} tokens. However, you "
-                       f"requested {n_in + requested} tokens ({n_in} in the {what}, "
-                       f"{requested} in the completion). Please reduce the length of the "
-                       f"{what} or completion.", 400, "max_tokens")
-    budget = requested if requested is not None else min(default or room, room)
-    # (the model's generation config caps every request, as vLLM's max_new_tokens default)
-    return min(budget, state.settings.sampling_defaults.get("max_tokens", budget))
-
-
-@dataclass
-class _Job:
-    """One engine request behind an OpenAI response: a prompt and its `n` choices."""
-
-    ids: list[int]
-    params: SamplingParams
-    prompt_text: str | None = None  # for echo
-
-
 class _Responder:
     """Builds one OpenAI response (streamed or whole) over one or more engine jobs."""
 
-    def __init__(self, state: ServerState, chat: bool, req, jobs: list[_Job],
+    def __init__(self, state: ServerState, chat: bool, req, jobs: list[Job],
                  reservation: Reservation, echo: bool = False, top_logprobs: int = 0,
                  output: ChatOutput | None = None) -> None:
         self.state, self.chat, self.req, self.jobs = state, chat, req, jobs
@@ -303,28 +224,9 @@ class _Responder:
 
 async def create_completion(body: dict, request: Request, state: ServerState,
                             check_model: bool = True) -> Response:
-    reservation = None
     try:
-        req, reservation = _parse(CompletionRequest, body, state, check_model)
-        jobs = []
-        for prompt in req.prompts():
-            if isinstance(prompt, str):
-                ids = await state.prompts.encode(prompt, "prompt")
-                text = prompt
-            else:
-                ids, text = list(prompt), None
-            _check_ids(ids, state, "prompt")
-            if text is None and req.echo:
-                text = state.tokenizer.decode(ids)
-            max_tokens = _max_tokens(req.max_tokens or (1 if req.max_tokens == 0 else None),
-                                     len(ids), state, None, "prompt")
-            jobs.append(_Job(ids, req.sampling_params(max_tokens, req.logprobs,
-                                                      state.settings.sampling_defaults), text))
-        await state.check_structured(*req.structured())
-        beams = openai_beam_params(req, min(job.params.max_tokens for job in jobs))
-    except (ApiError, ValueError) as exc:  # ours, or SamplingParams validation
-        if reservation is not None:
-            reservation.cancel()
+        req, jobs, beams, reservation = await prepare_completion(body, state, check_model)
+    except (ApiError, ValueError) as exc:
         return api_error(exc)
     if beams is not None:
         return await beam_response(state, False, req, jobs, beams, reservation, request,
@@ -333,50 +235,33 @@ async def create_completion(body: dict, request: Request, state: ServerState,
                             echo=req.echo).respond(request)
 
 
-@dataclass
-class ChatRun:
-    """A chat request checked, rendered and admitted: what the engine runs and how its text
-    becomes a message (shared with the Anthropic Messages API, which speaks through it)."""
-
-    req: ChatCompletionRequest
-    ids: list[int]
-    params: SamplingParams
-    output: ChatOutput
-    reservation: Reservation
-    beams: Any = None
-
-
-async def prepare_chat(body: dict, state: ServerState, check_model: bool = True) -> ChatRun:
-    """ApiError / ValueError: refused (any reservation released)."""
-    reservation = None
+async def answer(body: dict, state: ServerState, chat: bool) -> tuple[int, dict]:
+    """The route's whole (non-streamed) answer as (status, JSON body): the Batch API's
+    lines run through the same checks and engine calls as live requests."""
     try:
-        req, reservation = _parse(ChatCompletionRequest, body, state, check_model)
-        req.check_template(state.config.trust_request_chat_template)
-        plan = req.plan_tools(state.tool_parser is not None)
-        tools = {"tools": plan.tools} if plan is not None else {}
-        ids = await state.prompts.render(req.plain_messages(), "messages",
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         chat_template=req.chat_template,
-                                         **(req.chat_template_kwargs or {}), **tools)
-        _check_ids(ids, state, "messages")
-        max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
-                                 state.config.max_dec_len, "messages")
-        top = req.top_logprobs or 0
-        params = req.sampling_params(max_tokens, top if req.logprobs else None,
-                                     state.settings.sampling_defaults)
-        await state.check_structured(*req.structured())
-        if state.reasoning is not None and params.structured_outputs is not None:
-            # the constraint applies to the answer, after the reasoning section
-            params.structured_outputs.after_token_ids = constraint_start(state.tokenizer, ids)
-        beams = openai_beam_params(req, max_tokens)
-    except (ApiError, ValueError):
-        if reservation is not None:
+        if chat:
+            run = await prepare_chat(body, state)
+            req, jobs, beams, reservation = run.req, [Job(run.ids, run.params)], run.beams, \
+                run.reservation
+        else:
+            req, jobs, beams, reservation = await prepare_completion(body, state, True)
+        if beams is not None:
             reservation.cancel()
-        raise
-    if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
-        params.skip_special_tokens = False  # (the parser reads its control-token markers)
-    output = ChatOutput(state.reasoning, plan, state.tool_parser, state.config.api.response_role)
-    return ChatRun(req, ids, params, output, reservation, beams)
+            raise ApiError("Beam search is not run in batches.", 400, "use_beam_search")
+        responder = _Responder(state, chat, req, jobs, reservation,
+                               top_logprobs=getattr(req, "top_logprobs", 0) or 0,
+                               echo=getattr(req, "echo", False),
+                               output=run.output if chat else None)
+        response = await responder.whole()
+    except (ApiError, ValueError) as exc:
+        return getattr(exc, "status", 400), error_body(
+            getattr(exc, "message", None) or str(exc), getattr(exc, "status", 400),
+            getattr(exc, "param", None))
+    except EngineRequestError as exc:
+        return 400, error_body(str(exc), 400)
+    except EngineDeadError as exc:
+        return 503, error_body(str(exc), 503)
+    return response.status_code, json.loads(response.body)
 
 
 async def create_chat_completion(body: dict, request: Request, state: ServerState,
@@ -385,7 +270,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         run = await prepare_chat(body, state, check_model)
     except (ApiError, ValueError) as exc:
         return api_error(exc)
-    job = _Job(run.ids, run.params)
+    job = Job(run.ids, run.params)
     if run.beams is not None:
         return await beam_response(state, True, run.req, [job], run.beams, run.reservation,
                                    request, error_response, run.output)
