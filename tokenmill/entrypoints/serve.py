@@ -65,7 +65,7 @@ class ServeProcess:
         # liveness meanwhile)
         try:  # (a hub that cannot be reached, a bad generation config or chat template fail
             # before the engine loads: the servers closed first, the cause alone is printed)
-            model_path = await asyncio.to_thread(_model_path, config.engine)
+            model_path = await asyncio.to_thread(served_model_path, config.engine)
             defaults = sampling_defaults(model_path, config.engine.generation_config,
                                          config.engine.override_generation_config)
             chat_template = load_chat_template(config.chat_template)
@@ -255,7 +255,7 @@ def _ports_line(config: ServerConfig) -> str:
     return ", ".join(ports)
 
 
-def _model_path(engine) -> str:
+def served_model_path(engine) -> str:
     """The model to load: a path, or a hub name fetched (at --revision, into --download-dir;
     of a pre-sharded checkpoint, this node's share)."""
     node = (engine.node_rank, engine.nnodes) if engine.nnodes > 1 else None
@@ -268,7 +268,7 @@ def run_server(config: ServerConfig) -> int:
         logger.info("%s: accepted, no effect here (%s)", flag, why)
     if config.engine.node_rank > 0:  # ranks only: node 0 serves every port
         from tokenmill.executor.multiproc import serve_other_node
-        return serve_other_node(config.engine, _model_path(config.engine))
+        return serve_other_node(config.engine, served_model_path(config.engine))
     check_ports_free(config)
     choose_free_ports(config)
     code = run_event_loop(ServeProcess(config).run())
