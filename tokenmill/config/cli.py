@@ -74,6 +74,11 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="queued requests before 503 (env MAX_CACHED_TASK_NUM; default 128)")
     a("--max-request-body-bytes", type=int, default=None,
       help="larger request bodies get 413 before parsing (default 2097152 = 2 MiB)")
+    a("--batch-dir", default=None,
+      help="the Batch API's uploaded files, results and batch records (default: "
+      "~/.cache/tokenmill/batches, or under XDG_CACHE_HOME)")
+    a("--max-batch-file-bytes", type=int, default=None,
+      help="largest upload to /v1/files (default 209715200 = 200 MiB)")
     a("--disable-streaming", action="store_true", default=None,
       help="refuse stream requests (env DISABLE_STREAMING=1)")
     a("--stream-interval", type=int, default=None,

@@ -58,6 +58,10 @@ class ServerConfig:
     # stall: vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S
     engine_iteration_timeout: float = 60.0
     max_request_body_bytes: int = 2 * 1024 * 1024  # larger bodies get 413 before parsing
+    # the Batch API's files (uploads, outputs) and batch records; None: the cache folder's
+    # batches/ (config/env.py's cache_dir)
+    batch_dir: str | None = None
+    max_batch_file_bytes: int = 200 * 1024 * 1024  # an upload's limit (OpenAI's is 200 MB)
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
     tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
@@ -100,6 +104,9 @@ class ServerConfig:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}.")
         self.api.validate()
+        if self.max_batch_file_bytes < 1024:
+            raise ValueError("max_batch_file_bytes must be at least 1024, got "
+                             f"{self.max_batch_file_bytes}.")
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024, got "
                              f"{self.max_request_body_bytes}.")
@@ -234,6 +241,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         engine_iteration_timeout=pick(None, env.number("VLLM_ENGINE_ITERATION_TIMEOUT_S"),
                                       60.0),
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
+        batch_dir=args.batch_dir,
+        max_batch_file_bytes=pick(args.max_batch_file_bytes, None, 200 * 1024 * 1024),
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,

@@ -28,8 +28,10 @@ def _refused(custom_id: Any, code: str, message: str) -> dict:
             "error": {"code": code, "message": message}}
 
 
-def parse(raw: bytes, number: int) -> tuple[dict | None, dict | None]:
-    """(the request line, None) or (None, its error line). `number`: from 1, for messages."""
+def parse(raw: bytes, number: int, endpoint: str | None = None
+          ) -> tuple[dict | None, dict | None]:
+    """(the request line, None) or (None, its error line). `number`: from 1, for messages;
+    `endpoint`: the one url a batch's lines may have (None: either)."""
     where = f"line {number}"
     if len(raw) > MAX_LINE_BYTES:
         return None, _refused(None, "line_too_large", f"{where} is longer than "
@@ -42,9 +44,10 @@ def parse(raw: bytes, number: int) -> tuple[dict | None, dict | None]:
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID:
         return None, _refused(None, "missing_custom_id", f"{where}: custom_id must be a "
                               f"non-empty string of at most {MAX_CUSTOM_ID} characters.")
-    if line.get("method", "POST") != "POST" or line.get("url") not in URLS:
+    urls = [endpoint] if endpoint else list(URLS)
+    if line.get("method", "POST") != "POST" or line.get("url") not in urls:
         return None, _refused(custom_id, "invalid_url", f"{where}: method POST and url "
-                              f"{' or '.join(URLS)} are supported.")
+                              f"{' or '.join(urls)} are supported.")
     if not isinstance(line.get("body"), dict):
         return None, _refused(custom_id, "invalid_body", f"{where}: body must be an object.")
     return line, None
@@ -63,8 +66,8 @@ async def answer(line: dict, state: ServerState, priority: int | None = None) ->
 
 
 async def answer_all(raws: Iterable[bytes], state: ServerState, concurrency: int = 8,
-                     priority: int | None = None, retry_s: float = 0.5
-                     ) -> AsyncIterator[tuple[int, dict]]:
+                     priority: int | None = None, retry_s: float = 0.5,
+                     endpoint: str | None = None) -> AsyncIterator[tuple[int, dict]]:
     """(line number, output line) for every line, as they finish (at most `concurrency` in
     the engine at once). A line answered 503 (queue full) is tried again after
     `retry_s`, up to 20 times; then its 503 answer stands."""
@@ -83,7 +86,7 @@ async def answer_all(raws: Iterable[bytes], state: ServerState, concurrency: int
 
     tasks = []
     for number, raw in enumerate(raws, 1):
-        line, refused = parse(raw, number)
+        line, refused = parse(raw, number, endpoint)
         if refused is not None:
             await queue.put((number, refused))
             continue

@@ -58,6 +58,9 @@ async def send_json_error(send, status: int, message: str, path: str = "",
     await send({"type": "http.response.body", "body": body})
 
 
+UPLOAD_TIMEOUT_S = 600.0  # (a file upload's body may take this long to arrive)
+
+
 class RequestLimitMiddleware:
     """431 for more than MAX_HEADERS headers or MAX_HEADER_BYTES of them, 413 for bodies over
     `max_body_bytes` (declared or counted), 400 for a malformed `Content-Length`, 408 when the
@@ -66,10 +69,14 @@ class RequestLimitMiddleware:
     client's disconnect)."""
 
     def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 uploads: dict[str, int] | None = None) -> None:
+        """`uploads`: paths whose POST bodies are files, with their own limit (and
+        UPLOAD_TIMEOUT_S to arrive)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.uploads = uploads or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -81,14 +88,17 @@ class RequestLimitMiddleware:
         if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
             return await send_json_error(send, 431, "The request headers are larger than "
                                          f"{MAX_HEADER_BYTES // 1024} KiB.", path)
+        max_bytes, timeout = self.max_body_bytes, self.body_timeout_s
+        if scope.get("method") == "POST" and path in self.uploads:
+            max_bytes, timeout = self.uploads[path], max(timeout, UPLOAD_TIMEOUT_S)
         lengths = [v for k, v in scope["headers"] if k == b"content-length"]
         if lengths:
             text = lengths[0].decode("latin-1").strip()
             if len(set(lengths)) > 1 or not text.isdigit():
                 return await send_json_error(send, 400, "Invalid Content-Length header.", path)
-            if int(text) > self.max_body_bytes:
-                return await send_json_error(send, 413, self._too_large(), path)
-        max_bytes, deadline = self.max_body_bytes, time.monotonic() + self.body_timeout_s
+            if int(text) > max_bytes:
+                return await send_json_error(send, 413, self._too_large(max_bytes), path)
+        deadline = time.monotonic() + timeout
         received, body_done, started = 0, False, False
 
         async def limited_receive():
@@ -118,14 +128,15 @@ class RequestLimitMiddleware:
             if started:  # cannot happen for our handlers (they read the body first)
                 raise
             if isinstance(exc, _BodyTooLarge):
-                await send_json_error(send, 413, self._too_large(), path)
+                await send_json_error(send, 413, self._too_large(max_bytes), path)
             else:
                 await send_json_error(send, 408, "The request body took too long to arrive.",
                                       path)
 
-    def _too_large(self) -> str:
-        return (f"The request body is larger than the limit of {self.max_body_bytes} bytes "
-                "(--max-request-body-bytes).")
+    def _too_large(self, limit: int) -> str:
+        flag = "--max-request-body-bytes" if limit == self.max_body_bytes \
+            else "--max-batch-file-bytes"
+        return f"The request body is larger than the limit of {limit} bytes ({flag})."
 
 
 # Bodies larger than this are parsed on a worker thread (a 2 MiB JSON body takes tens of

@@ -21,6 +21,7 @@ from tokenmill.entrypoints.api.openai_protocol import (
 )
 from tokenmill.entrypoints.api.state import ApiSettings, ServerState, build_state, readiness
 from tokenmill.entrypoints.auth import ApiKey
+from tokenmill.entrypoints.batch import api as batch_api
 from tokenmill.entrypoints.http import (
     anthropic_api,
     lora_api,
@@ -101,6 +102,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     async def lifespan(app: FastAPI):
         app.state.server = state or await build_state(settings, metrics)
         yield
+        batch_api.cancel_all()  # (their records say cancelled; results so far are kept)
         if state is None:
             await app.state.server.engine.shutdown()
         if tracer is not None:
@@ -120,6 +122,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     _add_generate_routes(app, key)
     _add_anthropic_routes(app, key)
     _add_tokenizer_and_model_routes(app, settings, guarded)
+    batch_api.add_routes(app, guarded)
     _add_health_routes(app)
     app.include_router(triton_api.create_router(lambda request: request.app.state.server,
                                                 guard=guarded))
@@ -131,7 +134,8 @@ def _add_middleware(app: FastAPI, settings: ApiSettings, metrics: Metrics | None
     """Body limits (innermost), rejection counts, the access line (and its span), CORS
     (outermost: preflights answered before anything else)."""
     config = settings.config
-    app.add_middleware(RequestLimitMiddleware, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(RequestLimitMiddleware, max_body_bytes=config.max_request_body_bytes,
+                       uploads={"/v1/files": config.max_batch_file_bytes})
     app.add_middleware(RejectionCounter, get_metrics=lambda: _metrics_of(app, metrics))
     app.add_middleware(AccessLog, log_requests=config.log_requests,
                        get_tokenizer=lambda: app.state.server.tokenizer, tracer=tracer,
