@@ -28,6 +28,7 @@ from tokenmill.entrypoints.http import (
     native_api,
     openai_api,
     openai_errors,
+    responses_api,
     tokenize_api,
     triton_api,
 )
@@ -123,6 +124,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     _add_anthropic_routes(app, key)
     _add_tokenizer_and_model_routes(app, settings, guarded)
     batch_api.add_routes(app, guarded)
+    responses_api.add_routes(app, guarded)
     _add_health_routes(app)
     app.include_router(triton_api.create_router(lambda request: request.app.state.server,
                                                 guard=guarded))
