@@ -236,6 +236,18 @@ def test_native_validate_raises_only_native_error(body):
     assert isinstance(out["req_id"], str)
 
 
+# (the server's settings the parsers read: FCFS, no LoRA)
+_ENGINE = SimpleNamespace(scheduling_policy="fcfs", enable_lora=False)
+
+
+def _priority_problem(priority: int):
+    """ServerState's check, over the settings above."""
+    from tokenmill.entrypoints.api.state import ServerState
+
+    return ServerState.priority_problem(SimpleNamespace(config=SimpleNamespace(
+        engine=_ENGINE)), priority)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_models):
     from tokenmill.loading.checkpoint import load_tokenizer
@@ -256,9 +268,10 @@ def grammars(tokenizer):
 def test_native_build_request_raises_only_native_error(tokenizer, grammars, body):
     """validate + tokenize + limits + SamplingParams, as admission runs them."""
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64, max_seq_len=63,
-                            config=SimpleNamespace(max_dec_len=16),
+                            config=SimpleNamespace(max_dec_len=16, engine=_ENGINE),
                             prompts=PromptEncoder(tokenizer, 64),
-                            check_structured=grammars.check, lora_of_task=lambda task: None)
+                            check_structured=grammars.check, lora_of_task=lambda task: None,
+                            priority_problem=_priority_problem)
     try:
         req = asyncio.run(native_protocol.build_request(body, state))
     except native_protocol.NativeError:
@@ -412,9 +425,11 @@ def test_ensemble_path_raises_only_its_errors(tokenizer, grammars, case):
     """gRPC `ensemble` inputs: tensors -> fields -> SamplingParams (as service._ensemble)."""
     request, _ = case
     state = SimpleNamespace(tokenizer=tokenizer, max_model_len=64,
+                            config=SimpleNamespace(engine=_ENGINE),
                             prompts=PromptEncoder(tokenizer, 64),
                             check_structured=grammars.check, lora_for=lambda model: None,
-                            lora_of_task=lambda task: None, adapters={})
+                            lora_of_task=lambda task: None, adapters={},
+                            priority_problem=_priority_problem)
     try:
         fields, shape = ensemble_fields(tensors.read_inputs(request))
         ids, params, options = asyncio.run(triton_protocol.parse_fields(fields, state))
