@@ -8,18 +8,24 @@ its time. Checked on the CPU under TRITON_INTERPRET=1 (tests/test_triton_ops.py)
 from __future__ import annotations
 
 import functools
+import importlib
 from types import ModuleType
 
 import torch
 
 
 @functools.cache
-def kernels() -> ModuleType | None:
+def kernel_module(name: str) -> ModuleType | None:
+    """A module of Triton kernels, imported on first use; None without triton (a CPU-only
+    install)."""
     try:
-        from tokenmill.layers import triton_op_kernels
-    except ImportError:  # no triton (a CPU-only install)
+        return importlib.import_module(name)
+    except ImportError:
         return None
-    return triton_op_kernels
+
+
+def kernels() -> ModuleType | None:
+    return kernel_module("tokenmill.layers.triton_op_kernels")
 
 
 def usable(x: torch.Tensor) -> bool:

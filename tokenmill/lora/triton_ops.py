@@ -8,24 +8,19 @@ reference (tests/lora/test_lora_triton.py, in Triton's interpreter on a CPU)."""
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
 
 from tokenmill.layers.fused_moe import align
+from tokenmill.layers.triton_ops import kernel_module
 
 BLOCK_M = 16  # rows per program
 BLOCK_R = 16  # adapter columns per step of the expand's inner loop (and per shrink program)
 
 
-@functools.cache
 def kernels() -> ModuleType | None:
-    try:
-        from tokenmill.lora import triton_kernels
-    except ImportError:  # no triton (a CPU-only install)
-        return None
-    return triton_kernels
+    return kernel_module("tokenmill.lora.triton_kernels")
 
 
 def usable(x: torch.Tensor) -> bool:

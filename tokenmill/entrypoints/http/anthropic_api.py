@@ -30,7 +30,7 @@ from tokenmill.entrypoints.http.openai_errors import (
     validation_error,
 )
 from tokenmill.entrypoints.http.openai_requests import ChatRun, prepare_chat
-from tokenmill.entrypoints.http.streaming import unless_disconnected
+from tokenmill.entrypoints.http.streaming import whole_answer
 from tokenmill.outputs import OutputKind
 
 
@@ -51,13 +51,7 @@ async def messages(body: object, request: Request, state: ServerState) -> Respon
     reply = _Reply(state, run)
     if run.req.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream")
-    try:
-        whole = await unless_disconnected(request, reply.whole())
-    except EngineRequestError as exc:
-        return error_response(str(exc), 400)
-    except EngineDeadError as exc:
-        return error_response(str(exc), 503)
-    return JSONResponse(whole) if whole is not None else Response(status_code=499)
+    return await whole_answer(request, reply.whole(), error_response)
 
 
 async def count_tokens(body: object, state: ServerState) -> Response:

@@ -34,7 +34,7 @@ from tokenmill.entrypoints.http.openai_requests import (
     prepare_chat,
     prepare_completion,
 )
-from tokenmill.entrypoints.http.streaming import json_line, merge, unless_disconnected
+from tokenmill.entrypoints.http.streaming import json_line, merge, whole_answer
 from tokenmill.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
@@ -213,13 +213,7 @@ class _Responder:
     async def respond(self, request: Request) -> Response:
         if self.req.stream:
             return StreamingResponse(self.events(), media_type="text/event-stream")
-        try:
-            response = await unless_disconnected(request, self.whole())
-        except EngineRequestError as exc:
-            return error_response(str(exc), 400)
-        except EngineDeadError as exc:
-            return error_response(str(exc), 503)
-        return response if response is not None else Response(status_code=499)
+        return await whole_answer(request, self.whole(), error_response)
 
 
 async def create_completion(body: dict, request: Request, state: ServerState,

@@ -33,7 +33,7 @@ from tokenmill.entrypoints.api.responses_protocol import (
 from tokenmill.entrypoints.api.state import ServerState
 from tokenmill.entrypoints.http.openai_errors import ApiError, api_error, error_response
 from tokenmill.entrypoints.http.openai_requests import ChatRun, prepare_chat
-from tokenmill.entrypoints.http.streaming import unless_disconnected
+from tokenmill.entrypoints.http.streaming import whole_answer
 from tokenmill.outputs import OutputKind
 
 STORE = ResponseStore()  # (this API process's; see docs/serving/openai.md)
@@ -52,13 +52,7 @@ async def create(body: Any, request: Request, state: ServerState) -> Response:
     reply = _Reply(state, run, body, history)
     if run.req.stream:
         return StreamingResponse(reply.events(), media_type="text/event-stream")
-    try:
-        whole = await unless_disconnected(request, reply.whole())
-    except EngineRequestError as exc:
-        return error_response(str(exc), 400)
-    except EngineDeadError as exc:
-        return error_response(str(exc), 503)
-    return JSONResponse(whole) if whole is not None else Response(status_code=499)
+    return await whole_answer(request, reply.whole(), error_response)
 
 
 class _Reply:

@@ -100,3 +100,22 @@ async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             await task
         return None
     return task.result()
+
+
+async def whole_answer(request: Request, work: Awaitable[Any], error) -> Any:
+    """A non-streamed answer: `work`'s result (a Response, or a JSON body), cancelled if the
+    client leaves (499); the engine refusing the request is `error(message, 400)`, the
+    engine gone `error(message, 503)` (`error`: the route's own error response)."""
+    from fastapi.responses import JSONResponse, Response
+
+    from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+
+    try:
+        answer = await unless_disconnected(request, work)
+    except EngineRequestError as exc:
+        return error(str(exc), 400)
+    except EngineDeadError as exc:
+        return error(str(exc), 503)
+    if answer is None:
+        return Response(status_code=499)
+    return answer if isinstance(answer, Response) else JSONResponse(answer)
