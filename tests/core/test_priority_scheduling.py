@@ -118,3 +118,17 @@ def test_a_higher_priority_prompt_takes_the_blocks_of_a_lower_one():
     run_step(fcfs)
     fcfs.add_request(req("high", 12, arrival=1))
     assert "high" not in [x.request.request_id for x in run_step(fcfs).scheduled]
+
+
+def test_a_full_micro_batch_displaces_nobody_outside_it():
+    """A pipeline micro-batch's share (max_seqs 2) already full of high-priority requests:
+    displacing lower-priority ones outside it would free no room in it, so none is."""
+    s = make(max_seqs=4)
+    for i, (rid, priority) in enumerate((("h", 0), ("i", 0), ("l", 5), ("m", 5))):
+        s.add_request(req(rid, 3, priority=priority, arrival=i, max_tokens=50))
+    run_step(s)
+    assert [r.request_id for r in s.running] == ["h", "i", "l", "m"]
+    s.add_request(req("n", 3, priority=0, arrival=9))
+    out = s.schedule(max_seqs=2)
+    assert [x.request.request_id for x in out.scheduled] == ["h", "i"]
+    assert s.num_preemptions == 0 and [r.request_id for r in s.waiting] == ["n"]

@@ -214,8 +214,11 @@ class Scheduler:
             ahead = self._ranks_ahead(request)
             if preempted and not ahead and request is not favoured:
                 break
-            if len(scheduled) >= max_seqs or len(self.running) >= self.config.max_num_seqs:
-                if not ahead:
+            full_step = len(scheduled) >= max_seqs
+            if full_step or len(self.running) >= self.config.max_num_seqs:
+                # (a full step has room only if the one displaced is in it)
+                if not ahead or full_step and not any(s.request is self._victim()
+                                                      for s in scheduled):
                     break
                 budget += self._displace(scheduled)
                 preempted, favoured = True, request
