@@ -27,17 +27,24 @@ def _step_until(core, outputs, done, limit=500):
     raise AssertionError(f"not done after {limit} steps: {outputs}")
 
 
-def test_an_adapter_read_holds_up_no_other_request(tiny_models, adapters, tmp_path):
-    path, hf = tiny_models("llama")
-    adapter_path, reference = adapters("llama", "deferred", seed=14,
-                                       target_modules=["q_proj", "v_proj", "down_proj"])
+def _gated_core(path, **config):
+    """An engine core reading adapters off its loop (as in its process), each read held
+    until the returned event is set."""
     core = EngineCore(EngineConfig(model=path, enable_lora=True, kv_cache_memory_gib=0.02,
-                                   max_model_len=256), path)
+                                   max_model_len=256, **config), path)
     core.defer_lora_reads = True
     gate = threading.Event()
     manager = core.loras.manager
     read = manager.read
     manager.read = lambda request: (gate.wait(120), read(request))[1]
+    return core, gate
+
+
+def test_an_adapter_read_holds_up_no_other_request(tiny_models, adapters, tmp_path):
+    path, hf = tiny_models("llama")
+    adapter_path, reference = adapters("llama", "deferred", seed=14,
+                                       target_modules=["q_proj", "v_proj", "down_proj"])
+    core, gate = _gated_core(path)
     try:
         core.add_request(EngineCoreRequest("lora", PROMPT, PARAMS,
                                            lora_request=LoRARequest("a", 1, adapter_path)))
@@ -70,13 +77,7 @@ def test_other_ranks_read_ahead(tiny_models, adapters, monkeypatch):
     made = StepInputs.of
     monkeypatch.setattr(model_runner.StepInputs, "of", lambda scheduled, prefetch=None: (
         steps.append(made(scheduled, prefetch)) or steps[-1]))
-    core = EngineCore(EngineConfig(model=path, enable_lora=True, kv_cache_memory_gib=0.02,
-                                   max_model_len=256, tensor_parallel_size=2), path)
-    core.defer_lora_reads = True
-    gate = threading.Event()
-    manager = core.loras.manager
-    read = manager.read
-    manager.read = lambda request: (gate.wait(120), read(request))[1]
+    core, gate = _gated_core(path, tensor_parallel_size=2)
     try:
         core.add_request(EngineCoreRequest("base", PROMPT, PARAMS))
         core.add_request(EngineCoreRequest("lora", PROMPT, PARAMS,

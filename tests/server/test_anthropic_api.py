@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.test_tool_calls_api import TEMPLATE
+from tests.serving import service_over_engine
 
 TIME_SCHEMA = {"type": "object", "properties": {"zone": {"type": "string",
                                                          "pattern": "^[A-Z]{3}$"}},
@@ -28,19 +28,8 @@ KEY = "sk-ant-test"
 
 
 @pytest.fixture(scope="module")
-def thread(tiny_models, tmp_path_factory):
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    from tests.serving import service_over_engine
-
-    path = str(tmp_path_factory.mktemp("anthropic") / "llama")
-    shutil.copytree(tiny_models("llama")[0], path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    with service_over_engine(path, tool_call_parser="hermes", max_dec_len=256,
+def thread(tool_model):
+    with service_over_engine(tool_model[0], tool_call_parser="hermes", max_dec_len=256,
                              api_key=KEY) as thread:
         yield thread
 

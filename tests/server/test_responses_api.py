@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.test_tool_calls_api import TEMPLATE
+from tests.serving import service_over_engine
 
 TIME = {"type": "function", "name": "get_time", "description": "The time in a zone.",
         "parameters": {"type": "object", "properties": {
@@ -22,19 +22,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def client(tiny_models, tmp_path_factory):
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    from tests.serving import service_over_engine
-
-    path = str(tmp_path_factory.mktemp("responses") / "llama")
-    shutil.copytree(tiny_models("llama")[0], path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    with service_over_engine(path, tool_call_parser="hermes", max_dec_len=256) as thread:
+def client(tool_model):
+    with service_over_engine(tool_model[0], tool_call_parser="hermes", max_dec_len=256) as thread:
         yield openai.OpenAI(base_url=thread.base + "/v1", api_key="x", max_retries=0)
 
 

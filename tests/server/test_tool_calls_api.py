@@ -11,6 +11,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.server.conftest import TEMPLATE
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {
@@ -24,33 +26,9 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-TEMPLATE = (
-    "{%- if tools %}<s>system: You may call these tools:\n<tools>\n"
-    "{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}</tools>\n{%- endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<s>assistant: {{ m.content or '' }}"
-    "{%- for call in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}\n"
-    "{%- elif m.role == 'tool' %}<s>tool: <tool_response>{{ m.content }}</tool_response>\n"
-    "{%- else %}<s>{{ m.role }}: {{ m.content }}\n{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}assistant:{% endif %}")
 # what auto mode gets the random model to write: content, then one hermes call
 CALL_REGEX = (r'[a-z]{1,6}\n<tool_call>\n\{"name": "get_weather", "arguments": '
               r'\{"city": "[A-Z][a-z]{1,5}", "unit": "celsius"\}\}\n</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def tool_model(tiny_models, tmp_path_factory):
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("tools") / "llama")
-    shutil.copytree(tiny_models("llama")[0], path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    return path, tok
 
 
 @pytest.fixture(scope="module")
