@@ -244,3 +244,55 @@ def record_replays(monkeypatch, graphs: dict, log: list) -> None:
         replay = each.replay
         monkeypatch.setattr(each, "replay", lambda size, q, variant, name=name, replay=replay:
                             log.append((name, size, q)) or replay(size, q, variant))
+
+
+def _pooling_tokenizer(path: str):
+    """The tiny tokenizer with a pad token and no chat template (sentence-transformers would
+    wrap each text in the template as a chat message)."""
+    tok = make_tokenizer(path)
+    template = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(template):
+        os.remove(template)
+    tok.chat_template = None
+    tok.add_special_tokens({"pad_token": "<pad>"})
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_embedding_model(path: str, base: str, pooling_mode: str = "lasttoken",
+                         dense: int = 0, normalize: bool = True):
+    """A sentence-transformers folder at `path` over the tiny llama saved at `base`:
+    Transformer, Pooling (`pooling_mode`), a Tanh `Dense` to `dense` values (0: none),
+    Normalize. Returns the SentenceTransformer."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    _pooling_tokenizer(base)
+    transformer = Transformer(base)
+    modules = [transformer, Pooling(transformer.get_embedding_dimension(), pooling_mode)]
+    if dense:
+        torch.manual_seed(1)
+        modules.append(Dense(transformer.get_embedding_dimension(), dense,
+                             activation_function=torch.nn.Tanh()))
+    if normalize:
+        modules.append(Normalize())
+    model = SentenceTransformer(modules=modules, device="cpu")
+    model.save(path)
+    return SentenceTransformer(path, device="cpu")
+
+
+def make_cross_encoder(path: str):
+    """A tiny LlamaForSequenceClassification of one label at `path`, as a CrossEncoder."""
+    import transformers as tf
+    from sentence_transformers import CrossEncoder
+
+    tok = _pooling_tokenizer(path)
+    config = tf.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=1024, eos_token_id=1, bos_token_id=0,
+                            initializer_range=0.2, num_labels=1,
+                            pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    tf.LlamaForSequenceClassification(config).eval().save_pretrained(path)
+    return CrossEncoder(path, device="cpu")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.text_buffer import TextBuffer
 
@@ -46,6 +47,8 @@ class RequestOutput:
     # (those passed so far); num_draft_tokens / num_accepted_tokens (speculative decoding);
     # kv_cache_reused_blocks / kv_cache_total_blocks (once finished)
     metrics: dict[str, float] = field(default_factory=dict)
+    # a pooling model's request: its vector (an embedding, or a classifier's scores)
+    pooled: list[float] | None = None
 
 
 class OutputKind(enum.Enum):
@@ -96,4 +99,34 @@ class OutputSum:
                 c.cumulative_logprob))
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs,
                              last.finished, last.prompt_logprobs, last.num_cached_tokens,
-                             last.metrics)
+                             last.metrics, last.pooled)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (the raw logits where activation is off)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling model's result (vLLM's names): `outputs` an `EmbeddingOutput`,
+    `ClassificationOutput` or `ScoringOutput` as asked (`LLM.embed`, `classify`, `score`)."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+EmbeddingRequestOutput = ClassificationRequestOutput = ScoringRequestOutput = \
+    PoolingRequestOutput

@@ -51,6 +51,17 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--seed", type=int, default=None,
       help="the engine's random seed: requests without a seed of their own draw from it "
            "(default 0)")
+    a("--runner", choices=["auto", "generate", "pooling"], default=None,
+      help="generate (text) or pooling (embeddings and scores: /v1/embeddings, /v1/score, "
+           "/rerank); auto (default): pooling for a sentence-transformers folder, a bare "
+           "decoder (`...Model`) or a `...ForSequenceClassification` checkpoint")
+    a("--task", choices=["auto", "generate", "embed", "embedding", "classify", "score",
+                         "reward"], default=None,
+      help="vLLM's older spelling of --runner: generate, or a pooling task (embed, classify, "
+           "score)")
+    a("--pooler-config", default=None,
+      help="a pooling model's pooling over its own, as JSON: '{\"pooling_type\": \"MEAN\", "
+           "\"normalize\": true}' (LAST, MEAN, CLS or MAX)")
 
     g = p.add_argument_group("serving", "ports, API processes, limits and request handling")
     a = g.add_argument

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config.kernels import KernelConfig
+from tokenmill.config.pooling import RUNNERS, parse_override
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -60,6 +61,12 @@ class EngineConfig:
     # fcfs: requests run in arrival order; priority: by each request's `priority` (lower
     # first, then arrival), which also picks whom to preempt (vLLM's --scheduling-policy)
     scheduling_policy: str = "fcfs"
+    # generate (text), pooling (embeddings and scores: /v1/embeddings, /v1/score, ...) or
+    # auto (pooling for a sentence-transformers folder, a bare decoder or a classifier);
+    # pooler_config: {"pooling_type": "LAST|MEAN|CLS|MAX", "normalize": bool} over the
+    # model's own (config/pooling.py; a dict or its JSON text)
+    runner: str = "auto"
+    pooler_config: dict | str | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -192,6 +199,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}.")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got "
+                             f"{self.runner!r}.")
+        self.pooler_config = parse_override(self.pooler_config)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
                              f"{self.scheduling_policy!r}.")

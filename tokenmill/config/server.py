@@ -17,6 +17,7 @@ from tokenmill.config.cli import (
 from tokenmill.config.engine import EngineConfig
 from tokenmill.config.env import Env
 from tokenmill.config.parallel import node_settings
+from tokenmill.config.pooling import runner_of
 from tokenmill.config.speculative import from_seed
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +184,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "gpu_memory_utilization": pick(args.gpu_memory_utilization, None, 0.9),
         "num_kv_blocks": num_kv_blocks,
         "seed": pick(args.seed, None, 0),
+        "runner": runner_of(args.runner, args.task),
+        "pooler_config": args.pooler_config,
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
         "attention_backend": pick(args.attention_backend, None, "auto"),

@@ -60,7 +60,8 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute: its logits give the next token."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if (not self.enable_prefix_caching or request.skip_prefix_cache
+                or request.sampling_params.prompt_logprobs is not None):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_blocks * self.block_size)

@@ -72,6 +72,11 @@ class Request:
     # LoRA: the adapter it runs with (lora/request.py's LoRARequest; None: the base model)
     lora_request: Any = None
     priority: int = 0  # --scheduling-policy priority: lower runs first
+    # a pooling model's request (pooling_params.py's PoolingParams): it ends once its prompt
+    # is computed, with a vector instead of tokens; one pooling every row (mean, max, CLS)
+    # reads no prefix-cache hit
+    pooling_params: Any = None
+    skip_prefix_cache: bool = False
 
     @property
     def lora_id(self) -> int:
@@ -115,7 +120,8 @@ class Request:
         (asynchronous scheduling): nothing of that step needs the token but the forward
         and the penalties, which take it from the device (no bad words, which match the
         tokens on the host; no grammar). `min_tokens` counts pending tokens."""
-        return not self.sampling_params.bad_words_token_ids and self.grammar is None
+        return (not self.sampling_params.bad_words_token_ids and self.grammar is None
+                and self.pooling_params is None)
 
     @functools.cached_property
     def _penalized(self) -> bool:

@@ -315,6 +315,11 @@ class Scheduler:
                     or request.num_preemptions != s.preemptions):
                 continue  # a prompt chunk that is not the last one, or aborted meanwhile
             request.num_pending -= 1
+            if request.pooling_params is not None:  # (its prompt is computed: pooled)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                finished = True
+                updated.append((request, 0))
+                continue
             if s.drafts:
                 accepted = len(tokens) - 1
                 request.num_computed_tokens = s.end - len(s.drafts) + accepted

@@ -27,6 +27,7 @@ from tokenmill.engine.request_stream import RequestStream, RequestTimer
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import Metrics
 from tokenmill.outputs import OutputKind, OutputSum, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import bad_words_token_ids
 
@@ -135,12 +136,14 @@ class AsyncLLM:
                        request_id: str | None = None, prompt: str | None = None,
                        reservation: Any = None,
                        output_kind: OutputKind = OutputKind.CUMULATIVE,
-                       lora_request: LoRARequest | None = None, priority: int = 0
+                       lora_request: LoRARequest | None = None, priority: int = 0,
+                       pooling_params: PoolingParams | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """`reservation`: the API's admission reservation (`consume(n)`), handed over once
         the request counts as in flight here. `output_kind`: cumulative results, deltas
         (what streaming APIs send: each costs O(new) however long the output; deltas a slow
-        reader missed come as one), or only the final result."""
+        reader missed come as one), or only the final result. `pooling_params`: a pooling
+        model's request (`params` then only its bookkeeping): its result's `pooled`."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
@@ -168,7 +171,7 @@ class AsyncLLM:
                 child_params = params.for_child(i)
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic(),
-                    lora_request, priority))
+                    lora_request, priority, pooling_params))
             while not finished:
                 deltas = await queue.take()  # (several: what came while the reader was busy)
                 for item in deltas:

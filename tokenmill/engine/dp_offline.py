@@ -12,9 +12,9 @@ import msgspec
 import zmq
 
 from tokenmill.config.engine import EngineConfig
+from tokenmill.engine.admission import check_request
 from tokenmill.engine.core_client import start_engine_core_process
 from tokenmill.engine.dp_client import PrefixRouter
-from tokenmill.engine.engine_core import check_request
 from tokenmill.engine.engine_core_proc import INFO, OUTPUTS
 from tokenmill.engine.protocol import (
     EngineCoreInfo,
@@ -66,7 +66,7 @@ class ReplicaClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         info = self.info
         check_request(request, info.max_model_len, info.vocab_size, info.num_kv_blocks,
-                      info.block_size, info.num_lookahead_tokens)  # ValueError: refused
+                      info.block_size, info.num_lookahead_tokens, info.pooler)  # ValueError
         replica = self.router.assign(request.request_id, request.prompt_token_ids)
         self._send(self.sockets[replica], RequestType.ADD, self.encoder.encode(request))
 

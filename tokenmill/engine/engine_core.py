@@ -10,9 +10,9 @@ from tokenmill.config.engine import EngineConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.admission import check_request
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
@@ -22,32 +22,6 @@ from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, k
 from tokenmill.structured_output.manager import StructuredOutputs, advance
 
 logger = logging.getLogger(__name__)
-
-
-def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
-                  num_blocks: int, block_size: int, lookahead: int = 0) -> None:
-    """Admission checks of an engine core (ValueError: refused, with the reason);
-    `lookahead`: KV slots a proposer uses past the request's tokens."""
-    n_prompt = len(request.prompt_token_ids)
-    if n_prompt == 0:
-        raise ValueError("The prompt is empty.")
-    if context_overflow(n_prompt, 1, max_model_len):
-        raise ValueError(f"The prompt has {n_prompt} tokens, which leaves no room to "
-                         f"generate within max_model_len ({max_model_len}).")
-    params = request.sampling_params
-    # Stop ids, logit_bias and allowed_token_ids index the logits row (min_tokens bans the
-    # stop ids): out of range would fail the whole engine step, not just this request.
-    for what, ids in (("Prompt token ids", request.prompt_token_ids),
-                      ("stop_token_ids", params.stop_token_ids),
-                      ("logit_bias token ids", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
-        refused = token_out_of_range(ids, vocab)
-        if refused is not None:
-            raise ValueError(refused.message(what))
-    longest = min(n_prompt + (params.max_tokens or max_model_len), max_model_len) + lookahead
-    if -(-longest // block_size) > num_blocks:
-        raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
-                         f"the whole cache holds ({num_blocks} blocks of {block_size}).")
 
 
 def _queue_time(request: Request) -> float | None:
@@ -70,7 +44,7 @@ class EngineCore:
         hf_config = load_hf_config(model_path)
         check_tensor_parallel(config, hf_config)  # (one line, before any rank starts)
         check_kv_budget(config)
-        self.model_config = model = ModelConfig(model_path, hf_config,
+        self.model_config = model = ModelConfig.of(config, model_path, hf_config,
                                                 derive_max_model_len(config, hf_config))
         scheduler_config = SchedulerConfig.of(config, model.max_model_len)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
@@ -172,14 +146,17 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
                       self.kv_cache.num_blocks, self.config.block_size,
-                      self.scheduler.config.num_lookahead_tokens)
+                      self.scheduler.config.num_lookahead_tokens, self.model_config.pooler)
         if request.priority and self.scheduler.config.policy != "priority":
             raise ValueError(f"priority {request.priority} needs --scheduling-policy priority "
                              "(requests are served first come, first served).")
         lora = request.lora_request
         new = Request(request.request_id, list(request.prompt_token_ids),
                       request.sampling_params, arrival_time=request.arrival_time,
-                      lora_request=lora, priority=request.priority)
+                      lora_request=lora, priority=request.priority,
+                      pooling_params=request.pooling_params,
+                      skip_prefix_cache=request.pooling_params is not None
+                      and self.model_config.pooler.pooling_type != "LAST")
         if lora is not None:
             if self.defer_lora_reads and not self.loras.held(lora):
                 self.loras.submit(new)  # (read off the step loop; `_admit_compiled` admits)
@@ -382,6 +359,7 @@ class EngineCore:
                 spec_tokens=(request.num_draft_tokens, request.num_accepted_tokens)
                 if request.num_draft_tokens else None,
                 kv_blocks=None if finish is None else self._kv_blocks(request),
+                pooled=result.pooled.get(rid),
                 error=errors.get(rid)))
         # Prompt logprobs of chunks that sampled nothing travel on an empty output.
         sent = {o.request_id for o in outputs}

@@ -63,7 +63,8 @@ class EngineCoreProc:
                                    vocab_size=core.hf_config.vocab_size,
                                    max_num_seqs=core.config.max_num_seqs,
                                    num_lookahead_tokens=core.scheduler.config
-                                   .num_lookahead_tokens, loras=core.loras.served())
+                                   .num_lookahead_tokens, loras=core.loras.served(),
+                                   pooler=core.model_config.pooler)
         self._last_sent = 0.0
         self._beating = threading.Event()
         self._beater = threading.Thread(target=self._beat, args=(heartbeat_address(address),),

@@ -17,6 +17,7 @@ from tokenmill.engine.protocol import EngineCoreRequest
 from tokenmill.loading.checkpoint import load_tokenizer, resolve_model_path
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import apply_chat_template, bad_words_token_ids, eos_token_ids
 
@@ -54,6 +55,12 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len if self.core is not None else self.client.max_model_len
 
+    @property
+    def pooler(self):
+        """A pooling model's PoolerConfig (config/pooling.py); None: it generates."""
+        return (self.core.model_config.pooler if self.core is not None
+                else self.client.info.pooler)
+
     def shutdown(self) -> None:
         """Stop what runs beside this process: tensor-parallel workers, replicas."""
         if self.core is not None:
@@ -84,7 +91,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams, lora_request: LoRARequest | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, pooling_params: PoolingParams | None = None) -> str:
         request_id = str(next(self._counter)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
@@ -101,7 +108,7 @@ class LLMEngine:
                 child_params = params.for_child(i)
                 self.client.add_request(EngineCoreRequest(child_id, prompt_ids, child_params,
                                                           time.monotonic(), lora_request,
-                                                          priority))
+                                                          priority, pooling_params))
                 added.append(child_id)
         except Exception:
             self.client.abort_requests(added)

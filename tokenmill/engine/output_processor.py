@@ -65,6 +65,7 @@ class _RequestState:
     delta: bool = False  # results carry what came since the last one (see _Completion.delta)
     # epoch seconds: arrival_time, first_scheduled_time, first_token_time, last_token_time
     times: dict[str, float] = field(default_factory=dict)
+    pooled: list[float] | None = None  # a pooling request's vector, once computed
 
     @property
     def finished(self) -> bool:
@@ -151,14 +152,16 @@ class OutputProcessor:
             if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
             self._note_metrics(state, completion, out, now)
-            if not out.new_token_ids:
+            if out.pooled is not None:  # (a pooling request ends with its vector)
+                state.pooled, completion.finish_reason = out.pooled, str(FinishReason.STOP)
+            elif not out.new_token_ids:
                 continue
             completion.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and completion.logprobs is not None:
                 for token, lp in zip(out.new_token_ids, out.new_logprobs):
                     completion.logprobs.append(self._position_logprobs(token, lp))
                     completion.cumulative_logprob += lp[2]
-            if self._update_text(completion, out):
+            if out.pooled is None and self._update_text(completion, out):
                 stopped.append(out.request_id)
             if completion.finish_reason is not None:
                 del self._children[out.request_id]
@@ -243,4 +246,5 @@ class OutputProcessor:
         outputs = [c.delta() if state.delta else c.output() for c in state.completions]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              outputs, state.finished,
-                             state.prompt_logprobs, state.num_cached_tokens, metrics)
+                             state.prompt_logprobs, state.num_cached_tokens, metrics,
+                             state.pooled)

@@ -6,7 +6,9 @@ import enum
 
 import msgspec
 
+from tokenmill.config.pooling import PoolerConfig
 from tokenmill.lora.request import LoRARequest
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 # (top ids, top logprobs, chosen logprob, chosen rank) of one position
@@ -20,6 +22,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     lora_request: LoRARequest | None = None  # None: the base model
     priority: int = 0  # (vLLM's: lower runs first under --scheduling-policy priority)
+    pooling_params: PoolingParams | None = None  # a pooling model's request (no sampling)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -37,6 +40,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_tokens: tuple[int, int] | None = None
     # on the last output: (KV blocks from the prefix cache, blocks its tokens fill)
     kv_blocks: tuple[int, int] | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (with its finish)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -82,6 +86,7 @@ class EngineCoreInfo(msgspec.Struct):
     max_num_seqs: int = 256
     num_lookahead_tokens: int = 0  # KV slots a proposer uses past a request's tokens
     loras: list[LoRARequest] = []  # the LoRA adapters served by name at start-up
+    pooler: PoolerConfig | None = None  # a pooling model's pooler; None: it generates
 
 
 class RequestType(enum.IntEnum):

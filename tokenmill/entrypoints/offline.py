@@ -16,9 +16,19 @@ from tokenmill.beam_search import (
 )
 from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
+from tokenmill.entrypoints.api import scoring
 from tokenmill.entrypoints.parsers.tool_request import template_messages
 from tokenmill.lora.request import LoRARequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -122,15 +132,85 @@ class LLM:
         decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         return [BeamSearchOutput(s.results(decode)) for s in searches]
 
+    # ---- pooling models (--runner pooling): vectors and scores, no text ---------------
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True,
+               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+               ) -> list[RequestOutput]:
+        """Each prompt's pooled vector (`RequestOutput.pooled`), as `pooling_params` asks
+        (default: the model's own task)."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        pooler = self.engine.pooler
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=pooler.task if pooler else "embed")
+        if isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        elif len(pooling_params) != len(prompts):
+            raise ValueError(f"Got {len(pooling_params)} pooling params for {len(prompts)} "
+                             "prompts; give one, or one per prompt.")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        return self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm,
+                         list(lora_request), pooling=list(pooling_params))
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's embedding (`.outputs.embedding`)."""
+        results = self.encode(prompts, pooling_params or PoolingParams(task="embed"),
+                              use_tqdm, lora_request)
+        return [EmbeddingRequestOutput(r.request_id, EmbeddingOutput(r.pooled),
+                                       r.prompt_token_ids) for r in results]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 lora_request: LoRARequest | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify: each prompt's class probabilities (`.outputs.probs`)."""
+        results = self.encode(prompts, PoolingParams(task="classify"), use_tqdm, lora_request)
+        return [ClassificationRequestOutput(r.request_id, ClassificationOutput(r.pooled),
+                                            r.prompt_token_ids) for r in results]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = True, lora_request: LoRARequest | None = None
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: `data_1` against each of `data_2` (one to many, or pairwise):
+        a cross-encoder's relevance, or an embedding model's cosine similarity."""
+        pooler = self.engine.pooler
+        scoring.check_scorer(pooler)
+        texts = scoring.pairs(data_1 if isinstance(data_1, str) else list(data_1),
+                              data_2 if isinstance(data_2, str) else list(data_2))
+        if scoring.is_cross_encoder(pooler):
+            tokenizer = self.get_tokenizer()
+            prompts = [{"prompt_token_ids": scoring.pair_token_ids(tokenizer, a, b)}
+                       for a, b in texts]
+            results = self.encode(prompts, PoolingParams(task="classify"), use_tqdm,
+                                  lora_request)
+            return [ScoringRequestOutput(r.request_id, ScoringOutput(r.pooled[0]),
+                                         r.prompt_token_ids) for r in results]
+        firsts = sorted({a for a, _ in texts})
+        seconds = sorted({b for _, b in texts})
+        vectors = self.encode(firsts + seconds, PoolingParams(task="embed"), use_tqdm,
+                              lora_request)
+        of_first = dict(zip(firsts, vectors[:len(firsts)]))
+        of_second = dict(zip(seconds, vectors[len(firsts):]))
+        return [ScoringRequestOutput(
+            f"score-{i}", ScoringOutput(scoring.cosine(of_first[a].pooled, of_second[b].pooled)),
+            of_first[a].prompt_token_ids + of_second[b].prompt_token_ids)
+            for i, (a, b) in enumerate(texts)]
+
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
-             priorities: list[int] | None = None) -> list[RequestOutput]:
+             priorities: list[int] | None = None,
+             pooling: list[PoolingParams] | None = None) -> list[RequestOutput]:
         engine = self.engine
         ids = []
+        n = len(prompts)
         try:
-            for prompt, p, lora, priority in zip(prompts, params, loras or [None] * len(prompts),
-                                                 priorities or [0] * len(prompts)):
-                ids.append(engine.add_request(None, prompt, p, lora, priority))
+            for prompt, p, lora, priority, pool in zip(prompts, params, loras or [None] * n,
+                                                       priorities or [0] * n,
+                                                       pooling or [None] * n):
+                ids.append(engine.add_request(None, prompt, p, lora, priority, pool))
         except Exception:
             engine.abort_request(ids)
             raise

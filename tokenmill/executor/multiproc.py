@@ -206,7 +206,8 @@ def serve_other_node(config: EngineConfig, model_path: str) -> int:
     hf_config = load_hf_config(model_path)
     check_tensor_parallel(config, hf_config)
     check_kv_budget(config)
-    model = ModelConfig(model_path, hf_config, derive_max_model_len(config, hf_config))
+    model = ModelConfig.of(config, model_path, hf_config,
+                           derive_max_model_len(config, hf_config))
     group = WorkerGroup(config, model, exit_on_death=False)
     stop, lost = threading.Event(), threading.Event()
     threading.Thread(target=_beat, args=(config, stop, lost), name="tokenmill-node-beat",

@@ -65,9 +65,9 @@ def run(spec: WorkerSpec) -> None:
     init_parallel(spec.rank, spec.config.tensor_parallel_size, spec.init_method,
                   spec.config.distributed_timeout, device, spec.shm_paths, spec.host,
                   spec.config.pipeline_parallel_size, spec.config.enable_expert_parallel)
-    runner = ModelRunner(spec.config, ModelConfig(spec.model_path,
-                                                  load_hf_config(spec.model_path),
-                                                  spec.max_model_len))
+    runner = ModelRunner(spec.config, ModelConfig.of(spec.config, spec.model_path,
+                                                     load_hf_config(spec.model_path),
+                                                     spec.max_model_len))
     runner.serve_steps()
     destroy_parallel()
 

@@ -146,7 +146,7 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
                max_positions: int, quantization: str | None = None,
                float_weights: bool = False, keep_fp8: bool | None = None,
                mtp: bool = True, head_on_first_stage: bool = False,
-               bf16_weights: bool = False) -> nn.Module:
+               bf16_weights: bool = False, pooling: bool = False) -> nn.Module:
     """Build the model and load its weights; quantized as the checkpoint is, or by
     `quantization` (a method name), then every remaining linear gets its fastest kernel.
     `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
@@ -156,7 +156,10 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     loaded (the engine needs them only to speculate with them). `head_on_first_stage`: under
     pipeline parallel the first stage holds the LM head too (draft heads run there).
     `bf16_weights` (a float32 model on the CPU): float linears load into bf16 and multiply
-    from bf16 panels (layers/bf16_linear.py); quantized ones are untouched."""
+    from bf16 panels (layers/bf16_linear.py); quantized ones are untouched.
+    `pooling` (a pooling model): a bare decoder's tensors (`layers.0...`, as
+    sentence-transformers saves them) load as the causal LM's, a classifier head's are left
+    to the pooler (worker/pooler.py), and the LM head is dropped unless tied or stored."""
     from tokenmill.quantization import model as qmodel
 
     if not mtp and getattr(hf_config, "num_nextn_predict_layers", 0):
@@ -199,7 +202,11 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     if presharded:  # this rank's own file (sharded.py)
         loaded, stored = sharded.load_rank(model, path, keep_fp8), False
     else:
-        loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf, keep_fp8)
+        loaded, stored = _load_checkpoint(model, path, hf_config, quant, keep_gguf, keep_fp8,
+                                          pooling)
+    if pooling and "lm_head.weight" not in loaded and not getattr(model, "tie_word_embeddings",
+                                                                  False):
+        model.lm_head = None  # (nothing reads logits of a pooling model)
     model.finish_loading(loaded)
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - loaded
@@ -231,8 +238,21 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
+def pooling_name(name: str) -> str | None:
+    """A pooling checkpoint's tensor name as the causal LM's (None: the pooler's head)."""
+    if name.startswith(POOLER_HEADS):
+        return None
+    if name.startswith(("embed_tokens.", "layers.", "norm.")):
+        return "model." + name  # (a bare decoder: LlamaModel's own names)
+    return name
+
+
+POOLER_HEADS = ("score.", "classifier.")
+
+
 def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantConfig | None,
-                     keep_gguf: bool, keep_fp8: bool) -> tuple[set[str], bool]:
+                     keep_gguf: bool, keep_fp8: bool, pooling: bool = False
+                     ) -> tuple[set[str], bool]:
     """The parameters loaded from a checkpoint, and whether it held quantized tensors."""
     from tokenmill.quantization import model as qmodel
 
@@ -240,8 +260,11 @@ def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantCo
     shards: dict[str, dict[int | None, qmodel.QuantizedShard]] = {}
     # (a pipeline stage reads only its own layers' tensors)
     lazy = get_world().size > 1
-    ours = ((name, t) for name, t in iter_weights(path, hf_config, keep_gguf, lazy, keep_fp8)
-            if model.holds(name))
+    weights = iter_weights(path, hf_config, keep_gguf, lazy, keep_fp8)
+    if pooling:
+        weights = ((renamed, t) for name, t in weights
+                   if (renamed := pooling_name(name)) is not None)
+    ours = ((name, t) for name, t in weights if model.holds(name))
     modules, early = dict(model.named_modules()), set()
 
     def on_shard(layer: str) -> None:

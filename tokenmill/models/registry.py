@@ -54,10 +54,21 @@ def text_model_config(hf_config: Any) -> Any:
     return _TEXT_OF[arch](hf_config)
 
 
+def causal_architecture(arch: str) -> str:
+    """The causal LM a pooling checkpoint's architecture is the decoder of: a bare decoder
+    (`Qwen3Model`, as sentence-transformers saves one) or a sequence classifier
+    (`LlamaForSequenceClassification`) is built as its `...ForCausalLM`, its LM head
+    unused (the pooler reads the final hidden states)."""
+    for suffix in ("ForSequenceClassification", "Model"):
+        if arch.endswith(suffix) and arch.removesuffix(suffix) + "ForCausalLM" in _MODELS:
+            return arch.removesuffix(suffix) + "ForCausalLM"
+    return arch
+
+
 def build_model(hf_config: Any, max_positions: int, **options) -> nn.Module:
     """`options`: every family's (`head_on_first_stage`, models/llama.py)."""
     architectures = getattr(hf_config, "architectures", None) or []
-    for arch in architectures:
+    for arch in map(causal_architecture, architectures):
         if arch in _MODELS:
             cls, extra = _MODELS[arch]
             return cls(hf_config, max_positions, **extra(hf_config), **options)

@@ -36,6 +36,7 @@ def build(runner: Any, max_model_len: int) -> tuple[DecodeGraphs | None, Any]:
     if not agreed(tp, (runner.platform.supports_graphs or settings.cpu_graph_buckets)
                   and not config.enforce_eager and runner.world.pp_size == 1
                   and runner.decode_step is None and runner.backend.graph_safe
+                  and runner.pooler is None
                   and runner.model.graphable):
         return None, None
     spec = config.speculative_config  # (steps carrying drafts: their own buckets)

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import collections
 import functools
-import itertools
 import logging
 from typing import Any
 
 import numpy as np
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata, leading_decodes
 from tokenmill.config import kernels as kernel_switches
 from tokenmill.config.engine import EngineConfig
 from tokenmill.config.model import ModelConfig
@@ -41,11 +39,11 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: ModelConfig) -> None:
         self.config = config
         with kernel_switches.using(config.kernels):  # (what the loaders and kernels read)
-            self._start(config, model.path, model.hf_config, model.max_model_len)
+            self._start(config, model)
 
-    def _start(self, config: EngineConfig, model_path: str, hf_config: Any,
-               max_model_len: int) -> None:
+    def _start(self, config: EngineConfig, model: ModelConfig) -> None:
         """Device, model, KV cache, draft heads and step paths, in that order."""
+        model_path, hf_config, max_model_len = model.path, model.hf_config, model.max_model_len
         # joined before the model is built (executor/multiproc.py)
         self.tp, self.world = get_tp_group(), get_world()
         self.in_flight = 0  # steps launched and not completed
@@ -84,7 +82,11 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, self.dtype, self.device, max_model_len,
                                 config.quantization, mtp=method == "mtp",
                                 head_on_first_stage=method in ("mtp", "eagle"),
-                                bf16_weights=bf16_weights)
+                                bf16_weights=bf16_weights, pooling=model.pooler is not None)
+        self.pooler = None  # a pooling model's (worker/pooler.py): vectors, not tokens
+        if model.pooler is not None:
+            from tokenmill.worker.pooler import Pooler
+            self.pooler = Pooler(model.pooler, model_path, self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
@@ -167,7 +169,9 @@ class ModelRunner:
         blocks = -(-n // self.block_size)
         bound = [(layer.k_cache, layer.v_cache, layer.backend) for layer in self._layers]
         self._bind_cache(blocks)
-        inputs = StepInputs([0] * n, [0], [n], [list(range(blocks))], [0], [], [], [1])
+        inputs = (StepInputs([0] * n, [0], [n], [list(range(blocks))], [], [], [], [],
+                             pool_seqs=[0]) if self.pooler is not None else
+                  StepInputs([0] * n, [0], [n], [list(range(blocks))], [0], [], [], [1]))
         with torch.inference_mode():
             self.run(inputs, b"")
         for layer, (k, v, backend) in zip(self._layers, bound):  # (none yet at start-up)
@@ -206,6 +210,8 @@ class ModelRunner:
         started; under pipeline parallel this returns once stage 0's part is done, the logits
         still to come (`complete` waits for them). None: nothing to run."""
         self.sampling.drop(step.finished_ids)
+        if self.pooler is not None:
+            self.pooler.drop(step.finished_ids)
         if step.empty:
             self.io.release(step.finished_ids)
             return None
@@ -220,9 +226,10 @@ class ModelRunner:
         result = self.run(inputs, data, self._fill(scheduled) if self.async_scheduling else None)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
-        logits, prompt_logits, hidden_states = result
+        logits, prompt_logits, hidden_states, pooled = result
         launched = Launched(scheduled, inputs, logits, prompt_logits,
-                            hidden=hidden_states if self.heads is not None else None)
+                            hidden=hidden_states if self.heads is not None else None,
+                            pooled=pooled)
         if self.async_scheduling:  # sampled now, so the next step can launch before this one lands
             self._sample(launched)
         return launched
@@ -265,6 +272,9 @@ class ModelRunner:
         out = launched.results()
         for i, scored in zip(inputs.prompt_seqs, launched.prompt_logits):
             score_prompt(scheduled[i], scored, out)
+        if launched.pooled:  # (requests pooled: they end sampling nothing)
+            out.pooled = self.pooler.finish(scheduled, inputs.pool_seqs, launched.pooled)
+            out.sampled.update((rid, []) for rid in out.pooled)
         if launched.hidden is not None:
             out.drafts = self.heads.after_step(scheduled, inputs, launched.hidden, out.sampled)
         return out
@@ -280,8 +290,9 @@ class ModelRunner:
         pipeline stage; `fill`: what `_fill` returns): on rank 0 the logits of the sampled
         rows and of each prompt-logprob range (and what draft heads read:
         `TargetHiddenStates.taken`), or under pipeline parallel their pending receive from
-        the last stage (stage 0's other ranks with draft heads: that of their hidden states);
-        None (or Nones) on the other ranks."""
+        the last stage (stage 0's other ranks with draft heads: that of their hidden states),
+        and each pooled sequence's partial state (`Pooler.reduce`); None (or Nones) on the
+        other ranks."""
         if self.async_scheduling:
             fill = self.io.shared_fill(fill)
         if self.lora is not None and inputs.lora_prefetch and self.world.rank != 0:
@@ -293,7 +304,7 @@ class ModelRunner:
         if self.graphs is not None and not inputs.lora_ids and self.graphs.bucket_rows(inputs):
             logits, hidden_states = self.graphs.run(inputs, fill)
             states = self.target_states
-            return logits, [], states.taken(hidden_states) if states else None
+            return logits, [], states.taken(hidden_states) if states else None, []
         input_ids, positions, meta = self.prepare_inputs(inputs)
         if fill is not None:
             fill(input_ids)
@@ -340,7 +351,9 @@ class ModelRunner:
                           tag)
             return None
         taken = self.target_states.taken(hidden_states) if hidden_states else None
-        return logits, prompt_logits, taken
+        pooled = (self.pooler.reduce(hidden, meta.query_start_loc, inputs.pool_seqs)
+                  if inputs.pool_seqs and self.world.rank == 0 else [])
+        return logits, prompt_logits, taken, pooled
 
     def _logits(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor | None:
         """compute_logits of `hidden`, the step's token `rows` (an LM head's adapters)."""
@@ -377,20 +390,5 @@ class ModelRunner:
         self.io.stop()
 
     def prepare_inputs(self, inputs: StepInputs):
-        packed, parts, table = inputs.staged(self.block_size)
-        # the host's numbers to the device in two copies that do not wait for it
-        staged = on_device(packed, torch.int64, self.device)
-        input_ids, positions, slots, seq_lens = (staged[part] for part in parts)
-        query_start_loc = [0, *itertools.accumulate(
-            end - start for start, end in zip(inputs.starts, inputs.ends))]
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            query_start_loc=query_start_loc,
-            context_lens=list(inputs.starts),
-            seq_lens=seq_lens,
-            block_table=on_device(table, torch.int64, self.device),
-            num_decodes=leading_decodes(inputs.starts, inputs.ends),
-            block_size=self.block_size,
-        )
-        self.backend.prepare(meta)
-        return input_ids, positions, meta
+        """The step's (input ids, positions, attention metadata) on the device."""
+        return step_paths.device_inputs(inputs, self.block_size, self.device, self.backend)

@@ -32,12 +32,14 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     # adapters rank 0 began reading off its step loop: the other ranks read them meanwhile
     # (their requests run in a later step), so no rank's step waits on the whole read
     lora_prefetch: list[LoRARequest] = []
+    # a pooling model's sequences: every row of theirs is pooled (none is sampled)
+    pool_seqs: list[int] = []
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest],
            lora_prefetch: list[LoRARequest] | None = None) -> StepInputs:
         token_ids: list[int] = []
-        sample_seqs, prompt_seqs, prompt_rows, sample_counts = [], [], [], []
+        sample_seqs, prompt_seqs, prompt_rows, sample_counts, pool_seqs = [], [], [], [], []
         for i, s in enumerate(scheduled):
             request, drafts = s.request, s.drafts
             first = len(token_ids)
@@ -51,7 +53,9 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                 token_ids += [0] * (end - known)
             if drafts:
                 token_ids += drafts
-            if end >= num_tokens:
+            if request.pooling_params is not None:
+                pool_seqs.append(i)
+            elif end >= num_tokens:
                 sample_seqs.append(i)
                 sample_counts.append(1 + len(drafts))
             if request.sampling_params.prompt_logprobs is not None:
@@ -66,7 +70,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
-                   list(adapters.values()), lora_prefetch or [])
+                   list(adapters.values()), lora_prefetch or [], pool_seqs)
 
     @property
     def num_sampled_rows(self) -> int:
@@ -86,7 +90,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         else 0."""
         n = len(self.starts)
         q, rest = divmod(len(self.token_ids), n) if n else (0, 1)
-        if rest or self.prompt_seqs or len(self.sample_seqs) != n:
+        if rest or self.prompt_seqs or self.pool_seqs or len(self.sample_seqs) != n:
             return 0
         # (each sequence computes at least the rows it scores: all q, when they add up)
         return q if all(count == q for count in self.sample_counts) else 0

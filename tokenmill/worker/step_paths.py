@@ -12,14 +12,45 @@ cuda_graphs.py, run a uniform step all the way to its logits and are asked befor
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, AttentionMetadata, LogitsRows
+from tokenmill.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    LogitsRows,
+    leading_decodes,
+)
+from tokenmill.host_to_device import on_device
 from tokenmill.worker.step_inputs import StepInputs
+
+
+def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
+                  backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata]:
+    """A step's (input ids, positions, attention metadata) on the device, the backend's
+    per-step metadata prepared."""
+    packed, parts, table = inputs.staged(block_size)
+    # the host's numbers to the device in two copies that do not wait for it
+    staged = on_device(packed, torch.int64, device)
+    input_ids, positions, slots, seq_lens = (staged[part] for part in parts)
+    query_start_loc = [0, *itertools.accumulate(
+        end - start for start, end in zip(inputs.starts, inputs.ends))]
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=query_start_loc,
+        context_lens=list(inputs.starts),
+        seq_lens=seq_lens,
+        block_table=on_device(table, torch.int64, device),
+        num_decodes=leading_decodes(inputs.starts, inputs.ends),
+        block_size=block_size,
+    )
+    backend.prepare(meta)
+    return input_ids, positions, meta
 
 
 @dataclass
@@ -72,9 +103,10 @@ class EagerPath(StepPath):
     def forward(self, step: StepTensors) -> tuple[Any, LogitsRows | None]:
         inputs, sample_rows = step.inputs, step.inputs.sample_seqs
         logits_rows = None
-        # Prompt logprobs and scored drafts read every row's hidden state.
+        # Prompt logprobs, pooling and scored drafts read every row's hidden state.
         if (self.logits_rows_only and len(sample_rows) < len(step.input_ids)
-                and not inputs.prompt_seqs and not step.drafted and not inputs.lora_ids):
+                and not inputs.prompt_seqs and not inputs.pool_seqs and not step.drafted
+                and not inputs.lora_ids):
             logits_rows = LogitsRows.last_of(step.meta, sample_rows, self.backend)
         hidden = self.model(step.input_ids, step.positions, step.meta, logits_rows,
                             step.intermediate)

@@ -33,6 +33,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(default_factory=dict)
     # draft heads: request id -> (draft tokens for its next step, their distributions)
     drafts: dict[str, tuple[list[int], Any]] = field(default_factory=dict)
+    # a pooling model: request id -> its vector, for those whose prompt the step completed
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Launched:
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     pending: PendingLogits | None = None
     hidden: torch.Tensor | None = None  # every row's final hidden state (draft heads)
+    pooled: list[torch.Tensor] = field(default_factory=list)  # per inputs.pool_seqs entry
     # once sampled (`sample_step`): its results but the plain rows' tokens and logprobs, and
     # those on their way to the host: (tokens, their requests' ids), (logprob parts, the ids
     # of the requests asking, how many top logprobs each)
