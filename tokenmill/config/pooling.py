@@ -54,6 +54,7 @@ class PoolerConfig(msgspec.Struct, frozen=True):
     num_labels: int = 0
     head: str = ""  # classify: the checkpoint tensor prefix of the head ("score")
     hidden_size: int = 0
+    labels: list[str] = []  # classify: each label's name (config.json's id2label)
 
     @property
     def dimensions(self) -> int:
@@ -95,8 +96,11 @@ def resolve_pooler(path: str, hf_config: Any, override: dict | None = None) -> P
     fields: dict[str, Any] = {"hidden_size": int(hf_config.hidden_size)}
     if arch.endswith(_CLASSIFY_SUFFIX):
         # transformers' *ForSequenceClassification: the last token's state through `score`
+        labels = int(getattr(hf_config, "num_labels", 0) or 2)
+        names = getattr(hf_config, "id2label", None) or {}
         fields.update(task="classify", pooling_type="LAST", normalize=False, head="score",
-                      num_labels=int(getattr(hf_config, "num_labels", 0) or 2))
+                      num_labels=labels,
+                      labels=[str(names.get(i, f"LABEL_{i}")) for i in range(labels)])
     elif os.path.isfile(os.path.join(path, "modules.json")):
         fields.update(_sentence_transformers(path))
     else:

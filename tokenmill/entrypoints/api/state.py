@@ -119,6 +119,11 @@ class ServerState:
         unloaded at run time: the engine core's list)."""
         return {adapter.lora_name: adapter for adapter in self.engine.loras}
 
+    @property
+    def pooler(self) -> Any:
+        """A pooling model's PoolerConfig (config/pooling.py); None: it generates text."""
+        return self.engine.client.info.pooler
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None: the base model."""
         return self.adapters.get(model) if model is not None else None

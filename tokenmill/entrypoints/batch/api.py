@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.batch.lines import URLS, answer_all
+from tokenmill.entrypoints.batch.lines import answer_all, served_urls
 from tokenmill.entrypoints.batch.store import BatchStore, StoreError
 from tokenmill.entrypoints.http.openai_errors import error_response
 
@@ -105,8 +105,10 @@ async def create(body: dict, state: ServerState) -> Response:
     store = _store(state)
     endpoint, window = body.get("endpoint"), body.get("completion_window", "24h")
     metadata = body.get("metadata")
-    if endpoint not in URLS:
-        return error_response(f"endpoint must be one of {', '.join(URLS)}.", 400, "endpoint")
+    served = served_urls(state.pooler is not None)
+    if endpoint not in served:
+        return error_response(f"endpoint must be one of {', '.join(served)} (what this model "
+                              "serves).", 400, "endpoint")
     if window != "24h":
         return error_response("completion_window must be '24h'.", 400, "completion_window")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(

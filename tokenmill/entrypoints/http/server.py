@@ -28,6 +28,7 @@ from tokenmill.entrypoints.http import (
     native_api,
     openai_api,
     openai_errors,
+    pooling_api,
     responses_api,
     tokenize_api,
     triton_api,
@@ -59,7 +60,7 @@ async def read_json(request: Request) -> dict | Response:
 
 def _family_error(path: str, message: str, status: int, headers=None) -> JSONResponse:
     """An error outside a handler, in the shape of the route family of `path`."""
-    if path.startswith("/v2/"):
+    if path.startswith("/v2/") and path != "/v2/rerank":  # (Cohere's: OpenAI's shape)
         return JSONResponse({"error": message}, status_code=status, headers=headers)
     if path.startswith("/v1/messages"):
         return JSONResponse(anthropic_error_body(message, status), status_code=status,
@@ -124,6 +125,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     _add_anthropic_routes(app, key)
     _add_tokenizer_and_model_routes(app, settings, guarded)
     batch_api.add_routes(app, guarded)
+    pooling_api.add_routes(app, guarded)
     responses_api.add_routes(app, guarded)
     _add_health_routes(app)
     app.include_router(triton_api.create_router(lambda request: request.app.state.server,
