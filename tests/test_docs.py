@@ -2,7 +2,9 @@
 of the navigation), its configuration page is the one generated from the code, every
 environment variable tokenmill reads is in that page's table, and every example marked
 `<!-- runs -->` (in the guide and the README) runs against the bundled model's server, as
-does every Python example (a command line with placeholders may stay unmarked)."""
+does every Python example (a command line with placeholders may stay unmarked); one marked
+`<!-- runs pooling -->` runs against the bundled model served for pooling
+(`--runner pooling`: embeddings, scores)."""
 
 import os
 import pathlib
@@ -18,17 +20,17 @@ from tests.serving import Served
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-MARK = "<!-- runs -->"
+MARK = r"<!-- runs( pooling)? -->"
 
 
-def _runnable_blocks() -> list[tuple[str, str, str]]:
-    """(where, language, code) of every fenced block right after the marker."""
+def _runnable_blocks() -> list[tuple[str, str, str, bool]]:
+    """(where, language, code, pooling) of every fenced block right after a marker."""
     found = []
     for path in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
         text = path.read_text()
-        for i, match in enumerate(re.finditer(
-                re.escape(MARK) + r"\n```(\w+)\n(.*?)\n```", text, re.S)):
-            found.append((f"{path.relative_to(ROOT)}#{i}", match.group(1), match.group(2)))
+        for i, match in enumerate(re.finditer(MARK + r"\n```(\w+)\n(.*?)\n```", text, re.S)):
+            found.append((f"{path.relative_to(ROOT)}#{i}", match.group(2), match.group(3),
+                          bool(match.group(1))))
     return found
 
 
@@ -39,10 +41,10 @@ def test_every_marked_block_is_found():
     """A marker not followed directly by a fenced block would silently run nothing."""
     for path in [ROOT / "README.md", *DOCS.rglob("*.md")]:
         text = path.read_text()
-        marks = len(re.findall("^" + re.escape(MARK) + "$", text, re.M))
-        assert marks == len(re.findall(re.escape(MARK) + r"\n```\w+\n", text)), path
+        marks = len(re.findall("^" + MARK + "$", text, re.M))
+        assert marks == len(re.findall(MARK + r"\n```\w+\n", text)), path
         python = len(re.findall(r"^```python$", text, re.M))
-        assert python == len(re.findall(re.escape(MARK) + r"\n```python\n", text)), \
+        assert python == len(re.findall(MARK + r"\n```python\n", text)), \
             f"{path}: a Python example that is not run"
     assert len(BLOCKS) >= 8
 
@@ -90,8 +92,19 @@ def server(tmp_path_factory):
         yield served
 
 
-@pytest.mark.parametrize("where,language,code", BLOCKS, ids=[b[0] for b in BLOCKS])
-def test_the_example_runs(server, where, language, code, tmp_path):
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    served = Served("", tmp_path_factory.mktemp("docs"), "--max-model-len", "1024",
+                    "--runner", "pooling")
+    served.args.remove("")
+    served.args[served.args.index("tiny")] = "default"
+    with served.running(timeout=300):
+        yield served
+
+
+@pytest.mark.parametrize("where,language,code,pooling", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_the_example_runs(request, where, language, code, pooling, tmp_path):
+    server = request.getfixturevalue("pooling_server" if pooling else "server")
     ports = {"9965": server.ports["port"], "8811": server.ports["grpc"],
              "8110": server.ports["health"], "8722": server.ports["metrics"]}
     code = re.sub(r"\b(9965|8811|8110|8722)\b", lambda m: str(ports[m.group(1)]), code)
