@@ -152,3 +152,19 @@ def test_chunked_pooling_equals_the_slow_reference(kind):
     if kind == "MEAN":
         state = state / 23
     torch.testing.assert_close(state, pool_slow(hidden, kind))
+
+
+def test_tensor_parallel_pools_as_one_rank(base, tmp_path, cross_encoder):
+    """Two tensor-parallel ranks: rank 0 pools the full hidden states (every rank computes
+    them), the other rank's pooler idle."""
+    reference = make_embedding_model(str(tmp_path / "emb"), base, "mean")
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    with LLM(str(tmp_path / "emb"), tensor_parallel_size=2, **ENGINE) as llm:
+        got = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    assert cosines(got, expected).min() >= 0.9999
+    path, cross = cross_encoder
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
+        scores = [s.outputs.score for s in llm.score(PAIRS[0][0], [b for _, b in PAIRS],
+                                                     use_tqdm=False)]
+    np.testing.assert_allclose(scores, cross.predict([(PAIRS[0][0], b) for _, b in PAIRS]),
+                               atol=1e-4)

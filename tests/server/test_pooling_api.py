@@ -145,6 +145,11 @@ def test_each_kind_of_model_refuses_the_others_routes(embedder, server):
     text = httpx.post(thread.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                       timeout=60)
     assert text.status_code == 400 and "generates no text" in text.json()["error"]["message"]
+    native = httpx.post(thread.base + "/v1/chat/completions", json={"text": "hi"}, timeout=60)
+    assert native.status_code == 400 and "generates no text" in native.text
+    triton = httpx.post(thread.base + "/v2/models/tiny/generate", json={
+        "text_input": "hi", "max_tokens": 2}, timeout=60)
+    assert triton.status_code == 400 and "generates no text" in triton.json()["error"]
     embeddings = httpx.post(server + "/v1/embeddings", json={"input": "hi"}, timeout=60)
     assert embeddings.status_code == 400
     assert "pooling model" in embeddings.json()["error"]["message"]

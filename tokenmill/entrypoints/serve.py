@@ -201,11 +201,15 @@ class ServeProcess:
 
     async def _warmup(self, state: ServerState) -> None:
         from tokenmill.outputs import OutputKind
+        from tokenmill.pooling_params import PoolingParams
         from tokenmill.sampling_params import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        pooler = state.pooler  # (a pooling model warms up pooling a prompt)
+        pooling = PoolingParams(task=pooler.task) if pooler is not None else None
         async for _ in state.engine.generate([1] * 8, params, request_id="warmup",
-                                             output_kind=OutputKind.FINAL_ONLY):
+                                             output_kind=OutputKind.FINAL_ONLY,
+                                             pooling_params=pooling):
             pass
 
     async def _watch(self, processes, state: ServerState) -> None:
