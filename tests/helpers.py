@@ -296,3 +296,44 @@ def make_cross_encoder(path: str):
     torch.manual_seed(0)
     tf.LlamaForSequenceClassification(config).eval().save_pretrained(path)
     return CrossEncoder(path, device="cpu")
+
+
+def make_llava(path: str, image_size: int = 30, patch: int = 6):
+    """A tiny LLaVA-1.5 (CLIP tower of 2 layers, MLP projector, the tiny llama) at `path`
+    with its processor (CLIP's image processor, `<image>` as a special token). Returns
+    (the HF model, the processor)."""
+    import transformers as tf
+
+    tok = make_tokenizer(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == "
+        "'image' %}<image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    image_token = tok.convert_tokens_to_ids("<image>")
+    text = tf.LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=1024, eos_token_id=1, bos_token_id=0,
+                          initializer_range=0.2, tie_word_embeddings=False)
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=4, image_size=image_size,
+                                 patch_size=patch, projection_dim=32)
+    config = tf.LlavaConfig(vision_config=vision, text_config=text,
+                            image_token_index=image_token, eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (random init leaves the projector's biases and norms plain)
+        for name, param in model.named_parameters():
+            if "vision" in name or "projector" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(path)
+    images = tf.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                   crop_size={"height": image_size, "width": image_size})
+    processor = tf.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch,
+                                  vision_feature_select_strategy="default",
+                                  num_additional_image_tokens=1, image_token="<image>",
+                                  chat_template=tok.chat_template)
+    processor.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, processor

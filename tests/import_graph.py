@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # top-level folder or a top-level module (without ".py"). Kept in step with docs/architecture.md.
 LAYERS: list[tuple[str, ...]] = [
     ("logs", "host_to_device", "text_buffer", "json_depth", "heap"),
-    ("config", "sampling_params", "pooling_params", "outputs", "tokenizer"),
+    ("config", "sampling_params", "pooling_params", "mm_inputs", "outputs", "tokenizer"),
     ("core", "csrc"),
     ("distributed",),
     ("attention", "layers", "quantization"),

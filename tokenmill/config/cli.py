@@ -59,6 +59,8 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
                          "reward"], default=None,
       help="vLLM's older spelling of --runner: generate, or a pooling task (embed, classify, "
            "score)")
+    a("--limit-mm-per-prompt", default=None,
+      help="an image-text model's images per request, as JSON: '{\"image\": 4}' (default 8)")
     a("--pooler-config", default=None,
       help="a pooling model's pooling over its own, as JSON: '{\"pooling_type\": \"MEAN\", "
            "\"normalize\": true}' (LAST, MEAN, CLS or MAX)")

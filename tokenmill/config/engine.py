@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config.kernels import KernelConfig
+from tokenmill.config.multimodal import parse_limits
 from tokenmill.config.pooling import RUNNERS, parse_override
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -67,6 +68,9 @@ class EngineConfig:
     # model's own (config/pooling.py; a dict or its JSON text)
     runner: str = "auto"
     pooler_config: dict | str | None = None
+    # an image-text model's images per request: {"image": N} (vLLM's flag; a dict or its
+    # JSON text; default 8)
+    limit_mm_per_prompt: dict | str | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -203,6 +207,7 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got "
                              f"{self.runner!r}.")
         self.pooler_config = parse_override(self.pooler_config)
+        self.limit_mm_per_prompt = parse_limits(self.limit_mm_per_prompt)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
                              f"{self.scheduling_policy!r}.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.config.multimodal import MultiModalConfig, resolve_multimodal
 from tokenmill.config.pooling import PoolerConfig, resolve_pooler, wants_pooling
 
 
@@ -18,6 +19,8 @@ class ModelConfig:
     # --runner pooling (or auto, for an embedding / classifier folder): how it pools; None:
     # a generative model
     pooler: PoolerConfig | None = None
+    # an image-text model's (LLaVA): its image token and rows; None: text only
+    multimodal: MultiModalConfig | None = None
 
     @classmethod
     def of(cls, config: Any, path: str, hf_config: Any, max_model_len: int) -> ModelConfig:
@@ -30,4 +33,8 @@ class ModelConfig:
                                  "pipeline parallel (tensor parallel works).")
         elif config.pooler_config:
             raise ValueError("--pooler-config is for a pooling model: add --runner pooling.")
-        return cls(path, hf_config, max_model_len, pooler)
+        multimodal = resolve_multimodal(path, config.limit_mm_per_prompt)
+        if multimodal is not None and config.world_size > 1:
+            raise ValueError("An image-text model runs on one rank (no tensor or pipeline "
+                             "parallel yet).")
+        return cls(path, hf_config, max_model_len, pooler, multimodal)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.mm_inputs import cache_key
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -77,6 +78,8 @@ class Request:
     # reads no prefix-cache hit
     pooling_params: Any = None
     skip_prefix_cache: bool = False
+    # an image-text model's images (mm_inputs.py's MultiModalInput), in prompt order
+    mm_inputs: list = field(default_factory=list)
 
     @property
     def lora_id(self) -> int:
@@ -85,9 +88,13 @@ class Request:
 
     @property
     def cache_root(self) -> bytes | None:
-        """What its first block's prefix-cache hash starts from: its adapter's key (the
-        same tokens under another adapter never share KV); None: the base model's."""
-        return self.lora_request.cache_key() if self.lora_request is not None else None
+        """What its first block's prefix-cache hash starts from: its adapter's key and its
+        images' (the same tokens under another adapter, or with other images, never share
+        KV); None: the base model's, text only."""
+        root = self.lora_request.cache_key() if self.lora_request is not None else None
+        if self.mm_inputs:
+            root = (root or b"") + cache_key(self.mm_inputs)
+        return root
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ pooling (a generating model's generating)."""
 
 from __future__ import annotations
 
+from tokenmill.config.multimodal import MultiModalConfig
 from tokenmill.config.pooling import PoolerConfig
 from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.engine.protocol import EngineCoreRequest
@@ -11,10 +12,12 @@ from tokenmill.engine.protocol import EngineCoreRequest
 
 def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
                   num_blocks: int, block_size: int, lookahead: int = 0,
-                  pooler: PoolerConfig | None = None) -> None:
+                  pooler: PoolerConfig | None = None,
+                  multimodal: MultiModalConfig | None = None) -> None:
     """Admission checks of an engine core (ValueError: refused, with the reason);
     `lookahead`: KV slots a proposer uses past the request's tokens; `pooler`: a pooling
-    model's (its requests pool their prompt, generating nothing)."""
+    model's (its requests pool their prompt, generating nothing); `multimodal`: an
+    image-text model's (its requests' images)."""
     n_prompt = len(request.prompt_token_ids)
     if n_prompt == 0:
         raise ValueError("The prompt is empty.")
@@ -41,8 +44,35 @@ def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
         refused = token_out_of_range(ids, vocab)
         if refused is not None:
             raise ValueError(refused.message(what))
+    check_images(request, multimodal)
     longest = min(n_prompt + (0 if pooling else params.max_tokens or max_model_len),
                   max_model_len) + lookahead
     if -(-longest // block_size) > num_blocks:
         raise ValueError(f"The request needs up to {longest} tokens of KV cache, more than "
                          f"the whole cache holds ({num_blocks} blocks of {block_size}).")
+
+
+def check_images(request: EngineCoreRequest, multimodal: MultiModalConfig | None) -> None:
+    """A request's images against the model's rules: each one's placeholder tokens in the
+    prompt, in order and apart, as many as its rows; no image token without an image;
+    pixels of the processor's size (a wrong one would fail the whole step)."""
+    images, ids = request.mm_inputs, request.prompt_token_ids
+    if multimodal is None:
+        if images:
+            raise ValueError("This model takes no images.")
+        return
+    if len(images) > multimodal.max_images:
+        raise ValueError(f"A request may hold at most {multimodal.max_images} images "
+                         f"(--limit-mm-per-prompt), got {len(images)}.")
+    token, end = multimodal.image_token_id, 0
+    size = multimodal.image_size
+    for image in images:
+        if image.shape != [3, size, size] or len(image.pixels) != 4 * 3 * size * size:
+            raise ValueError(f"An image's pixels must be 3 x {size} x {size} float32 values.")
+        if (image.offset < end or image.length != multimodal.tokens_per_image
+                or image.end > len(ids)
+                or ids[image.offset:image.end] != [token] * image.length):
+            raise ValueError("An image's placeholder tokens do not match the prompt.")
+        end = image.end
+    if ids.count(token) != sum(image.length for image in images):
+        raise ValueError("The prompt has image tokens without an image.")

@@ -137,13 +137,14 @@ class AsyncLLM:
                        reservation: Any = None,
                        output_kind: OutputKind = OutputKind.CUMULATIVE,
                        lora_request: LoRARequest | None = None, priority: int = 0,
-                       pooling_params: PoolingParams | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       pooling_params: PoolingParams | None = None,
+                       mm_inputs: list | None = None) -> AsyncIterator[RequestOutput]:
         """`reservation`: the API's admission reservation (`consume(n)`), handed over once
         the request counts as in flight here. `output_kind`: cumulative results, deltas
         (what streaming APIs send: each costs O(new) however long the output; deltas a slow
         reader missed come as one), or only the final result. `pooling_params`: a pooling
-        model's request (`params` then only its bookkeeping): its result's `pooled`."""
+        model's request (`params` then only its bookkeeping): its result's `pooled`.
+        `mm_inputs`: an image-text model's images (mm_inputs.py)."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
@@ -171,7 +172,7 @@ class AsyncLLM:
                 child_params = params.for_child(i)
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic(),
-                    lora_request, priority, pooling_params))
+                    lora_request, priority, pooling_params, mm_inputs or []))
             while not finished:
                 deltas = await queue.take()  # (several: what came while the reader was busy)
                 for item in deltas:

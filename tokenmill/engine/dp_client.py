@@ -104,7 +104,7 @@ class DataParallelClient:
         self.info = EngineCoreInfo(first.max_model_len, sum(i.num_kv_blocks for i in infos),
                                    first.block_size, first.vocab_size,
                                    sum(i.max_num_seqs for i in infos), loras=first.loras,
-                                   pooler=first.pooler)
+                                   pooler=first.pooler, multimodal=first.multimodal)
         self.router = PrefixRouter(len(infos), first.block_size)
         for i, replica in enumerate(self.replicas):
             self._pumps.append(asyncio.create_task(self._pump(replica.get_output,

@@ -66,7 +66,8 @@ class ReplicaClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         info = self.info
         check_request(request, info.max_model_len, info.vocab_size, info.num_kv_blocks,
-                      info.block_size, info.num_lookahead_tokens, info.pooler)  # ValueError
+                      info.block_size, info.num_lookahead_tokens, info.pooler,
+                      info.multimodal)  # ValueError
         replica = self.router.assign(request.request_id, request.prompt_token_ids)
         self._send(self.sockets[replica], RequestType.ADD, self.encoder.encode(request))
 

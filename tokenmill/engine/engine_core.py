@@ -146,7 +146,8 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
                       self.kv_cache.num_blocks, self.config.block_size,
-                      self.scheduler.config.num_lookahead_tokens, self.model_config.pooler)
+                      self.scheduler.config.num_lookahead_tokens, self.model_config.pooler,
+                      self.model_config.multimodal)
         if request.priority and self.scheduler.config.policy != "priority":
             raise ValueError(f"priority {request.priority} needs --scheduling-policy priority "
                              "(requests are served first come, first served).")
@@ -154,7 +155,7 @@ class EngineCore:
         new = Request(request.request_id, list(request.prompt_token_ids),
                       request.sampling_params, arrival_time=request.arrival_time,
                       lora_request=lora, priority=request.priority,
-                      pooling_params=request.pooling_params,
+                      pooling_params=request.pooling_params, mm_inputs=request.mm_inputs,
                       skip_prefix_cache=request.pooling_params is not None
                       and self.model_config.pooler.pooling_type != "LAST")
         if lora is not None:

@@ -64,7 +64,8 @@ class EngineCoreProc:
                                    max_num_seqs=core.config.max_num_seqs,
                                    num_lookahead_tokens=core.scheduler.config
                                    .num_lookahead_tokens, loras=core.loras.served(),
-                                   pooler=core.model_config.pooler)
+                                   pooler=core.model_config.pooler,
+                                   multimodal=core.model_config.multimodal)
         self._last_sent = 0.0
         self._beating = threading.Event()
         self._beater = threading.Thread(target=self._beat, args=(heartbeat_address(address),),

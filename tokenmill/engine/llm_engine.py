@@ -56,6 +56,12 @@ class LLMEngine:
         return self.core.max_model_len if self.core is not None else self.client.max_model_len
 
     @property
+    def multimodal(self):
+        """An image-text model's MultiModalConfig (config/multimodal.py); None: text only."""
+        return (self.core.model_config.multimodal if self.core is not None
+                else self.client.info.multimodal)
+
+    @property
     def pooler(self):
         """A pooling model's PoolerConfig (config/pooling.py); None: it generates."""
         return (self.core.model_config.pooler if self.core is not None
@@ -91,7 +97,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: PromptType,
                     params: SamplingParams, lora_request: LoRARequest | None = None,
-                    priority: int = 0, pooling_params: PoolingParams | None = None) -> str:
+                    priority: int = 0, pooling_params: PoolingParams | None = None,
+                    mm_inputs: list | None = None) -> str:
         request_id = str(next(self._counter)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
@@ -108,7 +115,8 @@ class LLMEngine:
                 child_params = params.for_child(i)
                 self.client.add_request(EngineCoreRequest(child_id, prompt_ids, child_params,
                                                           time.monotonic(), lora_request,
-                                                          priority, pooling_params))
+                                                          priority, pooling_params,
+                                                          mm_inputs or []))
                 added.append(child_id)
         except Exception:
             self.client.abort_requests(added)

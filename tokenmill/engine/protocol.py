@@ -6,8 +6,10 @@ import enum
 
 import msgspec
 
+from tokenmill.config.multimodal import MultiModalConfig
 from tokenmill.config.pooling import PoolerConfig
 from tokenmill.lora.request import LoRARequest
+from tokenmill.mm_inputs import MultiModalInput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -23,6 +25,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_request: LoRARequest | None = None  # None: the base model
     priority: int = 0  # (vLLM's: lower runs first under --scheduling-policy priority)
     pooling_params: PoolingParams | None = None  # a pooling model's request (no sampling)
+    mm_inputs: list[MultiModalInput] = []  # an image-text model's images, in prompt order
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -87,6 +90,7 @@ class EngineCoreInfo(msgspec.Struct):
     num_lookahead_tokens: int = 0  # KV slots a proposer uses past a request's tokens
     loras: list[LoRARequest] = []  # the LoRA adapters served by name at start-up
     pooler: PoolerConfig | None = None  # a pooling model's pooler; None: it generates
+    multimodal: MultiModalConfig | None = None  # an image-text model's; None: text only
 
 
 class RequestType(enum.IntEnum):

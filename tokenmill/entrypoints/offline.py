@@ -17,6 +17,7 @@ from tokenmill.beam_search import (
 from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.entrypoints.api import scoring
+from tokenmill.entrypoints.api.images import ImageInputs, as_image
 from tokenmill.entrypoints.parsers.tool_request import template_messages
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import (
@@ -199,6 +200,29 @@ class LLM:
             of_first[a].prompt_token_ids + of_second[b].prompt_token_ids)
             for i, (a, b) in enumerate(texts)]
 
+    def _images(self, prompt: PromptType) -> tuple[PromptType, list]:
+        """vLLM's `{"prompt": ..., "multi_modal_data": {"image": PIL image(s)}}`: the prompt
+        with its image tokens grown to the images' placeholders, and the images."""
+        if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+            return prompt, []
+        data = prompt["multi_modal_data"]
+        if set(data) - {"image"}:
+            raise ValueError("multi_modal_data takes images ({\"image\": ...}) only.")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        text, ids = self.engine.tokenize_prompt({k: v for k, v in prompt.items()
+                                                 if k != "multi_modal_data"})
+        ids, inputs = self._image_inputs().place(ids, [as_image(i) for i in images], "prompt")
+        return {"prompt_token_ids": ids, "prompt": text}, inputs
+
+    def _image_inputs(self) -> ImageInputs:
+        config = self.engine.multimodal
+        if config is None:
+            raise ValueError("This model takes no images.")
+        if getattr(self, "_processor", None) is None:
+            self._processor = ImageInputs(self.engine.model_path, config)
+        return self._processor
+
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],
              use_tqdm: bool, loras: list[LoRARequest | None] | None = None,
              priorities: list[int] | None = None,
@@ -210,7 +234,8 @@ class LLM:
             for prompt, p, lora, priority, pool in zip(prompts, params, loras or [None] * n,
                                                        priorities or [0] * n,
                                                        pooling or [None] * n):
-                ids.append(engine.add_request(None, prompt, p, lora, priority, pool))
+                prompt, images = self._images(prompt)
+                ids.append(engine.add_request(None, prompt, p, lora, priority, pool, images))
         except Exception:
             engine.abort_request(ids)
             raise

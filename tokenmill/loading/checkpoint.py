@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill import csrc, heap
 from tokenmill.config import kernels as kernel_switches
+from tokenmill.config.multimodal import is_image_text
 from tokenmill.config.quantization import QuantConfig, checkpoint_quant_config
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.layers.bf16_linear import look_up_in_panels, store_in_bf16, tied_tables
@@ -25,11 +26,13 @@ from tokenmill.layers.linear import (
     CheckpointSlice,
     RowParallelLinear,
     deferred_weights,
+    whole,
 )
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.loading import sharded
 from tokenmill.loading.file_checks import check_config, check_model_folder, check_safetensors
 from tokenmill.models.registry import build_model
+from tokenmill.models.vision.encoder import VISION_PREFIXES, text_name
 from tokenmill.quantization import fp8_blocks
 
 logger = logging.getLogger(__name__)
@@ -250,6 +253,12 @@ def pooling_name(name: str) -> str | None:
 POOLER_HEADS = ("score.", "classifier.")
 
 
+def image_text_name(name: str) -> str | None:
+    """An image-text checkpoint's tensor as its language model's (None: the image side's,
+    loaded by loading/vision.py)."""
+    return None if name.startswith(VISION_PREFIXES) else text_name(name)
+
+
 def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantConfig | None,
                      keep_gguf: bool, keep_fp8: bool, pooling: bool = False
                      ) -> tuple[set[str], bool]:
@@ -261,9 +270,10 @@ def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantCo
     # (a pipeline stage reads only its own layers' tensors)
     lazy = get_world().size > 1
     weights = iter_weights(path, hf_config, keep_gguf, lazy, keep_fp8)
-    if pooling:
+    rename = pooling_name if pooling else image_text_name if is_image_text(path) else None
+    if rename is not None:
         weights = ((renamed, t) for name, t in weights
-                   if (renamed := pooling_name(name)) is not None)
+                   if (renamed := rename(name)) is not None)
     ours = ((name, t) for name, t in weights if model.holds(name))
     modules, early = dict(model.named_modules()), set()
 
@@ -300,6 +310,21 @@ def _share_tied_rows(model: nn.Module, loaded: set[str]) -> None:
         embed.share_rows(head)
     elif "lm_head.weight" in loaded:  # the head's blocks were dequantized into the table
         loaded.add("model.embed_tokens.weight")
+
+
+def load_vision_encoder(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """An image-text checkpoint's image side (models/vision/encoder.py), its tensors read
+    from the checkpoint (only those)."""
+    from transformers import AutoConfig
+
+    from tokenmill.models.vision.encoder import VisionEncoder
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with torch.device(device):
+        encoder = VisionEncoder(config)
+    encoder.load_weights((name, whole(t)) for name, t in iter_safetensors(path, lazy=True)
+                         if name.startswith(VISION_PREFIXES))
+    return encoder.to(dtype).eval()
 
 
 def load_tokenizer(path: str) -> Any:

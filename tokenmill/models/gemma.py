@@ -17,6 +17,7 @@ from tokenmill.layers.linear import default_weight_loader, whole
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.info import layer_window
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from tokenmill.models.vision.encoder import VISION_PREFIXES, text_name
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -78,25 +79,12 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def holds(self, name: str) -> bool:
         tied_head = self.tie_word_embeddings and name == "language_model.lm_head.weight"
-        if name.startswith(_VISION) or tied_head:
+        if name.startswith(VISION_PREFIXES) or tied_head:
             return False
         return super().holds(text_name(name))
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         return super().checkpoint_target(text_name(name))
-
-
-# the image side of a Gemma3ForConditionalGeneration checkpoint (old and new layouts)
-_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-           "model.multi_modal_projector.")
-
-
-def text_name(name: str) -> str:
-    """A multimodal checkpoint's language-model tensor under the text model's name."""
-    for prefix in ("language_model.model.", "model.language_model."):
-        if name.startswith(prefix):
-            return "model." + name[len(prefix):]
-    return name.removeprefix("language_model.")
 
 
 def text_config(config: Any) -> Any:

@@ -212,16 +212,22 @@ class LlamaModel(nn.Module):
         self.norm = make_norm(config.hidden_size, config.rms_norm_eps)
         self.embed_scale: float | None = None
 
+    def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows of `input_ids` (an image-text model's runner puts its
+        images' rows in among them: worker/mm_encoder.py)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: embeddings times sqrt(hidden size)
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
+
     def forward(self, input_ids, positions, meta, logits_rows: LogitsRows | None = None,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+                intermediate: tuple[torch.Tensor, torch.Tensor | None] | None = None):
         """Final hidden states of every token, or only of the `logits_rows`: no later layer reads
         the last layer's outputs, so there only the logits rows go past the K/V projection
         (most of a prompt's rows are not sampled from). A stage before the last returns its
         (hidden, residual) instead; a stage after the first starts from `intermediate`."""
         if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-            if self.embed_scale is not None:  # Gemma: embeddings times sqrt(hidden size)
-                hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            hidden, residual = self.embed_input(input_ids), None
         else:
             hidden, residual = intermediate
         rope = self.rotary.for_step(positions, hidden.dtype)

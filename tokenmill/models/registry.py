@@ -38,19 +38,37 @@ _MODELS = {
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = tuple(_MODELS)
-# multimodal architectures served as their text model: -> that model's config
-_TEXT_OF = {"Gemma3ForConditionalGeneration": text_config}
+SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",)
+
+
+def _llava_text_config(config: Any) -> Any:
+    """A LLaVA checkpoint's language model's config (its images: models/vision/)."""
+    text = config.text_config
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}.get(text.model_type)
+    if arch is None:
+        raise ValueError(f"LLaVA over a {text.model_type} language model is not served.")
+    text.architectures = [arch]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
+
+
+# image-text architectures: -> their language model's config (built as a text family)
+_TEXT_OF = {"Gemma3ForConditionalGeneration": text_config,
+            "LlavaForConditionalGeneration": _llava_text_config}
 
 
 def text_model_config(hf_config: Any) -> Any:
-    """The config to build: a multimodal checkpoint's text model's (images are not served),
-    else `hf_config` itself."""
+    """The config to build: an image-text checkpoint's language model's, else `hf_config`
+    itself."""
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch not in _TEXT_OF:
         return hf_config
-    logger.info("%s checkpoint: serving its text model (image inputs are not supported).",
-                arch)
+    if arch == "Gemma3ForConditionalGeneration":
+        logger.info("%s checkpoint: serving its text model (image inputs are not supported "
+                    "for it).", arch)
     return _TEXT_OF[arch](hf_config)
 
 

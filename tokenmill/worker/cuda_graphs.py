@@ -196,7 +196,7 @@ class DecodeGraphs(StepGraphs):
         """Logits [n * q, vocab] of a uniform step of n sequences (`bucket_rows`), and what draft
         heads read of its rows: [final hidden states], or the aux layers' input states
         (ascending). `fill`: writes tokens still on the device into the step's input ids
-        (asynchronous scheduling: ModelRunner._fill)."""
+        (asynchronous scheduling: step_paths.pending_fill)."""
         n, q = len(inputs.starts), inputs.uniform_rows
         size, variant = self.load(q, inputs)
         if fill is not None:

@@ -13,10 +13,9 @@ import torch
 from tokenmill.config import kernels as kernel_switches
 from tokenmill.config.engine import EngineConfig
 from tokenmill.config.model import ModelConfig
-from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.distributed.parallel_state import get_tp_group, get_world
 from tokenmill.distributed.pipeline import PendingLogits
-from tokenmill.host_to_device import on_device
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.sample.request_sampling import RequestSampling
@@ -83,10 +82,13 @@ class ModelRunner:
                                 config.quantization, mtp=method == "mtp",
                                 head_on_first_stage=method in ("mtp", "eagle"),
                                 bf16_weights=bf16_weights, pooling=model.pooler is not None)
-        self.pooler = None  # a pooling model's (worker/pooler.py): vectors, not tokens
-        if model.pooler is not None:
+        self.pooler = self.images = None  # a pooling model's (vectors, not tokens); an
+        if model.pooler is not None:  # image-text model's image side (mm_encoder.py)
             from tokenmill.worker.pooler import Pooler
             self.pooler = Pooler(model.pooler, model_path, self.device)
+        if model.multimodal is not None:
+            from tokenmill.worker.mm_encoder import ImageEncoder
+            self.images = ImageEncoder(model_path, self.device, self.dtype)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
@@ -210,8 +212,9 @@ class ModelRunner:
         started; under pipeline parallel this returns once stage 0's part is done, the logits
         still to come (`complete` waits for them). None: nothing to run."""
         self.sampling.drop(step.finished_ids)
-        if self.pooler is not None:
-            self.pooler.drop(step.finished_ids)
+        for held in (self.pooler, self.images):  # (what each request kept)
+            if held is not None:
+                held.drop(step.finished_ids)
         if step.empty:
             self.io.release(step.finished_ids)
             return None
@@ -223,7 +226,10 @@ class ModelRunner:
         inputs = StepInputs.of(scheduled, announced if self.world.size > 1 else None)
         data = self.io.send(inputs, scheduled, step.finished_ids)
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
-        result = self.run(inputs, data, self._fill(scheduled) if self.async_scheduling else None)
+        images = self.images.step_rows(scheduled) if self.images is not None else None
+        fill = (step_paths.pending_fill(scheduled, self.previous, self.device)
+                if self.async_scheduling else None)
+        result = self.run(inputs, data, fill, images)
         if isinstance(result, PendingLogits):
             return Launched(scheduled, inputs, pending=result)
         logits, prompt_logits, hidden_states, pooled = result
@@ -233,27 +239,6 @@ class ModelRunner:
         if self.async_scheduling:  # sampled now, so the next step can launch before this one lands
             self._sample(launched)
         return launched
-
-    def _fill(self, scheduled: list[ScheduledRequest]):
-        """Asynchronous scheduling: the step's rows at a position whose token the previous
-        step sampled and the host has not seen (StepInputs holds 0 there), as a function
-        that copies those tokens into the step's input ids on the device; None if none."""
-        rows, sources = [], []
-        index = self.previous[1] if self.previous else None
-        for i, s in enumerate(scheduled):
-            if s.output_pending:  # (a one-token decode: decodes come first, so sequence i is row i)
-                rows.append(i)
-                sources.append(index[s.request.request_id])
-        if not rows:
-            return None
-        tokens = self.previous[0]
-        if rows == sources == list(range(len(tokens))):  # (steady decoding: one copy)
-            return lambda input_ids: input_ids[:len(rows)].copy_(tokens)
-        rows_t, sources_t = (on_device(x, torch.int64, self.device) for x in (rows, sources))
-
-        def fill(input_ids: torch.Tensor) -> None:
-            input_ids.index_copy_(0, rows_t, tokens.index_select(0, sources_t).to(input_ids.dtype))
-        return fill
 
     @torch.inference_mode()
     def complete(self, launched: Launched) -> RunnerOutput:
@@ -284,11 +269,12 @@ class ModelRunner:
         if self.async_scheduling and token_ids is not None:  # (the next step's inputs read them)
             self.previous = token_ids, {rid: i for i, rid in enumerate(launched.tokens[1])}
 
-    def run(self, inputs: StepInputs, data: bytes, fill=None
+    def run(self, inputs: StepInputs, data: bytes, fill=None, images=None
             ) -> tuple[torch.Tensor | None, list, Any] | PendingLogits | None:
         """The forward every rank runs (`data`: the inputs' bytes, handed on to the next
-        pipeline stage; `fill`: what `_fill` returns): on rank 0 the logits of the sampled
-        rows and of each prompt-logprob range (and what draft heads read:
+        pipeline stage; `fill`: what `step_paths.pending_fill` returns; `images`: the
+        step's image rows, mm_encoder.py): on rank 0 the logits of the sampled rows and of
+        each prompt-logprob range (and what draft heads read:
         `TargetHiddenStates.taken`), or under pipeline parallel their pending receive from
         the last stage (stage 0's other ranks with draft heads: that of their hidden states),
         and each pooled sequence's partial state (`Pooler.reduce`); None (or Nones) on the
@@ -301,7 +287,8 @@ class ModelRunner:
             self.lora.prepare(inputs.lora_ids, inputs.lora_requests,
                               [end - start for start, end in zip(inputs.starts, inputs.ends)])
         # (graphs hold the base model's forward: a step with LoRA adapters runs eagerly)
-        if self.graphs is not None and not inputs.lora_ids and self.graphs.bucket_rows(inputs):
+        if (self.graphs is not None and not inputs.lora_ids and images is None
+                and self.graphs.bucket_rows(inputs)):
             logits, hidden_states = self.graphs.run(inputs, fill)
             states = self.target_states
             return logits, [], states.taken(hidden_states) if states else None, []
@@ -317,8 +304,9 @@ class ModelRunner:
             extra = self.target_states.carried_in() if self.target_states else 0
             *intermediate, before = link.intermediate_from_prev(len(input_ids), self.hidden_size,
                                                                 self.dtype, extra)
+        embeds = self.images.inputs_embeds(self.model, input_ids, images) if images else None
         hidden, logits_rows = step_paths.run_first(self.paths, StepTensors(
-            input_ids, positions, meta, inputs, intermediate, drafted))
+            input_ids, positions, meta, inputs, intermediate, drafted, embeds))
         if not world.is_last_stage:
             pending = None
             # (posted before the step goes on: the last stage never waits for it)

@@ -53,6 +53,30 @@ def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
     return input_ids, positions, meta
 
 
+def pending_fill(scheduled: list, previous: tuple[torch.Tensor, dict[str, int]] | None,
+                 device: torch.device):
+    """Asynchronous scheduling: the step's rows at a position whose token the previous
+    step sampled and the host has not seen (StepInputs holds 0 there), as a function
+    that copies those tokens (`previous`: on the device, and each request's row there) into
+    the step's input ids on the device; None if none."""
+    rows, sources = [], []
+    index = previous[1] if previous else None
+    for i, s in enumerate(scheduled):
+        if s.output_pending:  # (a one-token decode: decodes come first, so sequence i is row i)
+            rows.append(i)
+            sources.append(index[s.request.request_id])
+    if not rows:
+        return None
+    tokens = previous[0]
+    if rows == sources == list(range(len(tokens))):  # (steady decoding: one copy)
+        return lambda input_ids: input_ids[:len(rows)].copy_(tokens)
+    rows_t, sources_t = (on_device(x, torch.int64, device) for x in (rows, sources))
+
+    def fill(input_ids: torch.Tensor) -> None:
+        input_ids.index_copy_(0, rows_t, tokens.index_select(0, sources_t).to(input_ids.dtype))
+    return fill
+
+
 @dataclass
 class StepTensors:
     """A step's inputs on the device, as every path takes them."""
@@ -64,6 +88,9 @@ class StepTensors:
     # a pipeline stage after the first: the previous stage's (hidden, residual)
     intermediate: tuple[torch.Tensor, torch.Tensor] | None
     drafted: bool  # rows of draft tokens are scored (speculative decoding)
+    # an image-text model's step reaching images: the first layer's input, image rows in
+    # place (vLLM's inputs_embeds); only the eager path takes such a step
+    inputs_embeds: torch.Tensor | None = None
 
 
 class StepPath(ABC):
@@ -78,7 +105,8 @@ class PiecewisePath(StepPath):
         self.pieces = pieces
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if step.inputs.lora_ids or not self.pieces.fits(len(step.input_ids)):
+        if (step.inputs.lora_ids or step.inputs_embeds is not None
+                or not self.pieces.fits(len(step.input_ids))):
             return None  # (the graphs hold the base model's forward: no adapters)
         return self.pieces.run(step.input_ids, step.positions, step.meta), None
 
@@ -88,6 +116,8 @@ class CompiledCpuPath(StepPath):
         self.decode_step = decode_step
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
+        if step.inputs_embeds is not None:
+            return None
         hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.intermediate,
                                   step.drafted and step.inputs.only_decodes)
         return None if hidden is None else (hidden, None)
@@ -108,8 +138,10 @@ class EagerPath(StepPath):
                 and not inputs.prompt_seqs and not inputs.pool_seqs and not step.drafted
                 and not inputs.lora_ids):
             logits_rows = LogitsRows.last_of(step.meta, sample_rows, self.backend)
+        intermediate = (step.intermediate if step.inputs_embeds is None
+                        else (step.inputs_embeds, None))
         hidden = self.model(step.input_ids, step.positions, step.meta, logits_rows,
-                            step.intermediate)
+                            intermediate)
         return hidden, logits_rows
 
 

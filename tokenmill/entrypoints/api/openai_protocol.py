@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from tokenmill.entrypoints.api.chat_content import template_content
 from tokenmill.entrypoints.api.defaults import OPENAI
 from tokenmill.entrypoints.parsers.tool_request import (
     MAX_TOOLS,
@@ -344,20 +345,16 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, Any]]:
-        """Messages for the chat template; content parts of type text are joined."""
+    def plain_messages(self, images: list[str] | None = None) -> list[dict[str, Any]]:
+        """Messages for the chat template; content parts of type text are joined. `images`
+        (an image-text model): each `image_url` part's URL is appended to it, and its message
+        keeps its parts, the image as `{"type": "image"}` where the template places it."""
         out = []
         for m in self.messages:
             message = m.model_dump(exclude_none=True)
             content = m.content
             if isinstance(content, list):
-                parts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise InvalidParameter("messages",
-                                               "Only text content parts are supported.")
-                    parts.append(part["text"])
-                message["content"] = "".join(parts)
+                message["content"] = template_content(content, images)
             elif content is None:
                 message["content"] = ""
             out.append(message)

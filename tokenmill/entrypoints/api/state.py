@@ -12,6 +12,7 @@ from tokenmill.config.server import ServerConfig
 from tokenmill.engine.async_engine import AsyncLLM
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.dp_client import DataParallelClient
+from tokenmill.entrypoints.api.images import ImageInputs
 from tokenmill.entrypoints.api.lora_tensors import PREFIX as TASK_PREFIX
 from tokenmill.entrypoints.api.lora_tensors import TaskAdapters, task_name
 from tokenmill.entrypoints.api.prompts import PromptEncoder
@@ -75,6 +76,7 @@ class ServerState:
     max_seq_len: int  # the seed's MAX_SEQ_LEN within it: cap on prompt tokens
     reasoning: Any = None  # a ReasoningParser (entrypoints/parsers/reasoning.py), or None
     tool_parser: Any = None  # a ToolParser (parsers/tool_calls.py): tool_choice auto, or None
+    images: Any = None  # an image-text model's ImageInputs (api/images.py), or None
     draining: bool = False
     _reservations: list[Reservation] = field(default_factory=list)
     _grammar_checker: Any = None
@@ -210,6 +212,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        max_model_len=max_len,
                        max_seq_len=min(config.max_seq_len or max_len - 1, max_len - 1),
                        reasoning=reasoning,
+                       images=ImageInputs(settings.model_path, info.multimodal)
+                       if info.multimodal is not None else None,
                        tool_parser=get_parser(tool_parser).bind(tokenizer)
                        if tool_parser else None)
 

@@ -82,6 +82,7 @@ class _Reply:
     def _stream(self, kind: OutputKind):
         run = self.run
         return self.state.engine.generate(run.ids, run.params, request_id=self.id,
+                                          mm_inputs=run.mm_inputs,
                                           reservation=run.reservation, output_kind=kind,
                                           lora_request=self.state.lora_for(self.model),
                                           priority=run.req.priority or 0)

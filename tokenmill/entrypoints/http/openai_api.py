@@ -76,7 +76,8 @@ class _Responder:
         lora = self.state.lora_for(self.req.model)
         return [self.state.engine.generate(job.ids, job.params, request_id=f"{self.id}-{i}",
                                            reservation=self.reservation, output_kind=kind,
-                                           lora_request=lora, priority=self.req.priority or 0)
+                                           lora_request=lora, priority=self.req.priority or 0,
+                                           mm_inputs=job.mm_inputs)
                 for i, job in enumerate(self.jobs)]
 
     def _usage(self, completion_tokens: int) -> dict:
@@ -235,7 +236,8 @@ async def answer(body: dict, state: ServerState, chat: bool) -> tuple[int, dict]
     try:
         if chat:
             run = await prepare_chat(body, state)
-            req, jobs, beams, reservation = run.req, [Job(run.ids, run.params)], run.beams, \
+            req, jobs, beams, reservation = run.req, [Job(run.ids, run.params,
+                                                           mm_inputs=run.mm_inputs)], run.beams, \
                 run.reservation
         else:
             req, jobs, beams, reservation = await prepare_completion(body, state, True)
@@ -264,7 +266,7 @@ async def create_chat_completion(body: dict, request: Request, state: ServerStat
         run = await prepare_chat(body, state, check_model)
     except (ApiError, ValueError) as exc:
         return api_error(exc)
-    job = Job(run.ids, run.params)
+    job = Job(run.ids, run.params, mm_inputs=run.mm_inputs)
     if run.beams is not None:
         return await beam_response(state, True, run.req, [job], run.beams, run.reservation,
                                    request, error_response, run.output)

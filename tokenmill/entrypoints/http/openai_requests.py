@@ -6,7 +6,7 @@ Anthropic Messages API)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -96,6 +96,7 @@ class Job:
     ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None  # for echo
+    mm_inputs: list = field(default_factory=list)  # its images (an image-text model)
 
 
 async def prepare_completion(body: dict, state: ServerState, check_model: bool):
@@ -138,6 +139,7 @@ class ChatRun:
     output: ChatOutput
     reservation: Reservation
     beams: Any = None
+    mm_inputs: list = field(default_factory=list)  # its images (an image-text model)
 
 
 async def prepare_chat(body: dict, state: ServerState, check_model: bool = True) -> ChatRun:
@@ -148,10 +150,12 @@ async def prepare_chat(body: dict, state: ServerState, check_model: bool = True)
         req.check_template(state.config.trust_request_chat_template)
         plan = req.plan_tools(state.tool_parser is not None)
         tools = {"tools": plan.tools} if plan is not None else {}
-        ids = await state.prompts.render(req.plain_messages(), "messages",
+        urls = [] if state.images is not None else None
+        ids = await state.prompts.render(req.plain_messages(urls), "messages",
                                          add_generation_prompt=req.add_generation_prompt,
                                          chat_template=req.chat_template,
                                          **(req.chat_template_kwargs or {}), **tools)
+        ids, mm_inputs = await state.images.prepare(ids, urls) if urls else (ids, [])
         _check_ids(ids, state, "messages")
         max_tokens = _max_tokens(req.requested_max_tokens(), len(ids), state,
                                  state.config.max_dec_len, "messages")
@@ -170,4 +174,4 @@ async def prepare_chat(body: dict, state: ServerState, check_model: bool = True)
     if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
         params.skip_special_tokens = False  # (the parser reads its control-token markers)
     output = ChatOutput(state.reasoning, plan, state.tool_parser, state.config.api.response_role)
-    return ChatRun(req, ids, params, output, reservation, beams)
+    return ChatRun(req, ids, params, output, reservation, beams, mm_inputs)

@@ -68,6 +68,7 @@ class _Reply:
         run = self.run
         return self.state.engine.generate(
             run.ids, run.params, request_id=f"{self.id}-{uuid.uuid4().hex[:8]}",
+            mm_inputs=run.mm_inputs,
             reservation=run.reservation, output_kind=kind,
             lora_request=self.state.lora_for(run.req.model), priority=run.req.priority or 0)
 

@@ -1,0 +1,120 @@
+"""LLaVA-1.5 (CLIP tower, MLP projector, a llama) against transformers on a tiny random
+checkpoint: greedy tokens of image requests (several images of different sizes, one image,
+none) batched together through chunked prefill, the prompt's placeholders as its processor
+expands them; the image's rows kept across preemption; prefix-cache hits only for the same
+image; and the images refused, each naming why."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_llava, make_model
+from PIL import Image
+
+from tokenmill import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def image(seed: int, width: int, height: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llava") / "tiny")
+    model, processor = make_llava(path)
+    return path, model, processor
+
+
+def reference(model, processor, prompt: str, images: list) -> tuple[list[int], list[int]]:
+    """(the prompt's ids as the processor expands them, transformers' greedy tokens)."""
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+REQUESTS = [("The quick <image> brown fox and <image> jumps", [(1, 40, 50), (2, 64, 32)]),
+            ("Paris is <image> the capital", [(3, 30, 30)]),
+            ("Tokens flow through the mill", [])]
+
+
+def _prompts(requests):
+    return [{"prompt": text, "multi_modal_data": {"image": [image(*i) for i in imgs]}}
+            if imgs else text for text, imgs in requests]
+
+
+def test_greedy_tokens_equal_transformers(llava):
+    path, model, processor = llava
+    expected = [reference(model, processor, text, [image(*i) for i in imgs])
+                for text, imgs in REQUESTS]
+    # 16-token steps: prompts reach their images over several chunks
+    with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
+        assert llm.engine.core.runner.images.rows == {}  # (dropped as requests finished)
+    for out, (ids, tokens) in zip(outs, expected):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+
+
+def test_rows_survive_preemption_and_the_prefix_cache_keys_on_the_image(llava):
+    path, model, processor = llava
+    text = "The quick <image> brown fox and <image> jumps"
+    with LLM(path, num_kv_blocks=10, block_size=16, max_num_batched_tokens=16) as llm:
+        # four two-image requests in 10 blocks: they preempt each other
+        requests = [(text, [(s, 40, 50), (s + 1, 64, 32)]) for s in range(4)]
+        outs = llm.generate(_prompts(requests), GREEDY, use_tqdm=False)
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        for out, (t, imgs) in zip(outs, requests):
+            assert out.outputs[0].token_ids == reference(
+                model, processor, t, [image(*i) for i in imgs])[1]
+    with LLM(path, kv_cache_memory_gib=0.02) as llm:
+        first, again, other = (llm.generate(_prompts(r), GREEDY, use_tqdm=False)[0]
+                               for r in (requests[:1], requests[:1],
+                                         [(text, [(9, 40, 50), (10, 64, 32)])]))
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == \
+        outs[0].outputs[0].token_ids
+    # the same images: every full block but the last token's; other images: nothing
+    assert again.num_cached_tokens == 48 and again.outputs == first.outputs
+    assert other.num_cached_tokens == 0
+
+
+def _png(img: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_bad_images_are_refused_by_name(llava, tmp_path):
+    path = llava[0]
+    bomb = _png(Image.new("1", (8000, 8000)))  # 64M pixels in a few KB
+    good = _png(image(1, 20, 20))
+    cases = [(bomb, "too many pixels|at most 40,000,000"), (good[:len(good) // 2], "truncated"),
+             (b"GIF89a not really", "truncated|not a PNG"), (b"%PDF-1.4", "not a PNG")]
+    with LLM(path, kv_cache_memory_gib=0.02, limit_mm_per_prompt={"image": 2}) as llm:
+        for data, why in cases:
+            with pytest.raises(ValueError, match=why):
+                llm.generate([{"prompt": "a <image>", "multi_modal_data": {"image": data}}],
+                             GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="at most 2 images"):
+            llm.generate([{"prompt": "<image>" * 3, "multi_modal_data": {
+                "image": [good] * 3}}], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="places 1 images but the request holds 2"):
+            llm.generate([{"prompt": "a <image>", "multi_modal_data": {"image": [good] * 2}}],
+                         GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="image tokens without an image"):
+            llm.generate(["a <image> b"], GREEDY, use_tqdm=False)
+        # the engine still serves
+        assert len(llm.generate([{"prompt": "a <image>", "multi_modal_data": {
+            "image": good}}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    text_model = str(tmp_path / "text")
+    make_model(text_model, "llama")
+    with LLM(text_model, kv_cache_memory_gib=0.02) as llm, pytest.raises(
+            ValueError, match="takes no images"):
+        llm.generate([{"prompt": "a", "multi_modal_data": {"image": good}}], GREEDY,
+                     use_tqdm=False)

@@ -1,0 +1,98 @@
+"""Images in OpenAI chat requests, through the `openai` SDK: `image_url` parts (base64 data
+URLs) to a tiny LLaVA give transformers' greedy answer for the same conversation; the bad
+images (a decompression bomb, a truncated or non-image file, bad base64, a remote URL, too
+many images, an image for a text model) get 400 in the OpenAI shape, naming the cause, and
+the server goes on serving."""
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+import torch
+from helpers import make_llava
+from PIL import Image
+
+from tests.serving import service_over_engine
+
+
+def png(img: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def picture(seed: int, width: int, height: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("served_llava") / "tiny")
+    model, processor = make_llava(path)
+    with service_over_engine(path, engine={"limit_mm_per_prompt": {"image": 2}},
+                             max_dec_len=64) as thread:
+        yield thread, model, processor
+
+
+def _messages(images, text="What is in these pictures?"):
+    return [{"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": data_url(png(i))}} for i in images),
+        {"type": "text", "text": text}]}]
+
+
+def test_chat_with_images_equals_transformers(llava):
+    thread, model, processor = llava
+    client = openai.OpenAI(base_url=thread.base + "/v1", api_key="none", max_retries=0)
+    images = [picture(1, 40, 50), picture(2, 64, 32)]
+    answer = client.chat.completions.create(model="tiny", messages=_messages(images),
+                                            max_tokens=8, temperature=0)
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text",
+                                              "text": "What is in these pictures?"}]}]
+    text = processor.tokenizer.apply_chat_template(template, tokenize=False,
+                                                   add_generation_prompt=True)
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
+                                          skip_special_tokens=True)
+    assert answer.choices[0].message.content == expected
+    assert answer.usage.prompt_tokens == inputs["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("url, why", [
+    (data_url(png(Image.new("1", (8000, 8000)))), "pixels"),
+    (data_url(png(picture(3, 20, 20))[:60]), "truncated or corrupt"),
+    (data_url(b"%PDF-1.4 not an image", "pdf"), "not a PNG"),
+    ("data:image/png;base64,***", "not valid base64"),
+    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
+    ("file:///etc/passwd", "base64 data URL"),
+])
+def test_bad_images_get_400_naming_the_cause(llava, url, why):
+    thread = llava[0]
+    client = openai.OpenAI(base_url=thread.base + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match=why) as refused:
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "hi"}]}])
+    assert "Traceback" not in str(refused.value.body)
+    with pytest.raises(openai.BadRequestError, match="at most 2 images"):
+        client.chat.completions.create(model="tiny", max_tokens=4,
+                                       messages=_messages([picture(4, 10, 10)] * 3))
+    ok = client.chat.completions.create(model="tiny", max_tokens=4,
+                                        messages=_messages([picture(5, 10, 10)]))
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_text_model_refuses_images(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="takes no images"):
+        client.chat.completions.create(model="tiny", max_tokens=4,
+                                       messages=_messages([picture(6, 10, 10)]))

@@ -1,0 +1,132 @@
+"""Images of a request, from bytes to what the engine takes: decoded with pillow under
+bounds (size of the file, pixels before decoding, formats: a decompression bomb, a truncated
+or non-image file is refused naming why), then made into the model's pixels by its own
+image processor (transformers', from the model folder) and placed in the prompt: each image
+token the prompt holds becomes as many placeholder tokens as the image gives rows
+(`MultiModalInput`: pixels, offset, length, content hash)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from typing import Any
+
+import numpy as np
+
+from tokenmill.config.multimodal import MultiModalConfig
+from tokenmill.entrypoints.api.offload import run_heavy
+from tokenmill.mm_inputs import MultiModalInput
+from tokenmill.sampling_params import InvalidParameter
+
+MAX_IMAGE_BYTES = 20 << 20  # one image's file
+MAX_IMAGE_PIXELS = 40_000_000  # width x height, checked before the pixels are decoded
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+def image_bytes(url: str, param: str = "image_url") -> bytes:
+    """A data URL's bytes (`data:image/png;base64,...`); remote URLs are not fetched."""
+    if url.startswith(("http://", "https://")):
+        raise InvalidParameter(param, "Remote image URLs are not fetched by this server; send "
+                               "the image as a data URL (data:image/png;base64,...).")
+    head, sep, payload = url.partition(",")
+    if not (url.startswith("data:") and sep and head.endswith(";base64")):
+        raise InvalidParameter(param, "An image must be a base64 data URL "
+                               "(data:image/png;base64,...).")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise InvalidParameter(param, f"An image may be at most {MAX_IMAGE_BYTES >> 20} MiB.")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidParameter(param, "An image's data URL is not valid base64.") from None
+
+
+def decode_image(data: bytes, param: str = "image_url") -> Any:
+    """A PIL image, RGB, fully decoded (its dimensions checked before its pixels are)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidParameter(param, f"An image may be at most {MAX_IMAGE_BYTES >> 20} MiB.")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except UnidentifiedImageError:
+        raise InvalidParameter(param, "The image is not a PNG, JPEG, WebP, GIF or BMP "
+                               "file.") from None
+    except Image.DecompressionBombError:
+        raise InvalidParameter(param, "The image has too many pixels.") from None
+    width, height = image.size
+    if width < 1 or height < 1 or width * height > MAX_IMAGE_PIXELS:
+        raise InvalidParameter(param, f"The image is {width} x {height} pixels; at most "
+                               f"{MAX_IMAGE_PIXELS:,} pixels are taken.")
+    try:
+        image.load()
+        return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        raise InvalidParameter(param, "The image file is truncated or corrupt.") from None
+
+
+def as_image(value: Any, param: str = "image") -> Any:
+    """An offline caller's image: a PIL image, its file's bytes, or a data URL."""
+    if isinstance(value, (bytes, bytearray)):
+        return decode_image(bytes(value), param)
+    if isinstance(value, str):
+        return decode_image(image_bytes(value, param), param)
+    if hasattr(value, "convert") and hasattr(value, "size"):
+        return value.convert("RGB")
+    raise InvalidParameter(param, "An image must be a PIL image, its file's bytes or a data "
+                           "URL.")
+
+
+class ImageInputs:
+    """An image-text model's images for one API process (or the offline `LLM`)."""
+
+    def __init__(self, model_path: str, config: MultiModalConfig) -> None:
+        from transformers import AutoImageProcessor
+
+        self.config = config
+        self.processor = AutoImageProcessor.from_pretrained(model_path)
+
+    def pixels(self, image: Any) -> np.ndarray:
+        """A decoded image as the model's processor makes it: float32 [3, size, size]."""
+        out = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
+        size = self.config.image_size
+        if out.shape != (3, size, size):
+            raise ValueError(f"The image processor gave pixels of shape {out.shape}, not "
+                             f"(3, {size}, {size}).")
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    async def prepare(self, ids: list[int], urls: list[str], param: str = "messages"
+                      ) -> tuple[list[int], list[MultiModalInput]]:
+        """A rendered prompt's images from their data URLs (decoded and processed off the
+        event loop): what `place` gives."""
+        if len(urls) > self.config.max_images:  # (counted before anything is decoded)
+            raise InvalidParameter(param, f"A request may hold at most "
+                                   f"{self.config.max_images} images (--limit-mm-per-prompt), "
+                                   f"got {len(urls)}.")
+
+        def work():
+            return self.place(ids, [decode_image(image_bytes(u, param), param) for u in urls],
+                              param)
+        return await run_heavy(work)
+
+    def place(self, ids: list[int], images: list[Any], param: str = "messages"
+              ) -> tuple[list[int], list[MultiModalInput]]:
+        """The prompt with each image token grown to the image's placeholder tokens, and the
+        images as the engine takes them (in prompt order)."""
+        config = self.config
+        if len(images) > config.max_images:
+            raise InvalidParameter(param, f"A request may hold at most {config.max_images} "
+                                   f"images (--limit-mm-per-prompt), got {len(images)}.")
+        token, n = config.image_token_id, config.tokens_per_image
+        slots = [i for i, t in enumerate(ids) if t == token]
+        if len(slots) != len(images):
+            raise InvalidParameter(param, f"The prompt places {len(slots)} images but the "
+                                   f"request holds {len(images)}.")
+        out, inputs, start = [], [], 0
+        for slot, image in zip(slots, images):
+            out += ids[start:slot]
+            pixels = self.pixels(image)
+            inputs.append(MultiModalInput.of(pixels.tobytes(), list(pixels.shape), len(out), n))
+            out += [token] * n
+            start = slot + 1
+        return out + ids[start:], inputs
