@@ -4,7 +4,8 @@ environment variable tokenmill reads is in that page's table, and every example 
 `<!-- runs -->` (in the guide and the README) runs against the bundled model's server, as
 does every Python example (a command line with placeholders may stay unmarked); one marked
 `<!-- runs pooling -->` runs against the bundled model served for pooling
-(`--runner pooling`: embeddings, scores)."""
+(`--runner pooling`: embeddings, scores), one marked `<!-- runs images -->` against a tiny
+random LLaVA (image inputs)."""
 
 import os
 import pathlib
@@ -20,17 +21,17 @@ from tests.serving import Served
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-MARK = r"<!-- runs( pooling)? -->"
+MARK = r"<!-- runs(?: (pooling|images))? -->"
 
 
-def _runnable_blocks() -> list[tuple[str, str, str, bool]]:
-    """(where, language, code, pooling) of every fenced block right after a marker."""
+def _runnable_blocks() -> list[tuple[str, str, str, str]]:
+    """(where, language, code, server) of every fenced block right after a marker."""
     found = []
     for path in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
         text = path.read_text()
         for i, match in enumerate(re.finditer(MARK + r"\n```(\w+)\n(.*?)\n```", text, re.S)):
             found.append((f"{path.relative_to(ROOT)}#{i}", match.group(2), match.group(3),
-                          bool(match.group(1))))
+                          match.group(1) or ""))
     return found
 
 
@@ -102,9 +103,21 @@ def pooling_server(tmp_path_factory):
         yield served
 
 
-@pytest.mark.parametrize("where,language,code,pooling", BLOCKS, ids=[b[0] for b in BLOCKS])
-def test_the_example_runs(request, where, language, code, pooling, tmp_path):
-    server = request.getfixturevalue("pooling_server" if pooling else "server")
+@pytest.fixture(scope="module")
+def images_server(tmp_path_factory):
+    from helpers import make_llava
+
+    path = str(tmp_path_factory.mktemp("docs") / "llava")
+    make_llava(path)
+    served = Served(path, tmp_path_factory.mktemp("docs"), "--max-model-len", "1024")
+    served.args[served.args.index("tiny")] = "default"
+    with served.running(timeout=300):
+        yield served
+
+
+@pytest.mark.parametrize("where,language,code,kind", BLOCKS, ids=[b[0] for b in BLOCKS])
+def test_the_example_runs(request, where, language, code, kind, tmp_path):
+    server = request.getfixturevalue(f"{kind}_server" if kind else "server")
     ports = {"9965": server.ports["port"], "8811": server.ports["grpc"],
              "8110": server.ports["health"], "8722": server.ports["metrics"]}
     code = re.sub(r"\b(9965|8811|8110|8722)\b", lambda m: str(ports[m.group(1)]), code)

@@ -118,3 +118,21 @@ def test_bad_images_are_refused_by_name(llava, tmp_path):
             ValueError, match="takes no images"):
         llm.generate([{"prompt": "a", "multi_modal_data": {"image": good}}], GREEDY,
                      use_tqdm=False)
+
+
+def test_offline_chat_takes_image_url_parts(llava):
+    import base64
+
+    path, model, processor = llava
+    picture = image(7, 36, 28)
+    url = "data:image/png;base64," + base64.b64encode(_png(picture)).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    template = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
+                                             {"type": "image"}]}]
+    text = processor.tokenizer.apply_chat_template(template, tokenize=False,
+                                                   add_generation_prompt=True)
+    with LLM(path, kv_cache_memory_gib=0.02) as llm:
+        out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    ids, tokens = reference(model, processor, text, [picture])
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == tokens

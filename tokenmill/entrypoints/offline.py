@@ -17,6 +17,7 @@ from tokenmill.beam_search import (
 from tokenmill.config.engine import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine, PromptType
 from tokenmill.entrypoints.api import scoring
+from tokenmill.entrypoints.api.chat_content import template_content
 from tokenmill.entrypoints.api.images import ImageInputs, as_image
 from tokenmill.entrypoints.parsers.tool_request import template_messages
 from tokenmill.lora.request import LoRARequest
@@ -103,12 +104,18 @@ class LLM:
         """`tools` (OpenAI's function definitions) are rendered by the chat template; the
         output is text (read it with
         `tokenmill.entrypoints.parsers.tool_calls.get_parser(...).parse`).
-        `chat_template`: a Jinja template in place of the tokenizer's (vLLM's argument)."""
+        `chat_template`: a Jinja template in place of the tokenizer's (vLLM's argument).
+        An image-text model takes `image_url` content parts (data URLs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
-        prompts = [self.engine.chat_prompt(template_messages([dict(m) for m in c]),
-                                           add_generation_prompt, chat_template, **kwargs)
-                   for c in conversations]
+        prompts = []
+        for conversation in conversations:
+            urls = [] if self.engine.multimodal is not None else None
+            turns = [{**m, "content": template_content(m["content"], urls)}
+                     if isinstance(m.get("content"), list) else dict(m) for m in conversation]
+            prompt = self.engine.chat_prompt(template_messages(turns), add_generation_prompt,
+                                             chat_template, **kwargs)
+            prompts.append({**prompt, "multi_modal_data": {"image": urls}} if urls else prompt)
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
