@@ -96,3 +96,30 @@ def test_a_text_model_refuses_images(server):
     with pytest.raises(openai.BadRequestError, match="takes no images"):
         client.chat.completions.create(model="tiny", max_tokens=4,
                                        messages=_messages([picture(6, 10, 10)]))
+
+
+def test_native_and_triton_routes_take_images(llava):
+    import httpx
+
+    thread, model, processor = llava
+    images = [picture(8, 30, 40)]
+    client = openai.OpenAI(base_url=thread.base + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(model="tiny", messages=_messages(images),
+                                          max_tokens=8, temperature=0)
+    native = httpx.post(thread.base + "/v1/chat/completions", timeout=60, json={
+        "messages": _messages(images), "max_dec_len": 8, "temperature": 0,
+        "stream": False}).json()
+    assert native["result"] == chat.choices[0].message.content
+    text = "Here <image> is a picture"
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    triton = httpx.post(thread.base + "/v2/models/tiny/generate", timeout=60, json={
+        "text_input": text, "image_url_input": data_url(png(images[0])), "max_tokens": 6,
+        "top_k": 1, "exclude_input_in_output": True}).json()
+    assert triton["text_output"] == processor.tokenizer.decode(
+        out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    refused = httpx.post(thread.base + "/v2/models/tiny/generate", timeout=60, json={
+        "text_input": "no image token", "image_url_input": [data_url(png(images[0]))],
+        "max_tokens": 2})
+    assert refused.status_code == 400 and "places 0 images" in refused.json()["error"]

@@ -41,7 +41,8 @@ async def step_messages(req: NativeRequest, state: ServerState,
     started = time.monotonic()
     stream = state.engine.generate(req.prompt_token_ids, req.params, request_id=req.req_id,
                                    reservation=req.reservation, output_kind=OutputKind.DELTA,
-                                   lora_request=req.lora_request, priority=req.priority)
+                                   lora_request=req.lora_request, priority=req.priority,
+                                   mm_inputs=req.mm_inputs)
     texts: list[str] = []  # everything so far, for the last message
     ids: list[int] = []
     generated = 0

@@ -5,16 +5,17 @@ SamplingParams (spec §1.4.1). The responses and streams are `native_api.py`'s."
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.core.limits import context_overflow, token_out_of_range
 from tokenmill.entrypoints.api import defaults
+from tokenmill.entrypoints.api.chat_content import template_content
 from tokenmill.entrypoints.api.openai_protocol import CAPS
 from tokenmill.entrypoints.api.prompts import PromptTooLong
 from tokenmill.entrypoints.api.state import Reservation, ServerState
 from tokenmill.lora.request import LoRARequest
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import InvalidParameter, SamplingParams
 from tokenmill.structured_output.response_format import from_response_format
 from tokenmill.tokenizer import ChatTemplateError
 
@@ -57,6 +58,7 @@ class NativeRequest:
     reservation: Reservation | None = None  # admission's, handed to the engine
     lora_request: LoRARequest | None = None  # `lora_task_id`'s adapter; None: the base model
     priority: int = 0  # (vLLM's field: lower runs first under --scheduling-policy priority)
+    mm_inputs: list = field(default_factory=list)  # its images (an image-text model's)
 
 
 def _first_present(body: dict, *names: str) -> tuple[str, Any] | None:
@@ -170,26 +172,38 @@ def _check_messages(messages: Any) -> None:
                               f"`content` (messages[{i}])")
         if "content" not in item:
             raise NativeError(f"The item in messages must include `content` (messages[{i}])")
-        for name in ("role", "content"):
-            if not isinstance(item.get(name), str):
-                raise NativeError(f"`messages[{i}].{name}` must be a string")
+        if not isinstance(item.get("role"), str):
+            raise NativeError(f"`messages[{i}].role` must be a string")
+        content = item.get("content")
+        if isinstance(content, list):  # (OpenAI's content parts: text, image_url)
+            if len(content) > CAPS.max_content_parts or not all(
+                    isinstance(part, dict) for part in content):
+                raise NativeError(f"`messages[{i}].content` must be a string or at most "
+                                  f"{CAPS.max_content_parts} content parts")
+        elif not isinstance(content, str):
+            raise NativeError(f"`messages[{i}].content` must be a string")
 
 
-async def tokenize(body: dict, state: ServerState) -> list[int]:
+async def tokenize(body: dict, state: ServerState) -> tuple[list[int], list]:
+    """The prompt's token ids, and its images (an image-text model's `image_url` parts)."""
     if "input_ids" in body:
-        return list(body["input_ids"])
+        return list(body["input_ids"]), []
     has_template = bool(getattr(state.tokenizer, "chat_template", None))
     system = [{"role": "system", "content": body["system"]}] if "system" in body else []
     try:
         if "messages" in body:
             if not has_template:
                 raise NativeError("This model does not support chat_template.")
-            return await state.prompts.render(system + list(body["messages"]))
+            urls = [] if state.images is not None else None
+            turns = [{**m, "content": template_content(m["content"], urls)}
+                     if isinstance(m["content"], list) else m for m in body["messages"]]
+            ids = await state.prompts.render(system + turns)
+            return await state.images.prepare(ids, urls) if urls else (ids, [])
         if has_template:  # the seed wraps plain text as one user turn
             return await state.prompts.render(system + [{"role": "user",
-                                                         "content": body["text"]}], "text")
-        return await state.prompts.encode(body["text"], "text")
-    except (ChatTemplateError, PromptTooLong) as exc:
+                                                         "content": body["text"]}], "text"), []
+        return await state.prompts.encode(body["text"], "text"), []
+    except (ChatTemplateError, PromptTooLong, InvalidParameter) as exc:
         raise NativeError(str(exc)) from None
 
 
@@ -204,7 +218,7 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
         if lora is None:
             raise NativeError(f"The `lora_task_id` ({body['lora_task_id']}) names no adapter "
                               "served here", 404)
-    ids = await tokenize(body, state)
+    ids, images = await tokenize(body, state)
     n_in = len(ids)
     if n_in == 0:
         raise NativeError("The input is empty after tokenization")
@@ -243,4 +257,5 @@ async def build_request(body: dict, state: ServerState) -> NativeRequest:
     return NativeRequest(body["req_id"], ids, params, body.get("stream", False),
                          body.get("return_usage", False), body.get("return_all_tokens", False),
                          body.get("benchmark", False), float(body["timeout"]),
-                         lora_request=lora, priority=body.get("priority", 0))
+                         lora_request=lora, priority=body.get("priority", 0),
+                         mm_inputs=images)

@@ -27,7 +27,10 @@ INPUTS = ("text_input", "max_tokens", "stream", "temperature", "top_k", "top_p",
           # structured outputs: TensorRT-LLM's guide (type + text), or a JSON schema
           "guided_decoding_guide_type", "guided_decoding_guide", "guided_json",
           # LoRA: an adapter served by --lora-modules, by id (the model name picks one too)
-          "lora_task_id", "lora_weights", "lora_config", "priority")
+          "lora_task_id", "lora_weights", "lora_config", "priority",
+          # an image-text model's images (TensorRT-LLM's multimodal input): data URLs, one
+          # per image token text_input holds
+          "image_url_input")
 # TensorRT-LLM's guided_decoding_guide_type -> the StructuredOutputsParams field
 GUIDE_TYPES = {"json": "json_object", "json_schema": "json", "regex": "regex",
                "ebnf_grammar": "grammar"}
@@ -229,9 +232,19 @@ async def parse_fields(fields: dict, state: ServerState, model: str | None = Non
     problem = state.priority_problem(num["priority"] or 0)
     if problem is not None:
         raise TritonError(problem)
+    urls = fields.get("image_url_input")
+    urls = [urls] if isinstance(urls, str) else urls
+    if urls is not None and (not isinstance(urls, list) or not all(
+            isinstance(u, str) for u in urls)):
+        raise TritonError("image_url_input must be a data URL or a list of them.")
     try:
         ids = await state.prompts.encode(text, "text_input")
-    except PromptTooLong as exc:
+        images = []
+        if urls:
+            if state.images is None:
+                raise TritonError("This model takes no images.")
+            ids, images = await state.images.prepare(ids, urls, "image_url_input")
+    except (PromptTooLong, InvalidParameter) as exc:
         raise TritonError(str(exc)) from None
     max_tokens = num["max_tokens"]
     if context_overflow(len(ids), max_tokens, state.max_model_len):
@@ -256,12 +269,14 @@ async def parse_fields(fields: dict, state: ServerState, model: str | None = Non
         await state.check_structured(sampling.structured_outputs, field)
     except ValueError as exc:
         raise TritonError(str(exc)) from None
+    if images and fields.get("beam_width", 1) not in (None, 1):
+        raise TritonError("Beam search does not take images.")
     options = {"beams": _beams(fields, num, sampling),
                "stream": fields.get("stream", False),
                "log_probs": fields.get("return_log_probs", False),
                "perf": fields.get("return_perf_metrics", False),
                "echo": "" if fields.get("exclude_input_in_output", False) else text,
-               "lora": lora, "priority": num["priority"] or 0}
+               "lora": lora, "priority": num["priority"] or 0, "mm_inputs": images}
     return ids, sampling, options
 
 

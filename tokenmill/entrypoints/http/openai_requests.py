@@ -167,6 +167,8 @@ async def prepare_chat(body: dict, state: ServerState, check_model: bool = True)
             # the constraint applies to the answer, after the reasoning section
             params.structured_outputs.after_token_ids = constraint_start(state.tokenizer, ids)
         beams = openai_beam_params(req, max_tokens)
+        if beams is not None and mm_inputs:
+            raise ApiError("Beam search does not take images.", 400, "use_beam_search")
     except (ApiError, ValueError):
         if reservation is not None:
             reservation.cancel()

@@ -70,13 +70,15 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             stream = state.engine.generate(ids, params, reservation=reservation,
                                            output_kind=OutputKind.DELTA,
                                            lora_request=options["lora"],
-                                           priority=options["priority"])
+                                           priority=options["priority"],
+                                           mm_inputs=options["mm_inputs"])
             return StreamingResponse(_events(stream, options, head),
                                      media_type="text/event-stream")
         stream = state.engine.generate(ids, params, reservation=reservation,
                                        output_kind=OutputKind.FINAL_ONLY,
                                        lora_request=options["lora"],
-                                       priority=options["priority"])
+                                       priority=options["priority"],
+                                       mm_inputs=options["mm_inputs"])
 
         async def whole() -> Response:
             last = None

@@ -344,7 +344,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         generate = state.engine.generate(
             ids, params, reservation=reservation,
             output_kind=OutputKind.DELTA if stream_deltas else OutputKind.FINAL_ONLY,
-            lora_request=options["lora"], priority=options["priority"])
+            lora_request=options["lora"], priority=options["priority"],
+            mm_inputs=options["mm_inputs"])
         async with contextlib.aclosing(generate):
             async for out in generate:
                 c = out.outputs[0]
