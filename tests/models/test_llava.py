@@ -136,3 +136,15 @@ def test_offline_chat_takes_image_url_parts(llava):
         out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     ids, tokens = reference(model, processor, text, [picture])
     assert out.prompt_token_ids == ids and out.outputs[0].token_ids == tokens
+
+
+def test_tensor_parallel_ranks_read_rank_0s_image_rows(llava):
+    """Two tensor-parallel ranks: rank 0 encodes the images and broadcasts their rows; the
+    tokens equal transformers' as on one rank."""
+    path, model, processor = llava
+    expected = [reference(model, processor, text, [image(*i) for i in imgs])[1]
+                for text, imgs in REQUESTS]
+    with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16,
+             tensor_parallel_size=2) as llm:
+        outs = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected

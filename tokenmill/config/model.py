@@ -34,7 +34,4 @@ class ModelConfig:
         elif config.pooler_config:
             raise ValueError("--pooler-config is for a pooling model: add --runner pooling.")
         multimodal = resolve_multimodal(path, config.limit_mm_per_prompt)
-        if multimodal is not None and config.world_size > 1:
-            raise ValueError("An image-text model runs on one rank (no tensor or pipeline "
-                             "parallel yet).")
         return cls(path, hf_config, max_model_len, pooler, multimodal)

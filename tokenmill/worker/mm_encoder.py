@@ -1,8 +1,10 @@
-"""An image-text model's image side on rank 0 (vLLM's encoder runner and encoder cache):
-the vision encoder turns a request's images into rows once, when a step first reaches their
+"""An image-text model's image side (vLLM's encoder runner and encoder cache): rank 0's
+vision encoder turns a request's images into rows once, when a step first reaches their
 placeholders; the rows are kept while the request runs (its later prompt chunks, and a
-recompute after preemption, reuse them) and put in place of the placeholder tokens' rows
-of each step that computes them (`inputs_embeds`: the language model starts from those)."""
+recompute after preemption, reuse them). Each step that computes placeholder rows
+(`StepInputs.image_rows`) starts its first layer from its tokens' embeddings with the
+images' rows in their place (`inputs_embeds`); the other tensor-parallel ranks of the first
+stage get those rows from rank 0."""
 
 from __future__ import annotations
 
@@ -11,11 +13,10 @@ import torch
 
 from tokenmill.core.scheduler import ScheduledRequest
 
-# (rows of the step holding image rows, those rows)
-StepImages = tuple[torch.Tensor, torch.Tensor]
-
 
 class ImageEncoder:
+    """Rank 0's: the vision encoder and each running request's images' rows."""
+
     def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
         from tokenmill.loading.checkpoint import load_vision_encoder
 
@@ -38,25 +39,27 @@ class ImageEncoder:
             self.rows[request.request_id] = rows
         return rows
 
-    def step_rows(self, scheduled: list[ScheduledRequest]) -> StepImages | None:
-        """The image rows of a step (its sequences in `scheduled`'s order); None: none of
-        its tokens is an image's."""
-        index, values, first = [], [], 0
+    def step_rows(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The rows of the step's image placeholders, in `StepInputs.image_rows`' order
+        (sequences as `scheduled`, each one's images in prompt order); None: none."""
+        values = []
         for s in scheduled:
             for k, image in enumerate(s.request.mm_inputs):
                 a, b = max(s.start, image.offset), min(s.end, image.end)
                 if a < b:
-                    rows = self._encoded(s.request)[k]
-                    index.append(torch.arange(first + a - s.start, first + b - s.start))
-                    values.append(rows[a - image.offset:b - image.offset])
-            first += s.num_new_tokens
-        if not index:
-            return None
-        return torch.cat(index).to(self.device), torch.cat(values)
+                    values.append(self._encoded(s.request)[k][a - image.offset:
+                                                              b - image.offset])
+        return torch.cat(values) if values else None
 
-    def inputs_embeds(self, model, input_ids: torch.Tensor, images: StepImages) -> torch.Tensor:
-        """The step's first-layer input: its tokens' embeddings, image rows in place."""
-        embeds = model.model.embed_input(input_ids)
-        rows, values = images
-        embeds[rows] = values.to(embeds.dtype)
-        return embeds
+
+def inputs_embeds(model, tp, input_ids: torch.Tensor, rows: list[int],
+                  values: torch.Tensor | None) -> torch.Tensor:
+    """A step's first-layer input: its tokens' embeddings, the image rows (`values`: rank
+    0's; None on the other ranks, which receive them) at `rows`."""
+    embeds = model.model.embed_input(input_ids)
+    if values is None:
+        values = torch.empty(len(rows), embeds.shape[-1], dtype=embeds.dtype,
+                             device=embeds.device)
+    values = tp.broadcast(values.to(embeds.dtype).contiguous())
+    embeds[torch.tensor(rows, device=embeds.device)] = values
+    return embeds

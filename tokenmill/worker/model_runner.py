@@ -19,7 +19,7 @@ from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.sample.request_sampling import RequestSampling
-from tokenmill.worker import graph_capture, kv_cache, step_paths
+from tokenmill.worker import graph_capture, kv_cache, mm_encoder, step_paths
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.stage_io import StageIO
 from tokenmill.worker.step_inputs import StepInputs
@@ -86,7 +86,7 @@ class ModelRunner:
         if model.pooler is not None:  # image-text model's image side (mm_encoder.py)
             from tokenmill.worker.pooler import Pooler
             self.pooler = Pooler(model.pooler, model_path, self.device)
-        if model.multimodal is not None:
+        if model.multimodal is not None and self.world.rank == 0:
             from tokenmill.worker.mm_encoder import ImageEncoder
             self.images = ImageEncoder(model_path, self.device, self.dtype)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
@@ -287,8 +287,7 @@ class ModelRunner:
             self.lora.prepare(inputs.lora_ids, inputs.lora_requests,
                               [end - start for start, end in zip(inputs.starts, inputs.ends)])
         # (graphs hold the base model's forward: a step with LoRA adapters runs eagerly)
-        if (self.graphs is not None and not inputs.lora_ids and images is None
-                and self.graphs.bucket_rows(inputs)):
+        if self.graphs is not None and not inputs.lora_ids and self.graphs.bucket_rows(inputs):
             logits, hidden_states = self.graphs.run(inputs, fill)
             states = self.target_states
             return logits, [], states.taken(hidden_states) if states else None, []
@@ -304,7 +303,9 @@ class ModelRunner:
             extra = self.target_states.carried_in() if self.target_states else 0
             *intermediate, before = link.intermediate_from_prev(len(input_ids), self.hidden_size,
                                                                 self.dtype, extra)
-        embeds = self.images.inputs_embeds(self.model, input_ids, images) if images else None
+        embeds = (mm_encoder.inputs_embeds(self.model, self.tp, input_ids, inputs.image_rows,
+                                           images)
+                  if inputs.image_rows and world.is_first_stage else None)
         hidden, logits_rows = step_paths.run_first(self.paths, StepTensors(
             input_ids, positions, meta, inputs, intermediate, drafted, embeds))
         if not world.is_last_stage:

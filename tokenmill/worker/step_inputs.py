@@ -34,12 +34,17 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     lora_prefetch: list[LoRARequest] = []
     # a pooling model's sequences: every row of theirs is pooled (none is sampled)
     pool_seqs: list[int] = []
+    # an image-text model's rows of image placeholders, in sequence and image order: the
+    # first layer reads the images' rows there (rank 0 encodes them, and broadcasts them to
+    # the other tensor-parallel ranks)
+    image_rows: list[int] = []
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest],
            lora_prefetch: list[LoRARequest] | None = None) -> StepInputs:
         token_ids: list[int] = []
         sample_seqs, prompt_seqs, prompt_rows, sample_counts, pool_seqs = [], [], [], [], []
+        image_rows: list[int] = []
         for i, s in enumerate(scheduled):
             request, drafts = s.request, s.drafts
             first = len(token_ids)
@@ -53,6 +58,9 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                 token_ids += [0] * (end - known)
             if drafts:
                 token_ids += drafts
+            for image in request.mm_inputs:  # (the rows of this chunk that are an image's)
+                a, b = max(s.start, image.offset), min(end, image.end)
+                image_rows += range(first + a - s.start, first + b - s.start)
             if request.pooling_params is not None:
                 pool_seqs.append(i)
             elif end >= num_tokens:
@@ -70,7 +78,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
-                   list(adapters.values()), lora_prefetch or [], pool_seqs)
+                   list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows)
 
     @property
     def num_sampled_rows(self) -> int:
@@ -90,7 +98,8 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         else 0."""
         n = len(self.starts)
         q, rest = divmod(len(self.token_ids), n) if n else (0, 1)
-        if rest or self.prompt_seqs or self.pool_seqs or len(self.sample_seqs) != n:
+        if (rest or self.prompt_seqs or self.pool_seqs or self.image_rows
+                or len(self.sample_seqs) != n):
             return 0
         # (each sequence computes at least the rows it scores: all q, when they add up)
         return q if all(count == q for count in self.sample_counts) else 0
