@@ -1,8 +1,9 @@
 """Images in OpenAI chat requests, through the `openai` SDK: `image_url` parts (base64 data
-URLs) to a tiny LLaVA give transformers' greedy answer for the same conversation; the bad
-images (a decompression bomb, a truncated or non-image file, bad base64, a remote URL, too
-many images, an image for a text model) get 400 in the OpenAI shape, naming the cause, and
-the server goes on serving."""
+URLs, or http URLs of an allowed host) to a tiny LLaVA give transformers' greedy answer for
+the same conversation; the bad images (a decompression bomb, a truncated or non-image file,
+bad base64, a host not allowed, a redirect away from the allowed ones, too large, too many
+images, an image for a text model) get 400 in the OpenAI shape, naming the cause, and the
+server goes on serving."""
 
 import base64
 import io
@@ -37,7 +38,7 @@ def llava(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("served_llava") / "tiny")
     model, processor = make_llava(path)
     with service_over_engine(path, engine={"limit_mm_per_prompt": {"image": 2}},
-                             max_dec_len=64) as thread:
+                             max_dec_len=64, allowed_media_domains=["127.0.0.1"]) as thread:
         yield thread, model, processor
 
 
@@ -72,7 +73,7 @@ def test_chat_with_images_equals_transformers(llava):
     (data_url(png(picture(3, 20, 20))[:60]), "truncated or corrupt"),
     (data_url(b"%PDF-1.4 not an image", "pdf"), "not a PNG"),
     ("data:image/png;base64,***", "not valid base64"),
-    ("https://example.com/cat.png", "Remote image URLs are not fetched"),
+    ("https://example.com/cat.png", "fetched only from 127.0.0.1"),
     ("file:///etc/passwd", "base64 data URL"),
 ])
 def test_bad_images_get_400_naming_the_cause(llava, url, why):
@@ -123,3 +124,58 @@ def test_native_and_triton_routes_take_images(llava):
         "text_input": "no image token", "image_url_input": [data_url(png(images[0]))],
         "max_tokens": 2})
     assert refused.status_code == 400 and "places 0 images" in refused.json()["error"]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A loopback file server: /cat.png, /big.png (over 20 MiB), /away (a redirect to
+    another host), /gone (404)."""
+    import http.server
+    import threading
+
+    from tests.serving import free_port
+
+    cat = png(picture(9, 40, 40))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", "http://localhost:1/cat.png")
+                self.end_headers()
+                return
+            body = {"/cat.png": cat, "/big.png": b"\0" * (21 << 20)}.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", cat
+    server.shutdown()
+    thread.join(10)
+
+
+def test_remote_images_from_allowed_hosts_only(llava, media):
+    thread = llava[0]
+    base, cat = media
+    client = openai.OpenAI(base_url=thread.base + "/v1", api_key="none", max_retries=0)
+
+    def ask(url):
+        return client.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
+                                              messages=[{"role": "user", "content": [
+                                                  {"type": "image_url",
+                                                   "image_url": {"url": url}},
+                                                  {"type": "text", "text": "hi"}]}])
+    fetched = ask(base + "/cat.png")
+    sent = ask(data_url(cat))
+    assert fetched.choices[0].message.content == sent.choices[0].message.content
+    for path, why in (("/away", "fetched only from 127.0.0.1"), ("/big.png", "at most 20 MiB"),
+                      ("/gone", "HTTP 404")):
+        with pytest.raises(openai.BadRequestError, match=why):
+            ask(base + path)

@@ -92,6 +92,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       "~/.cache/tokenmill/batches, or under XDG_CACHE_HOME)")
     a("--max-batch-file-bytes", type=int, default=None,
       help="largest upload to /v1/files (default 209715200 = 200 MiB)")
+    a("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+      help="hosts an image-text model's requests may fetch http(s) image URLs from (each "
+           "redirect's too; at most 20 MiB, 10 s); default none: data URLs only")
     a("--disable-streaming", action="store_true", default=None,
       help="refuse stream requests (env DISABLE_STREAMING=1)")
     a("--stream-interval", type=int, default=None,

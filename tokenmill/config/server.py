@@ -63,6 +63,9 @@ class ServerConfig:
     # batches/ (config/env.py's cache_dir)
     batch_dir: str | None = None
     max_batch_file_bytes: int = 200 * 1024 * 1024  # an upload's limit (OpenAI's is 200 MB)
+    # hosts an image-text model's requests may name in http(s) image URLs (vLLM's flag);
+    # None: remote images are refused (data URLs only)
+    allowed_media_domains: list[str] | None = None
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
     tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
@@ -247,6 +250,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         max_request_body_bytes=pick(args.max_request_body_bytes, None, 2 * 1024 * 1024),
         batch_dir=args.batch_dir,
         max_batch_file_bytes=pick(args.max_batch_file_bytes, None, 200 * 1024 * 1024),
+        allowed_media_domains=args.allowed_media_domains,
         trust_request_chat_template=pick(args.trust_request_chat_template, None, False),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,

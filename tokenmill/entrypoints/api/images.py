@@ -10,6 +10,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -22,13 +26,18 @@ from tokenmill.sampling_params import InvalidParameter
 MAX_IMAGE_BYTES = 20 << 20  # one image's file
 MAX_IMAGE_PIXELS = 40_000_000  # width x height, checked before the pixels are decoded
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+FETCH_TIMEOUT_S = 10.0  # a remote image's fetch, each read and in all
 
 
-def image_bytes(url: str, param: str = "image_url") -> bytes:
-    """A data URL's bytes (`data:image/png;base64,...`); remote URLs are not fetched."""
+def image_bytes(url: str, param: str = "image_url", allowed: tuple[str, ...] = ()) -> bytes:
+    """A data URL's bytes (`data:image/png;base64,...`), or a remote image's from a host of
+    `allowed` (--allowed-media-domains; none: remote URLs are refused)."""
     if url.startswith(("http://", "https://")):
-        raise InvalidParameter(param, "Remote image URLs are not fetched by this server; send "
-                               "the image as a data URL (data:image/png;base64,...).")
+        if not allowed:
+            raise InvalidParameter(param, "Remote image URLs are not fetched by this server "
+                                   "(--allowed-media-domains); send the image as a data URL "
+                                   "(data:image/png;base64,...).")
+        return fetch_image(url, allowed, param)
     head, sep, payload = url.partition(",")
     if not (url.startswith("data:") and sep and head.endswith(";base64")):
         raise InvalidParameter(param, "An image must be a base64 data URL "
@@ -39,6 +48,59 @@ def image_bytes(url: str, param: str = "image_url") -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidParameter(param, "An image's data URL is not valid base64.") from None
+
+
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """Follows at most three redirects, each to an allowed host."""
+
+    max_redirections = 3
+
+    def __init__(self, allowed: tuple[str, ...], param: str) -> None:
+        super().__init__()
+        self.allowed, self.param = allowed, param
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        _check_host(newurl, self.allowed, self.param)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _check_host(url: str, allowed: tuple[str, ...], param: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or parts.hostname not in allowed:
+        raise InvalidParameter(param, f"Images are fetched only from "
+                               f"{', '.join(allowed)} (--allowed-media-domains).")
+
+
+def fetch_image(url: str, allowed: tuple[str, ...], param: str = "image_url") -> bytes:
+    """A remote image's bytes: its host (and each redirect's) in `allowed`, at most
+    MAX_IMAGE_BYTES, FETCH_TIMEOUT_S a read and in all (runs off the event loop)."""
+    _check_host(url, allowed, param)
+    opener = urllib.request.build_opener(_Redirects(allowed, param))
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    try:
+        with opener.open(urllib.request.Request(url, headers={"User-Agent": "tokenmill"}),
+                         timeout=FETCH_TIMEOUT_S) as response:
+            chunks, size = [], 0
+            while chunk := response.read(1 << 16):
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise InvalidParameter(param, f"An image may be at most "
+                                           f"{MAX_IMAGE_BYTES >> 20} MiB.")
+                if time.monotonic() > deadline:
+                    raise InvalidParameter(param, f"The image took over {FETCH_TIMEOUT_S:.0f} "
+                                           "s to fetch.")
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except InvalidParameter:
+        raise
+    except urllib.error.HTTPError as exc:
+        raise InvalidParameter(param, f"Fetching the image answered HTTP {exc.code}.") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, InvalidParameter):  # (a redirect refused)
+            raise reason from None
+        what = "timed out" if isinstance(reason, TimeoutError) else "failed"
+        raise InvalidParameter(param, f"Fetching the image {what}.") from None
 
 
 def decode_image(data: bytes, param: str = "image_url") -> Any:
@@ -80,10 +142,12 @@ def as_image(value: Any, param: str = "image") -> Any:
 class ImageInputs:
     """An image-text model's images for one API process (or the offline `LLM`)."""
 
-    def __init__(self, model_path: str, config: MultiModalConfig) -> None:
+    def __init__(self, model_path: str, config: MultiModalConfig,
+                 allowed_domains: tuple[str, ...] = ()) -> None:
+        """`allowed_domains`: hosts remote image URLs may name (--allowed-media-domains)."""
         from transformers import AutoImageProcessor
 
-        self.config = config
+        self.config, self.allowed = config, tuple(allowed_domains)
         self.processor = AutoImageProcessor.from_pretrained(model_path)
 
     def pixels(self, image: Any) -> np.ndarray:
@@ -105,8 +169,8 @@ class ImageInputs:
                                    f"got {len(urls)}.")
 
         def work():
-            return self.place(ids, [decode_image(image_bytes(u, param), param) for u in urls],
-                              param)
+            return self.place(ids, [decode_image(image_bytes(u, param, self.allowed), param)
+                                    for u in urls], param)
         return await run_heavy(work)
 
     def place(self, ids: list[int], images: list[Any], param: str = "messages"
