@@ -148,3 +148,20 @@ def test_tensor_parallel_ranks_read_rank_0s_image_rows(llava):
              tensor_parallel_size=2) as llm:
         outs = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_the_encoder_budget_spreads_images_over_steps(llava):
+    """50 image rows a step (two tiny images of 25): a prompt of four images is encoded two
+    images at a time, its chunk stopping before the third; the tokens do not change."""
+    path, model, processor = llava
+    text = "a <image> b <image> c <image> d <image> e"
+    imgs = [image(20 + k, 30 + k, 30) for k in range(4)]
+    expected = reference(model, processor, text, imgs)[1]
+    for budget, passes in ((50, [2, 2]), (None, [4])):
+        with LLM(path, kv_cache_memory_gib=0.02, max_num_encoder_input_tokens=budget) as llm:
+            vision = llm.engine.core.runner.images.vision
+            batches, forward = [], vision.forward
+            vision.forward = lambda pixels: batches.append(len(pixels)) or forward(pixels)
+            out = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}}], GREEDY,
+                               use_tqdm=False)[0]
+        assert batches == passes and out.outputs[0].token_ids == expected

@@ -71,6 +71,8 @@ class EngineConfig:
     # an image-text model's images per request: {"image": N} (vLLM's flag; a dict or its
     # JSON text; default 8)
     limit_mm_per_prompt: dict | str | None = None
+    # image rows the vision encoder makes in one step (default: the token budget)
+    max_num_encoder_input_tokens: int | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

@@ -22,6 +22,9 @@ class SchedulerConfig:
     # LoRA: adapters the running requests may use at once (the runner's slots; 0: no LoRA)
     max_loras: int = 0
     policy: str = "fcfs"  # or "priority" (EngineConfig.scheduling_policy)
+    # image rows the vision encoder may make in one step (vLLM's max_num_encoder_input_tokens;
+    # one image always fits): a chunk stops before an image past it, for a later step
+    encoder_budget: int = 2048
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -37,4 +40,5 @@ class SchedulerConfig:
                    enable_chunked_prefill=config.enable_chunked_prefill,
                    num_lookahead_tokens=spec.num_lookahead_slots if spec is not None else 0,
                    max_loras=config.max_loras if config.enable_lora else 0,
-                   policy=config.scheduling_policy)
+                   policy=config.scheduling_policy,
+                   encoder_budget=config.max_num_encoder_input_tokens or budget)

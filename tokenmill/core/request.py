@@ -80,6 +80,7 @@ class Request:
     skip_prefix_cache: bool = False
     # an image-text model's images (mm_inputs.py's MultiModalInput), in prompt order
     mm_inputs: list = field(default_factory=list)
+    num_encoded_images: int = 0  # those a step was scheduled to encode (the runner keeps them)
 
     @property
     def lora_id(self) -> int:

@@ -157,6 +157,7 @@ class Scheduler:
         request allows it (`Request.may_schedule_async`, and that token cannot be its last): then
         it decodes at that token's position, the runner taking the token from the device."""
         budget = self.config.max_num_batched_tokens
+        encoder_budget = self.config.encoder_budget
         max_seqs = max_seqs or self.config.max_num_seqs
         lookahead = self.config.num_lookahead_tokens
         scheduled: list[ScheduledRequest] = []
@@ -183,6 +184,13 @@ class Scheduler:
                     num_new += len(drafts)
                 else:
                     drafts, probs = [], None
+            encoding, encoded = 0, request.num_encoded_images
+            if request.mm_inputs:  # (a prompt chunk that may reach images)
+                num_new, encoding, encoded = self._image_chunk(
+                    request, request.num_computed_tokens, num_new, encoder_budget)
+                if num_new <= 0:
+                    i += 1
+                    continue
             while not allocate(request, num_new, None, lookahead):
                 victim = self._victim()
                 running.remove(victim)
@@ -198,6 +206,8 @@ class Scheduler:
                                                   padding=padding if drafts else 0,
                                                   output_pending=pending > 0))
                 budget -= num_new
+                encoder_budget -= encoding
+                request.num_encoded_images = encoded
                 i += 1
             # (else it preempted itself: FCFS, nothing after it is left; by priority, those
             # after it ranked ahead of it, and the next one is at i now)
@@ -232,6 +242,12 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
+            encoding, encoded = 0, 0
+            if request.mm_inputs:
+                num_new, encoding, encoded = self._image_chunk(request, num_cached, num_new,
+                                                               encoder_budget)
+                if num_new <= 0:
+                    break
             if not self.kv_cache.allocate_slots(request, num_new, hits, lookahead):
                 if not ahead:
                     break
@@ -248,6 +264,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
+            encoder_budget -= encoding
+            request.num_encoded_images = encoded
             if request.lora_id:
                 adapters.add(request.lora_id)
         self.waiting.extendleft(reversed(passed))  # (in their order, ahead of the rest)
@@ -264,6 +282,24 @@ class Scheduler:
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output
+
+    def _image_chunk(self, request: Request, start: int, num_new: int, budget: int
+                     ) -> tuple[int, int, int]:
+        """(the tokens of a chunk from `start` the encoder's `budget` left lets run, the
+        image rows it encodes, the request's images encoded once it ran): the chunk stops
+        before the first image past the budget; one image fits a step that encodes none."""
+        spent, end, encoded = 0, start + num_new, request.num_encoded_images
+        idle = budget == self.config.encoder_budget
+        for image in request.mm_inputs[encoded:]:
+            if image.offset >= end:
+                break
+            if image.end > start:  # (one a prefix-cache hit covers needs no encoding)
+                if spent + image.length > budget and (spent or not idle):
+                    end = image.offset
+                    break
+                spent += image.length
+            encoded += 1
+        return end - start, spent, encoded
 
     def _ranks_ahead(self, request: Request) -> bool:
         """Priority policy: whether a running request ranks behind `request`."""

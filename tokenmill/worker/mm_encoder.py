@@ -28,15 +28,19 @@ class ImageEncoder:
         for rid in request_ids:
             self.rows.pop(rid, None)
 
-    def _encoded(self, request) -> list[torch.Tensor]:
-        rows = self.rows.get(request.request_id)
-        if rows is None:  # (all its images in one pass)
+    def _encode(self, request, wanted: list[int]) -> list[torch.Tensor | None]:
+        """The request's images' rows, its images `wanted` encoded now where they are not
+        yet (in one pass)."""
+        rows = self.rows.setdefault(request.request_id, [None] * len(request.mm_inputs))
+        missing = [k for k in wanted if rows[k] is None]
+        if missing:
             pixels = torch.stack([torch.from_numpy(np.frombuffer(m.pixels, dtype=np.float32)
                                                    .reshape(m.shape).copy())
-                                  for m in request.mm_inputs]).to(self.device, self.dtype)
+                                  for m in (request.mm_inputs[k] for k in missing)])
             with torch.inference_mode():
-                rows = list(self.vision(pixels))
-            self.rows[request.request_id] = rows
+                encoded = self.vision(pixels.to(self.device, self.dtype))
+            for k, value in zip(missing, encoded):
+                rows[k] = value
         return rows
 
     def step_rows(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
@@ -44,11 +48,15 @@ class ImageEncoder:
         (sequences as `scheduled`, each one's images in prompt order); None: none."""
         values = []
         for s in scheduled:
-            for k, image in enumerate(s.request.mm_inputs):
-                a, b = max(s.start, image.offset), min(s.end, image.end)
-                if a < b:
-                    values.append(self._encoded(s.request)[k][a - image.offset:
-                                                              b - image.offset])
+            spans = [(k, max(s.start, m.offset), min(s.end, m.end))
+                     for k, m in enumerate(s.request.mm_inputs)]
+            spans = [(k, a, b) for k, a, b in spans if a < b]
+            if not spans:
+                continue
+            rows = self._encode(s.request, [k for k, _, _ in spans])
+            for k, a, b in spans:
+                offset = s.request.mm_inputs[k].offset
+                values.append(rows[k][a - offset:b - offset])
         return torch.cat(values) if values else None
 
 
