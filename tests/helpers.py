@@ -298,10 +298,14 @@ def make_cross_encoder(path: str):
     return CrossEncoder(path, device="cpu")
 
 
-def make_llava(path: str, image_size: int = 30, patch: int = 6):
-    """A tiny LLaVA-1.5 (CLIP tower of 2 layers, MLP projector, the tiny llama) at `path`
-    with its processor (CLIP's image processor, `<image>` as a special token). Returns
-    (the HF model, the processor)."""
+PINPOINTS = [[30, 60], [60, 30], [60, 60]]
+
+
+def make_llava(path: str, image_size: int = 30, patch: int = 6, tiled: bool = False):
+    """A tiny LLaVA-1.5 (CLIP tower of 3 layers, MLP projector, the tiny llama) at `path`
+    with its processor (CLIP's image processor, `<image>` as a special token); `tiled`:
+    LLaVA-NeXT instead (any-resolution tiles of `PINPOINTS`, a newline row). Returns (the
+    HF model, the processor)."""
     import transformers as tf
 
     tok = make_tokenizer(path)
@@ -319,21 +323,30 @@ def make_llava(path: str, image_size: int = 30, patch: int = 6):
     vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                  num_attention_heads=4, image_size=image_size,
                                  patch_size=patch, projection_dim=32)
-    config = tf.LlavaConfig(vision_config=vision, text_config=text,
-                            image_token_index=image_token, eos_token_id=1, bos_token_id=0)
+    if tiled:
+        config = tf.LlavaNextConfig(vision_config=vision, text_config=text,
+                                    image_token_index=image_token, eos_token_id=1,
+                                    bos_token_id=0, image_grid_pinpoints=PINPOINTS)
+        model_cls = tf.LlavaNextForConditionalGeneration
+    else:
+        config = tf.LlavaConfig(vision_config=vision, text_config=text,
+                                image_token_index=image_token, eos_token_id=1, bos_token_id=0)
+        model_cls = tf.LlavaForConditionalGeneration
     torch.manual_seed(0)
-    model = tf.LlavaForConditionalGeneration(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():  # (random init leaves the projector's biases and norms plain)
         for name, param in model.named_parameters():
-            if "vision" in name or "projector" in name:
+            if "vision" in name or "projector" in name or "newline" in name:
                 param.normal_(0, 0.3)
     model.save_pretrained(path)
-    images = tf.CLIPImageProcessor(size={"shortest_edge": image_size},
-                                   crop_size={"height": image_size, "width": image_size})
-    processor = tf.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=patch,
-                                  vision_feature_select_strategy="default",
-                                  num_additional_image_tokens=1, image_token="<image>",
-                                  chat_template=tok.chat_template)
+    sizes = {"size": {"shortest_edge": image_size},
+             "crop_size": {"height": image_size, "width": image_size}}
+    images = (tf.LlavaNextImageProcessor(image_grid_pinpoints=PINPOINTS, **sizes) if tiled
+              else tf.CLIPImageProcessor(**sizes))
+    processor = (tf.LlavaNextProcessor if tiled else tf.LlavaProcessor)(
+        image_processor=images, tokenizer=tok, patch_size=patch,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token="<image>", chat_template=tok.chat_template)
     processor.save_pretrained(path)
     tok.save_pretrained(path)
     return model, processor

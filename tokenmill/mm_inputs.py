@@ -14,12 +14,16 @@ class MultiModalInput(msgspec.Struct, array_like=True, frozen=True):
     shape: list[int]  # [channels, height, width]
     offset: int  # its first placeholder token's position in the prompt
     length: int  # placeholder tokens (the rows the vision encoder gives)
-    hash: str  # sha256 of the shape and pixels, hex
+    hash: str  # sha256 of the shape, size and pixels, hex
+    # the image's own (height, width), where the rows depend on it (LLaVA-NeXT's tiles:
+    # `shape` is then [tiles, channels, height, width])
+    size: list[int] = []
 
     @classmethod
-    def of(cls, pixels: bytes, shape: list[int], offset: int, length: int) -> MultiModalInput:
-        digest = hashlib.sha256(repr(list(shape)).encode() + pixels).hexdigest()
-        return cls(pixels, list(shape), offset, length, digest)
+    def of(cls, pixels: bytes, shape: list[int], offset: int, length: int,
+           size: list[int] | None = None) -> MultiModalInput:
+        digest = hashlib.sha256(repr((list(shape), size)).encode() + pixels).hexdigest()
+        return cls(pixels, list(shape), offset, length, digest, list(size or []))
 
     @property
     def end(self) -> int:

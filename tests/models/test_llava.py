@@ -165,3 +165,26 @@ def test_the_encoder_budget_spreads_images_over_steps(llava):
             out = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}}], GREEDY,
                                use_tqdm=False)[0]
         assert batches == passes and out.outputs[0].token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llava_next") / "tiny")
+    model, processor = make_llava(path, tiled=True)
+    return path, model, processor
+
+
+def test_llava_next_tiles_equal_transformers(llava_next):
+    """LLaVA-NeXT: each image cut to its best grid of tiles (wide, tall, square), the
+    grid's padding rows cut off and newline rows added as transformers packs them; the
+    prompt's placeholders as LlavaNextProcessor counts them."""
+    path, model, processor = llava_next
+    requests = REQUESTS + [("wide <image> one", [(5, 90, 20)]),
+                           ("tall <image> one", [(6, 16, 70)])]
+    expected = [reference(model, processor, text, [image(*i) for i in imgs])
+                for text, imgs in requests]
+    with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(_prompts(requests), GREEDY, use_tqdm=False)
+    for out, (ids, tokens) in zip(outs, expected):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens

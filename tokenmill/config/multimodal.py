@@ -12,16 +12,59 @@ from typing import Any
 import msgspec
 
 # image-text architectures served with their images (others' text models only)
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 DEFAULT_MAX_IMAGES = 8
 
 
 class MultiModalConfig(msgspec.Struct, frozen=True):
     architecture: str
     image_token_id: int
-    tokens_per_image: int
-    image_size: int  # pixels a side, as the processor resizes and crops
+    tokens_per_image: int  # rows of one tile (LLaVA-1.5: of an image)
+    image_size: int  # pixels a side of a tile, as the processor resizes and crops
     max_images: int  # per request (--limit-mm-per-prompt '{"image": N}')
+    # LLaVA-NeXT's any-resolution tiling: the (height, width) grids an image may be cut to,
+    # and the tower's patch size; empty: one tile an image
+    grid_pinpoints: list[list[int]] = []
+    patch_size: int = 0
+
+    @property
+    def tiled(self) -> bool:
+        return bool(self.grid_pinpoints)
+
+    def tiles(self, height: int, width: int) -> int:
+        """Tiles of an image of that size: its best grid's, plus the whole image's."""
+        grid_h, grid_w = best_resolution(height, width, self.grid_pinpoints)
+        return (grid_h // self.image_size) * (grid_w // self.image_size) + 1
+
+    def rows(self, height: int, width: int) -> int:
+        """An image's rows (LLaVA-NeXT: the whole image's tile, then its grid's rows with
+        the padding the resize added cut off, each row closed by a newline row; as
+        transformers' LlavaNextProcessor counts them)."""
+        if not self.tiled:
+            return self.tokens_per_image
+        grid_h, grid_w = best_resolution(height, width, self.grid_pinpoints)
+        side = self.image_size // self.patch_size
+        rows, cols = side * (grid_h // self.image_size), side * (grid_w // self.image_size)
+        if width / height > cols / rows:
+            new_height = int(round(height * (cols / width), 7))
+            rows -= (rows - new_height) // 2 * 2
+        else:
+            new_width = int(round(width * (rows / height), 7))
+            cols -= (cols - new_width) // 2 * 2
+        return rows * cols + rows + self.tokens_per_image
+
+
+def best_resolution(height: int, width: int, pinpoints: list[list[int]]) -> tuple[int, int]:
+    """transformers' select_best_resolution: the grid keeping most of the image's pixels,
+    then wasting fewest."""
+    best, most, waste = None, 0, float("inf")
+    for grid_h, grid_w in pinpoints:
+        scale = min(grid_w / width, grid_h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = grid_w * grid_h - effective
+        if effective > most or (effective == most and wasted < waste):
+            best, most, waste = (grid_h, grid_w), effective, wasted
+    return best
 
 
 def parse_limits(value: dict | str | None) -> dict[str, int]:
@@ -59,5 +102,8 @@ def resolve_multimodal(path: str, limits: dict[str, int]) -> MultiModalConfig | 
     vision = config.vision_config
     patches = (vision.image_size // vision.patch_size) ** 2
     tokens = patches + (0 if config.vision_feature_select_strategy == "default" else 1)
+    pinpoints = [[int(h), int(w)] for h, w in getattr(config, "image_grid_pinpoints", None)
+                 or ()] if config.architectures[0] == "LlavaNextForConditionalGeneration" else []
     return MultiModalConfig(config.architectures[0], int(config.image_token_index), tokens,
-                            int(vision.image_size), limits["image"])
+                            int(vision.image_size), limits["image"], pinpoints,
+                            int(vision.patch_size))

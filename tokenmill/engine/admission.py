@@ -4,6 +4,8 @@ pooling (a generating model's generating)."""
 
 from __future__ import annotations
 
+import math
+
 from tokenmill.config.multimodal import MultiModalConfig
 from tokenmill.config.pooling import PoolerConfig
 from tokenmill.core.limits import context_overflow, token_out_of_range
@@ -65,11 +67,17 @@ def check_images(request: EngineCoreRequest, multimodal: MultiModalConfig | None
         raise ValueError(f"A request may hold at most {multimodal.max_images} images "
                          f"(--limit-mm-per-prompt), got {len(images)}.")
     token, end = multimodal.image_token_id, 0
-    size = multimodal.image_size
+    side = multimodal.image_size
     for image in images:
-        if image.shape != [3, size, size] or len(image.pixels) != 4 * 3 * size * size:
-            raise ValueError(f"An image's pixels must be 3 x {size} x {size} float32 values.")
-        if (image.offset < end or image.length != multimodal.tokens_per_image
+        shape, rows = [3, side, side], multimodal.tokens_per_image
+        if multimodal.tiled:
+            if len(image.size) != 2 or not all(0 < n <= 1 << 16 for n in image.size):
+                raise ValueError("A tiled image needs its (height, width).")
+            shape, rows = [multimodal.tiles(*image.size), *shape], multimodal.rows(*image.size)
+        if image.shape != shape or len(image.pixels) != 4 * math.prod(shape):
+            raise ValueError(f"An image's pixels must be {' x '.join(map(str, shape))} "
+                             "float32 values.")
+        if (image.offset < end or image.length != rows
                 or image.end > len(ids)
                 or ids[image.offset:image.end] != [token] * image.length):
             raise ValueError("An image's placeholder tokens do not match the prompt.")

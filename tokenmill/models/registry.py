@@ -38,7 +38,8 @@ _MODELS = {
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",)
+SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",
+                                             "LlavaNextForConditionalGeneration")
 
 
 def _llava_text_config(config: Any) -> Any:
@@ -57,7 +58,8 @@ def _llava_text_config(config: Any) -> Any:
 
 # image-text architectures: -> their language model's config (built as a text family)
 _TEXT_OF = {"Gemma3ForConditionalGeneration": text_config,
-            "LlavaForConditionalGeneration": _llava_text_config}
+            "LlavaForConditionalGeneration": _llava_text_config,
+            "LlavaNextForConditionalGeneration": _llava_text_config}
 
 
 def text_model_config(hf_config: Any) -> Any:

@@ -34,11 +34,11 @@ class ImageEncoder:
         rows = self.rows.setdefault(request.request_id, [None] * len(request.mm_inputs))
         missing = [k for k in wanted if rows[k] is None]
         if missing:
-            pixels = torch.stack([torch.from_numpy(np.frombuffer(m.pixels, dtype=np.float32)
-                                                   .reshape(m.shape).copy())
-                                  for m in (request.mm_inputs[k] for k in missing)])
+            images = [(torch.from_numpy(np.frombuffer(m.pixels, dtype=np.float32)
+                                        .reshape(m.shape).copy()).to(self.device, self.dtype),
+                       m.size) for m in (request.mm_inputs[k] for k in missing)]
             with torch.inference_mode():
-                encoded = self.vision(pixels.to(self.device, self.dtype))
+                encoded = self.vision.encode(images)
             for k, value in zip(missing, encoded):
                 rows[k] = value
         return rows

@@ -150,14 +150,20 @@ class ImageInputs:
         self.config, self.allowed = config, tuple(allowed_domains)
         self.processor = AutoImageProcessor.from_pretrained(model_path)
 
-    def pixels(self, image: Any) -> np.ndarray:
-        """A decoded image as the model's processor makes it: float32 [3, size, size]."""
-        out = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
-        size = self.config.image_size
-        if out.shape != (3, size, size):
-            raise ValueError(f"The image processor gave pixels of shape {out.shape}, not "
-                             f"(3, {size}, {size}).")
-        return np.ascontiguousarray(out, dtype=np.float32)
+    def pixels(self, image: Any) -> tuple[np.ndarray, list[int]]:
+        """A decoded image as the model's processor makes it: float32 [3, side, side] (a
+        tiling model's: [tiles, 3, side, side]), and its (height, width) where that counts."""
+        config = self.config
+        out = self.processor(images=[image], return_tensors="np")
+        pixels, side = out["pixel_values"][0], config.image_size
+        shape, size = (3, side, side), []
+        if config.tiled:
+            size = [int(n) for n in out["image_sizes"][0]]
+            shape = (config.tiles(*size), *shape)
+        if pixels.shape != shape:
+            raise ValueError(f"The image processor gave pixels of shape {pixels.shape}, not "
+                             f"{shape}.")
+        return np.ascontiguousarray(pixels, dtype=np.float32), size
 
     async def prepare(self, ids: list[int], urls: list[str], param: str = "messages"
                       ) -> tuple[list[int], list[MultiModalInput]]:
@@ -181,7 +187,7 @@ class ImageInputs:
         if len(images) > config.max_images:
             raise InvalidParameter(param, f"A request may hold at most {config.max_images} "
                                    f"images (--limit-mm-per-prompt), got {len(images)}.")
-        token, n = config.image_token_id, config.tokens_per_image
+        token = config.image_token_id
         slots = [i for i, t in enumerate(ids) if t == token]
         if len(slots) != len(images):
             raise InvalidParameter(param, f"The prompt places {len(slots)} images but the "
@@ -189,8 +195,10 @@ class ImageInputs:
         out, inputs, start = [], [], 0
         for slot, image in zip(slots, images):
             out += ids[start:slot]
-            pixels = self.pixels(image)
-            inputs.append(MultiModalInput.of(pixels.tobytes(), list(pixels.shape), len(out), n))
+            pixels, size = self.pixels(image)
+            n = config.rows(*size) if config.tiled else config.tokens_per_image
+            inputs.append(MultiModalInput.of(pixels.tobytes(), list(pixels.shape), len(out), n,
+                                             size))
             out += [token] * n
             start = slot + 1
         return out + ids[start:], inputs

@@ -1,6 +1,9 @@
 """`VisionEncoder`: an image-text checkpoint's image side — its tower, the features it
 selects, its projector — built from the checkpoint's config, loaded from its tensors.
-LLaVA-1.5 (`LlavaForConditionalGeneration`: CLIP tower, MLP projector)."""
+LLaVA-1.5 (`LlavaForConditionalGeneration`: CLIP tower, MLP projector) and LLaVA-NeXT
+(`LlavaNextForConditionalGeneration`: the same over an image's tiles, packed as
+transformers' `pack_image_features` does: the whole image's tile, then the grid's rows with
+the resize's padding cut off, each row closed by the learned newline row)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from tokenmill.models.vision.projector import LlavaProjector
 
 # an image-text checkpoint's image side (old and new transformers layouts)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                   "model.multi_modal_projector.")
+                   "model.multi_modal_projector.", "image_newline", "model.image_newline")
 
 
 def text_name(name: str) -> str:
@@ -46,20 +49,58 @@ class VisionEncoder(nn.Module):
         self.drop_cls = strategy == "default"
         self.image_size = vision.image_size
         self.tokens_per_image = self.tower.num_patches + (0 if self.drop_cls else 1)
+        self.pinpoints = None
+        if config.architectures[0] == "LlavaNextForConditionalGeneration":
+            self.pinpoints = [list(p) for p in config.image_grid_pinpoints]
+            self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [tiles, 3, size, size] -> each tile's rows [tiles, rows, text hidden]."""
         features = self.tower(pixels)
         if self.drop_cls:
             features = features[:, 1:]
         return self.projector(features)
+
+    def encode(self, images: list[tuple[torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+        """Images (pixels, their own (height, width)) -> each one's rows [rows, hidden], all
+        their tiles through the tower in one pass."""
+        if self.pinpoints is None:
+            return list(self(torch.stack([pixels for pixels, _ in images])))
+        tiles = self(torch.cat([pixels for pixels, _ in images]))
+        out, first = [], 0
+        for pixels, size in images:
+            out.append(self._pack(tiles[first:first + len(pixels)], size))
+            first += len(pixels)
+        return out
+
+    def _pack(self, tiles: torch.Tensor, size: list[int]) -> torch.Tensor:
+        """LLaVA-NeXT: an image's tiles' rows [tiles, side * side, hidden] in its order."""
+        from tokenmill.config.multimodal import best_resolution
+
+        side = self.image_size // self.tower.patch_size
+        height, width = size
+        grid_h, grid_w = best_resolution(height, width, self.pinpoints)
+        tiles_h, tiles_w = grid_h // self.image_size, grid_w // self.image_size
+        grid = tiles[1:].view(tiles_h, tiles_w, side, side, -1)
+        grid = grid.permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)  # [hidden, rows, cols]
+        rows, cols = grid.shape[1:]
+        if width / height > cols / rows:  # (the resize padded top and bottom)
+            pad = (rows - int(round(height * (cols / width), 7))) // 2
+            grid = grid[:, pad:rows - pad, :]
+        else:
+            pad = (cols - int(round(width * (rows / height), 7))) // 2
+            grid = grid[:, :, pad:cols - pad]
+        newline = self.image_newline[:, None, None].expand(*grid.shape[:-1], 1)
+        grid = torch.cat((grid, newline.to(grid.dtype)), dim=-1).flatten(1, 2).transpose(0, 1)
+        return torch.cat((tiles[0], grid))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's image-side tensors (others skipped); every parameter must come."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            ours = None
-            for prefix in VISION_PREFIXES:
+            ours = "image_newline" if name.endswith("image_newline") else None
+            for prefix in VISION_PREFIXES[:4] if ours is None else ():
                 if name.startswith(prefix):
                     rest = name[len(prefix):]
                     ours = (("tower." + t) if (t := self.tower.checkpoint_name(rest)) else None
