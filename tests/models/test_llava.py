@@ -161,7 +161,7 @@ def test_the_encoder_budget_spreads_images_over_steps(llava):
         with LLM(path, kv_cache_memory_gib=0.02, max_num_encoder_input_tokens=budget) as llm:
             vision = llm.engine.core.runner.images.vision
             batches, forward = [], vision.forward
-            vision.forward = lambda pixels: batches.append(len(pixels)) or forward(pixels)
+            vision.forward = lambda pixels, b=batches, f=forward: b.append(len(pixels)) or f(pixels)
             out = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}}], GREEDY,
                                use_tqdm=False)[0]
         assert batches == passes and out.outputs[0].token_ids == expected
