@@ -156,7 +156,13 @@ def test_errors_in_anthropics_shape(thread, client):
              ({k: v for k, v in base.items() if k != "max_tokens"}, "max_tokens"),
              ({**base, "messages": [{"role": "user", "content": [
                  {"type": "image", "source": {"type": "base64", "data": "x"}}]}]},
-              "image blocks are not supported"),
+              "an image block needs a source"),
+             ({**base, "messages": [{"role": "user", "content": [
+                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": "x"}}]}]},
+              "this model takes no images"),
+             ({**base, "messages": [{"role": "user", "content": [
+                 {"type": "document", "source": {}}]}]}, "document blocks are not supported"),
              ({**base, "messages": [{"role": "system", "content": "x"}]}, "role"),
              ({**base, "tool_choice": {"type": "sometimes"}, "tools": TOOLS}, "tool_choice")]
     for body, fragment in cases:

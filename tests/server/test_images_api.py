@@ -179,3 +179,30 @@ def test_remote_images_from_allowed_hosts_only(llava, media):
                       ("/gone", "HTTP 404")):
         with pytest.raises(openai.BadRequestError, match=why):
             ask(base + path)
+
+
+def test_anthropic_and_responses_clients_send_images(llava):
+    import anthropic
+
+    thread = llava[0]
+    images = [picture(11, 30, 30)]
+    encoded = base64.b64encode(png(images[0])).decode()
+    client = openai.OpenAI(base_url=thread.base + "/v1", api_key="none", max_retries=0)
+    chat = client.chat.completions.create(model="tiny", messages=_messages(images),
+                                          max_tokens=8, temperature=0)
+    expected = chat.choices[0].message.content
+    claude = anthropic.Anthropic(base_url=thread.base, api_key="none", max_retries=0)
+    message = claude.messages.create(
+        model="tiny", max_tokens=8, extra_body={"temperature": 0}, messages=[{
+            "role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": encoded}},
+                {"type": "text", "text": "What is in these pictures?"}]}])
+    assert message.content[0].text == expected
+    response = client.responses.create(model="tiny", max_output_tokens=8, temperature=0,
+                                       input=[{"role": "user", "content": [
+                                           {"type": "input_image",
+                                            "image_url": data_url(png(images[0]))},
+                                           {"type": "input_text",
+                                            "text": "What is in these pictures?"}]}])
+    assert response.output_text == expected

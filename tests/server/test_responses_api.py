@@ -124,7 +124,9 @@ def test_text_format_json_schema(client):
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "not supported"),
+     "this model takes no images"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+     "'input_file' is not supported"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "not found"),
     ({"input": "x", "extra_body": {"frobnicate": 1}}, "Unknown parameter"),
 ])

@@ -81,6 +81,20 @@ def _blocks(message: dict, i: int) -> list[dict]:
     return content
 
 
+def _image_part(source: Any, where: str) -> dict:
+    """An image block's source (base64 data, or a URL) as chat's `image_url` part."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(
+            source.get("data"), str) and isinstance(source.get("media_type"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif isinstance(source, dict) and source.get("type") == "url" and isinstance(
+            source.get("url"), str):
+        url = source["url"]
+    else:
+        raise AnthropicError(f"{where}: an image block needs a source of type base64 "
+                             "(media_type, data) or url.")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def _turn(message: Any, i: int) -> list[dict]:
     """One Anthropic message -> the chat messages it stands for."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
@@ -88,9 +102,12 @@ def _turn(message: Any, i: int) -> list[dict]:
     role, texts, calls, results = message["role"], [], [], []
     for j, block in enumerate(_blocks(message, i)):
         kind, where = block.get("type"), f"messages.{i}.content.{j}"
+        if kind == "image" and role == "user":
+            texts.append(_image_part(block.get("source"), where))
+            continue
         if kind in ("image", "document", "search_result"):
-            raise AnthropicError(f"{where}: {kind} blocks are not supported: this server "
-                                 "takes text.")
+            raise AnthropicError(f"{where}: {kind} blocks are not supported here: this "
+                                 "server takes text, and images in user messages.")
         extra = set(block) - {"type", "text", "id", "name", "input", "tool_use_id", "content",
                               "is_error", "thinking", "signature", "data"}
         if extra - _IGNORED_BLOCK_FIELDS:
@@ -115,7 +132,8 @@ def _turn(message: Any, i: int) -> list[dict]:
         else:
             raise AnthropicError(f"{where}: a {role} message cannot hold a block of type "
                                  f"{kind!r}.")
-    turn = {"role": role, "content": "".join(texts)}
+    turn = {"role": role, "content": "".join(texts) if all(isinstance(t, str) for t in texts)
+            else [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]}
     if calls:
         turn["tool_calls"] = calls
     return results + ([turn] if texts or calls or not results else [])

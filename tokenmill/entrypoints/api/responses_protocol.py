@@ -35,22 +35,28 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
-def _text_parts(content: Any, where: str) -> str:
+def _text_parts(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """A message's content as chat content: its text joined, or (`images`: a user message;
+    an `input_image` among its parts) chat's parts, the images as `image_url` ones."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ResponsesError(f"{where} must be a string or a list of content parts.",
                              param="input")
-    texts = []
+    parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text",
-                                                                   "text") \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if images and kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind in ("input_text", "output_text", "text") and isinstance(part.get("text"),
+                                                                            str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
             raise ResponsesError(f"{where}: content of type {kind!r} is not supported (text "
-                                 "only).", param="input")
-        texts.append(part["text"])
-    return "".join(texts)
+                                 "and input_image with an image_url).", param="input")
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 def input_messages(items: Any) -> list[dict]:
@@ -72,7 +78,7 @@ def input_messages(items: Any) -> list[dict]:
                 raise ResponsesError(f"{where}: role must be user, assistant, system or "
                                      "developer.", param="input")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_parts(item.get("content"), where)})
+                        "content": _text_parts(item.get("content"), where, role == "user")})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise ResponsesError(f"{where}: a function_call needs call_id, name and "
