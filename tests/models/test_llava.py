@@ -188,3 +188,19 @@ def test_llava_next_tiles_equal_transformers(llava_next):
     for out, (ids, tokens) in zip(outs, expected):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == tokens
+
+
+def test_quantized_and_speculative_text_parts_take_images(llava):
+    """The language model int8-quantized, or speculating with n-grams: image requests run
+    as text ones do (n-gram drafts verified greedily: the same tokens as without)."""
+    path, model, processor = llava
+    expected = [reference(model, processor, text, [image(*i) for i in imgs])[1]
+                for text, imgs in REQUESTS]
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    with LLM(path, kv_cache_memory_gib=0.02, speculative_config=spec) as llm:
+        drafted = [o.outputs[0].token_ids for o in llm.generate(_prompts(REQUESTS), GREEDY,
+                                                                use_tqdm=False)]
+    with LLM(path, kv_cache_memory_gib=0.02, quantization="int8") as llm:
+        quantized = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
+    assert drafted == expected
+    assert all(len(o.outputs[0].token_ids) == 8 for o in quantized)
