@@ -304,7 +304,8 @@ class EngineCore:
         try:
             return run(arg)
         except RuntimeError as exc:
-            exits = self.workers.exits() if self.workers is not None else ""
+            # (a rank's death shows on the others' sockets before its exit can be read)
+            exits = self.workers.exits(wait_s=2.0) if self.workers is not None else ""
             if exits:  # gloo's own message names a socket; say which rank is gone
                 raise RuntimeError(f"A tensor-parallel worker died: {exits}.") from exc
             raise

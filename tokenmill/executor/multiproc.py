@@ -123,10 +123,18 @@ class WorkerGroup:
             threading.Thread(target=self._watch_nodes, args=(config.nnodes,),
                              name="tokenmill-node-watch", daemon=True).start()
 
-    def exits(self) -> str:
-        """Which workers have exited, and how ('' while all run)."""
-        return ", ".join(f"rank {rank} exited with code {p.returncode}"
-                         for rank, p in zip(self.ranks, self.procs) if p.poll() is not None)
+    def exits(self, wait_s: float = 0.0) -> str:
+        """Which workers have exited, and how ('' while all run); `wait_s`: how long to
+        look for one (a peer's dropped connection shows before its exit can be read, and
+        `Popen.poll` answers None while the watching thread reaps)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = ", ".join(f"rank {rank} exited with code {p.returncode}"
+                             for rank, p in zip(self.ranks, self.procs)
+                             if p.returncode is not None or p.poll() is not None)
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _watch(self) -> None:
         while not self._stopping:

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import msgspec
 
@@ -91,8 +92,12 @@ class RayWorkerGroup:
         """Join the group as rank 0 (blocks until every actor's rank has joined)."""
         join_as_rank0(self, config)
 
-    def exits(self) -> str:
-        """Which ranks' actors ended, and how ('' while all run)."""
+    def exits(self, wait_s: float = 0.0) -> str:
+        """Which ranks' actors ended, and how ('' while all run); `wait_s`: how long to
+        look for one (the watching thread learns of it)."""
+        deadline = time.monotonic() + wait_s
+        while not self._dead and time.monotonic() < deadline:
+            time.sleep(0.02)
         return ", ".join(f"rank {rank} {why}" for rank, why in sorted(self._dead.items()))
 
     def _watch(self) -> None:
