@@ -47,8 +47,14 @@ def bundled_folder() -> str:
     tok.chat_template = None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    tf.AutoModel.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                 dtype="float32").save_pretrained(base)
+    loaded = tf.AutoModel.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
+                                          dtype="float32")
+    # (transformers will not save a model it read from GGUF: a plain copy of its weights)
+    config = loaded.config
+    config.quantization_config = None
+    plain = tf.AutoModel.from_config(config, dtype="float32")
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(base)
     tok.save_pretrained(base)
     template = os.path.join(base, "chat_template.jinja")
     if os.path.exists(template):

@@ -1,6 +1,7 @@
 """Image-request throughput and the vision encoder's share of it: N requests of one image
 each (offline `LLM.generate`, greedy, `--output` tokens), beside the same prompts as text
-of the same length (the image's placeholder tokens as plain ones), in one process.
+of the same length (the image's placeholder tokens as plain ones), in one process, without
+prefix caching.
 
     python bench/images.py [--requests 16] [--output 32] [--image-size 224] [--out FILE]
 
@@ -32,7 +33,10 @@ def build(image_size: int) -> str:
 
     gguf = default_model_path()
     where, name = os.path.dirname(gguf), os.path.basename(gguf)
-    text = tf.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype="float32")
+    loaded = tf.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype="float32")
+    loaded.config.quantization_config = None  # (a plain copy: transformers saves no GGUF model)
+    text = tf.AutoModelForCausalLM.from_config(loaded.config, dtype="float32")
+    text.load_state_dict(loaded.state_dict())
     tok = tf.AutoTokenizer.from_pretrained(where, gguf_file=name)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_token = tok.convert_tokens_to_ids("<image>")
@@ -67,7 +71,8 @@ def main() -> None:
     from tokenmill import LLM, SamplingParams
 
     folder = build(args.image_size)
-    llm = LLM(folder, max_model_len=1024, kv_cache_memory_gib=1.0)
+    # (no prefix caching: the text prompts would share their placeholder runs)
+    llm = LLM(folder, max_model_len=1024, kv_cache_memory_gib=1.0, enable_prefix_caching=False)
     encoder = llm.engine.core.runner.images
     spent = [0.0]
     forward = encoder.vision.forward
