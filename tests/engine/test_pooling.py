@@ -168,3 +168,16 @@ def test_tensor_parallel_pools_as_one_rank(base, tmp_path, cross_encoder):
                                                      use_tqdm=False)]
     np.testing.assert_allclose(scores, cross.predict([(PAIRS[0][0], b) for _, b in PAIRS]),
                                atol=1e-4)
+
+
+def test_a_qwen3_embedding_style_folder(tmp_path):
+    """Qwen3-Embedding's recipe: a bare Qwen3Model (tied embeddings, q/k norms) under
+    last-token pooling and normalization."""
+    base = str(tmp_path / "qwen3")
+    make_model(base, "qwen3")
+    reference = make_embedding_model(str(tmp_path / "emb"), base, "lasttoken")
+    expected = reference.encode(TEXTS, convert_to_numpy=True)
+    with LLM(str(tmp_path / "emb"), **ENGINE) as llm:
+        assert type(llm.engine.core.runner.model).__name__ == "LlamaForCausalLM"
+        got = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    assert cosines(got, expected).min() >= 0.9999
