@@ -22,6 +22,7 @@ from tokenmill.entrypoints.http.openai_errors import (
     api_error,
     error_body,
     error_response,
+    refusal,
 )
 from tokenmill.entrypoints.http.openai_logprobs import (
     chat_logprobs,
@@ -249,14 +250,8 @@ async def answer(body: dict, state: ServerState, chat: bool) -> tuple[int, dict]
                                echo=getattr(req, "echo", False),
                                output=run.output if chat else None)
         response = await responder.whole()
-    except (ApiError, ValueError) as exc:
-        return getattr(exc, "status", 400), error_body(
-            getattr(exc, "message", None) or str(exc), getattr(exc, "status", 400),
-            getattr(exc, "param", None))
-    except EngineRequestError as exc:
-        return 400, error_body(str(exc), 400)
-    except EngineDeadError as exc:
-        return 503, error_body(str(exc), 503)
+    except (ApiError, ValueError, EngineRequestError, EngineDeadError) as exc:
+        return refusal(exc)
     return response.status_code, json.loads(response.body)
 
 

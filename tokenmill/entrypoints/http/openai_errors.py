@@ -53,3 +53,33 @@ def validation_error(exc: ValidationError) -> ApiError:
         params.append(str(err["loc"][0]) if err["loc"] else None)
         parts.append(f"{where}: {err['msg']}")
     return ApiError("; ".join(parts), 400, params[0] if params else None)
+
+
+def refusal(exc: Exception) -> tuple[int, dict]:
+    """(status, OpenAI error body) of a request that failed: a refusal (`ApiError`, or a
+    `ValueError` from validation), the engine's refusal (400) or its death (503). Any other
+    exception is not a refusal and is raised again."""
+    from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+
+    if isinstance(exc, (ApiError, ValueError)):
+        status = getattr(exc, "status", 400)
+        return status, error_body(getattr(exc, "message", None) or str(exc), status,
+                                  getattr(exc, "param", None))
+    if isinstance(exc, EngineRequestError):
+        return 400, error_body(str(exc), 400)
+    if isinstance(exc, EngineDeadError):
+        return 503, error_body(str(exc), 503)
+    raise exc
+
+
+def parse_body(model_cls, body, state):
+    """A route's body as `model_cls` (pydantic), its `model` one the server serves."""
+    if not isinstance(body, dict):
+        raise ApiError("The request body must be a JSON object.")
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if req.model is not None and req.model not in state.model_names:
+        raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
+    return req

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from tokenmill.core.limits import token_out_of_range
 from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
@@ -33,9 +32,9 @@ from tokenmill.entrypoints.api.state import ServerState
 from tokenmill.entrypoints.http.openai_errors import (
     RETRY_AFTER_S,
     ApiError,
-    error_body,
     error_response,
-    validation_error,
+    parse_body,
+    refusal,
 )
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.pooling_params import PoolingParams
@@ -49,14 +48,7 @@ BODIES = {"embeddings": EmbeddingRequest, "pooling": PoolingRequest,
 
 
 def _parse(model_cls, body: Any, state: ServerState):
-    if not isinstance(body, dict):
-        raise ApiError("The request body must be a JSON object.")
-    try:
-        req = model_cls.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    if req.model is not None and req.model not in state.model_names:
-        raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
+    req = parse_body(model_cls, body, state)
     problem = state.priority_problem(req.priority)
     if problem is not None:
         raise ApiError(problem, 400, "priority")
@@ -234,14 +226,8 @@ async def answer(route: str, body: Any, state: ServerState) -> tuple[int, dict]:
             return 200, await embeddings(req, state, route == "pooling")
         return 200, await {"classify": classify, "score": score, "rerank": rerank}[route](
             req, state)
-    except (ApiError, ValueError) as exc:
-        return getattr(exc, "status", 400), error_body(
-            getattr(exc, "message", None) or str(exc), getattr(exc, "status", 400),
-            getattr(exc, "param", None))
-    except EngineRequestError as exc:
-        return 400, error_body(str(exc), 400)
-    except EngineDeadError as exc:
-        return 503, error_body(str(exc), 503)
+    except (ApiError, ValueError, EngineRequestError, EngineDeadError) as exc:
+        return refusal(exc)
 
 
 async def handle(route: str, body: Any, request: Request) -> Response:

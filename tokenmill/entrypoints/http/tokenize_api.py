@@ -17,7 +17,12 @@ from tokenmill.entrypoints.api.openai_protocol import (
 )
 from tokenmill.entrypoints.api.prompts import OFF_LOOP_CHARS
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.http.openai_errors import ApiError, api_error, validation_error
+from tokenmill.entrypoints.http.openai_errors import (
+    ApiError,
+    api_error,
+    parse_body,
+    validation_error,
+)
 
 MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize request
 
@@ -47,21 +52,9 @@ class Detokenize(BaseModel):
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
 
 
-def _parse(model_cls, body: Any, state: ServerState):
-    if not isinstance(body, dict):
-        raise ApiError("The request body must be a JSON object.")
-    try:
-        req = model_cls.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    if req.model is not None and req.model not in state.model_names:
-        raise ApiError(f"The model `{req.model}` does not exist.", 404, "model")
-    return req
-
-
 async def tokenize(body: Any, state: ServerState) -> dict:
     chat = isinstance(body, dict) and "messages" in body
-    req = _parse(TokenizeChat if chat else TokenizeCompletion, body, state)
+    req = parse_body(TokenizeChat if chat else TokenizeCompletion, body, state)
     tok = state.tokenizer
     if chat:
         if req.continue_final_message:
@@ -91,7 +84,7 @@ async def tokenize(body: Any, state: ServerState) -> dict:
 
 
 async def detokenize(body: Any, state: ServerState) -> dict:
-    req = _parse(Detokenize, body, state)
+    req = parse_body(Detokenize, body, state)
     refused = token_out_of_range(req.tokens, len(state.tokenizer))
     if refused is not None:
         raise ApiError(refused.message("tokens"), 400, "tokens")
