@@ -177,3 +177,17 @@ def test_a_batch_of_embeddings_answers_as_live_requests(embedder):
                                         encoding_format="float")
         np.testing.assert_allclose(result["response"]["body"]["data"][0]["embedding"],
                                    live.data[0].embedding, atol=1e-6)
+
+
+def test_a_request_of_2048_inputs_runs_in_a_window(embedder):
+    """OpenAI's largest embeddings request: admitted as the window's sequences (more than
+    the queue holds at once), every input answered, in order."""
+    thread, _ = embedder
+    inputs = [[5 + i % 7, 9] for i in range(2048)]
+    body = httpx.post(thread.base + "/v1/embeddings", timeout=300, json={
+        "input": inputs, "encoding_format": "float"}).json()
+    assert [d["index"] for d in body["data"]] == list(range(2048))
+    for i in (0, 7, 2047):
+        np.testing.assert_allclose(body["data"][i]["embedding"],
+                                   body["data"][i % 7]["embedding"], atol=1e-6)
+    assert body["usage"]["prompt_tokens"] == 4096

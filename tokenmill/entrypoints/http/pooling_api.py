@@ -43,6 +43,7 @@ from tokenmill.sampling_params import SamplingParams
 ROUTES = {"/v1/embeddings": "embeddings", "/pooling": "pooling", "/classify": "classify",
           "/score": "score", "/v1/score": "score", "/rerank": "rerank",
           "/v1/rerank": "rerank", "/v2/rerank": "rerank"}
+POOL_WINDOW = 64  # a request's inputs in the engine at once
 BODIES = {"embeddings": EmbeddingRequest, "pooling": PoolingRequest,
           "classify": ClassificationRequest, "score": ScoreRequest, "rerank": RerankRequest}
 
@@ -95,20 +96,25 @@ def _inputs(value: Any) -> list[Any]:
 
 async def _pool(state: ServerState, req, ids: list[list[int]], params: PoolingParams,
                 tag: str) -> list[RequestOutput]:
-    """Each input's pooled result, in order (all admitted at once, as one request's)."""
-    reservation = state.try_admit(len(ids))
+    """Each input's pooled result, in order: at most POOL_WINDOW of a request's inputs in
+    the engine at once (admitted as that many sequences, all or nothing; the next input
+    enters as one finishes), so a request of 2,048 texts neither fails admission nor fills
+    the queue."""
+    window = min(len(ids), POOL_WINDOW)
+    reservation = state.try_admit(window)
     if reservation is None:
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
                        503)
-    lora = state.lora_for(req.model)
+    lora, slots = state.lora_for(req.model), asyncio.Semaphore(window)
 
     async def one(i: int, prompt: list[int]) -> RequestOutput:
         final = None
-        async for out in state.engine.generate(
-                prompt, SamplingParams(max_tokens=1), request_id=f"{tag}-{i}",
-                reservation=reservation, output_kind=OutputKind.FINAL_ONLY,
-                lora_request=lora, priority=req.priority, pooling_params=params):
-            final = out
+        async with slots:
+            async for out in state.engine.generate(
+                    prompt, SamplingParams(max_tokens=1), request_id=f"{tag}-{i}",
+                    reservation=reservation, output_kind=OutputKind.FINAL_ONLY,
+                    lora_request=lora, priority=req.priority, pooling_params=params):
+                final = out
         return final
 
     try:
