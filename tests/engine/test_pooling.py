@@ -181,3 +181,24 @@ def test_a_qwen3_embedding_style_folder(tmp_path):
         assert type(llm.engine.core.runner.model).__name__ == "LlamaForCausalLM"
         got = [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
     assert cosines(got, expected).min() >= 0.9999
+
+
+def test_the_command_line_names_the_runner():
+    """vLLM's --task spellings mean the pooling or generate runner; --pooler-config,
+    --limit-mm-per-prompt and --allowed-media-domains reach the configuration."""
+    from tokenmill.config.server import build_server_config
+
+    config = build_server_config(["m", "--task", "embed", "--pooler-config",
+                                  '{"pooling_type": "mean"}', "--limit-mm-per-prompt",
+                                  '{"image": 3}', "--allowed-media-domains", "a.com"],
+                                 environ={})
+    assert config.engine.runner == "pooling"
+    assert config.engine.pooler_config == {"pooling_type": "mean"}
+    assert config.engine.limit_mm_per_prompt == {"image": 3}
+    assert config.allowed_media_domains == ["a.com"]
+    assert build_server_config(["m", "--task", "score"], environ={}).engine.runner == "pooling"
+    assert build_server_config(["m"], environ={}).engine.runner == "auto"
+    with pytest.raises(ValueError, match="--task generate asks for the generate runner"):
+        build_server_config(["m", "--task", "generate", "--runner", "pooling"], environ={})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt takes"):
+        build_server_config(["m", "--limit-mm-per-prompt", '{"video": 1}'], environ={})
