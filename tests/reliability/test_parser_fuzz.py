@@ -271,7 +271,7 @@ def test_native_build_request_raises_only_native_error(tokenizer, grammars, body
                             config=SimpleNamespace(max_dec_len=16, engine=_ENGINE),
                             prompts=PromptEncoder(tokenizer, 64),
                             check_structured=grammars.check, lora_of_task=lambda task: None,
-                            priority_problem=_priority_problem)
+                            priority_problem=_priority_problem, images=None)
     try:
         req = asyncio.run(native_protocol.build_request(body, state))
     except native_protocol.NativeError:
