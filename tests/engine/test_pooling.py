@@ -65,6 +65,10 @@ def test_dense_layer_and_dimensions(base, tmp_path):
             TEXTS, PoolingParams(normalize=False), use_tqdm=False)]
         with pytest.raises(ValueError, match="dimensions must be at most the model's 32"):
             llm.embed(TEXTS, PoolingParams(dimensions=33), use_tqdm=False)
+        with pytest.raises(ValueError, match="Got 2 pooling params for 3 prompts"):
+            llm.encode(TEXTS, [PoolingParams()] * 2, use_tqdm=False)
+        with pytest.raises(ValueError, match="Got 2 LoRA requests for 3 prompts"):
+            llm.encode(TEXTS, lora_request=[None, None], use_tqdm=False)
     assert len(got[0]) == 32
     assert cosines(got, expected).min() >= 0.9999
     # Matryoshka: the first 8 values, renormalized (sentence-transformers' truncate_dim)

@@ -77,20 +77,13 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif len(sampling_params) != len(prompts):
-            raise ValueError(f"Got {len(sampling_params)} sampling params for {len(prompts)} "
-                             "prompts; give one, or one per prompt.")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_request = [lora_request] * len(prompts)
-        elif len(lora_request) != len(prompts):
-            raise ValueError(f"Got {len(lora_request)} LoRA requests for {len(prompts)} "
-                             "prompts; give one, or one per prompt.")
+        sampling_params = _per_prompt(sampling_params, SamplingParams, len(prompts),
+                                      "sampling params")
+        lora_request = _per_prompt(lora_request, LoRARequest, len(prompts), "LoRA requests")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"Got {len(priority)} priorities for {len(prompts)} prompts; give "
                              "one per prompt.")
-        return self._run(prompts, list(sampling_params), use_tqdm, list(lora_request),
+        return self._run(prompts, sampling_params, use_tqdm, lora_request,
                          list(priority) if priority is not None else None)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
@@ -152,15 +145,11 @@ class LLM:
         pooler = self.engine.pooler
         if pooling_params is None:
             pooling_params = PoolingParams(task=pooler.task if pooler else "embed")
-        if isinstance(pooling_params, PoolingParams):
-            pooling_params = [pooling_params] * len(prompts)
-        elif len(pooling_params) != len(prompts):
-            raise ValueError(f"Got {len(pooling_params)} pooling params for {len(prompts)} "
-                             "prompts; give one, or one per prompt.")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_request = [lora_request] * len(prompts)
+        pooling_params = _per_prompt(pooling_params, PoolingParams, len(prompts),
+                                     "pooling params")
+        lora_request = _per_prompt(lora_request, LoRARequest, len(prompts), "LoRA requests")
         return self._run(prompts, [SamplingParams(max_tokens=1)] * len(prompts), use_tqdm,
-                         list(lora_request), pooling=list(pooling_params))
+                         lora_request, pooling=pooling_params)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
@@ -255,3 +244,13 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _per_prompt(value: Any, kind: type, n: int, what: str) -> list:
+    """One `kind` (or None) for every prompt, or a list of one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"Got {len(value)} {what} for {n} prompts; give one, or one per "
+                         "prompt.")
+    return list(value)
