@@ -94,18 +94,24 @@ class VisionEncoder(nn.Module):
         grid = torch.cat((grid, newline.to(grid.dtype)), dim=-1).flatten(1, 2).transpose(0, 1)
         return torch.cat((tiles[0], grid))
 
+    def _param_name(self, name: str) -> str | None:
+        """A checkpoint tensor's parameter here (None: not one this encoder runs)."""
+        if name.endswith("image_newline"):
+            return "image_newline"
+        name = name.removeprefix("model.")
+        if name.startswith("vision_tower."):
+            rest = self.tower.checkpoint_name(name.removeprefix("vision_tower."))
+            return None if rest is None else "tower." + rest
+        if name.startswith("multi_modal_projector."):
+            return "projector." + name.removeprefix("multi_modal_projector.")
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The checkpoint's image-side tensors (others skipped); every parameter must come."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            ours = "image_newline" if name.endswith("image_newline") else None
-            for prefix in VISION_PREFIXES[:4] if ours is None else ():
-                if name.startswith(prefix):
-                    rest = name[len(prefix):]
-                    ours = (("tower." + t) if (t := self.tower.checkpoint_name(rest)) else None
-                            ) if "vision_tower" in prefix else "projector." + rest
-                    break
+            ours = self._param_name(name)
             if ours is None:
                 continue
             if ours not in params or params[ours].shape != tensor.shape:
