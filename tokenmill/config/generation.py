@@ -12,6 +12,7 @@ import os
 import shutil
 from typing import Any
 
+from tokenmill.config.json_flag import json_object
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,16 +28,10 @@ def checked(setting: str, override: dict | str | None) -> dict | None:
     if not isinstance(setting, str) or not setting:
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
                          f"generation_config.json, got {setting!r}.")
-    if isinstance(override, str):
-        try:
-            override = json.loads(override) if override.strip() else None
-        except ValueError as exc:
-            raise ValueError(f"--override-generation-config is not valid JSON: {exc}.") from None
+    override = json_object(override, "--override-generation-config",
+                           example="'{\"temperature\": 0.5}'")
     if override is None:
         return None
-    if not isinstance(override, dict):
-        raise ValueError("--override-generation-config must be a JSON object, e.g. "
-                         "'{\"temperature\": 0.5}'.")
     unknown = sorted(set(override) - set(FIELDS))
     if unknown:
         raise ValueError(f"--override-generation-config has unknown field(s) "

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.config.json_flag import json_object
+
 # image-text architectures served with their images (others' text models only)
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 DEFAULT_MAX_IMAGES = 8
@@ -69,14 +71,10 @@ def best_resolution(height: int, width: int, pinpoints: list[list[int]]) -> tupl
 
 def parse_limits(value: dict | str | None) -> dict[str, int]:
     """`--limit-mm-per-prompt`: {"image": N} (a dict or its JSON text)."""
+    value = json_object(value, "--limit-mm-per-prompt")
     if value is None:
         return {"image": DEFAULT_MAX_IMAGES}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"limit_mm_per_prompt is not JSON: {exc.msg}.") from None
-    if not isinstance(value, dict) or set(value) - {"image"} or not all(
+    if set(value) - {"image"} or not all(
             type(n) is int and n >= 0 for n in value.values()):
         raise ValueError("limit_mm_per_prompt takes {\"image\": N} with N >= 0 (images are "
                          "the one modality served).")

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.config.json_flag import json_object
+
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's --task values: the runner each one means (score and reward are pooling tasks)
 TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
@@ -121,15 +123,7 @@ def resolve_pooler(path: str, hf_config: Any, override: dict | None = None) -> P
 
 def parse_override(value: dict | str | None) -> dict | None:
     """`--pooler-config`: a dict or its JSON text."""
-    if value is None or isinstance(value, dict):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"pooler_config is not JSON: {exc.msg}.") from None
-    if not isinstance(parsed, dict):
-        raise ValueError("pooler_config must be a JSON object.")
-    return parsed
+    return json_object(value, "--pooler-config")
 
 
 def _sentence_transformers(path: str) -> dict[str, Any]:

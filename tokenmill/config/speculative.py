@@ -3,9 +3,10 @@ take, checked once, with start-up errors that name the problem."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from tokenmill.config.json_flag import json_object
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
 
@@ -36,17 +37,9 @@ class SpeculativeConfig:
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None
               ) -> SpeculativeConfig | None:
         """A config from a dict or its JSON text (None / "" / {}: no speculation)."""
-        if value is None or isinstance(value, SpeculativeConfig):
+        if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e.msg}.") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object.")
+        value = json_object(value, "--speculative-config")
         if not value:
             return None
         known = {f.name for f in fields(cls)}
