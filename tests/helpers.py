@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import random
 
+import numpy as np
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata, leading_decodes
@@ -350,3 +353,22 @@ def make_llava(path: str, image_size: int = 30, patch: int = 6, tiled: bool = Fa
     processor.save_pretrained(path)
     tok.save_pretrained(path)
     return model, processor
+
+
+def random_image(seed: int, width: int, height: int):
+    """A PIL image of random RGB pixels (image-text model tests)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+
+
+def png(img) -> bytes:
+    """A PIL image's PNG file."""
+    buffer = io.BytesIO()
+    img.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()

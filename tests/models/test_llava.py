@@ -4,22 +4,16 @@ none) batched together through chunked prefill, the prompt's placeholders as its
 expands them; the image's rows kept across preemption; prefix-cache hits only for the same
 image; and the images refused, each naming why."""
 
-import io
 
-import numpy as np
 import pytest
 import torch
-from helpers import make_llava, make_model
+from helpers import data_url, make_llava, make_model, png
+from helpers import random_image as image
 from PIL import Image
 
 from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def image(seed: int, width: int, height: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +78,10 @@ def test_rows_survive_preemption_and_the_prefix_cache_keys_on_the_image(llava):
     assert other.num_cached_tokens == 0
 
 
-def _png(img: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    img.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def test_bad_images_are_refused_by_name(llava, tmp_path):
     path = llava[0]
-    bomb = _png(Image.new("1", (8000, 8000)))  # 64M pixels in a few KB
-    good = _png(image(1, 20, 20))
+    bomb = png(Image.new("1", (8000, 8000)))  # 64M pixels in a few KB
+    good = png(image(1, 20, 20))
     cases = [(bomb, "too many pixels|at most 40,000,000"), (good[:len(good) // 2], "truncated"),
              (b"GIF89a not really", "truncated|not a PNG"), (b"%PDF-1.4", "not a PNG")]
     with LLM(path, kv_cache_memory_gib=0.02, limit_mm_per_prompt={"image": 2}) as llm:
@@ -121,11 +109,10 @@ def test_bad_images_are_refused_by_name(llava, tmp_path):
 
 
 def test_offline_chat_takes_image_url_parts(llava):
-    import base64
 
     path, model, processor = llava
     picture = image(7, 36, 28)
-    url = "data:image/png;base64," + base64.b64encode(_png(picture)).decode()
+    url = data_url(png(picture))
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look: "},
                                              {"type": "image_url", "image_url": {"url": url}}]}]
     template = [{"role": "user", "content": [{"type": "text", "text": "Look: "},

@@ -6,31 +6,15 @@ images, an image for a text model) get 400 in the OpenAI shape, naming the cause
 server goes on serving."""
 
 import base64
-import io
 
-import numpy as np
 import openai
 import pytest
 import torch
-from helpers import make_llava
+from helpers import data_url, make_llava, png
+from helpers import random_image as picture
 from PIL import Image
 
 from tests.serving import service_over_engine
-
-
-def png(img: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    img.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def data_url(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
-
-
-def picture(seed: int, width: int, height: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
