@@ -355,6 +355,54 @@ def make_llava(path: str, image_size: int = 30, patch: int = 6, tiled: bool = Fa
     return model, processor
 
 
+def make_qwen_vl(path: str, version: str = "2.5"):
+    """A tiny Qwen2-VL (`version` "2") or Qwen2.5-VL (window attention: windows of 2 x 2
+    merged rows, block 1 of 3 over the whole image) over a 2-layer Qwen2 with M-RoPE, at
+    `path` with its image processor (28 x 28 pixels a row, 4 to 64 rows an image; the
+    Qwen2VLProcessor around it wants torchvision, so tests expand the placeholders as it
+    does). Returns (the HF model, the image processor, the tokenizer)."""
+    import transformers as tf
+
+    tok = make_tokenizer(path)
+    marks = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": marks})
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == "
+        "'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    start, pad, end, video = tok.convert_tokens_to_ids(marks)
+    text = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1024, eos_token_id=1, bos_token_id=0,
+                initializer_range=0.2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                 "rope_theta": 100.0})  # (positions count: fast rotations)
+    marks = dict(image_token_id=pad, video_token_id=video, vision_start_token_id=start,
+                 vision_end_token_id=end)
+    if version == "2":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2)
+        config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, **marks)
+        model_cls = tf.Qwen2VLForConditionalGeneration
+    else:
+        vision = dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48,
+                      num_heads=4, window_size=56, fullatt_block_indexes=[1])
+        config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **marks)
+        model_cls = tf.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # (random init leaves the tower's biases and norms plain)
+        for name, param in model.named_parameters():
+            if "visual" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(path)
+    images = tf.Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+    images.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, images, tok
+
+
 def random_image(seed: int, width: int, height: int):
     """A PIL image of random RGB pixels (image-text model tests)."""
     from PIL import Image

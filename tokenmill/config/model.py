@@ -19,7 +19,7 @@ class ModelConfig:
     # --runner pooling (or auto, for an embedding / classifier folder): how it pools; None:
     # a generative model
     pooler: PoolerConfig | None = None
-    # an image-text model's (LLaVA): its image token and rows; None: text only
+    # an image-text model's (LLaVA, Qwen2-VL): its image token and rows; None: text only
     multimodal: MultiModalConfig | None = None
 
     @classmethod
@@ -33,5 +33,5 @@ class ModelConfig:
                                  "pipeline parallel (tensor parallel works).")
         elif config.pooler_config:
             raise ValueError("--pooler-config is for a pooling model: add --runner pooling.")
-        multimodal = resolve_multimodal(path, config.limit_mm_per_prompt)
+        multimodal = resolve_multimodal(path, config.limit_mm_per_prompt, max_model_len)
         return cls(path, hf_config, max_model_len, pooler, multimodal)

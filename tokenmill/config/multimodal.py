@@ -1,7 +1,12 @@
 """`MultiModalConfig`: what the API side and the engine need to know of an image-text model
 (which token marks an image, how many rows an image becomes, its pixel size, how many images
 a request may hold: `--limit-mm-per-prompt`), resolved once at start-up from the checkpoint's
-config. None for a text-only model."""
+config. None for a text-only model.
+
+Two kinds of image side: fixed tiles (LLaVA-1.5, LLaVA-NeXT's any-resolution grid of them)
+and dynamic resolution (Qwen2-VL, Qwen2.5-VL: an image resized to a multiple of the patch
+size keeps its aspect, its patches' grid decides its rows, and the language model rotates
+by M-RoPE positions laid out over that grid)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ import msgspec
 from tokenmill.config.json_flag import json_object
 
 # image-text architectures served with their images (others' text models only)
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+DYNAMIC_RESOLUTION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 DEFAULT_MAX_IMAGES = 8
 
 
@@ -28,6 +35,15 @@ class MultiModalConfig(msgspec.Struct, frozen=True):
     # and the tower's patch size; empty: one tile an image
     grid_pinpoints: list[list[int]] = []
     patch_size: int = 0
+    # dynamic resolution (Qwen2-VL): patches merged into one row a side (0: fixed tiles),
+    # and the values of one patch (channels x temporal patch x patch size squared)
+    merge_size: int = 0
+    patch_dim: int = 0
+    max_rows: int = 1 << 62  # an image's rows at most: the context (max_model_len)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.merge_size > 0
 
     @property
     def tiled(self) -> bool:
@@ -91,17 +107,23 @@ def is_image_text(path: str) -> bool:
     return bool(raw.get("architectures")) and raw["architectures"][0] in VISION_ARCHITECTURES
 
 
-def resolve_multimodal(path: str, limits: dict[str, int]) -> MultiModalConfig | None:
+def resolve_multimodal(path: str, limits: dict[str, int],
+                       max_model_len: int = 1 << 62) -> MultiModalConfig | None:
     if not is_image_text(path):
         return None
     from transformers import AutoConfig
 
     config: Any = AutoConfig.from_pretrained(path, trust_remote_code=False)
     vision = config.vision_config
+    if config.architectures[0] in DYNAMIC_RESOLUTION:
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        return MultiModalConfig(config.architectures[0], int(config.image_token_id), 0, 0,
+                                limits["image"], [], int(vision.patch_size),
+                                int(vision.spatial_merge_size), int(patch_dim), max_model_len)
     patches = (vision.image_size // vision.patch_size) ** 2
     tokens = patches + (0 if config.vision_feature_select_strategy == "default" else 1)
     pinpoints = [[int(h), int(w)] for h, w in getattr(config, "image_grid_pinpoints", None)
                  or ()] if config.architectures[0] == "LlavaNextForConditionalGeneration" else []
     return MultiModalConfig(config.architectures[0], int(config.image_token_index), tokens,
                             int(vision.image_size), limits["image"], pinpoints,
-                            int(vision.patch_size))
+                            int(vision.patch_size), max_rows=max_model_len)

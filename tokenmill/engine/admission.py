@@ -67,13 +67,8 @@ def check_images(request: EngineCoreRequest, multimodal: MultiModalConfig | None
         raise ValueError(f"A request may hold at most {multimodal.max_images} images "
                          f"(--limit-mm-per-prompt), got {len(images)}.")
     token, end = multimodal.image_token_id, 0
-    side = multimodal.image_size
     for image in images:
-        shape, rows = [3, side, side], multimodal.tokens_per_image
-        if multimodal.tiled:
-            if len(image.size) != 2 or not all(0 < n <= 1 << 16 for n in image.size):
-                raise ValueError("A tiled image needs its (height, width).")
-            shape, rows = [multimodal.tiles(*image.size), *shape], multimodal.rows(*image.size)
+        shape, rows = expected_shape(image, multimodal)
         if image.shape != shape or len(image.pixels) != 4 * math.prod(shape):
             raise ValueError(f"An image's pixels must be {' x '.join(map(str, shape))} "
                              "float32 values.")
@@ -84,3 +79,26 @@ def check_images(request: EngineCoreRequest, multimodal: MultiModalConfig | None
         end = image.end
     if ids.count(token) != sum(image.length for image in images):
         raise ValueError("The prompt has image tokens without an image.")
+
+
+def expected_shape(image, multimodal: MultiModalConfig) -> tuple[list[int], int]:
+    """The pixels' shape an image must have under the model's rules, and its rows."""
+    side = multimodal.image_size
+    if multimodal.dynamic:  # (its patch grid decides both; its rows' grid must match it)
+        m = multimodal.merge_size
+        if (len(image.size) != 3 or image.size[0] != 1
+                or not all(0 < n <= 1 << 14 and n % m == 0 for n in image.size[1:])):
+            raise ValueError(f"An image needs its grid of patches (1, rows, columns), each a "
+                             f"multiple of {m}.")
+        t, h, w = image.size
+        if image.grid != [t, h // m, w // m]:
+            raise ValueError("An image's rotary grid does not match its patches.")
+        return [t * h * w, multimodal.patch_dim], t * h * w // (m * m)
+    if image.grid:
+        raise ValueError("This model's images have no rotary grid.")
+    if multimodal.tiled:
+        if len(image.size) != 2 or not all(0 < n <= 1 << 16 for n in image.size):
+            raise ValueError("A tiled image needs its (height, width).")
+        return ([multimodal.tiles(*image.size), 3, side, side],
+                multimodal.rows(*image.size))
+    return [3, side, side], multimodal.tokens_per_image

@@ -1,5 +1,6 @@
 """Rotary position embedding (default, linear, Llama-3, LongRoPE and YaRN scaling, or a GGUF's
-per-frequency factors) with a cos/sin table."""
+per-frequency factors) with a cos/sin table; M-RoPE (Qwen2-VL's multimodal rotary) over the
+same table."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     if params["rope_type"] == "su":  # Phi-3's first name for LongRoPE
         params["rope_type"] = "longrope"
+    if params["rope_type"] == "mrope":  # (Qwen2-VL's first name: its `mrope_section` says it)
+        params["rope_type"] = "default"
     if params.get("original_max_position_embeddings") is None:
         original = getattr(config, "original_max_position_embeddings", None)
         if original is not None:
@@ -179,13 +182,46 @@ class RotaryEmbedding(nn.Module):
         return StepRotary(self, positions, dtype)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): the frequencies in three sections (`mrope_section`), rotated by a
+    token's temporal, height and width position each. A step given positions [3, rows]
+    gathers its rows' cos / signed sin from the table, each column at its section's
+    position, and rotates with those as a table of its own (so every kernel that reads a
+    table serves it); given positions [rows] (text: the three are equal) it is the plain
+    rotation."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
+                 max_position_embeddings: int) -> None:
+        super().__init__(head_dim, max_positions, params, max_position_embeddings)
+        sections = [int(n) for n in params["mrope_section"]]
+        if sum(sections) != head_dim // 2 or len(sections) != 3:
+            raise ValueError(f"mrope_section {sections} must be three sections of the "
+                             f"{head_dim // 2} rotated frequencies.")
+        column = torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+        self.register_buffer("section_of", torch.cat((column, column)), persistent=False)
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
+        if positions.dim() == 1:
+            return StepRotary(self, positions, dtype)
+        index = positions[self.section_of].t()  # [rows, head_dim]: each column's position
+        table = _StepTable(self.cos.gather(0, index), self.signed_sin.gather(0, index))
+        return StepRotary(table, torch.arange(len(index), device=positions.device), dtype)
+
+
+class _StepTable:
+    """A step's own cos / signed-sin rows, read at row i by token i (M-RoPE)."""
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.cos, self.signed_sin = cos, signed_sin
+
+
 class StepRotary:
     """One step's rotation, shared by all layers: float32 on the CPU rotates in place with the
     compiled kernel (reading the tables at each token's position); otherwise the cos / signed
     sin rows of the step's positions are gathered once and applied with torch ops (on GPUs:
     one Triton kernel reading the tables, triton_ops.py)."""
 
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor,
+    def __init__(self, rotary: RotaryEmbedding | _StepTable, positions: torch.Tensor,
                  dtype: torch.dtype) -> None:
         self.rotary, self.positions, self.dtype = rotary, positions, dtype
         self.compiled = (dtype == torch.float32 and csrc.usable(rotary.cos)

@@ -317,11 +317,11 @@ def load_vision_encoder(path: str, dtype: torch.dtype, device: torch.device) -> 
     from the checkpoint (only those)."""
     from transformers import AutoConfig
 
-    from tokenmill.models.vision.encoder import VisionEncoder
+    from tokenmill.models.vision.encoder import build_encoder
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     with torch.device(device):
-        encoder = VisionEncoder(config)
+        encoder = build_encoder(config)
     encoder.load_weights((name, whole(t)) for name, t in iter_safetensors(path, lazy=True)
                          if name.startswith(VISION_PREFIXES))
     return encoder.to(dtype).eval()

@@ -23,6 +23,7 @@ from tokenmill.layers.linear import (
 )
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import (
+    MRotaryEmbedding,
     RotaryEmbedding,
     StepRotary,
     rope_parameters,
@@ -192,8 +193,9 @@ class LlamaModel(nn.Module):
         self.is_first_stage, self.is_last_stage = world.is_first_stage, world.is_last_stage
         by_type = rope_parameters_by_layer_type(config)
         if by_type is None:
-            self.rotary = RotaryEmbedding(head_dim, max_positions, rope_parameters(config),
-                                          config.max_position_embeddings)
+            params = rope_parameters(config)
+            rotary = MRotaryEmbedding if "mrope_section" in params else RotaryEmbedding
+            self.rotary = rotary(head_dim, max_positions, params, config.max_position_embeddings)
             self.rotaries, self.layer_types = None, None
         else:  # Gemma 3: local and global layers rotate with their own settings
             self.rotaries = nn.ModuleDict({kind: RotaryEmbedding(

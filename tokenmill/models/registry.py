@@ -39,18 +39,33 @@ _MODELS = {
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",
-                                             "LlavaNextForConditionalGeneration")
+                                             "LlavaNextForConditionalGeneration",
+                                             "Qwen2VLForConditionalGeneration",
+                                             "Qwen2_5_VLForConditionalGeneration")
 
 
 def _llava_text_config(config: Any) -> Any:
     """A LLaVA checkpoint's language model's config (its images: models/vision/)."""
-    text = config.text_config
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM"}.get(text.model_type)
+            "qwen2": "Qwen2ForCausalLM"}.get(config.text_config.model_type)
     if arch is None:
-        raise ValueError(f"LLaVA over a {text.model_type} language model is not served.")
+        raise ValueError(f"LLaVA over a {config.text_config.model_type} language model is "
+                         "not served.")
+    return _inner_text_config(config, arch)
+
+
+def _qwen_vl_text_config(config: Any) -> Any:
+    """A Qwen2-VL / Qwen2.5-VL checkpoint's language model: a Qwen2 whose rotary is M-RoPE
+    (its `mrope_section`: layers/rotary.py)."""
+    return _inner_text_config(config, "Qwen2ForCausalLM")
+
+
+def _inner_text_config(config: Any, arch: str) -> Any:
+    """`config.text_config` built as `arch`, with the outer config's token ids and tied
+    head where the inner one lacks them."""
+    text = config.text_config
     text.architectures = [arch]
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
         if getattr(text, key, None) is None and getattr(config, key, None) is not None:
             setattr(text, key, getattr(config, key))
     return text
@@ -59,7 +74,9 @@ def _llava_text_config(config: Any) -> Any:
 # image-text architectures: -> their language model's config (built as a text family)
 _TEXT_OF = {"Gemma3ForConditionalGeneration": text_config,
             "LlavaForConditionalGeneration": _llava_text_config,
-            "LlavaNextForConditionalGeneration": _llava_text_config}
+            "LlavaNextForConditionalGeneration": _llava_text_config,
+            "Qwen2VLForConditionalGeneration": _qwen_vl_text_config,
+            "Qwen2_5_VLForConditionalGeneration": _qwen_vl_text_config}
 
 
 def text_model_config(hf_config: Any) -> Any:

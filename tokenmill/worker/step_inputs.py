@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from tokenmill import mm_inputs
 from tokenmill.core.scheduler import ScheduledRequest
 from tokenmill.lora.request import LoRARequest
 
@@ -38,6 +39,10 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     # first layer reads the images' rows there (rank 0 encodes them, and broadcasts them to
     # the other tensor-parallel ranks)
     image_rows: list[int] = []
+    # M-RoPE (Qwen2-VL) with a sequence that holds images: every row's (temporal, height,
+    # width) rotary positions, the three rows one after another ([3 x rows]; empty: the
+    # rows rotate by their positions)
+    rope_positions: list[int] = []  # (rank 0: an int64 array)
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest],
@@ -74,11 +79,15 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                     prompt_rows.append((first, last - s.start))
         adapters = {s.request.lora_id: s.request.lora_request for s in scheduled
                     if s.request.lora_request is not None}
+        rope = []
+        if any(mm_inputs.uses_mrope(s.request.mm_inputs) for s in scheduled):
+            rope = np.concatenate([mm_inputs.rope_positions(s.request.mm_inputs, s.start, s.end)
+                                   for s in scheduled], axis=1).ravel()
         return cls(token_ids, [s.start for s in scheduled], [s.end for s in scheduled],
                    [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
-                   list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows)
+                   list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows, rope)
 
     @property
     def num_sampled_rows(self) -> int:
@@ -99,7 +108,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
         n = len(self.starts)
         q, rest = divmod(len(self.token_ids), n) if n else (0, 1)
         if (rest or self.prompt_seqs or self.pool_seqs or self.image_rows
-                or len(self.sample_seqs) != n):
+                or len(self.rope_positions) or len(self.sample_seqs) != n):
             return 0
         # (each sequence computes at least the rows it scores: all q, when they add up)
         return q if all(count == q for count in self.sample_counts) else 0

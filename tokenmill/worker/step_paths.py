@@ -6,7 +6,8 @@ cuda_graphs.py, run a uniform step all the way to its logits and are asked befor
   between eager attention calls (piecewise_graphs.py), none of them with a LoRA adapter;
 - `CompiledCpuPath`: all-decode steps of up to `max_rows` sequences on the CPU, every layer in
   one compiled call (cpu_decode_step.py; LoRA adapters' products in it too, csrc/lora.c);
-- `EagerPath`: any step, op by op through the model, the reference of the others; where
+- `EagerPath`: any step, op by op through the model, the reference of the others (the one
+  for steps with image rows or M-RoPE positions); where
   nothing reads the other rows (and no row has a LoRA adapter: lora/layers.py maps every row
   of the step), only the sampled ones go past the last layer's K/V projection."""
 
@@ -50,6 +51,8 @@ def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
         block_size=block_size,
     )
     backend.prepare(meta)
+    if len(inputs.rope_positions):  # (M-RoPE: the rows' three rotary positions)
+        positions = on_device(inputs.rope_positions, torch.int64, device).view(3, -1)
     return input_ids, positions, meta
 
 
@@ -82,7 +85,7 @@ class StepTensors:
     """A step's inputs on the device, as every path takes them."""
 
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # [rows]; M-RoPE rows' (temporal, height, width): [3, rows]
     meta: AttentionMetadata
     inputs: StepInputs
     # a pipeline stage after the first: the previous stage's (hidden, residual)
@@ -105,7 +108,7 @@ class PiecewisePath(StepPath):
         self.pieces = pieces
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if (step.inputs.lora_ids or step.inputs_embeds is not None
+        if (step.inputs.lora_ids or step.inputs_embeds is not None or step.positions.dim() > 1
                 or not self.pieces.fits(len(step.input_ids))):
             return None  # (the graphs hold the base model's forward: no adapters)
         return self.pieces.run(step.input_ids, step.positions, step.meta), None
@@ -116,7 +119,7 @@ class CompiledCpuPath(StepPath):
         self.decode_step = decode_step
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if step.inputs_embeds is not None:
+        if step.inputs_embeds is not None or step.positions.dim() > 1:
             return None
         hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.intermediate,
                                   step.drafted and step.inputs.only_decodes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import time
 import urllib.error
 import urllib.parse
@@ -150,20 +151,36 @@ class ImageInputs:
         self.config, self.allowed = config, tuple(allowed_domains)
         self.processor = AutoImageProcessor.from_pretrained(model_path)
 
-    def pixels(self, image: Any) -> tuple[np.ndarray, list[int]]:
+    def pixels(self, image: Any, param: str = "messages") -> tuple[np.ndarray, list[int], int,
+                                                                  list[int]]:
         """A decoded image as the model's processor makes it: float32 [3, side, side] (a
-        tiling model's: [tiles, 3, side, side]), and its (height, width) where that counts."""
+        tiling model's: [tiles, 3, side, side]; a dynamic-resolution one's: [patches, patch
+        values]), its (height, width) or patch grid where that counts, its rows, and its
+        rows' grid (M-RoPE)."""
         config = self.config
+        if config.dynamic:  # (its rows counted before the processor spends memory on it)
+            patches = self.processor.get_number_of_image_patches(image.height, image.width,
+                                                                 {})
+            if patches // config.merge_size ** 2 > config.max_rows:
+                raise InvalidParameter(param, f"An image of {image.width} x {image.height} "
+                                       f"pixels makes {patches // config.merge_size ** 2} "
+                                       f"tokens, more than max_model_len ({config.max_rows}).")
         out = self.processor(images=[image], return_tensors="np")
-        pixels, side = out["pixel_values"][0], config.image_size
-        shape, size = (3, side, side), []
-        if config.tiled:
-            size = [int(n) for n in out["image_sizes"][0]]
-            shape = (config.tiles(*size), *shape)
+        pixels, side, grid = out["pixel_values"], config.image_size, []
+        if config.dynamic:
+            size = [int(n) for n in out["image_grid_thw"][0]]
+            m = config.merge_size
+            grid = [size[0], size[1] // m, size[2] // m]
+            shape, rows = (math.prod(size), config.patch_dim), math.prod(grid)
+        else:
+            pixels, shape, size, rows = pixels[0], (3, side, side), [], config.tokens_per_image
+            if config.tiled:
+                size = [int(n) for n in out["image_sizes"][0]]
+                shape, rows = (config.tiles(*size), *shape), config.rows(*size)
         if pixels.shape != shape:
             raise ValueError(f"The image processor gave pixels of shape {pixels.shape}, not "
                              f"{shape}.")
-        return np.ascontiguousarray(pixels, dtype=np.float32), size
+        return np.ascontiguousarray(pixels, dtype=np.float32), size, rows, grid
 
     async def prepare(self, ids: list[int], urls: list[str], param: str = "messages"
                       ) -> tuple[list[int], list[MultiModalInput]]:
@@ -195,10 +212,9 @@ class ImageInputs:
         out, inputs, start = [], [], 0
         for slot, image in zip(slots, images):
             out += ids[start:slot]
-            pixels, size = self.pixels(image)
-            n = config.rows(*size) if config.tiled else config.tokens_per_image
+            pixels, size, n, grid = self.pixels(image, param)
             inputs.append(MultiModalInput.of(pixels.tobytes(), list(pixels.shape), len(out), n,
-                                             size))
+                                             size, grid))
             out += [token] * n
             start = slot + 1
         return out + ids[start:], inputs

@@ -3,7 +3,8 @@ selects, its projector — built from the checkpoint's config, loaded from its t
 LLaVA-1.5 (`LlavaForConditionalGeneration`: CLIP tower, MLP projector) and LLaVA-NeXT
 (`LlavaNextForConditionalGeneration`: the same over an image's tiles, packed as
 transformers' `pack_image_features` does: the whole image's tile, then the grid's rows with
-the resize's padding cut off, each row closed by the learned newline row)."""
+the resize's padding cut off, each row closed by the learned newline row).
+`build_encoder` picks it or Qwen2-VL's (qwen_vit.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tokenmill.models.vision.projector import LlavaProjector
 
 # an image-text checkpoint's image side (old and new transformers layouts)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                   "model.multi_modal_projector.", "image_newline", "model.image_newline")
+                   "model.multi_modal_projector.", "image_newline", "model.image_newline",
+                   "visual.", "model.visual.")
 
 
 def text_name(name: str) -> str:
@@ -27,6 +29,16 @@ def text_name(name: str) -> str:
         if name.startswith(prefix):
             return "model." + name[len(prefix):]
     return name.removeprefix("language_model.")
+
+
+def build_encoder(config: Any) -> nn.Module:
+    """The image side of an image-text checkpoint's config: each has `encode(images)` and
+    `load_weights(tensors)`."""
+    if config.architectures[0] in ("Qwen2VLForConditionalGeneration",
+                                   "Qwen2_5_VLForConditionalGeneration"):
+        from tokenmill.models.vision.qwen_vit import QwenVisionEncoder
+        return QwenVisionEncoder(config)
+    return VisionEncoder(config)
 
 
 class VisionEncoder(nn.Module):

@@ -1,5 +1,7 @@
-"""LLaVA's projector: the tower's features into the language model's hidden size, through
-two linears and an activation."""
+"""Projectors: a vision tower's features into the language model's hidden size. LLaVA's:
+two linears and an activation; Qwen2-VL's patch merger: each merge block's patches normed,
+side by side, through two linears and a GELU (one row for the language model from 2 x 2
+patches)."""
 
 from __future__ import annotations
 
@@ -28,3 +30,31 @@ class LlavaProjector(nn.Module):
         return cls(config.vision_config.hidden_size, config.text_config.hidden_size,
                    getattr(config, "projector_hidden_act", "gelu"),
                    bool(getattr(config, "multimodal_projector_bias", True)))
+
+
+class VisionRMSNorm(nn.Module):
+    """x / rms(x) * w in float32, cast back before the weight (Qwen2.5-VL's)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class PatchMerger(nn.Module):
+    """Qwen2-VL's (`rms`: Qwen2.5-VL's, its norm an RMS norm): rows [patches, dim] ->
+    [patches / merge^2, out]."""
+
+    def __init__(self, dim: int, out: int, merge: int, rms: bool) -> None:
+        super().__init__()
+        self.ln_q = VisionRMSNorm(dim) if rms else nn.LayerNorm(dim, eps=1e-6)
+        wide = dim * merge ** 2
+        self.mlp = nn.Sequential(nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, out))
+        self.wide = wide
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.wide))
