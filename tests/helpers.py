@@ -403,6 +403,37 @@ def make_qwen_vl(path: str, version: str = "2.5"):
     return model, images, tok
 
 
+def qwen_vl_expand(model, images, tok, text: str, imgs: list):
+    """(prompt ids with each image's placeholder grown to its rows, as Qwen2VLProcessor
+    grows it; the model's keyword inputs for those images)."""
+    pad = model.config.image_token_id
+    ids = tok(text)["input_ids"]
+    if not imgs:
+        return ids, {}
+    out = images(images=imgs, return_tensors="pt")
+    grids, grown, k = out["image_grid_thw"], [], 0
+    for t in ids:
+        if t == pad:
+            grown += [pad] * int(grids[k].prod() // 4)
+            k += 1
+        else:
+            grown.append(t)
+    return grown, {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
+
+
+def qwen_vl_greedy(model, images, tok, text: str, imgs: list, n: int = 8
+                   ) -> tuple[list[int], list[int]]:
+    """(the prompt's ids as the processor expands them, transformers' `n` greedy tokens)."""
+    ids, kwargs = qwen_vl_expand(model, images, tok, text, imgs)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                             mm_token_type_ids=(x == model.config.image_token_id).int(),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, **kwargs)
+    return ids, out[0, len(ids):].tolist()
+
+
 def random_image(seed: int, width: int, height: int):
     """A PIL image of random RGB pixels (image-text model tests)."""
     from PIL import Image

@@ -9,7 +9,7 @@ processed."""
 import numpy as np
 import pytest
 import torch
-from helpers import make_qwen_vl
+from helpers import make_qwen_vl, qwen_vl_expand, qwen_vl_greedy
 from helpers import random_image as image
 
 from tokenmill import LLM, SamplingParams
@@ -28,36 +28,6 @@ REQUESTS = [(f"The quick {IMAGE} brown fox and {IMAGE} jumps", [(1, 90, 50), (2,
 def qwen_vl(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("qwen_vl") / "tiny")
     return (path, *make_qwen_vl(path, request.param))
-
-
-def _expand(model, images, tok, text: str, imgs: list):
-    """(prompt ids with each image's placeholder grown to its rows, as Qwen2VLProcessor
-    grows it; the model's keyword inputs for those images)."""
-    pad = model.config.image_token_id
-    ids = tok(text)["input_ids"]
-    if not imgs:
-        return ids, {}
-    out = images(images=imgs, return_tensors="pt")
-    grids, grown, k = out["image_grid_thw"], [], 0
-    for t in ids:
-        if t == pad:
-            grown += [pad] * int(grids[k].prod() // 4)
-            k += 1
-        else:
-            grown.append(t)
-    return grown, {"pixel_values": out["pixel_values"], "image_grid_thw": grids}
-
-
-def reference(model, images, tok, text: str, imgs: list) -> tuple[list[int], list[int]]:
-    """(the prompt's ids as the processor expands them, transformers' greedy tokens)."""
-    ids, kwargs = _expand(model, images, tok, text, imgs)
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                             mm_token_type_ids=(x == model.config.image_token_id).int(),
-                             max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, **kwargs)
-    return ids, out[0, len(ids):].tolist()
 
 
 def _prompts(requests):
@@ -91,7 +61,7 @@ def test_rope_positions_equal_get_rope_index(qwen_vl):
     continue from its rope delta."""
     _, model, images, tok = qwen_vl
     text, imgs = REQUESTS[0][0], [image(*i) for i in REQUESTS[0][1]]
-    ids, kwargs = _expand(model, images, tok, text, imgs)
+    ids, kwargs = qwen_vl_expand(model, images, tok, text, imgs)
     x = torch.tensor([ids])
     pad = model.config.image_token_id
     expected, delta = model.model.get_rope_index(
@@ -113,7 +83,7 @@ def test_rope_positions_equal_get_rope_index(qwen_vl):
 
 def test_greedy_tokens_equal_transformers(qwen_vl):
     path, model, images, tok = qwen_vl
-    expected = [reference(model, images, tok, text, [image(*i) for i in imgs])
+    expected = [qwen_vl_greedy(model, images, tok, text, [image(*i) for i in imgs])
                 for text, imgs in REQUESTS]
     # 16-token steps: prompts reach their images over several chunks
     with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16) as llm:
@@ -132,7 +102,7 @@ def test_preemption_prefix_cache_and_tensor_parallel(qwen_vl, request):
     path, model, images, tok = qwen_vl
     text = REQUESTS[0][0]
     requests = [(text, [(s, 90, 50), (s + 1, 64, 40)]) for s in range(4)]
-    expected = [reference(model, images, tok, t, [image(*i) for i in imgs])[1]
+    expected = [qwen_vl_greedy(model, images, tok, t, [image(*i) for i in imgs])[1]
                 for t, imgs in requests]
     with LLM(path, num_kv_blocks=8, block_size=8, max_num_batched_tokens=16) as llm:
         outs = llm.generate(_prompts(requests), GREEDY, use_tqdm=False)

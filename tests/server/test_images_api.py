@@ -1,6 +1,7 @@
 """Images in OpenAI chat requests, through the `openai` SDK: `image_url` parts (base64 data
 URLs, or http URLs of an allowed host) to a tiny LLaVA give transformers' greedy answer for
-the same conversation; the bad images (a decompression bomb, a truncated or non-image file,
+the same conversation (and to a tiny Qwen2.5-VL, dynamic resolution and M-RoPE); the
+bad images (a decompression bomb, a truncated or non-image file,
 bad base64, a host not allowed, a redirect away from the allowed ones, too large, too many
 images, an image for a text model) get 400 in the OpenAI shape, naming the cause, and the
 server goes on serving."""
@@ -10,7 +11,7 @@ import base64
 import openai
 import pytest
 import torch
-from helpers import data_url, make_llava, png
+from helpers import data_url, make_llava, make_qwen_vl, png, qwen_vl_greedy
 from helpers import random_image as picture
 from PIL import Image
 
@@ -74,6 +75,30 @@ def test_bad_images_get_400_naming_the_cause(llava, url, why):
     ok = client.chat.completions.create(model="tiny", max_tokens=4,
                                         messages=_messages([picture(5, 10, 10)]))
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_qwen_vl_chat_equals_transformers(tmp_path):
+    """Qwen2.5-VL through the server: the chat template's vision markers around each image,
+    the image processor's grid deciding its rows; an image too large for the context gets
+    400 naming the limit."""
+    path = str(tmp_path / "qwen_vl")
+    model, images, tok = make_qwen_vl(path)
+    imgs = [picture(1, 90, 50), picture(2, 100, 120)]
+    template = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "What is this?"}]}]
+    text = tok.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
+    ids, tokens = qwen_vl_greedy(model, images, tok, text, imgs)
+    with service_over_engine(path, engine={"max_model_len": 60}, max_dec_len=64) as thread:
+        client = openai.OpenAI(base_url=thread.base + "/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(
+            model="tiny", messages=_messages(imgs, "What is this?"), max_tokens=8,
+            temperature=0, extra_body={"ignore_eos": True})
+        large = Image.new("RGB", (800, 800), (20, 90, 200))  # (64 rows: the processor's most)
+        with pytest.raises(openai.BadRequestError, match=r"64 tokens, more than max_model_len"):
+            client.chat.completions.create(model="tiny", max_tokens=4,
+                                           messages=_messages([large]))
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == tok.decode(tokens, skip_special_tokens=True)
 
 
 def test_a_text_model_refuses_images(server):
