@@ -154,6 +154,22 @@ def test_the_encoder_budget_spreads_images_over_steps(llava):
         assert batches == passes and out.outputs[0].token_ids == expected
 
 
+def test_one_encoder_pass_takes_every_request_s_images(llava):
+    """Three requests whose images a step reaches together: one pass through the tower
+    (of all their images), each request given its own rows."""
+    path, model, processor = llava
+    requests = [(f"a <image> {w}", [(30 + k, 30 + k, 30)]) for k, w in
+                enumerate(("one", "two", "three"))]
+    expected = [reference(model, processor, t, [image(*i) for i in imgs])[1]
+                for t, imgs in requests]
+    with LLM(path, kv_cache_memory_gib=0.02) as llm:
+        vision = llm.engine.core.runner.images.vision
+        batches, forward = [], vision.forward
+        vision.forward = lambda pixels, b=batches, f=forward: b.append(len(pixels)) or f(pixels)
+        outs = llm.generate(_prompts(requests), GREEDY, use_tqdm=False)
+    assert batches == [3] and [o.outputs[0].token_ids for o in outs] == expected
+
+
 @pytest.fixture(scope="module")
 def llava_next(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("llava_next") / "tiny")

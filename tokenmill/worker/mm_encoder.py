@@ -1,10 +1,11 @@
 """An image-text model's image side (vLLM's encoder runner and encoder cache): rank 0's
 vision encoder turns a request's images into rows once, when a step first reaches their
-placeholders; the rows are kept while the request runs (its later prompt chunks, and a
-recompute after preemption, reuse them). Each step that computes placeholder rows
-(`StepInputs.image_rows`) starts its first layer from its tokens' embeddings with the
-images' rows in their place (`inputs_embeds`); the other tensor-parallel ranks of the first
-stage get those rows from rank 0."""
+placeholders (the images a step reaches, of all its requests, in one pass); the rows are
+kept while the request runs (its later prompt chunks, and a recompute after preemption,
+reuse them). Each step that computes placeholder rows (`StepInputs.image_rows`) starts its
+first layer from its tokens' embeddings with the images' rows in their place
+(`inputs_embeds`); the other tensor-parallel ranks of the first stage get those rows from
+rank 0."""
 
 from __future__ import annotations
 
@@ -28,36 +29,39 @@ class ImageEncoder:
         for rid in request_ids:
             self.rows.pop(rid, None)
 
-    def _encode(self, request, wanted: list[int]) -> list[torch.Tensor | None]:
-        """The request's images' rows, its images `wanted` encoded now where they are not
-        yet (in one pass)."""
-        rows = self.rows.setdefault(request.request_id, [None] * len(request.mm_inputs))
-        missing = [k for k in wanted if rows[k] is None]
-        if missing:
-            images = [(torch.from_numpy(np.frombuffer(m.pixels, dtype=np.float32)
-                                        .reshape(m.shape).copy()).to(self.device, self.dtype),
-                       m.size) for m in (request.mm_inputs[k] for k in missing)]
-            with torch.inference_mode():
-                encoded = self.vision.encode(images)
-            for k, value in zip(missing, encoded):
-                rows[k] = value
-        return rows
+    def _encode(self, wanted: list[tuple]) -> None:
+        """Encode the (request, image index) pairs `wanted` whose rows are not kept yet,
+        every request's in one pass through the encoder."""
+        missing = []
+        for request, k in wanted:
+            rows = self.rows.setdefault(request.request_id, [None] * len(request.mm_inputs))
+            if rows[k] is None:
+                missing.append((request, k))
+        if not missing:
+            return
+        images = [(torch.from_numpy(np.frombuffer(m.pixels, dtype=np.float32)
+                                    .reshape(m.shape).copy()).to(self.device, self.dtype),
+                   m.size) for m in (request.mm_inputs[k] for request, k in missing)]
+        with torch.inference_mode():
+            encoded = self.vision.encode(images)
+        for (request, k), value in zip(missing, encoded):
+            self.rows[request.request_id][k] = value
 
     def step_rows(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
         """The rows of the step's image placeholders, in `StepInputs.image_rows`' order
-        (sequences as `scheduled`, each one's images in prompt order); None: none."""
-        values = []
+        (sequences as `scheduled`, each one's images in prompt order); None: none. The
+        images first reached in this step are encoded together, whatever their request."""
+        spans = []
         for s in scheduled:
-            spans = [(k, max(s.start, m.offset), min(s.end, m.end))
-                     for k, m in enumerate(s.request.mm_inputs)]
-            spans = [(k, a, b) for k, a, b in spans if a < b]
-            if not spans:
-                continue
-            rows = self._encode(s.request, [k for k, _, _ in spans])
-            for k, a, b in spans:
-                offset = s.request.mm_inputs[k].offset
-                values.append(rows[k][a - offset:b - offset])
-        return torch.cat(values) if values else None
+            for k, m in enumerate(s.request.mm_inputs):
+                a, b = max(s.start, m.offset), min(s.end, m.end)
+                if a < b:
+                    spans.append((s.request, k, a - m.offset, b - m.offset))
+        if not spans:
+            return None
+        self._encode([(request, k) for request, k, _, _ in spans])
+        return torch.cat([self.rows[request.request_id][k][a:b]
+                          for request, k, a, b in spans])
 
 
 def inputs_embeds(model, tp, input_ids: torch.Tensor, rows: list[int],
