@@ -403,6 +403,71 @@ def make_qwen_vl(path: str, version: str = "2.5"):
     return model, images, tok
 
 
+GEMMA3_IMAGE = "<start_of_image>"
+
+
+def make_gemma3_vl(path: str):
+    """A tiny Gemma 3 image-text checkpoint (a 3-layer SigLIP tower on 28-pixel images in
+    7-pixel patches, pooled to 4 rows; a 2-layer Gemma 3 text model, one sliding-window
+    layer of 8 and one global) at `path` with its image processor, and a tokenizer that
+    holds newline runs as single tokens as Gemma's does ("\n" to "\n\n\n\n"). Returns
+    (the HF model, the image processor, the tokenizer)."""
+    import transformers as tf
+    from tokenizers import AddedToken
+
+    tok = make_tokenizer(path)
+    tok.add_tokens([AddedToken("\n" * n, normalized=False) for n in (4, 3, 2, 1)])
+    marks = [GEMMA3_IMAGE, "<end_of_image>", "<image_soft_token>"]
+    tok.add_special_tokens({"additional_special_tokens": marks})
+    tok.chat_template = (
+        "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for part in m['content'] %}{% if part['type'] == "
+        "'image' %}<start_of_image>{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+        "{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}"
+        "<start_of_turn>model\n{% endif %}")
+    boi, eoi, soft = tok.convert_tokens_to_ids(marks)
+    text = tf.Gemma3TextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1024, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], eos_token_id=1, bos_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, image_size=28, patch_size=7, vision_use_head=False)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                             boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
+                             eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (random init leaves the tower's biases and norms plain)
+        for name, param in model.named_parameters():
+            if "vision" in name or "projector" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(path)
+    images = tf.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    images.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, images, tok
+
+
+def gemma3_greedy(model, images, tok, text: str, imgs: list, n: int = 8
+                  ) -> tuple[list[int], list[int]]:
+    """(the prompt's ids as Gemma3Processor makes them: each `<start_of_image>` replaced in
+    the text by "\n\n<start_of_image>", the soft tokens, "<end_of_image>\n\n", then the
+    whole text tokenized; transformers' `n` greedy tokens)."""
+    rows = "<image_soft_token>" * model.config.mm_tokens_per_image
+    ids = tok(text.replace(GEMMA3_IMAGE, f"\n\n{GEMMA3_IMAGE}{rows}<end_of_image>\n\n"))[
+        "input_ids"]
+    x = torch.tensor([ids])
+    kwargs = ({"pixel_values": images(images=imgs, return_tensors="pt")["pixel_values"]}
+              if imgs else {})
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                             token_type_ids=(x == model.config.image_token_id).long(),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, **kwargs)
+    return ids, out[0, len(ids):].tolist()
+
+
 def qwen_vl_expand(model, images, tok, text: str, imgs: list):
     """(prompt ids with each image's placeholder grown to its rows, as Qwen2VLProcessor
     grows it; the model's keyword inputs for those images)."""

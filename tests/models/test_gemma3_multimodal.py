@@ -1,6 +1,6 @@
-"""A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B-27B ship only as that) serves its
-text model: transformers' multimodal model's greedy tokens on text prompts, the vision
-tower's tensors not read."""
+"""A Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B-27B ship only as that) on text
+prompts: transformers' multimodal model's greedy tokens, its language model built as
+Gemma3ForCausalLM (the vision tower apart from it; images: test_gemma3_vision.py)."""
 
 import torch
 from helpers import make_tokenizer

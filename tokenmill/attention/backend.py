@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,10 @@ class AttentionMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks] block ids, padded with 0
     num_decodes: int
     block_size: int
+    # (sequence, first position, end) of the spans whose queries see every key of the span
+    # (Gemma 3's image rows attend to each other both ways; the step computes a span whole):
+    # the masked path (window.py) takes a step that has any
+    bidirectional: list[tuple[int, int, int]] = field(default_factory=list)
     # What the backend derives once per step for all layers (set by `AttentionBackend.prepare`).
     backend_data: Any = None
 

@@ -108,7 +108,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None, softcap: float | None = None):
-        if window is not None or softcap is not None:
+        if window is not None or softcap is not None or meta.bidirectional:
             return masked_attention(q, k_cache, v_cache, meta, scale, window, softcap)
         plan: _StepPlan = meta.backend_data
         num_kv_heads = k.shape[1]

@@ -1,9 +1,11 @@
 """Attention over the paged cache with what the compiled kernels do not take yet: a sliding
 window (Mistral v0.1, Qwen2's `use_sliding_window` layers, Phi-3, Gemma's local layers: a
 query at position p sees the keys at positions p - window + 1 .. p, as transformers' sliding
-mask) and Gemma 2's logit soft-capping (scores -> cap * tanh(scores / cap)). Only the blocks
-holding a step's visible keys are read; each sequence attends through one masked SDPA call,
-or, soft-capped, explicit products."""
+mask), Gemma 2's logit soft-capping (scores -> cap * tanh(scores / cap)) and Gemma 3's
+bidirectional image spans (`AttentionMetadata.bidirectional`: a query in a span also sees
+the span's later keys, within the window: transformers' AND(window, OR(causal, span))).
+Only the blocks holding a step's visible keys are read; each sequence attends through one
+masked SDPA call, or, soft-capped, explicit products."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """[T, Hq, D] outputs of the step's queries (their K/V already in the cache)."""
     out = torch.empty_like(q)
     loc, bs = meta.query_start_loc, meta.block_size
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for s, first, end in meta.bidirectional:
+        spans.setdefault(s, []).append((first, end))
     for s in range(meta.num_seqs):
         lo, hi = loc[s], loc[s + 1]
         context, seq_len = meta.context_lens[s], int(meta.seq_lens[s])
@@ -31,6 +36,9 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         position = torch.arange(context, context + hi - lo, device=q.device).unsqueeze(1)
         key = torch.arange(start, seq_len, device=q.device).unsqueeze(0)
         visible = key <= position
+        for first, end in spans.get(s, ()):
+            visible |= ((position >= first) & (position < end)
+                        & (key >= first) & (key < end))
         if window is not None:
             visible &= key > position - window
         if softcap is not None:

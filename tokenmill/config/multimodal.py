@@ -20,7 +20,8 @@ from tokenmill.config.json_flag import json_object
 
 # image-text architectures served with their images (others' text models only)
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                       "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                       "Gemma3ForConditionalGeneration")
 DYNAMIC_RESOLUTION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 DEFAULT_MAX_IMAGES = 8
 
@@ -40,6 +41,19 @@ class MultiModalConfig(msgspec.Struct, frozen=True):
     merge_size: int = 0
     patch_dim: int = 0
     max_rows: int = 1 << 62  # an image's rows at most: the context (max_model_len)
+    # Gemma 3: the prompt holds `placeholder_id` once an image (-1: the image token itself),
+    # which becomes `wrap` text, `start_id`, the rows, `end_id`, `wrap` text again; the rows
+    # attend to each other both ways (`bidirectional`)
+    placeholder_id: int = -1
+    start_id: int = -1
+    end_id: int = -1
+    wrap: str = ""
+    bidirectional: bool = False
+
+    @property
+    def prompt_token_id(self) -> int:
+        """The token a prompt holds once per image."""
+        return self.image_token_id if self.placeholder_id < 0 else self.placeholder_id
 
     @property
     def dynamic(self) -> bool:
@@ -115,6 +129,13 @@ def resolve_multimodal(path: str, limits: dict[str, int],
 
     config: Any = AutoConfig.from_pretrained(path, trust_remote_code=False)
     vision = config.vision_config
+    if config.architectures[0] == "Gemma3ForConditionalGeneration":
+        return MultiModalConfig(
+            "Gemma3ForConditionalGeneration", int(config.image_token_index),
+            int(config.mm_tokens_per_image), int(vision.image_size), limits["image"], [],
+            int(vision.patch_size), max_rows=max_model_len,
+            placeholder_id=int(config.boi_token_index), start_id=int(config.boi_token_index),
+            end_id=int(config.eoi_token_index), wrap="\n\n", bidirectional=True)
     if config.architectures[0] in DYNAMIC_RESOLUTION:
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         return MultiModalConfig(config.architectures[0], int(config.image_token_id), 0, 0,

@@ -25,9 +25,13 @@ class SchedulerConfig:
     # image rows the vision encoder may make in one step (vLLM's max_num_encoder_input_tokens;
     # one image always fits): a chunk stops before an image past it, for a later step
     encoder_budget: int = 2048
+    # an image's rows go in one chunk (Gemma 3: they attend to each other both ways), the
+    # token budget stretched for an image larger than it
+    whole_images: bool = False
 
     @classmethod
-    def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+    def of(cls, config: EngineConfig, max_model_len: int,
+           whole_images: bool = False) -> SchedulerConfig:
         """The engine's: its token budget (checked against the context when prompts are not
         chunked) and the draft heads' lookahead."""
         budget = config.token_budget(max_model_len)
@@ -41,4 +45,5 @@ class SchedulerConfig:
                    num_lookahead_tokens=spec.num_lookahead_slots if spec is not None else 0,
                    max_loras=config.max_loras if config.enable_lora else 0,
                    policy=config.scheduling_policy,
-                   encoder_budget=config.max_num_encoder_input_tokens or budget)
+                   encoder_budget=config.max_num_encoder_input_tokens or budget,
+                   whole_images=whole_images)

@@ -287,12 +287,18 @@ class Scheduler:
                      ) -> tuple[int, int, int]:
         """(the tokens of a chunk from `start` the encoder's `budget` left lets run, the
         image rows it encodes, the request's images encoded once it ran): the chunk stops
-        before the first image past the budget; one image fits a step that encodes none."""
+        before the first image past the budget; one image fits a step that encodes none.
+        With `whole_images`, a chunk ends before an image it would cut, or (starting in or
+        at one) at its end."""
         spent, end, encoded = 0, start + num_new, request.num_encoded_images
         idle = budget == self.config.encoder_budget
         for image in request.mm_inputs[encoded:]:
             if image.offset >= end:
                 break
+            if self.config.whole_images and image.end > end:
+                end = image.offset if image.offset > start else image.end
+                if end == image.offset:
+                    break
             if image.end > start:  # (one a prefix-cache hit covers needs no encoding)
                 if spent + image.length > budget and (spent or not idle):
                     end = image.offset

@@ -46,7 +46,9 @@ class EngineCore:
         check_kv_budget(config)
         self.model_config = model = ModelConfig.of(config, model_path, hf_config,
                                                 derive_max_model_len(config, hf_config))
-        scheduler_config = SchedulerConfig.of(config, model.max_model_len)
+        scheduler_config = SchedulerConfig.of(
+            config, model.max_model_len,
+            model.multimodal is not None and model.multimodal.bidirectional)
         # Tensor parallel: this process is rank 0 (it alone schedules and samples).
         self.workers = None
         self.batch_queue = None

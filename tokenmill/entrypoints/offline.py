@@ -216,7 +216,8 @@ class LLM:
         if config is None:
             raise ValueError("This model takes no images.")
         if getattr(self, "_processor", None) is None:
-            self._processor = ImageInputs(self.engine.model_path, config)
+            self._processor = ImageInputs(self.engine.model_path, config,
+                                          tokenizer=self.get_tokenizer())
         return self._processor
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from torch import nn
@@ -36,12 +35,12 @@ _MODELS = {
                                        "qk_norm": True, "make_mlp": qwen_moe_mlp}),
 }
 
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",
                                              "LlavaNextForConditionalGeneration",
                                              "Qwen2VLForConditionalGeneration",
-                                             "Qwen2_5_VLForConditionalGeneration")
+                                             "Qwen2_5_VLForConditionalGeneration",
+                                             "Gemma3ForConditionalGeneration")
 
 
 def _llava_text_config(config: Any) -> Any:
@@ -85,9 +84,6 @@ def text_model_config(hf_config: Any) -> Any:
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch not in _TEXT_OF:
         return hf_config
-    if arch == "Gemma3ForConditionalGeneration":
-        logger.info("%s checkpoint: serving its text model (image inputs are not supported "
-                    "for it).", arch)
     return _TEXT_OF[arch](hf_config)
 
 

@@ -89,6 +89,7 @@ class ModelRunner:
         if model.multimodal is not None and self.world.rank == 0:
             from tokenmill.worker.mm_encoder import ImageEncoder
             self.images = ImageEncoder(model_path, self.device, self.dtype)
+        self.bidirectional_images = model.multimodal is not None and model.multimodal.bidirectional
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)
         layers = self.model.attention_layers()
@@ -223,7 +224,8 @@ class ModelRunner:
         scheduled = sorted(step.scheduled, key=lambda s: (s.num_new_tokens != 1,
                                                           s.request.lora_id))
         announced = self.lora.take_announced() if self.lora is not None else None
-        inputs = StepInputs.of(scheduled, announced if self.world.size > 1 else None)
+        inputs = StepInputs.of(scheduled, announced if self.world.size > 1 else None,
+                               self.bidirectional_images)
         data = self.io.send(inputs, scheduled, step.finished_ids)
         self.in_flight += 1  # (taken back only when every rank's part of the step is done)
         images = self.images.step_rows(scheduled) if self.images is not None else None

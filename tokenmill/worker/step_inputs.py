@@ -43,13 +43,20 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     # width) rotary positions, the three rows one after another ([3 x rows]; empty: the
     # rows rotate by their positions)
     rope_positions: list[int] = []  # (rank 0: an int64 array)
+    # Gemma 3: (sequence, first position, end) of each image this step computes, whose rows
+    # attend to each other both ways (AttentionMetadata.bidirectional)
+    bidirectional: list[tuple[int, int, int]] = []
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest],
-           lora_prefetch: list[LoRARequest] | None = None) -> StepInputs:
+           lora_prefetch: list[LoRARequest] | None = None,
+           bidirectional_images: bool = False) -> StepInputs:
+        """`bidirectional_images`: the model's image rows attend to each other both ways
+        (the scheduler then computes each image in one step)."""
         token_ids: list[int] = []
         sample_seqs, prompt_seqs, prompt_rows, sample_counts, pool_seqs = [], [], [], [], []
         image_rows: list[int] = []
+        spans: list[tuple[int, int, int]] = []
         for i, s in enumerate(scheduled):
             request, drafts = s.request, s.drafts
             first = len(token_ids)
@@ -66,6 +73,8 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
             for image in request.mm_inputs:  # (the rows of this chunk that are an image's)
                 a, b = max(s.start, image.offset), min(end, image.end)
                 image_rows += range(first + a - s.start, first + b - s.start)
+                if bidirectional_images and a < b:
+                    spans.append((i, image.offset, image.end))
             if request.pooling_params is not None:
                 pool_seqs.append(i)
             elif end >= num_tokens:
@@ -87,7 +96,8 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    [s.block_ids for s in scheduled], sample_seqs, prompt_seqs,
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
-                   list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows, rope)
+                   list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows, rope,
+                   spans)
 
     @property
     def num_sampled_rows(self) -> int:

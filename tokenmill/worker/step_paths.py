@@ -49,6 +49,7 @@ def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
         block_table=on_device(table, torch.int64, device),
         num_decodes=leading_decodes(inputs.starts, inputs.ends),
         block_size=block_size,
+        bidirectional=[tuple(span) for span in inputs.bidirectional],
     )
     backend.prepare(meta)
     if len(inputs.rope_positions):  # (M-RoPE: the rows' three rotary positions)

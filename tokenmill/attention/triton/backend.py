@@ -17,6 +17,7 @@ from tokenmill.attention.backend import (
     fresh_prompt_runs,
 )
 from tokenmill.attention.triton import kernels
+from tokenmill.attention.window import masked_attention
 from tokenmill.host_to_device import on_device
 
 
@@ -121,6 +122,12 @@ class TritonBackend(AttentionBackend):
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None, softcap: float | None = None,
                out: torch.Tensor | None = None):
+        if meta.bidirectional:  # (Gemma 3's image spans: the torch path masks them)
+            result = masked_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+            if out is None:
+                return result
+            out.copy_(result)
+            return out
         out = q.new_empty(q.shape) if out is None else out
         runs = meta.backend_data.fresh_runs if meta.num_seqs else None
         if runs is not None and window is None and softcap is None:

@@ -144,12 +144,22 @@ class ImageInputs:
     """An image-text model's images for one API process (or the offline `LLM`)."""
 
     def __init__(self, model_path: str, config: MultiModalConfig,
-                 allowed_domains: tuple[str, ...] = ()) -> None:
-        """`allowed_domains`: hosts remote image URLs may name (--allowed-media-domains)."""
+                 allowed_domains: tuple[str, ...] = (), tokenizer: Any = None) -> None:
+        """`allowed_domains`: hosts remote image URLs may name (--allowed-media-domains);
+        `tokenizer`: the model's, for a model whose images come wrapped in text (Gemma 3)."""
         from transformers import AutoImageProcessor
 
         self.config, self.allowed = config, tuple(allowed_domains)
         self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.wrap: list[int] = []
+        self.runs: dict[int, int] = {}  # a newline run's length -> its one token (and back)
+        if config.wrap:
+            self.wrap = tokenizer.encode(config.wrap, add_special_tokens=False)
+            for n in range(1, 9):
+                ids = tokenizer.encode("\n" * n, add_special_tokens=False)
+                if len(ids) == 1:
+                    self.runs[n] = ids[0]
+        self.run_of = {token: n for n, token in self.runs.items()}
 
     def pixels(self, image: Any, param: str = "messages") -> tuple[np.ndarray, list[int], int,
                                                                   list[int]]:
@@ -204,17 +214,30 @@ class ImageInputs:
         if len(images) > config.max_images:
             raise InvalidParameter(param, f"A request may hold at most {config.max_images} "
                                    f"images (--limit-mm-per-prompt), got {len(images)}.")
-        token = config.image_token_id
-        slots = [i for i, t in enumerate(ids) if t == token]
+        slots = [i for i, t in enumerate(ids) if t == config.prompt_token_id]
         if len(slots) != len(images):
             raise InvalidParameter(param, f"The prompt places {len(slots)} images but the "
                                    f"request holds {len(images)}.")
         out, inputs, start = [], [], 0
         for slot, image in zip(slots, images):
-            out += ids[start:slot]
+            out = self._join(out, ids[start:slot])
             pixels, size, n, grid = self.pixels(image, param)
+            if config.start_id >= 0:  # (Gemma 3: "\n\n<start_of_image>", rows, ...)
+                out = self._join(out, self.wrap) + [config.start_id]
             inputs.append(MultiModalInput.of(pixels.tobytes(), list(pixels.shape), len(out), n,
                                              size, grid))
-            out += [token] * n
+            out += [config.image_token_id] * n
+            if config.end_id >= 0:
+                out += [config.end_id, *self.wrap]
             start = slot + 1
-        return out + ids[start:], inputs
+        return self._join(out, ids[start:]), inputs
+
+    def _join(self, left: list[int], right: list[int]) -> list[int]:
+        """left + right, a newline run at the seam one token where the tokenizer has one
+        (the processor wraps images in text and tokenizes it whole: "\n" then "\n\n" is
+        "\n\n\n" for it)."""
+        if left and right and left[-1] in self.run_of and right[0] in self.run_of:
+            merged = self.runs.get(self.run_of[left[-1]] + self.run_of[right[0]])
+            if merged is not None:
+                return left[:-1] + [merged] + right[1:]
+        return left + right

@@ -213,7 +213,8 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
                        max_seq_len=min(config.max_seq_len or max_len - 1, max_len - 1),
                        reasoning=reasoning,
                        images=ImageInputs(settings.model_path, info.multimodal,
-                                          tuple(config.allowed_media_domains or ()))
+                                          tuple(config.allowed_media_domains or ()),
+                                          tokenizer)
                        if info.multimodal is not None else None,
                        tool_parser=get_parser(tool_parser).bind(tokenizer)
                        if tool_parser else None)

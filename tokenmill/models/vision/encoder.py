@@ -4,7 +4,8 @@ LLaVA-1.5 (`LlavaForConditionalGeneration`: CLIP tower, MLP projector) and LLaVA
 (`LlavaNextForConditionalGeneration`: the same over an image's tiles, packed as
 transformers' `pack_image_features` does: the whole image's tile, then the grid's rows with
 the resize's padding cut off, each row closed by the learned newline row).
-`build_encoder` picks it or Qwen2-VL's (qwen_vit.py)."""
+Gemma 3's (`Gemma3VisionEncoder`: a SigLIP tower, patches pooled and projected); `build_encoder`
+picks the family's (Qwen2-VL's: qwen_vit.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 from torch import nn
 
 from tokenmill.models.vision.clip import CLIPVisionTower
-from tokenmill.models.vision.projector import LlavaProjector
+from tokenmill.models.vision.projector import Gemma3Projector, LlavaProjector
+from tokenmill.models.vision.siglip import SiglipVisionTower
+from tokenmill.models.vision.weights import load_named
 
 # an image-text checkpoint's image side (old and new transformers layouts)
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
@@ -38,6 +41,8 @@ def build_encoder(config: Any) -> nn.Module:
                                    "Qwen2_5_VLForConditionalGeneration"):
         from tokenmill.models.vision.qwen_vit import QwenVisionEncoder
         return QwenVisionEncoder(config)
+    if config.architectures[0] == "Gemma3ForConditionalGeneration":
+        return Gemma3VisionEncoder(config)
     return VisionEncoder(config)
 
 
@@ -119,18 +124,32 @@ class VisionEncoder(nn.Module):
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's image-side tensors (others skipped); every parameter must come."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            ours = self._param_name(name)
-            if ours is None:
-                continue
-            if ours not in params or params[ours].shape != tensor.shape:
-                raise ValueError(f"Checkpoint tensor {name!r} matches no vision parameter.")
-            with torch.no_grad():
-                params[ours].copy_(tensor)
-            loaded.add(ours)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"The checkpoint lacks vision weights: {', '.join(sorted(missing))}.")
+        """The checkpoint's image-side tensors (others skipped)."""
+        load_named(self, weights, self._param_name)
+
+
+class Gemma3VisionEncoder(nn.Module):
+    """Gemma 3's image side: a SigLIP tower, its patches pooled and projected
+    (`Gemma3Projector`): pixels [images, 3, size, size] -> rows [images, tokens, hidden]."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.tower = SiglipVisionTower(config.vision_config)
+        self.projector = Gemma3Projector(config)
+
+    def encode(self, images: list[tuple[torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+        return list(self.projector(self.tower(torch.stack([pixels for pixels, _ in images]))))
+
+    def _param_name(self, name: str) -> str | None:
+        name = name.removeprefix("model.")
+        if name.startswith("vision_tower."):
+            rest = self.tower.checkpoint_name(name.removeprefix("vision_tower."))
+            return None if rest is None else "tower." + rest
+        if name == "multi_modal_projector.mm_soft_emb_norm.weight":
+            return "projector.norm_weight"
+        if name.startswith("multi_modal_projector."):
+            return "projector." + name.removeprefix("multi_modal_projector.")
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named(self, weights, self._param_name)

@@ -1,13 +1,15 @@
 """Projectors: a vision tower's features into the language model's hidden size. LLaVA's:
 two linears and an activation; Qwen2-VL's patch merger: each merge block's patches normed,
 side by side, through two linears and a GELU (one row for the language model from 2 x 2
-patches)."""
+patches); Gemma 3's: the patches' grid average-pooled to `mm_tokens_per_image` rows, an RMS
+norm (by 1 + w) and one matrix."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.vision.clip import ACTIVATIONS
@@ -58,3 +60,25 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.wide))
+
+
+class Gemma3Projector(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        vision = config.vision_config
+        self.side = vision.image_size // vision.patch_size  # patches a side
+        self.kernel = self.side // int(config.mm_tokens_per_image ** 0.5)
+        self.mm_input_projection_weight = nn.Parameter(
+            torch.empty(vision.hidden_size, config.text_config.hidden_size))
+        self.norm_weight = nn.Parameter(torch.empty(vision.hidden_size))
+        self.eps = vision.layer_norm_eps
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features [images, patches, vision hidden] -> [images, rows, text hidden]."""
+        images, _, hidden = features.shape
+        grid = features.transpose(1, 2).reshape(images, hidden, self.side, self.side)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        x = pooled.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = (x * (1.0 + self.norm_weight.float())).to(features.dtype)
+        return x @ self.mm_input_projection_weight

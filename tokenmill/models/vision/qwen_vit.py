@@ -21,6 +21,7 @@ from torch import nn
 
 from tokenmill.models.vision.clip import ACTIVATIONS
 from tokenmill.models.vision.projector import PatchMerger, VisionRMSNorm
+from tokenmill.models.vision.weights import load_named
 
 ACTIVATIONS = {**ACTIVATIONS, "silu": F.silu}
 
@@ -186,22 +187,13 @@ class QwenVisionEncoder(nn.Module):
         return list(rows.split([t * h * w // unit for t, h, w in grids]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's `visual.` tensors (old and new layouts); every parameter must
-        come."""
-        params = dict(self.tower.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
+        """The checkpoint's `visual.` tensors (old and new layouts)."""
+        def ours(name: str) -> str | None:
             name = name.removeprefix("model.")
             if not name.startswith("visual."):
-                continue
-            ours = name.removeprefix("visual.").replace("patch_embed.proj.", "patch_embed.")
-            if ours == "patch_embed.weight":
-                tensor = tensor.reshape(len(tensor), -1)  # (the convolution as a linear)
-            if ours not in params or params[ours].shape != tensor.shape:
-                raise ValueError(f"Checkpoint tensor {name!r} matches no vision parameter.")
-            with torch.no_grad():
-                params[ours].copy_(tensor)
-            loaded.add(ours)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"The checkpoint lacks vision weights: {', '.join(sorted(missing))}.")
+                return None
+            return name.removeprefix("visual.").replace("patch_embed.proj.", "patch_embed.")
+
+        def as_linear(name: str, tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.reshape(len(tensor), -1) if name == "patch_embed.weight" else tensor
+        load_named(self.tower, weights, ours, as_linear)
