@@ -220,3 +220,19 @@ def test_bf16_cache_engine(tiny_models, monkeypatch):
     assert max(diffs) < 0.1
     llm = LLM(path, kv_cache_memory_gib=0.01, dtype="bfloat16")
     assert llm.engine.core.runner.kv_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_bidirectional_spans_match_reference(window):
+    """Gemma 3's image rows: a query in a span also sees the span's later keys (a span in a
+    fresh prompt, one after cached context, two in one sequence), within the window."""
+    q, k, v, cache, meta = random_step(11, 2, [(0, 12), (6, 10)])
+    meta.bidirectional = [(2, 3, 7), (2, 8, 11), (3, 9, 14)]
+    ref = ReferenceBackend().forward(q, k, v, *cache.clone(), meta, 0.3, window=window)
+    backend = TorchSDPABackend()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, *cache.clone(), meta, 0.3, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    meta.bidirectional = []  # (the spans matter: causal rows differ)
+    causal = ReferenceBackend().forward(q, k, v, *cache.clone(), meta, 0.3, window=window)
+    assert not torch.allclose(causal, ref, atol=1e-3)

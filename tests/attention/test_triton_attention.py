@@ -76,6 +76,16 @@ def test_sliding_window_and_soft_capping(window, softcap):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_bidirectional_spans_take_the_masked_path(window):
+    """Gemma 3's image spans (a query sees its span's later keys) on a Triton device: the
+    torch masked path, equal to the reference."""
+    q, k, v, caches, meta = random_step(9, [(3, 1), (0, 12), (6, 10)], 1, 4, 2, 16)
+    meta.bidirectional = [(1, 3, 7), (2, 8, 14)]
+    ref, out, _, _ = both(q, k, v, caches, meta, 0.4, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_int8_cache_rows_written_and_read():
     q, k, v, caches, meta = random_step(5, MIXED, 3, 6, 2, 16, int8=True)
     ref, out, ref_caches, out_caches = both(q, k, v, caches, meta, 0.25)

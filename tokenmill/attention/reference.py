@@ -25,14 +25,19 @@ class ReferenceBackend(AttentionBackend):
             values = self.gather_kv(v_cache, meta.block_table[s, :n_blocks], seq_len,
                                     torch.float32).float()
             context = meta.context_lens[s]
+            spans = [(a, b) for seq, a, b in meta.bidirectional if seq == s]
             for i in range(hi - lo):
-                visible = context + i + 1  # keys first .. visible - 1
-                first = 0 if window is None else max(0, visible - window)
+                position = context + i
+                seen = [key <= position or any(a <= position < b and a <= key < b
+                                               for a, b in spans) for key in range(seq_len)]
+                if window is not None:  # (the window bounds the span's keys too)
+                    seen = [ok and key > position - window for key, ok in enumerate(seen)]
+                seen = torch.tensor(seen)
                 for h in range(q.shape[1]):
                     kv_h = h // group
-                    scores = keys[first:visible, kv_h] @ q[lo + i, h].float() * scale
+                    scores = keys[seen, kv_h] @ q[lo + i, h].float() * scale
                     if softcap is not None:
                         scores = softcap * torch.tanh(scores / softcap)
                     probs = torch.softmax(scores, dim=0)
-                    out[lo + i, h] = (probs @ values[first:visible, kv_h]).to(q.dtype)
+                    out[lo + i, h] = (probs @ values[seen, kv_h]).to(q.dtype)
         return out
