@@ -95,3 +95,14 @@ def test_offline_chat_takes_image_url_parts(gemma3):
         out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     ids, tokens = gemma3_greedy(model, images, tok, text, [picture])
     assert out.prompt_token_ids == ids and out.outputs[0].token_ids == tokens
+
+
+def test_tensor_parallel_ranks_get_the_spans(gemma3):
+    """Two tensor-parallel ranks: rank 1 reads the image spans from the step's message."""
+    path, model, images, tok = gemma3
+    expected = [gemma3_greedy(model, images, tok, text, [image(*i) for i in imgs])[1]
+                for text, imgs in REQUESTS]
+    with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16,
+             tensor_parallel_size=2) as llm:
+        outs = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
