@@ -3,7 +3,8 @@ other both ways) against transformers on a tiny random checkpoint: the tower's r
 prompt as Gemma3Processor makes it (each image wrapped in "\\n\\n" text, newline runs at the
 seams one token as the tokenizer makes them); greedy tokens and prompt logprobs of image
 requests batched with text ones through chunked prefill, with a token budget smaller than
-an image (the image still goes in one chunk); LLM.chat with image parts."""
+an image (the image still goes in one chunk), across preemption and a prefix-cache hit
+that ends inside an image, on two tensor-parallel ranks; LLM.chat with image parts."""
 
 import math
 
@@ -106,3 +107,30 @@ def test_tensor_parallel_ranks_get_the_spans(gemma3):
              tensor_parallel_size=2) as llm:
         outs = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_prefix_cache_hit_ending_inside_an_image_and_preemption(gemma3):
+    """Two prompts with the same image and different text after it: the second's cache hit
+    ends inside the image (blocks of 8), and the chunk computing the rest of the image
+    attends over its cached rows both ways; another image shares nothing; requests that
+    preempt each other recompute their images whole. Tokens equal transformers'."""
+    path, model, images, tok = gemma3
+    requests = [(f"The quick brown {B}the capital of France", [(3, 30, 30)]),
+                (f"The quick brown {B}mills grind", [(3, 30, 30)]),
+                (f"The quick brown {B}mills grind", [(4, 30, 30)])]
+    expected = [gemma3_greedy(model, images, tok, t, [image(*i) for i in imgs])
+                for t, imgs in requests]
+    with LLM(path, kv_cache_memory_gib=0.02, block_size=8) as llm:
+        outs = [llm.generate(_prompts([r]), GREEDY, use_tqdm=False)[0] for r in requests]
+    offset = expected[1][0].index(model.config.image_token_id)
+    assert offset < outs[1].num_cached_tokens < offset + model.config.mm_tokens_per_image
+    assert outs[2].num_cached_tokens == 0
+    assert [o.outputs[0].token_ids for o in outs] == [tokens for _, tokens in expected]
+    crowded = [(f"The quick brown {B} fox and {B} jumps", [(s, 40, 50), (s + 1, 64, 32)])
+               for s in range(4)]
+    with LLM(path, num_kv_blocks=8, block_size=8, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(_prompts(crowded), GREEDY, use_tqdm=False)
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [
+        gemma3_greedy(model, images, tok, t, [image(*i) for i in imgs])[1]
+        for t, imgs in crowded]
