@@ -403,6 +403,84 @@ def make_qwen_vl(path: str, version: str = "2.5"):
     return model, images, tok
 
 
+ONEVISION_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+
+
+def make_llava_onevision(path: str):
+    """A tiny LLaVA-OneVision (a 3-layer SigLIP tower on 28-pixel tiles of 7-pixel patches,
+    read at its last layer; any-resolution tiles of ONEVISION_PINPOINTS shrunk to one tile's
+    worth, "anyres_max_1"; a 2-layer Qwen2) at `path` with its image processor and `<image>`
+    as a special token. Returns (the HF model, the image processor, the tokenizer)."""
+    import transformers as tf
+
+    tok = make_tokenizer(path)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    image_token, video_token = tok.convert_tokens_to_ids(["<image>", "<video>"])
+    text = tf.Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=1024, eos_token_id=1, bos_token_id=0,
+                          initializer_range=0.2, tie_word_embeddings=False)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, image_size=28, patch_size=7)
+    config = tf.LlavaOnevisionConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token,
+        video_token_index=video_token, image_grid_pinpoints=ONEVISION_PINPOINTS,
+        vision_aspect_ratio="anyres_max_1", eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(0)
+    model = tf.LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (random init leaves the tower's biases and norms plain)
+        for name, param in model.named_parameters():
+            if "vision" in name or "projector" in name or "newline" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(path)
+    images = tf.LlavaOnevisionImageProcessorPil(image_grid_pinpoints=ONEVISION_PINPOINTS,
+                                                size={"height": 28, "width": 28})
+    images.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model, images, tok
+
+
+def onevision_greedy(model, images, tok, text: str, imgs: list, n: int = 8
+                     ) -> tuple[list[int], list[int]]:
+    """(the prompt's ids with each `<image>` grown as LlavaOnevisionProcessor counts it: an
+    image alone tiled, one of several its whole-image tile and a newline; transformers' `n`
+    greedy tokens). The processor itself wants torchvision: its counting is called here."""
+    from types import SimpleNamespace
+
+    from transformers.models.llava_onevision.processing_llava_onevision import (
+        LlavaOnevisionProcessor as Processor,
+    )
+
+    side = model.config.vision_config.image_size
+    counting = SimpleNamespace(image_processor=images, vision_aspect_ratio="anyres_max_1",
+                               num_image_tokens=(side // model.config.vision_config.patch_size)
+                               ** 2)
+    counting._get_unpadded_features = lambda *a: Processor._get_unpadded_features(counting, *a)
+    pad = model.config.image_token_index
+    ids, kwargs = tok(text)["input_ids"], {}
+    if imgs:
+        out = images(images=[imgs], return_tensors="pt")
+        grown = ids
+        ids, k = [], 0
+        for t in grown:
+            if t != pad:
+                ids.append(t)
+                continue
+            h, w = out["image_sizes"][k].tolist()
+            rows = (counting.num_image_tokens + 1 if len(imgs) > 1 else
+                    Processor._get_number_of_features(counting, h, w, side, side))
+            ids += [pad] * rows
+            k += 1
+        kwargs = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"],
+                  "batch_num_images": torch.tensor([len(imgs)])}
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        generated = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                                   max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0, **kwargs)
+    return ids, generated[0, len(ids):].tolist()
+
+
 GEMMA3_IMAGE = "<start_of_image>"
 
 

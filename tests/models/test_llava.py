@@ -2,12 +2,13 @@
 checkpoint: greedy tokens of image requests (several images of different sizes, one image,
 none) batched together through chunked prefill, the prompt's placeholders as its processor
 expands them; the image's rows kept across preemption; prefix-cache hits only for the same
-image; and the images refused, each naming why."""
+image; and the images refused, each naming why. LLaVA-NeXT's tiles and LLaVA-OneVision's
+(SigLIP tower, tiles shrunk to "anyres_max_N", several images a request untiled) too."""
 
 
 import pytest
 import torch
-from helpers import data_url, make_llava, make_model, png
+from helpers import data_url, make_llava, make_llava_onevision, make_model, onevision_greedy, png
 from helpers import random_image as image
 from PIL import Image
 
@@ -207,3 +208,30 @@ def test_quantized_and_speculative_text_parts_take_images(llava):
         quantized = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
     assert drafted == expected
     assert all(len(o.outputs[0].token_ids) == 8 for o in quantized)
+
+
+@pytest.fixture(scope="module")
+def onevision(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("onevision") / "tiny")
+    return (path, *make_llava_onevision(path))
+
+
+def test_llava_onevision_equals_transformers(onevision):
+    """LLaVA-OneVision: an image alone tiled (wide, tall; a large one's grid rows shrunk to
+    one tile's worth, "anyres_max_1"), the images of a request holding several each its
+    whole-image tile padded square and a newline row; the prompt's placeholders as
+    LlavaOnevisionProcessor counts them; chunked prefill, text requests beside."""
+    path, model, images, tok = onevision
+    requests = [("The quick <image> brown fox and <image> jumps", [(1, 40, 50), (2, 64, 32)]),
+                ("Paris is <image> the capital", [(3, 30, 30)]),
+                ("wide <image> one", [(5, 90, 20)]), ("tall <image> one", [(6, 16, 70)]),
+                ("large <image> one", [(7, 200, 180)]), ("Tokens flow through the mill", [])]
+    expected = [onevision_greedy(model, images, tok, text, [image(*i) for i in imgs])
+                for text, imgs in requests]
+    with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(_prompts(requests), GREEDY, use_tqdm=False)
+        multimodal = llm.engine.multimodal
+    assert multimodal.rows(180, 200) < multimodal.tiles(180, 200) * multimodal.tokens_per_image
+    for out, (ids, tokens) in zip(outs, expected):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens

@@ -11,6 +11,7 @@ by M-RoPE positions laid out over that grid)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -20,10 +21,12 @@ from tokenmill.config.json_flag import json_object
 
 # image-text architectures served with their images (others' text models only)
 VISION_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                       "LlavaOnevisionForConditionalGeneration",
                        "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                        "Gemma3ForConditionalGeneration")
 DYNAMIC_RESOLUTION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 DEFAULT_MAX_IMAGES = 8
+TILED_LLAVA = ("LlavaNextForConditionalGeneration", "LlavaOnevisionForConditionalGeneration")
 
 
 class MultiModalConfig(msgspec.Struct, frozen=True):
@@ -36,6 +39,10 @@ class MultiModalConfig(msgspec.Struct, frozen=True):
     # and the tower's patch size; empty: one tile an image
     grid_pinpoints: list[list[int]] = []
     patch_size: int = 0
+    # LLaVA-OneVision's "anyres_max_N": an image's grid rows shrunk to N tiles' worth where
+    # they hold more than 1.1 x that; an image of several in a request goes as its
+    # whole-image tile alone (0: LLaVA-NeXT, every image tiled)
+    max_tiles: int = 0
     # dynamic resolution (Qwen2-VL): patches merged into one row a side (0: fixed tiles),
     # and the values of one patch (channels x temporal patch x patch size squared)
     merge_size: int = 0
@@ -83,7 +90,17 @@ class MultiModalConfig(msgspec.Struct, frozen=True):
         else:
             new_width = int(round(width * (rows / height), 7))
             cols -= (cols - new_width) // 2 * 2
+        if self.max_tiles:
+            ratio = math.sqrt(rows * cols / (self.max_tiles * side ** 2))
+            if ratio > 1.1:
+                rows, cols = int(rows // ratio), int(cols // ratio)
         return rows * cols + rows + self.tokens_per_image
+
+    @property
+    def untiled_rows(self) -> int:
+        """LLaVA-OneVision: an image of several in a request (its whole-image tile, then a
+        newline row)."""
+        return self.tokens_per_image + 1
 
 
 def best_resolution(height: int, width: int, pinpoints: list[list[int]]) -> tuple[int, int]:
@@ -97,6 +114,16 @@ def best_resolution(height: int, width: int, pinpoints: list[list[int]]) -> tupl
         if effective > most or (effective == most and wasted < waste):
             best, most, waste = (grid_h, grid_w), effective, wasted
     return best
+
+
+def max_tiles(config: Any) -> int:
+    """LLaVA-OneVision's `vision_aspect_ratio` "anyres_max_N": N (0: no such bound)."""
+    if config.architectures[0] != "LlavaOnevisionForConditionalGeneration":
+        return 0
+    ratio = getattr(config, "vision_aspect_ratio", None) or ""
+    if not ratio.startswith("anyres_max_") or not ratio[11:].isdigit():
+        raise ValueError(f"vision_aspect_ratio {ratio!r} is not served (anyres_max_N is).")
+    return int(ratio[11:])
 
 
 def parse_limits(value: dict | str | None) -> dict[str, int]:
@@ -139,12 +166,16 @@ def resolve_multimodal(path: str, limits: dict[str, int],
     if config.architectures[0] in DYNAMIC_RESOLUTION:
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         return MultiModalConfig(config.architectures[0], int(config.image_token_id), 0, 0,
-                                limits["image"], [], int(vision.patch_size),
-                                int(vision.spatial_merge_size), int(patch_dim), max_model_len)
-    patches = (vision.image_size // vision.patch_size) ** 2
-    tokens = patches + (0 if config.vision_feature_select_strategy == "default" else 1)
+                                limits["image"], patch_size=int(vision.patch_size),
+                                merge_size=int(vision.spatial_merge_size),
+                                patch_dim=int(patch_dim), max_rows=max_model_len)
+    # rows of a tile: its patches, CLIP's class token first (the "default" strategy drops
+    # the first row)
+    rows = ((vision.image_size // vision.patch_size) ** 2
+            + (1 if vision.model_type == "clip_vision_model" else 0)
+            - (1 if config.vision_feature_select_strategy == "default" else 0))
     pinpoints = [[int(h), int(w)] for h, w in getattr(config, "image_grid_pinpoints", None)
-                 or ()] if config.architectures[0] == "LlavaNextForConditionalGeneration" else []
-    return MultiModalConfig(config.architectures[0], int(config.image_token_index), tokens,
+                 or ()] if config.architectures[0] in TILED_LLAVA else []
+    return MultiModalConfig(config.architectures[0], int(config.image_token_index), rows,
                             int(vision.image_size), limits["image"], pinpoints,
-                            int(vision.patch_size), max_rows=max_model_len)
+                            int(vision.patch_size), max_tiles(config), max_rows=max_model_len)

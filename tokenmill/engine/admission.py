@@ -99,6 +99,8 @@ def expected_shape(image, multimodal: MultiModalConfig) -> tuple[list[int], int]
     if multimodal.tiled:
         if len(image.size) != 2 or not all(0 < n <= 1 << 16 for n in image.size):
             raise ValueError("A tiled image needs its (height, width).")
+        if multimodal.max_tiles and image.shape[:1] == [1]:  # (OneVision: one of several)
+            return [1, 3, side, side], multimodal.untiled_rows
         return ([multimodal.tiles(*image.size), 3, side, side],
                 multimodal.rows(*image.size))
     return [3, side, side], multimodal.tokens_per_image

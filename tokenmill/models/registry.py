@@ -38,6 +38,7 @@ _MODELS = {
 
 SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",
                                              "LlavaNextForConditionalGeneration",
+                                             "LlavaOnevisionForConditionalGeneration",
                                              "Qwen2VLForConditionalGeneration",
                                              "Qwen2_5_VLForConditionalGeneration",
                                              "Gemma3ForConditionalGeneration")
@@ -74,6 +75,7 @@ def _inner_text_config(config: Any, arch: str) -> Any:
 _TEXT_OF = {"Gemma3ForConditionalGeneration": text_config,
             "LlavaForConditionalGeneration": _llava_text_config,
             "LlavaNextForConditionalGeneration": _llava_text_config,
+            "LlavaOnevisionForConditionalGeneration": _llava_text_config,
             "Qwen2VLForConditionalGeneration": _qwen_vl_text_config,
             "Qwen2_5_VLForConditionalGeneration": _qwen_vl_text_config}
 

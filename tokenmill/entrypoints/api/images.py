@@ -161,8 +161,8 @@ class ImageInputs:
                     self.runs[n] = ids[0]
         self.run_of = {token: n for n, token in self.runs.items()}
 
-    def pixels(self, image: Any, param: str = "messages") -> tuple[np.ndarray, list[int], int,
-                                                                  list[int]]:
+    def pixels(self, image: Any, param: str = "messages"
+               ) -> tuple[np.ndarray, list[int], int, list[int]]:
         """A decoded image as the model's processor makes it: float32 [3, side, side] (a
         tiling model's: [tiles, 3, side, side]; a dynamic-resolution one's: [patches, patch
         values]), its (height, width) or patch grid where that counts, its rows, and its
@@ -192,6 +192,20 @@ class ImageInputs:
                              f"{shape}.")
         return np.ascontiguousarray(pixels, dtype=np.float32), size, rows, grid
 
+    def several(self, images: list[Any]) -> list[tuple[np.ndarray, list[int], int, list]]:
+        """LLaVA-OneVision's images of one request holding several: each padded to a square
+        as one whole-image tile (its processor's rule for them), as `pixels` gives them."""
+        side = self.config.image_size
+        out = self.processor(images=[list(images)], return_tensors="np")
+        found = []
+        for pixels, size in zip(out["pixel_values"], out["image_sizes"]):
+            pixels = pixels[:1]
+            if pixels.shape != (1, 3, side, side):
+                raise ValueError(f"The image processor gave pixels of shape {pixels.shape}.")
+            found.append((np.ascontiguousarray(pixels, dtype=np.float32),
+                          [int(n) for n in size], self.config.untiled_rows, []))
+        return found
+
     async def prepare(self, ids: list[int], urls: list[str], param: str = "messages"
                       ) -> tuple[list[int], list[MultiModalInput]]:
         """A rendered prompt's images from their data URLs (decoded and processed off the
@@ -219,9 +233,11 @@ class ImageInputs:
             raise InvalidParameter(param, f"The prompt places {len(slots)} images but the "
                                    f"request holds {len(images)}.")
         out, inputs, start = [], [], 0
-        for slot, image in zip(slots, images):
+        several = (self.several(images) if config.max_tiles > 0 and len(images) > 1
+                   else None)
+        for k, (slot, image) in enumerate(zip(slots, images)):
             out = self._join(out, ids[start:slot])
-            pixels, size, n, grid = self.pixels(image, param)
+            pixels, size, n, grid = several[k] if several else self.pixels(image, param)
             if config.start_id >= 0:  # (Gemma 3: "\n\n<start_of_image>", rows, ...)
                 out = self._join(out, self.wrap) + [config.start_id]
             inputs.append(MultiModalInput.of(pixels.tobytes(), list(pixels.shape), len(out), n,

@@ -56,6 +56,7 @@ class CLIPVisionTower(nn.Module):
         hidden = config.hidden_size
         self.image_size, self.patch_size = config.image_size, config.patch_size
         self.num_patches = (config.image_size // config.patch_size) ** 2
+        self.num_positions = self.num_patches + 1  # (rows out: the class token first)
         self.class_embedding = nn.Parameter(torch.empty(hidden))
         self.patch_embedding = nn.Conv2d(config.num_channels, hidden, config.patch_size,
                                          stride=config.patch_size, bias=False)

@@ -1,7 +1,8 @@
 """`VisionEncoder`: an image-text checkpoint's image side — its tower, the features it
 selects, its projector — built from the checkpoint's config, loaded from its tensors.
 LLaVA-1.5 (`LlavaForConditionalGeneration`: CLIP tower, MLP projector) and LLaVA-NeXT
-(`LlavaNextForConditionalGeneration`: the same over an image's tiles, packed as
+(`LlavaNextForConditionalGeneration`, and `LlavaOnevisionForConditionalGeneration` over a
+SigLIP tower: the same over an image's tiles, packed as
 transformers' `pack_image_features` does: the whole image's tile, then the grid's rows with
 the resize's padding cut off, each row closed by the learned newline row).
 Gemma 3's (`Gemma3VisionEncoder`: a SigLIP tower, patches pooled and projected); `build_encoder`
@@ -9,12 +10,15 @@ picks the family's (Qwen2-VL's: qwen_vit.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config.multimodal import TILED_LLAVA, best_resolution, max_tiles
 from tokenmill.models.vision.clip import CLIPVisionTower
 from tokenmill.models.vision.projector import Gemma3Projector, LlavaProjector
 from tokenmill.models.vision.siglip import SiglipVisionTower
@@ -58,18 +62,21 @@ class VisionEncoder(nn.Module):
         if strategy not in ("default", "full"):
             raise ValueError(f"Vision feature strategy {strategy!r} is not served.")
         vision = config.vision_config
-        if getattr(vision, "model_type", "clip_vision_model") != "clip_vision_model":
-            raise ValueError(f"LLaVA with a {vision.model_type} tower is not served (CLIP is).")
-        layers = vision.num_hidden_layers
-        self.tower = CLIPVisionTower(vision, layers + 1 + layer if layer < 0 else layer)
+        kind = getattr(vision, "model_type", "clip_vision_model")
+        if kind not in ("clip_vision_model", "siglip_vision_model"):
+            raise ValueError(f"LLaVA with a {kind} tower is not served (CLIP and SigLIP are).")
+        depth = vision.num_hidden_layers + 1 + layer if layer < 0 else layer
+        self.tower = (CLIPVisionTower(vision, depth) if kind == "clip_vision_model"
+                      else SiglipVisionTower(vision, depth))
         self.projector = LlavaProjector.of(config)
         self.drop_cls = strategy == "default"
         self.image_size = vision.image_size
-        self.tokens_per_image = self.tower.num_patches + (0 if self.drop_cls else 1)
-        self.pinpoints = None
-        if config.architectures[0] == "LlavaNextForConditionalGeneration":
+        self.tokens_per_image = self.tower.num_positions - (1 if self.drop_cls else 0)
+        self.pinpoints, self.max_tiles = None, 0
+        if config.architectures[0] in TILED_LLAVA:
             self.pinpoints = [list(p) for p in config.image_grid_pinpoints]
             self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size))
+            self.max_tiles = max_tiles(config)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [tiles, 3, size, size] -> each tile's rows [tiles, rows, text hidden]."""
@@ -91,9 +98,13 @@ class VisionEncoder(nn.Module):
         return out
 
     def _pack(self, tiles: torch.Tensor, size: list[int]) -> torch.Tensor:
-        """LLaVA-NeXT: an image's tiles' rows [tiles, side * side, hidden] in its order."""
-        from tokenmill.config.multimodal import best_resolution
-
+        """LLaVA-NeXT: an image's tiles' rows [tiles, side * side, hidden] in its order
+        (LLaVA-OneVision: its grid shrunk to `max_tiles` tiles' worth where it holds more
+        than 1.1 x that; an image of several in a request is its whole-image tile alone,
+        then a newline row)."""
+        newline = self.image_newline.to(tiles.dtype)
+        if len(tiles) == 1:
+            return torch.cat((tiles[0], newline[None]))
         side = self.image_size // self.tower.patch_size
         height, width = size
         grid_h, grid_w = best_resolution(height, width, self.pinpoints)
@@ -107,8 +118,14 @@ class VisionEncoder(nn.Module):
         else:
             pad = (cols - int(round(width * (rows / height), 7))) // 2
             grid = grid[:, :, pad:cols - pad]
-        newline = self.image_newline[:, None, None].expand(*grid.shape[:-1], 1)
-        grid = torch.cat((grid, newline.to(grid.dtype)), dim=-1).flatten(1, 2).transpose(0, 1)
+        if self.max_tiles:
+            rows, cols = grid.shape[1:]
+            ratio = math.sqrt(rows * cols / (self.max_tiles * side ** 2))
+            if ratio > 1.1:
+                grid = F.interpolate(grid[None], [int(rows // ratio), int(cols // ratio)],
+                                     mode="bilinear")[0]
+        newline = newline[:, None, None].expand(*grid.shape[:-1], 1)
+        grid = torch.cat((grid, newline), dim=-1).flatten(1, 2).transpose(0, 1)
         return torch.cat((tiles[0], grid))
 
     def _param_name(self, name: str) -> str | None:
