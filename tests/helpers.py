@@ -487,7 +487,8 @@ GEMMA3_IMAGE = "<start_of_image>"
 def make_gemma3_vl(path: str):
     """A tiny Gemma 3 image-text checkpoint (a 3-layer SigLIP tower on 28-pixel images in
     7-pixel patches, pooled to 4 rows; a 2-layer Gemma 3 text model, one sliding-window
-    layer of 8 and one global) at `path` with its image processor, and a tokenizer that
+    layer of 8 and one global, scores scaled by the head size as Gemma 3 4B-12B's and
+    llama.cpp's) at `path` with its image processor, and a tokenizer that
     holds newline runs as single tokens as Gemma's does ("\n" to "\n\n\n\n"). Returns
     (the HF model, the image processor, the tokenizer)."""
     import transformers as tf
@@ -506,7 +507,7 @@ def make_gemma3_vl(path: str):
     boi, eoi, soft = tok.convert_tokens_to_ids(marks)
     text = tf.Gemma3TextConfig(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
         max_position_embeddings=1024, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"], eos_token_id=1, bos_token_id=0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -525,6 +526,66 @@ def make_gemma3_vl(path: str):
     images.save_pretrained(path)
     tok.save_pretrained(path)
     return model, images, tok
+
+
+def write_gemma3_gguf(folder: str, model, tok) -> tuple[str, str]:
+    """A tiny Gemma 3 image-text checkpoint as llama.cpp ships it: its language model as a
+    gemma3 GGUF (tokenmill's writer, the tokenizer and chat template in it), and its image
+    side as an mmproj file written as llama.cpp's converter writes one (clip.* metadata,
+    tensors named by gguf's MMPROJ name map, the projector's norm stored as 1 + w).
+    Returns (the language GGUF's path, the mmproj's)."""
+    import gguf
+
+    from tokenmill.convert.gguf_writer import write_gguf
+
+    text = model.config.text_config
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.language_model."):
+            state["model." + name[len("model.language_model."):]] = tensor
+        elif name == "lm_head.weight":
+            state[name] = tensor
+    language = os.path.join(folder, "tiny-gemma3.gguf")
+    write_gguf(language, "gemma3", state, text, tokenizer=tok)
+    vision = model.config.vision_config
+    mmproj = os.path.join(folder, "mmproj-tiny-gemma3.gguf")
+    writer = gguf.GGUFWriter(mmproj, "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(text.hidden_size)
+    writer.add_vision_image_size(vision.image_size)
+    writer.add_vision_patch_size(vision.patch_size)
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    writer.add_vision_block_count(vision.num_hidden_layers)
+    writer.add_vision_head_count(vision.num_attention_heads)
+    writer.add_vision_image_mean([0.5, 0.5, 0.5])
+    writer.add_vision_image_std([0.5, 0.5, 0.5])
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
+    writer.add_vision_use_gelu(True)
+    side = vision.image_size // vision.patch_size
+    writer.add_vision_projector_scale_factor(side // int(model.config.mm_tokens_per_image ** .5))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if not name.startswith(("model.vision_tower.", "model.multi_modal_projector.")):
+            continue
+        hf = name.replace("model.vision_tower.", "vision_tower.vision_model.").replace(
+            "model.multi_modal_projector.", "multi_modal_projector.").replace(
+            "_weight", ".weight")
+        mapped = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if mapped is None:  # (the pooling head: not converted)
+            continue
+        value = tensor.float().numpy()
+        if "soft_emb_norm" in hf:
+            value = value + 1
+        kind = np.float16 if "input_projection" in hf else np.float32
+        writer.add_tensor(mapped, value.astype(kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return language, mmproj
 
 
 def gemma3_greedy(model, images, tok, text: str, imgs: list, n: int = 8

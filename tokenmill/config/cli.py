@@ -61,6 +61,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "score)")
     a("--limit-mm-per-prompt", default=None,
       help="an image-text model's images per request, as JSON: '{\"image\": 4}' (default 8)")
+    a("--mmproj", default=None,
+      help="a GGUF model's llama.cpp vision projector file (mmproj-*.gguf) serving its "
+           "images (Gemma 3's)")
     a("--pooler-config", default=None,
       help="a pooling model's pooling over its own, as JSON: '{\"pooling_type\": \"MEAN\", "
            "\"normalize\": true}' (LAST, MEAN, CLS or MAX)")

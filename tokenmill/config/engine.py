@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,8 @@ class EngineConfig:
     # an image-text model's images per request: {"image": N} (vLLM's flag; a dict or its
     # JSON text; default 8)
     limit_mm_per_prompt: dict | str | None = None
+    # a GGUF language model's llama.cpp vision projector file (llama.cpp's --mmproj)
+    mmproj: str | None = None
     # image rows the vision encoder makes in one step (default: the token budget)
     max_num_encoder_input_tokens: int | None = None
     enable_lora: bool = False
@@ -210,6 +213,8 @@ class EngineConfig:
                              f"{self.runner!r}.")
         self.pooler_config = parse_override(self.pooler_config)
         self.limit_mm_per_prompt = parse_limits(self.limit_mm_per_prompt)
+        if self.mmproj is not None and not os.path.isfile(self.mmproj):
+            raise ValueError(f"--mmproj: no such file {self.mmproj!r}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
                              f"{self.scheduling_policy!r}.")

@@ -23,8 +23,10 @@ class ModelConfig:
     multimodal: MultiModalConfig | None = None
 
     @classmethod
-    def of(cls, config: Any, path: str, hf_config: Any, max_model_len: int) -> ModelConfig:
-        """Resolved from the engine's `config` (its runner and pooler override)."""
+    def of(cls, config: Any, path: str, hf_config: Any, max_model_len: int,
+           multimodal: MultiModalConfig | None = None) -> ModelConfig:
+        """Resolved from the engine's `config` (its runner and pooler override);
+        `multimodal`: an mmproj file's image side (loading/mmproj.py), for a GGUF."""
         pooler = None
         if wants_pooling(config.runner, hf_config, path):
             pooler = resolve_pooler(path, hf_config, config.pooler_config)
@@ -33,5 +35,6 @@ class ModelConfig:
                                  "pipeline parallel (tensor parallel works).")
         elif config.pooler_config:
             raise ValueError("--pooler-config is for a pooling model: add --runner pooling.")
-        multimodal = resolve_multimodal(path, config.limit_mm_per_prompt, max_model_len)
+        if multimodal is None:
+            multimodal = resolve_multimodal(path, config.limit_mm_per_prompt, max_model_len)
         return cls(path, hf_config, max_model_len, pooler, multimodal)

@@ -56,6 +56,9 @@ class MultiModalConfig(msgspec.Struct, frozen=True):
     end_id: int = -1
     wrap: str = ""
     bidirectional: bool = False
+    # a GGUF language model's llama.cpp projector file (--mmproj): the image side's tensors,
+    # size and normalization come from it (loading/mmproj.py)
+    mmproj: str = ""
 
     @property
     def prompt_token_id(self) -> int:

@@ -189,7 +189,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "seed": pick(args.seed, None, 0),
         "runner": runner_of(args.runner, args.task),
         "pooler_config": args.pooler_config,
-        "limit_mm_per_prompt": args.limit_mm_per_prompt,
+        "limit_mm_per_prompt": args.limit_mm_per_prompt, "mmproj": args.mmproj,
         "quantization": args.quantization,
         "kv_cache_dtype": pick(args.kv_cache_dtype, "int8" if kv_int8 else None, "auto"),
         "attention_backend": pick(args.attention_backend, None, "auto"),

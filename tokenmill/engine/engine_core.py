@@ -16,6 +16,7 @@ from tokenmill.engine.admission import check_request
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenmill.loading.checkpoint import load_hf_config
+from tokenmill.loading.mmproj import mmproj_multimodal
 from tokenmill.lora.registry import LoRARegistry
 from tokenmill.lora.request import LoRARequest
 from tokenmill.models.info import check_tensor_parallel, derive_max_model_len, kv_window
@@ -44,8 +45,10 @@ class EngineCore:
         hf_config = load_hf_config(model_path)
         check_tensor_parallel(config, hf_config)  # (one line, before any rank starts)
         check_kv_budget(config)
-        self.model_config = model = ModelConfig.of(config, model_path, hf_config,
-                                                derive_max_model_len(config, hf_config))
+        max_len = derive_max_model_len(config, hf_config)
+        self.model_config = model = ModelConfig.of(
+            config, model_path, hf_config, max_len,
+            mmproj_multimodal(config.mmproj, model_path, config.limit_mm_per_prompt, max_len))
         scheduler_config = SchedulerConfig.of(
             config, model.max_model_len,
             model.multimodal is not None and model.multimodal.bidirectional)

@@ -57,6 +57,7 @@ def run(spec: WorkerSpec) -> None:
 
     from tokenmill.distributed.parallel_state import destroy_parallel, init_parallel
     from tokenmill.loading.checkpoint import load_hf_config
+    from tokenmill.loading.mmproj import mmproj_multimodal
     from tokenmill.platforms import resolve_device
     from tokenmill.worker.model_runner import ModelRunner
 
@@ -65,9 +66,11 @@ def run(spec: WorkerSpec) -> None:
     init_parallel(spec.rank, spec.config.tensor_parallel_size, spec.init_method,
                   spec.config.distributed_timeout, device, spec.shm_paths, spec.host,
                   spec.config.pipeline_parallel_size, spec.config.enable_expert_parallel)
-    runner = ModelRunner(spec.config, ModelConfig.of(spec.config, spec.model_path,
-                                                     load_hf_config(spec.model_path),
-                                                     spec.max_model_len))
+    config = spec.config
+    runner = ModelRunner(config, ModelConfig.of(
+        config, spec.model_path, load_hf_config(spec.model_path), spec.max_model_len,
+        mmproj_multimodal(config.mmproj, spec.model_path, config.limit_mm_per_prompt,
+                          spec.max_model_len)))
     runner.serve_steps()
     destroy_parallel()
 

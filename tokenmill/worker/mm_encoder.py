@@ -18,10 +18,16 @@ from tokenmill.core.scheduler import ScheduledRequest
 class ImageEncoder:
     """Rank 0's: the vision encoder and each running request's images' rows."""
 
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
-        from tokenmill.loading.checkpoint import load_vision_encoder
-
-        self.vision = load_vision_encoder(model_path, dtype, device)
+    def __init__(self, model_path: str, multimodal, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        """`multimodal`: the model's MultiModalConfig (an mmproj file's tensors, where it
+        names one)."""
+        if multimodal.mmproj:
+            from tokenmill.loading.mmproj import load_mmproj_encoder
+            self.vision = load_mmproj_encoder(multimodal.mmproj, dtype, device)
+        else:
+            from tokenmill.loading.checkpoint import load_vision_encoder
+            self.vision = load_vision_encoder(model_path, dtype, device)
         self.device, self.dtype = device, dtype
         self.rows: dict[str, list[torch.Tensor]] = {}  # request id -> each image's rows
 

@@ -88,7 +88,7 @@ class ModelRunner:
             self.pooler = Pooler(model.pooler, model_path, self.device)
         if model.multimodal is not None and self.world.rank == 0:
             from tokenmill.worker.mm_encoder import ImageEncoder
-            self.images = ImageEncoder(model_path, self.device, self.dtype)
+            self.images = ImageEncoder(model_path, model.multimodal, self.device, self.dtype)
         self.bidirectional_images = model.multimodal is not None and model.multimodal.bidirectional
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampling = RequestSampling(self.vocab_size, self.device)

@@ -150,7 +150,11 @@ class ImageInputs:
         from transformers import AutoImageProcessor
 
         self.config, self.allowed = config, tuple(allowed_domains)
-        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        if config.mmproj:  # (a GGUF's llama.cpp projector file: its size, mean and std)
+            from tokenmill.loading.mmproj import image_processor
+            self.processor = image_processor(config.mmproj)
+        else:
+            self.processor = AutoImageProcessor.from_pretrained(model_path)
         self.wrap: list[int] = []
         self.runs: dict[int, int] = {}  # a newline run's length -> its one token (and back)
         if config.wrap:
