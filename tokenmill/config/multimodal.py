@@ -3,10 +3,11 @@
 a request may hold: `--limit-mm-per-prompt`), resolved once at start-up from the checkpoint's
 config. None for a text-only model.
 
-Two kinds of image side: fixed tiles (LLaVA-1.5, LLaVA-NeXT's any-resolution grid of them)
-and dynamic resolution (Qwen2-VL, Qwen2.5-VL: an image resized to a multiple of the patch
-size keeps its aspect, its patches' grid decides its rows, and the language model rotates
-by M-RoPE positions laid out over that grid)."""
+The kinds of image side: fixed tiles (LLaVA-1.5; LLaVA-NeXT's and LLaVA-OneVision's
+any-resolution grid of them; Gemma 3's one tile, its placeholder wrapped in text and its
+rows attending both ways) and dynamic resolution (Qwen2-VL, Qwen2.5-VL: an image resized to
+a multiple of the patch size keeps its aspect, its patches' grid decides its rows, and the
+language model rotates by M-RoPE positions laid out over that grid)."""
 
 from __future__ import annotations
 
