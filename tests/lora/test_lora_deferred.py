@@ -75,8 +75,8 @@ def test_other_ranks_read_ahead(tiny_models, adapters, monkeypatch):
                                        target_modules=["q_proj", "v_proj", "down_proj"])
     steps = []
     made = StepInputs.of
-    monkeypatch.setattr(model_runner.StepInputs, "of", lambda scheduled, prefetch=None: (
-        steps.append(made(scheduled, prefetch)) or steps[-1]))
+    monkeypatch.setattr(model_runner.StepInputs, "of", lambda scheduled, *rest: (
+        steps.append(made(scheduled, *rest)) or steps[-1]))
     core, gate = _gated_core(path, tensor_parallel_size=2)
     try:
         core.add_request(EngineCoreRequest("base", PROMPT, PARAMS))
