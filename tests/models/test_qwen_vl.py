@@ -136,3 +136,21 @@ def test_an_image_larger_than_the_context_is_refused_before_processing(qwen_vl):
         out = llm.generate([{"prompt": f"a {IMAGE}", "multi_modal_data": {
             "image": image(2, 30, 30)}}], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8 and len(calls) == 1
+
+
+def test_speculative_and_quantized_text_parts(qwen_vl, request):
+    """N-gram drafts after an image are verified at their M-RoPE positions (the same greedy
+    tokens as without); the int8-quantized language model takes image requests too."""
+    if "2.5" not in request.node.callspec.id:
+        pytest.skip("one version suffices")
+    path, model, images, tok = qwen_vl
+    expected = [qwen_vl_greedy(model, images, tok, text, [image(*i) for i in imgs])[1]
+                for text, imgs in REQUESTS]
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    with LLM(path, kv_cache_memory_gib=0.02, speculative_config=spec) as llm:
+        drafted = [o.outputs[0].token_ids for o in llm.generate(_prompts(REQUESTS), GREEDY,
+                                                                use_tqdm=False)]
+    with LLM(path, kv_cache_memory_gib=0.02, quantization="int8") as llm:
+        quantized = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
+    assert drafted == expected
+    assert all(len(o.outputs[0].token_ids) == 8 for o in quantized)
