@@ -235,3 +235,18 @@ def test_llava_onevision_equals_transformers(onevision):
     for out, (ids, tokens) in zip(outs, expected):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == tokens
+
+
+@pytest.mark.parametrize("family", ["llava_next", "onevision"])
+def test_tiled_families_share_prefixes_of_the_same_image(family, request):
+    """A repeated tiled image reuses its prompt's blocks and answers the same; another image
+    shares none."""
+    path = request.getfixturevalue(family)[0]
+    text = "a <image> b"
+    with LLM(path, kv_cache_memory_gib=0.02, block_size=8) as llm:
+        first, again, other = (llm.generate(_prompts([(text, [img])]), GREEDY,
+                                            use_tqdm=False)[0]
+                               for img in ((11, 90, 20), (11, 90, 20), (12, 90, 20)))
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0
+    full = (len(first.prompt_token_ids) - 1) // 8 * 8
+    assert again.num_cached_tokens == full > 0 and again.outputs == first.outputs

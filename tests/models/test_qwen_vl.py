@@ -93,12 +93,10 @@ def test_greedy_tokens_equal_transformers(qwen_vl):
         assert out.outputs[0].token_ids == tokens
 
 
-def test_preemption_prefix_cache_and_tensor_parallel(qwen_vl, request):
+def test_preemption_prefix_cache_and_tensor_parallel(qwen_vl):
     """Requests preempting each other recompute with the same positions; a repeated image
     reuses its prefix's blocks, another image none; two tensor-parallel ranks (rank 1 reads
     the positions from the step's message) give the same tokens."""
-    if "2.5" not in request.node.callspec.id:
-        pytest.skip("one version suffices")
     path, model, images, tok = qwen_vl
     text = REQUESTS[0][0]
     requests = [(text, [(s, 90, 50), (s + 1, 64, 40)]) for s in range(4)]
