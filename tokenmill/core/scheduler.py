@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config.scheduler import SchedulerConfig
+from tokenmill.core.image_chunks import image_chunk
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 
@@ -186,8 +187,8 @@ class Scheduler:
                     drafts, probs = [], None
             encoding, encoded = 0, request.num_encoded_images
             if request.mm_inputs:  # (a prompt chunk that may reach images)
-                num_new, encoding, encoded = self._image_chunk(
-                    request, request.num_computed_tokens, num_new, encoder_budget)
+                num_new, encoding, encoded = image_chunk(
+                    request, request.num_computed_tokens, num_new, encoder_budget, self.config)
                 if num_new <= 0:
                     i += 1
                     continue
@@ -244,8 +245,8 @@ class Scheduler:
             num_new = min(num_new, budget)
             encoding, encoded = 0, 0
             if request.mm_inputs:
-                num_new, encoding, encoded = self._image_chunk(request, num_cached, num_new,
-                                                               encoder_budget)
+                num_new, encoding, encoded = image_chunk(request, num_cached, num_new,
+                                                         encoder_budget, self.config)
                 if num_new <= 0:
                     break
             if not self.kv_cache.allocate_slots(request, num_new, hits, lookahead):
@@ -282,30 +283,6 @@ class Scheduler:
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output
-
-    def _image_chunk(self, request: Request, start: int, num_new: int, budget: int
-                     ) -> tuple[int, int, int]:
-        """(the tokens of a chunk from `start` the encoder's `budget` left lets run, the
-        image rows it encodes, the request's images encoded once it ran): the chunk stops
-        before the first image past the budget; one image fits a step that encodes none.
-        With `whole_images`, a chunk ends before an image it would cut, or (starting in or
-        at one) at its end."""
-        spent, end, encoded = 0, start + num_new, request.num_encoded_images
-        idle = budget == self.config.encoder_budget
-        for image in request.mm_inputs[encoded:]:
-            if image.offset >= end:
-                break
-            if self.config.whole_images and image.end > end:
-                end = image.offset if image.offset > start else image.end
-                if end == image.offset:
-                    break
-            if image.end > start:  # (one a prefix-cache hit covers needs no encoding)
-                if spent + image.length > budget and (spent or not idle):
-                    end = image.offset
-                    break
-                spent += image.length
-            encoded += 1
-        return end - start, spent, encoded
 
     def _ranks_ahead(self, request: Request) -> bool:
         """Priority policy: whether a running request ranks behind `request`."""
