@@ -43,15 +43,22 @@ class QwenVisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 bounds: list[int]) -> torch.Tensor:
         """x [patches, dim]; each patch attends to the patches of its segment (`bounds`:
-        the segments' first patches and the end)."""
+        the segments' first patches and the end; the segments of one length, an image's
+        full windows, in one batched call)."""
         n = len(x)
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
         cos, sin = rope  # [patches, 1, head dim], float32 (rotated in float32)
         q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
         out = torch.empty_like(q)
+        starts: dict[int, list[int]] = {}  # (segments of one length attend in one call)
         for a, b in zip(bounds, bounds[1:]):
-            out[a:b] = F.scaled_dot_product_attention(
-                *(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+            starts.setdefault(b - a, []).append(a)
+        for length, firsts in starts.items():
+            rows = (torch.tensor(firsts, device=x.device)[:, None]
+                    + torch.arange(length, device=x.device)).flatten()
+            batch = [t[rows].view(len(firsts), length, *t.shape[1:]).transpose(1, 2)
+                     for t in (q, k, v)]
+            out[rows] = F.scaled_dot_product_attention(*batch).transpose(1, 2).flatten(0, 1)
         return self.proj(out.reshape(n, -1))
 
 
