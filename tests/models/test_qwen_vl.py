@@ -14,6 +14,7 @@ from helpers import random_image as image
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.mm_inputs import MultiModalInput, rope_positions
+from tokenmill.worker import step_paths
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -87,7 +88,18 @@ def test_greedy_tokens_equal_transformers(qwen_vl):
                 for text, imgs in REQUESTS]
     # 16-token steps: prompts reach their images over several chunks
     with LLM(path, kv_cache_memory_gib=0.02, max_num_batched_tokens=16) as llm:
+        compiled = [p for p in llm.engine.core.runner.paths
+                    if isinstance(p, step_paths.CompiledCpuPath)]
+        taken = []  # (decodes after an image: shifted positions, the compiled step)
+
+        def spied(step, forward=compiled[0].forward if compiled else None):
+            out = forward(step)
+            taken.append(out is not None and len(step.inputs.rope_positions) > 0)
+            return out
+        if compiled:
+            compiled[0].forward = spied
         outs = llm.generate(_prompts(REQUESTS), GREEDY, use_tqdm=False)
+    assert any(taken) or not compiled
     for out, (ids, tokens) in zip(outs, expected):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == tokens

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.attention.backend import (
@@ -52,8 +53,12 @@ def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
         bidirectional=[tuple(span) for span in inputs.bidirectional],
     )
     backend.prepare(meta)
-    if len(inputs.rope_positions):  # (M-RoPE: the rows' three rotary positions)
-        positions = on_device(inputs.rope_positions, torch.int64, device).view(3, -1)
+    if len(inputs.rope_positions):  # M-RoPE: the rows' three rotary positions
+        rope = np.asarray(inputs.rope_positions, dtype=np.int64).reshape(3, -1)
+        # (rows of text alone, the three equal: one row of shifted positions, which every
+        # path rotates by; only rows of an image need the three)
+        positions = on_device(rope[0] if (rope == rope[0]).all() else rope, torch.int64,
+                              device)
     return input_ids, positions, meta
 
 
@@ -86,7 +91,9 @@ class StepTensors:
     """A step's inputs on the device, as every path takes them."""
 
     input_ids: torch.Tensor
-    positions: torch.Tensor  # [rows]; M-RoPE rows' (temporal, height, width): [3, rows]
+    # [rows]; M-RoPE: each row's rotary position ([3, rows]: (temporal, height, width),
+    # where a row of an image is in the step)
+    positions: torch.Tensor
     meta: AttentionMetadata
     inputs: StepInputs
     # a pipeline stage after the first: the previous stage's (hidden, residual)
@@ -120,8 +127,9 @@ class CompiledCpuPath(StepPath):
         self.decode_step = decode_step
 
     def forward(self, step: StepTensors) -> tuple[Any, None] | None:
-        if step.inputs_embeds is not None or step.positions.dim() > 1:
-            return None
+        if step.inputs_embeds is not None or step.positions.dim() > 1 or (
+                step.drafted and len(step.inputs.rope_positions)):
+            return None  # (drafted rows' lengths are read from positions M-RoPE shifts)
         hidden = self.decode_step(step.input_ids, step.positions, step.meta, step.intermediate,
                                   step.drafted and step.inputs.only_decodes)
         return None if hidden is None else (hidden, None)
