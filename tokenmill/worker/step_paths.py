@@ -7,7 +7,7 @@ cuda_graphs.py, run a uniform step all the way to its logits and are asked befor
 - `CompiledCpuPath`: all-decode steps of up to `max_rows` sequences on the CPU, every layer in
   one compiled call (cpu_decode_step.py; LoRA adapters' products in it too, csrc/lora.c);
 - `EagerPath`: any step, op by op through the model, the reference of the others (the one
-  for steps with image rows or M-RoPE positions); where
+  for steps with image rows, or an image's M-RoPE positions); where
   nothing reads the other rows (and no row has a LoRA adapter: lora/layers.py maps every row
   of the step), only the sampled ones go past the last layer's K/V projection."""
 
