@@ -183,10 +183,13 @@ def test_lora_requests_info_metric(served):
             "stream": True, "ignore_eos": True}, timeout=120) as resp:
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data:"))  # (running now)
-        # (the engine's stats reach the metrics port with each step; the bound guards a hang)
-        assert wait_until(lambda: [s["running_lora_adapters"] for s in series()] == ["chat"],
-                          60)
-        seen = series()
+        # (the engine's stats reach the metrics port with each step; the bound guards a hang;
+        # the scrape that shows it running is the one checked: the request may finish
+        # before a second scrape)
+        snapshots = []
+        assert wait_until(lambda: snapshots.append(series()) or [
+            s["running_lora_adapters"] for s in snapshots[-1]] == ["chat"], 60)
+        seen = snapshots[-1]
         assert len(seen) == 1 and seen[0]["running_lora_adapters"] == "chat", seen
         assert seen[0]["max_lora"] == "2" and seen[0]["waiting_lora_adapters"] == ""
         for _ in lines:
