@@ -473,12 +473,7 @@ def onevision_greedy(model, images, tok, text: str, imgs: list, n: int = 8
             k += 1
         kwargs = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"],
                   "batch_num_images": torch.tensor([len(imgs)])}
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        generated = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                                   max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0, **kwargs)
-    return ids, generated[0, len(ids):].tolist()
+    return ids, image_text_greedy(model, ids, n, **kwargs)
 
 
 GEMMA3_IMAGE = "<start_of_image>"
@@ -596,15 +591,10 @@ def gemma3_greedy(model, images, tok, text: str, imgs: list, n: int = 8
     rows = "<image_soft_token>" * model.config.mm_tokens_per_image
     ids = tok(text.replace(GEMMA3_IMAGE, f"\n\n{GEMMA3_IMAGE}{rows}<end_of_image>\n\n"))[
         "input_ids"]
-    x = torch.tensor([ids])
     kwargs = ({"pixel_values": images(images=imgs, return_tensors="pt")["pixel_values"]}
               if imgs else {})
-    with torch.no_grad():
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                             token_type_ids=(x == model.config.image_token_id).long(),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, **kwargs)
-    return ids, out[0, len(ids):].tolist()
+    marks = (torch.tensor([ids]) == model.config.image_token_id).long()
+    return ids, image_text_greedy(model, ids, n, token_type_ids=marks, **kwargs)
 
 
 def qwen_vl_expand(model, images, tok, text: str, imgs: list):
@@ -629,13 +619,19 @@ def qwen_vl_greedy(model, images, tok, text: str, imgs: list, n: int = 8
                    ) -> tuple[list[int], list[int]]:
     """(the prompt's ids as the processor expands them, transformers' `n` greedy tokens)."""
     ids, kwargs = qwen_vl_expand(model, images, tok, text, imgs)
+    marks = (torch.tensor([ids]) == model.config.image_token_id).int()
+    return ids, image_text_greedy(model, ids, n, mm_token_type_ids=marks, **kwargs)
+
+
+def image_text_greedy(model, ids: list[int], n: int, **inputs) -> list[int]:
+    """An image-text transformers model's `n` greedy tokens after prompt `ids` (`inputs`:
+    its image inputs), EOS ignored."""
     x = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                             mm_token_type_ids=(x == model.config.image_token_id).int(),
                              max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, **kwargs)
-    return ids, out[0, len(ids):].tolist()
+                             eos_token_id=None, pad_token_id=0, **inputs)
+    return out[0, len(ids):].tolist()
 
 
 def random_image(seed: int, width: int, height: int):

@@ -312,10 +312,15 @@ def _share_tied_rows(model: nn.Module, loaded: set[str]) -> None:
         loaded.add("model.embed_tokens.weight")
 
 
-def load_vision_encoder(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_vision_encoder(path: str, dtype: torch.dtype, device: torch.device,
+                        mmproj: str = "") -> nn.Module:
     """An image-text checkpoint's image side (models/vision/encoder.py), its tensors read
-    from the checkpoint (only those)."""
+    from the checkpoint (only those), or from a GGUF's llama.cpp projector file `mmproj`."""
     from transformers import AutoConfig
+
+    if mmproj:
+        from tokenmill.loading.mmproj import load_mmproj_encoder
+        return load_mmproj_encoder(mmproj, dtype, device)
 
     from tokenmill.models.vision.encoder import build_encoder
 

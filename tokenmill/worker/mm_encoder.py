@@ -22,12 +22,9 @@ class ImageEncoder:
                  dtype: torch.dtype) -> None:
         """`multimodal`: the model's MultiModalConfig (an mmproj file's tensors, where it
         names one)."""
-        if multimodal.mmproj:
-            from tokenmill.loading.mmproj import load_mmproj_encoder
-            self.vision = load_mmproj_encoder(multimodal.mmproj, dtype, device)
-        else:
-            from tokenmill.loading.checkpoint import load_vision_encoder
-            self.vision = load_vision_encoder(model_path, dtype, device)
+        from tokenmill.loading.checkpoint import load_vision_encoder
+
+        self.vision = load_vision_encoder(model_path, dtype, device, multimodal.mmproj)
         self.device, self.dtype = device, dtype
         self.rows: dict[str, list[torch.Tensor]] = {}  # request id -> each image's rows
 
