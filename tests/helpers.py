@@ -58,6 +58,11 @@ def make_spm_tokenizer(path: str):
     return fast
 
 
+# families whose biases and norm weights a test randomizes (zeros and ones hide mistakes)
+BIASED = ("gemma", "phi", "starcoder2", "olmo2", "olmo3", "granite",
+          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe")
+
+
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
     """Saves a 2-layer GQA model of `arch` plus a tokenizer into `path`; returns the HF model."""
     import transformers as tf
@@ -134,8 +139,49 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, head_dim=32, num_experts=8,
                                                num_experts_per_tok=2, moe_intermediate_size=64,
                                                norm_topk_prob=True, tie_word_embeddings=False),
+        # Gemma 1: (1 + w) norms, sqrt(hidden) embedding scale, GELU-tanh MLP
+        "gemma": lambda: tf.GemmaConfig(**common, head_dim=16, pad_token_id=0),
+        # Phi-2: parallel attention and MLP, LayerNorms, 40 % rotary, a biased LM head
+        "phi": lambda: tf.PhiConfig(**common, partial_rotary_factor=0.4,
+                                    tie_word_embeddings=False, pad_token_id=0),
+        # sliding window of 8 on every layer, LayerNorms, biased ungated MLP
+        "starcoder2": lambda: tf.Starcoder2Config(**common, sliding_window=8,
+                                                  tie_word_embeddings=True),
+        "olmo2": lambda: tf.Olmo2Config(**common, pad_token_id=0, tie_word_embeddings=False),
+        # local (window 8) and global layers, each rope setting its own
+        "olmo3": lambda: tf.Olmo3Config(**common, pad_token_id=0, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        tie_word_embeddings=False),
+        "granite": lambda: tf.GraniteConfig(**common, embedding_multiplier=3.0,
+                                            attention_multiplier=0.3, residual_multiplier=0.5,
+                                            logits_scaling=2.5, tie_word_embeddings=False),
+        "granitemoe": lambda: tf.GraniteMoeConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0,
+            attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.5,
+            tie_word_embeddings=False),
+        "granitemoeshared": lambda: tf.GraniteMoeSharedConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+            embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
+            logits_scaling=2.5, tie_word_embeddings=False),
+        # GLM-4: interleaved rotary on half of each head, q|k|v biases, stored gate|up
+        "glm": lambda: tf.GlmConfig(**common, head_dim=16, pad_token_id=0,
+                                    tie_word_embeddings=False),
+        "glm4": lambda: tf.Glm4Config(**common, head_dim=16, pad_token_id=0,
+                                      tie_word_embeddings=False),
+        # GLM-4.5: layer 0 dense, layer 1 8 experts in 2 groups and a shared expert; q/k norm
+        "glm4_moe": lambda: tf.Glm4MoeConfig(
+            **common, head_dim=32, moe_intermediate_size=32, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
+            topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+            num_nextn_predict_layers=0, tie_word_embeddings=False),
     }
-    classes = {"llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
+    classes = {"gemma": tf.GemmaForCausalLM, "phi": tf.PhiForCausalLM,
+               "starcoder2": tf.Starcoder2ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+               "olmo3": tf.Olmo3ForCausalLM, "granite": tf.GraniteForCausalLM,
+               "granitemoe": tf.GraniteMoeForCausalLM,
+               "granitemoeshared": tf.GraniteMoeSharedForCausalLM, "glm": tf.GlmForCausalLM,
+               "glm4": tf.Glm4ForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
+               "llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
                "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
@@ -150,7 +196,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         setattr(config, key, value)
     torch.manual_seed(0)
     model = classes[arch](config).to(dtype).eval()
-    if arch.startswith("deepseek_v3"):  # routing biases start at zero; make them matter
+    if arch.startswith(("deepseek_v3", "glm4_moe")):  # routing biases start at zero
         with torch.no_grad():
             for layer in model.model.layers[config.first_k_dense_replace:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
@@ -160,6 +206,13 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if arch in BIASED:  # (and norms at one)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias") and "correction" not in name:
+                    param.normal_(0, 0.5)
+                elif "norm" in name:
+                    param.normal_(1.0 if arch != "gemma" else 0.0, 0.2)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)

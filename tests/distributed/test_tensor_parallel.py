@@ -8,7 +8,7 @@ import signal
 import psutil
 import pytest
 import torch
-from helpers import hf_greedy, make_model, write_calibration
+from helpers import BIASED, hf_greedy, make_model, write_calibration
 
 from tests.distributed.checks import worker_ranks
 from tests.serving import alive, wait_until
@@ -41,7 +41,7 @@ def prompt_logprobs(out) -> list[float]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3",
-                                  "phi3", "mixtral"])
+                                  "phi3", "mixtral", *BIASED])
 def test_two_ranks_match_one_rank_and_transformers(tiny_models, arch):
     path, hf = tiny_models(arch)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,

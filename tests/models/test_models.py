@@ -5,14 +5,17 @@ import random
 
 import pytest
 import torch
-from helpers import hf_greedy, make_model, paged_step
+from helpers import BIASED, hf_greedy, make_model, paged_step
 
 from tokenmill import LLM, SamplingParams, csrc
 from tokenmill.attention.backend import LogitsRows
 
+# the second round of families (issue 64): every one greedy, logprobs, chunked prefill,
+# prefix hits, preemption (tests/models/test_moe.py) and two ranks (distributed/)
+BREADTH = list(BIASED)
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
          "qwen2_yarn", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
-         "deepseek_v2", "gemma2", "gemma3"]
+         "deepseek_v2", "gemma2", "gemma3", *BREADTH]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]
 MAX_TOKENS = 12
 
@@ -45,7 +48,7 @@ def test_greedy_matches_transformers(tiny_models, arch, cpu_ops):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                                  "deepseek_v3", "gemma2", "gemma3"])
+                                  "deepseek_v3", "gemma2", "gemma3", *BREADTH])
 def test_logprobs_close_to_transformers(tiny_models, arch, cpu_ops):
     path, hf = tiny_models(arch)
     llm = LLM(path, kv_cache_memory_gib=0.01)

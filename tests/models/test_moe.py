@@ -6,7 +6,7 @@ quantization and GGUF files."""
 
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import BIASED, hf_greedy
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
@@ -102,7 +102,7 @@ def generate(path, prompts, params, **engine):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gemma2",
-                                  "gemma3", "phi3"])
+                                  "gemma3", "phi3", *BIASED])
 def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tiny_models, arch):
     path, hf = tiny_models(arch)
     shared = list(range(20, 84))

@@ -65,9 +65,10 @@ class ParallelLMHead(ColumnParallelLinear):
     """The LM head as a column-parallel linear over the padded vocabulary; it may share its
     weight with a `VocabParallelEmbedding` (tied embeddings: the same rows on each rank)."""
 
-    def __init__(self, hidden: int, vocab_size: int) -> None:
+    def __init__(self, hidden: int, vocab_size: int, bias: bool = False) -> None:
+        """`bias`: Phi-2's LM head has one."""
         tp = get_tp_group()
-        super().__init__(hidden, vocab_size, padded_out=padded_vocab(vocab_size, tp.size))
+        super().__init__(hidden, vocab_size, bias, padded_vocab(vocab_size, tp.size))
         self.vocab_size = vocab_size
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -1,10 +1,12 @@
 """RMSNorm with an optional fused residual add, numerically HF's formula (the compiled CPU
 kernel rounds the same products; only the order of the sum of squares can differ); on GPUs
-one Triton kernel (triton_ops.py)."""
+one Triton kernel (triton_ops.py); LayerNorm with the same call; RMSNorm over a projection
+tensor-parallel ranks split."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import csrc
@@ -39,3 +41,49 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a bias (Phi-2, Starcoder2), with RMSNorm's optional fused residual
+    add; torch's own kernel, as transformers'."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        self.bias = (nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias
+                     else None)
+        if bias:
+            self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        x = x + residual
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps), x
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection whose rows tensor-parallel ranks split (OLMo 2's q
+    and k norms: over every head at once): each rank holds `rows` of the weight from
+    `start`, and the mean of squares is all-reduced. Ranks holding the same rows (key/value
+    heads shared by several ranks) each add theirs, so the total counts every row as often
+    as the `rows * tp` it is divided by."""
+
+    def __init__(self, start: int, rows: int, eps: float, tp) -> None:
+        super().__init__(rows, eps)
+        self.tp = tp
+        self.weight.weight_loader = lambda param, loaded: default_weight_loader(
+            param, loaded.narrow(0, start, rows))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.tp.size == 1:
+            return super().forward(x, residual)
+        if residual is not None:
+            raise ValueError("ShardedRMSNorm takes no residual.")
+        dtype = x.dtype
+        x = x.float()
+        squares = x.pow(2).sum(-1, keepdim=True)
+        mean = self.tp.all_reduce(squares) / (x.shape[-1] * self.tp.size)
+        return self.weight * (x * torch.rsqrt(mean + self.eps)).to(dtype)

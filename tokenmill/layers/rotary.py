@@ -31,10 +31,32 @@ def rope_parameters(config: Any) -> dict[str, Any]:
         if original is not None:
             params["original_max_position_embeddings"] = original
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial} (rotary embedding on part of each "
-                         "head) is not supported yet.")
+    params["partial_rotary_factor"] = float(partial or 1.0)
     return params
+
+
+def rotary_dim(head_dim: int, params: dict[str, Any]) -> int:
+    """The dimensions of each head that rotate (Phi-2, GLM: `partial_rotary_factor` < 1)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
+
+
+def head_order(head_dim: int, rotated: int, interleaved: bool) -> torch.Tensor | None:
+    """The order a head's q and k dimensions are laid out in before a full-width Neox
+    rotation that equals the checkpoint's (None: as they are). Partial rotary (the first
+    `rotated` dimensions turn): their halves go to [0, r/2) and [D/2, D/2 + r/2), where the
+    table's rows turn them; the rest fill the gaps, where the table holds cos 1 and sin 0.
+    Interleaved pairs (GLM's (x0, x1), (x2, x3) ..) go to i and D/2 + i the same way. q and k
+    take the same order, so their dot products, the scores, are the checkpoint's."""
+    if rotated == head_dim and not interleaved:
+        return None
+    half = rotated // 2
+    if interleaved:
+        first, second = list(range(0, rotated, 2)), list(range(1, rotated, 2))
+    else:
+        first, second = list(range(half)), list(range(half, rotated))
+    rest = list(range(rotated, head_dim))
+    gap = head_dim // 2 - half
+    return torch.tensor(first + rest[:gap] + second + rest[gap:])
 
 
 def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]] | None:
@@ -163,19 +185,25 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding, HF's `x * cos + rotate_half(x) * sin` element for element.
 
     `rotate_half(x) * sin` is computed as `roll(x, D/2) * signed_sin` (the first half of the
-    sin table negated): the same products, since negation is exact. `for_step` prepares what
-    every layer of a step shares."""
+    sin table negated): the same products, since negation is exact. Partial rotary: the table
+    is full width, its rows for the dimensions that do not turn cos 1 and sin 0 (exact), in
+    the layout `head_order` gives. `for_step` prepares what every layer of a step shares."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any],
                  max_position_embeddings: int) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, params, max_position_embeddings, max_positions)
+        rotated = rotary_dim(head_dim, params)
+        inv_freq = inverse_frequencies(rotated, params, max_position_embeddings, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
         scale = attention_factor(params, max_position_embeddings)
-        sin = emb.sin() * scale
-        sin[:, : head_dim // 2].neg_()
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        cos = torch.ones(max_positions, head_dim)
+        sin = torch.zeros(max_positions, head_dim)
+        half, turned = head_dim // 2, rotated // 2
+        for start in (0, half):
+            cos[:, start:start + turned] = freqs.cos() * scale
+            sin[:, start:start + turned] = freqs.sin() * scale
+        sin[:, :half].neg_()
+        self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", sin, persistent=False)
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:

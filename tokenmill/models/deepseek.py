@@ -161,12 +161,16 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     `topk_method`). The MTP layers (`mtp`, models/deepseek_mtp.py) live on the first pipeline
     stage, where draft heads run beside the sampler (worker/draft_heads.py)."""
 
-    def __init__(self, config: Any, max_positions: int, **options) -> None:
-        scale = mla_scale(config)
-        interleaved = bool(getattr(config, "rope_interleave", True))
+    latent = True  # MLA (GLM-4.5: grouped-query attention beside the same experts)
 
-        def make_attention(config, layer):
-            return MLAttention(config, scale, interleaved)
+    def __init__(self, config: Any, max_positions: int, make_attention=None,
+                 **options) -> None:
+        if make_attention is None:
+            scale = mla_scale(config)
+            interleaved = bool(getattr(config, "rope_interleave", True))
+
+            def make_attention(config, layer):
+                return MLAttention(config, scale, interleaved)
         super().__init__(config, max_positions, make_mlp=deepseek_mlp,
                          make_attention=make_attention, **options)
         self.mtp = (build_mtp(config, make_attention, deepseek_mlp)
@@ -188,7 +192,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         name = mtp_name(name, self.config.num_hidden_layers) or name
-        if ".self_attn." in name:  # MLA's projections are its own (no q|k|v to merge)
+        if ".self_attn." in name and self.latent:  # MLA's own projections (no q|k|v)
             return name, None
         # DeepSeek's shared experts are `shared_experts` (plural)
         return super().checkpoint_target(name.replace(".shared_experts.", ".shared_expert."))

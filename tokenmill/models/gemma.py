@@ -1,6 +1,7 @@
-"""Gemma 2 and 3 (text) on the Llama-family model: RMSNorms scaling by (1 + weight),
-embeddings times sqrt(hidden size), GELU-tanh MLPs, a norm after attention and one before
-and after the MLP, scores scaled by `query_pre_attn_scalar`, sliding-window layers
+"""Gemma 1, 2 and 3 (text) on the Llama-family model: RMSNorms scaling by (1 + weight),
+embeddings times sqrt(hidden size), GELU MLPs (Gemma 1: the config's `hidden_act`, its
+layers otherwise Llama's); Gemma 2 and 3: a norm after attention and one before and after
+the MLP, scores scaled by `query_pre_attn_scalar`, sliding-window layers
 alternating with global ones (`layer_types`); Gemma 2 soft-caps attention and final logits,
 Gemma 3 norms q and k per head and rotates local and global layers with their own rope
 settings."""
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.activation import GeluTanhAndMul
+from tokenmill.layers.activation import GeluTanhAndMul, gated_activation
 from tokenmill.layers.linear import default_weight_loader, whole
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.info import layer_window
@@ -30,14 +31,16 @@ class GemmaRMSNorm(RMSNorm):
             param, whole(loaded).float() + 1.0)
 
 
-class GemmaDecoderLayer(DecoderLayer):
-    """x + post_ff(mlp(pre_ff(x + post_attn(attn(input(x)))))): carried as (hidden,
-    residual) pairs like the Llama layers (the sum of the two is the stream)."""
+class SandwichDecoderLayer(DecoderLayer):
+    """x + post_ff(mlp(pre_ff(x + post_attn(attn(input(x)))))): a norm before and after
+    each block (Gemma 2 and 3; GLM-4 with its own names and plain RMSNorms), carried as
+    (hidden, residual) pairs like the Llama layers (the sum of the two is the stream)."""
 
-    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
-        super().__init__(config, attention, mlp, GemmaRMSNorm)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module,
+                 norm: type[nn.Module] = GemmaRMSNorm) -> None:
+        super().__init__(config, attention, mlp, norm)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, hidden, residual, meta, logits_rows=None):
         hidden, residual = self.attend(rope, hidden, residual, meta, logits_rows)
@@ -46,6 +49,19 @@ class GemmaDecoderLayer(DecoderLayer):
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 1 (2B, 7B; CodeGemma)."""
+
+    def __init__(self, config: Any, max_positions: int, **options) -> None:
+        super().__init__(
+            config, max_positions,
+            make_mlp=lambda config, layer: MLP(config, act=gated_activation(config.hidden_act)),
+            make_layer=lambda config, attention, mlp: DecoderLayer(config, attention, mlp,
+                                                                   GemmaRMSNorm),
+            make_norm=GemmaRMSNorm, **options)
+        self.model.embed_scale = config.hidden_size ** 0.5
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
@@ -60,7 +76,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                 config, bool(getattr(config, "attention_bias", False)), self.qk_norm,
                 layer_window(config, layer), getattr(config, "attn_logit_softcapping", None),
                 scale, norm=GemmaRMSNorm),
-            make_layer=GemmaDecoderLayer, make_norm=GemmaRMSNorm, **options)
+            make_layer=SandwichDecoderLayer, make_norm=GemmaRMSNorm, **options)
         self.model.embed_scale = config.hidden_size ** 0.5
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 

@@ -26,8 +26,10 @@ from tokenmill.layers.rotary import (
     MRotaryEmbedding,
     RotaryEmbedding,
     StepRotary,
+    head_order,
     rope_parameters,
     rope_parameters_by_layer_type,
+    rotary_dim,
 )
 from tokenmill.layers.stage_layers import make_layers
 from tokenmill.models.info import layer_window
@@ -41,9 +43,12 @@ class Attention(nn.Module):
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
                  window: int | None = None, softcap: float | None = None,
-                 scale: float | None = None, norm: type[nn.Module] = RMSNorm) -> None:
+                 scale: float | None = None, norm: type[nn.Module] = RMSNorm,
+                 o_bias: bool | None = None, interleaved: bool = False) -> None:
         """`softcap`: Gemma 2's attention logit soft-capping; `scale`: of the scores (default
-        1 / sqrt(head size)); `norm`: the q/k norms' class."""
+        1 / sqrt(head size)); `norm`: the q/k norms' class; `o_bias`: the output
+        projection's bias (default the config's `attention_bias`); `interleaved`: rotary on
+        pairs (x0, x1), (x2, x3) .. (GLM)."""
         super().__init__()
         self.window, self.softcap = window, softcap
         hidden = config.hidden_size
@@ -55,10 +60,17 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = scale or self.head_dim ** -0.5
-        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden,
-                                        getattr(config, "attention_bias", False))
-        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        if o_bias is None:
+            o_bias = bool(getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, o_bias)
+        eps = norm_eps(config)
+        self.q_norm = norm(self.head_dim, eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, eps) if qk_norm else None
+        # partial or interleaved rotary: q and k heads' dimensions reordered for the
+        # full-width rotation (layers/rotary.py's head_order)
+        order = head_order(self.head_dim, rotary_dim(self.head_dim, rope_parameters(config)),
+                           interleaved)
+        self.register_buffer("head_order", order, persistent=False)
         # Bound by the model runner once the KV cache is allocated.
         self.backend: AttentionBackend | None = None
         self.k_cache = torch.empty(0)
@@ -69,18 +81,8 @@ class Attention(nn.Module):
         """Output rows for every token, or only for the `logits_rows` (all rows' K/V cached)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_heads, kv_heads = self.num_heads, self.num_kv_heads
-        v = qkv[:, self.q_size + self.kv_size:].view(t, kv_heads, -1)
-        caches = (self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.q_norm is None:
-            # q and k heads side by side in one view: one rotary pass for both (and, where
-            # the backend can, the K/V write in the same kernel)
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads, -1)
-            q, k = self.backend.rotate_and_write(rope, qk, v, *caches, q_heads)
-        else:
-            q = rope(self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1)))
-            k = self.k_norm(qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1))
-            k = self.backend.rotate_and_write(rope, k, v, *caches, 0)[1]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, -1)
+        q, k = self.rotate_and_write(rope, qkv, v, meta)
         if logits_rows is not None:  # every row's K/V is cached; only the logits rows attend
             if not logits_rows.count:
                 return x.new_empty(0, x.shape[1])
@@ -89,6 +91,37 @@ class Attention(nn.Module):
         out = self.backend.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
                                   self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def rotate_and_write(self, rope: StepRotary, qkv: torch.Tensor, v: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [T, heads, D] normed (with q/k norms) and rotated, K and V cached."""
+        t, q_heads, kv_heads = qkv.shape[0], self.num_heads, self.num_kv_heads
+        caches = (self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.q_norm is None:
+            # q and k heads side by side in one view: one rotary pass for both (and, where
+            # the backend can, the K/V write in the same kernel)
+            qk = self.in_order(qkv[:, : self.q_size + self.kv_size].view(t, q_heads + kv_heads,
+                                                                        -1))
+            return self.backend.rotate_and_write(rope, qk, v, *caches, q_heads)
+        q = rope(self.in_order(self.q_norm(qkv[:, : self.q_size].view(t, q_heads, -1))))
+        k = self.in_order(self.k_norm(
+            qkv[:, self.q_size: self.q_size + self.kv_size].view(t, kv_heads, -1)))
+        return q, self.backend.rotate_and_write(rope, k, v, *caches, 0)[1]
+
+    def in_order(self, heads: torch.Tensor) -> torch.Tensor:
+        """Heads [T, H, D] with their dimensions in `head_order` (a copy), or as they are."""
+        if self.head_order is None:
+            return heads
+        return heads.index_select(-1, self.head_order)
+
+
+def norm_eps(config: Any) -> float:
+    """The norms' epsilon: `rms_norm_eps`, or a LayerNorm family's `layer_norm_eps` /
+    `norm_epsilon`."""
+    for key in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon"):
+        if getattr(config, key, None) is not None:
+            return float(getattr(config, key))
+    return 1e-6
 
 
 class MLP(nn.Module):
@@ -130,8 +163,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = attention  # Attention, or DeepSeek's latent attention
         self.mlp = mlp  # MLP, or a mixture of experts (layers/moe.py)
-        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, norm_eps(config))
+        self.post_attention_layernorm = norm(config.hidden_size, norm_eps(config))
 
     def forward(self, rope, hidden, residual, meta, logits_rows: LogitsRows | None = None):
         hidden, residual = self.attend(rope, hidden, residual, meta, logits_rows)
@@ -211,7 +244,7 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers,
             lambda i: make_layer(config, make_attention(config, i), make_mlp(config, i)),
             _head_cost(config, head_dim))
-        self.norm = make_norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config.hidden_size, norm_eps(config))
         self.embed_scale: float | None = None
 
     def embed_input(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -260,6 +293,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    head_bias = False  # (Phi-2's LM head has a bias)
     # (our merged parameter, checkpoint name, shard index)
     stacked_params = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1),
                       ("qkv_proj", "v_proj", 2), ("gate_up_proj", "gate_proj", 0),
@@ -286,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if head_here or (self.tie_word_embeddings and self.model.embed_tokens is not None):
-            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, self.head_bias)
         if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 

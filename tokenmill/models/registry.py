@@ -7,9 +7,18 @@ from typing import Any
 from torch import nn
 
 from tokenmill.models.deepseek import DeepseekV3ForCausalLM
-from tokenmill.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, text_config
+from tokenmill.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    GemmaForCausalLM,
+    text_config,
+)
+from tokenmill.models.glm import Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM
+from tokenmill.models.gpt import PhiForCausalLM, Starcoder2ForCausalLM
+from tokenmill.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
+from tokenmill.models.olmo import Olmo2ForCausalLM
 
 # architecture -> (class, extra constructor arguments derived from the HF config)
 _MODELS = {
@@ -33,6 +42,17 @@ _MODELS = {
     "Qwen3MoeForCausalLM": (LlamaForCausalLM,
                             lambda c: {"qkv_bias": bool(getattr(c, "attention_bias", False)),
                                        "qk_norm": True, "make_mlp": qwen_moe_mlp}),
+    "GemmaForCausalLM": (GemmaForCausalLM, lambda c: {}),
+    "PhiForCausalLM": (PhiForCausalLM, lambda c: {}),
+    "Starcoder2ForCausalLM": (Starcoder2ForCausalLM, lambda c: {}),
+    "Olmo2ForCausalLM": (Olmo2ForCausalLM, lambda c: {}),
+    "Olmo3ForCausalLM": (Olmo2ForCausalLM, lambda c: {}),
+    "GraniteForCausalLM": (GraniteForCausalLM, lambda c: {}),
+    "GraniteMoeForCausalLM": (GraniteMoeForCausalLM, lambda c: {}),
+    "GraniteMoeSharedForCausalLM": (GraniteMoeForCausalLM, lambda c: {}),
+    "GlmForCausalLM": (GlmForCausalLM, lambda c: {}),
+    "Glm4ForCausalLM": (Glm4ForCausalLM, lambda c: {}),
+    "Glm4MoeForCausalLM": (Glm4MoeForCausalLM, lambda c: {}),
 }
 
 

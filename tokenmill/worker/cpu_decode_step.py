@@ -262,6 +262,8 @@ class CpuDecodeStep:
             return "the compiled kernels read float32, bfloat16 or int8 K/V caches"
         if not all(isinstance(layer.self_attn, Attention) for layer in stage):
             return "latent attention runs in Python"
+        if any(layer.self_attn.head_order is not None for layer in stage):
+            return "partial or interleaved rotary runs in Python"
         if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None
                for layer in stage):
             return "sliding-window and soft-capped attention run in Python"

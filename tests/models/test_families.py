@@ -1,0 +1,98 @@
+"""Variants of the second round of families (issue 64) beyond tests/models/test_models.py's
+shared checks: partial and interleaved rotary against transformers' own functions, Phi's
+q/k LayerNorms, OLMo 2's whole-projection norms over a key/value head two ranks share,
+GLM-4.5 configs naming MTP layers the checkpoint lacks."""
+
+import pytest
+import torch
+from helpers import hf_greedy, make_model
+from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as glm_rotary
+from transformers.models.phi.modeling_phi import apply_rotary_pos_emb as neox_rotary
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.norm import LayerNorm
+from tokenmill.layers.rotary import RotaryEmbedding, head_order
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70))]
+
+
+@pytest.mark.parametrize("head_dim,factor,interleaved", [
+    (16, 0.4, False), (80, 0.4, False), (16, 0.5, True), (128, 0.5, True), (16, 1.0, True),
+    (32, 0.25, False)])
+def test_reordered_full_width_rotation_gives_the_checkpoints_scores(head_dim, factor,
+                                                                    interleaved):
+    """q and k rotated the checkpoint's way (transformers' functions: Neox on the first
+    dimensions, or GLM's interleaved pairs) score the same as q and k reordered and rotated
+    at full width with the partial table."""
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}
+    rotated = int(head_dim * factor)
+    positions = torch.tensor([0, 1, 7, 100, 511])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(len(positions), 3, head_dim, generator=gen)
+    k = torch.randn(len(positions), 3, head_dim, generator=gen)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotated, 2).float() / rotated))
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]  # [T, 1, rotated]
+    if interleaved:
+        ref_q, ref_k = glm_rotary(q, k, cos[:, 0], sin[:, 0], unsqueeze_dim=1)
+    else:
+        rq, rk = neox_rotary(q[..., :rotated], k[..., :rotated], cos[:, 0], sin[:, 0],
+                             unsqueeze_dim=1)
+        ref_q = torch.cat([rq, q[..., rotated:]], dim=-1)
+        ref_k = torch.cat([rk, k[..., rotated:]], dim=-1)
+    rope = RotaryEmbedding(head_dim, 512 + 1, params, 512).for_step(positions, torch.float32)
+    order = head_order(head_dim, rotated, interleaved)
+    assert sorted(order.tolist()) == list(range(head_dim))
+    ours_q, ours_k = rope(q[..., order].contiguous()), rope(k[..., order].contiguous())
+    ref_scores = torch.einsum("thd,thd->th", ref_q, ref_k)
+    torch.testing.assert_close(torch.einsum("thd,thd->th", ours_q, ours_k), ref_scores,
+                               atol=1e-5, rtol=1e-5)
+    # the dimensions that do not turn are untouched, bit for bit
+    still = order[torch.cat([torch.arange(rotated // 2, head_dim // 2),
+                             torch.arange(head_dim // 2 + rotated // 2, head_dim)])]
+    kept = torch.cat([torch.arange(rotated // 2, head_dim // 2),
+                      torch.arange(head_dim // 2 + rotated // 2, head_dim)])
+    assert torch.equal(ours_q[..., kept], q[..., still])
+
+
+def test_full_rotary_keeps_the_heads_as_they_are():
+    assert head_order(64, 64, False) is None
+
+
+def test_layernorm_with_a_residual_adds_then_norms():
+    norm = LayerNorm(8, 1e-5)
+    norm.weight.data.normal_(generator=torch.Generator().manual_seed(1))
+    norm.bias.data.normal_(generator=torch.Generator().manual_seed(2))
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    ref = torch.nn.functional.layer_norm(x + residual, (8,), norm.weight, norm.bias, 1e-5)
+    out, summed = norm(x, residual)
+    assert torch.equal(out, ref) and torch.equal(summed, x + residual)
+
+
+@pytest.mark.parametrize("arch,overrides,engine", [
+    ("phi", {"qk_layernorm": True}, {}),
+    # checkpoints of GLM-4.5 carry their MTP layer; one without it still serves
+    ("glm4_moe", {"num_nextn_predict_layers": 1}, {}),
+    # one key/value head both ranks hold: each adds its squares, divided by twice the rows
+    ("olmo2", {"num_key_value_heads": 1}, {"tensor_parallel_size": 2}),
+])
+def test_variants_match_transformers(tmp_path, arch, overrides, engine):
+    hf = make_model(str(tmp_path), arch, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(tmp_path), kv_cache_memory_gib=0.01, **engine) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+def test_granite_hybrid_is_refused_by_name(tmp_path):
+    """Granite 4 (Mamba-2 layers among attention ones) is not served: the error names it."""
+    import json
+
+    make_model(str(tmp_path), "granite")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GraniteMoeHybridForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM"):
+        LLM(str(tmp_path), kv_cache_memory_gib=0.01)

@@ -1,0 +1,105 @@
+"""IBM Granite (3.x) on the Llama-family model: embeddings times `embedding_multiplier`,
+scores scaled by `attention_multiplier`, each block's output times `residual_multiplier`
+before it joins the stream, logits divided by `logits_scaling`. Granite-MoE: every layer a
+mixture of experts (top-k logits softmaxed = the softmax renormalized over the top k),
+its experts stored as one [experts, 2 * intermediate, hidden] `input_linear` (gate | up)
+and one `output_linear`; Granite-MoE-Shared adds an ungated-sum shared expert."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import whole
+from tokenmill.layers.moe import SparseMoE
+from tokenmill.models.info import layer_window
+from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__(config, attention, mlp)
+        self.multiplier = float(config.residual_multiplier)
+
+    def forward(self, rope, hidden, residual, meta, logits_rows=None):
+        hidden, residual = self.attend(rope, hidden, residual, meta, logits_rows)
+        if logits_rows is not None and not logits_rows.count:
+            return hidden, residual
+        hidden, residual = self.post_attention_layernorm(hidden * self.multiplier, residual)
+        return self.mlp(hidden) * self.multiplier, residual
+
+
+def granite_moe_mlp(config: Any, layer: int) -> nn.Module:
+    shared_size = getattr(config, "shared_intermediate_size", 0)
+    shared = MLP(config, shared_size, reduce=False) if shared_size else None
+    return SparseMoE(config.hidden_size, config.num_local_experts, config.num_experts_per_tok,
+                     True, lambda split: MLP(config, config.intermediate_size, reduce=False,
+                                             split=split), shared)
+
+
+# Granite-MoE's checkpoint names -> ours (its experts' stacked tensors: `_per_expert`)
+_NAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
+          (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
+          (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
+_STACKED = {".block_sparse_moe.input_linear.weight": "gate_up_proj",
+            ".block_sparse_moe.output_linear.weight": "down_proj"}
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: Any, max_positions: int, make_mlp=None, **options) -> None:
+        scale = float(config.attention_multiplier)
+        super().__init__(
+            config, max_positions, make_mlp=make_mlp,
+            make_attention=lambda config, layer: Attention(
+                config, bool(getattr(config, "attention_bias", False)), False,
+                layer_window(config, layer), scale=scale),
+            make_layer=GraniteDecoderLayer, **options)
+        self.model.embed_scale = float(config.embedding_multiplier)
+        self.logits_scaling = float(config.logits_scaling)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        return None if logits is None else logits / self.logits_scaling
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    """Granite-MoE and Granite-MoE-Shared (3.0 / 3.1 MoE, PowerMoE)."""
+
+    def __init__(self, config: Any, max_positions: int, **options) -> None:
+        super().__init__(config, max_positions, make_mlp=granite_moe_mlp, **options)
+
+    def holds(self, name: str) -> bool:
+        for suffix in _STACKED:
+            if name.endswith(suffix):  # (a rank holds all or some of a layer's experts)
+                return super().holds(name.replace(".block_sparse_moe.", ".mlp.experts."))
+        return super().holds(self._renamed(name))
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None]:
+        return super().checkpoint_target(self._renamed(name))
+
+    @staticmethod
+    def _renamed(name: str) -> str:
+        for theirs, ours in _NAMES:
+            name = name.replace(theirs, ours)
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._per_expert(weights))
+
+    def _per_expert(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """A stacked [experts, rows, columns] tensor as one tensor per expert this rank
+        holds (gate | up stays merged: our gate_up_proj's whole-tensor load splits it)."""
+        for name, tensor in weights:
+            suffix = next((s for s in _STACKED if name.endswith(s)), None)
+            if suffix is None:
+                yield name, tensor
+                continue
+            layer = name[: -len(suffix)]
+            moe = self.model.layers[int(layer.rsplit(".", 1)[1])].mlp
+            stacked = whole(tensor)
+            for e in range(stacked.shape[0]):
+                if moe.holds_expert(e):
+                    yield f"{layer}.mlp.experts.{e}.{_STACKED[suffix]}.weight", stacked[e]
