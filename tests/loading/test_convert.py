@@ -126,7 +126,9 @@ def test_llama_cpp_tokenizes_a_sentencepiece_file_alike(spm_model):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "qwen2",
-                                  "mistral", "gemma2", "gemma3", "phi3", "llama3"])
+                                  "mistral", "gemma2", "gemma3", "phi3", "llama3", "gemma",
+                                  "phi", "olmo2", "granite", "granitemoe", "granitemoeshared",
+                                  "glm4", "glm4_moe"])
 def test_round_trip_through_gguf(tiny_models, tmp_path, arch):
     """HF -> GGUF f32 -> HF for every architecture the converter writes: transformers' logits
     of the result equal the source's over a prompt past Llama-3 scaling's original context,
@@ -136,7 +138,9 @@ def test_round_trip_through_gguf(tiny_models, tmp_path, arch):
     `shared_experts` name, the `deepseek2` file's tokenizer read from its metadata); Mistral
     and Mixtral written as llama.cpp's `llama` (Q/K rows permuted; Mixtral's experts read
     back as a Mixtral); Phi-3's rope settings complete;
-    Llama 3.1's scaling parameters recovered from the file's `rope_freqs`."""
+    Llama 3.1's scaling parameters recovered from the file's `rope_freqs`; Granite-MoE's
+    stacked experts split for llama.cpp and stacked again; Phi-2's and GLM's rotary
+    dimensions kept."""
     from transformers import AutoModelForCausalLM
 
     src, hf = tiny_models(arch)
@@ -160,7 +164,7 @@ def test_llama3_rope_factors_are_transformers():
     import transformers as tf
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from tokenmill.convert.gguf_writer import llama3_rope_factors, llama3_rope_from_factors
+    from tokenmill.convert.gguf_keys import llama3_rope_factors, llama3_rope_from_factors
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -389,7 +393,7 @@ def test_gemma3_in_todays_hub_layout_converts(tiny_models, tmp_path):
 def test_gemma3_window_pattern_as_a_period_or_per_layer():
     import types
 
-    from tokenmill.convert.gguf_writer import _window_pattern
+    from tokenmill.convert.gguf_keys import _window_pattern
 
     local, full = "sliding_attention", "full_attention"
     periodic = types.SimpleNamespace(layer_types=[local, full, local, full],

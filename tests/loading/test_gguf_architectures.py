@@ -1,7 +1,9 @@
 """GGUF files of the architectures beyond Llama/Qwen, written as llama.cpp's converter writes
 them (Gemma's 1 + w norms, Phi-3's fused tensors and LongRoPE factor tensors, DeepSeek's MLA
-keys and kv_b split in two halves): the config read back is transformers', and the tokens are
-transformers' in float; blocks kept quantized give the tokens of the same file expanded."""
+keys and kv_b split in two halves, Granite's permuted q/k and scale keys, Granite-MoE's
+stacked experts split, GLM's rotary dimension count, LayerNorm biases): the config read back
+is transformers', and the tokens are transformers' in float; blocks kept quantized give the
+tokens of the same file expanded."""
 
 import pytest
 import torch
@@ -15,7 +17,10 @@ PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8]]
 # tiny model -> llama.cpp architecture
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
              "phi3_longrope": "phi3", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
-             "deepseek_v3_yarn": "deepseek2"}
+             "deepseek_v3_yarn": "deepseek2", "gemma": "gemma", "phi": "phi2",
+             "starcoder2": "starcoder2", "olmo2": "olmo2", "granite": "granite",
+             "granitemoe": "granitemoe", "granitemoeshared": "granitemoe", "glm4": "glm4",
+             "glm4_moe": "glm4moe"}
 # config fields that must come back as transformers has them
 FIELDS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
           "vocab_size", "tie_word_embeddings"]
@@ -25,6 +30,18 @@ ARCH_FIELDS = {
     "gemma3": ["sliding_window", "query_pre_attn_scalar", "layer_types", "rope_parameters",
                "num_key_value_heads", "head_dim"],
     "phi3": ["original_max_position_embeddings", "num_key_value_heads", "sliding_window"],
+    "gemma": ["num_key_value_heads", "head_dim", "hidden_act"],
+    "phi2": ["num_key_value_heads", "layer_norm_eps", "hidden_act"],
+    "starcoder2": ["num_key_value_heads", "norm_epsilon", "use_bias", "sliding_window"],
+    "olmo2": ["num_key_value_heads", "rms_norm_eps"],
+    "granite": ["attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                "logits_scaling"],
+    "granitemoe": ["attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                   "logits_scaling", "num_local_experts", "num_experts_per_tok"],
+    "glm4": ["num_key_value_heads", "head_dim", "attention_bias"],
+    "glm4moe": ["n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
+                "norm_topk_prob", "use_qk_norm", "attention_bias", "head_dim"],
     "deepseek2": ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                   "v_head_dim", "first_k_dense_replace", "n_routed_experts",
                   "num_experts_per_tok", "n_shared_experts", "routed_scaling_factor",
@@ -43,6 +60,9 @@ def _write(tmp_path, tiny_models, arch, qtype=None):
                 "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
                 "original_max_position_embeddings": 64}
         hf = make_model(hf_path, arch, rope_parameters=rope)
+    elif arch == "starcoder2":  # llama.cpp keeps no window: a model without one
+        hf_path = str(tmp_path / "hf")
+        hf = make_model(hf_path, arch, sliding_window=None)
     else:
         hf_path, hf = tiny_models(arch)
     state = {k: v for k, v in hf.state_dict().items()
@@ -80,6 +100,11 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
     assert config.architectures == [type(hf).__name__]
     for key in FIELDS + ARCH_FIELDS[GGUF_ARCH[arch]]:
         assert getattr(config, key) == getattr(hf.config, key), key
+    # (llama.cpp keeps the number of dimensions that rotate)
+    dims = [int(c.rope_parameters.get("partial_rotary_factor", 1.0)
+                * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads))
+            for c in (config, hf.config)]
+    assert dims[0] == dims[1]
     if arch == "phi3_longrope":
         ours, theirs = config.rope_parameters, hf.config.rope_parameters
         assert ours["rope_type"] == "longrope"
@@ -95,7 +120,9 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
 
 @pytest.mark.parametrize("arch,qtype", [("gemma2", "Q8_0"), ("phi3", "Q4_1"),
                                         ("deepseek_v3", "Q8_0"), ("gemma3", "Q5_0"),
-                                        ("gemma2", "Q5_1")])
+                                        ("gemma2", "Q5_1"), ("gemma", "Q8_0"), ("phi", "Q8_0"),
+                                        ("starcoder2", "Q5_0"), ("granitemoe", "Q8_0"),
+                                        ("glm4", "Q4_1"), ("glm4_moe", "Q8_0")])
 def test_blocks_kept_quantized_give_the_expanded_files_tokens(tmp_path, tiny_models,
                                                               monkeypatch, arch, qtype):
     if not csrc.available():
@@ -160,15 +187,16 @@ def test_deepseek_files_before_llamacpps_mla_keep_kv_b_whole(tmp_path, tiny_mode
     assert tokens == [hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_1"])
-def test_fused_blocks_split_over_two_ranks(tmp_path, tiny_models, qtype):
-    """Phi-3's one q|k|v and one gate|up tensor, kept as Q4_1 (int4) or Q5_1 (int8 with
-    offsets) blocks: each rank cuts its heads and rows of each projection from the fused
-    tensor, and its inputs' groups (with their offsets) of the row-parallel ones: one rank's
-    tokens."""
+@pytest.mark.parametrize("arch,qtype", [("phi3", "Q4_1"), ("phi3", "Q5_1"), ("glm4", "Q4_1"),
+                                        ("granitemoe", "Q8_0")])
+def test_fused_blocks_split_over_two_ranks(tmp_path, tiny_models, arch, qtype):
+    """Phi-3's one q|k|v and one gate|up tensor (GLM-4's gate|up), kept as Q4_1 (int4) or
+    Q5_1 (int8 with offsets) blocks: each rank cuts its heads and rows of each projection
+    from the fused tensor, and its inputs' groups (with their offsets) of the row-parallel
+    ones; Granite-MoE's permuted q / k blocks and stacked experts: one rank's tokens."""
     if not csrc.available():
         pytest.skip("no compiled CPU kernels: blocks are expanded")
-    path, hf_path, _ = _write(tmp_path, tiny_models, "phi3", qtype)
+    path, hf_path, _ = _write(tmp_path, tiny_models, arch, qtype)
     kernels, one = _generate(path, hf_path)
     two_kernels, two = _generate(path, hf_path, tensor_parallel_size=2)
     assert ("int4" if qtype == "Q4_1" else "int8") in " ".join(two_kernels)

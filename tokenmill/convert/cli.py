@@ -48,11 +48,14 @@ def _gguf_arch(hf_architecture: str) -> str:
         return "deepseek2"
     if hf_architecture in ("MistralForCausalLM", "MixtralForCausalLM"):  # (as llama.cpp's
         return "llama"                                                   # converter does)
+    if hf_architecture == "GraniteMoeSharedForCausalLM":
+        return "granitemoe"
     for arch, (hf, _) in ARCHITECTURES.items():
         if hf == hf_architecture:
             return arch
     supported = sorted({hf for hf, _ in ARCHITECTURES.values()}
-                       | {"DeepseekV3ForCausalLM", "MixtralForCausalLM"})
+                       | {"DeepseekV3ForCausalLM", "MixtralForCausalLM",
+                          "GraniteMoeSharedForCausalLM"})
     raise ValueError(f"{hf_architecture} cannot be written to GGUF; supported: "
                      f"{', '.join(supported)}.")
 
@@ -74,8 +77,8 @@ def to_gguf(model: str, out: str, outtype: str) -> None:
     config = AutoConfig.from_pretrained(model, trust_remote_code=False)
     arch = _gguf_arch((config.architectures or [""])[0])
     window = getattr(config, "sliding_window", None)
-    if arch == "llama" and window and window < config.max_position_embeddings:
-        sys.stderr.write(f"warning: llama.cpp's llama files have no sliding window; this "
+    if arch in ("llama", "starcoder2") and window and window < config.max_position_embeddings:
+        sys.stderr.write(f"warning: llama.cpp's {arch} files have no sliding window; this "
                          f"model's ({window} tokens) is dropped, as llama.cpp's converter "
                          "drops it.\n")
     state: dict[str, torch.Tensor] = {}
@@ -102,7 +105,7 @@ def to_hf(model: str, out: str) -> None:
     config = load_gguf_config(model)
     rope = getattr(config, "rope_parameters", None) or {}
     if "freq_factors" in rope:  # (Llama 3.1 files: transformers wants the parameters)
-        from tokenmill.convert.gguf_writer import llama3_rope_from_factors
+        from tokenmill.convert.gguf_keys import llama3_rope_from_factors
 
         found = llama3_rope_from_factors(config, rope)
         if found is None:
@@ -114,13 +117,17 @@ def to_hf(model: str, out: str) -> None:
     tmp = out.rstrip("/") + ".tmp"
     os.makedirs(tmp, exist_ok=True)
     weights = {name: w.contiguous() for name, w in iter_gguf_weights(model, config)}
-    if config.model_type.startswith("deepseek"):  # (transformers' DeepSeek: plural)
+    if config.model_type.startswith(("deepseek", "glm4_moe")):  # (transformers': plural)
         weights = {n.replace(".shared_expert.", ".shared_experts."): w
                    for n, w in weights.items()}
     if config.model_type == "mixtral":  # (Mixtral checkpoints' own names)
         from tokenmill.models.moe import mixtral_name
 
         weights = {mixtral_name(n, to_checkpoint=True): w for n, w in weights.items()}
+    if config.model_type.startswith("granitemoe"):  # (stacked experts, as its checkpoints)
+        from tokenmill.models.granite import granite_moe_checkpoint
+
+        weights = granite_moe_checkpoint(weights)
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
     _save_tokenizer(load_gguf_tokenizer(model), tmp)

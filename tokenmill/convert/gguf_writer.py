@@ -11,12 +11,9 @@ import re
 import numpy as np
 import torch
 
+from tokenmill.convert.gguf_keys import ARCH_KEYS, head_dim, rope_settings
 from tokenmill.loading import gguf_archs
 from tokenmill.models.moe import mixtral_name
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 LAYER_MAP = {v: k for k, v in gguf_archs.LAYER_NAMES.items()}
 
@@ -25,28 +22,6 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's convert script does to Q/K rows of Llama-type models."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2) \
         .reshape(w.shape)
-
-
-def llama3_rope_factors(config, rope) -> np.ndarray:
-    """llama.cpp's `rope_freqs`: each rotary frequency's divisor under Llama-3 scaling."""
-    import math
-
-    dim = head_dim(config)
-    theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old = rope["original_max_position_embeddings"]
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
 
 
 def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=None,
@@ -66,7 +41,7 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
     writer = gguf.GGUFWriter(str(path), arch)
     if tokenizer is not None:
         write_tokenizer(writer, tokenizer, config.vocab_size)
-    rope = _rope(config)
+    rope = rope_settings(config)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -76,7 +51,8 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "rms_norm_eps", None) is not None:  # (LayerNorm families: their keys)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
     writer.add_vocab_size(config.vocab_size)
     experts = getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0)
@@ -87,7 +63,7 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if getattr(config, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    extra = _ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
+    extra = ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
     layer_map = {v: k for k, v in gguf_archs.layer_names(arch).items()}
     items = [*_tensors(arch, state, config, layer_map), *extra.items()]
     if outtype is not None:
@@ -123,14 +99,10 @@ def _encode(w: np.ndarray, kind) -> np.ndarray:
     return quantize(w, kind)
 
 
-def _rope(config) -> dict:
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling",
-                                                                     None) or {})
-    return params.get("full_attention", params)  # (Gemma 3: the global layers')
-
-
 def _tensors(arch, state, config, layer_map):
     """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
+    if arch == "granitemoe":
+        state = _granite_moe_names(state)
     state = {mixtral_name(n): t for n, t in state.items()}
     _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
@@ -146,8 +118,8 @@ def _tensors(arch, state, config, layer_map):
         if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
             yield f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight", w
             continue
-        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-            yield {v: k for k, v in gguf_archs.GLOBAL_NAMES.items()}[name], w
+        if not name.startswith("model.layers."):
+            yield {v: k for k, v in gguf_archs.global_names(arch).items()}[name], w
             continue
         layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
         rest = rest.replace(".shared_experts.", ".shared_expert.")
@@ -164,6 +136,33 @@ def _tensors(arch, state, config, layer_map):
         yield f"blk.{layer}.{layer_map[rest]}", w
 
 
+# (as saved, and as transformers holds them in memory)
+_GRANITE_NAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                  (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+                  (".block_sparse_moe.router.layer.", ".mlp.gate."),
+                  (".block_sparse_moe.router.", ".mlp.gate."),
+                  (".block_sparse_moe.experts.", ".mlp.experts."),
+                  (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
+
+
+def _granite_moe_names(state: dict) -> dict:
+    """Granite-MoE's tensors under the names the other mixtures of experts use: its stacked
+    experts as transformers' gate_up / down stacks, the shared expert's gate | up split (as
+    llama.cpp's converter splits them)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".shared_mlp.input_linear.weight"):
+            prefix = name.removesuffix("shared_mlp.input_linear.weight")
+            gate, up = tensor.chunk(2, dim=0)
+            out[prefix + "mlp.shared_expert.gate_proj.weight"] = gate
+            out[prefix + "mlp.shared_expert.up_proj.weight"] = up
+            continue
+        for theirs, ours in _GRANITE_NAMES:
+            name = name.replace(theirs, ours)
+        out[name] = tensor
+    return out
+
+
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -178,118 +177,6 @@ def _stack_experts(state: dict) -> None:
         if sorted(parts) != list(range(len(parts))):
             raise ValueError(f"{prefix}: experts {sorted(parts)} are not 0..{len(parts) - 1}.")
         state[f"{prefix}.{kind}_exps"] = torch.stack([parts[e] for e in range(len(parts))])
-
-
-def llama3_rope_from_factors(config, rope: dict) -> dict | None:
-    """The Llama-3 scaling parameters that give a file's `rope_freqs` (llama.cpp keeps only
-    the factors), searched among the values Llama 3.x models use; None if none fits."""
-    want = np.asarray(rope["freq_factors"], dtype=np.float64)
-    for old in [2 ** k for k in range(13, 5, -1)] + [2 ** k for k in range(14, 18)]:
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (0.5, 4.0)):
-            guess = {"rope_type": "llama3", "rope_theta": rope["rope_theta"],
-                     "factor": float(want.max()), "low_freq_factor": low,
-                     "high_freq_factor": high, "original_max_position_embeddings": old}
-            if np.allclose(llama3_rope_factors(config, guess), want, rtol=1e-5, atol=1e-6):
-                return guess
-    return None
-
-
-def _llama_keys(writer, config):
-    rope = _rope(config)
-    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter stores Llama 3.1 scaling
-        return {"rope_freqs.weight": llama3_rope_factors(config, rope)}
-    return {}
-
-
-def _gemma_keys(writer, config):
-    import gguf
-
-    writer.add_sliding_window(config.sliding_window)
-    if getattr(config, "attn_logit_softcapping", None):
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-    if getattr(config, "final_logit_softcapping", None):
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    params = getattr(config, "rope_parameters", None) or {}
-    if "sliding_attention" in params:  # Gemma 3
-        writer.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
-        writer.add_sliding_window_pattern(_window_pattern(config))
-        full = params["full_attention"]
-        if full.get("rope_type") == "linear":
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(full["factor"])
-
-
-def _window_pattern(config):
-    """Gemma 3's local/global layout for llama.cpp: the period N (every N-th layer global) as
-    older configs state it (`sliding_window_pattern`, today's `_sliding_window_pattern`) when
-    `layer_types` follows it, else the per-layer flags (windowed or not) newer files carry."""
-    types = getattr(config, "layer_types", None)
-    period = getattr(config, "sliding_window_pattern", None) or \
-        getattr(config, "_sliding_window_pattern", None)
-    if not types:
-        if period is None:
-            raise ValueError("The Gemma 3 config states neither layer_types nor "
-                             "sliding_window_pattern.")
-        return int(period)
-    local = [kind == "sliding_attention" for kind in types]
-    if period and local == [(i + 1) % int(period) != 0 for i in range(len(local))]:
-        return int(period)
-    return local
-
-
-def _phi3_keys(writer, config):
-    rope = _rope(config)
-    original = getattr(config, "original_max_position_embeddings", None) or \
-        config.max_position_embeddings
-    writer.add_rope_dimension_count(head_dim(config))
-    writer.add_rope_scaling_orig_ctx_len(original)
-    if config.sliding_window:
-        writer.add_sliding_window(config.sliding_window)
-    if rope.get("rope_type") == "longrope":
-        return {"rope_factors_long.weight": np.array(rope["long_factor"], dtype=np.float32),
-                "rope_factors_short.weight": np.array(rope["short_factor"], dtype=np.float32)}
-    return {}
-
-
-def _deepseek2_keys(writer, config):
-    """What the MLA-era converter writes: the latent row under key/value_length, one KV
-    head, per-head sizes under the _mla keys."""
-    import gguf
-
-    rank, rope_dim = config.kv_lora_rank, config.qk_rope_head_dim
-    writer.add_head_count_kv(1)
-    writer.add_leading_dense_block_count(config.first_k_dense_replace)
-    if config.q_lora_rank is not None:
-        writer.add_q_lora_rank(config.q_lora_rank)
-    writer.add_kv_lora_rank(rank)
-    writer.add_key_length(rank + rope_dim)
-    writer.add_value_length(rank)
-    writer.add_key_length_mla(config.qk_nope_head_dim + rope_dim)
-    writer.add_value_length_mla(config.v_head_dim)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_count(config.n_routed_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_shared_count(config.n_shared_experts)
-    writer.add_expert_weights_scale(config.routed_scaling_factor)
-    if config.norm_topk_prob:
-        writer.add_expert_weights_norm(True)
-    sigmoid = getattr(config, "topk_method", None) is None  # (V3's config has none)
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid
-                                  else gguf.ExpertGatingFuncType.SOFTMAX)
-    if (config.n_group or 1) > 1:
-        writer.add_expert_group_count(config.n_group)
-        writer.add_expert_group_used_count(config.topk_group)
-    writer.add_rope_dimension_count(rope_dim)
-    rope = _rope(config)
-    if rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-
-
-_ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys,
-              "phi3": _phi3_keys, "deepseek2": _deepseek2_keys}
 
 
 def write_tokenizer(writer, tokenizer, vocab_size: int) -> None:

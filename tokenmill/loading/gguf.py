@@ -17,7 +17,7 @@ import torch
 from tokenmill import heap
 from tokenmill.loading import gguf_archs
 from tokenmill.loading.file_checks import ModelFileError, check_gguf
-from tokenmill.loading.gguf_archs import ARCHITECTURES, EXPERT_NAMES, GLOBAL_NAMES, PERMUTED_QK
+from tokenmill.loading.gguf_archs import ARCHITECTURES, EXPERT_NAMES, PERMUTED_QK
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _config_of(reader: Any, arch: str) -> Any:
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", hidden // heads)),
         max_position_embeddings=int(get("context_length", 2048)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=gguf_archs.decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
@@ -196,6 +196,9 @@ def _quantized_shard(data: np.ndarray, type_name: str, shape: list[int]) -> Any:
     return QuantizedShard(*to_kernel_tensors(data, type_name, n, k))
 
 
+# HF names of linear layers' weights (kept as blocks where the kernels read them)
+_LINEAR = ("proj.weight", ".fc1.weight", ".fc2.weight", ".dense.weight", ".c_fc.weight")
+
 # GGUF block types whose weights the int8 / int4 kernels read as they are.
 _KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K"}
@@ -225,15 +228,15 @@ def _weights(reader: Any, arch: str, config: Any, keep_quantized: bool
              ) -> Iterator[tuple[str, Any]]:
     from gguf.quants import dequantize
 
-    names = gguf_archs.layer_names(arch)
+    names, global_names = gguf_archs.layer_names(arch), gguf_archs.global_names(arch)
     kv_b_parts: dict[tuple[int, str], np.ndarray] = {}
     for tensor in reader.tensors:
         # (once per file tensor, not per weight: a layer's experts are one tensor; what
         # came before was read and copied by now)
         reader.drop_pages()
         name = tensor.name
-        if name in GLOBAL_NAMES:
-            hf_name = GLOBAL_NAMES[name]
+        if name in global_names:
+            hf_name = global_names[name]
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
             if int(layer) >= config.num_hidden_layers:
@@ -260,7 +263,7 @@ def _weights(reader: Any, arch: str, config: Any, keep_quantized: bool
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
         kept = (keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED
                 and "kv_b_proj" not in hf_name)  # (MLA reads that one's float weight)
-        linear = hf_name.endswith("proj.weight") or hf_name == "lm_head.weight"
+        linear = hf_name.endswith(_LINEAR) or hf_name == "lm_head.weight"
         if kept and (linear or (hf_name == "model.embed_tokens.weight"
                                 and config.tie_word_embeddings)):
             shard = _quantized_shard(tensor.data, tensor.tensor_type.name, shape)

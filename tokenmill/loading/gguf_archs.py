@@ -22,11 +22,24 @@ ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "Phi3Config"),
     # DeepSeek-V2 / V3 / R1 (the config class picked by the routing's gating function)
     "deepseek2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig"),
+    "phi2": ("PhiForCausalLM", "PhiConfig"),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
+    "granite": ("GraniteForCausalLM", "GraniteConfig"),
+    # (Granite-MoE-Shared when the file has shared experts)
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig"),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config"),
+    "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
 }
 # llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
-PERMUTED_QK = {"llama", "mistral"}
+PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
 # llama.cpp's Gemma files store RMSNorm weights as 1 + w (HF stores w).
-NORMS_PLUS_ONE = {"gemma2", "gemma3"}
+NORMS_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
+# LayerNorm families: their norms' biases, and epsilon under layer_norm_epsilon
+_LAYERNORM_NAMES = {"attn_norm.bias": "input_layernorm.bias",
+                    "ffn_norm.bias": "post_attention_layernorm.bias",
+                    "attn_output.bias": "self_attn.o_proj.bias"}
 
 LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -60,6 +73,27 @@ _ARCH_LAYER_NAMES = {
     # one fused q|k|v and one gate|up tensor, as Phi-3's own checkpoints
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
              "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    # Phi-2: separate q / k / v (a fused attn_qkv in files converted from the original
+    # format), `dense` output, fc1 / fc2 MLP, all biased
+    "phi2": {**_LAYERNORM_NAMES,
+             "attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "attn_qkv.bias": "self_attn.qkv_proj.bias",
+             "attn_output.weight": "self_attn.dense.weight",
+             "attn_output.bias": "self_attn.dense.bias",
+             "ffn_up.weight": "mlp.fc1.weight", "ffn_up.bias": "mlp.fc1.bias",
+             "ffn_down.weight": "mlp.fc2.weight", "ffn_down.bias": "mlp.fc2.bias"},
+    "starcoder2": {**_LAYERNORM_NAMES,
+                   "ffn_up.weight": "mlp.c_fc.weight", "ffn_up.bias": "mlp.c_fc.bias",
+                   "ffn_down.weight": "mlp.c_proj.weight", "ffn_down.bias": "mlp.c_proj.bias"},
+    "olmo2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    # Glm4's post_attention_layernorm is the norm before the MLP; gate|up one tensor
+    "glm4": {"post_attention_norm.weight": "post_self_attn_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "glm4moe": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
     "deepseek2": {
         "attn_q_a.weight": "self_attn.q_a_proj.weight",
         "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -81,13 +115,28 @@ GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_ARCH_GLOBAL_NAMES = {
+    "phi2": {"output_norm.weight": "model.final_layernorm.weight",
+             "output_norm.bias": "model.final_layernorm.bias", "output.bias": "lm_head.bias"},
+    "starcoder2": {"output_norm.bias": "model.norm.bias"},
+}
 # DeepSeek's kv_b_proj as llama.cpp's MLA files split it: K half [heads, rank, nope] (each
 # head transposed), V half [heads, v, rank]; put back together by `join_kv_b`.
 KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
 
 
+def decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-05, not
+    9.99999974e-06): the value the checkpoint's config had."""
+    return float(str(np.float32(value)))
+
+
 def layer_names(arch: str) -> dict[str, str]:
     return {**LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+
+
+def global_names(arch: str) -> dict[str, str]:
+    return {**GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(arch, {})}
 
 
 def join_kv_b(k_b: np.ndarray, v_b: np.ndarray, heads: int, rank: int) -> np.ndarray:
@@ -116,8 +165,74 @@ def configure(arch: str, get: Callable[[str, Any], Any], tensor_names: set[str],
         if rope.get("rope_type") == "yarn":
             mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
             rope.update(beta_fast=32.0, beta_slow=1.0, mscale=mscale, mscale_all_dim=mscale)
+    elif arch in _FAMILIES:
+        _FAMILIES[arch](get, tensor_names, kwargs, rope)
+    if arch in ("phi2", "glm4", "glm4moe"):  # rotary on the first rope.dimension_count
+        rotated = get("rope.dimension_count", None)
+        if rotated is not None:
+            rope["partial_rotary_factor"] = int(rotated) / kwargs["head_dim"]
     kwargs.update(_moe_config(arch, get, tensor_names, kwargs["num_hidden_layers"]))
     return kwargs, rope
+
+
+def _layernorm(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
+    """Phi-2 and Starcoder2: LayerNorms (their epsilon under layer_norm_epsilon), biases
+    everywhere, GELU; llama.cpp keeps no sliding window for Starcoder2 (it attends to the
+    whole context, and so does this file's config)."""
+    eps = decimal(get("attention.layer_norm_epsilon", 1e-5))
+    del kwargs["rms_norm_eps"]
+    if kwargs["architectures"] == ["PhiForCausalLM"]:
+        kwargs.update(layer_norm_eps=eps, hidden_act="gelu_new", qk_layernorm=False)
+    else:
+        kwargs.update(norm_epsilon=eps, hidden_act="gelu_pytorch_tanh", sliding_window=None,
+                      use_bias="blk.0.attn_q.bias" in tensor_names)
+
+
+def _granite(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
+    """Granite's multipliers (llama.cpp's *_scale keys); Granite-MoE's experts, each the
+    file's feed_forward_length wide, and its shared expert when the file has one."""
+    kwargs.update(attention_multiplier=decimal(get("attention.scale", 1.0)),
+                  embedding_multiplier=decimal(get("embedding_scale", 1.0)),
+                  residual_multiplier=decimal(get("residual_scale", 1.0)),
+                  logits_scaling=decimal(get("logit_scale", 1.0)))
+    kwargs.pop("head_dim")  # (Granite's configs have none: llama.cpp ignores it)
+    experts = get("expert_count", None)
+    if not experts:
+        return
+    kwargs.update(num_local_experts=int(experts),
+                  num_experts_per_tok=int(get("expert_used_count", 0)))
+    shared = get("expert_shared_feed_forward_length", None)
+    if shared:
+        kwargs.update(shared_intermediate_size=int(shared),
+                      architectures=["GraniteMoeSharedForCausalLM"],
+                      _config_class="GraniteMoeSharedConfig")
+
+
+def _glm4(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
+    """GLM-4: q|k|v biases when the file has them. GLM-4.5: DeepSeek's routing keys (one
+    group: llama.cpp's converter writes none), q/k norms when present; its MTP layers
+    (blocks past the decoder's) are not read from GGUF files."""
+    kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if get("expert_count", None) is None:
+        return
+    kwargs.update(
+        n_routed_experts=int(get("expert_count", 0)),
+        num_experts_per_tok=int(get("expert_used_count", 0)),
+        moe_intermediate_size=int(get("expert_feed_forward_length", 0)),
+        n_shared_experts=int(get("expert_shared_count", 0)),
+        first_k_dense_replace=int(get("leading_dense_block_count", 0)),
+        routed_scaling_factor=decimal(get("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(get("expert_weights_norm", False)),
+        n_group=int(get("expert_group_count", 1) or 1),
+        topk_group=int(get("expert_group_used_count", 1) or 1),
+        use_qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        num_nextn_predict_layers=0)
+
+
+_FAMILIES = {"phi2": _layernorm, "starcoder2": _layernorm, "granite": _granite,
+             "granitemoe": _granite, "glm4": _glm4, "glm4moe": _glm4,
+             "gemma": lambda get, names, kwargs, rope: kwargs.update(
+                 hidden_act="gelu_pytorch_tanh")}
 
 
 def _gemma(arch: str, get, kwargs: dict, rope: dict) -> tuple[dict, dict]:
@@ -183,7 +298,7 @@ def _moe_config(arch: str, get, tensor_names: set[str], layers: int) -> dict:
     """Mixtures of experts from llama.cpp's keys: Mixtral (a `llama` file with experts), or
     Qwen's, whose layers without a router are dense (`mlp_only_layers`)."""
     experts = get("expert_count", None)
-    if not experts or arch == "deepseek2":
+    if not experts or arch not in ("llama", "qwen2moe", "qwen3moe"):
         return {}
     if arch == "llama":  # (llama.cpp writes Mixtral as `llama` with experts)
         return {"architectures": ["MixtralForCausalLM"], "_config_class": "MixtralConfig",

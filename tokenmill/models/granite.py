@@ -103,3 +103,34 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
             for e in range(stacked.shape[0]):
                 if moe.holds_expert(e):
                     yield f"{layer}.mlp.experts.{e}.{_STACKED[suffix]}.weight", stacked[e]
+
+
+def granite_moe_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (a GGUF file's, read under the common names) as a Granite-MoE
+    checkpoint stores them: each layer's experts stacked, gate | up in one tensor, the
+    shared expert's gate | up joined, the router under its own name."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        if ".mlp.experts." in name:
+            layer, rest = name.split(".mlp.experts.")
+            index, kind = rest.split(".")[:2]
+            experts.setdefault(layer, {}).setdefault(kind, {})[int(index)] = tensor
+        elif ".mlp.shared_expert." in name:
+            experts.setdefault(name.split(".mlp.")[0], {}).setdefault(
+                "shared", {})[name.split(".")[-2]] = tensor
+        else:
+            out[name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")] = tensor
+    for layer, kinds in experts.items():
+        if "gate_proj" in kinds:
+            count = len(kinds["gate_proj"])
+            out[f"{layer}.block_sparse_moe.input_linear.weight"] = torch.stack([
+                torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in range(count)])
+            out[f"{layer}.block_sparse_moe.output_linear.weight"] = torch.stack(
+                [kinds["down_proj"][e] for e in range(count)])
+        shared = kinds.get("shared")
+        if shared:
+            out[f"{layer}.shared_mlp.input_linear.weight"] = torch.cat(
+                [shared["gate_proj"], shared["up_proj"]])
+            out[f"{layer}.shared_mlp.output_linear.weight"] = shared["down_proj"]
+    return out
+
