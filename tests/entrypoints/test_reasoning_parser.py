@@ -25,6 +25,23 @@ CASES = {
         ("<think>cut off", ("cut off", "")),
         ("<thin is not a tag", ("", "<thin is not a tag")),
     ],
+    # GLM-4.5 (recorded shape: its template closes an empty section when not thinking)
+    "glm45": [
+        ("<think>The user wants the weather.</think>\nIt is sunny.",
+         ("The user wants the weather.", "\nIt is sunny.")),
+        ("\n<think></think>\nDirect answer.", ("", "\nDirect answer.")),
+        ("No section at all.", ("", "No section at all.")),
+        ("<think>cut off mid-thought", ("cut off mid-thought", "")),
+    ],
+    # Granite 3.2 with thinking on: plain phrases, either spelling
+    "granite": [
+        ("Here is my thought process:\nAdd them.\nHere is my response:\n2 + 2 = 4.",
+         ("\nAdd them.\n", "\n2 + 2 = 4.")),
+        ("Here's my thought process:\nhmm\nHere's my response:\nok", ("\nhmm\n", "\nok")),
+        ("Here is my thought process: still going", (" still going", "")),
+        ("Plain answer, no thinking.", ("", "Plain answer, no thinking.")),
+        ("Here is my answer.", ("", "Here is my answer.")),
+    ],
 }
 
 
@@ -52,7 +69,8 @@ def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
     parser = ReasoningParser(name)
     rng = random.Random(1)
     parts = ["<think>", "</think>", "<th", "ink>", "</", "</th", "<", ">", " ", "\n", "a",
-             "think", "/"]
+             "think", "/", "Here is my thought process:", "Here's my response:", "Here",
+             "Here is my ", "Here's", "thought process:", "response:", "Here is my response"]
     for _ in range(3000):
         text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) \
@@ -65,7 +83,7 @@ def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
 
 
 def test_unknown_parser():
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3, glm45, granite"):
         ReasoningParser("nope")
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.parsers.tool_calls import PARSERS, ToolCall, get_parser
+from tokenmill.entrypoints.parsers.tool_calls import PARSER_NAMES, ToolCall, get_parser
 from tokenmill.entrypoints.parsers.tool_stream import ToolCallStream, WholeTextToolCallStream
 
 W = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
@@ -16,8 +16,60 @@ T = ToolCall("get_time", "{}")
 DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
       "<｜tool▁calls▁end｜>")
 
+# the request's tools: schemas type the tagged-text formats' values (qwen3_coder, glm45)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"},
+                                              "unit": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+         {"type": "function", "function": {"name": "set_alarm", "parameters": {
+             "type": "object", "properties": {
+                 "hour": {"type": "integer"}, "days": {"type": "array"},
+                 "loud": {"type": "boolean"}, "volume": {"type": "number"},
+                 "note": {"type": "string"}, "label": {"anyOf": [{"type": "string"},
+                                                                 {"type": "null"}]},
+                 "repeat": {"type": "object"}}}}}]
+ALARM = ToolCall("set_alarm", json.dumps({"hour": 7, "days": ["mon", "tue"], "loud": True,
+                                          "volume": 0.5, "note": '07:00 "wake"\n  up',
+                                          "label": None, "repeat": {"weeks": 2}}))
+KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>", "<|tool_calls_section_end|>")
+
+
+def _qwen_call(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def _glm_call(name: str, **params: str) -> str:
+    body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                   for k, v in params.items())
+    return f"<tool_call>{name}\n{body}</tool_call>"
+
+
+ALARM_ARGS = dict(hour="7", days='["mon", "tue"]', loud="true", volume="0.5",
+                  note='07:00 "wake"\n  up', label="null", repeat="{'weeks': 2}")
+
 # (parser, model output, expected content, expected calls)
 CASES = [
+    ("qwen3_coder", _qwen_call("get_weather", city="Paris", unit="celsius"), None, [W]),
+    ("qwen3_coder", "Let me check.\n" + _qwen_call("get_weather", city="Paris", unit="celsius")
+     + "\n" + _qwen_call("get_time"), "Let me check.", [W, T]),
+    ("qwen3_coder", _qwen_call("set_alarm", **ALARM_ARGS), None, [ALARM]),
+    ("glm45", _glm_call("get_weather", city="Paris", unit="celsius"), None, [W]),
+    ("glm45", "I'll check.\n" + _glm_call("get_weather", city="Paris", unit="celsius")
+     + _glm_call("get_time"), "I'll check.", [W, T]),
+    ("glm45", _glm_call("set_alarm", **ALARM_ARGS), None, [ALARM]),
+    ("kimi_k2", f'{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": "Paris", "unit": '
+                f'"celsius"}}{KIMI[3]}{KIMI[1]}functions.get_time:1{KIMI[2]}{{}}{KIMI[3]}'
+                f'{KIMI[4]}', None,
+     [ToolCall(W.name, W.arguments, "functions.get_weather:0"),
+      ToolCall(T.name, T.arguments, "functions.get_time:1")]),
+    ("kimi_k2", f'Checking.{KIMI[0]}{KIMI[1]}functions.get_time:0{KIMI[2]}{{}}{KIMI[3]}'
+                f'{KIMI[4]}', "Checking.", [ToolCall(T.name, T.arguments, "functions.get_time:0")]),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+                '"celsius"}}, {"name": "get_time", "arguments": {}}]', None, [W, T]),
+    ("granite", '<tool_call>[{"name": "get_time", "arguments": {}}]', None, [T]),
+    ("granite", "It is sunny in Paris.", "It is sunny in Paris.", []),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                '"celsius"}}\n</tool_call>', None, [W]),
     ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
@@ -44,7 +96,19 @@ CASES = [
     ("pythonic", "<|python_start|>[get_time()]<|python_end|>", None, [T]),
 ]
 
+# hermes: content, then two calls
+HERMES_TWO = next(c[1] for c in CASES if c[0] == "hermes" and c[2] == "Let me check.")
+
 MALFORMED = [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),  # cut off
+    ("qwen3_coder", "<tool_call>\nno function here\n</tool_call>"),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"),
+    ("glm45", "<tool_call>\n<arg_key>city</arg_key><arg_value>x</arg_value></tool_call>"),
+    ("glm45", "<tool_call>get_weather\nstray words\n</tool_call>"),
+    ("kimi_k2", f"{KIMI[0]}{KIMI[1]}functions.get_time:0{{}}{KIMI[3]}{KIMI[4]}"),  # no args tag
+    ("kimi_k2", f'{KIMI[0]}{KIMI[1]}functions.get_weather:0{KIMI[2]}{{"city": '),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": '),
+    ("granite", '<|tool_call|>{"name": "get_time", "arguments": {}}'),  # not a list
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
     ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'),  # no name
     ("hermes", '<tool_call>\n{"name": "f", "arguments": [1, 2]}\n</tool_call>'),  # not object
@@ -62,8 +126,12 @@ MALFORMED = [
 ]
 
 
+def _parser(name: str):
+    return get_parser(name).for_request(TOOLS)
+
+
 def _streamed(name: str, text: str, sizes: list[int]) -> tuple[str, list[ToolCall]]:
-    stream, content, calls, i = ToolCallStream(get_parser(name)), "", [], 0
+    stream, content, calls, i = ToolCallStream(_parser(name)), "", [], 0
     for size in sizes:
         piece = text[i:i + size]
         i += size
@@ -86,7 +154,7 @@ def _chunkings(text: str):
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_recorded_outputs(case):
     name, text, content, calls = case
-    assert get_parser(name).parse(text) == (content, calls)
+    assert _parser(name).parse(text) == (content, calls)
     for sizes in _chunkings(text):
         assert _streamed(name, text, sizes) == (content or "", calls), sizes
 
@@ -94,14 +162,14 @@ def test_recorded_outputs(case):
 @pytest.mark.parametrize("case", MALFORMED, ids=[f"{c[0]}-{i}" for i, c in enumerate(MALFORMED)])
 def test_malformed_outputs_come_back_as_content(case):
     name, text = case
-    assert get_parser(name).parse(text) == (text, [])
+    assert _parser(name).parse(text) == (text, [])
     for sizes in _chunkings(text):
         assert _streamed(name, text, sizes) == (text, [])
 
 
 def test_calls_stream_as_each_completes():
     """hermes and deepseek_v3 send a call once its block closes, before the output ends."""
-    text = CASES[1][1]
+    text = HERMES_TWO
     stream = ToolCallStream(get_parser("hermes"))
     first_block = text.index("</tool_call>") + len("</tool_call>")
     content, calls = stream.feed(text[:first_block], False)
@@ -115,14 +183,16 @@ def test_content_that_only_looks_like_a_marker_is_sent():
     assert stream.feed("box> b", False) == (" <toolbox> b", [])
 
 
-@pytest.mark.parametrize("name", list(PARSERS))
+@pytest.mark.parametrize("name", PARSER_NAMES)
 def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
     """Random texts of markers, their parts, whitespace, JSON and the recorded outputs, cut
     at random: every piece's content and calls equal the reference's, which searches the
     whole text so far again each time."""
     rng = random.Random(2)
-    parser = get_parser(name)
-    markers = [*parser.markers, *parser.leading, *DS, "</tool_call>", "[ARGS]"]
+    parser = _parser(name)
+    markers = [*parser.markers, *parser.leading, *DS, *KIMI, "</tool_call>", "[ARGS]",
+               "<function=get_time>", "</function>", "<parameter=city>", "</parameter>",
+               "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "functions.get_time:0"]
     parts = [*markers, *(m[:len(m) // 2] for m in markers), *(m[len(m) // 2:] for m in markers),
              " ", "\n", "  \n", "text", '{"name": "get_time", "arguments": {}}', "[", "]",
              "get_time()", ";"]
@@ -133,7 +203,7 @@ def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) \
             if len(text) > 1 else []
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
-        fast, slow = ToolCallStream(get_parser(name)), WholeTextToolCallStream(get_parser(name))
+        fast, slow = ToolCallStream(_parser(name)), WholeTextToolCallStream(_parser(name))
         for i, piece in enumerate(pieces):
             done = i == len(pieces) - 1
             assert fast.feed(piece, done) == slow.feed(piece, done), (text, pieces, i)
@@ -142,7 +212,8 @@ def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
 def test_unknown_parser_and_every_name_builds():
     with pytest.raises(ValueError, match="hermes"):
         get_parser("nope")
-    assert all(get_parser(name).parse("plain text") == ("plain text", []) for name in PARSERS)
+    assert all(get_parser(name).parse("plain text") == ("plain text", [])
+               for name in PARSER_NAMES)
 
 
 # --- the chat message / deltas built from a choice's text (reasoning + tools) -------------
@@ -173,7 +244,7 @@ def _plan(mode, parallel=True):
 
 
 @pytest.mark.parametrize("mode, text, calls, content", [
-    ("auto", "<think>which tool?</think>Sure.\n" + CASES[1][1][len("Let me check.\n\n"):],
+    ("auto", "<think>which tool?</think>Sure.\n" + HERMES_TWO[len("Let me check.\n\n"):],
      [W, T], "Sure."),
     ("auto", "<think>no tool</think>Just text.", [], "Just text."),
     ("required", '<think>x</think>[{"name": "get_time", "parameters": {}}]', [T], None),
@@ -214,10 +285,10 @@ def test_one_call_unless_parallel():
     from tokenmill.entrypoints.http.chat_output import ChatOutput
 
     out = ChatOutput(None, _plan("auto", parallel=False), get_parser("hermes"))
-    message, _ = out.message(CASES[1][1])
+    message, _ = out.message(HERMES_TWO)
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
     stream = out.stream()
-    deltas = [stream.feed(CASES[1][1][:60], False), stream.feed(CASES[1][1][60:], True)]
+    deltas = [stream.feed(HERMES_TWO[:60], False), stream.feed(HERMES_TWO[60:], True)]
     assert len(_accumulate([d or {} for d in deltas])["tool_calls"]) == 1
 
 
@@ -249,3 +320,40 @@ def test_the_parser_a_chat_template_names():
     for none in (None, "", "{{ messages }}", "[{{ name }}({{ args }})]",
                  "<tool_call>{{ a }}</tool_call>[TOOL_CALLS]"):
         assert parser_for_template(none) is None, none
+
+
+@pytest.mark.parametrize("name", ["kimi_k2", "qwen3_coder"])
+def test_chat_output_reads_the_requests_tools_and_keeps_the_models_ids(name):
+    """A request's tool schemas reach the parser (qwen3_coder's typed values); Kimi K2's
+    own call ids are the calls' ids, whole and streamed (its template reads them back)."""
+    from tokenmill.entrypoints.http.chat_output import ChatOutput
+    from tokenmill.entrypoints.parsers.tool_request import ToolPlan
+
+    text, expected = next((c[1], c[3]) for c in CASES if c[0] == name and c[2] is None
+                          and len(c[3]) == (2 if name == "kimi_k2" else 1)
+                          and (name == "kimi_k2" or c[3] == [ALARM]))
+    out = ChatOutput(None, ToolPlan("auto", TOOLS), get_parser(name))
+    message, has_calls = out.message(text)
+    got = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+           for c in message["tool_calls"]]
+    assert has_calls and [(n, a) for _, n, a in got] == [(c.name, c.arguments) for c in expected]
+    if name == "kimi_k2":
+        assert [i for i, _, _ in got] == [c.id for c in expected]
+    stream = out.stream()
+    deltas = [d for d in (stream.feed(text[:40], False), stream.feed(text[40:], True)) if d]
+    streamed = _accumulate(deltas)["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in streamed] == [(c.name, c.arguments)
+                                                               for c in expected]
+    if name == "kimi_k2":
+        assert [c["id"] for c in streamed] == [c.id for c in expected]
+
+
+def test_templates_of_the_tagged_formats_pick_their_parser():
+    from tokenmill.entrypoints.parsers.tool_calls import parser_for_template
+
+    qwen = "{% for t in tools %}<tool_call>\n<function={{ t.name }}>\n<parameter=x>{% endfor %}"
+    glm = "<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>"
+    assert parser_for_template(qwen) == "qwen3_coder"
+    assert parser_for_template(glm) == "glm45"
+    assert parser_for_template("<tool_call>\n{{ call | tojson }}\n</tool_call>") == "hermes"
+    assert parser_for_template("<|tool_calls_section_begin|>") == "kimi_k2"

@@ -67,7 +67,7 @@ class ServerConfig:
     # None: remote images are refused (data URLs only)
     allowed_media_domains: list[str] | None = None
     trust_request_chat_template: bool = False  # accept `chat_template` in requests
-    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: chat output's <think> split
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3 | glm45 | granite: the split
     tool_call_parser: str | None = None  # hermes | llama3_json | ...: tool_choice auto
     log_requests: bool = False  # access lines carry prompt and output text
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector: one span per request

@@ -41,7 +41,8 @@ class ChatOutput:
         """`role`: the messages' role (--response-role)."""
         self.reasoning, self.role = reasoning, role
         self.plan = plan if plan is not None and plan.mode != "none" else None
-        self.parser = parser
+        self.parser = (parser.for_request(self.plan.tools)
+                       if parser is not None and self.plan is not None else parser)
 
     def _calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         mode = self.plan.mode
@@ -68,7 +69,7 @@ class ChatOutput:
         content, calls = self._calls(text)
         message["content"] = content
         if calls:
-            message["tool_calls"] = [{"id": call_id(self.parser), "type": "function",
+            message["tool_calls"] = [{"id": c.id or call_id(self.parser), "type": "function",
                                       "function": {"name": c.name, "arguments": c.arguments}}
                                      for c in calls]
         return message, bool(calls)
@@ -92,7 +93,8 @@ class ChatDeltas:
     def _tool_deltas(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         if not self.out.plan.parallel:
             calls = calls[:max(0, 1 - self.calls)]
-        deltas = [{"index": self.calls + k, "id": call_id(self.out.parser), "type": "function",
+        deltas = [{"index": self.calls + k, "id": c.id or call_id(self.out.parser),
+                   "type": "function",
                    "function": {"name": c.name, "arguments": c.arguments}}
                   for k, c in enumerate(calls)]
         self.calls += len(deltas)

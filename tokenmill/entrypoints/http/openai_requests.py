@@ -165,7 +165,8 @@ async def prepare_chat(body: dict, state: ServerState, check_model: bool = True)
         await state.check_structured(*req.structured())
         if state.reasoning is not None and params.structured_outputs is not None:
             # the constraint applies to the answer, after the reasoning section
-            params.structured_outputs.after_token_ids = constraint_start(state.tokenizer, ids)
+            params.structured_outputs.after_token_ids = constraint_start(
+                state.tokenizer, ids, state.reasoning.format)
         beams = openai_beam_params(req, max_tokens)
         if beams is not None and mm_inputs:
             raise ApiError("Beam search does not take images.", 400, "use_beam_search")

@@ -1,68 +1,113 @@
 """Reasoning parsers (`--reasoning-parser`): a chat completion's text split into
-`reasoning_content` (the `<think>` section) and `content`, whole or as stream deltas.
+`reasoning_content` (the thinking section) and `content`, whole or as stream deltas.
 
 - `deepseek_r1`: DeepSeek-R1's template opens the think section in the prompt, so the output
   may start inside it: everything before `</think>` is reasoning (a leading `<think>`
   dropped); with no `</think>` yet (still thinking, or cut off) it is all reasoning.
-- `qwen3`: reasoning only when the output opens with `<think>` (Qwen3 thinks unless
-  `enable_thinking` is false); otherwise all content.
+- `qwen3`, `glm45` (GLM-4.5 / 4.6): reasoning only when the output opens with `<think>`
+  (they think unless `enable_thinking` is false); otherwise all content.
+- `granite` (Granite 3.2+ with `thinking`): the same, its section opened by "Here is my
+  thought process:" (or "Here's ...") and closed by "Here is my response:" (or "Here's
+  ..."): plain text, not tokens.
 While streaming, text that may be the start of a tag is held back until it is known not to be
 one, so no delta ever has to be taken back."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    starts: tuple[str, ...]  # what opens the section (any of them)
+    ends: tuple[str, ...]  # what closes it
+    opened_by_prompt: bool  # the output may start inside the section (no opening tag)
+    tokens: bool  # the tags are tokens of the model's vocabulary
+
+
+_THINK = (("<think>",), ("</think>",))
+FORMATS = {
+    "deepseek_r1": ReasoningFormat(*_THINK, opened_by_prompt=True, tokens=True),
+    "qwen3": ReasoningFormat(*_THINK, opened_by_prompt=False, tokens=True),
+    "glm45": ReasoningFormat(*_THINK, opened_by_prompt=False, tokens=True),
+    "granite": ReasoningFormat(("Here is my thought process:", "Here's my thought process:"),
+                               ("Here is my response:", "Here's my response:"),
+                               opened_by_prompt=False, tokens=False),
+}
+PARSERS = tuple(FORMATS)
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
+def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    for n in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
+        if any(len(tag) > n and text.endswith(tag[:n]) for tag in tags):
             return n
     return 0
+
+
+def _find(text: str, tags: tuple[str, ...]) -> tuple[int, int]:
+    """(where the first of `tags` in `text` starts, its length); (-1, 0) if none is."""
+    found = [(i, len(tag)) for tag in tags if (i := text.find(tag)) >= 0]
+    return min(found) if found else (-1, 0)
+
+
+def _opening(head: str, starts: tuple[str, ...]) -> int | None:
+    """The opening tag's length if `head` starts with one; None while `head` may still
+    become one (a proper prefix); 0 when it cannot."""
+    for tag in starts:
+        if head.startswith(tag):
+            return len(tag)
+    return None if any(tag.startswith(head) for tag in starts) else 0
 
 
 class ReasoningParser:
     def __init__(self, name: str, tokenizer=None) -> None:
         """`tokenizer`: the served model's, checked to have the markers (a server's parser);
         None for splitting text alone."""
-        if name not in PARSERS:
+        if name not in FORMATS:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, "
                              f"got {name!r}.")
-        self.name = name
+        self.name, self.format = name, FORMATS[name]
         if tokenizer is not None:
             check_markers(name, tokenizer)
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """(reasoning, content) of `text`; not `final`: without what may still become a
         tag."""
+        fmt = self.format
         head = text.lstrip()
-        if not final and START.startswith(head) and head != START:
-            return "", ""  # (maybe the opening tag, not yet whole)
-        opened = head.startswith(START)
-        if self.name == "qwen3" and not opened:
+        opened = _opening(head, fmt.starts)
+        if opened is None:
+            if not final:
+                return "", ""  # (maybe the opening tag, not yet whole)
+            opened = 0
+        if not opened and not fmt.opened_by_prompt:
             return "", text
-        body = head[len(START):] if opened else text
-        end = body.find(END)
+        body = head[opened:] if opened else text
+        end, length = _find(body, fmt.ends)
         if end >= 0:
-            return body[:end], body[end + len(END):]
+            return body[:end], body[end + length:]
         if not final:
-            body = body[:len(body) - _partial_suffix(body, END)]
+            body = body[:len(body) - _partial_suffix(body, fmt.ends)]
         return body, ""
 
 
 def check_markers(name: str, tokenizer) -> None:
-    """A reasoning parser needs `<think>` and `</think>` to be tokens of the model's own: a
-    structured-output constraint starts after the `</think>` token, and a model that has no
+    """A reasoning parser whose tags are tokens needs them in the model's vocabulary: a
+    structured-output constraint starts after the end tag's token, and a model that has no
     such token never writes it, so its constraints would never start (free text where a
     schema was asked for). Refused at start-up, naming what is missing, as vLLM does."""
+    fmt = FORMATS[name]
+    if not fmt.tokens:
+        return
     vocab = tokenizer.get_vocab()
-    missing = [tag for tag in (START, END) if tag not in vocab
+    tags = (*fmt.starts, *fmt.ends)
+    missing = [tag for tag in tags if tag not in vocab
                or tokenizer.encode(tag, add_special_tokens=False) != [vocab[tag]]]
     if missing:
         raise ValueError(f"--reasoning-parser {name} needs a model whose vocabulary has "
-                         f"{START} and {END} as tokens; this model's has no "
+                         f"{' and '.join(tags)} as tokens; this model's has no "
                          f"{' or '.join(missing)} token (leave the flag out for it).")
 
 
@@ -74,11 +119,13 @@ def _find_last(tokens: list[int], part: list[int]) -> int:
     return -1
 
 
-def constraint_start(tokenizer, prompt_ids: list[int]) -> list[int] | None:
-    """The tokens after which a structured-output constraint starts: the end tag's, unless
-    the prompt already closed the think section (e.g. Qwen3's enable_thinking=false)."""
-    end = tokenizer.encode(END, add_special_tokens=False)
-    start = tokenizer.encode(START, add_special_tokens=False)
+def constraint_start(tokenizer, prompt_ids: list[int],
+                     fmt: ReasoningFormat = FORMATS["deepseek_r1"]) -> list[int] | None:
+    """The tokens after which a structured-output constraint starts: the end tag's (the
+    first of a format's spellings), unless the prompt already closed the section (e.g.
+    Qwen3's enable_thinking=false)."""
+    end = tokenizer.encode(fmt.ends[0], add_special_tokens=False)
+    start = tokenizer.encode(fmt.starts[0], add_special_tokens=False)
     closed = _find_last(prompt_ids, end)
     return None if closed >= 0 and closed > _find_last(prompt_ids, start) else end
 
@@ -96,23 +143,25 @@ class ReasoningStream:
         self.pending = ""  # reasoning held back: it may be the start of the end tag
 
     def feed(self, delta: str, done: bool) -> tuple[str, str]:
+        fmt = self.parser.format
         if self.thinking is None:
             self.opening += delta
             head = self.opening.lstrip()
-            if not done and START.startswith(head) and head != START:
+            opened = _opening(head, fmt.starts)
+            if opened is None and not done:
                 return "", ""  # (maybe the opening tag, not yet whole)
-            opened = head.startswith(START)
-            self.thinking = opened or self.parser.name != "qwen3"
-            delta = head[len(START):] if opened else self.opening
+            opened = opened or 0
+            self.thinking = bool(opened) or fmt.opened_by_prompt
+            delta = head[opened:] if opened else self.opening
             self.opening = ""
         if not self.thinking:
             return "", delta
         text = self.pending + delta
-        end = text.find(END)
+        end, length = _find(text, fmt.ends)
         if end >= 0:
             self.thinking, self.pending = False, ""
-            return text[:end], text[end + len(END):]
-        keep = 0 if done else _partial_suffix(text, END)
+            return text[:end], text[end + length:]
+        keep = 0 if done else _partial_suffix(text, fmt.ends)
         self.pending = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 

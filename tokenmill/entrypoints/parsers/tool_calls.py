@@ -12,11 +12,19 @@ as tool calls is returned as content.
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and the arguments in a ```json fence
   (V3.1: `NAME<｜tool▁sep｜>{...}`), each closed by `<｜tool▁call▁end｜>`.
 - `pythonic` (Llama 3.2 / 4): `[get_weather(city="Paris"), now()]`, keyword arguments of
-  Python literals, read with `ast` (never evaluated)."""
+  Python literals, read with `ast` (never evaluated).
+- `kimi_k2` (Kimi K2): `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>`
+  `functions.NAME:INDEX` `<|tool_call_argument_begin|>` JSON `<|tool_call_end|>`; the
+  model's own call id (`functions.NAME:INDEX`) is the call's id, as its template expects.
+- `granite` (Granite 3.x): the output starts with `<|tool_call|>` (3.0) or `<tool_call>`
+  (3.1+) and a JSON list of `{"name", "arguments"}`.
+- `qwen3_coder` and `glm45`: arguments as tagged text, typed by the request's tool schemas
+  (xml_tool_calls.py)."""
 
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import re
 from abc import ABC, abstractmethod
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as OpenAI's `function.arguments`
+    id: str | None = None  # the model's own id for the call (Kimi K2); None: one is made
 
 
 def _call(name, arguments) -> ToolCall | None:
@@ -74,6 +83,14 @@ class ToolParser(ABC):
     markers: tuple[str, ...] = ()
     leading: tuple[str, ...] = ()
     special_markers = False  # a marker is a special token of the tokenizer (see `bind`)
+    tools: list[dict] | None = None  # the request's tools (`for_request`): their schemas
+
+    def for_request(self, tools: list[dict] | None) -> ToolParser:
+        """This parser for one request, knowing its tools (formats whose argument values
+        are text read them by the tools' parameter schemas)."""
+        bound = copy.copy(self)
+        bound.tools = tools
+        return bound
 
     def bind(self, tokenizer) -> ToolParser:
         """Notes whether the tokenizer's special tokens include a marker: then the output
@@ -248,9 +265,53 @@ class PythonicParser(ToolParser):
         return calls
 
 
-PARSERS: dict[str, type[ToolParser]] = {
-    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
-    "deepseek_v3": DeepSeekV3Parser, "pythonic": PythonicParser}
+class KimiK2Parser(ToolParser):
+    BEGIN, CALL, ARGS, CALL_END, END = (
+        "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>", "<|tool_calls_section_end|>")
+    markers = (BEGIN, "<|tool_call_section_begin|>")  # (the singular: some of its outputs)
+
+    def parse_section(self, section: str) -> list[ToolCall]:
+        body = section.split(self.END)[0].split("<|tool_call_section_end|>")[0]
+        calls = []
+        for part in body.split(self.CALL)[1:]:
+            head, sep, args = part.split(self.CALL_END)[0].partition(self.ARGS)
+            call_id = head.strip()
+            name = call_id.split(":")[0].removeprefix("functions.")
+            call = _named_call(name, args) if sep else None
+            if call is None:
+                return []
+            calls.append(ToolCall(call.name, call.arguments, call_id))
+        return calls
+
+    def complete_calls(self, section: str) -> list[ToolCall]:
+        end = section.rfind(self.CALL_END)
+        return self.parse_section(section[:end]) if end >= 0 else []
+
+
+class GraniteParser(ToolParser):
+    leading = ("<|tool_call|>", "<tool_call>")
+
+    def parse_section(self, section: str) -> list[ToolCall]:
+        text = section.strip()
+        for marker in self.leading:
+            text = text.removeprefix(marker)
+        value = _one_json(text)
+        calls = [call_from_object(v) for v in value] if isinstance(value, list) else []
+        return calls if calls and all(calls) else []
+
+
+def _parsers() -> dict[str, type[ToolParser]]:
+    from tokenmill.entrypoints.parsers.xml_tool_calls import Glm45Parser, Qwen3CoderParser
+
+    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+            "deepseek_v3": DeepSeekV3Parser, "pythonic": PythonicParser,
+            "kimi_k2": KimiK2Parser, "granite": GraniteParser,
+            "qwen3_coder": Qwen3CoderParser, "glm45": Glm45Parser}
+
+
+PARSER_NAMES = ("hermes", "llama3_json", "mistral", "deepseek_v3", "pythonic", "kimi_k2",
+                "granite", "qwen3_coder", "glm45")
 
 
 # What a chat template writes for a tool call, per parser: a template showing exactly one of
@@ -259,7 +320,12 @@ PARSERS: dict[str, type[ToolParser]] = {
 TEMPLATE_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
                     "deepseek_v3": ("tool▁calls▁begin",),
                     "llama3_json": ("Given the following functions, please respond with a "
-                                    "JSON for a function call",)}
+                                    "JSON for a function call",),
+                    "kimi_k2": ("<|tool_calls_section_begin|>",),
+                    "granite": ("<|tool_call|>",),
+                    "qwen3_coder": ("<function=",), "glm45": ("<arg_key>",)}
+# formats whose markers include hermes' `<tool_call>`: a template showing theirs is theirs
+_WITHIN_HERMES = ("qwen3_coder", "glm45")
 
 
 def parser_for_template(template: str | dict | None) -> str | None:
@@ -270,10 +336,14 @@ def parser_for_template(template: str | dict | None) -> str | None:
         return None
     found = [name for name, markers in TEMPLATE_MARKERS.items()
              if any(m in template for m in markers)]
+    if "hermes" in found and any(name in found for name in _WITHIN_HERMES):
+        found.remove("hermes")
     return found[0] if len(found) == 1 else None
 
 
 def get_parser(name: str) -> ToolParser:
-    if name not in PARSERS:
-        raise ValueError(f"tool-call parser must be one of {', '.join(PARSERS)}, got {name!r}.")
-    return PARSERS[name]()
+    parsers = _parsers()
+    if name not in parsers:
+        raise ValueError(f"tool-call parser must be one of {', '.join(PARSER_NAMES)}, got "
+                         f"{name!r}.")
+    return parsers[name]()
