@@ -60,7 +60,7 @@ def make_spm_tokenizer(path: str):
 
 # families whose biases and norm weights a test randomizes (zeros and ones hide mistakes)
 BIASED = ("gemma", "phi", "starcoder2", "olmo2", "olmo3", "granite",
-          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe")
+          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe", "llama4")
 
 
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
@@ -168,6 +168,13 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                                     tie_word_embeddings=False),
         "glm4": lambda: tf.Glm4Config(**common, head_dim=16, pad_token_id=0,
                                       tie_word_embeddings=False),
+        # Llama 4: layers 0 and 2 rotate (interleaved) within 8-token chunks, q/k L2-normed;
+        # 1 and 3 no rotary, whole sequence, temperature-tuned queries; 1 and 3 experts
+        "llama4": lambda: tf.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=96,
+            num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            attention_chunk_size=8, floor_scale=4, attn_scale=0.5, no_rope_layer_interval=2,
+            pad_token_id=0, tie_word_embeddings=False),
         # GLM-4.5: layer 0 dense, layer 1 8 experts in 2 groups and a shared expert; q/k norm
         "glm4_moe": lambda: tf.Glm4MoeConfig(
             **common, head_dim=32, moe_intermediate_size=32, n_routed_experts=8,
@@ -181,6 +188,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "granitemoe": tf.GraniteMoeForCausalLM,
                "granitemoeshared": tf.GraniteMoeSharedForCausalLM, "glm": tf.GlmForCausalLM,
                "glm4": tf.Glm4ForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
+               "llama4": tf.Llama4ForCausalLM,
                "llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
                "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,

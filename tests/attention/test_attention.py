@@ -236,3 +236,21 @@ def test_bidirectional_spans_match_reference(window):
     meta.bidirectional = []  # (the spans matter: causal rows differ)
     causal = ReferenceBackend().forward(q, k, v, *cache.clone(), meta, 0.3, window=window)
     assert not torch.allclose(causal, ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk,sinks,softcap", [(4, False, None), (None, True, None),
+                                                 (5, True, None), (None, True, 3.0)])
+def test_chunks_and_sinks_match_reference(chunk, sinks, softcap):
+    """Llama 4's chunked local attention (a query sees its own chunk's keys only: decodes,
+    a fresh prompt, a prompt after cached context) and gpt-oss' sinks (a logit per head in
+    each softmax's denominator), against the reference; and both change the outputs."""
+    q, k, v, cache, meta = random_step(13, 3, [(0, 12), (6, 10), (9, 1)])
+    head_sinks = torch.randn(q.shape[1]) if sinks else None
+    args = dict(window=None, softcap=softcap, chunk=chunk, sinks=head_sinks)
+    ref = ReferenceBackend().forward(q, k, v, *cache.clone(), meta, 0.3, **args)
+    backend = TorchSDPABackend()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, *cache.clone(), meta, 0.3, **args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = ReferenceBackend().forward(q, k, v, *cache.clone(), meta, 0.3, softcap=softcap)
+    assert not torch.allclose(plain, ref, atol=1e-3)

@@ -86,6 +86,16 @@ def test_bidirectional_spans_take_the_masked_path(window):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk,sinks", [(4, False), (None, True)])
+def test_chunks_and_sinks_take_the_masked_path(chunk, sinks):
+    """Llama 4's chunked layers and gpt-oss' sinks on a Triton device: the torch masked
+    path, equal to the reference."""
+    q, k, v, caches, meta = random_step(10, [(3, 1), (0, 12), (6, 10)], 1, 4, 2, 16)
+    head_sinks = torch.randn(4, device=DEVICE) if sinks else None
+    ref, out, _, _ = both(q, k, v, caches, meta, 0.4, chunk=chunk, sinks=head_sinks)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_int8_cache_rows_written_and_read():
     q, k, v, caches, meta = random_step(5, MIXED, 3, 6, 2, 16, int8=True)
     ref, out, ref_caches, out_caches = both(q, k, v, caches, meta, 0.25)

@@ -96,3 +96,31 @@ def test_granite_hybrid_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM"):
         LLM(str(tmp_path), kv_cache_memory_gib=0.01)
+
+
+def test_llama4_image_text_checkpoint_serves_its_language_model(tmp_path):
+    """Llama 4 Scout / Maverick ship as Llama4ForConditionalGeneration: the language model
+    is served (its vision tower's tensors are not read) and equals transformers' own."""
+    import transformers as tf
+    from helpers import make_tokenizer
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                intermediate_size_mlp=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                attention_chunk_size=8, floor_scale=4, attn_scale=0.5, no_rope_layer_interval=2,
+                pad_token_id=0, eos_token_id=1, bos_token_id=0, initializer_range=0.2)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5)
+    torch.manual_seed(0)
+    model = tf.Llama4ForConditionalGeneration(tf.Llama4Config(
+        text_config=text, vision_config=vision, image_token_index=500)).eval()
+    model.save_pretrained(tmp_path)
+    make_tokenizer(str(tmp_path))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with LLM(str(tmp_path), kv_cache_memory_gib=0.01) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model.language_model, p, 10)
+                                                      for p in PROMPTS]

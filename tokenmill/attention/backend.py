@@ -143,19 +143,24 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, chunk: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """The new K/V written, then `attend`."""
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        return self.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap, chunk,
+                           sinks)
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, chunk: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output [T, Hq, D] for this step's queries, their K/V (k, v) already in
         the caches; `window`: a query at position p sees keys p - window + 1 .. p; `softcap`:
-        scores -> softcap * tanh(scores / softcap) (Gemma 2)."""
+        scores -> softcap * tanh(scores / softcap) (Gemma 2); `chunk`: a query sees only the
+        keys of its own `chunk`-token piece of the sequence (Llama 4's local layers);
+        `sinks` [Hq]: a logit per head joining each softmax's denominator (gpt-oss)."""
 
     def rotate_and_write(self, rope, x: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -107,9 +107,12 @@ class TorchSDPABackend(AttentionBackend):
         return plan.decode_gather
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int | None = None, softcap: float | None = None):
-        if window is not None or softcap is not None or meta.bidirectional:
-            return masked_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+               window: int | None = None, softcap: float | None = None,
+               chunk: int | None = None, sinks: torch.Tensor | None = None):
+        if (window is not None or softcap is not None or chunk is not None
+                or sinks is not None or meta.bidirectional):
+            return masked_attention(q, k_cache, v_cache, meta, scale, window, softcap, chunk,
+                                    sinks)
         plan: _StepPlan = meta.backend_data
         num_kv_heads = k.shape[1]
         out = torch.empty_like(q)

@@ -88,12 +88,18 @@ class OtherRankExpert(nn.Module):
     """An expert another rank holds whole (expert parallel): nothing here."""
 
 
+def sigmoid_top_k(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's routing: the k largest logits, each weighted by its sigmoid (float32)."""
+    values, ids = _best(logits.float(), top_k)
+    return torch.sigmoid(values), ids
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    experts: nn.ModuleList) -> torch.Tensor:
-    """sum over each token's experts of weight x expert(token): the assignments sorted by
-    expert (tokens in order within one), each active expert run once over its rows, in
-    expert order (as transformers adds them up); experts other ranks hold are left to
-    them."""
+                    experts: nn.ModuleList, scale_inputs: bool = False) -> torch.Tensor:
+    """sum over each token's experts of weight x expert(token) (`scale_inputs`: of
+    expert(weight x token), Llama 4's): the assignments sorted by expert (tokens in order
+    within one), each active expert run once over its rows, in expert order (as
+    transformers adds them up); experts other ranks hold are left to them."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -104,8 +110,11 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     start = 0
     for expert, count in enumerate(counts):
         if count and not isinstance(experts[expert], OtherRankExpert):
-            mine = rows[start:start + count]
-            out.index_add_(0, mine, experts[expert](x[mine]) * scale[start:start + count])
+            mine, weight = rows[start:start + count], scale[start:start + count]
+            if scale_inputs:
+                out.index_add_(0, mine, experts[expert](x[mine] * weight))
+            else:
+                out.index_add_(0, mine, experts[expert](x[mine]) * weight)
         start += count
     return out
 
@@ -118,7 +127,8 @@ class SparseMoE(HostSync, nn.Module):
     `gated_shared` (Qwen2-MoE). `router`: "softmax"
     (top-k), "softmax_grouped" (DeepSeek-V2's group-limited greedy) or "sigmoid_grouped"
     (DeepSeek-V3's `grouped_top_k`; the router holds `e_score_correction_bias`); `grouped`:
-    (n_group, topk_group, routed_scaling_factor) of the DeepSeek routers."""
+    (n_group, topk_group, routed_scaling_factor) of the DeepSeek routers; "sigmoid_top_k"
+    (Llama 4: `sigmoid_top_k`, each weight scaling its expert's input)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
                  make_expert: Callable[[bool], nn.Module],
@@ -157,8 +167,9 @@ class SparseMoE(HostSync, nn.Module):
         tests under TRITON_INTERPRET)."""
         from tokenmill.layers.fused_moe import FusedExperts
 
-        if self.expert_parallel or not FusedExperts.servable(self.experts):
-            return
+        if (self.expert_parallel or self.router == "sigmoid_top_k"
+                or not FusedExperts.servable(self.experts)):
+            return  # (the grouped matmuls weight outputs, not inputs)
         layer = self.experts[0].down_proj
         held = layer.weight if layer.weight is not None else layer.kernel.qweight
         if force or held.is_cuda:
@@ -177,6 +188,8 @@ class SparseMoE(HostSync, nn.Module):
         elif self.router == "softmax_grouped":
             weights, ids = softmax_grouped_top_k(logits, self.top_k, n_group, topk_group,
                                                  self.renormalize, scaling)
+        elif self.router == "sigmoid_top_k":
+            weights, ids = sigmoid_top_k(logits, self.top_k)
         else:
             weights, ids = softmax_top_k(logits, self.top_k, self.renormalize)
             if scaling != 1.0:
@@ -184,7 +197,8 @@ class SparseMoE(HostSync, nn.Module):
         if self.fused is not None:
             out = self.fused(x, weights, ids)
         else:
-            out = grouped_experts(x, weights, ids, self.experts)
+            out = grouped_experts(x, weights, ids, self.experts,
+                                  scale_inputs=self.router == "sigmoid_top_k")
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

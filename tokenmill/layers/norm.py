@@ -87,3 +87,15 @@ class ShardedRMSNorm(RMSNorm):
         squares = x.pow(2).sum(-1, keepdim=True)
         mean = self.tp.all_reduce(squares) / (x.shape[-1] * self.tp.size)
         return self.weight * (x * torch.rsqrt(mean + self.eps)).to(dtype)
+
+
+class L2Norm(nn.Module):
+    """x / rms(x) without a weight (Llama 4's q/k norm), in float32 as transformers'."""
+
+    def __init__(self, hidden_size: int = 0, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)

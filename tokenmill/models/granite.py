@@ -7,16 +7,16 @@ and one `output_linear`; Granite-MoE-Shared adds an ungated-sum shared expert.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import whole
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.info import layer_window
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from tokenmill.models.moe import split_stacked_experts
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -40,12 +40,12 @@ def granite_moe_mlp(config: Any, layer: int) -> nn.Module:
                                              split=split), shared)
 
 
-# Granite-MoE's checkpoint names -> ours (its experts' stacked tensors: `_per_expert`)
+# Granite-MoE's checkpoint names -> ours (its experts' stacked tensors: `_STACKED`)
 _NAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
           (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
           (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
-_STACKED = {".block_sparse_moe.input_linear.weight": "gate_up_proj",
-            ".block_sparse_moe.output_linear.weight": "down_proj"}
+_STACKED = {".block_sparse_moe.input_linear.weight": ("gate_up_proj", False),
+            ".block_sparse_moe.output_linear.weight": ("down_proj", False)}
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -87,22 +87,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self._per_expert(weights))
-
-    def _per_expert(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """A stacked [experts, rows, columns] tensor as one tensor per expert this rank
-        holds (gate | up stays merged: our gate_up_proj's whole-tensor load splits it)."""
-        for name, tensor in weights:
-            suffix = next((s for s in _STACKED if name.endswith(s)), None)
-            if suffix is None:
-                yield name, tensor
-                continue
-            layer = name[: -len(suffix)]
-            moe = self.model.layers[int(layer.rsplit(".", 1)[1])].mlp
-            stacked = whole(tensor)
-            for e in range(stacked.shape[0]):
-                if moe.holds_expert(e):
-                    yield f"{layer}.mlp.experts.{e}.{_STACKED[suffix]}.weight", stacked[e]
+        return super().load_weights(split_stacked_experts(weights, self, _STACKED))
 
 
 def granite_moe_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from tokenmill.distributed.parallel_state import get_world
 from tokenmill.layers import row_chunks
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.layers.host_sync import waits_on_host
+from tokenmill.layers.host_sync import HostSync, waits_on_host
 from tokenmill.layers.linear import (
     Linear,
     MergedLinear,
@@ -35,11 +35,16 @@ from tokenmill.layers.stage_layers import make_layers
 from tokenmill.models.info import layer_window
 
 
-class Attention(nn.Module):
+class Attention(HostSync, nn.Module):
     """Self-attention over this tensor-parallel rank's heads (all of them with one rank);
     `window`: sliding-window attention (attention/window.py)."""
 
     stores_values = True  # a K and a V cache (DeepSeek's latent attention: one latent row)
+
+    @property
+    def host_sync(self) -> bool:
+        """Chunks and sinks run on the masked path, a loop over sequences (no CUDA graph)."""
+        return self.chunk is not None or self.sinks is not None
 
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool,
                  window: int | None = None, softcap: float | None = None,
@@ -51,6 +56,7 @@ class Attention(nn.Module):
         pairs (x0, x1), (x2, x3) .. (GLM)."""
         super().__init__()
         self.window, self.softcap = window, softcap
+        self.chunk, self.sinks = None, None  # (Llama 4's local chunks, gpt-oss' sinks)
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -89,7 +95,7 @@ class Attention(nn.Module):
             rows = logits_rows.rows
             q, k, v, meta, t = q[rows], k[rows], v[rows], logits_rows.meta, logits_rows.count
         out = self.backend.attend(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                  self.window, self.softcap)
+                                  self.window, self.softcap, self.chunk, self.sinks)
         return self.o_proj(out.reshape(t, self.q_size))
 
     def rotate_and_write(self, rope: StepRotary, qkv: torch.Tensor, v: torch.Tensor,

@@ -1,14 +1,17 @@
 """Llama-family decoders whose feed-forward blocks are mixtures of experts (layers/moe.py):
 Mixtral (every layer; experts `w1`/`w3`/`w2` in its checkpoints), Qwen2-MoE (q|k|v bias, a
 gated shared expert, `decoder_sparse_step` and `mlp_only_layers` choosing the sparse layers)
-and Qwen3-MoE (q/k norm)."""
+and Qwen3-MoE (q/k norm); checkpoints storing a layer's experts stacked in one tensor read
+as one tensor per expert (`split_stacked_experts`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
+from tokenmill.layers.linear import whole
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.llama import MLP, LlamaForCausalLM
 
@@ -57,3 +60,23 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """Mixtral's `block_sparse_moe` is our `mlp`; its experts' w1 = gate, w3 = up, w2 =
         down (mixtral_name, which the GGUF converter uses too)."""
         return super().checkpoint_target(mixtral_name(name))
+
+
+def split_stacked_experts(weights: Iterable[tuple[str, Any]], model: nn.Module,
+                          stacked: dict[str, tuple[str, bool]]) -> Iterator[tuple[str, Any]]:
+    """Checkpoint tensors with each [experts, ...] tensor named by a suffix of `stacked`
+    (-> (our expert layer, stored transposed)) as one weight per expert this rank holds,
+    `model.layers.N.mlp.experts.E.LAYER.weight`; the rest as they come."""
+    for name, tensor in weights:
+        suffix = next((s for s in stacked if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        layer = name[: -len(suffix)]
+        leaf, transposed = stacked[suffix]
+        moe = model.model.layers[int(layer.rsplit(".", 1)[1])].mlp
+        full = whole(tensor)
+        for e in range(full.shape[0]):
+            if moe.holds_expert(e):
+                weight = full[e].t().contiguous() if transposed else full[e]
+                yield f"{layer}.mlp.experts.{e}.{leaf}.weight", weight

@@ -17,6 +17,7 @@ from tokenmill.models.glm import Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCaus
 from tokenmill.models.gpt import PhiForCausalLM, Starcoder2ForCausalLM
 from tokenmill.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama4 import Llama4ForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 from tokenmill.models.olmo import Olmo2ForCausalLM
 
@@ -53,6 +54,7 @@ _MODELS = {
     "GlmForCausalLM": (GlmForCausalLM, lambda c: {}),
     "Glm4ForCausalLM": (Glm4ForCausalLM, lambda c: {}),
     "Glm4MoeForCausalLM": (Glm4MoeForCausalLM, lambda c: {}),
+    "Llama4ForCausalLM": (Llama4ForCausalLM, lambda c: {}),
 }
 
 
@@ -61,7 +63,8 @@ SUPPORTED_ARCHITECTURES = tuple(_MODELS) + ("LlavaForConditionalGeneration",
                                              "LlavaOnevisionForConditionalGeneration",
                                              "Qwen2VLForConditionalGeneration",
                                              "Qwen2_5_VLForConditionalGeneration",
-                                             "Gemma3ForConditionalGeneration")
+                                             "Gemma3ForConditionalGeneration",
+                                             "Llama4ForConditionalGeneration")
 
 
 def _llava_text_config(config: Any) -> Any:
@@ -93,6 +96,9 @@ def _inner_text_config(config: Any, arch: str) -> Any:
 
 # image-text architectures: -> their language model's config (built as a text family)
 _TEXT_OF = {"Gemma3ForConditionalGeneration": text_config,
+            # (its images are not served: the text model only)
+            "Llama4ForConditionalGeneration": lambda c: _inner_text_config(
+                c, "Llama4ForCausalLM"),
             "LlavaForConditionalGeneration": _llava_text_config,
             "LlavaNextForConditionalGeneration": _llava_text_config,
             "LlavaOnevisionForConditionalGeneration": _llava_text_config,

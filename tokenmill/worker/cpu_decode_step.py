@@ -264,9 +264,9 @@ class CpuDecodeStep:
             return "latent attention runs in Python"
         if any(layer.self_attn.head_order is not None for layer in stage):
             return "partial or interleaved rotary runs in Python"
-        if any(layer.self_attn.window is not None or layer.self_attn.softcap is not None
-               for layer in stage):
-            return "sliding-window and soft-capped attention run in Python"
+        if any(a.window is not None or a.softcap is not None or a.chunk is not None
+               or a.sinks is not None for a in (layer.self_attn for layer in stage)):
+            return "sliding-window, chunked, soft-capped and sink attention run in Python"
         if stage[0].self_attn.head_dim % 8:
             return "head size not a multiple of 8"
         # decode_step.c applies one epsilon to every RMSNorm, the q/k head norms included.

@@ -84,9 +84,11 @@ class Splitter:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.backend, name)
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None,
+               chunk=None, sinks=None):
         return self.cut(AttentionCall(self.backend.attend, (q, k, v), (k_cache, v_cache),
-                                      (scale, window, softcap), q.new_zeros(q.shape)))
+                                      (scale, window, softcap, chunk, sinks),
+                                      q.new_zeros(q.shape)))
 
     def mla(self, q_latent, q_pe, cache, meta, rank, scale):
         return self.cut(AttentionCall(self.backend.mla, (q_latent, q_pe), (cache,),

@@ -121,9 +121,12 @@ class TritonBackend(AttentionBackend):
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None, softcap: float | None = None,
+               chunk: int | None = None, sinks: torch.Tensor | None = None,
                out: torch.Tensor | None = None):
-        if meta.bidirectional:  # (Gemma 3's image spans: the torch path masks them)
-            result = masked_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        if meta.bidirectional or chunk is not None or sinks is not None:
+            # (Gemma 3's image spans, Llama 4's chunks, gpt-oss' sinks: the torch path)
+            result = masked_attention(q, k_cache, v_cache, meta, scale, window, softcap,
+                                      chunk, sinks)
             if out is None:
                 return result
             out.copy_(result)
