@@ -60,7 +60,7 @@ def make_spm_tokenizer(path: str):
 
 # families whose biases and norm weights a test randomizes (zeros and ones hide mistakes)
 BIASED = ("gemma", "phi", "starcoder2", "olmo2", "olmo3", "granite",
-          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe", "llama4")
+          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe", "llama4", "gpt_oss")
 
 
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
@@ -175,6 +175,14 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
             attention_chunk_size=8, floor_scale=4, attn_scale=0.5, no_rope_layer_interval=2,
             pad_token_id=0, tie_word_embeddings=False),
+        # gpt-oss: window 8 / full layers, sinks, YaRN x4 over 64 positions, 4 experts
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **{**common, "intermediate_size": 32, "max_position_embeddings": 256}, head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=8, pad_token_id=0, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                             "original_max_position_embeddings": 64}),
         # GLM-4.5: layer 0 dense, layer 1 8 experts in 2 groups and a shared expert; q/k norm
         "glm4_moe": lambda: tf.Glm4MoeConfig(
             **common, head_dim=32, moe_intermediate_size=32, n_routed_experts=8,
@@ -188,7 +196,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "granitemoe": tf.GraniteMoeForCausalLM,
                "granitemoeshared": tf.GraniteMoeSharedForCausalLM, "glm": tf.GlmForCausalLM,
                "glm4": tf.Glm4ForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
-               "llama4": tf.Llama4ForCausalLM,
+               "llama4": tf.Llama4ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
                "llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
                "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
@@ -217,7 +225,8 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
     if arch in BIASED:  # (and norms at one)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if name.endswith(".bias") and "correction" not in name:
+                if (name.endswith((".bias", "_bias", "sinks"))
+                        and "correction" not in name):
                     param.normal_(0, 0.5)
                 elif "norm" in name:
                     param.normal_(1.0 if arch != "gemma" else 0.0, 0.2)

@@ -73,6 +73,8 @@ def checkpoint_quant_config(hf_config: Any) -> QuantConfig | None:
         return QuantConfig.from_json(data)
     if isinstance(data, dict) and data.get("quant_method") == "fp8":
         return None  # block-scaled float8: read as the float weights (fp8_blocks.py)
+    if isinstance(data, dict) and data.get("quant_method") == "mxfp4":
+        return None  # gpt-oss' MXFP4 experts: read into the int8 kernel (mxfp4.py)
     method = data.get("quant_method") if isinstance(data, dict) else data
     raise ValueError(f"This checkpoint is quantized with {method!r}, which tokenmill does not "
                      "load; quantize the original weights with `tokenmill quantize`.")

@@ -134,12 +134,14 @@ class SparseMoE(HostSync, nn.Module):
                  make_expert: Callable[[bool], nn.Module],
                  shared_expert: nn.Module | None = None,
                  gated_shared: bool = False, router: str = "softmax",
-                 grouped: tuple[int, int, float] = (1, 1, 1.0)) -> None:
+                 grouped: tuple[int, int, float] = (1, 1, 1.0),
+                 router_bias: bool = False) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.router, self.grouped = router, grouped
         self.tp = get_tp_group()
-        self.gate = Linear(hidden, num_experts)  # the router: every rank whole, never quantized
+        # the router (gpt-oss': with a bias): every rank whole, never quantized
+        self.gate = Linear(hidden, num_experts, router_bias)
         self.gate.keep_float = True
         if router == "sigmoid_grouped":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts),

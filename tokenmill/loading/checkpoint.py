@@ -275,6 +275,8 @@ def _load_checkpoint(model: nn.Module, path: str, hf_config: Any, quant: QuantCo
         weights = ((renamed, t) for name, t in weights
                    if (renamed := rename(name)) is not None)
     ours = ((name, t) for name, t in weights if model.holds(name))
+    if hasattr(model, "checkpoint_tensors"):  # (stacked experts, MXFP4: models/)
+        ours = model.checkpoint_tensors(ours)
     modules, early = dict(model.named_modules()), set()
 
     def on_shard(layer: str) -> None:

@@ -7,7 +7,7 @@ and one `output_linear`; Granite-MoE-Shared adds an ungated-sum shared expert.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,8 +44,8 @@ def granite_moe_mlp(config: Any, layer: int) -> nn.Module:
 _NAMES = ((".block_sparse_moe.router.layer.", ".mlp.gate."),
           (".shared_mlp.input_linear.", ".mlp.shared_expert.gate_up_proj."),
           (".shared_mlp.output_linear.", ".mlp.shared_expert.down_proj."))
-_STACKED = {".block_sparse_moe.input_linear.weight": ("gate_up_proj", False),
-            ".block_sparse_moe.output_linear.weight": ("down_proj", False)}
+_STACKED = {".block_sparse_moe.input_linear.weight": ("gate_up_proj.weight", False),
+            ".block_sparse_moe.output_linear.weight": ("down_proj.weight", False)}
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
@@ -86,8 +86,10 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
             name = name.replace(theirs, ours)
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(split_stacked_experts(weights, self, _STACKED))
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]
+                           ) -> Iterator[tuple[str, Any]]:
+        """Its stacked experts as one tensor per expert (loading/checkpoint.py)."""
+        return split_stacked_experts(weights, self, _STACKED)
 
 
 def granite_moe_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -135,11 +135,13 @@ class MLP(nn.Module):
     (`reduce=False`: this rank's partial sums, for a caller that adds them up)."""
 
     def __init__(self, config: Any, size: int | None = None, reduce: bool = True,
-                 act: nn.Module | None = None, split: bool = True) -> None:
+                 act: nn.Module | None = None, split: bool = True,
+                 bias: bool | None = None) -> None:
         """`act`: the gated activation (default SiLU, which the kernels may fuse); `split`:
-        False keeps it whole on this rank (an expert under expert parallel)."""
+        False keeps it whole on this rank (an expert under expert parallel); `bias`: default
+        the config's `mlp_bias`."""
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = getattr(config, "mlp_bias", False) if bias is None else bias
         size = size or config.intermediate_size
         whole = None if split else [(0, size), (0, size)]
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias, whole)

@@ -13,7 +13,7 @@ checkpoint the language model is served and the vision side's tensors are not re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,8 +31,8 @@ from tokenmill.models.vision.encoder import text_name
 VISION = ("vision_model.", "multi_modal_projector.", "model.vision_model.",
           "model.multi_modal_projector.")
 # checkpoint name -> (our expert weight, stored transposed)
-STACKED = {".feed_forward.experts.gate_up_proj": ("gate_up_proj", True),
-           ".feed_forward.experts.down_proj": ("down_proj", True)}
+STACKED = {".feed_forward.experts.gate_up_proj": ("gate_up_proj.weight", True),
+           ".feed_forward.experts.down_proj": ("down_proj.weight", True)}
 
 
 class Llama4Attention(Attention):
@@ -93,6 +93,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         return super().checkpoint_target(_our_name(name))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]
+                           ) -> Iterator[tuple[str, Any]]:
+        """Its stacked experts as one tensor per expert (loading/checkpoint.py)."""
         renamed = ((text_name(name), tensor) for name, tensor in weights)
-        return super().load_weights(split_stacked_experts(renamed, self, STACKED))
+        return split_stacked_experts(renamed, self, STACKED)

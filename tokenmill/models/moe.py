@@ -65,8 +65,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
 def split_stacked_experts(weights: Iterable[tuple[str, Any]], model: nn.Module,
                           stacked: dict[str, tuple[str, bool]]) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors with each [experts, ...] tensor named by a suffix of `stacked`
-    (-> (our expert layer, stored transposed)) as one weight per expert this rank holds,
-    `model.layers.N.mlp.experts.E.LAYER.weight`; the rest as they come."""
+    (-> (our expert tensor, e.g. `down_proj.weight`; stored transposed)) as one tensor per
+    expert this rank holds, `model.layers.N.mlp.experts.E.down_proj.weight`; the rest as
+    they come."""
     for name, tensor in weights:
         suffix = next((s for s in stacked if name.endswith(s)), None)
         if suffix is None:
@@ -79,4 +80,4 @@ def split_stacked_experts(weights: Iterable[tuple[str, Any]], model: nn.Module,
         for e in range(full.shape[0]):
             if moe.holds_expert(e):
                 weight = full[e].t().contiguous() if transposed else full[e]
-                yield f"{layer}.mlp.experts.{e}.{leaf}.weight", weight
+                yield f"{layer}.mlp.experts.{e}.{leaf}", weight

@@ -15,6 +15,7 @@ from tokenmill.models.gemma import (
 )
 from tokenmill.models.glm import Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM
 from tokenmill.models.gpt import PhiForCausalLM, Starcoder2ForCausalLM
+from tokenmill.models.gpt_oss import GptOssForCausalLM
 from tokenmill.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama4 import Llama4ForCausalLM
@@ -55,6 +56,7 @@ _MODELS = {
     "Glm4ForCausalLM": (Glm4ForCausalLM, lambda c: {}),
     "Glm4MoeForCausalLM": (Glm4MoeForCausalLM, lambda c: {}),
     "Llama4ForCausalLM": (Llama4ForCausalLM, lambda c: {}),
+    "GptOssForCausalLM": (GptOssForCausalLM, lambda c: {}),
 }
 
 
