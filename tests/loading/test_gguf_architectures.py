@@ -20,7 +20,7 @@ GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
              "deepseek_v3_yarn": "deepseek2", "gemma": "gemma", "phi": "phi2",
              "starcoder2": "starcoder2", "olmo2": "olmo2", "granite": "granite",
              "granitemoe": "granitemoe", "granitemoeshared": "granitemoe", "glm4": "glm4",
-             "glm4_moe": "glm4moe"}
+             "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
 # config fields that must come back as transformers has them
 FIELDS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
           "vocab_size", "tie_word_embeddings"]
@@ -42,6 +42,8 @@ ARCH_FIELDS = {
     "glm4moe": ["n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
                 "norm_topk_prob", "use_qk_norm", "attention_bias", "head_dim"],
+    "gpt-oss": ["num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
+                "head_dim", "attention_bias", "rope_parameters"],
     "deepseek2": ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                   "v_head_dim", "first_k_dense_replace", "n_routed_experts",
                   "num_experts_per_tok", "n_shared_experts", "routed_scaling_factor",
@@ -122,14 +124,16 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
                                         ("deepseek_v3", "Q8_0"), ("gemma3", "Q5_0"),
                                         ("gemma2", "Q5_1"), ("gemma", "Q8_0"), ("phi", "Q8_0"),
                                         ("starcoder2", "Q5_0"), ("granitemoe", "Q8_0"),
-                                        ("glm4", "Q4_1"), ("glm4_moe", "Q8_0")])
+                                        ("glm4", "Q4_1"), ("glm4_moe", "Q8_0"),
+                                        ("gpt_oss", "MXFP4")])
 def test_blocks_kept_quantized_give_the_expanded_files_tokens(tmp_path, tiny_models,
                                                               monkeypatch, arch, qtype):
     if not csrc.available():
         pytest.skip("no compiled CPU kernels: blocks are expanded")
     path, hf_path, _ = _write(tmp_path, tiny_models, arch, qtype)
     kernels, tokens = _generate(path, hf_path)
-    kind = {"Q8_0": "int8", "Q4_1": "int4"}.get(qtype, qtype.lower())  # Q5: as stored
+    # (Q5: as stored)
+    kind = {"Q8_0": "int8", "Q4_1": "int4", "MXFP4": "int8"}.get(qtype, qtype.lower())
     assert any(k.startswith(kind) for k in kernels), kernels
     if arch.startswith("gemma"):  # tied: no float copy of the table beside the head's blocks
         assert any(k.startswith(f"embedding: {kind}") for k in kernels), kernels

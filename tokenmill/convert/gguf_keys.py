@@ -187,7 +187,20 @@ def _glm4moe_keys(writer, config):
         writer.add_expert_group_used_count(config.topk_group)
 
 
+def _gpt_oss_keys(writer, config):
+    import gguf
+
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    rope = rope_settings(config)
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
 ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys,
-              "phi3": _phi3_keys, "deepseek2": _deepseek2_keys, "phi2": _layernorm_keys,
-              "starcoder2": _layernorm_keys, "granite": _granite_keys,
-              "granitemoe": _granite_keys, "glm4": _rotary_dims, "glm4moe": _glm4moe_keys}
+             "phi3": _phi3_keys, "deepseek2": _deepseek2_keys, "phi2": _layernorm_keys,
+             "starcoder2": _layernorm_keys, "granite": _granite_keys,
+             "granitemoe": _granite_keys, "glm4": _rotary_dims, "glm4moe": _glm4moe_keys,
+             "gpt-oss": _gpt_oss_keys}

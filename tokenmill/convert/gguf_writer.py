@@ -103,6 +103,8 @@ def _tensors(arch, state, config, layer_map):
     """(GGUF name, float32 array) per tensor, as llama.cpp's converter changes them."""
     if arch == "granitemoe":
         state = _granite_moe_names(state)
+    if arch == "gpt-oss":
+        state = _gpt_oss_experts(state)
     state = {mixtral_name(n): t for n, t in state.items()}
     _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
@@ -117,6 +119,10 @@ def _tensors(arch, state, config, layer_map):
             w = w + 1  # llama.cpp's Gemma norms hold 1 + w
         if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
             yield f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight", w
+            continue
+        if name.endswith(("gate_exps_bias", "up_exps_bias", "down_exps_bias")):
+            kind = name.rsplit(".", 1)[1].removesuffix("_bias")
+            yield f"blk.{name.split('.')[2]}.ffn_{kind}.bias", w
             continue
         if not name.startswith("model.layers."):
             yield {v: k for k, v in gguf_archs.global_names(arch).items()}[name], w
@@ -134,6 +140,28 @@ def _tensors(arch, state, config, layer_map):
         elif arch in gguf_archs.PERMUTED_QK and rest.startswith("self_attn.k_proj"):
             w = llama_cpp_permute(w, config.num_key_value_heads)
         yield f"blk.{layer}.{layer_map[rest]}", w
+
+
+def _gpt_oss_experts(state: dict) -> dict:
+    """gpt-oss' stacked experts ([experts, in, out], gate and up interleaved column by
+    column) as llama.cpp's converter writes them: [experts, out, in], gate and up apart,
+    each kind's biases one [experts, out] tensor."""
+    out = {}
+    for name, tensor in state.items():
+        stem = name.rsplit(".", 1)[0] + "."  # model.layers.N.mlp.experts.
+        if name.endswith("mlp.experts.gate_up_proj"):
+            w = tensor.transpose(1, 2)
+            out[stem + "gate_exps"], out[stem + "up_exps"] = w[:, 0::2], w[:, 1::2]
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            out[stem + "gate_exps_bias"] = tensor[:, 0::2]
+            out[stem + "up_exps_bias"] = tensor[:, 1::2]
+        elif name.endswith("mlp.experts.down_proj"):
+            out[stem + "down_exps"] = tensor.transpose(1, 2)
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            out[stem + "down_exps_bias"] = tensor
+        else:
+            out[name] = tensor
+    return out
 
 
 # (as saved, and as transformers holds them in memory)

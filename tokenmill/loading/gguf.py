@@ -201,7 +201,7 @@ _LINEAR = ("proj.weight", ".fc1.weight", ".fc2.weight", ".dense.weight", ".c_fc.
 
 # GGUF block types whose weights the int8 / int4 kernels read as they are.
 _KEPT_QUANTIZED = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                   "Q6_K"}
+                   "Q6_K", "MXFP4"}
 
 
 def iter_gguf_weights(path: str, config: Any,
@@ -302,6 +302,11 @@ def _expert_weights(tensor: Any, pattern: str, keep_quantized: bool
     kept as blocks where the kernels read them."""
     from gguf.quants import dequantize
 
+    if len(tensor.shape) == 2:  # (the experts' biases: [experts, rows])
+        biases = _float(tensor)
+        for e in range(biases.shape[0]):
+            yield pattern.format(e), torch.from_numpy(np.array(biases[e], order="C"))
+        return
     experts, rows, columns = (int(d) for d in reversed(tensor.shape))
     if keep_quantized and tensor.tensor_type.name in _KEPT_QUANTIZED:
         from tokenmill.quantization.schemes import QuantizedShard

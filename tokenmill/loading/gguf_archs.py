@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig"),
     "glm4": ("Glm4ForCausalLM", "Glm4Config"),
     "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig"),
 }
 # llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
 PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
@@ -94,6 +95,11 @@ _ARCH_LAYER_NAMES = {
              "ffn_up.weight": "mlp.gate_up_proj.weight"},
     "glm4moe": {"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+    "gpt-oss": {"attn_sinks.weight": "self_attn.sinks",
+                "post_attention_norm.weight": "post_attention_layernorm.weight",
+                "attn_output.bias": "self_attn.o_proj.bias",
+                "ffn_gate_inp.weight": "mlp.router.weight",
+                "ffn_gate_inp.bias": "mlp.router.bias"},
     "deepseek2": {
         "attn_q_a.weight": "self_attn.q_a_proj.weight",
         "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -109,6 +115,10 @@ EXPERT_NAMES = {
     "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
+    # (gpt-oss' experts have biases: [experts, rows])
+    "ffn_gate_exps.bias": "mlp.experts.{}.gate_proj.bias",
+    "ffn_up_exps.bias": "mlp.experts.{}.up_proj.bias",
+    "ffn_down_exps.bias": "mlp.experts.{}.down_proj.bias",
 }
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -229,7 +239,18 @@ def _glm4(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
         num_nextn_predict_layers=0)
 
 
-_FAMILIES = {"phi2": _layernorm, "starcoder2": _layernorm, "granite": _granite,
+def _gpt_oss(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
+    """gpt-oss: experts as wide as feed_forward_length, its window, biases everywhere; its
+    YaRN without truncating the ramp's ends (as its HF config: the GGUF keeps no flag)."""
+    kwargs.update(num_local_experts=int(get("expert_count", 0)),
+                  num_experts_per_tok=int(get("expert_used_count", 0)),
+                  sliding_window=int(get("attention.sliding_window", 128)),
+                  attention_bias=True)
+    if rope.get("rope_type") == "yarn":
+        rope.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+
+
+_FAMILIES = {"gpt-oss": _gpt_oss, "phi2": _layernorm, "starcoder2": _layernorm, "granite": _granite,
              "granitemoe": _granite, "glm4": _glm4, "glm4moe": _glm4,
              "gemma": lambda get, names, kwargs, rope: kwargs.update(
                  hidden_act="gelu_pytorch_tanh")}

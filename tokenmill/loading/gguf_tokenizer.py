@@ -92,7 +92,8 @@ def _tokenizer_cache(path: str) -> str | None:
 
 def _build_gguf_tokenizer(path: str) -> Any:
     """transformers builds the fast tokenizer and chat template from the GGUF metadata. For
-    an architecture whose GGUF config transformers does not read (DeepSeek's `deepseek2`),
+    an architecture whose GGUF config transformers does not read (DeepSeek's `deepseek2`;
+    gpt-oss, whose rope keys its reader fails on),
     the tokenizer is built from the same metadata by transformers' GGUF tokenizer reader
     alone (it does not depend on the architecture's config)."""
     from transformers import AutoTokenizer
@@ -100,6 +101,8 @@ def _build_gguf_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
                                              gguf_file=os.path.basename(path),
                                              trust_remote_code=False)
+    except TypeError:
+        pass  # (transformers 5.24 misreads gpt-oss' rope.scaling keys: its config reader)
     except ValueError as exc:
         if "not supported yet" not in str(exc):
             raise

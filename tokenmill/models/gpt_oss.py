@@ -97,3 +97,30 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if name.endswith(MXFP4_PARTS):  # (a layer's stacked experts: the layer's)
             name = name.rsplit("_", 1)[0]
         return super().holds(name)
+
+
+def gpt_oss_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (a GGUF file's, read under the common names) as a gpt-oss
+    checkpoint stores them (float): each layer's experts stacked [experts, in, out], gate
+    and up interleaved column by column, their biases likewise."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+            continue
+        layer, rest = name.split(".mlp.experts.")
+        index, kind, leaf = rest.split(".")
+        experts.setdefault((layer, kind, leaf), {})[int(index)] = tensor
+    for (layer, kind, leaf), parts in experts.items():
+        if kind == "up_proj":
+            continue
+        stacked = torch.stack([parts[e] for e in range(len(parts))])
+        if kind == "gate_proj":
+            up = experts[(layer, "up_proj", leaf)]
+            stacked = torch.stack([stacked, torch.stack([up[e] for e in range(len(up))])],
+                                  dim=2).flatten(1, 2)  # (rows interleaved: gate, up, ..)
+            kind = "gate_up_proj"
+        name = f"{layer}.mlp.experts.{kind}"
+        out[name + "_bias" if leaf == "bias" else name] = (
+            stacked if leaf == "bias" else stacked.transpose(1, 2).contiguous())
+    return out

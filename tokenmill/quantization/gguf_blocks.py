@@ -21,6 +21,8 @@ float: each block's integers kept, its scales split out.
 - Q2_K (256-blocks of 16 groups of 16 x 2 bits, 4-bit scales and mins times fp16 d and dmin)
   -> int8 q (0..3) with a float32 scale d sc and offset -dmin m per group of 16: exact (the
   int4 kernels' float16 scales would round them, and their compiled forms take groups of 32).
+- MXFP4 (32 x 4-bit E2M1, one E8M0 power of two; gpt-oss' experts) -> int8 (each value
+  times two, a whole number) with a float32 scale (half the power of two) per 32: exact.
 Each function takes a weight's [N, bytes per row] uint8 rows and returns the kernel tensors
 (rows = output channels)."""
 
@@ -31,13 +33,15 @@ import torch
 
 from tokenmill.config import kernels as kernel_switches
 from tokenmill.quantization.kquant_kernels import q5_servable
+from tokenmill.quantization.mxfp4 import E2M1
 
 # block type -> (weights a block, bytes a block)
 BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
           "Q5_1": (32, 24), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q4_K": (256, 144),
-          "Q5_K": (256, 176), "Q2_K": (256, 84)}
+          "Q5_K": (256, 176), "Q2_K": (256, 84), "MXFP4": (32, 17)}
 METHODS = {"Q8_0": "int8", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q3_K": "int8", "Q5_K": "int8",
-           "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int8", "Q4_K": "q4k", "Q6_K": "q6k"}
+           "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int8", "Q4_K": "q4k", "Q6_K": "q6k",
+           "MXFP4": "int8"}
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:
@@ -221,7 +225,20 @@ def _q2_k(blocks, n, k):
             "offset": torch.from_numpy(offset)}
 
 
-_CONVERT = {"Q8_0": _q8_0, "Q4_0": lambda b, n, k: _q4(b, n, k, False),
+_E2M1_TWICE = np.array([int(2 * v) for v in E2M1], np.int8)
+
+
+def _mxfp4(blocks, n, k):
+    """llama.cpp's MXFP4 block: the E8M0 byte, then 16 bytes whose low nibbles are values
+    0..15 and high nibbles 16..31."""
+    qs = blocks[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    scale = np.ldexp(np.float32(1.0), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
+    return {"qweight": torch.from_numpy(_E2M1_TWICE[codes].reshape(n, k)),
+            "scale": torch.from_numpy(scale)}
+
+
+_CONVERT = {"Q8_0": _q8_0, "MXFP4": _mxfp4, "Q4_0": lambda b, n, k: _q4(b, n, k, False),
             "Q4_1": lambda b, n, k: _q4(b, n, k, True),
             "Q5_0": lambda b, n, k: _q5(b, n, k, False),
             "Q5_1": lambda b, n, k: _q5(b, n, k, True), "Q6_K": _q6_k, "Q3_K": _q3_k,
