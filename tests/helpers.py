@@ -175,6 +175,12 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
             attention_chunk_size=8, floor_scale=4, attn_scale=0.5, no_rope_layer_interval=2,
             pad_token_id=0, tie_word_embeddings=False),
+        # Llama 4 with what llama.cpp fixes rather than stores (its GGUF files): chunks of
+        # 8192, every 4th layer without rotary, temperature constants of 8192 and 0.1
+        "llama4_gguf": lambda: tf.Llama4TextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=16, intermediate_size_mlp=96,
+            num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            pad_token_id=0, tie_word_embeddings=False),
         # gpt-oss: window 8 / full layers, sinks, YaRN x4 over 64 positions, 4 experts
         "gpt_oss": lambda: tf.GptOssConfig(
             **{**common, "intermediate_size": 32, "max_position_embeddings": 256}, head_dim=16,
@@ -197,6 +203,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "granitemoeshared": tf.GraniteMoeSharedForCausalLM, "glm": tf.GlmForCausalLM,
                "glm4": tf.Glm4ForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
                "llama4": tf.Llama4ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
+               "llama4_gguf": tf.Llama4ForCausalLM,
                "llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
                "llama3": tf.LlamaForCausalLM,
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
@@ -222,7 +229,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
                              layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if arch in BIASED:  # (and norms at one)
+    if arch in BIASED or arch == "llama4_gguf":  # (and norms at one)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if (name.endswith((".bias", "_bias", "sinks"))

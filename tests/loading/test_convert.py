@@ -128,7 +128,7 @@ def test_llama_cpp_tokenizes_a_sentencepiece_file_alike(spm_model):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "qwen2",
                                   "mistral", "gemma2", "gemma3", "phi3", "llama3", "gemma",
                                   "phi", "olmo2", "granite", "granitemoe", "granitemoeshared",
-                                  "glm4", "glm4_moe", "gpt_oss"])
+                                  "glm4", "glm4_moe", "gpt_oss", "llama4_gguf"])
 def test_round_trip_through_gguf(tiny_models, tmp_path, arch):
     """HF -> GGUF f32 -> HF for every architecture the converter writes: transformers' logits
     of the result equal the source's over a prompt past Llama-3 scaling's original context,

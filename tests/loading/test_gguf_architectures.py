@@ -20,7 +20,7 @@ GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
              "deepseek_v3_yarn": "deepseek2", "gemma": "gemma", "phi": "phi2",
              "starcoder2": "starcoder2", "olmo2": "olmo2", "granite": "granite",
              "granitemoe": "granitemoe", "granitemoeshared": "granitemoe", "glm4": "glm4",
-             "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss"}
+             "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "llama4_gguf": "llama4"}
 # config fields that must come back as transformers has them
 FIELDS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
           "vocab_size", "tie_word_embeddings"]
@@ -42,6 +42,9 @@ ARCH_FIELDS = {
     "glm4moe": ["n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
                 "norm_topk_prob", "use_qk_norm", "attention_bias", "head_dim"],
+    "llama4": ["intermediate_size_mlp", "num_local_experts", "num_experts_per_tok",
+               "interleave_moe_layer_step", "moe_layers", "no_rope_layers", "use_qk_norm",
+               "attention_chunk_size", "head_dim"],
     "gpt-oss": ["num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
                 "head_dim", "attention_bias", "rope_parameters"],
     "deepseek2": ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
@@ -125,7 +128,7 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
                                         ("gemma2", "Q5_1"), ("gemma", "Q8_0"), ("phi", "Q8_0"),
                                         ("starcoder2", "Q5_0"), ("granitemoe", "Q8_0"),
                                         ("glm4", "Q4_1"), ("glm4_moe", "Q8_0"),
-                                        ("gpt_oss", "MXFP4")])
+                                        ("gpt_oss", "MXFP4"), ("llama4_gguf", "Q8_0")])
 def test_blocks_kept_quantized_give_the_expanded_files_tokens(tmp_path, tiny_models,
                                                               monkeypatch, arch, qtype):
     if not csrc.available():

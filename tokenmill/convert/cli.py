@@ -132,6 +132,10 @@ def to_hf(model: str, out: str) -> None:
         from tokenmill.models.gpt_oss import gpt_oss_checkpoint
 
         weights = gpt_oss_checkpoint(weights)
+    if config.model_type == "llama4_text":
+        from tokenmill.models.llama4 import llama4_checkpoint
+
+        weights = llama4_checkpoint(weights)
     save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp)
     _save_tokenizer(load_gguf_tokenizer(model), tmp)

@@ -199,8 +199,14 @@ def _gpt_oss_keys(writer, config):
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
+def _llama4_keys(writer, config):
+    writer.add_interleave_moe_layer_step(config.interleave_moe_layer_step)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    return _llama_keys(writer, config)
+
+
 ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys,
              "phi3": _phi3_keys, "deepseek2": _deepseek2_keys, "phi2": _layernorm_keys,
              "starcoder2": _layernorm_keys, "granite": _granite_keys,
              "granitemoe": _granite_keys, "glm4": _rotary_dims, "glm4moe": _glm4moe_keys,
-             "gpt-oss": _gpt_oss_keys}
+             "gpt-oss": _gpt_oss_keys, "llama4": _llama4_keys}

@@ -45,7 +45,9 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # (Llama 4: its dense layers' size; its experts' under expert_feed_forward_length)
+    writer.add_feed_forward_length(getattr(config, "intermediate_size_mlp", None)
+                                   or config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if arch != "deepseek2":  # (MLA files describe the latent cache row instead)
         writer.add_head_count_kv(config.num_key_value_heads)
@@ -105,6 +107,10 @@ def _tensors(arch, state, config, layer_map):
         state = _granite_moe_names(state)
     if arch == "gpt-oss":
         state = _gpt_oss_experts(state)
+    if arch == "llama4":  # ([experts, in, out] stacks, as the other MoEs' [experts, out, in])
+        state = {n.replace(".feed_forward.experts.", ".mlp.experts."):
+                 t.transpose(1, 2) if ".feed_forward.experts." in n else t
+                 for n, t in state.items()}
     state = {mixtral_name(n): t for n, t in state.items()}
     _stack_experts(state)
     for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:

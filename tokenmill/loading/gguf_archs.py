@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "glm4": ("Glm4ForCausalLM", "Glm4Config"),
     "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig"),
+    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig"),
 }
 # llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
 PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
@@ -95,6 +96,14 @@ _ARCH_LAYER_NAMES = {
              "ffn_up.weight": "mlp.gate_up_proj.weight"},
     "glm4moe": {"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+    # (its experts: the common per-expert names; models/llama4.py stacks them for HF)
+    "llama4": {"ffn_gate.weight": "feed_forward.gate_proj.weight",
+               "ffn_up.weight": "feed_forward.up_proj.weight",
+               "ffn_down.weight": "feed_forward.down_proj.weight",
+               "ffn_gate_inp.weight": "feed_forward.router.weight",
+               "ffn_gate_shexp.weight": "feed_forward.shared_expert.gate_proj.weight",
+               "ffn_up_shexp.weight": "feed_forward.shared_expert.up_proj.weight",
+               "ffn_down_shexp.weight": "feed_forward.shared_expert.down_proj.weight"},
     "gpt-oss": {"attn_sinks.weight": "self_attn.sinks",
                 "post_attention_norm.weight": "post_attention_layernorm.weight",
                 "attn_output.bias": "self_attn.o_proj.bias",
@@ -250,8 +259,23 @@ def _gpt_oss(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
         rope.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 
-_FAMILIES = {"gpt-oss": _gpt_oss, "phi2": _layernorm, "starcoder2": _layernorm, "granite": _granite,
-             "granitemoe": _granite, "glm4": _glm4, "glm4moe": _glm4,
+def _llama4(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
+    """Llama 4: dense layers feed_forward_length wide, experts expert_feed_forward_length;
+    what llama.cpp fixes rather than stores (no rotary every 4th layer, 8192-token chunks,
+    the temperature tuning's constants) is transformers' default too; q/k norms on except
+    for Maverick's 128 experts, as llama.cpp decides."""
+    experts = int(get("expert_count", 0))
+    kwargs.update(intermediate_size_mlp=kwargs["intermediate_size"],
+                  intermediate_size=int(get("expert_feed_forward_length", 0)),
+                  num_local_experts=experts,
+                  num_experts_per_tok=int(get("expert_used_count", 1)),
+                  interleave_moe_layer_step=int(get("interleave_moe_layer_step", 1)),
+                  use_qk_norm=experts != 128)
+
+
+_FAMILIES = {"phi2": _layernorm, "starcoder2": _layernorm, "granite": _granite,
+             "granitemoe": _granite, "glm4": _glm4, "glm4moe": _glm4, "gpt-oss": _gpt_oss,
+             "llama4": _llama4,
              "gemma": lambda get, names, kwargs, rope: kwargs.update(
                  hidden_act="gelu_pytorch_tanh")}
 

@@ -98,3 +98,23 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         """Its stacked experts as one tensor per expert (loading/checkpoint.py)."""
         renamed = ((text_name(name), tensor) for name, tensor in weights)
         return split_stacked_experts(renamed, self, STACKED)
+
+
+def llama4_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (a GGUF file's) as a Llama 4 checkpoint stores them: each layer's
+    experts stacked, gate | up as [experts, hidden, 2 * intermediate], down transposed."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        if ".mlp.experts." not in name:
+            out[name] = tensor
+            continue
+        layer, rest = name.split(".mlp.experts.")
+        index, kind = rest.split(".")[:2]
+        experts.setdefault(layer, {}).setdefault(kind, {})[int(index)] = tensor
+    for layer, kinds in experts.items():
+        count = len(kinds["down_proj"])
+        out[f"{layer}.feed_forward.experts.gate_up_proj"] = torch.stack([
+            torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]).t() for e in range(count)])
+        out[f"{layer}.feed_forward.experts.down_proj"] = torch.stack(
+            [kinds["down_proj"][e].t() for e in range(count)])
+    return {name: tensor.contiguous() for name, tensor in out.items()}
