@@ -85,6 +85,10 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
         "qwen2": lambda: tf.Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
         "phi3": lambda: tf.Phi3Config(**common, pad_token_id=0, tie_word_embeddings=False),
+        # Phi-4-mini's shape: rotary on the first 75 % of each head, q|k|v fused
+        "phi3_partial": lambda: tf.Phi3Config(**common, pad_token_id=0,
+                                              tie_word_embeddings=False,
+                                              partial_rotary_factor=0.75),
         # LongRoPE: its short factors within the original 256 positions
         "phi3_longrope": lambda: tf.Phi3Config(
             **common, pad_token_id=0, tie_word_embeddings=False,
@@ -209,6 +213,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
                "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
                "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
+               "phi3_partial": tf.Phi3ForCausalLM,
                "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
                "deepseek_v3_yarn": tf.DeepseekV3ForCausalLM, "qwen2_yarn": tf.Qwen2ForCausalLM,
                "deepseek_v2": tf.DeepseekV2ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,

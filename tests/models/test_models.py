@@ -14,6 +14,7 @@ from tokenmill.attention.backend import LogitsRows
 # prefix hits, preemption (tests/models/test_moe.py) and two ranks (distributed/)
 BREADTH = list(BIASED)
 ARCHS = ["llama", "llama3", "llama_linear", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope",
+         "phi3_partial",
          "qwen2_yarn", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn",
          "deepseek_v2", "gemma2", "gemma3", *BREADTH]
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8], list(range(300, 333))]

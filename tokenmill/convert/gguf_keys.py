@@ -102,7 +102,7 @@ def _phi3_keys(writer, config):
     rope = rope_settings(config)
     original = getattr(config, "original_max_position_embeddings", None) or \
         config.max_position_embeddings
-    writer.add_rope_dimension_count(head_dim(config))
+    _rotary_dims(writer, config)  # (Phi-4-mini: 75 % of each head)
     writer.add_rope_scaling_orig_ctx_len(original)
     if config.sliding_window:
         writer.add_sliding_window(config.sliding_window)

@@ -186,7 +186,7 @@ def configure(arch: str, get: Callable[[str, Any], Any], tensor_names: set[str],
             rope.update(beta_fast=32.0, beta_slow=1.0, mscale=mscale, mscale_all_dim=mscale)
     elif arch in _FAMILIES:
         _FAMILIES[arch](get, tensor_names, kwargs, rope)
-    if arch in ("phi2", "glm4", "glm4moe"):  # rotary on the first rope.dimension_count
+    if arch in ("phi2", "phi3", "glm4", "glm4moe"):  # rotary on rope.dimension_count
         rotated = get("rope.dimension_count", None)
         if rotated is not None:
             rope["partial_rotary_factor"] = int(rotated) / kwargs["head_dim"]
