@@ -16,7 +16,8 @@ from tokenmill.loading import gguf as gguf_loader
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8]]
 # tiny model -> llama.cpp architecture
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
-             "phi3_longrope": "phi3", "phi3_partial": "phi3", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
+             "phi3_longrope": "phi3", "phi3_partial": "phi3", "deepseek_v3": "deepseek2",
+             "deepseek_v2": "deepseek2",
              "deepseek_v3_yarn": "deepseek2", "gemma": "gemma", "phi": "phi2",
              "starcoder2": "starcoder2", "olmo2": "olmo2", "granite": "granite",
              "granitemoe": "granitemoe", "granitemoeshared": "granitemoe", "glm4": "glm4",
