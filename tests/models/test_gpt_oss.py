@@ -1,5 +1,6 @@
-"""gpt-oss as OpenAI ships it: MXFP4 experts read into the int8 kernel exactly, against
-transformers' own MXFP4 reading and its model over the same (dequantized) weights."""
+"""gpt-oss as OpenAI ships it: MXFP4 experts read exactly (the int8 form, and the fp4 panels
+VNNI CPUs keep them in), against transformers' own MXFP4 reading and its model over the
+same (dequantized) weights."""
 
 import json
 
@@ -10,7 +11,8 @@ from safetensors.torch import save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from tokenmill import LLM, SamplingParams, csrc
-from tokenmill.quantization.mxfp4 import dequantize_mxfp4, mxfp4_int8
+from tokenmill.quantization.linear_kernels import Int8Kernel
+from tokenmill.quantization.mxfp4 import Mxfp4Kernel, dequantize_mxfp4, mxfp4_int8
 from tokenmill.quantization.schemes import dequantize_int8
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 70)), [7, 8]]
@@ -33,9 +35,72 @@ def test_mxfp4_reads_as_transformers_reads_it_and_int8_holds_it_exactly():
     assert torch.equal(ours, theirs.transpose(1, 2))  # (theirs: [experts, in, out])
     for e in range(3):
         shard = mxfp4_int8(blocks[e], scales[e])
-        assert shard.method == "int8" and shard.tensors["qweight"].abs().max() <= 12
+        assert shard.method == "mxfp4" and shard.tensors["qweight"].abs().max() <= 12
         assert torch.equal(dequantize_int8(shard.tensors["qweight"], shard.tensors["scale"]),
                            ours[e])
+
+
+class _Layer:
+    bias = None
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (35, 96), (16, 2880)])
+def test_fp4_panels_hold_the_weights_and_give_the_int8_panels_sums(n, k):
+    """The fp4 panels (codes in int4's nibble panels, bfloat16 scales) hold the MXFP4
+    weights exactly (every exponent from 0 to 254) at half the int8 form's bytes, and the
+    fp4 panel kernel's outputs equal the int8 kernel's on the same weights bit for bit."""
+    gen = torch.Generator().manual_seed(n)
+    blocks, scales = _random_mxfp4(gen, n, k)
+    scales[0, 0], scales[-1, -1] = 0, 254
+    shard = mxfp4_int8(blocks, scales)
+    fp4, int8 = Mxfp4Kernel(dict(shard.tensors)), Int8Kernel(dict(shard.tensors))
+    weights = dequantize_mxfp4(blocks, scales)
+    assert torch.equal(fp4.dequantize(), weights)
+    assert torch.equal(fp4.rows(torch.tensor([0, n - 1])), weights[[0, n - 1]])
+    assert all(torch.equal(a, b) for a, b in zip(fp4.tensors.values(), shard.tensors.values()))
+    x = torch.randn(5, k, generator=gen)
+    assert torch.equal(fp4.apply(_Layer, x), int8.apply(_Layer, x))
+    if fp4.fp4:
+        assert fp4.name == "mxfp4-cpu-vnni" and 2 * fp4.weight_bytes() == int8.weight_bytes()
+
+
+def test_fp4_panels_of_cpus_without_avx512_give_the_same_sums(tmp_path):
+    """vnni_panels.c built without AVX-512 (its vpmaddwd path, the fp4 codes looked up with
+    vpshufb): the same int32 sums and float operations, so the same outputs, fp4 and int8."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+
+    from tokenmill.csrc.build import address
+    from tokenmill.quantization.mxfp4 import _fp4_panels
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or not csrc.available():
+        pytest.skip("no C compiler or no compiled CPU kernels")
+    here = os.path.dirname(csrc.__file__)
+    target = str(tmp_path / "vnni_avx2.so")
+    subprocess.run([compiler, "-O2", "-march=native", "-mno-avx512f", "-mavx2", "-mfma",
+                    "-mf16c", "-fopenmp", "-shared", "-fPIC",
+                    os.path.join(here, "vnni_panels.c"), "-o", target], check=True)
+    lib = ctypes.CDLL(target)
+    lib.tm_vnni_native.restype = ctypes.c_int64
+    assert lib.tm_vnni_native() == 0
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 40, 128, 3
+    shard = mxfp4_int8(*_random_mxfp4(gen, n, k))
+    x = torch.randn(m, k, generator=gen)
+    xq, xs, _ = csrc.quantize_rows_q16(x)
+    wp, sp = _fp4_panels(shard.tensors["qweight"], shard.tensors["scale"])
+    y = torch.empty(m, n)
+    i64 = ctypes.c_int64
+    lib.tm_fp4_vnni_gemm(*(ctypes.c_void_p(address(t)) for t in (xq, xs, wp, sp)), None,
+                         ctypes.c_void_p(address(y)), i64(m), i64(n), i64(k))
+    expected = Int8Kernel(dict(shard.tensors))
+    if expected.vnni:  # (the AVX-512 build's int8 panels: the same sums)
+        assert torch.equal(y, expected.apply(_Layer, x))
+    torch.testing.assert_close(y, x @ dequantize_mxfp4(*_random_mxfp4(
+        torch.Generator().manual_seed(3), n, k)).T, atol=0.05, rtol=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +148,7 @@ def test_mxfp4_checkpoint_equals_transformers(mxfp4_model, monkeypatch, engine, 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     with LLM(path, kv_cache_memory_gib=0.01, **engine) as llm:
         moe = llm.engine.core.runner.model.model.layers[1].mlp
-        assert moe.experts[0].gate_up_proj.kernel.name.startswith("int8")
+        assert moe.experts[0].gate_up_proj.kernel.method == "mxfp4"
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                             use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

@@ -126,6 +126,7 @@ def loaded() -> ctypes.CDLL | None:
     lib.tm_vnni_native.restype = i64
     lib.tm_int8_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_int4_vnni_gemm.argtypes = [ptr] * 8 + [i64] * 4
+    lib.tm_fp4_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 3
     lib.tm_kquant_panel_bytes.argtypes = [i64] * 2
     lib.tm_kquant_panel_bytes.restype = i64
     lib.tm_quantize_rows_q8x2.argtypes = [ptr] * 5 + [i64] * 2

@@ -35,6 +35,9 @@ void tm_int8_vnni_gemm(const int16_t *xq, const float *xs, const int8_t *wp, con
 void tm_int4_vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *wp,
                        const uint16_t *sp, const uint16_t *mp, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t group);
+void tm_fp4_vnni_gemm(const int16_t *xq, const float *xs, const uint8_t *wp,
+                      const uint16_t *sp, const float *bias, float *y, int64_t M, int64_t N,
+                      int64_t K);
 int64_t tm_kquant_panel_bytes(int64_t K, int64_t kind);
 void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, int32_t *hsum,
                            int64_t M, int64_t K);

@@ -1,4 +1,4 @@
-"""ctypes wrappers of vnni_panels.c: int8 / int4 weights kept as panels of 16 output channels
+"""ctypes wrappers of vnni_panels.c: int8, int4 and fp4 weights as panels of 16 output channels
 with input pairs interleaved, multiplied by int16 activations with `vpdpwssd` (the CPU's VNNI
 instructions; a `vpmaddwd` build with the same results elsewhere). Re-exported by
 `tokenmill.csrc`."""
@@ -11,7 +11,8 @@ from tokenmill.csrc.build import address
 from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["vnni_native", "int8_to_vnni", "int8_from_vnni", "int4_to_vnni", "int4_from_vnni",
-           "int8_vnni_rows", "int4_vnni_rows", "int8_vnni_gemm", "int4_vnni_gemm"]
+           "int8_vnni_rows", "int4_vnni_rows", "int8_vnni_gemm", "int4_vnni_gemm",
+           "fp4_vnni_gemm"]
 
 
 def quantize_rows_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,4 +126,16 @@ def int4_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, mp: torc
     _library().tm_int4_vnni_gemm(address(xq), address(xs), address(xsum), address(wp),
                                  address(sp), address(mp), address(bias), address(y), m, n, k,
                                  group)
+    return y
+
+
+def fp4_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, n: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """As `int8_vnni_gemm`, for E2M1 codes in int4's panels ([ceil(N/16), K/2, 16] uint8)
+    with bfloat16 scales per 32 inputs ([ceil(N/16), K/32, 16]; quantization/mxfp4.py)."""
+    m, k = x.shape
+    xq, xs, _ = quantize_rows_q16(x)
+    y = torch.empty(m, n, dtype=torch.float32)
+    _library().tm_fp4_vnni_gemm(address(xq), address(xs), address(wp), address(sp),
+                                address(bias), address(y), m, n, k)
     return y

@@ -22,7 +22,8 @@ float: each block's integers kept, its scales split out.
   -> int8 q (0..3) with a float32 scale d sc and offset -dmin m per group of 16: exact (the
   int4 kernels' float16 scales would round them, and their compiled forms take groups of 32).
 - MXFP4 (32 x 4-bit E2M1, one E8M0 power of two; gpt-oss' experts) -> int8 (each value
-  times two, a whole number) with a float32 scale (half the power of two) per 32: exact.
+  times two, a whole number) with a float32 scale (half the power of two) per 32: exact;
+  served by mxfp4.py's kernel (4-bit codes again on VNNI CPUs).
 Each function takes a weight's [N, bytes per row] uint8 rows and returns the kernel tensors
 (rows = output channels)."""
 
@@ -41,7 +42,7 @@ BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22)
           "Q5_K": (256, 176), "Q2_K": (256, 84), "MXFP4": (32, 17)}
 METHODS = {"Q8_0": "int8", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q3_K": "int8", "Q5_K": "int8",
            "Q4_0": "int4", "Q4_1": "int4", "Q2_K": "int8", "Q4_K": "q4k", "Q6_K": "q6k",
-           "MXFP4": "int8"}
+           "MXFP4": "mxfp4"}
 
 
 def _blocks(data: np.ndarray, kind: str, n: int, k: int) -> np.ndarray:

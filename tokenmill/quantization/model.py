@@ -29,6 +29,7 @@ from tokenmill.quantization.linear_kernels import (
     PartsKernel,
     QuantizedKernel,
 )
+from tokenmill.quantization.mxfp4 import Mxfp4Kernel
 from tokenmill.quantization.schemes import QuantizedShard, smoothing_factors
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 # quantization method -> the kernel that serves it
 KERNELS = {cls.method: cls for cls in (Int8Kernel, Int4Kernel, A8W8Kernel, Fp8Kernel,
                                        Q4KKernel, Q6KKernel, Q50Kernel, Q51Kernel,
-                                       Fp8BlockKernel)}
+                                       Fp8BlockKernel, Mxfp4Kernel)}
 # methods whose `qweight` holds two inputs a byte
 _NIBBLES = ("int4", "q4k", "q6k", "q5_0", "q5_1")
 

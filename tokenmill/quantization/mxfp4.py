@@ -1,8 +1,9 @@
-"""MXFP4 (OCP microscaling FP4, as gpt-oss ships its experts) read into the int8 kernel
-exactly: each 4-bit E2M1 value (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) times two is a whole
-number from -12 to 12, and each block of 32 shares one power of two (its scale byte minus
-127), so int8 values with a float32 scale per 32 inputs hold the same weights bit for bit.
-`dequantize_mxfp4` is the slow, obvious reading beside it (tests compare the two)."""
+"""MXFP4 (OCP microscaling FP4, as gpt-oss ships its experts): each 4-bit E2M1 value (0,
+±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) times two is a whole number from -12 to 12, and each block of
+32 shares one power of two (its scale byte minus 127), so int8 values with a float32 scale
+per 32 inputs hold the same weights bit for bit: the checkpoint form (`mxfp4_int8`), which
+the int8 kernel serves anywhere. `Mxfp4Kernel` keeps them as 4-bit codes on VNNI CPUs.
+`dequantize_mxfp4` is the slow, obvious reading beside both (tests compare them)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from typing import Any
 
 import torch
 
+from tokenmill import csrc
 from tokenmill.layers.linear import whole
-from tokenmill.quantization.schemes import QuantizedShard
+from tokenmill.quantization.linear_kernels import Int8Kernel
+from tokenmill.quantization.schemes import QuantizedShard, dequantize_int8
 
 BLOCK = 32  # values per scale
 MXFP4_PARTS = ("_blocks", "_scales")
@@ -37,11 +40,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def mxfp4_int8(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedShard:
-    """One [out, in] weight's MXFP4 blocks as the int8 kernel's tensors: qweight int8 (twice
-    each value) and scale float32 [out, in / 32] (half each block's power of two)."""
+    """One [out, in] weight's MXFP4 blocks as the int8 kernel's tensors (`Mxfp4Kernel`
+    serves them): qweight int8 (twice each value) and scale float32 [out, in / 32] (half
+    each block's power of two)."""
     qweight = _TWICE[_codes(blocks)]
     scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32).float() - 128.0)
-    return QuantizedShard("int8", {"qweight": qweight.contiguous(), "scale": scale})
+    return QuantizedShard("mxfp4", {"qweight": qweight.contiguous(), "scale": scale})
 
 
 def mxfp4_experts(weights: Iterable[tuple[str, Any]], model: Any
@@ -69,3 +73,71 @@ def mxfp4_experts(weights: Iterable[tuple[str, Any]], model: Any
                 yield f"{prefix}.experts.{e}.{kind}.weight", mxfp4_int8(blocks[e], scales[e])
     if pending:
         raise ValueError(f"MXFP4 experts without their other half: {sorted(pending)}.")
+
+
+# doubled E2M1 value (-12..12) -> its code
+_CODE_OF = torch.zeros(25, dtype=torch.uint8)
+for _code, _value in enumerate(_TWICE.tolist()):
+    if _code != 8:  # (-0: 0's code is 0)
+        _CODE_OF[_value + 12] = _code
+
+
+class Mxfp4Kernel(Int8Kernel):
+    """MXFP4 weights as the int8 kernel holds them (each value times two, a float32 power
+    of two per 32 inputs: `tensors`, what a checkpoint stores), kept on CPUs with AVX-512
+    VNNI as E2M1 codes in csrc/vnni_panels.c's int4 panels with bfloat16 scales (4.5 bits a
+    weight, against 9 for the int8 panels) and multiplied by the fp4 panel kernel, which
+    gives the int8 panels' sums exactly. Elsewhere it is the int8 kernel."""
+
+    method = "mxfp4"
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__(tensors)  # (its panels: `_to_panels`, fp4 ones for groups of 32)
+        self.fp4 = self.vnni and self.group == BLOCK
+        if self.fp4:
+            self.name = "mxfp4-cpu-vnni"
+
+    def _to_panels(self, tensors):
+        if self.group == BLOCK:
+            return _fp4_panels(tensors["qweight"], tensors["scale"])
+        return super()._to_panels(tensors)
+
+    def _from_panels(self):
+        if not self.fp4:
+            return super()._from_panels()
+        wp, sp = self.panels
+        codes = torch.stack([wp & 15, wp >> 4], dim=-1)  # [P, K/2, 16, 2]
+        rows = codes.permute(0, 2, 1, 3).reshape(-1, wp.shape[1] * 2)[:self.out_features]
+        scale = sp.view(torch.bfloat16).permute(0, 2, 1).reshape(-1, sp.shape[1])
+        return {"qweight": _TWICE[rows.long()], "scale": scale[:self.out_features].float()}
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.fp4:
+            return super().rows(ids)
+        tensors = self._from_panels()
+        return dequantize_int8(tensors["qweight"][ids], tensors["scale"][ids])
+
+    def _integer(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if self.fp4 and x.dim() == 2 and x.dtype == torch.float32:
+            return csrc.fp4_vnni_gemm(x.contiguous(), *self.panels, self.out_features,
+                                      layer.bias)
+        return super()._integer(layer, x)
+
+    def compiled_form(self) -> csrc.LinearForm | None:
+        return None if self.fp4 else super().compiled_form()
+
+
+def _fp4_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """int8 doubled E2M1 values [N, K] and float32 scales [N, K/32] -> codes in int4's
+    panels ([ceil(N/16), K/2, 16] uint8: inputs 2j, 2j + 1 in the low, high nibble) and
+    bfloat16 panel scales ([ceil(N/16), K/32, 16]); channels past N are zero."""
+    n, k = qweight.shape
+    panels = -(-n // 16)
+    codes = torch.zeros(panels * 16, k, dtype=torch.uint8)
+    codes[:n] = _CODE_OF[qweight.long() + 12]
+    pairs = codes.view(panels, 16, k // 2, 2).permute(0, 2, 1, 3)
+    wp = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    scales = torch.zeros(panels * 16, k // BLOCK, dtype=torch.bfloat16)
+    scales[:n] = scale.to(torch.bfloat16)
+    sp = scales.view(panels, 16, -1).permute(0, 2, 1).contiguous()
+    return wp, sp.view(torch.int16)
