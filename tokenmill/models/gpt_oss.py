@@ -23,7 +23,7 @@ from tokenmill.layers.linear import default_weight_loader
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.info import layer_window
 from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM
-from tokenmill.models.moe import split_stacked_experts
+from tokenmill.models.moe import split_stacked_experts, stacked_experts
 from tokenmill.quantization.mxfp4 import MXFP4_PARTS, mxfp4_experts
 from tokenmill.quantization.schemes import QuantizedShard
 
@@ -102,25 +102,16 @@ class GptOssForCausalLM(LlamaForCausalLM):
 def gpt_oss_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert tensors (a GGUF file's, read under the common names) as a gpt-oss
     checkpoint stores them (float): each layer's experts stacked [experts, in, out], gate
-    and up interleaved column by column, their biases likewise."""
-    out, experts = {}, {}
-    for name, tensor in weights.items():
-        if ".mlp.experts." not in name:
-            out[name] = tensor
-            continue
-        layer, rest = name.split(".mlp.experts.")
-        index, kind, leaf = rest.split(".")
-        experts.setdefault((layer, kind, leaf), {})[int(index)] = tensor
-    for (layer, kind, leaf), parts in experts.items():
-        if kind == "up_proj":
-            continue
-        stacked = torch.stack([parts[e] for e in range(len(parts))])
-        if kind == "gate_proj":
-            up = experts[(layer, "up_proj", leaf)]
-            stacked = torch.stack([stacked, torch.stack([up[e] for e in range(len(up))])],
-                                  dim=2).flatten(1, 2)  # (rows interleaved: gate, up, ..)
-            kind = "gate_up_proj"
-        name = f"{layer}.mlp.experts.{kind}"
-        out[name + "_bias" if leaf == "bias" else name] = (
-            stacked if leaf == "bias" else stacked.transpose(1, 2).contiguous())
+    and up interleaved row by row (then transposed), their biases likewise."""
+    out, experts = stacked_experts(weights)
+    for layer, stacks in experts.items():
+        prefix = f"{layer}.mlp.experts."
+        for leaf, suffix in (("weight", ""), ("bias", "_bias")):
+            gate, up = stacks[f"gate_proj.{leaf}"], stacks[f"up_proj.{leaf}"]
+            gate_up = torch.stack([gate, up], dim=2).flatten(1, 2)  # (gate, up, gate, ..)
+            down = stacks[f"down_proj.{leaf}"]
+            if leaf == "weight":
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            out[prefix + "gate_up_proj" + suffix] = gate_up.contiguous()
+            out[prefix + "down_proj" + suffix] = down.contiguous()
     return out

@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.models.info import layer_window
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
-from tokenmill.models.moe import split_stacked_experts
+from tokenmill.models.moe import split_stacked_experts, stacked_experts
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -96,28 +96,19 @@ def granite_moe_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.
     """Per-expert tensors (a GGUF file's, read under the common names) as a Granite-MoE
     checkpoint stores them: each layer's experts stacked, gate | up in one tensor, the
     shared expert's gate | up joined, the router under its own name."""
-    out, experts = {}, {}
-    for name, tensor in weights.items():
-        if ".mlp.experts." in name:
-            layer, rest = name.split(".mlp.experts.")
-            index, kind = rest.split(".")[:2]
-            experts.setdefault(layer, {}).setdefault(kind, {})[int(index)] = tensor
-        elif ".mlp.shared_expert." in name:
-            experts.setdefault(name.split(".mlp.")[0], {}).setdefault(
-                "shared", {})[name.split(".")[-2]] = tensor
-        else:
+    others, experts = stacked_experts(weights)
+    out = {}
+    for name, tensor in others.items():
+        if ".mlp.shared_expert.gate_proj." in name:
+            up = others[name.replace(".gate_proj.", ".up_proj.")]
+            out[name.split(".mlp.")[0] + ".shared_mlp.input_linear.weight"] = torch.cat(
+                [tensor, up])
+        elif ".mlp.shared_expert.down_proj." in name:
+            out[name.split(".mlp.")[0] + ".shared_mlp.output_linear.weight"] = tensor
+        elif ".mlp.shared_expert.up_proj." not in name:
             out[name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")] = tensor
-    for layer, kinds in experts.items():
-        if "gate_proj" in kinds:
-            count = len(kinds["gate_proj"])
-            out[f"{layer}.block_sparse_moe.input_linear.weight"] = torch.stack([
-                torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]) for e in range(count)])
-            out[f"{layer}.block_sparse_moe.output_linear.weight"] = torch.stack(
-                [kinds["down_proj"][e] for e in range(count)])
-        shared = kinds.get("shared")
-        if shared:
-            out[f"{layer}.shared_mlp.input_linear.weight"] = torch.cat(
-                [shared["gate_proj"], shared["up_proj"]])
-            out[f"{layer}.shared_mlp.output_linear.weight"] = shared["down_proj"]
+    for layer, stacks in experts.items():
+        out[f"{layer}.block_sparse_moe.input_linear.weight"] = torch.cat(
+            [stacks["gate_proj.weight"], stacks["up_proj.weight"]], dim=1)
+        out[f"{layer}.block_sparse_moe.output_linear.weight"] = stacks["down_proj.weight"]
     return out
-

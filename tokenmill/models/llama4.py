@@ -24,7 +24,7 @@ from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import L2Norm
 from tokenmill.layers.rotary import StepRotary
 from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM
-from tokenmill.models.moe import split_stacked_experts
+from tokenmill.models.moe import split_stacked_experts, stacked_experts
 from tokenmill.models.vision.encoder import text_name
 
 # a Llama4ForConditionalGeneration checkpoint's image side
@@ -103,18 +103,10 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 def llama4_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert tensors (a GGUF file's) as a Llama 4 checkpoint stores them: each layer's
     experts stacked, gate | up as [experts, hidden, 2 * intermediate], down transposed."""
-    out, experts = {}, {}
-    for name, tensor in weights.items():
-        if ".mlp.experts." not in name:
-            out[name] = tensor
-            continue
-        layer, rest = name.split(".mlp.experts.")
-        index, kind = rest.split(".")[:2]
-        experts.setdefault(layer, {}).setdefault(kind, {})[int(index)] = tensor
-    for layer, kinds in experts.items():
-        count = len(kinds["down_proj"])
-        out[f"{layer}.feed_forward.experts.gate_up_proj"] = torch.stack([
-            torch.cat([kinds["gate_proj"][e], kinds["up_proj"][e]]).t() for e in range(count)])
-        out[f"{layer}.feed_forward.experts.down_proj"] = torch.stack(
-            [kinds["down_proj"][e].t() for e in range(count)])
+    out, experts = stacked_experts(weights)
+    for layer, stacks in experts.items():
+        gate_up = torch.cat([stacks["gate_proj.weight"], stacks["up_proj.weight"]], dim=1)
+        out[f"{layer}.feed_forward.experts.gate_up_proj"] = gate_up.transpose(1, 2)
+        out[f"{layer}.feed_forward.experts.down_proj"] = stacks["down_proj.weight"].transpose(
+            1, 2)
     return {name: tensor.contiguous() for name, tensor in out.items()}

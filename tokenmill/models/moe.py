@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from tokenmill.layers.linear import whole
@@ -81,3 +82,21 @@ def split_stacked_experts(weights: Iterable[tuple[str, Any]], model: nn.Module,
             if moe.holds_expert(e):
                 weight = full[e].t().contiguous() if transposed else full[e]
                 yield f"{layer}.mlp.experts.{e}.{leaf}", weight
+
+
+def stacked_experts(weights: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The reverse of `split_stacked_experts`, for writing a checkpoint that stacks them:
+    (the tensors that are no expert's, {layer prefix: {"gate_proj.weight": [expert 0's,
+    expert 1's, ..] stacked, ..}})."""
+    others: dict[str, Any] = {}
+    parts: dict[str, dict[str, dict[int, Any]]] = {}
+    for name, tensor in weights.items():
+        if ".mlp.experts." not in name:
+            others[name] = tensor
+            continue
+        layer, rest = name.split(".mlp.experts.")
+        index, leaf = rest.split(".", 1)
+        parts.setdefault(layer, {}).setdefault(leaf, {})[int(index)] = tensor
+    return others, {layer: {leaf: torch.stack([by_index[e] for e in range(len(by_index))])
+                            for leaf, by_index in leaves.items()}
+                    for layer, leaves in parts.items()}
