@@ -7,7 +7,6 @@ import pytest
 
 from tokenmill.entrypoints.parsers.reasoning import (
     ReasoningParser,
-    ReasoningStream,
     WholeTextReasoningStream,
 )
 
@@ -33,6 +32,19 @@ CASES = {
         ("No section at all.", ("", "No section at all.")),
         ("<think>cut off mid-thought", ("cut off mid-thought", "")),
     ],
+    # gpt-oss' harmony (as its model card and openai-harmony render it; special tokens kept,
+    # the stop token (<|return|>, <|call|>) not in the text)
+    "gpt_oss": [
+        ("<|channel|>analysis<|message|>User asks 2 + 2. Simple.<|end|><|start|>assistant"
+         "<|channel|>final<|message|>2 + 2 = 4.", ("User asks 2 + 2. Simple.", "2 + 2 = 4.")),
+        ("<|channel|>final<|message|>Hi there!", ("", "Hi there!")),
+        ("<|channel|>analysis<|message|>still thinking", ("still thinking", "")),
+        ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+         "commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+         "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}",
+         ("Need the weather.", "Checking.<|start|>assistant<|channel|>commentary "
+          "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}")),
+    ],
     # Granite 3.2 with thinking on: plain phrases, either spelling
     "granite": [
         ("Here is my thought process:\nAdd them.\nHere is my response:\n2 + 2 = 4.",
@@ -54,12 +66,33 @@ def test_whole_and_streamed_splits(name):
         for _ in range(30):  # random cuts, single characters included
             cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1)))
             pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-            stream, got = ReasoningStream(parser), ["", ""]
+            stream, got = parser.stream(), ["", ""]
             for k, piece in enumerate(pieces):
                 r, c = stream.feed(piece, done=k == len(pieces) - 1)
                 got[0] += r
                 got[1] += c
             assert tuple(got) == want, (text, pieces)
+
+
+def test_harmony_streams_add_up_to_the_whole_split():
+    """gpt_oss streams by splitting the text so far again: its deltas, in any chunking,
+    add up to the whole text's split (nothing sent is ever taken back)."""
+    parser = ReasoningParser("gpt_oss")
+    rng = random.Random(4)
+    parts = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>assistant", "analysis",
+             "final", "commentary", " to=functions.f ", "<|constrain|>json", "<|chan", "<|e",
+             "text", "{}", " ", "<|call|>"]
+    for _ in range(2000):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 10)))
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) \
+            if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
+        stream, got = parser.stream(), ["", ""]
+        for k, piece in enumerate(pieces):
+            r, c = stream.feed(piece, done=k == len(pieces) - 1)
+            got[0] += r
+            got[1] += c
+        assert tuple(got) == parser.split(text), (text, pieces)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -70,20 +103,22 @@ def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
     rng = random.Random(1)
     parts = ["<think>", "</think>", "<th", "ink>", "</", "</th", "<", ">", " ", "\n", "a",
              "think", "/", "Here is my thought process:", "Here's my response:", "Here",
-             "Here is my ", "Here's", "thought process:", "response:", "Here is my response"]
+             "Here is my ", "Here's", "thought process:", "response:", "Here is my response",
+             "<|channel|>", "<|message|>", "<|end|>", "<|start|>assistant", "analysis",
+             "final", "commentary to=functions.f", "<|chan", "<|mess", "<|e"]
     for _ in range(3000):
         text = "".join(rng.choice(parts) for _ in range(rng.randint(0, 8)))
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1))) \
             if len(text) > 1 else []
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
-        fast, slow = ReasoningStream(parser), WholeTextReasoningStream(parser)
+        fast, slow = parser.stream(), WholeTextReasoningStream(parser)
         for k, piece in enumerate(pieces):
             done = k == len(pieces) - 1
             assert fast.feed(piece, done) == slow.feed(piece, done), (text, pieces, k)
 
 
 def test_unknown_parser():
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3, glm45, granite"):
+    with pytest.raises(ValueError, match="deepseek_r1, qwen3, glm45, granite, gpt_oss"):
         ReasoningParser("nope")
 
 

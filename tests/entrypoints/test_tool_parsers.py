@@ -46,6 +46,8 @@ def _glm_call(name: str, **params: str) -> str:
     return f"<tool_call>{name}\n{body}</tool_call>"
 
 
+HARMONY_CALL = ("<|start|>assistant<|channel|>commentary to=functions.{} <|constrain|>json"
+                "<|message|>{}")
 ALARM_ARGS = dict(hour="7", days='["mon", "tue"]', loud="true", volume="0.5",
                   note='07:00 "wake"\n  up', label="null", repeat="{'weeks': 2}")
 
@@ -70,6 +72,13 @@ CASES = [
                 '"celsius"}}, {"name": "get_time", "arguments": {}}]', None, [W, T]),
     ("granite", '<tool_call>[{"name": "get_time", "arguments": {}}]', None, [T]),
     ("granite", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    # gpt-oss' harmony, as the gpt_oss reasoning parser leaves it (analysis taken out)
+    ("openai", HARMONY_CALL.format("get_weather", '{"city": "Paris", "unit": "celsius"}'),
+     None, [W]),
+    ("openai", "Let me check." + HARMONY_CALL.format(
+        "get_weather", '{"city":"Paris","unit":"celsius"}') + "<|call|>"
+     + HARMONY_CALL.format("get_time", "{}"), "Let me check.", [W, T]),
+    ("openai", "Paris is sunny.", "Paris is sunny.", []),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
                '"celsius"}}\n</tool_call>', None, [W]),
     ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
@@ -100,6 +109,9 @@ CASES = [
 HERMES_TWO = next(c[1] for c in CASES if c[0] == "hermes" and c[2] == "Let me check.")
 
 MALFORMED = [
+    ("openai", HARMONY_CALL.format("get_weather", '{"city": "Par')),  # cut off
+    ("openai", HARMONY_CALL.format("get_weather", "[1, 2]")),  # not an object
+    ("openai", HARMONY_CALL.replace("functions.{}", "browser.search").format("{}")),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),  # cut off
     ("qwen3_coder", "<tool_call>\nno function here\n</tool_call>"),
     ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"),
@@ -191,6 +203,7 @@ def test_stream_equals_the_whole_text_reference_piece_by_piece(name):
     rng = random.Random(2)
     parser = _parser(name)
     markers = [*parser.markers, *parser.leading, *DS, *KIMI, "</tool_call>", "[ARGS]",
+               "<|message|>", "<|call|>", "<|constrain|>json", "<|end|>",
                "<function=get_time>", "</function>", "<parameter=city>", "</parameter>",
                "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "functions.get_time:0"]
     parts = [*markers, *(m[:len(m) // 2] for m in markers), *(m[len(m) // 2:] for m in markers),
@@ -357,3 +370,36 @@ def test_templates_of_the_tagged_formats_pick_their_parser():
     assert parser_for_template(glm) == "glm45"
     assert parser_for_template("<tool_call>\n{{ call | tojson }}\n</tool_call>") == "hermes"
     assert parser_for_template("<|tool_calls_section_begin|>") == "kimi_k2"
+
+
+def test_gpt_oss_harmony_whole_and_streamed():
+    """gpt-oss with `--reasoning-parser gpt_oss --tool-call-parser openai`: the analysis
+    channel is reasoning_content, a preamble is content, the message to a function a tool
+    call; streamed in any chunking, what the OpenAI SDK accumulates is the same message."""
+    from tokenmill.entrypoints.http.chat_output import ChatOutput
+    from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
+    from tokenmill.entrypoints.parsers.tool_request import ToolPlan
+
+    text = ("<|channel|>analysis<|message|>Need the weather in Paris.<|end|><|start|>"
+            "assistant<|channel|>commentary<|message|>Checking.<|end|>"
+            + HARMONY_CALL.format("get_weather", '{"city": "Paris", "unit": "celsius"}'))
+    out = ChatOutput(ReasoningParser("gpt_oss"), ToolPlan("auto", TOOLS), get_parser("openai"))
+    message, has_calls = out.message(text)
+    assert has_calls and message["reasoning_content"] == "Need the weather in Paris."
+    assert message["content"] == "Checking."
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in message["tool_calls"]] == [(W.name, W.arguments)]
+    for sizes in _chunkings(text):
+        stream, deltas, i = out.stream(), [], 0
+        for size in sizes:
+            i += size
+            delta = stream.feed(text[i - size:i], i >= len(text))
+            if delta:
+                deltas.append(delta)
+            if i >= len(text):
+                break
+        got = _accumulate(deltas)
+        assert got["reasoning_content"] == message["reasoning_content"]
+        assert got["content"] == "Checking."
+        assert [(c["name"], c["arguments"]) for c in got["tool_calls"]] == [(W.name,
+                                                                            W.arguments)]

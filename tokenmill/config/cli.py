@@ -191,12 +191,13 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--trust-request-chat-template", action="store_true", default=None,
       help="accept a `chat_template` in chat requests (rendered sandboxed; default: 400)")
     a("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "deepseek_v3",
-                                     "pythonic", "kimi_k2", "granite", "qwen3_coder", "glm45"],
+                                     "pythonic", "kimi_k2", "granite", "qwen3_coder", "glm45",
+                                     "openai"],
       help="chat: tool calls read from the output (enables tool_choice auto; default: the "
            "parser the chat template's tool format names, when it names one)")
     a("--enable-auto-tool-choice", action="store_true", default=None,
       help="accepted for vLLM's command lines: --tool-call-parser alone enables auto")
-    a("--reasoning-parser", choices=["deepseek_r1", "qwen3", "glm45", "granite"],
+    a("--reasoning-parser", choices=["deepseek_r1", "qwen3", "glm45", "granite", "gpt_oss"],
       help="chat: the thinking section (<think> ... </think>; Granite's phrases) goes to "
            "reasoning_content")
     a("--enable-reasoning", action="store_true", default=None,
@@ -311,7 +312,7 @@ def check_vllm_flags(args) -> None:
     """vLLM's flags that ask for what tokenmill does not do: refused, naming the flag."""
     if args.enable_reasoning and not args.reasoning_parser:
         raise ValueError("--enable-reasoning needs --reasoning-parser (deepseek_r1, qwen3, "
-                         "glm45 or granite).")
+                         "glm45, granite or gpt_oss).")
     for name, why in REFUSED_FLAGS.items():
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is refused: {why}.")

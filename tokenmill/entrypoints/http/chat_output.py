@@ -10,7 +10,7 @@ import json
 import uuid
 from typing import Any
 
-from tokenmill.entrypoints.parsers.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
 from tokenmill.entrypoints.parsers.tool_calls import ToolCall, ToolParser, call_from_object
 from tokenmill.entrypoints.parsers.tool_request import ToolPlan
 from tokenmill.entrypoints.parsers.tool_stream import ToolCallStream
@@ -83,7 +83,7 @@ class ChatDeltas:
 
     def __init__(self, out: ChatOutput) -> None:
         self.out = out
-        self.thinking = ReasoningStream(out.reasoning) if out.reasoning is not None else None
+        self.thinking = out.reasoning.stream() if out.reasoning is not None else None
         plan = out.plan
         self.tools = ToolCallStream(out.parser) if plan and plan.mode == "auto" else None
         self.required = ""  # (required: the JSON list, read when it ends)

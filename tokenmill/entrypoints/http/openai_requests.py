@@ -176,5 +176,7 @@ async def prepare_chat(body: dict, state: ServerState, check_model: bool = True)
         raise
     if plan is not None and plan.mode == "auto" and state.tool_parser.special_markers:
         params.skip_special_tokens = False  # (the parser reads its control-token markers)
+    if state.reasoning is not None and state.reasoning.harmony:
+        params.skip_special_tokens = False  # (gpt-oss' channels are control tokens)
     output = ChatOutput(state.reasoning, plan, state.tool_parser, state.config.api.response_role)
     return ChatRun(req, ids, params, output, reservation, beams, mm_inputs)

@@ -9,6 +9,8 @@
 - `granite` (Granite 3.2+ with `thinking`): the same, its section opened by "Here is my
   thought process:" (or "Here's ...") and closed by "Here is my response:" (or "Here's
   ..."): plain text, not tokens.
+- `gpt_oss`: harmony's `analysis` channel (parsers/harmony.py), streamed by splitting the
+  text so far again at each piece.
 While streaming, text that may be the start of a tag is held back until it is known not to be
 one, so no delta ever has to be taken back."""
 
@@ -33,6 +35,11 @@ FORMATS = {
     "granite": ReasoningFormat(("Here is my thought process:", "Here's my thought process:"),
                                ("Here is my response:", "Here's my response:"),
                                opened_by_prompt=False, tokens=False),
+    # (harmony: the tags are several tokens; split by parsers/harmony.py, the markers
+    # checked one by one; a constraint starts with the final channel's body)
+    "gpt_oss": ReasoningFormat(("<|channel|>analysis<|message|>",),
+                               ("<|channel|>final<|message|>",),
+                               opened_by_prompt=False, tokens=True),
 }
 PARSERS = tuple(FORMATS)
 START, END = "<think>", "</think>"
@@ -69,12 +76,21 @@ class ReasoningParser:
             raise ValueError(f"reasoning parser must be one of {', '.join(PARSERS)}, "
                              f"got {name!r}.")
         self.name, self.format = name, FORMATS[name]
+        self.harmony = name == "gpt_oss"  # (its markers are special tokens: kept in text)
         if tokenizer is not None:
             check_markers(name, tokenizer)
+
+    def stream(self) -> ReasoningStream | WholeTextReasoningStream:
+        """One streamed choice's splitter."""
+        return WholeTextReasoningStream(self) if self.harmony else ReasoningStream(self)
 
     def split(self, text: str, final: bool = True) -> tuple[str, str]:
         """(reasoning, content) of `text`; not `final`: without what may still become a
         tag."""
+        if self.harmony:
+            from tokenmill.entrypoints.parsers import harmony
+
+            return harmony.split(text, final)
         fmt = self.format
         head = text.lstrip()
         opened = _opening(head, fmt.starts)
@@ -102,7 +118,8 @@ def check_markers(name: str, tokenizer) -> None:
     if not fmt.tokens:
         return
     vocab = tokenizer.get_vocab()
-    tags = (*fmt.starts, *fmt.ends)
+    tags = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>") if name == "gpt_oss" \
+        else (*fmt.starts, *fmt.ends)
     missing = [tag for tag in tags if tag not in vocab
                or tokenizer.encode(tag, add_special_tokens=False) != [vocab[tag]]]
     if missing:
@@ -125,6 +142,8 @@ def constraint_start(tokenizer, prompt_ids: list[int],
     first of a format's spellings), unless the prompt already closed the section (e.g.
     Qwen3's enable_thinking=false)."""
     end = tokenizer.encode(fmt.ends[0], add_special_tokens=False)
+    if fmt is FORMATS["gpt_oss"]:  # (earlier turns' final channels are in the prompt)
+        return end
     start = tokenizer.encode(fmt.starts[0], add_special_tokens=False)
     closed = _find_last(prompt_ids, end)
     return None if closed >= 0 and closed > _find_last(prompt_ids, start) else end

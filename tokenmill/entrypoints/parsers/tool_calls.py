@@ -19,7 +19,8 @@ as tool calls is returned as content.
 - `granite` (Granite 3.x): the output starts with `<|tool_call|>` (3.0) or `<tool_call>`
   (3.1+) and a JSON list of `{"name", "arguments"}`.
 - `qwen3_coder` and `glm45`: arguments as tagged text, typed by the request's tool schemas
-  (xml_tool_calls.py)."""
+  (xml_tool_calls.py).
+- `openai` (gpt-oss): harmony messages to `functions.NAME`, JSON bodies (harmony.py)."""
 
 from __future__ import annotations
 
@@ -301,17 +302,37 @@ class GraniteParser(ToolParser):
         return calls if calls and all(calls) else []
 
 
+class OpenAIParser(ToolParser):
+    """gpt-oss' harmony messages to `functions.NAME` (parsers/harmony.py), after
+    `--reasoning-parser gpt_oss` took the analysis channel out."""
+
+    markers = ("<|start|>assistant<|channel|>commentary to=", "<|channel|>commentary to=",
+               "<|start|>assistant to=")
+
+    def bind(self, tokenizer) -> ToolParser:
+        super().bind(tokenizer)
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.special_markers = "<|channel|>" in vocab  # (harmony's markers are tokens)
+        return self
+
+    def parse_section(self, section: str) -> list[ToolCall]:
+        from tokenmill.entrypoints.parsers import harmony
+
+        content, calls = harmony.tool_calls(section)
+        return [] if content is not None else [ToolCall(n, a) for n, a in calls]
+
+
 def _parsers() -> dict[str, type[ToolParser]]:
     from tokenmill.entrypoints.parsers.xml_tool_calls import Glm45Parser, Qwen3CoderParser
 
     return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
             "deepseek_v3": DeepSeekV3Parser, "pythonic": PythonicParser,
             "kimi_k2": KimiK2Parser, "granite": GraniteParser,
-            "qwen3_coder": Qwen3CoderParser, "glm45": Glm45Parser}
+            "qwen3_coder": Qwen3CoderParser, "glm45": Glm45Parser, "openai": OpenAIParser}
 
 
 PARSER_NAMES = ("hermes", "llama3_json", "mistral", "deepseek_v3", "pythonic", "kimi_k2",
-                "granite", "qwen3_coder", "glm45")
+                "granite", "qwen3_coder", "glm45", "openai")
 
 
 # What a chat template writes for a tool call, per parser: a template showing exactly one of
@@ -323,7 +344,8 @@ TEMPLATE_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
                                     "JSON for a function call",),
                     "kimi_k2": ("<|tool_calls_section_begin|>",),
                     "granite": ("<|tool_call|>",),
-                    "qwen3_coder": ("<function=",), "glm45": ("<arg_key>",)}
+                    "qwen3_coder": ("<function=",), "glm45": ("<arg_key>",),
+                    "openai": ("to=functions.",)}
 # formats whose markers include hermes' `<tool_call>`: a template showing theirs is theirs
 _WITHIN_HERMES = ("qwen3_coder", "glm45")
 
