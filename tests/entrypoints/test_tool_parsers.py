@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from tokenmill.entrypoints.parsers.tool_calls import PARSER_NAMES, ToolCall, get_parser
+from tokenmill.entrypoints.parsers.tool_calls import ToolCall
+from tokenmill.entrypoints.parsers.tool_registry import PARSER_NAMES, get_parser
 from tokenmill.entrypoints.parsers.tool_stream import ToolCallStream, WholeTextToolCallStream
 
 W = ToolCall("get_weather", json.dumps({"city": "Paris", "unit": "celsius"}))
@@ -321,7 +322,7 @@ def test_markers_that_are_special_tokens_are_noted(tmp_path):
 
 def test_the_parser_a_chat_template_names():
     """A template's tool-call format picks the parser only where exactly one is named."""
-    from tokenmill.entrypoints.parsers.tool_calls import parser_for_template
+    from tokenmill.entrypoints.parsers.tool_registry import parser_for_template
 
     hermes = "{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>\n{{ call }}</tool_call>"
     assert parser_for_template(hermes) == "hermes"
@@ -362,7 +363,7 @@ def test_chat_output_reads_the_requests_tools_and_keeps_the_models_ids(name):
 
 
 def test_templates_of_the_tagged_formats_pick_their_parser():
-    from tokenmill.entrypoints.parsers.tool_calls import parser_for_template
+    from tokenmill.entrypoints.parsers.tool_registry import parser_for_template
 
     qwen = "{% for t in tools %}<tool_call>\n<function={{ t.name }}>\n<parameter=x>{% endfor %}"
     glm = "<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v }}</arg_value>"

@@ -32,9 +32,13 @@ def test_weights_and_config_equal_transformers_gguf_load(hf_model):
     config = gguf_loader.load_gguf_config(MODEL)
     ref = hf_model.config
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-                "num_key_value_heads", "intermediate_size", "rms_norm_eps", "vocab_size",
+                "num_key_value_heads", "intermediate_size", "vocab_size",
                 "max_position_embeddings", "tie_word_embeddings"):
         assert getattr(config, key) == getattr(ref, key), key
+    # the file's float32 epsilon: transformers keeps 9.99999974e-06, tokenmill the decimal
+    # the checkpoint's config had (1e-05); the same float32
+    assert config.rms_norm_eps == 1e-05
+    assert torch.tensor(config.rms_norm_eps) == torch.tensor(ref.rms_norm_eps)
     assert config.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"]
     state = hf_model.state_dict()
     names = set()

@@ -96,7 +96,7 @@ class LLM:
              ) -> list[RequestOutput]:
         """`tools` (OpenAI's function definitions) are rendered by the chat template; the
         output is text (read it with
-        `tokenmill.entrypoints.parsers.tool_calls.get_parser(...).parse`).
+        `tokenmill.entrypoints.parsers.tool_registry.get_parser(...).parse`).
         `chat_template`: a Jinja template in place of the tokenizer's (vLLM's argument).
         An image-text model takes `image_url` content parts (data URLs)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

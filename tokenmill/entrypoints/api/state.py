@@ -17,7 +17,7 @@ from tokenmill.entrypoints.api.lora_tensors import PREFIX as TASK_PREFIX
 from tokenmill.entrypoints.api.lora_tensors import TaskAdapters, task_name
 from tokenmill.entrypoints.api.prompts import PromptEncoder
 from tokenmill.entrypoints.parsers.reasoning import ReasoningParser
-from tokenmill.entrypoints.parsers.tool_calls import get_parser, parser_for_template
+from tokenmill.entrypoints.parsers.tool_registry import get_parser, parser_for_template
 from tokenmill.loading.checkpoint import load_tokenizer
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import Metrics

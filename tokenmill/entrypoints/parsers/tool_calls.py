@@ -1,6 +1,6 @@
-"""Tool-call parsers (`--tool-call-parser`): a model's text -> (content, tool calls), in the
-formats the models are trained on. A parser never raises on model output: text it cannot read
-as tool calls is returned as content.
+"""Tool-call parsers (`--tool-call-parser`; by name: tool_registry.py): a model's text ->
+(content, tool calls), in the formats the models are trained on. A parser never raises on
+model output: text it cannot read as tool calls is returned as content.
 
 - `hermes` (Qwen 2.5 / 3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
   blocks, any number, after optional content.
@@ -320,52 +320,3 @@ class OpenAIParser(ToolParser):
 
         content, calls = harmony.tool_calls(section)
         return [] if content is not None else [ToolCall(n, a) for n, a in calls]
-
-
-def _parsers() -> dict[str, type[ToolParser]]:
-    from tokenmill.entrypoints.parsers.xml_tool_calls import Glm45Parser, Qwen3CoderParser
-
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
-            "deepseek_v3": DeepSeekV3Parser, "pythonic": PythonicParser,
-            "kimi_k2": KimiK2Parser, "granite": GraniteParser,
-            "qwen3_coder": Qwen3CoderParser, "glm45": Glm45Parser, "openai": OpenAIParser}
-
-
-PARSER_NAMES = ("hermes", "llama3_json", "mistral", "deepseek_v3", "pythonic", "kimi_k2",
-                "granite", "qwen3_coder", "glm45", "openai")
-
-
-# What a chat template writes for a tool call, per parser: a template showing exactly one of
-# these gets that parser without --tool-call-parser (pythonic calls have no marker of their
-# own, so they are never guessed).
-TEMPLATE_MARKERS = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
-                    "deepseek_v3": ("tool▁calls▁begin",),
-                    "llama3_json": ("Given the following functions, please respond with a "
-                                    "JSON for a function call",),
-                    "kimi_k2": ("<|tool_calls_section_begin|>",),
-                    "granite": ("<|tool_call|>",),
-                    "qwen3_coder": ("<function=",), "glm45": ("<arg_key>",),
-                    "openai": ("to=functions.",)}
-# formats whose markers include hermes' `<tool_call>`: a template showing theirs is theirs
-_WITHIN_HERMES = ("qwen3_coder", "glm45")
-
-
-def parser_for_template(template: str | dict | None) -> str | None:
-    """The parser a chat template's tool-call format names, when it names exactly one."""
-    if isinstance(template, dict):  # (named templates: "default", "tool_use", ...)
-        template = "\n".join(t for t in template.values() if isinstance(t, str))
-    if not template:
-        return None
-    found = [name for name, markers in TEMPLATE_MARKERS.items()
-             if any(m in template for m in markers)]
-    if "hermes" in found and any(name in found for name in _WITHIN_HERMES):
-        found.remove("hermes")
-    return found[0] if len(found) == 1 else None
-
-
-def get_parser(name: str) -> ToolParser:
-    parsers = _parsers()
-    if name not in parsers:
-        raise ValueError(f"tool-call parser must be one of {', '.join(PARSER_NAMES)}, got "
-                         f"{name!r}.")
-    return parsers[name]()
