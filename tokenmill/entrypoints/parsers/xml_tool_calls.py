@@ -14,6 +14,7 @@ import ast
 import json
 import math
 import re
+from abc import abstractmethod
 from typing import Any
 
 from tokenmill.entrypoints.parsers.tool_calls import ToolCall, ToolParser
@@ -117,8 +118,9 @@ class _SchemaTyped(ToolParser):
         end = section.rfind(self.END)
         return self.parse_section(section[:end + len(self.END)]) if end >= 0 else []
 
+    @abstractmethod
     def _read(self, body: str) -> ToolCall | None:
-        raise NotImplementedError
+        """One call from the text between a `<tool_call>` and its end; None: malformed."""
 
 
 class Qwen3CoderParser(_SchemaTyped):
