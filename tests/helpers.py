@@ -200,30 +200,12 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
             num_nextn_predict_layers=0, tie_word_embeddings=False),
     }
-    classes = {"gemma": tf.GemmaForCausalLM, "phi": tf.PhiForCausalLM,
-               "starcoder2": tf.Starcoder2ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
-               "olmo3": tf.Olmo3ForCausalLM, "granite": tf.GraniteForCausalLM,
-               "granitemoe": tf.GraniteMoeForCausalLM,
-               "granitemoeshared": tf.GraniteMoeSharedForCausalLM, "glm": tf.GlmForCausalLM,
-               "glm4": tf.Glm4ForCausalLM, "glm4_moe": tf.Glm4MoeForCausalLM,
-               "llama4": tf.Llama4ForCausalLM, "gpt_oss": tf.GptOssForCausalLM,
-               "llama4_gguf": tf.Llama4ForCausalLM,
-               "llama": tf.LlamaForCausalLM, "llama_long": tf.LlamaForCausalLM,
-               "llama3": tf.LlamaForCausalLM,
-               "llama_linear": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-               "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-               "phi3": tf.Phi3ForCausalLM, "phi3_longrope": tf.Phi3ForCausalLM,
-               "phi3_partial": tf.Phi3ForCausalLM,
-               "deepseek_v3": tf.DeepseekV3ForCausalLM, "mixtral": tf.MixtralForCausalLM,
-               "deepseek_v3_yarn": tf.DeepseekV3ForCausalLM, "qwen2_yarn": tf.Qwen2ForCausalLM,
-               "deepseek_v2": tf.DeepseekV2ForCausalLM, "gemma2": tf.Gemma2ForCausalLM,
-               "gemma3": tf.Gemma3ForCausalLM,
-               "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}
     config = configs[arch]()
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(0)
-    model = classes[arch](config).to(dtype).eval()
+    # (the class transformers maps the config to, as AutoModelForCausalLM does)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     if arch.startswith(("deepseek_v3", "glm4_moe")):  # routing biases start at zero
         with torch.no_grad():
             for layer in model.model.layers[config.first_k_dense_replace:]:

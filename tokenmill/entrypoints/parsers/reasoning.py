@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.entrypoints.parsers import harmony
+
 
 @dataclass(frozen=True)
 class ReasoningFormat:
@@ -88,8 +90,6 @@ class ReasoningParser:
         """(reasoning, content) of `text`; not `final`: without what may still become a
         tag."""
         if self.harmony:
-            from tokenmill.entrypoints.parsers import harmony
-
             return harmony.split(text, final)
         fmt = self.format
         head = text.lstrip()

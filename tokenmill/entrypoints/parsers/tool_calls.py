@@ -31,6 +31,8 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from tokenmill.entrypoints.parsers import harmony
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -316,7 +318,5 @@ class OpenAIParser(ToolParser):
         return self
 
     def parse_section(self, section: str) -> list[ToolCall]:
-        from tokenmill.entrypoints.parsers import harmony
-
         content, calls = harmony.tool_calls(section)
         return [] if content is not None else [ToolCall(n, a) for n, a in calls]
