@@ -264,13 +264,15 @@ def test_native_empty_inputs_use_the_seed_shape(server):
 def test_http_line_fuzz_keeps_the_server_live(server, raw):
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.sendall(raw)
-        sock.shutdown(socket.SHUT_WR)
         reply = b""
         try:
+            sock.sendall(raw)
+            # The server may answer an over-long line and close (even reset) before the
+            # client finishes: both ends of that race are the server refusing it.
+            sock.shutdown(socket.SHUT_WR)
             while chunk := sock.recv(65536):
                 reply += chunk
-        except (TimeoutError, ConnectionResetError):
+        except OSError:  # timeouts, resets and ENOTCONN alike
             pass
     if reply:
         assert reply.startswith(b"HTTP/1.1 "), reply[:100]
