@@ -60,7 +60,8 @@ def make_spm_tokenizer(path: str):
 
 # families whose biases and norm weights a test randomizes (zeros and ones hide mistakes)
 BIASED = ("gemma", "phi", "starcoder2", "olmo2", "olmo3", "granite",
-          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe", "llama4", "gpt_oss")
+          "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe", "llama4", "gpt_oss",
+          "mamba2", "qwen3_next")
 
 
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
@@ -193,6 +194,18 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                              "original_max_position_embeddings": 64}),
+        # Mamba-2: 8 heads of 16 in 2 groups, state 16, chunks of 8 (a prompt spans several)
+        "mamba2": lambda: tf.Mamba2Config(
+            vocab_size=TINY_VOCAB, hidden_size=64, num_heads=8, head_dim=16, state_size=16,
+            n_groups=2, num_hidden_layers=2, chunk_size=8, eos_token_id=1, bos_token_id=0,
+            pad_token_id=0, initializer_range=0.2, tie_word_embeddings=False),
+        # Qwen3-Next: DeltaNet, DeltaNet, DeltaNet, gated attention; 2 key heads of 16 with
+        # 2 value heads each; 4 experts + a gated shared expert; 25 % rotary
+        "qwen3_next": lambda: tf.Qwen3NextConfig(
+            **{**common, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, tie_word_embeddings=False, pad_token_id=0),
         # GLM-4.5: layer 0 dense, layer 1 8 experts in 2 groups and a shared expert; q/k norm
         "glm4_moe": lambda: tf.Glm4MoeConfig(
             **common, head_dim=32, moe_intermediate_size=32, n_routed_experts=8,
@@ -223,7 +236,7 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                         and "correction" not in name):
                     param.normal_(0, 0.5)
                 elif "norm" in name:
-                    param.normal_(1.0 if arch != "gemma" else 0.0, 0.2)
+                    param.normal_(0.0 if arch in ("gemma", "qwen3_next") else 1.0, 0.2)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)

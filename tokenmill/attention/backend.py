@@ -36,6 +36,9 @@ class AttentionMetadata:
     bidirectional: list[tuple[int, int, int]] = field(default_factory=list)
     # What the backend derives once per step for all layers (set by `AttentionBackend.prepare`).
     backend_data: Any = None
+    # [num_seqs] each sequence's state slot (int64), for the state layers (layers/
+    # state_layer.py); None: the model has none, or a throwaway step (profiling)
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

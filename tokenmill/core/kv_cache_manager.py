@@ -7,6 +7,7 @@ import numpy as np
 from tokenmill.core.block_pool import Block, BlockPool, hash_block_tokens
 from tokenmill.core.int_row import IntRow
 from tokenmill.core.request import Request
+from tokenmill.core.state_slots import StateSlots
 
 
 def cdiv(a: int, b: int) -> int:
@@ -15,12 +16,18 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, num_state_slots: int = 0):
         """`window`: every layer attends only to this many latest positions (Mistral v0.1):
         blocks wholly before a request's window go back to the pool as it moves on (its
-        table keeps their places, as block 0, never read again)."""
+        table keeps their places, as block 0, never read again). `num_state_slots`: a model
+        with state layers (core/state_slots.py) keeps a slot per running request beside its
+        blocks; a state summarizes every token before it, not a block's, so no block is
+        shared (prefix caching is off)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
+        self.states = StateSlots(num_state_slots) if num_state_slots else None
+        if self.states is not None:
+            enable_prefix_caching = False
         self.block_size = block_size
         self.window = window
         self._num_dropped: dict[str, int] = {}
@@ -48,6 +55,10 @@ class KVCacheManager:
         allocations never change it, a sliding window's drops write 0 into it."""
         row = self._rows.get(request_id)
         return _NO_BLOCKS if row is None else row.view()
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's state slot (-1: the model keeps none, or the request holds none)."""
+        return -1 if self.states is None else self.states.get(request_id)
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         bs = self.block_size
@@ -86,7 +97,15 @@ class KVCacheManager:
         """Give the request blocks for `num_new_tokens` more tokens (after any prefix hits),
         and `num_lookahead` slots past them (a proposer's rows).
 
-        Returns False, changing nothing, when the pool is too small right now."""
+        Returns False, changing nothing, when the pool is too small right now (or, with
+        state layers, no state slot is free)."""
+        if self.states is not None and self.states.get(request.request_id) < 0:
+            if not self.states.take(request.request_id):
+                return False
+            if not self.allocate_slots(request, num_new_tokens, computed_blocks, num_lookahead):
+                self.states.free(request.request_id)
+                return False
+            return True
         if not computed_blocks and self.window is None:
             # the common decode: its blocks hold the new token and no block fills up for the
             # prefix cache, so nothing changes (what the full path below would find, faster)
@@ -147,6 +166,8 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(dropped))
 
     def free(self, request: Request) -> None:
+        if self.states is not None:
+            self.states.free(request.request_id)
         blocks = self._blocks.pop(request.request_id, None)
         self._rows.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)

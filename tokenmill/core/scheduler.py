@@ -33,6 +33,7 @@ class ScheduledRequest:
     # asynchronous scheduling: a decode at the position of the token its request's step in
     # flight samples (the runner takes that token on the device)
     output_pending: bool = False
+    state_slot: int = -1  # a model with state layers: the request's slot (core/state_slots.py)
 
     @property
     def end(self) -> int:
@@ -271,7 +272,7 @@ class Scheduler:
                 adapters.add(request.lora_id)
         self.waiting.extendleft(reversed(passed))  # (in their order, ahead of the rest)
 
-        block_row = self.kv_cache.block_row
+        block_row, state_slot = self.kv_cache.block_row, self.kv_cache.state_slot
         for s in scheduled:
             request = s.request
             end = s.end
@@ -280,6 +281,7 @@ class Scheduler:
             request.num_computed_tokens = end
             s.preemptions = request.num_preemptions
             s.block_ids = block_row(request.request_id)
+            s.state_slot = state_slot(request.request_id)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output

@@ -80,7 +80,8 @@ class EngineCore:
             self.shutdown()
             raise
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                       config.enable_prefix_caching, kv_window(self.hf_config))
+                                       config.enable_prefix_caching, kv_window(self.hf_config),
+                                       self.runner.num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage

@@ -89,6 +89,16 @@ CONFIG_BOUNDS = {
     "sliding_window": (0, 1 << 27),
     "kv_lora_rank": (0, 1 << 14),
     "q_lora_rank": (0, 1 << 16),
+    # state layers (Mamba-2, Qwen3-Next's gated DeltaNet): their state is heads x sizes
+    "num_heads": (1, 1 << 14),
+    "state_size": (1, 1 << 12),
+    "n_groups": (1, 1 << 14),
+    "conv_kernel": (1, 64),
+    "linear_conv_kernel_dim": (1, 64),
+    "linear_num_key_heads": (1, 1 << 14),
+    "linear_num_value_heads": (1, 1 << 14),
+    "linear_key_head_dim": (1, 4096),
+    "linear_value_head_dim": (1, 4096),
 }
 
 
@@ -104,7 +114,8 @@ def check_config(config: Any, source: str, required: bool = True) -> None:
     name = os.path.basename(source.rstrip("/")) or source
     for field, (least, most) in CONFIG_BOUNDS.items():
         value = get(field, None)
-        if value is None and required and field in REQUIRED_CONFIG:
+        if (value is None and required and field in REQUIRED_CONFIG
+                and (field, get("model_type", None)) != ("num_attention_heads", "mamba2")):
             raise ModelFileError(f"{name}: config field {field} is missing.")
         if value is None:
             continue

@@ -38,14 +38,27 @@ def longrope_context(hf_config) -> int | None:
     return longrope_length(rope_parameters(hf_config))
 
 
+# the head counts a family's state layers split across tensor-parallel ranks
+STATE_LAYER_HEADS = {"mamba2": ("num_heads", "n_groups"),
+                     "qwen3_next": ("linear_num_key_heads",)}
+
+
+def _state_heads(hf_config) -> dict[str, int]:
+    return {key: getattr(hf_config, key)
+            for key in STATE_LAYER_HEADS.get(getattr(hf_config, "model_type", None), ())}
+
+
 def tensor_parallel_sizes(hf_config) -> list[int]:
     """The tensor-parallel sizes whose ranks can split the model's attention: each takes a
     share of the query heads, and of the key/value heads, or with fewer key/value heads than
-    ranks one of them shared by a whole number of ranks (layers/linear.py's `QKVLinear`)."""
-    heads = hf_config.num_attention_heads
+    ranks one of them shared by a whole number of ranks (layers/linear.py's `QKVLinear`);
+    and a share of each of its state layers' head counts (`STATE_LAYER_HEADS`)."""
+    counts = list(_state_heads(hf_config).values())
+    heads = getattr(hf_config, "num_attention_heads", None) or 1
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    return [n for n in range(1, heads + 1)
-            if heads % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)]
+    return [n for n in range(1, max([heads, *counts]) + 1)
+            if heads % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)
+            and all(count % n == 0 for count in counts)]
 
 
 def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
@@ -54,17 +67,20 @@ def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
     sizes = tensor_parallel_sizes(hf_config)
     tp = config.tensor_parallel_size
     if tp not in sizes:
-        heads = hf_config.num_attention_heads
+        heads = getattr(hf_config, "num_attention_heads", None) or 1
         kv = getattr(hf_config, "num_key_value_heads", None) or heads
+        state = ", ".join(f"{key} {n}" for key, n in _state_heads(hf_config).items())
         raise ValueError(f"tensor parallel size {tp} (--tensor-parallel-size / MP_NUM) must "
                          f"divide the model's attention heads ({heads}; and its {kv} key/value "
-                         f"heads, or be a multiple of them): sizes that can: "
-                         f"{', '.join(map(str, sizes))}.")
+                         f"heads, or be a multiple of them{'; state layers: ' if state else ''}"
+                         f"{state}): sizes that can: {', '.join(map(str, sizes))}.")
 
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     """The longest sequence served: --max-model-len, within what the model's positions allow."""
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if getattr(hf_config, "model_type", None) == "mamba2":  # (no positions: no limit)
+        model_max = max(model_max, config.max_model_len or 0)
     # LongRoPE: transformers rotates with the short factors while a sequence is within the
     # original context and with the long ones past it. One table serves every sequence here:
     # by default the short factors within the original context (transformers' outputs

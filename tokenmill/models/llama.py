@@ -32,6 +32,7 @@ from tokenmill.layers.rotary import (
     rotary_dim,
 )
 from tokenmill.layers.stage_layers import make_layers
+from tokenmill.layers.state_layer import StateLayer
 from tokenmill.models.info import layer_window
 
 
@@ -363,8 +364,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        """This stage's attention layers (all of them without pipeline parallel)."""
-        return [self.model.layers[i].self_attn for i in self.model.stage_layers]
+        """This stage's K/V-caching layers (not its state layers: worker/state_cache.py)."""
+        mixers = (self.model.layers[i].self_attn for i in self.model.stage_layers)
+        return [m for m in mixers if not isinstance(m, StateLayer)]
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
         """Checkpoint tensor name -> (our parameter name, shard index in a merged layer)."""

@@ -19,8 +19,10 @@ from tokenmill.models.gpt_oss import GptOssForCausalLM
 from tokenmill.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama4 import Llama4ForCausalLM
+from tokenmill.models.mamba2 import Mamba2ForCausalLM
 from tokenmill.models.moe import MixtralForCausalLM, qwen_moe_mlp
 from tokenmill.models.olmo import Olmo2ForCausalLM
+from tokenmill.models.qwen3_next import Qwen3NextForCausalLM
 
 # architecture -> (class, extra constructor arguments derived from the HF config)
 _MODELS = {
@@ -57,6 +59,8 @@ _MODELS = {
     "Glm4MoeForCausalLM": (Glm4MoeForCausalLM, lambda c: {}),
     "Llama4ForCausalLM": (Llama4ForCausalLM, lambda c: {}),
     "GptOssForCausalLM": (GptOssForCausalLM, lambda c: {}),
+    "Mamba2ForCausalLM": (Mamba2ForCausalLM, lambda c: {}),
+    "Qwen3NextForCausalLM": (Qwen3NextForCausalLM, lambda c: {}),
 }
 
 

@@ -19,7 +19,7 @@ from tokenmill.distributed.pipeline import PendingLogits
 from tokenmill.loading.checkpoint import load_model
 from tokenmill.platforms import get_platform, resolve_device
 from tokenmill.sample.request_sampling import RequestSampling
-from tokenmill.worker import graph_capture, kv_cache, mm_encoder, step_paths
+from tokenmill.worker import graph_capture, kv_cache, mm_encoder, state_cache, step_paths
 from tokenmill.worker.cpu_decode_step import CpuDecodeStep
 from tokenmill.worker.stage_io import StageIO
 from tokenmill.worker.step_inputs import StepInputs
@@ -102,15 +102,16 @@ class ModelRunner:
             if self.world.is_first_stage:  # (the heads run beside the sampler)
                 heads = draft_heads(spec, self.model, model_path, self.dtype, self.device)
                 layers = layers + [head.block.self_attn for head in heads]  # caches too
-        attn = layers[0]
         self.num_layers = len(layers)
-        values = attn.stores_values  # (MLA: one latent row, no V)
+        values = not layers or layers[0].stores_values  # (MLA: one latent row, no V)
         if not values and self.kv_dtype == torch.int8:
             raise ValueError("An int8 KV cache is not built for DeepSeek's latent attention: "
                              "drop --kv-cache-dtype int8.")
-        self.block_bytes = kv_cache.bytes_per_block(self.num_layers, self.block_size,
-                                                    attn.num_kv_heads, attn.head_dim,
-                                                    self.kv_dtype, values)
+        self.block_bytes = kv_cache.bytes_per_block(
+            self.num_layers, self.block_size, layers[0].num_kv_heads, layers[0].head_dim,
+            self.kv_dtype, values) if layers else 0  # (Mamba-2: blocks only count tokens)
+        # state layers (Mamba-2, gated DeltaNet): a state slot per running request
+        self.num_state_slots = state_cache.build(self.model, config, self.dtype, self.device)
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
         self.lora = None
         if config.enable_lora:
@@ -158,6 +159,8 @@ class ModelRunner:
 
     def _bind_cache(self, num_blocks: int) -> None:
         """A KV cache of `num_blocks` blocks for every attention layer."""
+        if not self._layers:
+            return
         attn = self._layers[0]
         caches = kv_cache.allocate_kv_cache(self.num_layers, num_blocks, self.block_size,
                                             attn.num_kv_heads, attn.head_dim, self.kv_dtype,
@@ -183,6 +186,8 @@ class ModelRunner:
     def _decide_num_blocks(self, max_model_len: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        if not self.block_bytes:  # (no attention layer: every running request's context)
+            return self.config.max_num_seqs * -(-max_model_len // self.block_size)
         profile = None
         if self.world.size == 1:  # (ranks would have to profile in step: not yet)
             profile = functools.partial(self.profile_step, max_model_len)

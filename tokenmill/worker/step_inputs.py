@@ -46,6 +46,9 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     # Gemma 3: (sequence, first position, end) of each image this step computes, whose rows
     # attend to each other both ways (AttentionMetadata.bidirectional)
     bidirectional: list[tuple[int, int, int]] = []
+    # a model with state layers: per sequence its state slot (core/state_slots.py); empty
+    # for a model without
+    state_slots: list[int] = []
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest],
@@ -97,7 +100,8 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
                    list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows, rope,
-                   spans)
+                   spans, [s.state_slot for s in scheduled]
+                   if scheduled and scheduled[0].state_slot >= 0 else [])
 
     @property
     def num_sampled_rows(self) -> int:

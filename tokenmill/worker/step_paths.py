@@ -51,6 +51,8 @@ def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
         num_decodes=leading_decodes(inputs.starts, inputs.ends),
         block_size=block_size,
         bidirectional=[tuple(span) for span in inputs.bidirectional],
+        state_slots=(on_device(inputs.state_slots, torch.int64, device)
+                     if inputs.state_slots else None),
     )
     backend.prepare(meta)
     if len(inputs.rope_positions):  # M-RoPE: the rows' three rotary positions

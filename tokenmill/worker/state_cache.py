@@ -1,0 +1,57 @@
+"""The state layers' tensors (layers/state_layer.py): per layer a convolution state and a
+recurrent state of `num_slots` rows, the slots core/state_slots.py hands out (one per
+running request: `max_num_seqs`). Allocated once beside the paged KV cache; their size
+does not grow with the context."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.layers.state_layer import StateLayer
+
+logger = logging.getLogger(__name__)
+
+
+def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.device) -> int:
+    """The model's state layers' tensors, `max_num_seqs` slots each (an EngineConfig
+    `config`); the slot count (0: the model has none). What state layers do not take is
+    refused here, by name."""
+    layers = state_layers(model)
+    if not layers:
+        return 0
+    for flag, given in (("--speculative-config", config.speculative_config is not None),
+                        ("--enable-lora", config.enable_lora)):
+        if given:  # (a rejected draft would roll the state back; adapters: not built)
+            raise ValueError(f"{flag} is not built for models with state layers (Mamba-2, "
+                             f"Qwen3-Next's linear attention): drop {flag}.")
+    slots = config.max_num_seqs
+    bind_state_cache(layers, slots, dtype, device)
+    logger.info("State cache: %d slots (%.2f GiB) beside the KV cache", slots,
+                slots * bytes_per_slot(layers, dtype) / 2**30)
+    return slots
+
+
+def state_layers(model: nn.Module) -> list[StateLayer]:
+    """This rank's state layers (those of its pipeline stage)."""
+    return [m for m in model.modules() if isinstance(m, StateLayer)]
+
+
+def bytes_per_slot(layers: list[StateLayer], dtype: torch.dtype) -> int:
+    """One slot's bytes over all `layers`: the convolution state in `dtype`, the recurrent
+    state in float32."""
+    width = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(conv) * width + math.prod(ssm) * 4
+               for conv, ssm in (layer.state_shapes() for layer in layers))
+
+
+def bind_state_cache(layers: list[StateLayer], num_slots: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    for layer in layers:
+        conv, ssm = layer.state_shapes()
+        layer.conv_state = torch.zeros(num_slots, *conv, dtype=dtype, device=device)
+        layer.ssm_state = torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device)
