@@ -64,6 +64,10 @@ BIASED = ("gemma", "phi", "starcoder2", "olmo2", "olmo3", "granite",
           "mamba2", "qwen3_next")
 
 
+# families with state layers (Mamba-2, Qwen3-Next's gated DeltaNet): no prefix caching
+STATE = ("mamba2", "qwen3_next")
+
+
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
     """Saves a 2-layer GQA model of `arch` plus a tokenizer into `path`; returns the HF model."""
     import transformers as tf
@@ -237,6 +241,11 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
                     param.normal_(0, 0.5)
                 elif "norm" in name:
                     param.normal_(0.0 if arch in ("gemma", "qwen3_next") else 1.0, 0.2)
+    if arch == "qwen3_next":  # decays of about one per token, not transformers' up to 16:
+        with torch.no_grad():  # float32's chunked delta rule (theirs and ours) then drifts
+            for name, param in model.named_parameters():  # 3e-5 apart in logprobs, not 1e-4
+                if name.endswith("A_log"):
+                    param.normal_(0, 0.5)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     make_tokenizer(path)

@@ -6,7 +6,7 @@ quantization and GGUF files."""
 
 import pytest
 import torch
-from helpers import BIASED, hf_greedy
+from helpers import BIASED, STATE, hf_greedy
 from torch import nn
 
 from tokenmill import LLM, SamplingParams
@@ -110,7 +110,8 @@ def test_chunked_prefill_prefix_hits_and_preemption_match_transformers(tiny_mode
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     tokens, stats = generate(path, prompts, params, max_num_batched_tokens=16,
                              num_kv_blocks=16)
-    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    # (a model with state layers keeps prefix caching off: core/kv_cache_manager.py)
+    assert stats.num_preemptions > 0 and (stats.prefix_hit_tokens > 0) != (arch in STATE)
     assert tokens == [hf_greedy(hf, p, 30) for p in prompts]
 
 

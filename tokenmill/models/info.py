@@ -54,10 +54,10 @@ def tensor_parallel_sizes(hf_config) -> list[int]:
     ranks one of them shared by a whole number of ranks (layers/linear.py's `QKVLinear`);
     and a share of each of its state layers' head counts (`STATE_LAYER_HEADS`)."""
     counts = list(_state_heads(hf_config).values())
-    heads = getattr(hf_config, "num_attention_heads", None) or 1
+    heads = getattr(hf_config, "num_attention_heads", None)  # (Mamba-2: none)
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    return [n for n in range(1, max([heads, *counts]) + 1)
-            if heads % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0)
+    return [n for n in range(1, max([heads or 1, *counts]) + 1)
+            if (heads is None or heads % n == 0 and (kv % n == 0 if n <= kv else n % kv == 0))
             and all(count % n == 0 for count in counts)]
 
 

@@ -24,6 +24,7 @@ from tokenmill.distributed.shm_allreduce import SLOT_FLOATS
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import SparseMoE
+from tokenmill.layers.state_layer import StateLayer
 from tokenmill.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from tokenmill.quantization.linear_kernels import PartsKernel
 
@@ -247,6 +248,8 @@ class CpuDecodeStep:
         if not (isinstance(backend, TorchSDPABackend) and backend.use_compiled_decode):
             return "the attention backend does not use the compiled decode kernel"
         stage = [model.model.layers[i] for i in model.model.stage_layers]
+        if any(isinstance(layer.self_attn, StateLayer) for layer in stage):
+            return "state layers (Mamba-2, gated DeltaNet) run in Python"
         if not all(type(layer) is DecoderLayer for layer in stage):
             return "this decoder layer's norms run in Python"
         if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.router != "softmax"

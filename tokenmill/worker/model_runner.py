@@ -111,7 +111,13 @@ class ModelRunner:
             self.num_layers, self.block_size, layers[0].num_kv_heads, layers[0].head_dim,
             self.kv_dtype, values) if layers else 0  # (Mamba-2: blocks only count tokens)
         # state layers (Mamba-2, gated DeltaNet): a state slot per running request
-        self.num_state_slots = state_cache.build(self.model, config, self.dtype, self.device)
+        budget = self.platform.kv_budget_bytes(config.kv_cache_memory_gib,
+                                               config.gpu_memory_utilization,
+                                               ranks_here=config.ranks_on_machine)
+        self.num_state_slots = self.world.all_reduce_min(state_cache.build(
+            self.model, config, self.dtype, self.device, budget // (2 if layers else 1)))
+        self.state_bytes = sum(t.nbytes for m in state_cache.state_layers(self.model)
+                               for t in (m.conv_state, m.ssm_state))
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)
         self.lora = None
         if config.enable_lora:
@@ -195,6 +201,8 @@ class ModelRunner:
         budget = self.platform.kv_budget_bytes(
             self.config.kv_cache_memory_gib, self.config.gpu_memory_utilization, profile,
             ranks_here=self.config.ranks_on_machine, wanted=full_contexts * self.block_bytes)
+        if self.config.kv_cache_memory_gib is not None or self.device.type == "cpu":
+            budget -= self.state_bytes  # (a measured budget has them counted already)
         num_blocks = kv_cache.num_blocks_for_budget(budget, self.block_bytes)
         if num_blocks < 1:
             raise ValueError("The KV cache budget holds no block: raise kv_cache_memory_gib / "

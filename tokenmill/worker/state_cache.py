@@ -1,7 +1,8 @@
 """The state layers' tensors (layers/state_layer.py): per layer a convolution state and a
 recurrent state of `num_slots` rows, the slots core/state_slots.py hands out (one per
-running request: `max_num_seqs`). Allocated once beside the paged KV cache; their size
-does not grow with the context."""
+running request: `max_num_seqs`, within half the KV budget where the model has attention
+layers too, all of it where not). Allocated once beside the paged KV cache, whose budget
+they come out of; their size does not grow with the context."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from tokenmill.layers.state_layer import StateLayer
 logger = logging.getLogger(__name__)
 
 
-def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.device) -> int:
-    """The model's state layers' tensors, `max_num_seqs` slots each (an EngineConfig
-    `config`); the slot count (0: the model has none). What state layers do not take is
-    refused here, by name."""
+def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.device,
+          budget_bytes: int) -> int:
+    """The model's state layers' tensors (an EngineConfig `config`): a slot for each of
+    `max_num_seqs` requests, as far as `budget_bytes` holds them (at least one: requests
+    past the slots wait, as for blocks); the slot count (0: the model has none). What state
+    layers do not take is refused here, by name."""
     layers = state_layers(model)
     if not layers:
         return 0
@@ -29,10 +32,11 @@ def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.devic
         if given:  # (a rejected draft would roll the state back; adapters: not built)
             raise ValueError(f"{flag} is not built for models with state layers (Mamba-2, "
                              f"Qwen3-Next's linear attention): drop {flag}.")
-    slots = config.max_num_seqs
+    per_slot = bytes_per_slot(layers, dtype)
+    slots = max(1, min(config.max_num_seqs, budget_bytes // per_slot))
     bind_state_cache(layers, slots, dtype, device)
-    logger.info("State cache: %d slots (%.2f GiB) beside the KV cache", slots,
-                slots * bytes_per_slot(layers, dtype) / 2**30)
+    logger.info("State cache: %d slots for up to %d running requests (%.2f GiB) beside the "
+                "KV cache", slots, config.max_num_seqs, slots * per_slot / 2**30)
     return slots
 
 
