@@ -21,7 +21,8 @@ GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
              "deepseek_v3_yarn": "deepseek2", "gemma": "gemma", "phi": "phi2",
              "starcoder2": "starcoder2", "olmo2": "olmo2", "granite": "granite",
              "granitemoe": "granitemoe", "granitemoeshared": "granitemoe", "glm4": "glm4",
-             "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "llama4_gguf": "llama4"}
+             "glm4_moe": "glm4moe", "gpt_oss": "gpt-oss", "llama4_gguf": "llama4",
+             "mamba2": "mamba2", "qwen3_next": "qwen3next"}
 # config fields that must come back as transformers has them
 FIELDS = ["hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
           "vocab_size", "tie_word_embeddings"]
@@ -48,6 +49,11 @@ ARCH_FIELDS = {
                "attention_chunk_size", "head_dim"],
     "gpt-oss": ["num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
                 "head_dim", "attention_bias", "rope_parameters"],
+    "qwen3next": ["linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
+                  "linear_num_value_heads", "linear_value_head_dim", "layer_types",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps"],
     "deepseek2": ["kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
                   "v_head_dim", "first_k_dense_replace", "n_routed_experts",
                   "num_experts_per_tok", "n_shared_experts", "routed_scaling_factor",
@@ -81,7 +87,8 @@ def _write(tmp_path, tiny_models, arch, qtype=None):
                                                    "attn_output.weight", "attn_qkv.weight",
                                                    "ffn_up.weight", "ffn_gate.weight",
                                                    "ffn_down.weight", "attn_q_b.weight",
-                                                   "token_embd.weight"))
+                                                   "token_embd.weight", "ssm_in.weight",
+                                                   "ssm_out.weight", "ssm_ba.weight"))
                else None)
     gguf_loader._reader.cache_clear()
     return path, hf_path, hf
@@ -104,6 +111,13 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
     path, hf_path, hf = _write(tmp_path, tiny_models, arch)
     config = gguf_loader.load_gguf_config(path)
     assert config.architectures == [type(hf).__name__]
+    if arch == "mamba2":  # (no attention: its own sizes)
+        for key in ("hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings",
+                    "expand", "num_heads", "head_dim", "state_size", "n_groups",
+                    "conv_kernel", "use_conv_bias", "use_bias", "layer_norm_epsilon"):
+            assert getattr(config, key) == getattr(hf.config, key), key
+        assert _generate(path, hf_path)[1] == [hf_greedy(hf, p, 10) for p in PROMPTS]
+        return
     for key in FIELDS + ARCH_FIELDS[GGUF_ARCH[arch]]:
         assert getattr(config, key) == getattr(hf.config, key), key
     # (llama.cpp keeps the number of dimensions that rotate)
@@ -129,7 +143,8 @@ def test_float_files_give_transformers_config_and_tokens(tmp_path, tiny_models, 
                                         ("gemma2", "Q5_1"), ("gemma", "Q8_0"), ("phi", "Q8_0"),
                                         ("starcoder2", "Q5_0"), ("granitemoe", "Q8_0"),
                                         ("glm4", "Q4_1"), ("glm4_moe", "Q8_0"),
-                                        ("gpt_oss", "MXFP4"), ("llama4_gguf", "Q8_0")])
+                                        ("gpt_oss", "MXFP4"), ("llama4_gguf", "Q8_0"),
+                                        ("mamba2", "Q8_0"), ("qwen3_next", "Q8_0")])
 def test_blocks_kept_quantized_give_the_expanded_files_tokens(tmp_path, tiny_models,
                                                               monkeypatch, arch, qtype):
     if not csrc.available():

@@ -205,8 +205,39 @@ def _llama4_keys(writer, config):
     return _llama_keys(writer, config)
 
 
+def _ssm_keys(writer, conv: int, state: int, groups: int, heads: int, inner: int) -> None:
+    writer.add_ssm_conv_kernel(conv)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(groups)
+    writer.add_ssm_time_step_rank(heads)
+    writer.add_ssm_inner_size(inner)
+
+
+def _mamba2_keys(writer, config):
+    """Mamba-2: no attention (llama.cpp's converter writes 0 heads and 0 feed-forward, and
+    an arbitrary 2^20 context: there are no positions)."""
+    writer.add_context_length(2 ** 20)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_layer_norm_rms_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    _ssm_keys(writer, config.conv_kernel, config.state_size, config.n_groups,
+              config.num_heads, config.num_heads * config.head_dim)
+
+
+def _qwen3next_keys(writer, config):
+    _ssm_keys(writer, config.linear_conv_kernel_dim, config.linear_key_head_dim,
+              config.linear_num_key_heads, config.linear_num_value_heads,
+              config.linear_num_value_heads * config.linear_value_head_dim)
+    writer.add_full_attention_interval(getattr(config, "full_attention_interval", 4))
+    writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    _rotary_dims(writer, config)
+
+
 ARCH_KEYS = {"llama": _llama_keys, "gemma2": _gemma_keys, "gemma3": _gemma_keys,
              "phi3": _phi3_keys, "deepseek2": _deepseek2_keys, "phi2": _layernorm_keys,
              "starcoder2": _layernorm_keys, "granite": _granite_keys,
              "granitemoe": _granite_keys, "glm4": _rotary_dims, "glm4moe": _glm4moe_keys,
-             "gpt-oss": _gpt_oss_keys, "llama4": _llama4_keys}
+             "gpt-oss": _gpt_oss_keys, "llama4": _llama4_keys, "mamba2": _mamba2_keys,
+             "qwen3next": _qwen3next_keys}

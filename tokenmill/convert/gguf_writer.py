@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.convert.gguf_keys import ARCH_KEYS, head_dim, rope_settings
-from tokenmill.loading import gguf_archs
+from tokenmill.loading import gguf_archs, gguf_state_archs
 from tokenmill.models.moe import mixtral_name
 
 LAYER_MAP = {v: k for k, v in gguf_archs.LAYER_NAMES.items()}
@@ -43,6 +43,36 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
         write_tokenizer(writer, tokenizer, config.vocab_size)
     rope = rope_settings(config)
     writer.add_block_count(config.num_hidden_layers)
+    if arch != "mamba2":  # (no attention: gguf_keys.py writes its keys)
+        _attention_keys(writer, arch, config, rope)
+    extra = ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
+    layer_map = {v: k for k, v in gguf_archs.layer_names(arch).items()}
+    items = [*_tensors(arch, state, config, layer_map), *extra.items()]
+    if outtype is not None:
+        qtype = mixes.plan(outtype, [n for n, w in items if w.ndim >= 2],
+                           getattr(config, "num_local_experts", None)
+                           or getattr(config, "num_experts", None)
+                           or getattr(config, "n_routed_experts", None) or 0).get
+        if mixes.file_type(outtype) is not None:
+            writer.add_file_type(mixes.file_type(outtype))
+    for gname, w in items:
+        kind = qtype(gname) if callable(qtype) else qtype
+        kind = (mixes.fitting(kind, w.shape[-1])
+                if w.ndim >= 2 and not mixes.stays_float(gname) else None)
+        if kind is not None:
+            raw = (_encode(np.ascontiguousarray(w), kind) if blocks is None
+                   else blocks(kind, w.shape))
+            writer.add_tensor(gname, raw, raw_dtype=kind)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _attention_keys(writer, arch, config, rope) -> None:
+    """The keys every attention family's file has."""
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     # (Llama 4: its dense layers' size; its experts' under expert_feed_forward_length)
@@ -65,29 +95,6 @@ def write_gguf(path, arch, state, config, qtype=None, blocks=None, tokenizer=Non
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if getattr(config, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    extra = ARCH_KEYS.get(arch, lambda writer, config: {})(writer, config) or {}
-    layer_map = {v: k for k, v in gguf_archs.layer_names(arch).items()}
-    items = [*_tensors(arch, state, config, layer_map), *extra.items()]
-    if outtype is not None:
-        qtype = mixes.plan(outtype, [n for n, w in items if w.ndim >= 2],
-                           getattr(config, "num_local_experts", None)
-                           or getattr(config, "num_experts", None)
-                           or getattr(config, "n_routed_experts", None) or 0).get
-        if mixes.file_type(outtype) is not None:
-            writer.add_file_type(mixes.file_type(outtype))
-    for gname, w in items:
-        kind = qtype(gname) if callable(qtype) else qtype
-        kind = mixes.fitting(kind, w.shape[-1]) if w.ndim >= 2 else None
-        if kind is not None:
-            raw = (_encode(np.ascontiguousarray(w), kind) if blocks is None
-                   else blocks(kind, w.shape))
-            writer.add_tensor(gname, raw, raw_dtype=kind)
-        else:
-            writer.add_tensor(gname, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def _encode(w: np.ndarray, kind) -> np.ndarray:
@@ -123,12 +130,16 @@ def _tensors(arch, state, config, layer_map):
         w = tensor.float().numpy()
         if arch in gguf_archs.NORMS_PLUS_ONE and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's Gemma norms hold 1 + w
+
         if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
             yield f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight", w
             continue
         if name.endswith(("gate_exps_bias", "up_exps_bias", "down_exps_bias")):
             kind = name.rsplit(".", 1)[1].removesuffix("_bias")
             yield f"blk.{name.split('.')[2]}.ffn_{kind}.bias", w
+            continue
+        if arch in gguf_state_archs.ARCHITECTURES:
+            yield from _state_tensor(arch, name, w, config, layer_map)
             continue
         if not name.startswith("model.layers."):
             yield {v: k for k, v in gguf_archs.global_names(arch).items()}[name], w
@@ -146,6 +157,23 @@ def _tensors(arch, state, config, layer_map):
         elif arch in gguf_archs.PERMUTED_QK and rest.startswith("self_attn.k_proj"):
             w = llama_cpp_permute(w, config.num_key_value_heads)
         yield f"blk.{layer}.{layer_map[rest]}", w
+
+
+def _state_tensor(arch, name, w, config, layer_map):
+    """A tensor of Mamba-2 or Qwen3-Next as llama.cpp's converter writes it
+    (loading/gguf_state_archs.py); their experts go the common way above."""
+    globals_ = {v: k for k, v in gguf_archs.global_names(arch).items()}
+    w = gguf_state_archs.to_gguf(arch, name, w, config)
+    if name in globals_:
+        yield globals_[name], w
+        return
+    layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
+    if rest == "linear_attn.in_proj_qkvz.weight":
+        qkv, z = gguf_state_archs.split_qkvz(w, config)
+        yield f"blk.{layer}.attn_qkv.weight", qkv
+        yield f"blk.{layer}.attn_gate.weight", z
+        return
+    yield f"blk.{layer}.{layer_map[rest]}", w
 
 
 def _gpt_oss_experts(state: dict) -> dict:

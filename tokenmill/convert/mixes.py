@@ -20,6 +20,14 @@ MIXES = ("q4_k_m", "q5_k_m")
 FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
 
+def stays_float(name: str) -> bool:
+    """Tensors llama.cpp's converter keeps in float32 whatever the outtype: those not named
+    `.weight` (Mamba's A and D), norms (Mamba-2's is 2-D) and the state layers'
+    convolutions (ggml's ssm_conv reads float32 only)."""
+    return not name.endswith(".weight") or name.endswith(("_norm.weight",
+                                                          "ssm_conv1d.weight"))
+
+
 def fitting(kind, cols: int):
     """`kind`, or llama.cpp's fallback for rows of `cols` values, or None (stays float)."""
     while kind is not None and cols % gguf.GGML_QUANT_SIZES[kind][0]:

@@ -99,9 +99,9 @@ class GatedDeltaNet(StateLayer):
         key_dim, value_dim = k_heads * self.k_dim, v_heads * self.v_dim
         self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * key_dim + 2 * value_dim)
         self.in_proj_ba = ColumnParallelLinear(hidden, 2 * v_heads)
-        self.kernel = config.linear_conv_kernel_dim
+        self.conv_width = config.linear_conv_kernel_dim
         self.conv_dim = (2 * key_dim + value_dim) // tp.size
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel),
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_width),
                                         requires_grad=False)
         self.conv_weight.weight_loader = sectioned_loader([key_dim, key_dim, value_dim])
         self.conv_bias = None
@@ -113,7 +113,7 @@ class GatedDeltaNet(StateLayer):
         self.out_proj = RowParallelLinear(value_dim, hidden)
 
     def state_shapes(self):
-        return (self.conv_dim, self.kernel - 1), (self.v_heads, self.k_dim, self.v_dim)
+        return (self.conv_dim, self.conv_width - 1), (self.v_heads, self.k_dim, self.v_dim)
 
     def mix(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, kd, vd, r = x.shape[0], self.k_dim, self.v_dim, self.ratio

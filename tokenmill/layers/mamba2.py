@@ -92,8 +92,8 @@ class Mamba2Mixer(StateLayer):
                                              heads], bool(config.use_bias))
         sections = [inner, group_channels, group_channels]
         self.conv_dim = self.inner + 2 * self.num_groups * self.state_size
-        self.kernel = config.conv_kernel
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.kernel),
+        self.conv_width = config.conv_kernel
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_width),
                                         requires_grad=False)
         self.conv_weight.weight_loader = sectioned_loader(sections)
         self.conv_bias = None
@@ -112,7 +112,7 @@ class Mamba2Mixer(StateLayer):
         self.dt_limit = tuple(config.time_step_limit)
 
     def state_shapes(self):
-        return ((self.conv_dim, self.kernel - 1),
+        return ((self.conv_dim, self.conv_width - 1),
                 (self.num_heads, self.head_dim, self.state_size))
 
     def mix(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

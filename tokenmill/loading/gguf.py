@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill import heap
-from tokenmill.loading import gguf_archs
+from tokenmill.loading import gguf_archs, gguf_state_archs
 from tokenmill.loading.file_checks import ModelFileError, check_gguf
 from tokenmill.loading.gguf_archs import ARCHITECTURES, EXPERT_NAMES, PERMUTED_QK
 
@@ -116,11 +116,19 @@ def _config_of(reader: Any, arch: str) -> Any:
         if value is None and default is None and key in _REQUIRED:
             raise ModelFileError(f"the GGUF metadata has no {arch}.{key}.")
         return value
-    heads = int(get("attention.head_count", None))
-    hidden = int(get("embedding_length", None))
     vocab = get("vocab_size", None)
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    ids = {key: _field(reader, f"tokenizer.ggml.{name}_token_id")
+           for key, name in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
+                             ("pad_token_id", "padding"))}
+    if arch == "mamba2":  # (no attention: llama.cpp's head counts are 0)
+        return transformers.Mamba2Config(
+            architectures=[hf_arch], vocab_size=int(vocab), dtype="float32",
+            layer_norm_epsilon=gguf_archs.decimal(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            **gguf_state_archs.mamba2_config(get, tensor_names), **ids)
+    heads = int(get("attention.head_count", None))
+    hidden = int(get("embedding_length", None))
     # layers after the decoder's (multi-token prediction) are not read
     layers = int(get("block_count", None)) - int(get("nextn_predict_layers", 0) or 0)
     kwargs: dict[str, Any] = dict(
@@ -135,10 +143,7 @@ def _config_of(reader: Any, arch: str) -> Any:
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=gguf_archs.decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-        dtype="float32",
+        dtype="float32", **ids,
     )
     rope: dict[str, Any] = {"rope_type": "default",
                             "rope_theta": float(get("rope.freq_base", 10000.0))}
@@ -229,6 +234,7 @@ def _weights(reader: Any, arch: str, config: Any, keep_quantized: bool
     from gguf.quants import dequantize
 
     names, global_names = gguf_archs.layer_names(arch), gguf_archs.global_names(arch)
+    prefix = gguf_state_archs.LAYER_PREFIX.get(arch, "model.layers.{}.")
     kv_b_parts: dict[tuple[int, str], np.ndarray] = {}
     for tensor in reader.tensors:
         # (once per file tensor, not per weight: a layer's experts are one tensor; what
@@ -254,9 +260,17 @@ def _weights(reader: Any, arch: str, config: Any, keep_quantized: bool
                            torch.from_numpy(np.ascontiguousarray(gguf_archs.join_kv_b(
                                k_b, v_b, config.num_attention_heads, config.kv_lora_rank))))
                 continue
+            if arch == "qwen3next" and rest in gguf_state_archs.QKVZ_PARTS:  # in_proj_qkvz
+                kv_b_parts[int(layer), rest] = _float(tensor)
+                keys = [(int(layer), part) for part in gguf_state_archs.QKVZ_PARTS]
+                if all(key in kv_b_parts for key in keys):
+                    qkv, z = (kv_b_parts.pop(key) for key in keys)
+                    yield (prefix.format(int(layer)) + "linear_attn.in_proj_qkvz.weight",
+                           torch.from_numpy(gguf_state_archs.join_qkvz(qkv, z, config)))
+                continue
             if rest not in names:
                 raise ValueError(f"Unexpected GGUF tensor {name!r}.")
-            hf_name = f"model.layers.{int(layer)}.{names[rest]}"
+            hf_name = prefix.format(int(layer)) + names[rest]
         else:
             logger.debug("skipping GGUF tensor %s", name)
             continue
@@ -282,11 +296,13 @@ def _weights(reader: Any, arch: str, config: Any, keep_quantized: bool
             weight = _unpermute_qk(weight, config.num_key_value_heads)
         elif arch in gguf_archs.NORMS_PLUS_ONE and hf_name.endswith("norm.weight"):
             weight = weight - 1.0  # HF's w (the model adds the 1 back, as for HF files)
+        elif arch in gguf_state_archs.ARCHITECTURES:
+            weight = gguf_state_archs.from_gguf(arch, hf_name, weight)
         # Copy: F32 tensors are read-only views of the memory-mapped file.
         yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32, order="C"))
     if kv_b_parts:
-        raise ValueError(f"GGUF file has attn_k_b / attn_v_b halves without their other "
-                         f"half: {sorted(kv_b_parts)}.")
+        raise ValueError(f"GGUF file has attn_k_b / attn_v_b (or attn_qkv / attn_gate) "
+                         f"halves without their other half: {sorted(kv_b_parts)}.")
 
 
 def _float(tensor: Any) -> np.ndarray:

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.loading import gguf_state_archs
+
 # GGUF architecture -> (HF architecture, transformers config class name)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig"),
@@ -33,6 +35,7 @@ ARCHITECTURES = {
     "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
     "gpt-oss": ("GptOssForCausalLM", "GptOssConfig"),
     "llama4": ("Llama4ForCausalLM", "Llama4TextConfig"),
+    **gguf_state_archs.ARCHITECTURES,  # (Mamba-2, Qwen3-Next)
 }
 # llama.cpp stores Q and K rows of these architectures interleaved for its rope kernel.
 PERMUTED_QK = {"llama", "mistral", "granite", "granitemoe"}
@@ -151,11 +154,13 @@ def decimal(value: float) -> float:
 
 
 def layer_names(arch: str) -> dict[str, str]:
-    return {**LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    return {**LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {}),
+            **gguf_state_archs.LAYER_NAMES.get(arch, {})}
 
 
 def global_names(arch: str) -> dict[str, str]:
-    return {**GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(arch, {})}
+    return {**GLOBAL_NAMES, **_ARCH_GLOBAL_NAMES.get(arch, {}),
+            **gguf_state_archs.GLOBAL_NAMES.get(arch, {})}
 
 
 def join_kv_b(k_b: np.ndarray, v_b: np.ndarray, heads: int, rank: int) -> np.ndarray:
@@ -276,6 +281,8 @@ def _llama4(get, tensor_names: set[str], kwargs: dict, rope: dict) -> None:
 _FAMILIES = {"phi2": _layernorm, "starcoder2": _layernorm, "granite": _granite,
              "granitemoe": _granite, "glm4": _glm4, "glm4moe": _glm4, "gpt-oss": _gpt_oss,
              "llama4": _llama4,
+             "qwen3next": lambda get, names, kwargs, rope: gguf_state_archs.qwen3next_config(
+                 get, kwargs, rope),
              "gemma": lambda get, names, kwargs, rope: kwargs.update(
                  hidden_act="gelu_pytorch_tanh")}
 
