@@ -3,7 +3,7 @@
 alone and batched (no state leaks between slots), refusals that name what is not built."""
 
 import pytest
-from helpers import STATE
+from helpers import STATE, hf_greedy
 
 from tokenmill import LLM, SamplingParams
 
@@ -37,3 +37,15 @@ def test_what_state_layers_do_not_take_is_refused_by_name(tiny_models, engine, n
     path, _ = tiny_models("mamba2")
     with pytest.raises(ValueError, match=named):
         LLM(path, kv_cache_memory_gib=0.01, **engine)
+
+
+def test_mamba2_serves_past_the_default_context(tiny_models):
+    """No positions: a --max-model-len past 2048 is taken (a Llama's is refused past its
+    max_position_embeddings), and a prompt longer than 2048 runs in chunks."""
+    path, hf = tiny_models("mamba2")
+    prompt = [5 + i % 400 for i in range(2100)]
+    with LLM(path, kv_cache_memory_gib=0.01, max_model_len=4096,
+             max_num_batched_tokens=1024) as llm:
+        (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 3)
