@@ -269,6 +269,21 @@ def test_quantize_tool_round_trip(tmp_path, tiny_models, baseline, method, extra
         LLM(out, quantization="int4" if method != "int4" else "int8")
 
 
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "qwen3_next", "mamba2"])
+def test_quantized_checkpoints_of_other_families_serve_as_quantizing_at_load(tmp_path,
+                                                                           tiny_models, arch):
+    """(1 + w) norms (Gemma, Qwen3-Next) are stored as the checkpoint's w (they were stored
+    as 1 + w and read back as 2 + w); state layers' convolutions and vectors stay float."""
+    src = tiny_models(arch)[0]
+    out = str(tmp_path / "out")
+    assert cli(["quantize", "--model", src, "--out", out, "--method", "int8"]) == 0
+    llm, tokens, logprobs = run(out)
+    llm.shutdown()
+    llm, load_tokens, load_logprobs = run(src, quantization="int8")
+    llm.shutdown()
+    assert load_tokens == tokens and max_logprob_gap(load_logprobs, logprobs) < 1e-5
+
+
 def test_quantize_tool_errors_are_clear(tmp_path, tiny_models, capsys):
     src = tiny_models("llama")[0]
     assert cli(["quantize", "--model", src, "--out", str(tmp_path / "x"),

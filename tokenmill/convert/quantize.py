@@ -116,7 +116,8 @@ def run(argv: list[str]) -> int:
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path)
     model = load_model(path, hf_config, torch.float32, torch.device("cpu"),
-                       hf_config.max_position_embeddings, float_weights=True)
+                       getattr(hf_config, "max_position_embeddings", None) or 2048,
+                       float_weights=True)  # (Mamba-2: no positions)
     stats = None
     if args.calib_data is not None:
         if config.method in ("int8", "int4"):

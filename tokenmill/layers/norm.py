@@ -15,6 +15,10 @@ from tokenmill.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
+    # what a checkpoint's weight is short of ours (Gemma's (1 + w) norms hold 1 + w: 1.0);
+    # a checkpoint tokenmill writes stores the checkpoint's value
+    checkpoint_offset = 0.0
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps

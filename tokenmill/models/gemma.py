@@ -25,6 +25,8 @@ class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + w): the checkpoint's w is stored here as 1 + w (the same float32
     product transformers takes)."""
 
+    checkpoint_offset = 1.0
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
         self.weight.weight_loader = lambda param, loaded: default_weight_loader(

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from tokenmill.config.quantization import QuantConfig
 from tokenmill.layers.linear import DenseKernel, Linear, MergedLinear, materialized, whole
+from tokenmill.layers.norm import RMSNorm
 from tokenmill.quantization.activation_kernels import A8W8Kernel, Fp8Kernel
 from tokenmill.quantization.calibration import ActivationStats
 from tokenmill.quantization.fp8_blocks import Fp8BlockKernel
@@ -298,6 +299,8 @@ def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, Linear) and isinstance(module.kernel, QuantizedKernel):
             for leaf, tensor in module.kernel.tensors.items():
                 state[f"{name}.{leaf}"] = tensor.contiguous()
+        elif isinstance(module, RMSNorm) and module.checkpoint_offset:  # (read back as the
+            state[f"{name}.weight"] = module.weight.detach() - module.checkpoint_offset  # HF w)
     return state
 
 
