@@ -84,7 +84,7 @@ def save_checkpoint(model: torch.nn.Module, hf_config: Any, tokenizer: Any, out:
     from tokenmill.quantization.model import quantized_state_dict
 
     os.makedirs(out, exist_ok=True)
-    state = quantized_state_dict(model)
+    state = quantized_state_dict(model, checkpoint_norms=True)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     hf_config.quantization_config = config.to_json()
     hf_config.save_pretrained(out)

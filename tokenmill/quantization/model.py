@@ -286,9 +286,12 @@ def split_checkpoint(weights: Iterable[tuple[str, object]], target_of,
         yield name, tensor
 
 
-def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def quantized_state_dict(model: nn.Module,
+                         checkpoint_norms: bool = False) -> dict[str, torch.Tensor]:
     """Everything a quantized checkpoint stores, under the model's own parameter names:
-    quantized layers as their kernel tensors, the rest as parameters (tied ones once)."""
+    quantized layers as their kernel tensors, the rest as parameters (tied ones once);
+    `checkpoint_norms`: norms as the checkpoint holds them (a file read back through the
+    weight loaders; a pre-sharded rank file is copied in as it is)."""
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, param in model.named_parameters():
@@ -299,8 +302,8 @@ def quantized_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, Linear) and isinstance(module.kernel, QuantizedKernel):
             for leaf, tensor in module.kernel.tensors.items():
                 state[f"{name}.{leaf}"] = tensor.contiguous()
-        elif isinstance(module, RMSNorm) and module.checkpoint_offset:  # (read back as the
-            state[f"{name}.weight"] = module.weight.detach() - module.checkpoint_offset  # HF w)
+        elif checkpoint_norms and isinstance(module, RMSNorm) and module.checkpoint_offset:
+            state[f"{name}.weight"] = module.weight.detach() - module.checkpoint_offset
     return state
 
 
