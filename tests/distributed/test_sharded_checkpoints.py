@@ -149,3 +149,13 @@ def test_wrong_layout_missing_file_and_foreign_tensor_are_named(tp2, tmp_path, c
     assert "--dtype" in capsys.readouterr().err  # (a GGUF type means nothing for shards)
     assert cli(["convert", src, str(tmp_path / "x.gguf"), "--dtype", "bfloat16"]) == 2
     assert "--tp-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["gemma", "qwen3_next", "mamba2"])
+def test_families_with_their_own_layouts_shard_alike(tiny_models, tmp_path, arch):
+    """(1 + w) norms kept as the parameters hold them; the state layers' convolutions and
+    per-head vectors split by their sections (x | B | C, q | k | v)."""
+    src = tiny_models(arch)[0]
+    out = str(tmp_path / "tp2")
+    assert cli(["convert", src, out, "--tp-size", "2"]) == 0
+    assert _tokens(out, tensor_parallel_size=2) == _tokens(src)
