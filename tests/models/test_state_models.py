@@ -3,7 +3,7 @@
 alone and batched (no state leaks between slots), refusals that name what is not built."""
 
 import pytest
-from helpers import STATE, hf_greedy
+from helpers import STATE, hf_greedy, make_model
 
 from tokenmill import LLM, SamplingParams
 
@@ -49,3 +49,16 @@ def test_mamba2_serves_past_the_default_context(tiny_models):
         (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
             temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 3)
+
+
+def test_a_pipeline_stage_without_state_layers_agrees_on_the_slots(tmp_path):
+    """Qwen3-Next's layers as DeltaNet, DeltaNet, attention, attention over two stages: the
+    second holds no state layer, and the first's slots are still handed out."""
+    path = str(tmp_path / "m")
+    hf = make_model(path, "qwen3_next", layer_types=["linear_attention"] * 2
+                    + ["full_attention"] * 2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(path, kv_cache_memory_gib=0.01, pipeline_parallel_size=2) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert llm.engine.core.kv_cache.states is not None
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in PROMPTS]

@@ -111,11 +111,11 @@ class ModelRunner:
             self.num_layers, self.block_size, layers[0].num_kv_heads, layers[0].head_dim,
             self.kv_dtype, values) if layers else 0  # (Mamba-2: blocks only count tokens)
         # state layers (Mamba-2, gated DeltaNet): a state slot per running request
-        budget = self.platform.kv_budget_bytes(config.kv_cache_memory_gib,
-                                               config.gpu_memory_utilization,
-                                               ranks_here=config.ranks_on_machine)
-        self.num_state_slots = self.world.all_reduce_min(state_cache.build(
-            self.model, config, self.dtype, self.device, budget // (2 if layers else 1)))
+        self.num_state_slots = state_cache.build(
+            self.model, config, self.dtype, self.device, self.world,
+            lambda: self.platform.kv_budget_bytes(
+                config.kv_cache_memory_gib, config.gpu_memory_utilization,
+                ranks_here=config.ranks_on_machine) // (2 if layers else 1))
         self.state_bytes = sum(t.nbytes for m in state_cache.state_layers(self.model)
                                for t in (m.conv_state, m.ssm_state))
         self.heads = self.decode_step = self.graphs = self.pieces = None  # (set below)

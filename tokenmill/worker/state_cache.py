@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,25 +20,30 @@ logger = logging.getLogger(__name__)
 
 
 def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.device,
-          budget_bytes: int) -> int:
+          world: Any, budget_bytes: Callable[[], int]) -> int:
     """The model's state layers' tensors (an EngineConfig `config`): a slot for each of
-    `max_num_seqs` requests, as far as `budget_bytes` holds them (at least one: requests
-    past the slots wait, as for blocks); the slot count (0: the model has none). What state
+    `max_num_seqs` requests, as far as `budget_bytes()` holds them (at least one: requests
+    past the slots wait, as for blocks); the slot count every rank of `world` agrees on (a
+    pipeline stage without state layers counts them too; 0: no rank has any). What state
     layers do not take is refused here, by name."""
     layers = state_layers(model)
-    if not layers:
+    slots = 0
+    if layers:
+        for flag, given in (("--speculative-config", config.speculative_config is not None),
+                            ("--enable-lora", config.enable_lora)):
+            if given:  # (a rejected draft would roll the state back; adapters: not built)
+                raise ValueError(f"{flag} is not built for models with state layers "
+                                 f"(Mamba-2, Qwen3-Next's linear attention): drop {flag}.")
+        per_slot = bytes_per_slot(layers, dtype)
+        slots = max(1, min(config.max_num_seqs, budget_bytes() // per_slot))
+        bind_state_cache(layers, slots, dtype, device)
+        logger.info("State cache: %d slots for up to %d running requests (%.2f GiB) beside "
+                    "the KV cache", slots, config.max_num_seqs, slots * per_slot / 2**30)
+    if world.size == 1:
+        return slots
+    if world.all_reduce_min(0 if layers else 1):  # (no rank has state layers)
         return 0
-    for flag, given in (("--speculative-config", config.speculative_config is not None),
-                        ("--enable-lora", config.enable_lora)):
-        if given:  # (a rejected draft would roll the state back; adapters: not built)
-            raise ValueError(f"{flag} is not built for models with state layers (Mamba-2, "
-                             f"Qwen3-Next's linear attention): drop {flag}.")
-    per_slot = bytes_per_slot(layers, dtype)
-    slots = max(1, min(config.max_num_seqs, budget_bytes // per_slot))
-    bind_state_cache(layers, slots, dtype, device)
-    logger.info("State cache: %d slots for up to %d running requests (%.2f GiB) beside the "
-                "KV cache", slots, config.max_num_seqs, slots * per_slot / 2**30)
-    return slots
+    return world.all_reduce_min(slots if layers else config.max_num_seqs)
 
 
 def state_layers(model: nn.Module) -> list[StateLayer]:
