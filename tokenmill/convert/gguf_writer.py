@@ -130,7 +130,6 @@ def _tensors(arch, state, config, layer_map):
         w = tensor.float().numpy()
         if arch in gguf_archs.NORMS_PLUS_ONE and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's Gemma norms hold 1 + w
-
         if name.endswith(("gate_exps", "up_exps", "down_exps")):  # every expert in one
             yield f"blk.{name.split('.')[2]}.ffn_{name.rsplit('.', 1)[1]}.weight", w
             continue
