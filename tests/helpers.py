@@ -61,11 +61,11 @@ def make_spm_tokenizer(path: str):
 # families whose biases and norm weights a test randomizes (zeros and ones hide mistakes)
 BIASED = ("gemma", "phi", "starcoder2", "olmo2", "olmo3", "granite",
           "granitemoe", "granitemoeshared", "glm", "glm4", "glm4_moe", "llama4", "gpt_oss",
-          "mamba2", "qwen3_next")
+          "mamba2", "qwen3_next", "granitemoehybrid")
 
 
 # families with state layers (Mamba-2, Qwen3-Next's gated DeltaNet): no prefix caching
-STATE = ("mamba2", "qwen3_next")
+STATE = ("mamba2", "qwen3_next", "granitemoehybrid")
 
 
 def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides):
@@ -210,6 +210,15 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, tie_word_embeddings=False, pad_token_id=0),
+        # Granite 4 (-H): Mamba-2, attention (no rotary), Mamba-2, Mamba-2; 4 experts beside
+        # the shared MLP; multipliers
+        "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
+            **{**common, "num_hidden_layers": 4, "intermediate_size": 32},
+            layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8,
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+            embedding_multiplier=1.5, attention_multiplier=0.2, residual_multiplier=0.7,
+            logits_scaling=2.0, pad_token_id=0, tie_word_embeddings=False),
         # GLM-4.5: layer 0 dense, layer 1 8 experts in 2 groups and a shared expert; q/k norm
         "glm4_moe": lambda: tf.Glm4MoeConfig(
             **common, head_dim=32, moe_intermediate_size=32, n_routed_experts=8,

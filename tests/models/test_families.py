@@ -86,16 +86,16 @@ def test_variants_match_transformers(tmp_path, arch, overrides, engine):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in PROMPTS]
 
 
-def test_granite_hybrid_is_refused_by_name(tmp_path):
-    """Granite 4 (Mamba-2 layers among attention ones) is not served: the error names it."""
-    import json
-
-    make_model(str(tmp_path), "granite")
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["architectures"] = ["GraniteMoeHybridForCausalLM"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM"):
-        LLM(str(tmp_path), kv_cache_memory_gib=0.01)
+@pytest.mark.parametrize("overrides", [
+    {"num_local_experts": 0},  # (the shared MLP alone: read as the layer's MLP)
+    {"position_embedding_type": "rope"},  # (its attention layers rotate)
+])
+def test_granite_hybrid_variants_match_transformers(tmp_path, overrides):
+    hf = make_model(str(tmp_path), "granitemoehybrid", **overrides)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path), kv_cache_memory_gib=0.01) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in PROMPTS]
 
 
 def test_llama4_image_text_checkpoint_serves_its_language_model(tmp_path):

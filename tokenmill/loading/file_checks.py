@@ -99,6 +99,10 @@ CONFIG_BOUNDS = {
     "linear_num_value_heads": (1, 1 << 14),
     "linear_key_head_dim": (1, 4096),
     "linear_value_head_dim": (1, 4096),
+    "mamba_n_heads": (1, 1 << 14),
+    "mamba_n_groups": (1, 1 << 14),
+    "mamba_d_state": (1, 1 << 12),
+    "mamba_d_conv": (1, 64),
 }
 
 

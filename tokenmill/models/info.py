@@ -40,7 +40,8 @@ def longrope_context(hf_config) -> int | None:
 
 # the head counts a family's state layers split across tensor-parallel ranks
 STATE_LAYER_HEADS = {"mamba2": ("num_heads", "n_groups"),
-                     "qwen3_next": ("linear_num_key_heads",)}
+                     "qwen3_next": ("linear_num_key_heads",),
+                     "granitemoehybrid": ("mamba_n_heads", "mamba_n_groups")}
 
 
 def _state_heads(hf_config) -> dict[str, int]:

@@ -25,6 +25,7 @@ from tokenmill.layers.norm import L2Norm
 from tokenmill.layers.rotary import StepRotary
 from tokenmill.models.llama import MLP, Attention, LlamaForCausalLM
 from tokenmill.models.moe import split_stacked_experts, stacked_experts
+from tokenmill.models.nope_attention import NoRopeAttention
 from tokenmill.models.vision.encoder import text_name
 
 # a Llama4ForConditionalGeneration checkpoint's image side
@@ -35,7 +36,7 @@ STACKED = {".feed_forward.experts.gate_up_proj": ("gate_up_proj.weight", True),
            ".feed_forward.experts.down_proj": ("down_proj.weight", True)}
 
 
-class Llama4Attention(Attention):
+class Llama4Attention(NoRopeAttention):
     def __init__(self, config: Any, layer: int) -> None:
         rotates = bool(config.no_rope_layers[layer])
         super().__init__(config, bool(getattr(config, "attention_bias", False)), False,
@@ -51,15 +52,12 @@ class Llama4Attention(Attention):
     def rotate_and_write(self, rope: StepRotary, qkv: torch.Tensor, v: torch.Tensor,
                          meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rotates:
-            return super().rotate_and_write(rope, qkv, v, meta)
-        t = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(t, self.num_heads, -1)
-        k = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, -1)
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return Attention.rotate_and_write(self, rope, qkv, v, meta)
+        q, k = super().rotate_and_write(rope, qkv, v, meta)
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             scales = torch.log1p(torch.floor((rope.positions.float() + 1.0) / floor_scale))
-            q = (q * (scales * attn_scale + 1.0).view(t, 1, 1)).to(q.dtype)
+            q = (q * (scales * attn_scale + 1.0).view(-1, 1, 1)).to(q.dtype)
         return q, k
 
 

@@ -16,7 +16,11 @@ from tokenmill.models.gemma import (
 from tokenmill.models.glm import Glm4ForCausalLM, Glm4MoeForCausalLM, GlmForCausalLM
 from tokenmill.models.gpt import PhiForCausalLM, Starcoder2ForCausalLM
 from tokenmill.models.gpt_oss import GptOssForCausalLM
-from tokenmill.models.granite import GraniteForCausalLM, GraniteMoeForCausalLM
+from tokenmill.models.granite import (
+    GraniteForCausalLM,
+    GraniteMoeForCausalLM,
+    GraniteMoeHybridForCausalLM,
+)
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.llama4 import Llama4ForCausalLM
 from tokenmill.models.mamba2 import Mamba2ForCausalLM
@@ -61,6 +65,7 @@ _MODELS = {
     "GptOssForCausalLM": (GptOssForCausalLM, lambda c: {}),
     "Mamba2ForCausalLM": (Mamba2ForCausalLM, lambda c: {}),
     "Qwen3NextForCausalLM": (Qwen3NextForCausalLM, lambda c: {}),
+    "GraniteMoeHybridForCausalLM": (GraniteMoeHybridForCausalLM, lambda c: {}),
 }
 
 
