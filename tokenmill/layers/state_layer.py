@@ -99,8 +99,9 @@ class StateLayer(HostSync, nn.Module):
                     torch.zeros(n, *ssm_shape, dtype=torch.float32, device=device))
         slots = meta.state_slots[first:end]
         conv, ssm = self.conv_state.index_select(0, slots), self.ssm_state.index_select(0, slots)
-        fresh = [i for i in range(n) if meta.context_lens[first + i] == 0]
-        if fresh:
+        lens = meta.context_lens[first:end]
+        if 0 in lens:  # (a C-level scan: steady decoding has none)
+            fresh = [i for i, length in enumerate(lens) if length == 0]
             conv[fresh] = 0
             ssm[fresh] = 0
         return conv.to(dtype), ssm
