@@ -126,6 +126,7 @@ def _tensors(arch, state, config, layer_map):
         state[name.replace("gate_up_proj", "up_exps")] = up
     for name in [n for n in state if n.endswith("mlp.experts.down_proj")]:
         state[name.replace("down_proj", "down_exps")] = state.pop(name)
+    globals_ = {v: k for k, v in gguf_archs.global_names(arch).items()}
     for name, tensor in state.items():
         w = tensor.float().numpy()
         if arch in gguf_archs.NORMS_PLUS_ONE and name.endswith("norm.weight"):
@@ -138,10 +139,10 @@ def _tensors(arch, state, config, layer_map):
             yield f"blk.{name.split('.')[2]}.ffn_{kind}.bias", w
             continue
         if arch in gguf_state_archs.ARCHITECTURES:
-            yield from _state_tensor(arch, name, w, config, layer_map)
+            yield from _state_tensor(arch, name, w, config, layer_map, globals_)
             continue
         if not name.startswith("model.layers."):
-            yield {v: k for k, v in gguf_archs.global_names(arch).items()}[name], w
+            yield globals_[name], w
             continue
         layer, rest = name.split(".", 3)[2], name.split(".", 3)[3]
         rest = rest.replace(".shared_experts.", ".shared_expert.")
@@ -158,10 +159,9 @@ def _tensors(arch, state, config, layer_map):
         yield f"blk.{layer}.{layer_map[rest]}", w
 
 
-def _state_tensor(arch, name, w, config, layer_map):
+def _state_tensor(arch, name, w, config, layer_map, globals_):
     """A tensor of Mamba-2 or Qwen3-Next as llama.cpp's converter writes it
     (loading/gguf_state_archs.py); their experts go the common way above."""
-    globals_ = {v: k for k, v in gguf_archs.global_names(arch).items()}
     w = gguf_state_archs.to_gguf(arch, name, w, config)
     if name in globals_:
         yield globals_[name], w
