@@ -18,10 +18,13 @@
  * run everywhere). K and the group are multiples of 32, or int8 groups of 16 (GGUF Q6_K /
  * Q3_K: each 32-input block's two halves summed apart, each times its own scale).
  *
- * fp4 (MXFP4, gpt-oss' experts): int4's nibble panels holding E2M1 codes, each mapped to its
- * value times two (a whole number, -12..12) by a 16-entry table as it is widened, one
- * bfloat16 scale (a power of two: exact) per 16 channels and 32 inputs, no min: 4.5 bits a
- * weight where the int8 form of the same weights takes 9. */
+ * fp4 (MXFP4, gpt-oss' experts): E2M1 codes in panels of 16 channels' 32-bit words, each
+ * word 8 inputs of one channel ([N/16][K/8][16] words; inputs 8q + 2t and 8q + 2t + 1 in
+ * bits 4t and 16 + 4t), one bfloat16 scale (a power of two: exact) per 16 channels and 32
+ * inputs, no min: 4.5 bits a weight where the int8 form of the same weights takes 9. Pair t
+ * is the word shifted right by 4t: `vpermw` looks each int16 lane's low five bits up in a
+ * table of the codes' values times two (-12..12, repeated: the fifth bit is the next
+ * code's), so a pair costs a shift and a lookup, a 64-byte load serves four pairs. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -122,18 +125,21 @@ INLINE void prefetch_ahead(panel pn, int64_t b, int64_t block_bytes, int64_t gro
 
 /* input pair j of a 32-input block as 16 x 2 int16: int8 sign-extended; int4 byte b becomes
  * the dword (b & 15) | (b >> 4) << 16, i.e. ((b | b << 12) & 0x000F000F) */
-INLINE __m512i pair16(const void *block, int j, const int kind) {
+INLINE __m512i pair16(const void *block, int j4, int c, const int kind) {
+    const int j = j4 + c; /* (j4 a multiple of 4, c = j % 4) */
     if (kind == KIND_INT8)
         return _mm512_cvtepi8_epi16(
             _mm256_loadu_si256((const __m256i *)((const int8_t *)block + j * 2 * VP)));
+    if (kind == KIND_FP4) {
+        const __m512i words = _mm512_loadu_si512((const uint8_t *)block + j4 / 4 * 4 * VP);
+        const __m512i table = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)FP4_TWICE)));
+        return _mm512_permutexvar_epi16(_mm512_srli_epi32(words, 4 * c), table);
+    }
     const __m512i b = _mm512_cvtepu8_epi32(
         _mm_loadu_si128((const __m128i *)((const uint8_t *)block + j * VP)));
-    const __m512i codes = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
-                                                    _mm512_set1_epi32(0x000F000F), 0xA8);
-    if (kind == KIND_INT4) return codes;
-    const __m512i table = _mm512_cvtepi8_epi16(_mm256_broadcastsi128_si256(
-        _mm_loadu_si128((const __m128i *)FP4_TWICE)));
-    return _mm512_permutexvar_epi16(codes, table); /* (codes < 16: the first 16 entries) */
+    return _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12),
+                                     _mm512_set1_epi32(0x000F000F), 0xA8);
 }
 
 /* 16 channels' factors of group g: int8 float32, int4 float16, fp4 bfloat16 */
@@ -144,30 +150,38 @@ INLINE __m512 scales16(const void *scale, int64_t g, const int kind) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+#define CHAINS 4
 INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, panel pn,
                       float *y, const float *bias, int64_t n0, int64_t N, int64_t K,
                       int64_t group, const int mr, const int kind, const int fetch) {
     const int64_t blocks = K / 32, per_group = group / 32;
     const int64_t block_bytes = kind != KIND_INT8 ? 16 * VP : 32 * VP;
     const int parts = group == 16 ? 2 : 1; /* int8 groups of 16: two scales a block */
+    const int chains = mr == 1 ? 4 : mr <= 3 ? 2 : 1; /* (dividing 4) */
     __m512 acc[PANEL_ROWS];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const void *wb = (const uint8_t *)pn.w + b * block_bytes;
         if (fetch) prefetch_ahead(pn, b, block_bytes, group, kind);
         for (int part = 0; part < parts; part++) {
-            __m512i sum[PANEL_ROWS];
-            for (int i = 0; i < mr; i++) sum[i] = _mm512_setzero_si512();
-            for (int j = part * 16 / parts; j < (part + 1) * 16 / parts; j++) {
-                const __m512i w = pair16(wb, j, kind);
-                for (int i = 0; i < mr; i++)
-                    sum[i] = _mm512_dpwssd_epi32(
-                        sum[i], w, _mm512_set1_epi32(pair_at(xq + i * K + b * 32 + 2 * j)));
-            }
+            __m512i sum[CHAINS][PANEL_ROWS];
+            for (int c = 0; c < chains; c++)
+                for (int i = 0; i < mr; i++) sum[c][i] = _mm512_setzero_si512();
+            for (int j = part * 16 / parts; j < (part + 1) * 16 / parts; j += 4)
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    const __m512i w = pair16(wb, j, c, kind);
+                    for (int i = 0; i < mr; i++)
+                        sum[c % chains][i] = _mm512_dpwssd_epi32(
+                            sum[c % chains][i], w,
+                            _mm512_set1_epi32(pair_at(xq + i * K + b * 32 + 2 * (j + c))));
+                }
+            for (int c = 1; c < chains; c++)
+                for (int i = 0; i < mr; i++) sum[0][i] = _mm512_add_epi32(sum[0][i], sum[c][i]);
             const int64_t g = (parts == 2 ? 2 * b + part : b / per_group) * VP;
             const __m512 ws = scales16(pn.scale, g, kind);
             for (int i = 0; i < mr; i++)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]),
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][i]),
                                          _mm512_mul_ps(ws, _mm512_set1_ps(xs[i * blocks + b])),
                                          acc[i]);
         }
@@ -192,11 +206,16 @@ INLINE __m256i pair16(const void *block, int j, int h, const int kind) {
     if (kind == KIND_INT8)
         return _mm256_cvtepi8_epi16(_mm_loadu_si128(
             (const __m128i *)((const int8_t *)block + j * 2 * VP + 16 * h)));
-    const __m256i b = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64((const __m128i *)((const uint8_t *)block + j * VP + 8 * h)));
-    const __m256i codes = _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)),
+    if (kind == KIND_INT4) {
+        const __m256i b = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const uint8_t *)block + j * VP + 8 * h)));
+        return _mm256_and_si256(_mm256_or_si256(b, _mm256_slli_epi32(b, 12)),
+                                _mm256_set1_epi32(0x000F000F));
+    }
+    const __m256i words = _mm256_loadu_si256(
+        (const __m256i *)((const uint8_t *)block + j / 4 * 4 * VP + 32 * h));
+    const __m256i codes = _mm256_and_si256(_mm256_srli_epi32(words, 4 * (j % 4)),
                                            _mm256_set1_epi32(0x000F000F));
-    if (kind == KIND_INT4) return codes;
     /* each int16 lane's low byte looked up (its high byte indexes 0x80: zero), then the
      * int8 value sign-extended over the lane */
     const __m256i table = _mm256_broadcastsi128_si256(
@@ -256,39 +275,44 @@ INLINE void vnni_tile(const int16_t *xq, const float *xs, const float *xsum, pan
 #endif
 
 /* Work: whole panels per thread (each weight byte is read by one thread), all rows of a
- * panel in tiles of PANEL_ROWS rows while the panel stays in L1/L2. */
-INLINE void vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, const void *wp,
-                      const void *sp, const uint16_t *mp, const float *bias, float *y,
-                      int64_t M, int64_t N, int64_t K, int64_t group, const int kind) {
-    const int64_t panels = (N + VP - 1) / VP, blocks = K / 32, groups = K / group;
+ * panel in tiles of PANEL_ROWS rows while the panel stays in L1/L2. Each entry point has its
+ * own parallel loop over this, so the kind is a constant in the code OpenMP outlines (one
+ * loop shared by the three would test it at every weight load). */
+INLINE void vnni_panel(int64_t p, const int16_t *xq, const float *xs, const float *xsum,
+                       const void *wp, const void *sp, const uint16_t *mp, const float *bias,
+                       float *y, int64_t M, int64_t N, int64_t K, int64_t group,
+                       const int kind) {
+    const int64_t blocks = K / 32, groups = K / group;
     const int64_t panel_bytes = kind != KIND_INT8 ? K / 2 * VP : K * VP;
     const int64_t scale_bytes = groups * VP * (kind != KIND_INT8 ? 2 : 4);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const panel pn = {(const uint8_t *)wp + p * panel_bytes,
-                          (const uint8_t *)sp + p * scale_bytes,
-                          kind == KIND_INT4 ? mp + p * groups * VP : NULL};
+    const panel pn = {(const uint8_t *)wp + p * panel_bytes, (const uint8_t *)sp + p * scale_bytes,
+                      kind == KIND_INT4 ? mp + p * groups * VP : NULL};
 #define TILE(m0, R) vnni_tile(xq + (m0) * K, xs + (m0) * blocks, xsum + (m0) * blocks, pn, \
                              y + (m0) * N, bias, p * VP, N, K, group, R, kind, (m0) == 0)
-        PANEL_ROW_TILES(M, TILE);
+    PANEL_ROW_TILES(M, TILE);
 #undef TILE
-    }
 }
 
 void tm_int8_vnni_gemm(const int16_t *xq, const float *xs, const int8_t *wp, const float *sp,
                        const float *bias, float *y, int64_t M, int64_t N, int64_t K,
                        int64_t group) {
-    vnni_gemm(xq, xs, xs, wp, sp, NULL, bias, y, M, N, K, group, KIND_INT8);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (N + VP - 1) / VP; p++)
+        vnni_panel(p, xq, xs, xs, wp, sp, NULL, bias, y, M, N, K, group, KIND_INT8);
 }
 
 void tm_int4_vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, const uint8_t *wp,
                        const uint16_t *sp, const uint16_t *mp, const float *bias, float *y,
                        int64_t M, int64_t N, int64_t K, int64_t group) {
-    vnni_gemm(xq, xs, xsum, wp, sp, mp, bias, y, M, N, K, group, KIND_INT4);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (N + VP - 1) / VP; p++)
+        vnni_panel(p, xq, xs, xsum, wp, sp, mp, bias, y, M, N, K, group, KIND_INT4);
 }
 
 void tm_fp4_vnni_gemm(const int16_t *xq, const float *xs, const uint8_t *wp,
                       const uint16_t *sp, const float *bias, float *y, int64_t M, int64_t N,
                       int64_t K) {
-    vnni_gemm(xq, xs, xs, wp, sp, NULL, bias, y, M, N, K, 32, KIND_FP4);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (N + VP - 1) / VP; p++)
+        vnni_panel(p, xq, xs, xs, wp, sp, NULL, bias, y, M, N, K, 32, KIND_FP4);
 }

@@ -106,8 +106,7 @@ class Mxfp4Kernel(Int8Kernel):
         if not self.fp4:
             return super()._from_panels()
         wp, sp = self.panels
-        codes = torch.stack([wp & 15, wp >> 4], dim=-1)  # [P, K/2, 16, 2]
-        rows = codes.permute(0, 2, 1, 3).reshape(-1, wp.shape[1] * 2)[:self.out_features]
+        rows = _codes_of_panels(wp)[:self.out_features]
         scale = sp.view(torch.bfloat16).permute(0, 2, 1).reshape(-1, sp.shape[1])
         return {"qweight": _TWICE[rows.long()], "scale": scale[:self.out_features].float()}
 
@@ -127,17 +126,29 @@ class Mxfp4Kernel(Int8Kernel):
         return None if self.fp4 else super().compiled_form()
 
 
+# where input 8q + r of a channel sits in its panel word: bit 4 * (r // 2) + 16 * (r % 2)
+_SHIFTS = torch.tensor([4 * (r // 2) + 16 * (r % 2) for r in range(8)], dtype=torch.int32)
+
+
 def _fp4_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """int8 doubled E2M1 values [N, K] and float32 scales [N, K/32] -> codes in int4's
-    panels ([ceil(N/16), K/2, 16] uint8: inputs 2j, 2j + 1 in the low, high nibble) and
-    bfloat16 panel scales ([ceil(N/16), K/32, 16]); channels past N are zero."""
+    """int8 doubled E2M1 values [N, K] and float32 scales [N, K/32] -> codes in the fp4
+    panels (int32 words [ceil(N/16), K/8, 16]: 8 inputs of one channel each, laid out as
+    `_SHIFTS` says; csrc/vnni_panels.c) and bfloat16 panel scales ([ceil(N/16), K/32, 16]);
+    channels past N are zero."""
     n, k = qweight.shape
     panels = -(-n // 16)
-    codes = torch.zeros(panels * 16, k, dtype=torch.uint8)
+    codes = torch.zeros(panels * 16, k, dtype=torch.int64)
     codes[:n] = _CODE_OF[qweight.long() + 12]
-    pairs = codes.view(panels, 16, k // 2, 2).permute(0, 2, 1, 3)
-    wp = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    words = (codes.view(panels, 16, k // 8, 8) << _SHIFTS).sum(-1)  # (disjoint bits)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # as int32's bits
+    wp = words.to(torch.int32).permute(0, 2, 1).contiguous()
     scales = torch.zeros(panels * 16, k // BLOCK, dtype=torch.bfloat16)
     scales[:n] = scale.to(torch.bfloat16)
     sp = scales.view(panels, 16, -1).permute(0, 2, 1).contiguous()
     return wp, sp.view(torch.int16)
+
+
+def _codes_of_panels(wp: torch.Tensor) -> torch.Tensor:
+    """The fp4 panels' codes [ceil(N/16) * 16, K] (`_fp4_panels` undone)"""
+    eights = (wp.unsqueeze(-1) >> _SHIFTS) & 15  # [P, K/8, 16, 8]
+    return eights.permute(0, 2, 1, 3).reshape(wp.shape[0] * 16, -1)
