@@ -254,3 +254,36 @@ def test_chunks_and_sinks_match_reference(chunk, sinks, softcap):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     plain = ReferenceBackend().forward(q, k, v, *cache.clone(), meta, 0.3, softcap=softcap)
     assert not torch.allclose(plain, ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("compiled", BACKENDS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("window,sinks", [(None, True), (5, False), (70, True), (1, True)])
+def test_windows_and_sinks_on_decodes_match_reference(compiled, kv_dtype, window, sinks,
+                                                      monkeypatch):
+    """Sliding windows and gpt-oss' sinks: the compiled kernel attends the decodes (the
+    window's start inside a 64-token chunk and past it, a window of one key, sequences
+    shorter than the window, an empty one), the masked path the prompts of the same step;
+    the torch backend takes the masked path for all."""
+    q, k, v, cache, meta = random_step(17, 6, [(0, 9), (75, 4)], block_size=16, hq=8,
+                                       hkv=2, d=16, decode_contexts=[0, 3, 64, 69, 140, 200],
+                                       num_blocks=96)
+    caches = [cache[0] * 3, cache[1]]
+    if kv_dtype == torch.int8:
+        caches = [quantize_kv(c) for c in caches]
+    elif kv_dtype == torch.bfloat16:
+        caches = [c.bfloat16() for c in caches]
+    head_sinks = torch.randn(q.shape[1]) * 2 if sinks else None
+    args = dict(window=window, sinks=head_sinks)
+    ref = ReferenceBackend().forward(q, k, v, *(c.clone() for c in caches), meta, 0.3, **args)
+    calls = []
+    kernel = csrc.paged_decode_attention
+    monkeypatch.setattr(csrc, "paged_decode_attention",
+                        lambda *a: calls.append(a[-2:]) or kernel(*a))
+    backend = TorchSDPABackend(compiled)
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, *(c.clone() for c in caches), meta, 0.3, **args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert len(calls) == (1 if compiled else 0)
+    plain = ReferenceBackend().forward(q, k, v, *(c.clone() for c in caches), meta, 0.3)
+    assert not torch.allclose(plain[:6], ref[:6], atol=1e-3)  # (the decodes' rows differ)

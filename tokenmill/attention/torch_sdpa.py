@@ -109,20 +109,26 @@ class TorchSDPABackend(AttentionBackend):
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None, softcap: float | None = None,
                chunk: int | None = None, sinks: torch.Tensor | None = None):
-        if (window is not None or softcap is not None or chunk is not None
-                or sinks is not None or meta.bidirectional):
+        nd = meta.num_decodes
+        compiled = bool(nd) and self._compiled_decode(q) and k_cache.dtype in csrc.KV_KINDS
+        banded = window is not None or sinks is not None  # (the compiled decodes take these)
+        if (softcap is not None or chunk is not None or meta.bidirectional
+                or (banded and not compiled)):
             return masked_attention(q, k_cache, v_cache, meta, scale, window, softcap, chunk,
                                     sinks)
         plan: _StepPlan = meta.backend_data
         num_kv_heads = k.shape[1]
         out = torch.empty_like(q)
-        nd = meta.num_decodes
         loc = meta.query_start_loc
-        if nd and self._compiled_decode(q) and k_cache.dtype in csrc.KV_KINDS:
+        if compiled:
             # q may be a view of the qkv output (read in place); out's first rows are contiguous
             decodes = q[:nd] if csrc.heads_contiguous(q) else q[:nd].contiguous()
-            csrc.paged_decode_attention(decodes, k_cache, v_cache, meta.block_table,
-                                        meta.seq_lens[:nd], scale, out[:nd])
+            csrc.paged_decode_attention(
+                decodes, k_cache, v_cache, meta.block_table, meta.seq_lens[:nd], scale,
+                out[:nd], window, None if sinks is None else sinks.float().contiguous())
+            if banded:  # the prompts: the masked path
+                return masked_attention(q, k_cache, v_cache, meta, scale, window, None, None,
+                                        sinks, first_seq=nd, out=out)
         elif nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, self._decode_gather(meta),
                                     num_kv_heads, scale)

@@ -20,16 +20,18 @@ from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, window: int | None = None,
                      softcap: float | None = None, chunk: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, first_seq: int = 0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, Hq, D] outputs of the step's queries (their K/V already in the cache); `chunk`:
     each query sees its own chunk's keys only; `sinks` [Hq]: a logit per head in each
-    softmax's denominator."""
-    out = torch.empty_like(q)
+    softmax's denominator. Sequences from `first_seq` on, into `out` where given (the earlier
+    rows are the caller's)."""
+    out = torch.empty_like(q) if out is None else out
     loc, bs = meta.query_start_loc, meta.block_size
     spans: dict[int, list[tuple[int, int]]] = {}
     for s, first, end in meta.bidirectional:
         spans.setdefault(s, []).append((first, end))
-    for s in range(meta.num_seqs):
+    for s in range(first_seq, meta.num_seqs):
         lo, hi = loc[s], loc[s + 1]
         context, seq_len = meta.context_lens[s], int(meta.seq_lens[s])
         # the first query's oldest key

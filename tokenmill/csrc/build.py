@@ -102,7 +102,7 @@ def loaded() -> ctypes.CDLL | None:
     lib.tm_int8_gemm.argtypes = [ptr] * 5 + [i64] * 4
     lib.tm_int4_gemm.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_paged_decode_attention.argtypes = ([ptr, i64] + [ptr] * 3 + [i64] + [ptr] * 2
-                                              + [i64] * 5 + [ctypes.c_float, i64])
+                                              + [i64] * 5 + [ctypes.c_float, i64, i64, ptr])
     f32 = ctypes.c_float
     lib.tm_prompt_attention.argtypes = ([ptr, i64] + [ptr] * 3 + [i64, ptr, i64, ptr] + [i64] * 4
                                         + [f32, i64])

@@ -316,7 +316,7 @@ int64_t tm_decode_layers(const tm_model *m, float *hidden, float *out, int64_t T
                     layer->v_cache, slots, T, hkv, D, m->kv_kind);
         tm_paged_decode_attention(m->qkv, width, layer->k_cache, layer->v_cache, block_table,
                                   table_stride, seq_lens, m->attn, T, hq, hkv, D,
-                                  m->block_size, m->scale, m->kv_kind);
+                                  m->block_size, m->scale, m->kv_kind, 0, NULL);
         linear(scratch, &layer->o, m->attn, hidden, T);
         if (reduce(m, hidden, T * H)) return -2;
         tm_add_rms_norm(hidden, m->residual, layer->post_norm, m->normed, T, H, m->eps);

@@ -48,7 +48,8 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
                                const void *v_cache, const int64_t *block_table,
                                int64_t table_stride, const int64_t *seq_lens, float *out,
                                int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                               int64_t block_size, float scale, int64_t kv_kind);
+                               int64_t block_size, float scale, int64_t kv_kind,
+                               int64_t window, const float *sinks);
 void tm_add_rms_norm(float *x, float *residual, const float *weight, float *out, int64_t T,
                      int64_t D, float eps);
 void tm_rotary(float *x, int64_t T, int64_t H, int64_t D, int64_t stride, const float *cos,

@@ -25,19 +25,23 @@ def kv_kind(cache: torch.Tensor) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
     """One query token per sequence attending over its cached keys, written into `out`
     [B, Hq, D] (contiguous): q [B, Hq, D] float32 with each token's heads contiguous (any
     token stride); caches [num_blocks, block_size, Hkv, D] float32 or bfloat16, or
     [..., D + 4] int8; block_table int64 [>= B, max_blocks] (rows contiguous); seq_lens int64
-    [B]."""
+    [B]; `window`: the last `window` keys only; `sinks` [Hq] float32: a logit per head in
+    each softmax's denominator."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     assert heads_contiguous(q) and out.is_contiguous() and out.shape == q.shape
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                             and sinks.numel() == hq)
     _library().tm_paged_decode_attention(
         address(q), q.stride(0), address(k_cache), address(v_cache), address(block_table),
         block_table.stride(0), address(seq_lens), address(out), b, hq, hkv, d, block_size, scale,
-        kv_kind(k_cache))
+        kv_kind(k_cache), window or 0, address(sinks))
 
 
 def prompt_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

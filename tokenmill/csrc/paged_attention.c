@@ -13,7 +13,10 @@
  * scale (quantization/kv_cache.py), or D bfloat16 (widened a chunk at a time into float32
  * rows, then the float32 path); block_table [num_seqs, table_stride] int64; seq_lens [B]
  * int64. D must be a multiple of 8. Softmax is exact: each chunk subtracts its own maximum and
- * the merge rescales the chunks to the largest; exp uses a polynomial accurate to ~2 ulp. */
+ * the merge rescales the chunks to the largest; exp uses a polynomial accurate to ~2 ulp.
+ * window > 0: the query (position seq_len - 1) sees the last `window` keys only (Mistral's,
+ * gpt-oss' sliding layers); sinks [Hq] (or NULL): a logit per head that joins each softmax's
+ * denominator and adds no value (gpt-oss), taken in the merge like one more chunk. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -205,12 +208,14 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
                                const int64_t *block_table, int64_t table_stride,
                                const int64_t *seq_lens, float *out, int64_t B, int64_t Hq,
                                int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                               int64_t kv_kind) {
-    /* first[b] .. first[b + 1]: sequence b's chunks (none for an empty sequence) */
+                               int64_t kv_kind, int64_t window, const float *sinks) {
+    /* first[b] .. first[b + 1]: sequence b's chunks from its oldest visible key (none for an
+     * empty sequence) */
+#define OLDEST(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
     int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t));
     first[0] = 0;
     for (int64_t b = 0; b < B; b++)
-        first[b + 1] = first[b] + (seq_lens[b] > 0 ? (seq_lens[b] + CHUNK - 1) / CHUNK : 0);
+        first[b + 1] = first[b] + (seq_lens[b] - OLDEST(b) + CHUNK - 1) / CHUNK;
     const int64_t items = first[B], per_item = Hq * (D + 2);
     float *part = malloc((size_t)(items > 0 ? items : 1) * per_item * sizeof(float));
 #pragma omp parallel
@@ -224,7 +229,7 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
                 const int64_t mid = (lo + hi) / 2;
                 if (first[mid] <= item) lo = mid; else hi = mid;
             }
-            const int64_t t0 = (item - first[lo]) * CHUNK;
+            const int64_t t0 = OLDEST(lo) + (item - first[lo]) * CHUNK;
             const int64_t t1 = t0 + CHUNK < seq_lens[lo] ? t0 + CHUNK : seq_lens[lo];
             float *p = part + item * per_item;
             if (kv_kind == TM_KV_BF16)
@@ -245,11 +250,12 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
                 continue;
             }
             for (int64_t h = 0; h < Hq; h++) {
-                float mx = -INFINITY, sum = 0.0f;
+                float mx = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
                 for (int64_t c = first[b]; c < first[b + 1]; c++) {
                     const float mc = part[c * per_item + h];
                     mx = mc > mx ? mc : mx;
                 }
+                if (sinks) sum = expf(sinks[h] - mx);
                 for (int64_t d = 0; d < D; d++) o[h * D + d] = 0.0f;
                 for (int64_t c = first[b]; c < first[b + 1]; c++) {
                     const float *p = part + c * per_item;
@@ -265,4 +271,5 @@ void tm_paged_decode_attention(const float *q, int64_t q_stride, const void *k_c
     }
     free(part);
     free(first);
+#undef OLDEST
 }
