@@ -159,3 +159,28 @@ def test_mxfp4_checkpoint_equals_transformers(mxfp4_model, monkeypatch, engine, 
         for j, entry in enumerate(out.outputs[0].logprobs):
             row = ref[len(prompt) - 1 + j]
             assert max(abs(lp.logprob - row[t].item()) for t, lp in entry.items()) < bound
+
+
+def test_mxfp4_experts_run_as_one_call_equal_to_the_loop(mxfp4_model):
+    """On a VNNI CPU each MoE layer's MXFP4 experts are one compiled call
+    (quantization/mxfp4_experts.py), equal to the per-expert loop over the same kernels (to
+    float rounding of the activation's sigmoid) for 1 to 9 rows; elsewhere the loop stays."""
+    from tokenmill.layers.moe import grouped_experts
+    from tokenmill.quantization.mxfp4_experts import Fp4Experts
+
+    with LLM(mxfp4_model[0], kv_cache_memory_gib=0.01) as llm:
+        moe = llm.engine.core.runner.model.model.layers[1].mlp
+        fp4 = moe.experts[0].gate_up_proj.kernel.fp4
+        assert isinstance(moe.fused, Fp4Experts) == (fp4 and csrc.available())
+        if moe.fused is None:
+            pytest.skip("no AVX-512 VNNI: the experts stay in the per-expert loop")
+        gen = torch.Generator().manual_seed(0)
+        for rows in (1, 2, 9):
+            x = torch.randn(rows, moe.gate.in_features, generator=gen)
+            logits = torch.randn(rows, len(moe.experts), generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, -1), moe.top_k)
+            fused = moe.fused(x, weights, ids)
+            loop = grouped_experts(x, weights, ids, moe.experts)
+            torch.testing.assert_close(fused, loop, rtol=1e-4,
+                                       atol=1e-4 * loop.abs().max().item())
+

@@ -23,10 +23,11 @@ logger = logging.getLogger("tokenmill.csrc")
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name)
             for name in ("gemm.c", "panel_gemm.c", "f32_panel.c", "bf16_panel.c",
-                         "dequant_panels.c", "vnni_panels.c", "kquant_panels.c",
+                         "dequant_panels.c", "vnni_panels.c", "fp4_experts.c", "kquant_panels.c",
                          "paged_attention.c", "prompt_attention.c", "layer_ops.c",
                          "decode_step.c", "shm_allreduce.c", "lora.c")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "kernels.h", "panel.h", "kv_rows.h")]
+_HEADERS = [os.path.join(_HERE, name)
+            for name in ("simd.h", "kernels.h", "panel.h", "kv_rows.h", "vnni_tile.h")]
 # -ffp-contract=off: a separate multiply and add stay two roundings, as in the torch formulas
 # the kernels replace (explicit FMA intrinsics are unaffected).
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
@@ -127,6 +128,7 @@ def loaded() -> ctypes.CDLL | None:
     lib.tm_int8_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 4
     lib.tm_int4_vnni_gemm.argtypes = [ptr] * 8 + [i64] * 4
     lib.tm_fp4_vnni_gemm.argtypes = [ptr] * 6 + [i64] * 3
+    lib.tm_fp4_experts.argtypes = [ptr] + [i64] * 4 + [ptr] * 2 + [i64, ptr, f32, f32, ptr]
     lib.tm_kquant_panel_bytes.argtypes = [i64] * 2
     lib.tm_kquant_panel_bytes.restype = i64
     lib.tm_quantize_rows_q8x2.argtypes = [ptr] * 5 + [i64] * 2

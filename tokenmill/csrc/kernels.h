@@ -38,6 +38,9 @@ void tm_int4_vnni_gemm(const int16_t *xq, const float *xs, const float *xsum, co
 void tm_fp4_vnni_gemm(const int16_t *xq, const float *xs, const uint8_t *wp,
                       const uint16_t *sp, const float *bias, float *y, int64_t M, int64_t N,
                       int64_t K);
+void tm_fp4_experts(const float *x, int64_t M, int64_t H, int64_t I, int64_t top_k,
+                    const int64_t *ids, const float *weights, int64_t E, const int64_t *parts,
+                    float alpha, float limit, float *out);
 int64_t tm_kquant_panel_bytes(int64_t K, int64_t kind);
 void tm_quantize_rows_q8x2(const float *x, int8_t *xq, float *xs, float *xsum, int32_t *hsum,
                            int64_t M, int64_t K);

@@ -12,7 +12,7 @@ from tokenmill.csrc.build import loaded as _library
 
 __all__ = ["vnni_native", "int8_to_vnni", "int8_from_vnni", "int4_to_vnni", "int4_from_vnni",
            "int8_vnni_rows", "int4_vnni_rows", "int8_vnni_gemm", "int4_vnni_gemm",
-           "fp4_vnni_gemm"]
+           "fp4_vnni_gemm", "fp4_experts"]
 
 
 def quantize_rows_q16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,3 +139,18 @@ def fp4_vnni_gemm(x: torch.Tensor, wp: torch.Tensor, sp: torch.Tensor, n: int,
     _library().tm_fp4_vnni_gemm(address(xq), address(xs), address(wp), address(sp),
                                 address(bias), address(y), m, n, k)
     return y
+
+
+def fp4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, parts: torch.Tensor,
+                intermediate: int, alpha: float, limit: float) -> torch.Tensor:
+    """A mixture-of-experts layer's routed experts over fp4 panels with gpt-oss' clamped
+    SwiGLU (fp4_experts.c): x [M, H] float32 contiguous, ids int64 / weights float32
+    [M, top_k] contiguous, parts int64 [E, 9] (each expert's gate, up and down panels, panel
+    scales and bias addresses, 0 for none; the tensors kept alive by the caller) -> [M, H]."""
+    m, h = x.shape
+    out = torch.empty(m, h, dtype=torch.float32)
+    _library().tm_fp4_experts(address(x), m, h, intermediate, ids.shape[1], address(ids),
+                              address(weights), parts.shape[0], address(parts), alpha, limit,
+                              address(out))
+    return out
+

@@ -160,8 +160,9 @@ class SparseMoE(HostSync, nn.Module):
 
     @property
     def host_sync(self) -> bool:
-        """Whether the forward waits on the host (no CUDA graph): the per-expert loop does."""
-        return self.fused is None
+        """Whether the forward waits on the host (no CUDA graph): the per-expert loop does, and
+        so does a fused form that says so (the CPU's, quantization/mxfp4_experts.py)."""
+        return self.fused is None or getattr(self.fused, "host_sync", False)
 
     def fuse_experts(self, force: bool = False) -> None:
         """Run the experts as two grouped Triton matmuls where they can (GPU experts of

@@ -34,6 +34,7 @@ from tokenmill.loading.file_checks import check_config, check_model_folder, chec
 from tokenmill.models.registry import build_model
 from tokenmill.models.vision.encoder import VISION_PREFIXES, text_name
 from tokenmill.quantization import fp8_blocks
+from tokenmill.quantization.mxfp4_experts import Fp4Experts
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +223,11 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     tied = tied_tables(model) if bf16_weights else []
     kernels = choose_linear_kernels(model, bf16_weights)
     look_up_in_panels(tied)
-    for module in model.modules():  # GPU float experts: grouped Triton matmuls
+    for module in model.modules():  # experts as grouped Triton matmuls (GPUs), MXFP4 in C
         if isinstance(module, SparseMoE):
             module.fuse_experts()
+            if module.fused is None:
+                module.fused = Fp4Experts.of(module)
     logger.info("Linear kernels: %s; weights %.1f MiB", kernels,
                 qmodel.weight_bytes(model) / 2**20)
     model.eval()

@@ -40,6 +40,7 @@ class ClampedSwiGLU(nn.Module):
     def __init__(self, alpha: float, limit: float) -> None:
         super().__init__()
         self.alpha, self.limit = alpha, limit
+        self.swiglu_clamp = (alpha, limit)  # (what the fused CPU experts compute)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
