@@ -2,17 +2,18 @@
 llama.cpp on the same GGUF file, in one run.
 
   python bench/moe_mxfp4_decode.py [--layers 4] [--hidden 2880] [--experts 32] [--top-k 4]
-                                   [--tokens 64] [--repeats 3] [--out FILE]
+                                   [--tokens 64] [--repeats 3] [--rounds 3] [--out FILE]
 
 The file is written here with random weights: gpt-oss-20b's layer shape (hidden 2880,
 experts of 2880, 32 experts with 4 active, 64 query / 8 key-value heads of 64, sinks,
 window-128 and full layers alternating) over fewer layers and a 32000-token vocabulary;
 experts in MXFP4 (random codes, block exponents near gpt-oss' own), attention and
-embeddings in Q8_0, as llama.cpp's gpt-oss files hold them. tokenmill reads the MXFP4
-blocks into its int8 kernel (8.5 bits a weight: exact, twice the file's 4.25), llama.cpp
-multiplies them as stored. The rate is (N - 1) tokens over the time between the first and
+embeddings in Q8_0, as llama.cpp's gpt-oss files hold them. On AVX-512 VNNI CPUs tokenmill
+keeps the experts as 4-bit codes (4.5 bits a weight with their bfloat16 scales; the int8 form,
+8.5, elsewhere), llama.cpp multiplies them as stored (4.25). The rate is (N - 1) tokens over the time between the first and
 the last of N greedy tokens after a 32-token prompt (EOS ignored / banned), the best of
---repeats, each engine in its own process with both cores. llama.cpp runs in its peer venv
+--repeats, each engine in its own process with both cores; the engines take turns for
+--rounds rounds and each one's median is reported. llama.cpp runs in its peer venv
 (bench/peers/install.sh llamacpp)."""
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="moe-mxfp4-") as folder:  # (a 1.9 GB file)
@@ -179,20 +181,31 @@ def main() -> None:
 
 
 def _measure(args, path: str, folder: str) -> dict:
-    """Each engine's rate on the file, in its own process."""
+    """Each engine's rate on the file, in its own process, the engines taking turns for
+    --rounds rounds (a busy machine's slow spells then fall on both): each round's rates,
+    and each engine's median."""
     rows = {"file_mb": round(os.path.getsize(path) / 2**20, 1)}
     engines = {"tokenmill": [sys.executable, "-c", TOKENMILL],
                "llama.cpp": [PEER_PYTHON, "-c", LLAMACPP]}
-    for name, command in engines.items():
-        if name == "llama.cpp" and not os.path.exists(PEER_PYTHON):
-            rows[name] = "not installed (bench/peers/install.sh llamacpp)"
-            continue
-        done = subprocess.run([*command, path, folder, str(args.tokens), str(args.repeats)],
-                              capture_output=True, text=True, timeout=3600)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        rows[name] = (json.loads(lines[-1]) if done.returncode == 0 and lines
-                      else {"error": done.stderr[-600:]})
-        print(name, rows[name], flush=True)
+    if not os.path.exists(PEER_PYTHON):
+        del engines["llama.cpp"]
+        rows["llama.cpp"] = "not installed (bench/peers/install.sh llamacpp)"
+    rounds: dict[str, list] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, command in engines.items():
+            done = subprocess.run([*command, path, folder, str(args.tokens),
+                                   str(args.repeats)], capture_output=True, text=True,
+                                  timeout=3600)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode != 0 or not lines:
+                rows[name] = {"error": done.stderr[-600:]}
+                return rows
+            rounds[name].append(json.loads(lines[-1])["tok_s"])
+            print(name, round(rounds[name][-1], 1), flush=True)
+    for name, rates in rounds.items():
+        rows[name] = {"tok_s": float(np.median(rates)), "rounds": rates}
+    if len(rounds) == 2:
+        rows["ratio_per_round"] = [a / b for a, b in zip(*rounds.values())]
     return rows
 
 
