@@ -9,12 +9,12 @@ experts of 2880, 32 experts with 4 active, 64 query / 8 key-value heads of 64, s
 window-128 and full layers alternating) over fewer layers and a 32000-token vocabulary;
 experts in MXFP4 (random codes, block exponents near gpt-oss' own), attention and
 embeddings in Q8_0, as llama.cpp's gpt-oss files hold them. On AVX-512 VNNI CPUs tokenmill
-keeps the experts as 4-bit codes (4.5 bits a weight with their bfloat16 scales; the int8 form,
-8.5, elsewhere), llama.cpp multiplies them as stored (4.25). The rate is (N - 1) tokens over the time between the first and
-the last of N greedy tokens after a 32-token prompt (EOS ignored / banned), the best of
---repeats, each engine in its own process with both cores; the engines take turns for
---rounds rounds and each one's median is reported. llama.cpp runs in its peer venv
-(bench/peers/install.sh llamacpp)."""
+keeps the experts as 4-bit codes (4.5 bits a weight with their bfloat16 scales; the int8
+form, 8.5, elsewhere), llama.cpp multiplies them as stored (4.25). The rate is (N - 1)
+tokens over the time between the first and the last of N greedy tokens after a 32-token
+prompt (EOS ignored / banned), the best of --repeats, each engine in its own process with
+both cores; the engines take turns for --rounds rounds and each one's median is reported.
+llama.cpp runs in its peer venv (bench/peers/install.sh llamacpp)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,13 @@
 
 from typing import Any
 
-from tokenmill.beam_search import BeamSearchParams
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.config.env import huge_pages_for_torch
+
+huge_pages_for_torch()  # (before anything imports torch)
+
+from tokenmill.beam_search import BeamSearchParams  # noqa: E402
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from tokenmill.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "Logprob"]

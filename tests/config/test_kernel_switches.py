@@ -48,3 +48,21 @@ def test_an_engine_takes_its_configurations_switches_not_the_environments(tiny_m
     on = dataclasses.replace(off, cpu=dataclasses.replace(off.cpu, decode_step=True))
     with LLM(path, kv_cache_memory_gib=0.01, kernels=on) as llm:
         assert llm.engine.core.runner.decode_step is not None
+
+
+@pytest.mark.parametrize("given", [None, "0"])
+def test_tokenmill_asks_torch_for_huge_pages_unless_told_not_to(given):
+    """Importing tokenmill before torch sets THP_MEM_ALLOC_ENABLE=1 where it is unset, so
+    torch's CPU allocator advises huge pages for large buffers; a value given stays."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    code = ("import tokenmill, os, torch; x = torch.ones(16 << 20, dtype=torch.int8); "
+            "print(os.environ['THP_MEM_ALLOC_ENABLE'])")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    assert done.stdout.split()[-1] == (given or "1")

@@ -1,13 +1,14 @@
-"""Attention over the paged cache with what the compiled kernels do not take yet: a sliding
-window (Mistral v0.1, Qwen2's `use_sliding_window` layers, Phi-3, Gemma's local layers: a
-query at position p sees the keys at positions p - window + 1 .. p, as transformers' sliding
-mask), Llama 4's chunked local attention (a query sees its own chunk's keys), Gemma 2's
-logit soft-capping (scores -> cap * tanh(scores / cap)), gpt-oss' attention sinks (a
-logit per head in the softmax's denominator) and Gemma 3's
-bidirectional image spans (`AttentionMetadata.bidirectional`: a query in a span also sees
-the span's later keys, within the window: transformers' AND(window, OR(causal, span))).
-Only the blocks holding a step's visible keys are read; each sequence attends through one
-masked SDPA call, or, soft-capped, explicit products."""
+"""Attention over the paged cache with masks: a sliding window (Mistral v0.1, Qwen2's
+`use_sliding_window` layers, Phi-3, Gemma's local layers: a query at position p sees the keys
+at positions p - window + 1 .. p, as transformers' sliding mask), Llama 4's chunked local
+attention (a query sees its own chunk's keys), Gemma 2's logit soft-capping (scores ->
+cap * tanh(scores / cap)), gpt-oss' attention sinks (a logit per head in the softmax's
+denominator) and Gemma 3's bidirectional image spans (`AttentionMetadata.bidirectional`: a
+query in a span also sees the span's later keys, within the window: transformers'
+AND(window, OR(causal, span))). The CPU's compiled decode kernel takes windows and sinks
+itself (the prompts of such a step come here); the rest, and every step where it is not
+used, comes here. Only the blocks holding a step's visible keys are read; each sequence
+attends through one masked SDPA call, or, soft-capped or with sinks, explicit products."""
 
 from __future__ import annotations
 
