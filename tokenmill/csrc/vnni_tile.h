@@ -51,8 +51,9 @@ INLINE void prefetch_ahead(panel pn, int64_t b, int64_t block_bytes, int64_t gro
     if (kind == KIND_INT4) _mm_prefetch((const char *)(pn.min + g), _MM_HINT_T0);
 }
 
-/* input pair j of a 32-input block as 16 x 2 int16: int8 sign-extended; int4 byte b becomes
- * the dword (b & 15) | (b >> 4) << 16, i.e. ((b | b << 12) & 0x000F000F) */
+/* input pair j = j4 + c of a 32-input block as 16 x 2 int16: int8 sign-extended; int4 byte b
+ * becomes the dword (b & 15) | (b >> 4) << 16, i.e. ((b | b << 12) & 0x000F000F); fp4: the
+ * words of pairs j4 .. j4 + 3 shifted right by 4c, each lane's low five bits looked up */
 INLINE __m512i pair16(const void *block, int j4, int c, const int kind) {
     const int j = j4 + c; /* (j4 a multiple of 4, c = j % 4) */
     if (kind == KIND_INT8)

@@ -137,9 +137,12 @@ def _fp4_panels(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tenso
     channels past N are zero."""
     n, k = qweight.shape
     panels = -(-n // 16)
-    codes = torch.zeros(panels * 16, k, dtype=torch.int64)
+    codes = torch.zeros(panels * 16, k, dtype=torch.uint8)
     codes[:n] = _CODE_OF[qweight.long() + 12]
-    words = (codes.view(panels, 16, k // 8, 8) << _SHIFTS).sum(-1)  # (disjoint bits)
+    eights = codes.view(panels, 16, k // 8, 8)
+    words = torch.zeros(panels, 16, k // 8, dtype=torch.int64)  # (a bit past int32's top)
+    for r, shift in enumerate(_SHIFTS.tolist()):
+        words |= eights[..., r].long() << shift
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # as int32's bits
     wp = words.to(torch.int32).permute(0, 2, 1).contiguous()
     scales = torch.zeros(panels * 16, k // BLOCK, dtype=torch.bfloat16)
