@@ -80,7 +80,8 @@ def huge_pages_for_torch() -> None:
     5-10 % faster, resident memory the same; bench/NOTES.md). torch reads it at its first
     allocation: in effect when tokenmill is imported before torch (the `tokenmill` command,
     its workers, which inherit it); 0 keeps 4 KB pages."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    if Env().raw("THP_MEM_ALLOC_ENABLE") is None:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
 
 
 def md5_check(environ=None) -> bool:
@@ -179,4 +180,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "TRITON_INTERPRET": ("", "1: Triton kernels run in Triton's interpreter (on the CPU)"),
     "CC": ("", "the C compiler of the CPU kernels (default cc)"),
     "XDG_CACHE_HOME": ("", "the cache folder's parent (built kernels, GGUF tokenizers)"),
+    "THP_MEM_ALLOC_ENABLE": ("", "torch's: 1 (set where unset when tokenmill loads before "
+                                 "torch) gives CPU buffers of 2 MB and more transparent huge "
+                                 "pages; 0 keeps 4 KB pages"),
 }
