@@ -11,8 +11,11 @@ memory.
   shares the threads' schedule of both panel kernels out (`panel.h`).
 - `dequant_panels.c`: int8 / int4 weights unpacked into those panels, so prompt-sized
   matmuls of quantized layers run the fp32 panel kernel.
-- `vnni_panels.c`: int8 / int4 weights in panels of 16 channels times int16 activations with
-  `vpdpwssd` (AVX-512 VNNI CPUs: their kernel at every row count, ~1.6x the fp32 panels).
+- `vnni_panels.c`: int8 / int4 / fp4 (MXFP4 codes) weights in panels of 16 channels times
+  int16 activations with `vpdpwssd` (AVX-512 VNNI CPUs: their kernel at every row count,
+  ~1.6x the fp32 panels); the tile kernel itself is in `vnni_tile.h`.
+- `fp4_experts.c`: a mixture-of-experts layer's fp4 experts (gpt-oss' MXFP4) in one call:
+  both products of every active expert, the clamped SwiGLU and the weighted sum.
 - `kquant_panels.c`: GGUF Q4_K / Q6_K / Q5_0 / Q5_1 weights in such panels at about their
   stored size (the K-quants' byte scales and per-256 factors kept, high bits in planes of
   their own), times activations split into two int8 halves with byte dot products
@@ -31,9 +34,9 @@ memory.
   (`kernels.h`), so the per-layer Python and ctypes work of the small kernels disappears.
 
 `build.py` compiles and loads the library. The ctypes wrappers of the attention kernels and
-`layer_ops.c` are in `layer_kernels.py`, those of `vnni_panels.c` in `vnni.py`, those of
-`kquant_panels.c` in `kquant.py`, those of `bf16_panel.c` in `bf16.py`; this module
-re-exports them.
+`layer_ops.c` are in `layer_kernels.py`, those of `vnni_panels.c` and `fp4_experts.c` in
+`vnni.py`, those of `kquant_panels.c` in `kquant.py`, those of `bf16_panel.c` in `bf16.py`;
+this module re-exports them.
 
 Plain C files need no torch headers (they build in about a second). Without a compiler, or
 without AVX2/FMA/F16C, `available()` is False and callers use their torch paths."""
