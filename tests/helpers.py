@@ -261,6 +261,30 @@ def make_model(path: str, arch: str = "llama", dtype=torch.float32, **overrides)
     return model
 
 
+def build_kernels_without(tmp_path, flags: list[str], *sources: str):
+    """tokenmill/csrc's `sources` compiled here with the instruction sets `flags` switch
+    off (e.g. -mno-avx512f: what a CPU without them runs), loaded with ctypes; the test is
+    skipped where there is no C compiler or no compiled kernels at all."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from tokenmill import csrc
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or not csrc.available():
+        pytest.skip("no C compiler or no compiled CPU kernels")
+    here = os.path.dirname(csrc.__file__)
+    target = str(tmp_path / "kernels_without.so")
+    subprocess.run([compiler, "-O2", "-march=native", *flags, "-mavx2", "-mfma", "-mf16c",
+                    "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+                    *(os.path.join(here, f) for f in sources), "-o", target], check=True,
+                   timeout=120)
+    return ctypes.CDLL(target)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,

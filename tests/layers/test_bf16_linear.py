@@ -127,19 +127,10 @@ def test_widened_paths_of_cpus_without_bf16_dot_products(tmp_path, isa):
     """The builds of CPUs without AVX512-BF16 (AVX-512F, or AVX2 only) widen the pairs to fp32:
     built here with those instructions switched off, the same products as the formula."""
     import ctypes
-    import os
-    import shutil
-    import subprocess
 
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    here = os.path.dirname(csrc.__file__)
-    target = str(tmp_path / "bf16.so")
-    subprocess.run([compiler, "-O2", "-march=native", isa, "-mavx2", "-mfma", "-mf16c",
-                    "-fopenmp", "-shared", "-fPIC", os.path.join(here, "panel_gemm.c"),
-                    os.path.join(here, "bf16_panel.c"), "-o", target], check=True, timeout=120)
-    lib = ctypes.CDLL(target)
+    from helpers import build_kernels_without
+
+    lib = build_kernels_without(tmp_path, [isa], "panel_gemm.c", "bf16_panel.c")
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.tm_bf16_panel_gemm.argtypes = [ptr] * 4 + [i64] * 4
     lib.tm_bf16_panel_gemm.restype = i64

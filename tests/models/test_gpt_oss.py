@@ -68,22 +68,13 @@ def test_fp4_panels_of_cpus_without_avx512_give_the_same_sums(tmp_path):
     """vnni_panels.c built without AVX-512 (its vpmaddwd path, the fp4 codes looked up with
     vpshufb): the same int32 sums and float operations, so the same outputs, fp4 and int8."""
     import ctypes
-    import os
-    import shutil
-    import subprocess
+
+    from helpers import build_kernels_without
 
     from tokenmill.csrc.build import address
     from tokenmill.quantization.mxfp4 import _fp4_panels
 
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or not csrc.available():
-        pytest.skip("no C compiler or no compiled CPU kernels")
-    here = os.path.dirname(csrc.__file__)
-    target = str(tmp_path / "vnni_avx2.so")
-    subprocess.run([compiler, "-O2", "-march=native", "-mno-avx512f", "-mavx2", "-mfma",
-                    "-mf16c", "-fopenmp", "-shared", "-fPIC",
-                    os.path.join(here, "vnni_panels.c"), "-o", target], check=True)
-    lib = ctypes.CDLL(target)
+    lib = build_kernels_without(tmp_path, ["-mno-avx512f"], "vnni_panels.c")
     lib.tm_vnni_native.restype = ctypes.c_int64
     assert lib.tm_vnni_native() == 0
     gen = torch.Generator().manual_seed(3)

@@ -4,14 +4,11 @@ AVX-512 VNNI build, which the engine uses, against the per-expert loop in
 tests/models/test_gpt_oss.py."""
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
+from helpers import build_kernels_without
 
-from tokenmill import csrc
 from tokenmill.quantization.mxfp4 import _fp4_panels, dequantize_mxfp4, mxfp4_int8
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -52,16 +49,7 @@ def test_the_avx2_build_gives_the_dequantized_sums(tmp_path, rows):
     """fp4_experts.c built without AVX-512 (so on any x86 CPU with AVX2): tokens routed to
     repeated and shared experts, against the float64 formula (the activations rounded to
     int16 per 32 inputs on the way: a relative error of ~1e-4)."""
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or not csrc.available():
-        pytest.skip("no C compiler or no compiled CPU kernels")
-    here = os.path.dirname(csrc.__file__)
-    target = str(tmp_path / "experts_avx2.so")
-    subprocess.run([compiler, "-O2", "-march=native", "-mno-avx512f", "-mavx2", "-mfma",
-                    "-mf16c", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off",
-                    *(os.path.join(here, f) for f in ("fp4_experts.c", "gemm.c")),
-                    "-o", target], check=True)
-    lib = ctypes.CDLL(target)
+    lib = build_kernels_without(tmp_path, ["-mno-avx512f"], "fp4_experts.c", "gemm.c")
     gen = torch.Generator().manual_seed(rows)
     experts, hidden, inter, top_k = 5, 64, 96, 3
     weights_of = _weights(gen, experts, hidden, inter)
