@@ -153,4 +153,3 @@ def fp4_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, parts
                               address(weights), parts.shape[0], address(parts), alpha, limit,
                               address(out))
     return out
-

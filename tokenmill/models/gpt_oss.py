@@ -40,7 +40,11 @@ class ClampedSwiGLU(nn.Module):
     def __init__(self, alpha: float, limit: float) -> None:
         super().__init__()
         self.alpha, self.limit = alpha, limit
-        self.swiglu_clamp = (alpha, limit)  # (what the fused CPU experts compute)
+
+    @property
+    def swiglu_clamp(self) -> tuple[float, float]:
+        """(alpha, limit): what the fused CPU experts compute (quantization/mxfp4_experts.py)."""
+        return self.alpha, self.limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
