@@ -152,3 +152,43 @@ def test_a_throwaway_step_without_slots_starts_from_zeros():
     meta.state_slots = None
     torch.testing.assert_close(layer.mix(x, meta), fresh)
     assert not layer.conv_state.any() and not layer.ssm_state.any()
+
+
+@pytest.mark.parametrize("make", [_mamba2, _delta_net], ids=["mamba2", "gated_delta_net"])
+@pytest.mark.parametrize("accepted", [0, 1, 3])
+def test_a_verified_sequence_resumes_from_the_row_after_its_last_accepted_draft(make,
+                                                                               accepted):
+    """A's decode with 3 drafts beside B's prompt chunk and C's decode with 1 draft (each
+    slot 4 rows): the outputs are those of the rows one at a time, and A's next step, read
+    from the row of its last accepted draft, equals A run over just the accepted rows."""
+    torch.manual_seed(0)
+    layer = make()
+    for param in layer.parameters():
+        param.data = torch.randn_like(param) * 0.3
+    hidden, rows = 32, 4
+    bind_state_cache([layer], 3 * rows, torch.float32, torch.device("cpu"))
+    a, b, c = torch.randn(9, hidden), torch.randn(5, hidden), torch.randn(4, hidden)
+    # A's context (5 rows) and C's (2 rows) as prompts: A in slot 2, C in slot 0, B in 1
+    layer.mix(torch.cat([a[:5], c[:2]]), _meta([(0, 5), (0, 2)], [2 * rows, 0]))
+    saved = layer.conv_state.clone(), layer.ssm_state.clone()
+    meta = _meta([(5, 4), (0, 5), (2, 2)], [2 * rows, rows, 0])
+    meta.state_drafts = [3, 0, 1]
+    verified = layer.mix(torch.cat([a[5:9], b, c[2:4]]), meta)
+    conv_after = layer.conv_state.clone(), layer.ssm_state.clone()
+    # the same rows one step at a time from the saved states
+    layer.conv_state.copy_(saved[0])
+    layer.ssm_state.copy_(saved[1])
+    one_by_one = [layer.mix(a[i:i + 1], _meta([(i, 1)], [2 * rows])) for i in range(5, 9)]
+    torch.testing.assert_close(verified[:4], torch.cat(one_by_one), atol=1e-5, rtol=1e-5)
+    layer.conv_state.copy_(conv_after[0])
+    layer.ssm_state.copy_(conv_after[1])
+    # A's next step resumes after its accepted drafts: its next token at position 6 + accepted
+    nxt = torch.randn(1, hidden)
+    meta = _meta([(6 + accepted, 1)], [2 * rows])
+    meta.state_reads = torch.tensor([2 * rows + accepted])
+    resumed = layer.mix(nxt, meta)
+    layer.conv_state.copy_(saved[0])
+    layer.ssm_state.copy_(saved[1])
+    plain = layer.mix(torch.cat([a[5:6 + accepted], nxt]),
+                      _meta([(5, 2 + accepted)], [2 * rows]))
+    torch.testing.assert_close(resumed, plain[-1:], atol=1e-4, rtol=1e-4)

@@ -36,9 +36,16 @@ class AttentionMetadata:
     bidirectional: list[tuple[int, int, int]] = field(default_factory=list)
     # What the backend derives once per step for all layers (set by `AttentionBackend.prepare`).
     backend_data: Any = None
-    # [num_seqs] each sequence's state slot (int64), for the state layers (layers/
-    # state_layer.py); None: the model has none, or a throwaway step (profiling)
+    # the state layers (layers/state_layer.py): [num_seqs] the row each sequence's state is
+    # written to (its slot's first; int64); None: the model has none, or a throwaway step
+    # (profiling)
     state_slots: torch.Tensor | None = None
+    # [num_seqs] the rows they are read from where one differs (that after the last draft
+    # a verification accepted); None: state_slots
+    state_reads: torch.Tensor | None = None
+    # per sequence the draft tokens it verifies (empty: none has any): the state after its
+    # row i goes to its row + i
+    state_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

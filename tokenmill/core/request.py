@@ -66,6 +66,8 @@ class Request:
     spec_padding: int = 0  # trailing drafts that only fill a graph bucket (not counted)
     num_draft_tokens: int = 0  # drafts verified for this request, and accepted
     num_accepted_tokens: int = 0
+    # state layers: which row of its state slot its next step reads (ScheduledRequest's)
+    state_row: int = 0
     grammar: Any = None  # structured outputs: its GrammarState (structured_output/manager.py)
     # tokens sampled by steps in flight, not appended yet (one per such step; asynchronous
     # scheduling launches the next step, computing at that token's position, before it lands)

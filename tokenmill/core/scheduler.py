@@ -34,6 +34,9 @@ class ScheduledRequest:
     # flight samples (the runner takes that token on the device)
     output_pending: bool = False
     state_slot: int = -1  # a model with state layers: the request's slot (core/state_slots.py)
+    # which of the slot's rows holds the request's state: the drafts its last verification
+    # accepted (a verified sequence keeps the state after each of its rows), else 0
+    state_row: int = 0
 
     @property
     def end(self) -> int:
@@ -134,6 +137,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids, request.spec_probs, request.spec_padding = [], None, 0
+        request.state_row = 0
         request.num_pending = 0  # (the result of a step in flight is dropped)
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -282,6 +286,7 @@ class Scheduler:
             s.preemptions = request.num_preemptions
             s.block_ids = block_row(request.request_id)
             s.state_slot = state_slot(request.request_id)
+            s.state_row, request.state_row = request.state_row, 0  # (a verification: set back)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output
@@ -344,6 +349,7 @@ class Scheduler:
             if s.drafts:
                 accepted = len(tokens) - 1
                 request.num_computed_tokens = s.end - len(s.drafts) + accepted
+                request.state_row = accepted  # (state layers: the state after that row)
                 # (the metrics count proposed drafts: a filler accepted is not one)
                 proposed = len(s.drafts) - s.padding
                 self.num_draft_tokens += proposed

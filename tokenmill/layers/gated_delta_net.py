@@ -18,12 +18,7 @@ from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.distributed.parallel_state import divide, get_tp_group
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.state_layer import (
-    StateLayer,
-    causal_conv,
-    causal_conv_step,
-    sectioned_loader,
-)
+from tokenmill.layers.state_layer import StateLayer, sectioned_loader
 
 
 def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -125,23 +120,16 @@ class GatedDeltaNet(StateLayer):
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, -1).float()
                                                    + self.dt_bias.float())
         out = x.new_empty(t, self.v_heads, vd)
-        n, loc = meta.num_decodes, meta.query_start_loc
-        if n:
-            conv, ssm = self.read(meta, 0, n, x.dtype)
-            y, conv = causal_conv_step(mixed[:n], self.conv_weight, self.conv_bias, conv)
-            y, ssm = gated_delta_step(ssm, *self._heads(y), g[:n], beta[:n])
-            out[:n] = y.to(out.dtype)
-            self.write(meta, 0, n, conv, ssm)
-        for s in range(n, meta.num_seqs):
-            lo, hi = loc[s], loc[s + 1]
-            conv, ssm = self.read(meta, s, s + 1, x.dtype)
-            y, conv = causal_conv(mixed[lo:hi], self.conv_weight, self.conv_bias, conv[0])
-            y, ssm = gated_delta_chunked(ssm[0], *self._heads(y), g[lo:hi], beta[lo:hi])
-            out[lo:hi] = y.to(out.dtype)
-            self.write(meta, s, s + 1, conv[None], ssm[None])
+        self.scan(meta, mixed, [g, beta], out)
         # RMSNorm of each head's output (before the gate), times silu(z)
         gated = self.norm(out) * F.silu(z.reshape(t, self.v_heads, vd).float()).to(x.dtype)
         return self.out_proj(gated.reshape(t, -1))
+
+    def step(self, y: torch.Tensor, inputs: list[torch.Tensor], ssm: torch.Tensor):
+        return gated_delta_step(ssm, *self._heads(y), *inputs)
+
+    def chunk(self, y: torch.Tensor, inputs: list[torch.Tensor], ssm: torch.Tensor):
+        return gated_delta_chunked(ssm, *self._heads(y), *inputs)
 
     def _heads(self, y: torch.Tensor):
         """Convolved rows [T, conv_dim] -> q, k [T, value heads, K] (L2-normed, each key

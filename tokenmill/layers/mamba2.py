@@ -16,12 +16,7 @@ from torch import nn
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.distributed.parallel_state import divide, get_tp_group
 from tokenmill.layers.linear import MergedLinear, RowParallelLinear
-from tokenmill.layers.state_layer import (
-    StateLayer,
-    causal_conv,
-    causal_conv_step,
-    sectioned_loader,
-)
+from tokenmill.layers.state_layer import StateLayer, sectioned_loader
 
 
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
@@ -108,7 +103,7 @@ class Mamba2Mixer(StateLayer):
         self.norm_weight.weight_loader = sectioned_loader([inner])
         self.eps = config.layer_norm_epsilon
         self.out_proj = RowParallelLinear(inner, hidden, bool(config.use_bias))
-        self.chunk = config.chunk_size
+        self.chunk_size = config.chunk_size
         self.dt_limit = tuple(config.time_step_limit)
 
     def state_shapes(self):
@@ -118,25 +113,20 @@ class Mamba2Mixer(StateLayer):
     def mix(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], -1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
-        A, D = -torch.exp(self.A_log.float()), self.D.float()
-        out = x.new_empty(x.shape[0], self.inner)
-        n, loc = meta.num_decodes, meta.query_start_loc
-        if n:
-            conv, ssm = self.read(meta, 0, n, x.dtype)
-            y, conv = causal_conv_step(xbc[:n], self.conv_weight, self.conv_bias, conv)
-            xs, B, C = self._split(y)
-            y, ssm = ssd_step(ssm, xs, dt[:n], A, B, C, D)
-            out[:n] = y.reshape(n, -1).to(out.dtype)
-            self.write(meta, 0, n, conv, ssm)
-        for s in range(n, meta.num_seqs):
-            a, b = loc[s], loc[s + 1]
-            conv, ssm = self.read(meta, s, s + 1, x.dtype)
-            y, conv = causal_conv(xbc[a:b], self.conv_weight, self.conv_bias, conv[0])
-            xs, B, C = self._split(y)
-            y, ssm = ssd_chunked(ssm[0], xs, dt[a:b], A, B, C, D, self.chunk)
-            out[a:b] = y.reshape(b - a, -1).to(out.dtype)
-            self.write(meta, s, s + 1, conv[None], ssm[None])
-        return self.out_proj(self.gated_norm(out, z))
+        out = x.new_empty(x.shape[0], self.num_heads, self.head_dim)
+        self.scan(meta, xbc, [dt], out)
+        return self.out_proj(self.gated_norm(out.view(x.shape[0], -1), z))
+
+    def step(self, y: torch.Tensor, inputs: list[torch.Tensor], ssm: torch.Tensor):
+        return ssd_step(ssm, *self._recurrence(y, inputs))
+
+    def chunk(self, y: torch.Tensor, inputs: list[torch.Tensor], ssm: torch.Tensor):
+        return ssd_chunked(ssm, *self._recurrence(y, inputs), self.chunk_size)
+
+    def _recurrence(self, y: torch.Tensor, inputs: list[torch.Tensor]):
+        """The scan's inputs but its state: x, dt, A, B, C, D."""
+        xs, B, C = self._split(y)
+        return xs, inputs[0], -torch.exp(self.A_log.float()), B, C, self.D.float()
 
     def _split(self, y: torch.Tensor):
         """Convolved rows [T, conv_dim] -> x [T, H, P], B and C [T, H, N] (float32, each

@@ -44,6 +44,11 @@ STATE_LAYER_HEADS = {"mamba2": ("num_heads", "n_groups"),
                      "granitemoehybrid": ("mamba_n_heads", "mamba_n_groups")}
 
 
+def has_state_layers(hf_config) -> bool:
+    """Whether the model's family has state layers (Mamba-2, gated DeltaNet)."""
+    return getattr(hf_config, "model_type", None) in STATE_LAYER_HEADS
+
+
 def _state_heads(hf_config) -> dict[str, int]:
     return {key: getattr(hf_config, key)
             for key in STATE_LAYER_HEADS.get(getattr(hf_config, "model_type", None), ())}

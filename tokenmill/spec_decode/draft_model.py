@@ -73,12 +73,16 @@ class DraftModelProposer(Proposer):
                  num_blocks: int, make_runner: Callable[..., Any]) -> None:
         """`make_runner`: the engine's model runner class, which runs the draft model."""
         from tokenmill.distributed.parallel_state import single_rank
-        from tokenmill.models.info import derive_max_model_len
+        from tokenmill.models.info import derive_max_model_len, has_state_layers
 
         target_path, target_hf = target.path, target.hf_config
         path = resolve_model_path(config.model) if config.model else target_path
         hf = load_hf_config(path)
         check_vocabulary(path, target_path, hf.vocab_size, target_hf.vocab_size)
+        if has_state_layers(hf):  # (its state would follow every draft it proposed)
+            raise ValueError("A draft model with state layers (Mamba-2, Qwen3-Next's linear "
+                             "attention) is not built: use n-gram or MTP speculation, or a "
+                             "draft model without them.")
         # (one rank: under tensor parallel the draft runs whole, on rank 0 alone)
         draft_config = dataclasses.replace(
             engine_config, model=path, quantization=config.quantization,

@@ -395,4 +395,5 @@ class ModelRunner:
 
     def prepare_inputs(self, inputs: StepInputs):
         """The step's (input ids, positions, attention metadata) on the device."""
-        return step_paths.device_inputs(inputs, self.block_size, self.device, self.backend)
+        return step_paths.device_inputs(inputs, self.block_size, self.device, self.backend,
+                                        state_cache.rows_per_slot(self.config))

@@ -2,7 +2,8 @@
 recurrent state of `num_slots` rows, the slots core/state_slots.py hands out (one per
 running request: `max_num_seqs`, within half the KV budget where the model has attention
 layers too, all of it where not). Allocated once beside the paged KV cache, whose budget
-they come out of; their size does not grow with the context."""
+they come out of; their size does not grow with the context. Speculative decoding gives each
+slot a row per draft (`rows_per_slot`)."""
 
 from __future__ import annotations
 
@@ -23,20 +24,19 @@ def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.devic
           world: Any, budget_bytes: Callable[[], int]) -> int:
     """The model's state layers' tensors (an EngineConfig `config`): a slot for each of
     `max_num_seqs` requests, as far as `budget_bytes()` holds them (at least one: requests
-    past the slots wait, as for blocks); the slot count every rank of `world` agrees on (a
-    pipeline stage without state layers counts them too; 0: no rank has any). What state
-    layers do not take is refused here, by name."""
+    past the slots wait, as for blocks), `rows_per_slot` rows each; the slot count every rank
+    of `world` agrees on (a pipeline stage without state layers counts them too; 0: no rank
+    has any). What state layers do not take is refused here, by name."""
     layers = state_layers(model)
     slots = 0
     if layers:
-        for flag, given in (("--speculative-config", config.speculative_config is not None),
-                            ("--enable-lora", config.enable_lora)):
-            if given:  # (a rejected draft would roll the state back; adapters: not built)
-                raise ValueError(f"{flag} is not built for models with state layers "
-                                 f"(Mamba-2, Qwen3-Next's linear attention): drop {flag}.")
-        per_slot = bytes_per_slot(layers, dtype)
+        if config.enable_lora:  # (adapters on their projections: not built)
+            raise ValueError("--enable-lora is not built for models with state layers "
+                             "(Mamba-2, Qwen3-Next's linear attention): drop --enable-lora.")
+        rows = rows_per_slot(config)
+        per_slot = bytes_per_slot(layers, dtype) * rows
         slots = max(1, min(config.max_num_seqs, budget_bytes() // per_slot))
-        bind_state_cache(layers, slots, dtype, device)
+        bind_state_cache(layers, slots * rows, dtype, device)
         logger.info("State cache: %d slots for up to %d running requests (%.2f GiB) beside "
                     "the KV cache", slots, config.max_num_seqs, slots * per_slot / 2**30)
     if world.size == 1:
@@ -44,6 +44,13 @@ def build(model: nn.Module, config: Any, dtype: torch.dtype, device: torch.devic
     if world.all_reduce_min(0 if layers else 1):  # (no rank has state layers)
         return 0
     return world.all_reduce_min(slots if layers else config.max_num_seqs)
+
+
+def rows_per_slot(config: Any) -> int:
+    """A slot's rows: its request's state, and with speculative decoding the state after
+    each draft a step verifies (the next step reads the last accepted one's)."""
+    spec = config.speculative_config
+    return 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
 
 def state_layers(model: nn.Module) -> list[StateLayer]:
@@ -59,9 +66,9 @@ def bytes_per_slot(layers: list[StateLayer], dtype: torch.dtype) -> int:
                for conv, ssm in (layer.state_shapes() for layer in layers))
 
 
-def bind_state_cache(layers: list[StateLayer], num_slots: int, dtype: torch.dtype,
+def bind_state_cache(layers: list[StateLayer], num_rows: int, dtype: torch.dtype,
                      device: torch.device) -> None:
     for layer in layers:
         conv, ssm = layer.state_shapes()
-        layer.conv_state = torch.zeros(num_slots, *conv, dtype=dtype, device=device)
-        layer.ssm_state = torch.zeros(num_slots, *ssm, dtype=torch.float32, device=device)
+        layer.conv_state = torch.zeros(num_rows, *conv, dtype=dtype, device=device)
+        layer.ssm_state = torch.zeros(num_rows, *ssm, dtype=torch.float32, device=device)

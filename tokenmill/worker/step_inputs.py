@@ -49,6 +49,9 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     # a model with state layers: per sequence its state slot (core/state_slots.py); empty
     # for a model without
     state_slots: list[int] = []
+    # and which of its slot's rows holds its state (ScheduledRequest.state_row); empty
+    # when every one is the first
+    state_rows: list[int] = []
 
     @classmethod
     def of(cls, scheduled: list[ScheduledRequest],
@@ -100,8 +103,7 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
                    prompt_rows, sample_counts,
                    [s.request.lora_id for s in scheduled] if adapters else [],
                    list(adapters.values()), lora_prefetch or [], pool_seqs, image_rows, rope,
-                   spans, [s.state_slot for s in scheduled]
-                   if scheduled and scheduled[0].state_slot >= 0 else [])
+                   spans, *_state_rows(scheduled))
 
     @property
     def num_sampled_rows(self) -> int:
@@ -172,6 +174,14 @@ class StepInputs(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def decode(cls, data: bytes) -> StepInputs:
         return _DECODER.decode(data)
+
+
+def _state_rows(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
+    """(StepInputs.state_slots, StepInputs.state_rows)."""
+    if not scheduled or scheduled[0].state_slot < 0:
+        return [], []
+    rows = [s.state_row for s in scheduled]
+    return [s.state_slot for s in scheduled], rows if any(rows) else []
 
 
 def as_list(obj):

@@ -32,10 +32,10 @@ from tokenmill.worker.step_inputs import StepInputs
 
 
 def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
-                  backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor,
-                                                      AttentionMetadata]:
+                  backend: AttentionBackend, state_rows_per_slot: int = 1
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A step's (input ids, positions, attention metadata) on the device, the backend's
-    per-step metadata prepared."""
+    per-step metadata prepared (`state_rows_per_slot`: worker/state_cache.py's)."""
     packed, parts, table = inputs.staged(block_size)
     # the host's numbers to the device in two copies that do not wait for it
     staged = on_device(packed, torch.int64, device)
@@ -51,9 +51,16 @@ def device_inputs(inputs: StepInputs, block_size: int, device: torch.device,
         num_decodes=leading_decodes(inputs.starts, inputs.ends),
         block_size=block_size,
         bidirectional=[tuple(span) for span in inputs.bidirectional],
-        state_slots=(on_device(inputs.state_slots, torch.int64, device)
-                     if inputs.state_slots else None),
     )
+    if inputs.state_slots:  # (a slot's rows: its state and, verifying drafts, one a draft)
+        slots = np.asarray(inputs.state_slots, dtype=np.int64) * state_rows_per_slot
+        meta.state_slots = on_device(slots, torch.int64, device)
+        if inputs.state_rows:
+            meta.state_reads = on_device(slots + inputs.state_rows, torch.int64, device)
+        if inputs.num_sampled_rows > len(inputs.sample_seqs):
+            meta.state_drafts = [0] * len(inputs.starts)
+            for i, count in zip(inputs.sample_seqs, inputs.sample_counts):
+                meta.state_drafts[i] = count - 1
     backend.prepare(meta)
     if len(inputs.rope_positions):  # M-RoPE: the rows' three rotary positions
         rope = np.asarray(inputs.rope_positions, dtype=np.int64).reshape(3, -1)
