@@ -156,9 +156,10 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     `float_weights`: every linear keeps a plain float weight (GGUF blocks dequantized, no
     packing), as `tokenmill quantize` needs them. `keep_fp8`: a block-FP8 checkpoint's
     float8 weights kept (default: as TOKENMILL_FP8_BLOCKS says for `device`; never with
-    `float_weights` unless asked). `mtp`: DeepSeek's multi-token-prediction layers built and
-    loaded (the engine needs them only to speculate with them). `head_on_first_stage`: under
-    pipeline parallel the first stage holds the LM head too (draft heads run there).
+    `float_weights` unless asked). `mtp`: the multi-token-prediction layers (DeepSeek's,
+    Qwen3-Next's) built and loaded (the engine needs them only to speculate with them).
+    `head_on_first_stage`: under pipeline parallel the first stage holds the LM head too
+    (draft heads run there).
     `bf16_weights` (a float32 model on the CPU): float linears load into bf16 and multiply
     from bf16 panels (layers/bf16_linear.py); quantized ones are untouched.
     `pooling` (a pooling model): a bare decoder's tensors (`layers.0...`, as
@@ -166,9 +167,9 @@ def load_model(path: str, hf_config: Any, dtype: torch.dtype, device: torch.devi
     to the pooler (worker/pooler.py), and the LM head is dropped unless tied or stored."""
     from tokenmill.quantization import model as qmodel
 
-    if not mtp and getattr(hf_config, "num_nextn_predict_layers", 0):
-        hf_config = copy.copy(hf_config)  # (the checkpoint's MTP tensors then go unread)
-        hf_config.num_nextn_predict_layers = 0
+    if not mtp and getattr(hf_config, "num_nextn_predict_layers", None) != 0:
+        hf_config = copy.copy(hf_config)  # (the checkpoint's MTP tensors then go unread;
+        hf_config.num_nextn_predict_layers = 0  # Qwen3-Next's config does not name them)
 
     quant = _quant_config(path, hf_config, quantization)
     tp = get_tp_group()

@@ -27,24 +27,32 @@ SHARED = (".embed_tokens.", ".shared_head.head.")
 
 
 class MTPLayer(DraftHead):
-    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+    """One MTP layer (DeepSeek's; Qwen3-Next's, models/qwen3_next_mtp.py, with its own
+    `norm` and chaining its final hidden states where DeepSeek's chain them before the
+    final norm: `chain_normed`, as vLLM runs each)."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module,
+                 norm: type[nn.Module] = RMSNorm, chain_normed: bool = False) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm = RMSNorm(hidden, eps)  # the next token's embedding
-        self.hnorm = RMSNorm(hidden, eps)  # the main model's hidden state
+        self.enorm = norm(hidden, eps)  # the next token's embedding
+        self.hnorm = norm(hidden, eps)  # the main model's hidden state
         self.eh_proj = Linear(2 * hidden, hidden, bias=False)
-        self.block = DecoderLayer(config, attention, mlp)
-        self.final_norm = RMSNorm(hidden, eps)  # the checkpoint's shared_head.norm
+        self.block = DecoderLayer(config, attention, mlp, norm)
+        self.final_norm = norm(hidden, eps)  # the checkpoint's shared_head.norm
+        self.chain_normed = chain_normed
 
     def forward(self, rope: StepRotary, embeds: torch.Tensor, previous: torch.Tensor,
                 meta: Any, chained: bool = False):
         """Final hidden states for the token after each of `embeds`' tokens; `previous`:
-        the main model's final hidden states at the same rows (or this layer's own, before
-        the final norm, for the next draft). `chained`: (final, before the final norm)."""
+        the main model's final hidden states at the same rows (or this layer's own for the
+        next draft). `chained`: (final, what the next draft reads)."""
         joined = torch.cat([self.enorm(embeds), self.hnorm(previous)], dim=-1)
         hidden, residual = self.block(rope, self.eh_proj(joined), None, meta)
         hidden, summed = self.final_norm(hidden, residual)
-        return (hidden, summed) if chained else hidden
+        if not chained:
+            return hidden
+        return hidden, hidden if self.chain_normed else summed
 
 
 

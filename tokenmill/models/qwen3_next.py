@@ -2,20 +2,25 @@
 attention (q/k norms, 25 % rotary, the output times sigmoid of a gate the q projection
 gives beside each query head), the others the gated DeltaNet (layers/gated_delta_net.py, a
 state layer); Qwen2-MoE's experts with a gated shared expert; (1 + w) RMSNorms. Its MTP
-layers are not read (speculative decoding is not built for state layers)."""
+layer (models/qwen3_next_mtp.py) is built and read when the engine speculates with it."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+from torch import nn
 
 from tokenmill.distributed.parallel_state import get_tp_group
 from tokenmill.layers.gated_delta_net import GatedDeltaNet
 from tokenmill.layers.linear import MergedLinear
 from tokenmill.models.gemma import GemmaRMSNorm
-from tokenmill.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from tokenmill.models.llama import Attention, DecoderLayer, LlamaForCausalLM, holds_expert
 from tokenmill.models.moe import qwen_moe_mlp
+from tokenmill.models.qwen3_next_mtp import build_mtp, mtp_name
+
+logger = logging.getLogger(__name__)
 
 
 class GatedAttention(Attention):
@@ -72,11 +77,34 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             make_layer=lambda config, mixer, mlp: DecoderLayer(config, mixer, mlp,
                                                                GemmaRMSNorm),
             make_norm=GemmaRMSNorm, **options)
+        self.mtp = (build_mtp(config, GatedAttention) if self.model.is_first_stage
+                    else nn.ModuleList())
+
+    def mtp_layers(self) -> list[nn.Module]:
+        return list(self.mtp)
 
     def holds(self, name: str) -> bool:
-        return not name.startswith("mtp.") and super().holds(name)
+        if not name.startswith("mtp."):
+            return super().holds(name)
+        ours = mtp_name(name)
+        return ours is not None and bool(len(self.mtp)) and holds_expert(self.mtp[0].block.mlp,
+                                                                          ours)
+
+    def unread(self, name: str) -> bool:
+        """(and the MTP layer when the engine does not speculate with it)"""
+        return (name.startswith("mtp.") and not self.holds(name)) or super().unread(name)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None]:
-        """`linear_attn` is the layer's mixer (`self_attn`); conv1d its convolution."""
+        """`linear_attn` is the layer's mixer (`self_attn`); conv1d its convolution; `mtp.*`
+        the MTP layer's (qwen3_next_mtp.py)."""
+        if name.startswith("mtp."):
+            name = mtp_name(name) or name
         name = name.replace(".linear_attn.conv1d.weight", ".self_attn.conv_weight")
         return super().checkpoint_target(name.replace(".linear_attn.", ".self_attn."))
+
+    def finish_loading(self, loaded: set[str]) -> None:
+        if len(self.mtp) and not any(name.startswith("mtp.") for name in loaded):
+            logger.info("The checkpoint has no multi-token-prediction layer's tensors "
+                        "(mtp.*): none kept.")
+            self.mtp = nn.ModuleList()
+        super().finish_loading(loaded)

@@ -1,6 +1,6 @@
 """Draft heads that run inside the target's model runner, on its final hidden states:
-DeepSeek's multi-token-prediction layers (method "mtp") and EAGLE heads ("eagle",
-models/eagle.py). The engine core's side is spec_decode/proposer.py's `HeadProposer`.
+DeepSeek's and Qwen3-Next's multi-token-prediction layers (method "mtp") and EAGLE heads
+("eagle", models/eagle.py). The engine core's side is spec_decode/proposer.py's `HeadProposer`.
 
 A head reads, at position i, the embedding of token i + 1 and the target's final hidden state
 at i, and scores token i + 2. Its attention has its own KV cache, paged by the target's block
@@ -105,9 +105,10 @@ def draft_heads(config: SpeculativeConfig, model, model_path: str, dtype, device
                                 3 if config.method == "eagle3" else 1)]
     layers = model.mtp_layers()
     if not layers:
+        name = os.path.basename(model_path.rstrip("/"))
         raise ValueError(f"Speculative method 'mtp' needs a model with multi-token-prediction "
-                         f"layers (DeepSeek-V3 / R1's num_nextn_predict_layers, with their "
-                         f"weights); {os.path.basename(model_path.rstrip('/'))!r} has none.")
+                         f"layers (DeepSeek-V3 / R1's num_nextn_predict_layers, Qwen3-Next's "
+                         f"mtp.*, with their weights); {name!r} has none.")
     return layers
 
 
