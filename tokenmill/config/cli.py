@@ -133,6 +133,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
       help="prompts split across steps by the token budget (default on)")
     a("--async-scheduling", action="store_true", default=None,
       help="schedule the next step while the current one runs (no pipeline stages, no drafts)")
+    a("--enable-sleep-mode", action="store_true", default=None,
+      help="POST /sleep, /wake_up: free the KV cache (level 1) and the weights (level 2) "
+           "while idle")
     a("--attention-backend", default=None, choices=["auto", "torch", "triton"],
       help="auto: triton on GPUs, torch on the CPU")
     a("--enforce-eager", action="store_true", default=None,

@@ -76,6 +76,9 @@ class EngineConfig:
     mmproj: str | None = None
     # image rows the vision encoder makes in one step (default: the token budget)
     max_num_encoder_input_tokens: int | None = None
+    # sleep mode (vLLM's flag): /sleep frees the KV cache (level 1) and the weights (level
+    # 2) of an idle engine, /wake_up brings them back (engine/sleep_mode.py)
+    enable_sleep_mode: bool = False
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -233,6 +236,9 @@ class EngineConfig:
             raise ValueError("async_scheduling (--async-scheduling) runs without pipeline "
                              "parallel and speculative decoding: drop it, or "
                              "--pipeline-parallel-size and --speculative-config.")
+        if self.enable_sleep_mode and self.world_size > 1:
+            raise ValueError("--enable-sleep-mode is not built for tensor or pipeline "
+                             "parallel engines: drop it, or run one rank.")
         if self.kv_cache_dtype == "fp8_e4m3":  # (vLLM's other name of it)
             self.kv_cache_dtype = "fp8"
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):

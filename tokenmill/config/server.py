@@ -195,6 +195,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "attention_backend": pick(args.attention_backend, None, "auto"),
         "enforce_eager": bool(args.enforce_eager),
         "async_scheduling": bool(args.async_scheduling),
+        "enable_sleep_mode": bool(args.enable_sleep_mode),
         "generation_config": pick(args.generation_config, None, "auto"),
         "revision": args.revision, "download_dir": args.download_dir,
         "override_generation_config": args.override_generation_config,

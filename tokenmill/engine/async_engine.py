@@ -18,6 +18,8 @@ from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import (
+    SLEEPING,
+    ControlRequest,
     EngineCoreOutput,
     EngineCoreRequest,
     LoRAUpdate,
@@ -54,6 +56,10 @@ class ShutdownError(EngineDeadError):
     """The server stopped (drain timeout over) before the request finished."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """Sleep mode: the engine sleeps (every front end answers 503 with its message)."""
+
+
 class AsyncLLM:
     """Owns one client of the engine core (or of several data-parallel replicas, each watched
     on its own). `generate` yields cumulative `RequestOutput`s; leaving the iterator early
@@ -87,7 +93,8 @@ class AsyncLLM:
         self._num_sequences = 0  # engine sequences (n per request) of in-flight requests
         self.num_aborted = 0  # requests left before they finished (client gone, cancelled)
         self.loras: list[LoRARequest] = []  # the adapters served by name (the core's list)
-        self._lora_answers: dict[str, asyncio.Future] = {}  # load / unload ids -> answer
+        # control requests (LoRA load / unload, sleep mode, weight updates): id -> answer
+        self._answers: dict[str, asyncio.Future] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -147,6 +154,8 @@ class AsyncLLM:
         `mm_inputs`: an image-text model's images (mm_inputs.py)."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
+        if self.sleeping:
+            raise EngineSleepingError(SLEEPING)
         request_id = f"req-{next(self._counter)}" if request_id is None else request_id
         if request_id in self._queues:
             raise DuplicateRequestError(f"Request id {request_id!r} is already in flight.")
@@ -230,7 +239,7 @@ class AsyncLLM:
                         if out.queue_time is not None:
                             self.metrics.queued(out.queue_time)
                 outputs = [o for o in batch.outputs
-                           if not self._lora_answered(o) and not self._fail_if_error(o)]
+                           if not self._answered(o) and not self._fail_if_error(o)]
                 results, stopped = self.processor.process_outputs(outputs)
                 for result in results:
                     queue = self._queues.get(result.request_id)
@@ -268,16 +277,38 @@ class AsyncLLM:
 
     async def _ask_lora(self, name: str, path: str, lora_id: int, replica: int,
                         timeout: float) -> str | None:
-        request_id = f"lora-{next(self._counter)}"
-        answer = self._lora_answers[request_id] = asyncio.get_running_loop().create_future()
+        return await self._ask(lambda request_id: self.client.update_lora(
+            LoRAUpdate(request_id, name, path, lora_id), replica), timeout)
+
+    async def control(self, action: str, level: int = 0, path: str = "",
+                      timeout: float = 1800.0) -> None:
+        """Sleep mode and weight updates (engine/sleep_mode.py's `action`s), on every
+        replica in turn; EngineRequestError: one refused (its reason; those before it
+        went through)."""
+        if self.dead is not None:
+            raise EngineDeadError("The engine is not running.")
+        for replica in range(getattr(self.client, "num_replicas", 1)):
+            error = await self._ask(lambda request_id, replica=replica: self.client.control(
+                ControlRequest(request_id, action, level, path), replica), timeout)
+            if error is not None:
+                raise EngineRequestError(error)
+
+    @property
+    def sleeping(self) -> bool:
+        return self.stats.sleeping > 0
+
+    async def _ask(self, send, timeout: float) -> str | None:
+        """Sends a control request (`send(request_id)`); its answer: None or an error."""
+        request_id = f"ctl-{next(self._counter)}"
+        answer = self._answers[request_id] = asyncio.get_running_loop().create_future()
         try:
-            await self.client.update_lora(LoRAUpdate(request_id, name, path, lora_id), replica)
+            await send(request_id)
             return await asyncio.wait_for(answer, timeout)
         finally:
-            self._lora_answers.pop(request_id, None)
+            self._answers.pop(request_id, None)
 
-    def _lora_answered(self, out: EngineCoreOutput) -> bool:
-        answer = self._lora_answers.get(out.request_id)
+    def _answered(self, out: EngineCoreOutput) -> bool:
+        answer = self._answers.get(out.request_id)
         if answer is None:
             return False
         if not answer.done():
@@ -291,7 +322,8 @@ class AsyncLLM:
         if parent is not None:
             queue = self._queues.get(parent)
             if queue is not None:
-                queue.put(EngineRequestError(out.error))
+                queue.put(EngineSleepingError(out.error) if out.error == SLEEPING
+                          else EngineRequestError(out.error))
             siblings = [c for c in self.processor.child_ids(parent) if c != out.request_id]
             self.processor.abort_request(parent)
             if siblings:
@@ -304,10 +336,10 @@ class AsyncLLM:
 
     def end_all(self, error: BaseException) -> None:
         """Every in-flight request ends with `error` (its handler aborts it in the core), and
-        every adapter load or unload waiting for its answer."""
+        every control request (adapter load or unload, sleep mode) waiting for its answer."""
         for queue in self._queues.values():
             queue.put(error)
-        for answer in self._lora_answers.values():
+        for answer in self._answers.values():
             if not answer.done():
                 answer.set_exception(error)
 

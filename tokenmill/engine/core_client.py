@@ -17,6 +17,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.engine_core_proc import INFO, OUTPUTS, heartbeat_address, run_engine_core
 from tokenmill.engine.liveness import EngineHeartbeat
 from tokenmill.engine.protocol import (
+    ControlRequest,
     EngineCoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -120,6 +121,9 @@ class AsyncMPClient:
 
     async def update_lora(self, update: LoRAUpdate, replica: int = 0) -> None:
         await self._send(RequestType.LORA, self.encoder.encode(update))
+
+    async def control(self, request: ControlRequest, replica: int = 0) -> None:
+        await self._send(RequestType.CONTROL, self.encoder.encode(request))
 
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:
         while True:

@@ -141,6 +141,10 @@ class DataParallelClient:
         """To one replica (AsyncLLM.update_lora asks each in turn, with one id)."""
         await self.replicas[replica].update_lora(update)
 
+    async def control(self, request, replica: int = 0) -> None:
+        """To one replica (AsyncLLM.control asks each in turn)."""
+        await self.replicas[replica].control(request)
+
     async def get_output(self) -> tuple[int, EngineCoreOutputs]:
         replica, batch = await self._outputs.get()
         if isinstance(batch, Exception):

@@ -14,7 +14,12 @@ from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.admission import check_request
 from tokenmill.engine.liveness import StepClock
-from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenmill.engine.protocol import (
+    SLEEPING,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from tokenmill.loading.checkpoint import load_hf_config
 from tokenmill.loading.mmproj import mmproj_multimodal
 from tokenmill.lora.registry import LoRARegistry
@@ -84,6 +89,7 @@ class EngineCore:
                                        self.runner.num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
         self.clock = StepClock()  # step timings for the engine's heartbeat
+        self.sleeping = 0  # sleep mode's level (engine/sleep_mode.py)
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
         # (bench/tensor_parallel.py sets 1 to measure one at a time); asynchronous
         # scheduling: the step running and the next one, launched before it lands
@@ -150,6 +156,8 @@ class EngineCore:
         destroy_parallel()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.sleeping:  # (sleep mode: engine/sleep_mode.py)
+            raise ValueError(SLEEPING)
         check_request(request, self.max_model_len, self.hf_config.vocab_size,
                       self.kv_cache.num_blocks, self.config.block_size,
                       self.scheduler.config.num_lookahead_tokens, self.model_config.pooler,
@@ -220,7 +228,8 @@ class EngineCore:
             spec_draft_tokens=self.scheduler.num_draft_tokens,
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             spec_emitted_tokens=self.scheduler.num_spec_emitted,
-            spec_steps=self.scheduler.num_spec_steps, **self._lora_stats())
+            spec_steps=self.scheduler.num_spec_steps, sleeping=self.sleeping,
+            **self._lora_stats())
 
     def _lora_stats(self) -> dict:
         if self.runner.lora is None:

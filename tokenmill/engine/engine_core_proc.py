@@ -23,6 +23,7 @@ from tokenmill.core.request import FinishReason
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.liveness import HEARTBEAT_S
 from tokenmill.engine.protocol import (
+    ControlRequest,
     EngineCoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -136,6 +137,8 @@ class EngineCoreProc:
                 self.owner.pop(request_id, None)
         elif kind == RequestType.LORA:
             self._update_lora(identity, msgspec.msgpack.decode(payload, type=LoRAUpdate))
+        elif kind == RequestType.CONTROL:
+            self._control(identity, msgspec.msgpack.decode(payload, type=ControlRequest))
         elif kind == RequestType.SHUTDOWN:
             return False
         return True
@@ -153,6 +156,27 @@ class EngineCoreProc:
             error = str(exc)
         self._send_to(identity, [EngineCoreOutput(update.request_id, [], int(FinishReason.STOP),
                                                   error=error)])
+        self._send([])
+
+    def _control(self, identity: bytes, request: ControlRequest) -> None:
+        """Sleep, wake up or update the weights; the answer (error or not, with the stats
+        that say whether it sleeps) to the asking client, the stats to the others."""
+        from tokenmill.engine import sleep_mode
+
+        error = None
+        try:
+            if request.action == "sleep":
+                sleep_mode.sleep(self.core, request.level)
+            elif request.action == "wake_up":
+                sleep_mode.wake_up(self.core)
+            elif request.action == "update_weights":
+                sleep_mode.update_weights(self.core, request.path)
+            else:
+                error = f"Unknown engine control {request.action!r}."
+        except ValueError as exc:
+            error = str(exc)
+        self._send_to(identity, [EngineCoreOutput(request.request_id, [],
+                                                  int(FinishReason.STOP), error=error)])
         self._send([])
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:

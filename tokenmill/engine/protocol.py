@@ -67,6 +67,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     running_loras: list[str] = []
     waiting_loras: list[str] = []
     max_loras: int = 0
+    sleeping: int = 0  # sleep mode's level (0: awake; replicas added up: any asleep)
 
     @property
     def kv_usage(self) -> float:
@@ -100,6 +101,7 @@ class RequestType(enum.IntEnum):
     FINISH = 3  # list[str] request ids stopped by a stop string
     SHUTDOWN = 4
     LORA = 5  # LoRAUpdate: answered by an EngineCoreOutput of its request id (error or not)
+    CONTROL = 6  # ControlRequest: answered the same way
 
 
 class LoRAUpdate(msgspec.Struct, array_like=True):
@@ -110,3 +112,17 @@ class LoRAUpdate(msgspec.Struct, array_like=True):
     name: str
     path: str = ""
     lora_id: int = 0
+
+
+# an engine core's refusal of a request while it sleeps (the API answers 503 with it)
+SLEEPING = "The engine is sleeping: wake it up first (POST /wake_up, or LLM.wake_up())."
+
+
+class ControlRequest(msgspec.Struct, array_like=True):
+    """Sleep mode and weight updates (engine/sleep_mode.py): `action` "sleep" (at `level`),
+    "wake_up" or "update_weights" (from the checkpoint at `path`)."""
+
+    request_id: str
+    action: str
+    level: int = 0
+    path: str = ""

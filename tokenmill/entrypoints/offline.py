@@ -59,6 +59,36 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    # ---- sleep mode and weight updates (engine/sleep_mode.py), between generate calls ----
+    def sleep(self, level: int = 1) -> None:
+        """With `enable_sleep_mode=True`: free the KV cache (level 1), and the weights too
+        (level 2); generate refuses until `wake_up`."""
+        from tokenmill.engine import sleep_mode
+
+        sleep_mode.sleep(self._core("sleep"), level)
+
+    def wake_up(self) -> None:
+        from tokenmill.engine import sleep_mode
+
+        sleep_mode.wake_up(self._core("wake_up"))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._core("is_sleeping").sleeping)
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Serve the weights of another checkpoint of the same shape (SGLang's name); the
+        prefix cache is dropped. On a failure to load them the previous weights serve and
+        a ValueError says why."""
+        from tokenmill.engine import sleep_mode
+
+        sleep_mode.update_weights(self._core("update_weights_from_disk"), model_path)
+
+    def _core(self, what: str):
+        core = getattr(self.engine, "core", None)
+        if core is None:
+            raise ValueError(f"LLM.{what} is not built for data-parallel replicas.")
+        return core
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `chat` use when given none: the model's generation config's
         sampling fields (`generation_config=`, as vLLM reads them), else SamplingParams()."""

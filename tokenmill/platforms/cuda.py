@@ -53,6 +53,9 @@ class CudaPlatform(Platform):
     def reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device)
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def kv_budget_bytes(self, gib, utilization, profile=None, *, ranks_here=1,
                         wanted=None) -> int:
         """`utilization` x the card, less what is in use (weights, CUDA context, torch's

@@ -56,6 +56,10 @@ class Platform(ABC):
         budget."""
         return 0
 
+    def empty_cache(self) -> None:
+        """Hand freed device memory back (sleep mode; default: nothing held back)."""
+        return None
+
     def check_kv_cache(self, dtype: torch.dtype, backend: AttentionBackend) -> None:
         """A ValueError naming what to change where this device cannot keep K/V in `dtype`
         with `backend` (default: every pairing works)."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tokenmill.quantization.kv_cache import SCALE_BYTES, row_bytes
@@ -13,6 +15,18 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     """`values=False`: one cache a layer (DeepSeek's latent rows), not K and V."""
     caches = 2 if values else 1
     return caches * num_layers * block_size * num_kv_heads * row_bytes(head_dim, dtype)
+
+
+logger = logging.getLogger(__name__)
+
+
+def log_size(num_blocks: int, block_size: int, block_bytes: int, dtype: torch.dtype,
+             ranks_here: int, max_model_len: int) -> None:
+    tokens = num_blocks * block_size
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB%s, %s): %d tokens, %.1f full "
+                "contexts of %d", num_blocks, block_size, num_blocks * block_bytes / 2**30,
+                f" on each of {ranks_here} ranks here" if ranks_here > 1 else "", dtype,
+                tokens, tokens / max_model_len, max_model_len)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:

@@ -57,8 +57,7 @@ class ModelRunner:
         asked = resolve_dtype(config.dtype, hf_config, self.device)
         self.dtype, bf16_weights = self.platform.model_dtypes(asked)
         self.block_size = config.block_size
-        self.vocab_size = hf_config.vocab_size
-        self.hidden_size = hf_config.hidden_size
+        self.vocab_size, self.hidden_size = hf_config.vocab_size, hf_config.hidden_size
         # The seed's 3.0 checkpoints mark an int8 KV cache in config.json; it wins over "auto".
         kv_int8 = config.kv_cache_dtype == "int8" or hasattr(hf_config,
                                                              "infer_model_cachekv_int8_type")
@@ -126,8 +125,7 @@ class ModelRunner:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, self.dtype,
                                     self.device)
-        eager = EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None)
-        self.paths = step_paths.ordered(None, None, eager)  # (the profiling step: eager)
+        self.paths = step_paths.ordered(None, None, self._eager())  # (profiling: eager)
         self._layers, self._values = layers, values
         # Every rank the same block count: the scheduler's block ids index each rank's cache.
         self.num_blocks = self.world.all_reduce_min(self._decide_num_blocks(max_model_len))
@@ -136,6 +134,16 @@ class ModelRunner:
             from tokenmill.worker.draft_heads import HeadDrafter, TargetView
 
             self.heads = HeadDrafter(TargetView.of(self), spec, heads)
+        self.build_step_paths(max_model_len)
+        kv_cache.log_size(self.num_blocks, self.block_size, self.block_bytes, self.kv_dtype,
+                          config.ranks_on_machine, max_model_len)
+
+    def _eager(self) -> EagerPath:
+        return EagerPath(self.model, self.backend, logits_rows_only=self.target_states is None)
+
+    def build_step_paths(self, max_model_len: int) -> None:
+        """The compiled decode step and the graphs over the bound caches (again after sleep
+        mode rebinds them: worker/sleep_mode.py), and the step paths in order."""
         # All-decode steps of a few sequences on the CPU: every layer in one compiled call.
         self.decode_step = CpuDecodeStep.build(self.model, self.backend)
         if self.target_states is not None and self.target_states.aux:  # (hooks C would skip)
@@ -149,19 +157,12 @@ class ModelRunner:
             self.decode_step.lora = self.lora  # (its steps add the adapters' products too)
         reserved = self.platform.reserved_bytes()
         self.graphs, self.pieces = graph_capture.build(self, max_model_len)
-        self.paths = step_paths.ordered(self.pieces, self.decode_step, eager)
+        self.paths = step_paths.ordered(self.pieces, self.decode_step, self._eager())
         if self.graphs is not None and self.heads is not None:
             self.heads.capture(self.graphs, self.graphs.pool is not None)
         self.graph_bytes = self.platform.reserved_bytes() - reserved  # (beside the budget)
         if self.graph_bytes:
             logger.info("CUDA graphs hold %.2f GiB beside the KV cache", self.graph_bytes / 2**30)
-        tokens = self.num_blocks * self.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB%s, %s): %d tokens, %.1f full "
-                    "contexts of %d", self.num_blocks, self.block_size,
-                    self.num_blocks * self.block_bytes / 2**30,
-                    f" on each of {self.config.ranks_on_machine} ranks here"
-                    if self.config.ranks_on_machine > 1 else "", self.kv_dtype, tokens,
-                    tokens / max_model_len, max_model_len)
 
     def _bind_cache(self, num_blocks: int) -> None:
         """A KV cache of `num_blocks` blocks for every attention layer."""

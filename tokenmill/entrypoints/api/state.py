@@ -227,4 +227,6 @@ def readiness(state: ServerState | None) -> tuple[bool, str]:
         return False, "server is shutting down"
     if not state.engine.is_alive():
         return False, "engine is not responding"
+    if state.engine.sleeping:
+        return False, "engine is sleeping"
     return True, "ready"

@@ -30,6 +30,7 @@ from tokenmill.entrypoints.http import (
     openai_errors,
     pooling_api,
     responses_api,
+    sleep_api,
     tokenize_api,
     triton_api,
 )
@@ -127,6 +128,7 @@ def create_service_app(settings: ApiSettings, state: ServerState | None = None,
     batch_api.add_routes(app, guarded)
     pooling_api.add_routes(app, guarded)
     responses_api.add_routes(app, guarded)
+    sleep_api.add_routes(app, guarded)
     _add_health_routes(app)
     app.include_router(triton_api.create_router(lambda request: request.app.state.server,
                                                 guard=guarded))
