@@ -134,3 +134,72 @@ def test_refusals_name_what_to_do(tiny_models):
             llm.sleep(2)
     with pytest.raises(ValueError, match="not built for tensor or pipeline parallel"):
         LLM(path, enable_sleep_mode=True, tensor_parallel_size=2)
+
+
+def _trainer(model, port: int, ready, order=None):
+    """A trainer's rank 0: hosts the group's store, joins, then broadcasts the model's
+    tensors (in `order`, default its state dict's). Returns its thread."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    tensors = model.state_dict()
+
+    def run():
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._timeout = datetime.timedelta(seconds=60)
+        group = dist.ProcessGroupGloo(store, 0, 2, opts)
+        ready.wait(60)
+        for name in order or tensors:
+            group.broadcast(tensors[name].contiguous(), 0).wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, tensors
+
+
+def test_weights_from_a_trainer_over_a_gloo_group(tiny_models, tmp_path):
+    """The trainer broadcasts every tensor (SGLang's calls, vLLM's pattern): served as a
+    fresh engine over them serves; a second sync replaces the first's staged folder."""
+    import threading
+
+    from tests.serving import free_port
+
+    path, _ = tiny_models("llama")
+    hf_other = _perturbed(path, str(tmp_path / "other"))
+    with LLM(str(tmp_path / "other"), kv_cache_memory_gib=0.01) as fresh:
+        want = _tokens(fresh)
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        with pytest.raises(ValueError, match="init_weights_update_group first"):
+            llm.update_weights_from_distributed(["x"], ["float32"], [[1]])
+        port, ready = free_port(), threading.Event()
+        thread, tensors = _trainer(hf_other, port, ready)
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2)
+        names = list(tensors)
+        ready.set()
+        llm.update_weights_from_distributed(names, [t.dtype for t in tensors.values()],
+                                            [t.shape for t in tensors.values()])
+        thread.join(60)
+        staged = llm.engine.core.weight_staging
+        assert os.path.isdir(staged) and _tokens(llm) == want
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            llm.update_weights_from_distributed(names[:1], ["int64"], [[2]])
+        with pytest.raises(ValueError, match="more than the"):
+            llm.update_weights_from_distributed(names[:1], ["float32"], [[1 << 20, 1 << 10]])
+        # a sync that leaves tensors out: refused naming them, the last weights serve
+        port, ready = free_port(), threading.Event()
+        thread, _ = _trainer(hf_other, port, ready, order=names[:-1])
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2)
+        ready.set()
+        with pytest.raises(ValueError, match=f"lacks weights for: {names[-1]}"):
+            llm.update_weights_from_distributed(
+                names[:-1], [tensors[n].dtype for n in names[:-1]],
+                [tensors[n].shape for n in names[:-1]])
+        thread.join(60)
+        assert _tokens(llm) == want and llm.engine.core.weight_staging == staged
+        llm.destroy_weights_update_group()
+    assert not os.path.exists(staged)  # (removed with the engine)

@@ -46,6 +46,9 @@ def _greedy_text(path, hf) -> str:
 def test_sleep_wake_and_update(served, tiny_models, tmp_path):
     path, hf = tiny_models("llama_long")
     base = served.base
+    # (the model's own weights, whatever another test of this module left served)
+    assert httpx.post(base + "/update_weights_from_disk", json={"model_path": path},
+                      timeout=300).status_code == 200
     assert _complete(base) == _greedy_text(path, hf)
     assert httpx.get(base + "/is_sleeping", timeout=10).json() == {"is_sleeping": False}
     for level in ("0", "3", "x"):
@@ -136,3 +139,44 @@ def test_data_parallel_replicas_sleep_and_wake_together(tiny_models, tmp_path):
         assert _complete(base) == text
     finally:
         served.stop()
+
+
+def test_weights_from_a_trainer_group_over_http(served, tiny_models, tmp_path):
+    """SGLang's three routes against the engine process: the trainer (this process) hosts
+    the group and broadcasts; the server then answers as transformers over those weights."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_sleep_mode import _trainer
+    from tests.serving import free_port
+
+    path = tiny_models("llama_long")[0]
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=g))
+    base, port, ready = served.base, free_port(), threading.Event()
+    resp = httpx.post(base + "/update_weights_from_distributed",
+                      json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, timeout=60)
+    assert resp.status_code == 409 and "init_weights_update_group first" in resp.text
+    thread, tensors = _trainer(hf, port, ready)
+    resp = httpx.post(base + "/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+        "world_size": 2, "group_name": "weight_update_group", "backend": "gloo"}, timeout=120)
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    ready.set()
+    resp = httpx.post(base + "/update_weights_from_distributed", json={
+        "names": list(tensors), "dtypes": [str(t.dtype).removeprefix("torch.")
+                                           for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()]}, timeout=300)
+    assert resp.status_code == 200 and resp.json() == {"success": True,
+                                                       "message": "Weights updated."}
+    thread.join(60)
+    assert _complete(base) == _greedy_text(path, hf)
+    for route, body in (("/init_weights_update_group", {"master_address": "127.0.0.1"}),
+                        ("/update_weights_from_distributed", {"names": "x"})):
+        resp = httpx.post(base + route, json=body, timeout=60)
+        assert resp.status_code == 400 and resp.json()["success"] is False
+    assert httpx.post(base + "/destroy_weights_update_group", timeout=60).status_code == 200

@@ -281,7 +281,7 @@ class AsyncLLM:
             LoRAUpdate(request_id, name, path, lora_id), replica), timeout)
 
     async def control(self, action: str, level: int = 0, path: str = "",
-                      timeout: float = 1800.0) -> None:
+                      options: dict | None = None, timeout: float = 1800.0) -> None:
         """Sleep mode and weight updates (engine/sleep_mode.py's `action`s), on every
         replica in turn; EngineRequestError: one refused (its reason; those before it
         went through)."""
@@ -289,7 +289,8 @@ class AsyncLLM:
             raise EngineDeadError("The engine is not running.")
         for replica in range(getattr(self.client, "num_replicas", 1)):
             error = await self._ask(lambda request_id, replica=replica: self.client.control(
-                ControlRequest(request_id, action, level, path), replica), timeout)
+                ControlRequest(request_id, action, level, path, options or {}), replica),
+                timeout)
             if error is not None:
                 raise EngineRequestError(error)
 

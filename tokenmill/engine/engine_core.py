@@ -128,6 +128,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
+        staging = getattr(self, "weight_staging", None)  # (engine/weight_sync.py's folder)
+        if staging is not None:
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
         if getattr(self, "loras", None) is not None:

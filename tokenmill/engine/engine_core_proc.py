@@ -161,20 +161,13 @@ class EngineCoreProc:
     def _control(self, identity: bytes, request: ControlRequest) -> None:
         """Sleep, wake up or update the weights; the answer (error or not, with the stats
         that say whether it sleeps) to the asking client, the stats to the others."""
-        from tokenmill.engine import sleep_mode
+        from tokenmill.engine.control import control  # (torch: only when asked)
 
         error = None
         try:
-            if request.action == "sleep":
-                sleep_mode.sleep(self.core, request.level)
-            elif request.action == "wake_up":
-                sleep_mode.wake_up(self.core)
-            elif request.action == "update_weights":
-                sleep_mode.update_weights(self.core, request.path)
-            else:
-                error = f"Unknown engine control {request.action!r}."
-        except ValueError as exc:
-            error = str(exc)
+            control(self.core, request.action, request.level, request.path, request.options)
+        except (ValueError, KeyError, TypeError) as exc:
+            error = str(exc) if isinstance(exc, ValueError) else "Malformed options."
         self._send_to(identity, [EngineCoreOutput(request.request_id, [],
                                                   int(FinishReason.STOP), error=error)])
         self._send([])

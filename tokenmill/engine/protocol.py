@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -120,9 +121,14 @@ SLEEPING = "The engine is sleeping: wake it up first (POST /wake_up, or LLM.wake
 
 class ControlRequest(msgspec.Struct, array_like=True):
     """Sleep mode and weight updates (engine/sleep_mode.py): `action` "sleep" (at `level`),
-    "wake_up" or "update_weights" (from the checkpoint at `path`)."""
+    "wake_up", "update_weights" (from the checkpoint at `path`), or a trainer's weight-update
+    group's "init_weights_update_group", "update_weights_from_distributed",
+    "destroy_weights_update_group" (engine/weight_sync.py, with `options`)."""
 
     request_id: str
     action: str
     level: int = 0
     path: str = ""
+    # "init_weights_update_group": address, port, rank_offset, world_size, backend;
+    # "update_weights_from_distributed": names, dtypes, shapes (engine/weight_sync.py)
+    options: dict[str, Any] = {}

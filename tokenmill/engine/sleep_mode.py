@@ -60,14 +60,13 @@ def wake_up(core: Any) -> None:
     logger.info("Awake")
 
 
-def update_weights(core: Any, path: str) -> None:
+def update_weights(core: Any, path: str, source: str | None = None) -> None:
     """Serve the weights of the checkpoint at `path` (a folder or GGUF file of the same
     architecture and shapes); on a failure to load them the previous weights serve again
-    and the error is raised."""
+    and the error is raised (naming `source`, default the path, as what failed)."""
     from tokenmill.loading.checkpoint import load_hf_config, resolve_model_path
 
-    _check_own_weights(core, "A weight update")
-    _check_idle(core, "A weight update")
+    check_for_update(core)
     try:  # (a local checkpoint only: never a hub download)
         if not os.path.exists(path):
             raise FileNotFoundError(path)
@@ -95,12 +94,22 @@ def update_weights(core: Any, path: str) -> None:
         runner_sleep.restore(core.runner, 2, core.model_config)
         _new_kv_cache(core)
         core.sleeping = 0
-        raise ValueError(f"The weights at {path!r} could not be loaded "
-                         f"({type(exc).__name__}); the previous weights serve.") from None
+        source = source or f"The weights at {path!r}"
+        reason = (str(exc).replace(f"Checkpoint {path!r}", "the checkpoint")
+                  .replace(repr(path), "the checkpoint").replace(path, "it")
+                  if isinstance(exc, ValueError) else type(exc).__name__)  # (ours: one line)
+        raise ValueError(f"{source} could not be loaded ({reason}); the previous weights "
+                         "serve.") from None
     core.model_config = model
     _new_kv_cache(core)
     core.sleeping = 0
     logger.info("Weights updated from %s", path)
+
+
+def check_for_update(core: Any) -> None:
+    """What a weight update needs: nothing else holding weights, an idle engine."""
+    _check_own_weights(core, "A weight update")
+    _check_idle(core, "A weight update")
 
 
 def _check_idle(core: Any, what: str) -> None:

@@ -59,18 +59,14 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    # ---- sleep mode and weight updates (engine/sleep_mode.py), between generate calls ----
+    # ---- sleep mode and weight updates (engine/control.py), between generate calls ----
     def sleep(self, level: int = 1) -> None:
         """With `enable_sleep_mode=True`: free the KV cache (level 1), and the weights too
         (level 2); generate refuses until `wake_up`."""
-        from tokenmill.engine import sleep_mode
-
-        sleep_mode.sleep(self._core("sleep"), level)
+        self._control("sleep", level=level)
 
     def wake_up(self) -> None:
-        from tokenmill.engine import sleep_mode
-
-        sleep_mode.wake_up(self._core("wake_up"))
+        self._control("wake_up")
 
     def is_sleeping(self) -> bool:
         return bool(self._core("is_sleeping").sleeping)
@@ -79,9 +75,33 @@ class LLM:
         """Serve the weights of another checkpoint of the same shape (SGLang's name); the
         prefix cache is dropped. On a failure to load them the previous weights serve and
         a ValueError says why."""
-        from tokenmill.engine import sleep_mode
+        self._control("update_weights", path=model_path)
 
-        sleep_mode.update_weights(self._core("update_weights_from_disk"), model_path)
+    def init_weights_update_group(self, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int,
+                                  backend: str = "gloo") -> None:
+        """Join a trainer's torch.distributed group (SGLang's call; the trainer is rank 0
+        and hosts its TCPStore at master_address:master_port) to receive weights."""
+        self._control("init_weights_update_group", options={
+            "address": master_address, "port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "backend": backend})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list,
+                                        shapes: list) -> None:
+        """Receive the named tensors the trainer broadcasts (in this order; dtypes as names
+        or torch dtypes) and serve them: the whole checkpoint, as from disk."""
+        self._control("update_weights_from_distributed", options={
+            "names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes]})
+
+    def destroy_weights_update_group(self) -> None:
+        self._control("destroy_weights_update_group")
+
+    def _control(self, action: str, level: int = 0, path: str = "",
+                 options: dict | None = None) -> None:
+        from tokenmill.engine.control import control
+
+        control(self._core(action), action, level, path, options)
 
     def _core(self, what: str):
         core = getattr(self.engine, "core", None)
