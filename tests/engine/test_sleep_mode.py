@@ -203,3 +203,14 @@ def test_weights_from_a_trainer_over_a_gloo_group(tiny_models, tmp_path):
         assert _tokens(llm) == want and llm.engine.core.weight_staging == staged
         llm.destroy_weights_update_group()
     assert not os.path.exists(staged)  # (removed with the engine)
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:  # (or by a later update from disk)
+        port, ready = free_port(), threading.Event()
+        thread, _ = _trainer(hf_other, port, ready)
+        llm.init_weights_update_group("127.0.0.1", port, 1, 2)
+        ready.set()
+        llm.update_weights_from_distributed(names, [t.dtype for t in tensors.values()],
+                                            [t.shape for t in tensors.values()])
+        thread.join(60)
+        staged = llm.engine.core.weight_staging
+        llm.update_weights_from_disk(path)
+        assert not os.path.exists(staged) and llm.engine.core.weight_staging is None

@@ -287,7 +287,11 @@ class AsyncLLM:
         went through)."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
-        for replica in range(getattr(self.client, "num_replicas", 1)):
+        replicas = getattr(self.client, "num_replicas", 1)
+        if options and replicas > 1:  # (each replica would need a rank of its own)
+            raise EngineRequestError("A trainer's weight-update group is not built for "
+                                     "data-parallel replicas.")
+        for replica in range(replicas):
             error = await self._ask(lambda request_id, replica=replica: self.client.control(
                 ControlRequest(request_id, action, level, path, options or {}), replica),
                 timeout)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from typing import Any
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -103,6 +104,10 @@ def update_weights(core: Any, path: str, source: str | None = None) -> None:
     core.model_config = model
     _new_kv_cache(core)
     core.sleeping = 0
+    staged = getattr(core, "weight_staging", None)  # (a trainer's last tensors: replaced)
+    if staged is not None and staged != path:
+        shutil.rmtree(staged, ignore_errors=True)
+        core.weight_staging = None
     logger.info("Weights updated from %s", path)
 
 

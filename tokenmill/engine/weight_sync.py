@@ -36,7 +36,7 @@ MAX_TENSORS = 100_000
 
 class WeightGroup:
     def __init__(self, address: str, port: int, rank_offset: int, world_size: int,
-                 backend: str = "gloo", timeout_s: float = 120.0) -> None:
+                 backend: str, device: torch.device, timeout_s: float = 120.0) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}.")
         if not 0 < rank_offset < world_size:
@@ -58,7 +58,7 @@ class WeightGroup:
         except (RuntimeError, OSError) as exc:
             raise ValueError(f"Could not join the weight-update group at {address}:{port} "
                              f"({type(exc).__name__}): is the trainer's rank 0 there?") from None
-        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        self.device = device if backend == "nccl" else torch.device("cpu")
 
     def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 max_bytes: int) -> dict[str, torch.Tensor]:
@@ -91,7 +91,7 @@ def init_group(core: Any, options: dict) -> None:
     close_group(core)
     core.weight_group = WeightGroup(options["address"], options["port"],
                                     options["rank_offset"], options["world_size"],
-                                    options.get("backend", "gloo"))
+                                    options.get("backend", "gloo"), core.runner.device)
     logger.info("Joined the weight-update group at %s:%s as rank %d of %d",
                 options["address"], options["port"], options["rank_offset"],
                 options["world_size"])
@@ -118,13 +118,12 @@ def update_from_group(core: Any, options: dict) -> None:
         save_file({k: v.contiguous() for k, v in received.items()},
                   os.path.join(staging, "model.safetensors"))
         del received
+        # (a success removes the folder the previous sync staged)
         sleep_mode.update_weights(core, staging, "The tensors received")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    previous, core.weight_staging = getattr(core, "weight_staging", None), staging
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
+    core.weight_staging = staging
 
 
 def _checkpoint_bytes(path: str) -> int:
