@@ -4,9 +4,9 @@ and SGLang: vLLM's `POST /sleep?level=1|2`, `POST /wake_up`, `GET /is_sleeping` 
 another checkpoint of the same shape), `/init_weights_update_group`,
 `/update_weights_from_distributed` (a trainer's tensors over torch.distributed:
 engine/weight_sync.py) and `/destroy_weights_update_group`, which answer {"success",
-"message"}. A refusal of the
-engine's (requests still running, LoRA adapters beside level 2, another shape) is 409; a bad
-argument 400. While the engine sleeps every generating route answers 503."""
+"message"}. The engine's refusal (requests still running, LoRA adapters beside level 2,
+another shape) is 409; a bad argument 400. While the engine sleeps every generating route
+answers 503."""
 
 from __future__ import annotations
 
