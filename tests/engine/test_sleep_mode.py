@@ -109,6 +109,22 @@ def test_weight_update_serves_the_new_checkpoint_as_a_fresh_engine(tiny_models, 
         assert not llm.is_sleeping()
 
 
+def test_a_model_that_no_longer_loads_stays_asleep(tiny_models, tmp_path):
+    path = str(tmp_path / "m")
+    shutil.copytree(tiny_models("llama")[0], path)
+    with LLM(path, kv_cache_memory_gib=0.01, enable_sleep_mode=True) as llm:
+        before = _tokens(llm)
+        llm.sleep(2)
+        weights = os.path.join(path, "model.safetensors")
+        os.rename(weights, weights + ".away")
+        with pytest.raises(ValueError, match="Waking up failed: the model did not load"):
+            llm.wake_up()
+        assert llm.is_sleeping()
+        os.rename(weights + ".away", weights)
+        llm.wake_up()
+        assert _tokens(llm) == before
+
+
 def test_refusals_name_what_to_do(tiny_models):
     path, _ = tiny_models("llama")
     with LLM(path, kv_cache_memory_gib=0.01) as llm, pytest.raises(

@@ -51,10 +51,21 @@ def sleep(core: Any, level: int) -> None:
 
 
 def wake_up(core: Any) -> None:
+    """Caches and weights back; a model that no longer loads (its checkpoint moved, say)
+    leaves the engine asleep at level 2, and the refusal says why."""
     level = core.sleeping
     if not level:
         return
-    runner_sleep.restore(core.runner, level, core.model_config)
+    try:
+        runner_sleep.restore(core.runner, level, core.model_config)
+    except Exception as exc:
+        logger.warning("Waking up failed (%s); asleep at level 2", exc)
+        runner_sleep.release(core.runner, 2)
+        core.sleeping = 2
+        reason = _reason(exc, core.model_config.path)
+        raise ValueError(f"Waking up failed: the model did not load ({reason}); the engine "
+                         "sleeps at level 2 (restore the checkpoint and wake it up again, or "
+                         "update the weights).") from None
     if level == 2:
         _new_kv_cache(core)
     core.sleeping = 0
@@ -95,12 +106,8 @@ def update_weights(core: Any, path: str, source: str | None = None) -> None:
         runner_sleep.restore(core.runner, 2, core.model_config)
         _new_kv_cache(core)
         core.sleeping = 0
-        source = source or f"The weights at {path!r}"
-        reason = (str(exc).replace(f"Checkpoint {path!r}", "the checkpoint")
-                  .replace(repr(path), "the checkpoint").replace(path, "it")
-                  if isinstance(exc, ValueError) else type(exc).__name__)  # (ours: one line)
-        raise ValueError(f"{source} could not be loaded ({reason}); the previous weights "
-                         "serve.") from None
+        raise ValueError(f"{source or f'The weights at {path!r}'} could not be loaded "
+                         f"({_reason(exc, path)}); the previous weights serve.") from None
     core.model_config = model
     _new_kv_cache(core)
     core.sleeping = 0
@@ -109,6 +116,15 @@ def update_weights(core: Any, path: str, source: str | None = None) -> None:
         shutil.rmtree(staged, ignore_errors=True)
         core.weight_staging = None
     logger.info("Weights updated from %s", path)
+
+
+def _reason(exc: Exception, path: str) -> str:
+    """Why a load failed, in one line without the checkpoint's path: our own ValueErrors'
+    text, another exception's kind."""
+    if not isinstance(exc, ValueError):
+        return type(exc).__name__
+    return (str(exc).replace(f"Checkpoint {path!r}", "the checkpoint")
+            .replace(repr(path), "the checkpoint").replace(path, "it"))
 
 
 def check_for_update(core: Any) -> None:
