@@ -146,14 +146,18 @@ def test_greedy_outputs_equal_decoding_without_mtp(mtp_model):
                 assert core.scheduler.num_preemptions > 0
 
 
-def test_mtp_under_tensor_parallel(mtp_model):
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}])
+def test_mtp_under_tensor_and_pipeline_parallel(mtp_model, layout):
+    """TP: every rank runs the layer's passes; PP: the layer on stage 0, the DeltaNet
+    layers split over the stages."""
     path = mtp_model[0]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with LLM(path, kv_cache_memory_gib=0.01) as llm:
         base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
                                                                     use_tqdm=False)]
-    with LLM(path, kv_cache_memory_gib=0.01, tensor_parallel_size=2,
+    with LLM(path, kv_cache_memory_gib=0.01, **layout,
              speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.engine.core.scheduler.num_draft_tokens > 0
