@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import hf_greedy
 
-from tests.serving import HOLD_TOKENS, service_over_engine
+from tests.serving import HOLD_TOKENS, service_over_engine, wait_until
 from tokenmill.config.engine import EngineConfig
 from tokenmill.entrypoints.api.state import readiness
 
@@ -106,7 +106,9 @@ def test_a_request_in_flight_makes_sleep_a_conflict(served):
     next(iter(stream))  # (running now)
     resp = httpx.post(base + "/sleep", params={"level": "1"}, timeout=60)
     assert resp.status_code == 409 and "needs an idle engine: 1 request" in resp.text
-    stream.close()  # (aborted: the engine is idle again)
+    stream.close()  # (aborted: the engine is idle again once the server has seen it go)
+    engine = served.app.state.server.engine
+    assert wait_until(lambda: engine.num_in_flight() == 0 and not engine.stats.num_running, 60)
     assert httpx.get(base + "/is_sleeping", timeout=10).json() == {"is_sleeping": False}
 
 
@@ -118,7 +120,7 @@ def test_without_sleep_mode_the_routes_say_how_to_turn_it_on(server_thread):
 def test_data_parallel_replicas_sleep_and_wake_together(tiny_models, tmp_path):
     """`tokenmill serve` as a process tree with two replicas: each sleeps (the server is not
     ready, generation 503) and wakes; the server serves after."""
-    from tests.serving import Served, wait_until
+    from tests.serving import Served
 
     served = Served(tiny_models("llama_long")[0], tmp_path, "--data-parallel-size", "2",
                     "--kv-cache-memory", "0.04", "--enable-sleep-mode")
