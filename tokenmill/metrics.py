@@ -99,6 +99,9 @@ class Metrics:
                                      labels, registry=r)
         self.preemptions = Gauge("tokenmill:num_preemptions", "Preemptions so far", labels,
                                  registry=r)
+        self.sleep_level = Gauge("tokenmill:engine_sleep_level",
+                                 "Sleep mode's level (0: awake; 1: KV cache freed; 2: weights "
+                                 "too)", labels, registry=r)
         # speculative decoding: counters fed by the core's cumulative counts (their increase
         # since the replica's last report), the acceptance rate and mean accepted length
         self.spec_counters = {
@@ -148,6 +151,7 @@ class Metrics:
         self._m(self.prefix_hit_rate, engine=e).set(stats.prefix_hit_tokens / queried
                                                     if queried else 0)
         self._m(self.preemptions, engine=e).set(stats.num_preemptions)
+        self._m(self.sleep_level, engine=e).set(stats.sleeping)
         for field, counter in self.spec_counters.items():
             value, last = getattr(stats, field), self._spec_seen.get((field, e), 0)
             # (a replica that restarted counts from 0 again)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import hf_greedy
 
-from tests.serving import HOLD_TOKENS, service_over_engine, wait_until
+from tests.serving import HOLD_TOKENS, metric, service_over_engine, wait_until
 from tokenmill.config.engine import EngineConfig
 from tokenmill.entrypoints.api.state import readiness
 
@@ -132,12 +132,16 @@ def test_data_parallel_replicas_sleep_and_wake_together(tiny_models, tmp_path):
         assert httpx.post(base + "/sleep", params={"level": "2"}, timeout=120).status_code == 200
         assert httpx.get(base + "/is_sleeping", timeout=10).json() == {"is_sleeping": True}
         assert httpx.get(served.health + "/v2/health/ready", timeout=10).status_code != 200
+        assert [metric(served.metrics, "tokenmill:engine_sleep_level", engine=e)
+                for e in ("0", "1")] == [2, 2]
         resp = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": PROMPT,
                                                           "max_tokens": 2}, timeout=60)
         assert resp.status_code == 503
         assert httpx.post(base + "/wake_up", timeout=300).status_code == 200
         assert wait_until(served.ready, 30)
         assert httpx.get(base + "/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+        assert wait_until(lambda: metric(served.metrics, "tokenmill:engine_sleep_level",
+                                         engine="1") == 0, 30)
         assert _complete(base) == text
     finally:
         served.stop()
