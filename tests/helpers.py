@@ -333,6 +333,29 @@ def write_calibration(tmp_path) -> str:
     return str(path)
 
 
+def speculation_keeps_outputs(path: str, prompts: list[list[int]], params, spec: dict,
+                              engines: list[dict]) -> None:
+    """Outputs of `prompts` with speculation `spec`, under each of `engines` (LLM options),
+    equal decoding without it (one rank, default cache); drafts were proposed; every block
+    is back in the pool; an engine given `num_kv_blocks` preempted."""
+    from tokenmill import LLM
+
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+        base = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params,
+                                                                    use_tqdm=False)]
+    for engine in engines:
+        with LLM(path, **{"kv_cache_memory_gib": 0.01, **engine},
+                 speculative_config=spec) as llm:
+            outs = llm.generate(requests, params, use_tqdm=False)
+            core = llm.engine.core
+            assert [list(o.outputs[0].token_ids) for o in outs] == base, engine
+            assert core.scheduler.num_draft_tokens > 0
+            assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
+            if "num_kv_blocks" in engine:
+                assert core.scheduler.num_preemptions > 0
+
+
 def check_drafts_each_step(core, reference, k: int, max_steps: int = 100) -> int:
     """Step the engine core until its requests finish; at every step each running request's
     drafts must be the start of `reference(context, k)`. Returns how many were checked."""

@@ -11,7 +11,12 @@ import os
 
 import pytest
 import torch
-from helpers import accept_by_fiat, check_drafts_each_step, make_model
+from helpers import (
+    accept_by_fiat,
+    check_drafts_each_step,
+    make_model,
+    speculation_keeps_outputs,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -19,6 +24,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine.protocol import EngineCoreRequest
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40)), [7, 8]]
+SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 
 
 def _add_mtp(path, hf_main):
@@ -126,24 +132,12 @@ def test_drafts_equal_the_layer_over_the_whole_context(mtp_model, k, engine, mon
 
 
 def test_greedy_outputs_equal_decoding_without_mtp(mtp_model):
-    path = mtp_model[0]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
+    with LLM(mtp_model[0], kv_cache_memory_gib=0.01) as llm:
         assert not len(llm.engine.core.runner.model.mtp)  # (not built without speculation)
-        base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
-                                                                    use_tqdm=False)]
-    for engine in ({"kv_cache_memory_gib": 0.01}, {"max_num_batched_tokens": 6},
-                   {"num_kv_blocks": 14, "block_size": 4}):  # (preemption)
-        with LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                 **engine) as llm:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            core = llm.engine.core
-            assert [list(o.outputs[0].token_ids) for o in outs] == base
-            assert core.scheduler.num_draft_tokens > 0
-            assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
-            if "num_kv_blocks" in engine:
-                assert core.scheduler.num_preemptions > 0
+    speculation_keeps_outputs(
+        mtp_model[0], PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SPEC, [{}, {"max_num_batched_tokens": 6},
+               {"num_kv_blocks": 14, "block_size": 4}])  # (preemption)
 
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
@@ -151,17 +145,9 @@ def test_greedy_outputs_equal_decoding_without_mtp(mtp_model):
 def test_mtp_under_tensor_and_pipeline_parallel(mtp_model, layout):
     """TP: every rank runs the layer's passes; PP: the layer on stage 0, the DeltaNet
     layers split over the stages."""
-    path = mtp_model[0]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
-        base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
-                                                                    use_tqdm=False)]
-    with LLM(path, kv_cache_memory_gib=0.01, **layout,
-             speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.core.scheduler.num_draft_tokens > 0
-    assert [list(o.outputs[0].token_ids) for o in outs] == base
+    speculation_keeps_outputs(mtp_model[0], PROMPTS,
+                              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                              SPEC, [layout])
 
 
 def test_a_checkpoint_without_the_mtp_layer_is_refused_by_name(tiny_models):

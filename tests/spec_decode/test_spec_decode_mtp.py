@@ -12,6 +12,7 @@ from helpers import (
     hf_greedy,
     make_model,
     record_replays,
+    speculation_keeps_outputs,
 )
 
 from tests.spec_decode.test_deepseek_mtp import PROMPTS, _add_mtp
@@ -79,25 +80,12 @@ def test_drafts_equal_the_layer_over_the_whole_context(mtp_model, k, engine):
 
 
 def test_greedy_outputs_equal_decoding_without_mtp(mtp_model):
-    path = mtp_model[0]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                              repetition_penalty=1.2)]  # (this one does not speculate)
-    with LLM(path, kv_cache_memory_gib=0.01) as llm:
-        base = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
-                                                                    use_tqdm=False)]
-    for engine in ({"kv_cache_memory_gib": 0.01},
-                   {"num_kv_blocks": 15, "block_size": 4}):  # preemption
-        with LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                 **engine) as llm:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            core = llm.engine.core
-            assert [list(o.outputs[0].token_ids) for o in outs] == base
-            assert core.scheduler.num_draft_tokens > 0
-            assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
-            if "num_kv_blocks" in engine:
-                assert core.scheduler.num_preemptions > 0
+    speculation_keeps_outputs(mtp_model[0], PROMPTS, params,
+                              {"method": "mtp", "num_speculative_tokens": 2},
+                              [{}, {"num_kv_blocks": 15, "block_size": 4}])  # (preemption)
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
