@@ -179,13 +179,14 @@ def test_lora_requests_info_metric(served):
                 if s.name == "tokenmill:lora_requests_info"]
 
     with httpx.stream("POST", served.api + "/v1/completions", json={
-            "model": "chat", "prompt": [5, 9, 23], "max_tokens": 400, "temperature": 0,
+            "model": "chat", "prompt": [5, 9, 23], "max_tokens": 1000, "temperature": 0,
             "stream": True, "ignore_eos": True}, timeout=120) as resp:
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data:"))  # (running now)
         # (the engine's stats reach the metrics port with each step; the bound guards a hang;
         # the scrape that shows it running is the one checked: the request may finish
-        # before a second scrape)
+        # before a second scrape. The model's whole context, ~0.4 s here: 400 tokens were
+        # done before the first scrape on a busy machine once)
         snapshots = []
         assert wait_until(lambda: snapshots.append(series()) or [
             s["running_lora_adapters"] for s in snapshots[-1]] == ["chat"], 60)
