@@ -4,7 +4,10 @@ engine-core process: vLLM's /sleep, /wake_up, /is_sleeping and SGLang's
 Retry-After) and is not ready; a request in flight makes /sleep a 409 and is served to its
 end; outputs after waking and after an update equal transformers' over those weights."""
 
+import glob
+import os
 import shutil
+import tempfile
 
 import httpx
 import msgspec
@@ -186,3 +189,10 @@ def test_weights_from_a_trainer_group_over_http(served, tiny_models, tmp_path):
         resp = httpx.post(base + route, json=body, timeout=60)
         assert resp.status_code == 400 and resp.json()["success"] is False
     assert httpx.post(base + "/destroy_weights_update_group", timeout=60).status_code == 200
+    # (an update from disk removes the staged folder: the engine process is killed at the
+    # module's end, before it could remove it itself)
+    staged = glob.glob(os.path.join(tempfile.gettempdir(), "tokenmill-weights-*"))
+    assert httpx.post(base + "/update_weights_from_disk", json={"model_path": path},
+                      timeout=300).status_code == 200
+    assert not set(staged) & set(glob.glob(os.path.join(tempfile.gettempdir(),
+                                                         "tokenmill-weights-*")))
