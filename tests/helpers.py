@@ -356,9 +356,15 @@ def speculation_keeps_outputs(path: str, prompts: list[list[int]], params, spec:
                 assert core.scheduler.num_preemptions > 0
 
 
-def check_drafts_each_step(core, reference, k: int, max_steps: int = 100) -> int:
-    """Step the engine core until its requests finish; at every step each running request's
-    drafts must be the start of `reference(context, k)`. Returns how many were checked."""
+def check_drafts_each_step(core, reference, k: int, max_steps: int = 100,
+                           prompts=(), params=None, tag: str = "r") -> int:
+    """Add `prompts` (with `params`, ids `tag`0, `tag`1, ...), then step the engine core
+    until its requests finish; at every step each running request's drafts must be the
+    start of `reference(context, k)`. Returns how many were checked."""
+    from tokenmill.engine.protocol import EngineCoreRequest
+
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"{tag}{i}", prompt, params))
     checked = 0
     for _ in range(max_steps):
         if not core.has_unfinished_requests():

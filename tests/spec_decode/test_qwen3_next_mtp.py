@@ -21,7 +21,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.protocol import EngineCoreRequest
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], list(range(10, 40)), [7, 8]]
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
@@ -114,18 +113,16 @@ def test_drafts_equal_the_layer_over_the_whole_context(mtp_model, k, engine, mon
              **engine) as llm:
         core = llm.engine.core
         assert len(core.runner.model.mtp) == 1
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
         checked = check_drafts_each_step(
-            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k)
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k,
+            prompts=PROMPTS, params=params, tag="r")
         assert checked >= 6
         # drafts accepted whatever the target says: the contexts the drafts read then hold
         # them, and the DeltaNet states resume after the last accepted one
         monkeypatch.setattr(rejection, "verify_greedy", accept_by_fiat)
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"fiat{i}", prompt, params))
         checked = check_drafts_each_step(
-            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k)
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k,
+            prompts=PROMPTS, params=params, tag="fiat")
         assert checked >= 4 and core.scheduler.num_accepted_tokens >= 4
         assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
         assert core.kv_cache.states.num_free == core.kv_cache.states.num_slots

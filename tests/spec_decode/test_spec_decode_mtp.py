@@ -17,7 +17,6 @@ from helpers import (
 
 from tests.spec_decode.test_deepseek_mtp import PROMPTS, _add_mtp
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.protocol import EngineCoreRequest
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +70,9 @@ def test_drafts_equal_the_layer_over_the_whole_context(mtp_model, k, engine):
              speculative_config={"method": "mtp", "num_speculative_tokens": k},
              **engine) as llm:
         core = llm.engine.core
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
         checked = check_drafts_each_step(
-            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k)
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), k,
+            prompts=PROMPTS, params=params, tag="r")
         assert checked >= 6
         assert core.kv_cache.pool.num_free_blocks == core.kv_cache.num_blocks
 
@@ -110,10 +108,9 @@ def test_mtp_under_tensor_and_pipeline_parallel(mtp_model, tp, pp):
              pipeline_parallel_size=pp, speculative_config=spec,
              enable_prefix_caching=False) as llm:
         core = llm.engine.core
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params[0]))
         checked = check_drafts_each_step(
-            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 2)
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 2,
+            prompts=PROMPTS, params=params[0], tag="r")
         assert checked >= 6
         assert [list(o.outputs[0].token_ids) for o in llm.generate(
             prompts, params[0], use_tqdm=False)] == base
@@ -173,10 +170,9 @@ def test_sharded_folder_keeps_mtp_on_stage_0(mtp_model, tmp_path):
              enable_prefix_caching=False,
              speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
         core = llm.engine.core
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"r{i}", prompt, params))
         checked = check_drafts_each_step(
-            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 2)
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 2,
+            prompts=PROMPTS, params=params, tag="r")
         assert checked >= 6
         assert [list(o.outputs[0].token_ids)
                 for o in llm.generate(prompts, params, use_tqdm=False)] == base
@@ -225,8 +221,7 @@ def test_mtp_in_cuda_graph_buckets(mtp_model, monkeypatch):
         assert {("target", 2, 4), ("first", 2, 4), ("chain", 2, 1)} <= set(passes)
         monkeypatch.setattr(rejection, "verify_greedy", accept_by_fiat)
         core = llm.engine.core
-        for i, prompt in enumerate(PROMPTS):
-            core.add_request(EngineCoreRequest(f"fiat{i}", prompt, params))
         checked = check_drafts_each_step(
-            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 3)
+            core, lambda context, k: _reference_drafts(hf, tensors, block, context, k), 3,
+            prompts=PROMPTS, params=params, tag="fiat")
         assert checked >= 4 and core.scheduler.num_accepted_tokens >= 4
