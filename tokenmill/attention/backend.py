@@ -46,6 +46,9 @@ class AttentionMetadata:
     # per sequence the draft tokens it verifies (empty: none has any): the state after its
     # row i goes to its row + i
     state_drafts: list[int] = field(default_factory=list)
+    # and those sequences by draft count, on the device (layers/state_layer.py
+    # `verified_groups`: the first state layer of the step works them out)
+    state_groups: list | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -63,6 +63,21 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.silu(y), window[:, :, 1:]
 
 
+def verified_groups(meta: AttentionMetadata, device: torch.device) -> list:
+    """The step's sequences verifying drafts, by draft count: (count, their first rows,
+    their indices), on the device; worked out once a step (the first state layer)."""
+    if meta.state_groups is None:
+        seqs: dict[int, list[int]] = {}
+        for s, count in enumerate(meta.state_drafts):
+            if count and s >= meta.num_decodes:
+                seqs.setdefault(count, []).append(s)
+        loc = meta.query_start_loc
+        meta.state_groups = [(count, on_device([loc[s] for s in group], torch.int64, device),
+                              on_device(group, torch.int64, device))
+                             for count, group in seqs.items()]
+    return meta.state_groups
+
+
 class StateLayer(HostSync, nn.Module):
     """A token mixer with per-sequence state (see the module's text). Subclasses say their
     states' shapes, give the recurrence (`step`, `chunk`) and compute `mix` around `scan`;
@@ -115,20 +130,16 @@ class StateLayer(HostSync, nn.Module):
             y, ssm = self.step(y, [t[:n] for t in inputs], ssm)
             out[:n] = y.to(out.dtype)
             self.write(meta, slice(0, n), conv, ssm)
-        verified: dict[int, list[int]] = {}  # (by draft count: those sequences run together)
         for s in range(n, meta.num_seqs):
             if drafts and drafts[s]:
-                verified.setdefault(drafts[s], []).append(s)
-                continue
+                continue  # (verified below, by draft count)
             lo, hi = loc[s], loc[s + 1]
             conv, ssm = self.read(meta, slice(s, s + 1), conv_in.dtype)
             y, conv = causal_conv(conv_in[lo:hi], weight, bias, conv[0])
             y, ssm = self.chunk(y, [t[lo:hi] for t in inputs], ssm[0])
             out[lo:hi] = y.to(out.dtype)
             self.write(meta, slice(s, s + 1), conv[None], ssm[None])
-        for count, seqs in verified.items():
-            first = on_device([loc[s] for s in seqs], torch.int64, conv_in.device)
-            chosen = on_device(seqs, torch.int64, conv_in.device)
+        for count, first, chosen in verified_groups(meta, conv_in.device):
             conv, ssm = self.read(meta, chosen, conv_in.dtype)
             for i in range(count + 1):  # (the state after row i: the slot's row i)
                 rows = first + i
