@@ -37,7 +37,7 @@ def _accept_all(argmax: list[int], drafts: list[int]) -> list[int]:
 
 def speculation(path: str, root: str, device: str = "cuda", dtype: str = "bfloat16") -> dict:
     """`path`: the bench model's folder; the head is written under `root`."""
-    from test_spec_decode_eagle import make_eagle
+    from spec_decode.test_spec_decode_eagle import make_eagle
 
     from tokenmill import LLM, SamplingParams
     from tokenmill.sample import rejection_sampler as rejection

@@ -63,7 +63,7 @@ def throughput(args) -> dict:
 
 def compile_times(args) -> dict:
     import xgrammar as xgr
-    from test_structured_outputs import SCHEMAS
+    from sample.test_structured_outputs import SCHEMAS
 
     from tokenmill.loading.checkpoint import load_hf_config, load_tokenizer
     from tokenmill.structured_output.backend import json_schema_ebnf
