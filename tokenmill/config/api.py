@@ -3,6 +3,7 @@ front-end flags, mostly) in server.py and read by the HTTP handlers."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -20,9 +21,13 @@ class ApiOptions:
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json
     root_path: str = ""  # the path prefix a proxy serves the API under
     cors: dict | None = None  # CORSMiddleware's arguments (none: no CORS headers)
+    tenant_header: str = "X-Tenant-Id"  # names a request's tenant (config/tenants.py)
 
     def validate(self) -> None:
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be between 0 and 20, got {self.max_logprobs}.")
+        if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", self.tenant_header):
+            raise ValueError(f"--tenant-header must be an HTTP header name, got "
+                             f"{self.tenant_header!r}.")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")

@@ -136,6 +136,16 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
     a("--enable-sleep-mode", action="store_true", default=None,
       help="POST /sleep, /wake_up: free the KV cache (level 1) and the weights (level 2) "
            "while idle")
+    a("--tenant-weights", default=None, metavar="NAME=W,...",
+      help="--scheduling-policy fair: each tenant's weight (name=weight list or a JSON "
+           "object; a tenant not named has weight 1)")
+    a("--tenant-header", default=None,
+      help="the header naming a request's tenant (default X-Tenant-Id; without it: the "
+           "request's API key, else 'default')")
+    a("--max-queue-time", type=float, default=None, metavar="SECONDS",
+      help="a request may wait this long to start: one expected to wait longer is refused "
+           "at once, one that did is refused then (429 with Retry-After; default no limit; "
+           "a request's X-Max-Queue-Time header may ask for less)")
     a("--attention-backend", default=None, choices=["auto", "torch", "triton"],
       help="auto: triton on GPUs, torch on the CPU")
     a("--enforce-eager", action="store_true", default=None,
@@ -250,9 +260,10 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
 def _vllm_flags(a, argparse) -> None:
     """vLLM's flags, so its command lines run unchanged: those accepted with no effect (logged
     once at start-up) or refused where they ask for what tokenmill does not do."""
-    a("--scheduling-policy", choices=["fcfs", "priority"], default=None,
-      help="fcfs (arrival order, the default) or priority (each request's `priority`, lower "
-      "first; lower-priority work is preempted first when memory or slots are short)")
+    a("--scheduling-policy", choices=["fcfs", "priority", "fair"], default=None,
+      help="fcfs (arrival order, the default), priority (each request's `priority`, lower "
+      "first; lower-priority work is preempted first when memory or slots are short) or fair "
+      "(tenants share the tokens by --tenant-weights)")
     a("--num-scheduler-steps", type=int, default=None, help="no effect")
     a("--trust-remote-code", action="store_true", default=None,
       help="accepted; no code from a model folder is run")

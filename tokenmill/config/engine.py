@@ -10,6 +10,7 @@ from typing import Any
 from tokenmill.config.kernels import KernelConfig
 from tokenmill.config.multimodal import parse_limits
 from tokenmill.config.pooling import RUNNERS, parse_override
+from tokenmill.config.tenants import check_max_queue_time, parse_weights
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -61,8 +62,14 @@ class EngineConfig:
     # run at once, of rank <= max_lora_rank; max_cpu_loras stay read in host memory (None:
     # max_loras)
     # fcfs: requests run in arrival order; priority: by each request's `priority` (lower
-    # first, then arrival), which also picks whom to preempt (vLLM's --scheduling-policy)
+    # first, then arrival), which also picks whom to preempt (vLLM's --scheduling-policy);
+    # fair: tenants share the steps' tokens by `tenant_weights` (config/tenants.py; 1 for a
+    # tenant it does not name), each tenant's requests by priority, then arrival
     scheduling_policy: str = "fcfs"
+    tenant_weights: Any = None
+    # seconds a request may wait before its first step (None: no limit); one past it is
+    # refused (429), and the API refuses at once one it expects to wait longer
+    max_queue_time: float | None = None
     # generate (text), pooling (embeddings and scores: /v1/embeddings, /v1/score, ...) or
     # auto (pooling for a sentence-transformers folder, a bare decoder or a classifier);
     # pooler_config: {"pooling_type": "LAST|MEAN|CLS|MAX", "normalize": bool} over the
@@ -218,9 +225,13 @@ class EngineConfig:
         self.limit_mm_per_prompt = parse_limits(self.limit_mm_per_prompt)
         if self.mmproj is not None and not os.path.isfile(self.mmproj):
             raise ValueError(f"--mmproj: no such file {self.mmproj!r}.")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
+        if self.scheduling_policy not in ("fcfs", "priority", "fair"):
+            raise ValueError("scheduling_policy must be 'fcfs', 'priority' or 'fair', got "
                              f"{self.scheduling_policy!r}.")
+        self.tenant_weights = parse_weights(self.tenant_weights)
+        if self.tenant_weights and self.scheduling_policy != "fair":
+            raise ValueError("--tenant-weights needs --scheduling-policy fair.")
+        self.max_queue_time = check_max_queue_time(self.max_queue_time, "max_queue_time")
         positive_int("max_loras")
         positive_int("max_lora_rank")
         positive_int("max_cpu_loras", allow_none=True)

@@ -3,7 +3,7 @@ the KV slots a proposer writes past each request, built from the engine's config
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,7 +21,9 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0
     # LoRA: adapters the running requests may use at once (the runner's slots; 0: no LoRA)
     max_loras: int = 0
-    policy: str = "fcfs"  # or "priority" (EngineConfig.scheduling_policy)
+    policy: str = "fcfs"  # or "priority", "fair" (EngineConfig.scheduling_policy)
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # "fair": 1 if not named
+    max_queue_time: float | None = None  # seconds before the first step (None: no limit)
     # image rows the vision encoder may make in one step (vLLM's max_num_encoder_input_tokens;
     # one image always fits): a chunk stops before an image past it, for a later step
     encoder_budget: int = 2048
@@ -44,6 +46,7 @@ class SchedulerConfig:
                    enable_chunked_prefill=config.enable_chunked_prefill,
                    num_lookahead_tokens=spec.num_lookahead_slots if spec is not None else 0,
                    max_loras=config.max_loras if config.enable_lora else 0,
-                   policy=config.scheduling_policy,
+                   policy=config.scheduling_policy, tenant_weights=config.tenant_weights,
+                   max_queue_time=config.max_queue_time,
                    encoder_budget=config.max_num_encoder_input_tokens or budget,
                    whole_images=whole_images)

@@ -213,6 +213,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "distributed_timeout": pick(args.distributed_timeout, None, 120.0),
         "log_format": args.log_format or "text", "log_level": args.log_level or "info",
         "scheduling_policy": args.scheduling_policy or "fcfs",
+        "tenant_weights": args.tenant_weights, "max_queue_time": args.max_queue_time,
         "enable_lora": bool(args.enable_lora),
         "lora_modules": args.lora_modules,
         **{name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras")
@@ -241,7 +242,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
             request_id_headers=bool(args.enable_request_id_headers),
             load_tracking=bool(args.enable_server_load_tracking),
             disable_docs=bool(args.disable_fastapi_docs), root_path=args.root_path or "",
-            cors=cors_arguments(args)),
+            cors=cors_arguments(args), tenant_header=args.tenant_header or "X-Tenant-Id"),
         use_warmup=pick(args.use_warmup, env.flag("USE_WARMUP"), False),
         log_dir=pick(args.log_dir, env.text("FD_LOG_DIR"), "log"),
         shutdown_timeout=pick(args.shutdown_timeout, None, 300.0),

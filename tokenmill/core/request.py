@@ -75,6 +75,11 @@ class Request:
     # LoRA: the adapter it runs with (lora/request.py's LoRARequest; None: the base model)
     lora_request: Any = None
     priority: int = 0  # --scheduling-policy priority: lower runs first
+    tenant: str = ""  # --scheduling-policy fair: whose share it runs in (config/tenants.py)
+    # the seconds it may wait for its first step (--max-queue-time), and the monotonic time
+    # that ends at: it is refused after it
+    max_queue_time: float | None = None
+    deadline: float | None = None
     # a pooling model's request (pooling_params.py's PoolingParams): it ends once its prompt
     # is computed, with a vector instead of tokens; one pooling every row (mean, max, CLS)
     # reads no prefix-cache hit

@@ -11,6 +11,7 @@ from typing import Any
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.core.image_chunks import image_chunk
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.queue_policy import QueuePolicy
 from tokenmill.core.request import Request, RequestStatus
 
 
@@ -62,11 +63,9 @@ class Scheduler:
     """Running requests are served first (one token for decode, plus its draft tokens when
     it has some; a chunk for a long prompt), then waiting ones are admitted while the token
     budget, `max_num_seqs` and free blocks allow. Out of blocks: a running request is
-    preempted and recomputed later. FCFS (`policy` "fcfs"): requests wait in arrival order
-    and the newest running one is preempted. "priority": they wait by (priority, arrival),
-    the running request last in that order is preempted, and one that waits ahead of it is
-    admitted in its place when slots or blocks are short (vLLM's priority policy, plus that
-    admission, so a high-priority request's wait does not grow with lower-priority load)."""
+    preempted and recomputed later: which one, the order requests wait in and whether one
+    may take a running one's place are the `--scheduling-policy`'s (core/queue_policy.py:
+    fcfs, priority, fair). A waiting request past its `deadline` is refused (`expire`)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -80,33 +79,24 @@ class Scheduler:
         # steps, and such steps (cumulative)
         self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_emitted = 0
         self.num_spec_steps = 0
+        self.policy = QueuePolicy(config.policy, config.tenant_weights)
+        self.num_deadlines = 0  # requests in the scheduler with a deadline
+        self.num_admitted = 0  # requests scheduled for the first time (cumulative)
 
     # ---- request lifetime -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
         self.requests[request.request_id] = request
+        self.policy.arrived(request)
+        self.num_deadlines += request.deadline is not None
         self._wait(request)
 
-    def _key(self, request: Request) -> tuple[int, float]:
-        return (request.priority, request.arrival_time)
-
     def _wait(self, request: Request, front: bool = False) -> None:
-        """Into the waiting queue: FCFS at the back (`front`: a preempted request, first);
-        by priority at its place in (priority, arrival) order."""
-        if self.config.policy != "priority":
-            (self.waiting.appendleft if front else self.waiting.append)(request)
-            return
-        key, i = self._key(request), len(self.waiting)
-        while i > 0 and self._key(self.waiting[i - 1]) > key:
-            i -= 1
-        self.waiting.insert(i, request)
+        self.policy.wait(self.waiting, request, front)
 
     def _victim(self) -> Request:
-        """The running request to preempt: the newest (FCFS), or last by priority."""
-        if self.config.policy != "priority":
-            return self.running[-1]
-        return max(self.running, key=self._key)
+        return self.policy.victim(self.running)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -130,6 +120,8 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        self.policy.left(request)
+        self.num_deadlines -= request.deadline is not None
         self._finished_ids.add(request.request_id)
 
     def _preempt(self, request: Request) -> None:
@@ -154,6 +146,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def expire(self, now: float) -> list[Request]:
+        """Waiting requests never scheduled whose deadline is before `now`: finished
+        (aborted), out of the queue."""
+        if not self.num_deadlines:
+            return []
+        late = [r for r in self.waiting if r.deadline is not None and r.deadline < now
+                and r.first_scheduled_time is None]
+        for request in late:
+            self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return late
+
     # ---- one step ---------------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, async_scheduling: bool = False
                  ) -> SchedulerOutput:
@@ -170,6 +174,7 @@ class Scheduler:
         preempted = False
 
         i = 0
+        self.policy.sort_running(self.running)
         running, allocate = self.running, self.kv_cache.allocate_slots
         while i < len(running) and budget > 0:
             request = running[i]
@@ -225,9 +230,11 @@ class Scheduler:
         adapters = {r.lora_id for r in self.running} - {0}
         passed: list[Request] = []
         favoured = None  # the waiting request running ones were preempted for
+        order = self.policy.admission_order(self.waiting, scheduled) \
+            if len(self.running) < self.config.max_num_seqs else None  # (full: none admitted)
         while self.waiting and budget > 0:
-            request = self.waiting[0]
-            ahead = self._ranks_ahead(request)
+            request = self.waiting[0] if order is None else order.peek()
+            ahead = self.policy.ranks_ahead(self.running, request)
             if preempted and not ahead and request is not favoured:
                 break
             full_step = len(scheduled) >= max_seqs
@@ -241,7 +248,7 @@ class Scheduler:
                 continue
             if (request.lora_id and request.lora_id not in adapters
                     and len(adapters) >= self.config.max_loras):
-                passed.append(self.waiting.popleft())
+                passed.append(self._take(request, order, 0))
                 continue
             hits, num_cached = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -260,13 +267,14 @@ class Scheduler:
                 budget += self._displace(scheduled)
                 preempted, favoured = True, request
                 continue
-            self.waiting.popleft()
+            self._take(request, order, num_new)
             self.kv_cache.record_prefix_query(request.num_tokens, num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 request.first_scheduled_time = time.monotonic()
+                self.num_admitted += 1
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_cached, num_new))
             budget -= num_new
@@ -287,14 +295,18 @@ class Scheduler:
             s.block_ids = block_row(request.request_id)
             s.state_slot = state_slot(request.request_id)
             s.state_row, request.state_row = request.state_row, 0  # (a verification: set back)
+            self.policy.charge(request, s.num_new_tokens)
         output = SchedulerOutput(scheduled, self._finished_ids)
         self._finished_ids = set()
         return output
 
-    def _ranks_ahead(self, request: Request) -> bool:
-        """Priority policy: whether a running request ranks behind `request`."""
-        return (self.config.policy == "priority" and bool(self.running)
-                and self._key(self._victim()) > self._key(request))
+    def _take(self, request: Request, order, tokens: int) -> Request:
+        """`request`, first in admission order, out of the waiting queue."""
+        if order is None:
+            return self.waiting.popleft()
+        order.take(request, tokens)
+        self.waiting.remove(request)
+        return request
 
     def _displace(self, scheduled: list[ScheduledRequest]) -> int:
         """Preempts the running request last in priority order for one that ranks ahead;

@@ -1,6 +1,7 @@
 """What a request must satisfy to enter an engine core: a prompt within the context, token
 ids within the vocabulary, a KV cache that can hold it, and a pooling model's requests
-pooling (a generating model's generating)."""
+pooling (a generating model's generating); how long it may wait for its first step, and its
+refusal when it waited that long (429 on every route)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 from tokenmill.config.multimodal import MultiModalConfig
 from tokenmill.config.pooling import PoolerConfig
 from tokenmill.core.limits import context_overflow, token_out_of_range
-from tokenmill.engine.protocol import EngineCoreRequest
+from tokenmill.core.request import FinishReason, Request
+from tokenmill.engine.protocol import EngineCoreOutput, EngineCoreRequest
 
 
 def check_request(request: EngineCoreRequest, max_model_len: int, vocab: int,
@@ -104,3 +106,22 @@ def expected_shape(image, multimodal: MultiModalConfig) -> tuple[list[int], int]
         return ([multimodal.tiles(*image.size), 3, side, side],
                 multimodal.rows(*image.size))
     return [3, side, side], multimodal.tokens_per_image
+
+
+def queue_limit(request: EngineCoreRequest, default: float | None) -> float | None:
+    """The seconds `request` may wait for its first step: its own `max_queue_time` (0: none)
+    within the engine's --max-queue-time; None: no limit."""
+    own = request.max_queue_time
+    if not math.isfinite(own) or own < 0:
+        raise ValueError(f"max_queue_time must be a number of seconds > 0, got {own!r}.")
+    limits = [limit for limit in (own, default) if limit]
+    return min(limits) if limits else None
+
+
+def late_refusal(request: Request) -> EngineCoreOutput:
+    """The answer to a request that waited its whole `max_queue_time` without starting."""
+    seconds = request.max_queue_time or 0.0
+    return EngineCoreOutput(
+        request.request_id, [], int(FinishReason.ABORT), retry_after=max(1, math.ceil(seconds)),
+        error=f"The server is overloaded: the request waited {seconds:g} s (its "
+              "max_queue_time) without starting. Retry later.")

@@ -13,8 +13,17 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.config.tenants import metrics_label
 from tokenmill.engine import request_log
 from tokenmill.engine.core_client import AsyncMPClient
+from tokenmill.engine.errors import (  # noqa: F401 - the front ends import them from here
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineRequestError,
+    EngineSleepingError,
+    ShutdownError,
+)
 from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import (
@@ -25,6 +34,7 @@ from tokenmill.engine.protocol import (
     LoRAUpdate,
     SchedulerStats,
 )
+from tokenmill.engine.queue_wait import QueueWait
 from tokenmill.engine.request_stream import RequestStream, RequestTimer
 from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics import Metrics
@@ -40,26 +50,6 @@ logger = logging.getLogger(__name__)
 _OWN_STALL_S = 2.0
 
 
-class EngineRequestError(ValueError):
-    """The engine refused or failed one request (others are unaffected)."""
-
-
-class DuplicateRequestError(EngineRequestError):
-    """A request with this id is already in flight."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped answering; every in-flight request fails with this."""
-
-
-class ShutdownError(EngineDeadError):
-    """The server stopped (drain timeout over) before the request finished."""
-
-
-class EngineSleepingError(EngineDeadError):
-    """Sleep mode: the engine sleeps (every front end answers 503 with its message)."""
-
-
 class AsyncLLM:
     """Owns one client of the engine core (or of several data-parallel replicas, each watched
     on its own). `generate` yields cumulative `RequestOutput`s; leaving the iterator early
@@ -68,14 +58,16 @@ class AsyncLLM:
     def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
                  dead_after_s: float = 10.0, stall_after_s: float | None = None,
                  metrics: Metrics | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, queue_wait: QueueWait | None = None) -> None:
         """`stream_interval`: a delta reader (a stream) is handed its first tokens at once,
         then results once they hold this many new tokens, and its last result at once
-        (vLLM's and SGLang's `--stream-interval`: fewer, larger chunks per stream)."""
+        (vLLM's and SGLang's `--stream-interval`: fewer, larger chunks per stream).
+        `queue_wait`: the expected queue time's estimate (its scheduling policy's)."""
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}.")
         self.stream_interval = stream_interval
         self.metrics = metrics
+        self.queue_wait = queue_wait or QueueWait()
         self.client = client
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -145,13 +137,15 @@ class AsyncLLM:
                        output_kind: OutputKind = OutputKind.CUMULATIVE,
                        lora_request: LoRARequest | None = None, priority: int = 0,
                        pooling_params: PoolingParams | None = None,
-                       mm_inputs: list | None = None) -> AsyncIterator[RequestOutput]:
+                       mm_inputs: list | None = None, tenant: str = "",
+                       max_queue_time: float = 0.0) -> AsyncIterator[RequestOutput]:
         """`reservation`: the API's admission reservation (`consume(n)`), handed over once
         the request counts as in flight here. `output_kind`: cumulative results, deltas
         (what streaming APIs send: each costs O(new) however long the output; deltas a slow
         reader missed come as one), or only the final result. `pooling_params`: a pooling
         model's request (`params` then only its bookkeeping): its result's `pooled`.
-        `mm_inputs`: an image-text model's images (mm_inputs.py)."""
+        `mm_inputs`: an image-text model's images (mm_inputs.py). `tenant`, `max_queue_time`
+        (s to start, else EngineOverloadedError): an API request's admission's if not given."""
         if self.dead is not None:
             raise EngineDeadError("The engine is not running.")
         if self.sleeping:
@@ -162,7 +156,10 @@ class AsyncLLM:
         bad_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params = params.clone(eos_token_ids=list(self.eos_token_ids),
                               bad_words_token_ids=bad_ids)
-        timer = RequestTimer(self.metrics, len(prompt_token_ids))
+        if not tenant and not max_queue_time:
+            tenant, max_queue_time = request_log.admission()
+        timer = RequestTimer(self.metrics, len(prompt_token_ids),
+                             metrics_label(tenant, self.queue_wait.weights))
         # delta results, or the error that ends it
         queue = self._queues[request_id] = RequestStream(
             timer, self.stream_interval if output_kind is OutputKind.DELTA else 1)
@@ -174,14 +171,17 @@ class AsyncLLM:
         total = OutputSum(count_only=output_kind is OutputKind.DELTA
                           and not request_log.keeps_text())
         request_log.started(prompt_token_ids, params)
+        child_ids: list[str] = []
         try:
             child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params,
                                                    delta=True)
             for i, child_id in enumerate(child_ids):
                 child_params = params.for_child(i)
+                self.queue_wait.entered(child_id, tenant, priority)
                 await self.client.add_request(EngineCoreRequest(
                     child_id, list(prompt_token_ids), child_params, time.monotonic(),
-                    lora_request, priority, pooling_params, mm_inputs or []))
+                    lora_request, priority, pooling_params, mm_inputs or [], tenant,
+                    max_queue_time))
             while not finished:
                 deltas = await queue.take()  # (several: what came while the reader was busy)
                 for item in deltas:
@@ -197,6 +197,8 @@ class AsyncLLM:
                 elif finished or output_kind is OutputKind.CUMULATIVE:
                     yield total.output()
         finally:
+            for child_id in child_ids:
+                self.queue_wait.left(child_id)
             self._queues.pop(request_id, None)
             self._num_sequences -= params.n
             timer.ended(disconnected=not finished)
@@ -231,12 +233,14 @@ class AsyncLLM:
                     self.stats = sum_stats(self.replica_stats)
                     if replica == 0:  # (every replica serves the same adapters)
                         self.loras = batch.stats.loras
+                    self.queue_wait.observe(self.stats, time.monotonic())
                     if self.metrics is not None:
                         self.metrics.observe_stats(batch.stats, replica)
                         self.metrics.observe_totals(self.stats)
-                if self.metrics is not None:
-                    for out in batch.outputs:
-                        if out.queue_time is not None:
+                for out in batch.outputs:
+                    if out.queue_time is not None:  # (its first step: it waits no more)
+                        self.queue_wait.left(out.request_id)
+                        if self.metrics is not None:
                             self.metrics.queued(out.queue_time)
                 outputs = [o for o in batch.outputs
                            if not self._answered(o) and not self._fail_if_error(o)]
@@ -328,7 +332,8 @@ class AsyncLLM:
             queue = self._queues.get(parent)
             if queue is not None:
                 queue.put(EngineSleepingError(out.error) if out.error == SLEEPING
-                          else EngineRequestError(out.error))
+                          else EngineRequestError(out.error) if out.retry_after is None
+                          else EngineOverloadedError(out.error, out.retry_after))
             siblings = [c for c in self.processor.child_ids(parent) if c != out.request_id]
             self.processor.abort_request(parent)
             if siblings:

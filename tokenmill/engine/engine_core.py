@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from tokenmill import heap
 from tokenmill.config.engine import EngineConfig
@@ -12,7 +13,7 @@ from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
-from tokenmill.engine.admission import check_request
+from tokenmill.engine.admission import check_request, late_refusal, queue_limit
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import (
     SLEEPING,
@@ -167,13 +168,15 @@ class EngineCore:
                       self.kv_cache.num_blocks, self.config.block_size,
                       self.scheduler.config.num_lookahead_tokens, self.model_config.pooler,
                       self.model_config.multimodal)
-        if request.priority and self.scheduler.config.policy != "priority":
+        if request.priority and self.scheduler.config.policy == "fcfs":
             raise ValueError(f"priority {request.priority} needs --scheduling-policy priority "
-                             "(requests are served first come, first served).")
-        lora = request.lora_request
+                             "or fair (requests are served first come, first served).")
+        lora, limit = request.lora_request, queue_limit(request, self.config.max_queue_time)
         new = Request(request.request_id, list(request.prompt_token_ids),
                       request.sampling_params, arrival_time=request.arrival_time,
-                      lora_request=lora, priority=request.priority,
+                      lora_request=lora, priority=request.priority, tenant=request.tenant,
+                      max_queue_time=limit,
+                      deadline=None if limit is None else time.monotonic() + limit,
                       pooling_params=request.pooling_params, mm_inputs=request.mm_inputs,
                       skip_prefix_cache=request.pooling_params is not None
                       and self.model_config.pooler.pooling_type != "LAST")
@@ -234,6 +237,7 @@ class EngineCore:
             spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             spec_emitted_tokens=self.scheduler.num_spec_emitted,
             spec_steps=self.scheduler.num_spec_steps, sleeping=self.sleeping,
+            num_admitted=self.scheduler.num_admitted,
             **self._lora_stats())
 
     def _lora_stats(self) -> dict:
@@ -302,8 +306,8 @@ class EngineCore:
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Requests whose adapter was read go on (to the scheduler, or to compile their
         grammar); constrained requests whose grammar compiled join the scheduler; those whose
-        adapter or grammar failed finish with the error. With nothing else to run, waits a
-        little for a read or a compile instead of spinning."""
+        adapter or grammar failed finish with the error, waiting ones past their deadline
+        with a 429's. With nothing else to run, waits a little for a read or a compile."""
         idle = not (self.scheduler.has_unfinished_requests() or self.batch_queue)
         waited = idle and bool(self.loras.pending)
         read, refused = self.loras.ready(0.05 if idle else 0.0)
@@ -313,7 +317,8 @@ class EngineCore:
         for request in ready:
             self.scheduler.add_request(request)
         return [EngineCoreOutput(r.request_id, [], int(FinishReason.ABORT), error=message)
-                for r, message in refused + failed]
+                for r, message in refused + failed] + [  # (those that waited too long)
+            late_refusal(r) for r in self.scheduler.expire(time.monotonic())]
 
     def _kv_blocks(self, request: Request) -> tuple[int, int]:
         size = self.config.block_size

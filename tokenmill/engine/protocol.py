@@ -27,6 +27,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0  # (vLLM's: lower runs first under --scheduling-policy priority)
     pooling_params: PoolingParams | None = None  # a pooling model's request (no sampling)
     mm_inputs: list[MultiModalInput] = []  # an image-text model's images, in prompt order
+    tenant: str = ""  # --scheduling-policy fair: whose share it runs in
+    max_queue_time: float = 0.0  # seconds it may wait for its first step (0: the engine's)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -39,6 +41,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: tuple[int, list[PositionLogprobs]] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request was refused or failed; it is finished
+    retry_after: float | None = None  # refused for load (429): seconds after which to retry
     queue_time: float | None = None  # on the first token: arrival -> first scheduled (s)
     # speculative decoding: (drafts verified, accepted) so far, once the request had some
     spec_tokens: tuple[int, int] | None = None
@@ -69,6 +72,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     waiting_loras: list[str] = []
     max_loras: int = 0
     sleeping: int = 0  # sleep mode's level (0: awake; replicas added up: any asleep)
+    num_admitted: int = 0  # requests scheduled for the first time (cumulative)
 
     @property
     def kv_usage(self) -> float:

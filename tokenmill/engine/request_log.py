@@ -29,6 +29,11 @@ class RequestRecord:
     outputs: list[str] = field(default_factory=list)
     params: Any = None  # the first engine request's SamplingParams (traces)
     metrics: dict | None = None  # the first finished engine request's timestamps (traces)
+    headers: dict | None = None  # the HTTP request's (lower-case bytes names and values)
+    # what admission read from them (entrypoints/api/state.py): whose share its engine
+    # requests run in, and the seconds each may wait to start (0: the engine's limit)
+    tenant: str = ""
+    max_queue_time: float = 0.0
 
     @property
     def ttft_s(self) -> float | None:
@@ -43,6 +48,12 @@ def started(prompt_token_ids: list[int], params: Any = None) -> None:
             record.prompts.append(list(prompt_token_ids))
         if record.params is None:
             record.params = params
+
+
+def admission() -> tuple[str, float]:
+    """The current API request's tenant and queue-time limit (none outside one)."""
+    record = current.get()
+    return ("", 0.0) if record is None else (record.tenant, record.max_queue_time)
 
 
 def keeps_text() -> bool:

@@ -47,9 +47,12 @@ class RequestStream:
 class RequestTimer:
     """Feeds one request's latencies into the metrics (no-op without metrics)."""
 
-    def __init__(self, metrics: Metrics | None, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: Metrics | None, num_prompt_tokens: int,
+                 tenant: str = "default") -> None:
+        """`tenant`: the request's tenant as the metrics label it (config/tenants.py)."""
         self.metrics = metrics
         self.num_prompt_tokens = num_prompt_tokens
+        self.tenant = tenant
         self.start = self.last = time.monotonic()
         self.num_tokens = 0
         self.done = False
@@ -84,3 +87,5 @@ class RequestTimer:
         self.done = True
         self.metrics.request_finished(outcome, self.num_prompt_tokens, self.num_tokens,
                                       time.monotonic() - self.start)
+        self.metrics.tenant_request(self.tenant, outcome, self.num_prompt_tokens,
+                                    self.num_tokens)

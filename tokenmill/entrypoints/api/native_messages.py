@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from tokenmill.engine.async_engine import (
     DuplicateRequestError,
     EngineDeadError,
+    EngineOverloadedError,
     EngineRequestError,
 )
 from tokenmill.entrypoints.api.native_protocol import NativeError, NativeRequest, build_request
@@ -102,7 +103,12 @@ async def admit(body: dict, state: ServerState) -> NativeRequest:
     if state.draining:
         state.reject("not_ready")
         raise NativeError("The server is shutting down.", 503)
-    reservation = state.try_admit(1)
+    try:
+        reservation = state.try_admit(1)
+    except EngineOverloadedError as exc:
+        raise NativeError(str(exc), 429, exc.retry_after) from None
+    except ValueError as exc:
+        raise NativeError(str(exc), 400) from None
     if reservation is None:
         raise NativeError(f"cached task num ({state.num_waiting()}) exceeds the "
                           f"limit ({state.config.max_cached_task_num})", 503)
@@ -134,6 +140,6 @@ async def guarded(messages: AsyncIterator[dict]) -> AsyncIterator[dict]:
     except DuplicateRequestError as exc:
         yield error_body(None, str(exc), 409)
     except EngineRequestError as exc:
-        yield error_body(None, str(exc), 400)
+        yield error_body(None, str(exc), exc.status)
     except EngineDeadError as exc:
         yield error_body(None, str(exc), 503)

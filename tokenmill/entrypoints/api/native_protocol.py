@@ -24,10 +24,12 @@ DEFAULTS = defaults.NATIVE
 
 
 class NativeError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.retry_after = retry_after  # a 429's: seconds the server expects to need
 
 
 def _is_int(value: Any) -> bool:

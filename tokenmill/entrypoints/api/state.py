@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config.server import ServerConfig
-from tokenmill.engine.async_engine import AsyncLLM
+from tokenmill.config.tenants import check_max_queue_time, metrics_label, tenant_of
+from tokenmill.engine import request_log
+from tokenmill.engine.async_engine import AsyncLLM, EngineOverloadedError
 from tokenmill.engine.core_client import AsyncMPClient
 from tokenmill.engine.dp_client import DataParallelClient
+from tokenmill.engine.queue_wait import QueueWait
 from tokenmill.entrypoints.api.images import ImageInputs
 from tokenmill.entrypoints.api.lora_tensors import PREFIX as TASK_PREFIX
 from tokenmill.entrypoints.api.lora_tensors import TaskAdapters, task_name
@@ -143,9 +146,9 @@ class ServerState:
 
     def priority_problem(self, priority: int) -> str | None:
         """Why a request's `priority` cannot be honoured here (None: it can)."""
-        if priority and self.config.engine.scheduling_policy != "priority":
-            return (f"priority {priority} needs --scheduling-policy priority (requests are "
-                    "served first come, first served).")
+        if priority and self.config.engine.scheduling_policy == "fcfs":
+            return (f"priority {priority} needs --scheduling-policy priority or fair "
+                    "(requests are served first come, first served).")
         return None
 
     def num_waiting(self) -> int:
@@ -167,14 +170,51 @@ class ServerState:
         room = self.engine.client.info.max_num_seqs + max_waiting - in_flight
         return self.engine.stats.num_waiting >= max_waiting or slots > room
 
-    def try_admit(self, slots: int) -> Reservation | None:
-        """Admission: a reservation of `slots` sequences, or None (queue full; counted)."""
+    def try_admit(self, slots: int, priority: int = 0) -> Reservation | None:
+        """Admission: a reservation of `slots` sequences, or None (queue full; counted).
+        Reads the request's tenant and queue-time limit from its headers (ValueError: a bad
+        one) onto its access record, where AsyncLLM.generate finds them; one the queue
+        would keep waiting past its limit is refused (EngineOverloadedError: 429)."""
+        tenant, limit = self._admission_headers()
         if self.queue_full(slots):
             self.reject("queue_full")
             return None
+        wait = self.engine.queue_wait.estimate_s(tenant, priority, self.num_waiting()) \
+            if limit else None
+        if wait is not None and wait > limit:
+            self.reject("queue_time")
+            if self.engine.metrics is not None:
+                self.engine.metrics.tenant_request(
+                    metrics_label(tenant, self.config.engine.tenant_weights), "refused")
+            raise EngineOverloadedError(
+                f"The server is overloaded: the request would wait about {wait:.1f} s to "
+                f"start, more than its max_queue_time ({limit:g} s). Retry later.",
+                wait - limit)
         reservation = Reservation(slots)
         self._reservations.append(reservation)
         return reservation
+
+    def _admission_headers(self) -> tuple[str, float | None]:
+        """The current request's tenant (--tenant-header, else its API key's digest) and its
+        queue-time limit (X-Max-Queue-Time within --max-queue-time), kept on its record."""
+        record = request_log.current.get()
+        headers = record.headers if record is not None and record.headers else {}
+
+        def text(name: bytes) -> str | None:
+            return headers[name].decode("latin-1") if name in headers else None
+
+        bearer = (text(b"authorization") or "").partition(" ")[2].strip() \
+            or text(b"x-api-key")
+        tenant = tenant_of(text(self.config.api.tenant_header.lower().encode()), bearer)
+        own = text(b"x-max-queue-time")
+        try:
+            own = check_max_queue_time(None if own is None else float(own), "X-Max-Queue-Time")
+        except ValueError:
+            raise ValueError("X-Max-Queue-Time must be a number of seconds > 0.") from None
+        if record is not None:
+            record.tenant, record.max_queue_time = tenant, own or 0.0
+        limits = [x for x in (own, self.config.engine.max_queue_time) if x]
+        return tenant, min(limits) if limits else None
 
     def reject(self, reason: str) -> None:
         """Counts a request refused before it reached the engine (metrics)."""
@@ -197,7 +237,9 @@ async def build_state(settings: ApiSettings, metrics: Metrics | None = None) -> 
     engine = AsyncLLM(client, tokenizer, eos_token_ids(tokenizer, settings.model_path),
                       dead_after_s=config.check_health_interval,
                       stall_after_s=config.engine_iteration_timeout, metrics=metrics,
-                      stream_interval=config.api.stream_interval)
+                      stream_interval=config.api.stream_interval,
+                      queue_wait=QueueWait(config.engine.scheduling_policy,
+                                           config.engine.tenant_weights))
     await engine.start()
     # A request that can never fit the KV cache (of one replica) is refused like an
     # over-long one (400 naming the field), not queued forever.

@@ -27,9 +27,9 @@ class AccessLog:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in QUIET_PATHS:
             return await self.app(scope, receive, send)
-        record = request_log.RequestRecord(keep_text=self.log_requests)
-        token = request_log.current.set(record)
         headers = dict(scope.get("headers") or [])
+        record = request_log.RequestRecord(keep_text=self.log_requests, headers=headers)
+        token = request_log.current.set(record)
         request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] \
             or uuid.uuid4().hex
         status = 500

@@ -28,6 +28,7 @@ from tokenmill.entrypoints.http.openai_errors import (
     RETRY_AFTER_S,
     ApiError,
     validation_error,
+    with_retry_after,
 )
 from tokenmill.entrypoints.http.openai_requests import ChatRun, prepare_chat
 from tokenmill.entrypoints.http.streaming import whole_answer
@@ -40,7 +41,8 @@ def error_response(message: str, status: int) -> JSONResponse:
 
 
 def _refusal(exc: Exception) -> JSONResponse:
-    return error_response(getattr(exc, "message", None) or str(exc), getattr(exc, "status", 400))
+    return with_retry_after(error_response(getattr(exc, "message", None) or str(exc),
+                                           getattr(exc, "status", 400)), exc)
 
 
 async def messages(body: object, request: Request, state: ServerState) -> Response:
@@ -118,7 +120,7 @@ class _Reply:
                     reason, sequence = stop_reason(c.finish_reason, c.stop_reason,
                                                    deltas.has_calls())
         except EngineRequestError as exc:
-            yield _event("error", error_body(str(exc), 400))
+            yield _event("error", error_body(str(exc), exc.status))
             return
         except EngineDeadError as exc:
             yield _event("error", error_body(str(exc), 503))

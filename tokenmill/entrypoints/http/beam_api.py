@@ -112,7 +112,7 @@ async def searched(request, search, reservation, error) -> tuple:
     try:
         found = await unless_disconnected(request, search)
     except EngineRequestError as exc:
-        return None, error(str(exc), 400)
+        return None, error(str(exc), exc.status)
     except EngineDeadError as exc:
         return None, error(str(exc), 503)
     finally:

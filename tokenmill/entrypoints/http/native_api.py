@@ -22,7 +22,7 @@ from tokenmill.entrypoints.api.native_messages import (
 )
 from tokenmill.entrypoints.api.native_protocol import NativeError, NativeRequest, echoed_request_id
 from tokenmill.entrypoints.api.state import ServerState
-from tokenmill.entrypoints.http.openai_errors import RETRY_AFTER_S
+from tokenmill.entrypoints.http.openai_errors import RETRY_AFTER_S, with_retry_after
 from tokenmill.entrypoints.http.streaming import json_line, unless_disconnected
 
 
@@ -42,7 +42,7 @@ async def handle(body: dict, request: Request, state: ServerState) -> Response:
     try:
         req = await admit(body, state)
     except NativeError as exc:
-        return error_response(body, exc.message, exc.status)
+        return with_retry_after(error_response(body, exc.message, exc.status), exc)
     messages = step_messages(req, state, received)
     if req.stream and not state.config.disable_streaming and not req.return_all_tokens:
         return StreamingResponse(_json_lines(messages), media_type="text/event-stream")
@@ -63,7 +63,9 @@ async def _single_response(req: NativeRequest, messages: AsyncIterator[dict],
         last = message
     if last.get("error_code"):
         last["req_id"] = req.req_id
-        return JSONResponse({**last, "result": ""}, status_code=last["error_code"])
+        retry = {"Retry-After": RETRY_AFTER_S} if last["error_code"] in (429, 503) else None
+        return JSONResponse({**last, "result": ""}, status_code=last["error_code"],
+                            headers=retry)
     if as_stream_line:  # DISABLE_STREAMING or return_all_tokens: one final stream message
         last.update(token=last["tokens_all"], token_ids=last["tokens_all_ids"], send_idx=0)
         return Response((json_line(last) + "\n").encode(),

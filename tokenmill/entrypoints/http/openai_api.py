@@ -171,7 +171,7 @@ class _Responder:
                 usage["usage"] = self._usage(sum(counts.values()))
                 yield self._sse(usage)
         except EngineRequestError as exc:
-            yield self._sse(error_body(str(exc), 400))
+            yield self._sse(error_body(str(exc), exc.status))
         except EngineDeadError as exc:
             yield self._sse(error_body(str(exc), 503))
         yield "data: [DONE]\n\n"

@@ -1,14 +1,18 @@
 """OpenAI's error shapes (what the `openai` SDK parses), shared by every route that answers
 in them: `ApiError` (a refusal with its status and field), the error body and response
-(503s carry Retry-After), pydantic's validation errors as one sentence."""
+(503s carry Retry-After, 429s the wait the server expects), pydantic's validation errors
+as one sentence."""
 
 from __future__ import annotations
+
+import math
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 408: "RequestTimeoutError", 409: "ConflictError", 413: "RequestTooLargeError",
+                429: "RateLimitError",
                 431: "RequestHeaderFieldsTooLargeError",
                 500: "InternalServerError", 503: "ServiceUnavailableError",
                 504: "TimeoutError"}
@@ -38,10 +42,20 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
 
 
 def api_error(exc: Exception) -> JSONResponse:
-    """An `ApiError`, or a `ValueError` from validation (`param` when it names one)."""
+    """An `ApiError`, or a `ValueError` from validation (`param` when it names one), or the
+    engine's refusal for load (429)."""
     status = getattr(exc, "status", 400)
     message = getattr(exc, "message", None) or str(exc)
-    return error_response(message, status, getattr(exc, "param", None))
+    return with_retry_after(error_response(message, status, getattr(exc, "param", None)), exc)
+
+
+def with_retry_after(response, exc: BaseException):
+    """`response` (any route's) with Retry-After when it is a 429 and `exc` says how long
+    the server expects the queue to take (whole seconds, at least 1)."""
+    seconds = getattr(exc, "retry_after", None)
+    if seconds is not None and response.status_code == 429:
+        response.headers["Retry-After"] = str(max(1, math.ceil(seconds)))
+    return response
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -66,7 +80,7 @@ def refusal(exc: Exception) -> tuple[int, dict]:
         return status, error_body(getattr(exc, "message", None) or str(exc), status,
                                   getattr(exc, "param", None))
     if isinstance(exc, EngineRequestError):
-        return 400, error_body(str(exc), 400)
+        return exc.status, error_body(str(exc), exc.status)
     if isinstance(exc, EngineDeadError):
         return 503, error_body(str(exc), 503)
     raise exc

@@ -49,7 +49,7 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
         refused = token_out_of_range(ids, state.engine.client.info.vocab_size)
         if refused is not None:
             raise ApiError(refused.message(f"{name} token ids"), 400, name)
-    reservation = state.try_admit(req.slots())  # before any tokenizing or templating
+    reservation = state.try_admit(req.slots(), req.priority or 0)  # before any tokenizing
     if reservation is None:
         raise ApiError("The server is overloaded: too many requests are waiting. Retry later.",
                        503)

@@ -238,7 +238,7 @@ async def answer(route: str, body: Any, state: ServerState) -> tuple[int, dict]:
 
 async def handle(route: str, body: Any, request: Request) -> Response:
     status, answer_body = await answer(route, body, request.app.state.server)
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
     return JSONResponse(answer_body, status_code=status, headers=headers)
 
 

@@ -109,11 +109,12 @@ async def whole_answer(request: Request, work: Awaitable[Any], error) -> Any:
     from fastapi.responses import JSONResponse, Response
 
     from tokenmill.engine.async_engine import EngineDeadError, EngineRequestError
+    from tokenmill.entrypoints.http.openai_errors import with_retry_after
 
     try:
         answer = await unless_disconnected(request, work)
-    except EngineRequestError as exc:
-        return error(str(exc), 400)
+    except EngineRequestError as exc:  # (400; 429 for load)
+        return with_retry_after(error(str(exc), exc.status), exc)
     except EngineDeadError as exc:
         return error(str(exc), 503)
     if answer is None:

@@ -28,6 +28,7 @@ from tokenmill.entrypoints.api.triton_protocol import (
     parse_fields,
     perf_fields,
 )
+from tokenmill.entrypoints.http.openai_errors import with_retry_after
 from tokenmill.entrypoints.http.request_body import read_body
 from tokenmill.entrypoints.http.streaming import json_line, unless_disconnected
 from tokenmill.outputs import OutputKind
@@ -49,7 +50,10 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
             state.reject("not_ready")
             reservation = None
         else:
-            reservation = state.try_admit(1)
+            try:
+                reservation = state.try_admit(1)
+            except ValueError as exc:  # (a bad header; 429: EngineOverloadedError)
+                return with_retry_after(error(str(exc), getattr(exc, "status", 400)), exc)
         if reservation is None:
             return error("The server is not accepting requests now (overloaded, shutting "
                          "down, or its engine stopped).", 503)
@@ -95,7 +99,7 @@ def create_router(get_state, guard: list | None = None) -> APIRouter:
         try:
             response = await unless_disconnected(request, whole())
         except EngineRequestError as exc:
-            return error(str(exc), 400)
+            return with_retry_after(error(str(exc), exc.status), exc)
         except EngineDeadError as exc:
             return error(str(exc), 503)
         return response if response is not None else Response(status_code=499)

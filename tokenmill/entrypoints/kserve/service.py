@@ -241,7 +241,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 async for outputs, final in responses:
                     yield _response(request, final and not empty_final, outputs)
         except EngineRequestError as exc:
-            raise GrpcError(_INVALID, str(exc)) from None
+            raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED if exc.status == 429
+                            else _INVALID, str(exc)) from None
         except EngineDeadError as exc:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         if empty_final:
@@ -333,7 +334,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                                                       request.model_name)
         except (ValueError, triton_protocol.TritonError) as exc:
             raise GrpcError(_INVALID, getattr(exc, "message", str(exc))) from None
-        reservation = state.try_admit(1)
+        try:
+            reservation = state.try_admit(1)
+        except ValueError as exc:  # (429 for load: EngineOverloadedError)
+            raise GrpcError(grpc.StatusCode.RESOURCE_EXHAUSTED
+                            if getattr(exc, "status", 400) == 429 else _INVALID, str(exc)) from None
         if reservation is None:
             raise GrpcError(grpc.StatusCode.UNAVAILABLE, "The server is overloaded: too many "
                             "requests are waiting. Retry later.")
