@@ -132,3 +132,21 @@ def test_a_full_micro_batch_displaces_nobody_outside_it():
     out = s.schedule(max_seqs=2)
     assert [x.request.request_id for x in out.scheduled] == ["h", "i"]
     assert s.num_preemptions == 0 and [r.request_id for r in s.waiting] == ["n"]
+
+
+def test_a_victim_scheduled_in_the_same_step_leaves_no_unwritten_block_cached():
+    """A prompt chunk scheduled and then preempted in the same step (by priority) never had
+    its KV written: its blocks must not serve a later request as prefix-cache hits."""
+    s = make(num_blocks=5, block_size=4, budget=12, max_seqs=8)
+    low = req("l", 20, priority=5, arrival=0, max_tokens=4)
+    s.add_request(low)
+    run_step(s)  # (its first 12 tokens: blocks 0-2 written)
+    s.add_request(req("h", 4, priority=0, arrival=1, max_tokens=20))
+    out = run_step(s)  # (l's last 8 took blocks 3-4, then l made room for h)
+    assert [x.request.request_id for x in out.scheduled] == ["h"]
+    assert low.status == RequestStatus.PREEMPTED
+    again = req("m", 20, priority=5, arrival=2)
+    again.prompt_token_ids = list(low.prompt_token_ids)
+    hits, _ = s.kv_cache.get_computed_blocks(again)
+    assert len(hits) == 3  # (what the first step wrote; block 3 was never written)
+    s.kv_cache.pool.check_integrity()

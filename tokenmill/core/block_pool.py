@@ -91,6 +91,10 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache(self, block: Block) -> None:
+        """`block` holds no KV worth finding: out of the prefix cache."""
+        self._evict(block)
+
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

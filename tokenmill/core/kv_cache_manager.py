@@ -165,6 +165,13 @@ class KVCacheManager:
             self._num_dropped[request_id] = end
         self.pool.free_blocks(reversed(dropped))
 
+    def forget_unwritten(self, request: Request, start: int) -> None:
+        """`request` was taken back out of the step that allocated its blocks: those from
+        position `start` on never got their KV, so they leave the prefix cache."""
+        for block in self._blocks.get(request.request_id, [])[start // self.block_size:]:
+            if block is not None:
+                self.pool.uncache(block)
+
     def free(self, request: Request) -> None:
         if self.states is not None:
             self.states.free(request.request_id)

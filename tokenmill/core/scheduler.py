@@ -317,13 +317,13 @@ class Scheduler:
         self._preempt(victim)
         return tokens
 
-    @staticmethod
-    def _unschedule(scheduled: list[ScheduledRequest], request: Request) -> int:
-        """Takes `request` out of this step's `scheduled` (a victim chosen by priority may
-        already be in it); returns the tokens it had."""
+    def _unschedule(self, scheduled: list[ScheduledRequest], request: Request) -> int:
+        """Takes `request` (a victim) out of this step's `scheduled`, its blocks the step
+        would have filled out of the prefix cache; returns the tokens it had."""
         for k, s in enumerate(scheduled):
             if s.request is request:
                 del scheduled[k]
+                self.kv_cache.forget_unwritten(request, s.start)
                 return s.num_new_tokens
         return 0
 
