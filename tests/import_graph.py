@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS: list[tuple[str, ...]] = [
     ("logs", "host_to_device", "text_buffer", "json_depth", "heap"),
     ("config", "sampling_params", "pooling_params", "mm_inputs", "outputs", "tokenizer"),
-    ("core", "csrc"),
+    ("core", "csrc", "kv_offload"),
     ("distributed",),
     ("attention", "layers", "quantization"),
     ("platforms", "models"),

@@ -230,3 +230,24 @@ def test_lora_flags():
     defaults = build_server_config([], {}).engine
     assert (defaults.enable_lora, defaults.max_loras, defaults.max_lora_rank,
             defaults.lora_modules) == (False, 1, 16, None)
+
+
+def test_fair_share_queue_time_and_disk_tier_flags(tmp_path):
+    config = build_server_config([
+        "--scheduling-policy", "fair", "--tenant-weights", "gold=3,free=0.5",
+        "--tenant-header", "X-Team", "--max-queue-time", "2.5",
+        "--kv-cache-disk-dir", str(tmp_path), "--kv-cache-disk-gib", "3"], {})
+    engine = config.engine
+    assert (engine.scheduling_policy, engine.tenant_weights, engine.max_queue_time) == (
+        "fair", {"gold": 3.0, "free": 0.5}, 2.5)
+    assert (engine.kv_cache_disk_dir, engine.kv_cache_disk_gib) == (str(tmp_path), 3.0)
+    assert config.api.tenant_header == "X-Team"
+    defaults = build_server_config([], {})
+    assert (defaults.engine.tenant_weights, defaults.engine.max_queue_time,
+            defaults.engine.kv_cache_disk_dir, defaults.api.tenant_header) == (
+        {}, None, None, "X-Tenant-Id")
+    for flags, word in ((["--tenant-weights", "gold=3"], "needs --scheduling-policy fair"),
+                        (["--tenant-header", "X Team"], "--tenant-header"),
+                        (["--max-queue-time", "0"], "max_queue_time")):
+        with pytest.raises(ValueError, match=word):
+            build_server_config(flags, {})

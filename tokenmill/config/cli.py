@@ -129,6 +129,12 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "cache (env USE_CACHE_KV_INT8=1); fp8: float8 e4m3 K/V")
     a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
       help="reuse the KV blocks of a prompt prefix already computed (default on)")
+    a("--kv-cache-disk-dir", default=None, metavar="DIR",
+      help="a disk tier for the prefix cache: full KV blocks written to DIR and read back on "
+           "a prefix hit, across restarts and shared by this machine's replicas (one rank; "
+           "no speculative decoding or --async-scheduling)")
+    a("--kv-cache-disk-gib", type=float, default=None, metavar="GIB",
+      help="the disk tier's bound (default 10): least recently used blocks go first")
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
       help="prompts split across steps by the token budget (default on)")
     a("--async-scheduling", action="store_true", default=None,

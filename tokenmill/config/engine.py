@@ -66,6 +66,11 @@ class EngineConfig:
     # fair: tenants share the steps' tokens by `tenant_weights` (config/tenants.py; 1 for a
     # tenant it does not name), each tenant's requests by priority, then arrival
     scheduling_policy: str = "fcfs"
+    # the KV cache's disk tier (engine/kv_disk_tier.py): full blocks written through to this
+    # folder (shared by the replicas of one machine, kept across restarts) and read back on
+    # a prefix hit; bounded to kv_cache_disk_gib, least recently used files going first
+    kv_cache_disk_dir: str | None = None
+    kv_cache_disk_gib: float = 10.0
     tenant_weights: Any = None
     # seconds a request may wait before its first step (None: no limit); one past it is
     # refused (429), and the API refuses at once one it expects to wait longer
@@ -232,6 +237,7 @@ class EngineConfig:
         if self.tenant_weights and self.scheduling_policy != "fair":
             raise ValueError("--tenant-weights needs --scheduling-policy fair.")
         self.max_queue_time = check_max_queue_time(self.max_queue_time, "max_queue_time")
+        self._check_disk_tier()
         positive_int("max_loras")
         positive_int("max_lora_rank")
         positive_int("max_cpu_loras", allow_none=True)
@@ -255,6 +261,23 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
             raise ValueError("kv_cache_dtype must be 'auto', 'float32', 'bfloat16', 'int8' or "
                              f"'fp8', got {self.kv_cache_dtype!r}.")
+
+    def _check_disk_tier(self) -> None:
+        if not self.kv_cache_disk_dir:
+            return
+        if isinstance(self.kv_cache_disk_gib, bool) or not isinstance(
+                self.kv_cache_disk_gib, (int, float)) or not 0 < self.kv_cache_disk_gib < 2**20:
+            raise ValueError(f"kv_cache_disk_gib must be a number of GiB > 0, got "
+                             f"{self.kv_cache_disk_gib!r}.")
+        unsupported = [flag for flag, on in (
+            ("tensor or pipeline parallel", self.world_size > 1),
+            ("--async-scheduling", self.async_scheduling),
+            ("--speculative-config", self.speculative_config is not None),
+            ("--enable-sleep-mode", self.enable_sleep_mode),
+            ("--no-enable-prefix-caching", not self.enable_prefix_caching)) if on]
+        if unsupported:
+            raise ValueError(f"--kv-cache-disk-dir is not built with {unsupported[0]}: drop "
+                             "one of them.")
 
 
 def parse_lora_modules(values: Any) -> list[tuple[str, str, str | None]] | None:

@@ -214,6 +214,9 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "log_format": args.log_format or "text", "log_level": args.log_level or "info",
         "scheduling_policy": args.scheduling_policy or "fcfs",
         "tenant_weights": args.tenant_weights, "max_queue_time": args.max_queue_time,
+        "kv_cache_disk_dir": args.kv_cache_disk_dir,
+        **({"kv_cache_disk_gib": args.kv_cache_disk_gib}
+           if args.kv_cache_disk_gib is not None else {}),
         "enable_lora": bool(args.enable_lora),
         "lora_modules": args.lora_modules,
         **{name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras")

@@ -82,14 +82,30 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_full_block(self, block: Block, block_hash: bytes) -> None:
+    def cache_full_block(self, block: Block, block_hash: bytes) -> bool:
+        """Whether `block` now serves `block_hash` (False: caching is off, or it or another
+        block already does)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self._cached:
             # Another request computed the same block concurrently; keep the first copy.
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        return True
+
+    def promote(self, block_hash: bytes) -> Block | None:
+        """A free block for `block_hash`'s KV brought back from another tier: the least
+        recently freed one (its own hash dropped), cached under `block_hash`, moved to the
+        recently-freed end; None when no block is free."""
+        if not self._free:
+            return None
+        _, block = self._free.popitem(last=False)
+        self._evict(block)
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        self._free[block.block_id] = block
+        return block
 
     def uncache(self, block: Block) -> None:
         """`block` holds no KV worth finding: out of the prefix cache."""

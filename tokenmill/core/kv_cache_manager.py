@@ -39,6 +39,9 @@ class KVCacheManager:
         # a step converting lists)
         self._rows: dict[str, IntRow] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # the disk tier (engine/kv_disk_tier.py) sets a list: (block id, hash) of each block
+        # cached from then on, base-model blocks only (an adapter's key is its name and path)
+        self.new_full_blocks: list[tuple[int, bytes]] | None = None
         # Prefix-cache statistics, in tokens, for metrics.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -83,6 +86,30 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def uncached_prefix(self, request: Request) -> list[bytes]:
+        """The hashes of the request's full prompt blocks past its prefix-cache hits (what
+        another tier may hold); none for a request that reads no prefix cache or runs with
+        an adapter."""
+        hits, _ = self.get_computed_blocks(request)
+        if request.lora_request is not None or not request.block_hashes:
+            return []
+        return request.block_hashes[len(hits):(request.num_tokens - 1) // self.block_size]
+
+    def install(self, hashes: list[bytes]) -> list[Block | None]:
+        """Blocks for KV brought back from another tier, cached under `hashes` in order while
+        blocks are free (free themselves, recently used: the request that asked admits them
+        as hits); None for a hash another request cached meanwhile."""
+        out: list[Block | None] = []
+        for block_hash in hashes[:self.pool.num_free_blocks]:
+            cached = self.pool.get_cached_block(block_hash) is not None
+            out.append(None if cached else self.pool.promote(block_hash))
+        return out
+
+    def take_new_full_blocks(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the blocks cached since the last call that still hold them."""
+        new, self.new_full_blocks = self.new_full_blocks or [], []
+        return [(b, h) for b, h in new if self.pool.blocks[b].block_hash == h]
 
     def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
@@ -145,8 +172,11 @@ class KVCacheManager:
             num_full = min(total, request.num_tokens) // self.block_size
             self._update_block_hashes(request, num_full * self.block_size)
             start = self._num_cached_blocks.get(request.request_id, 0)
+            new = self.new_full_blocks if request.lora_request is None else None
             for i in range(start, num_full):
-                self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+                if self.pool.cache_full_block(blocks[i], request.block_hashes[i]) \
+                        and new is not None:
+                    new.append((blocks[i].block_id, request.block_hashes[i]))
             self._num_cached_blocks[request.request_id] = max(start, num_full)
         if self.window is not None:
             self._drop_out_of_window(request.request_id, blocks, num_computed)

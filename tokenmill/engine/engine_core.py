@@ -14,6 +14,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import FinishReason, Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.admission import check_request, late_refusal, queue_limit
+from tokenmill.engine.core_stats import core_stats
 from tokenmill.engine.liveness import StepClock
 from tokenmill.engine.protocol import (
     SLEEPING,
@@ -89,6 +90,10 @@ class EngineCore:
                                        config.enable_prefix_caching, kv_window(self.hf_config),
                                        self.runner.num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
+        self.disk_tier = None  # --kv-cache-disk-dir (engine/kv_disk_tier.py)
+        if config.kv_cache_disk_dir:
+            from tokenmill.engine.kv_disk_tier import KVDiskTier
+            self.disk_tier = KVDiskTier.build(config, self)
         self.clock = StepClock()  # step timings for the engine's heartbeat
         self.sleeping = 0  # sleep mode's level (engine/sleep_mode.py)
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
@@ -136,6 +141,8 @@ class EngineCore:
             shutil.rmtree(staging, ignore_errors=True)
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
+        if getattr(self, "disk_tier", None) is not None:
+            self.disk_tier.shutdown()  # (the blocks queued are written first)
         if getattr(self, "loras", None) is not None:
             self.loras.shutdown()
         workers, self.workers = self.workers, None
@@ -188,7 +195,9 @@ class EngineCore:
             self.loras.check(lora)  # (read now: a bad adapter refuses its request here)
         self._enqueue(new)
 
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: Request, read_back: bool = False) -> None:
+        if not read_back and self.disk_tier is not None and self.disk_tier.lookup(request):
+            return  # (its blocks on disk are read off the step loop; `_admit_compiled` goes on)
         if request.sampling_params.structured_outputs is not None:
             self.structured.submit(request)  # (enters the scheduler once compiled)
         else:
@@ -212,6 +221,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.structured.drop(request_ids)
         self.loras.drop(request_ids)
+        if self.disk_tier is not None:
+            self.disk_tier.drop(request_ids)
         self.scheduler.abort_requests(request_ids)
         if self.proposer is not None:
             self.proposer.release(request_ids)
@@ -224,30 +235,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
-                or bool(self.structured.pending) or bool(self.loras.pending))
+                or bool(self.structured.pending) or bool(self.loras.pending)
+                or self.disk_tier is not None and bool(self.disk_tier.pending))
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv_cache
-        return SchedulerStats(
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_blocks_used=kv.pool.num_used_blocks, kv_blocks_total=kv.num_blocks,
-            prefix_queried_tokens=kv.num_queried_tokens, prefix_hit_tokens=kv.num_hit_tokens,
-            num_preemptions=self.scheduler.num_preemptions,
-            spec_draft_tokens=self.scheduler.num_draft_tokens,
-            spec_accepted_tokens=self.scheduler.num_accepted_tokens,
-            spec_emitted_tokens=self.scheduler.num_spec_emitted,
-            spec_steps=self.scheduler.num_spec_steps, sleeping=self.sleeping,
-            num_admitted=self.scheduler.num_admitted,
-            **self._lora_stats())
-
-    def _lora_stats(self) -> dict:
-        if self.runner.lora is None:
-            return {}
-        scheduler = self.scheduler
-        names = lambda requests: sorted({r.lora_request.lora_name for r in requests  # noqa: E731
-                                         if r.lora_request is not None})
-        return {"loras": self.loras.served(), "running_loras": names(scheduler.running),
-                "waiting_loras": names(scheduler.waiting), "max_loras": self.config.max_loras}
+        return core_stats(self)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run and sample one step. Under pipeline parallel up to one micro-batch
@@ -313,6 +305,8 @@ class EngineCore:
         read, refused = self.loras.ready(0.05 if idle else 0.0)
         for request in read:
             self._enqueue(request)
+        for request in self.disk_tier.ready(0.05 if idle else 0.0) if self.disk_tier else ():
+            self._enqueue(request, read_back=True)  # (its blocks read back: in the cache)
         ready, failed = self.structured.ready(0.05 if idle and not waited else 0.0)
         for request in ready:
             self.scheduler.add_request(request)
@@ -338,6 +332,8 @@ class EngineCore:
             self.clock.stop()
 
     def _outputs(self, step: SchedulerOutput, result) -> list[EngineCoreOutput]:
+        if self.disk_tier is not None:  # (the blocks the step filled, written through)
+            self.disk_tier.save_new()
         # (a micro-batch's requests may have been aborted or preempted while it ran: their
         # prompt logprobs are dropped)
         stale = {s.request.request_id for s in step.scheduled

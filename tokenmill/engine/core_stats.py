@@ -1,0 +1,35 @@
+"""`core_stats`: an engine core's gauges and counters as the `SchedulerStats` it sends with
+every batch of outputs and every heartbeat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.engine.protocol import SchedulerStats
+
+
+def core_stats(core: Any) -> SchedulerStats:
+    """`core`: an EngineCore."""
+    kv, scheduler = core.kv_cache, core.scheduler
+    return SchedulerStats(
+        num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+        kv_blocks_used=kv.pool.num_used_blocks, kv_blocks_total=kv.num_blocks,
+        prefix_queried_tokens=kv.num_queried_tokens, prefix_hit_tokens=kv.num_hit_tokens,
+        num_preemptions=scheduler.num_preemptions,
+        spec_draft_tokens=scheduler.num_draft_tokens,
+        spec_accepted_tokens=scheduler.num_accepted_tokens,
+        spec_emitted_tokens=scheduler.num_spec_emitted,
+        spec_steps=scheduler.num_spec_steps, sleeping=core.sleeping,
+        num_admitted=scheduler.num_admitted, **_lora_stats(core))
+
+
+def _lora_stats(core: Any) -> dict:
+    if core.runner.lora is None:
+        return {}
+
+    def names(requests) -> list[str]:
+        return sorted({r.lora_request.lora_name for r in requests
+                       if r.lora_request is not None})
+
+    return {"loras": core.loras.served(), "running_loras": names(core.scheduler.running),
+            "waiting_loras": names(core.scheduler.waiting), "max_loras": core.config.max_loras}
