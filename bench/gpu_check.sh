@@ -34,13 +34,14 @@ stamp=$(date -u +%Y-%m-%d)
 # section, so a cut run keeps what finished, and its log is kept beside it
 timeout "${CHECK_S:-300}" python3 bench/gpu_check.py --out "$out/gpu-$card-$stamp.json" \
   ${QUICK:+--quick} 2>&1 | tee "$out/gpu-check-$card-$stamp.log" | tail -c 6000
-# the tests next: what is left of BUDGET_S (default 570 s: one 10-minute device call) less
+# the tests next (the last run's failures and what no GPU has run first): what is left of BUDGET_S (default 570 s: one 10-minute device call) less
 # 130 s for the two sweeps after them, 240 s at most, unless TESTS_S says otherwise
 left=$(( ${BUDGET_S:-570} - SECONDS - 130 ))
 tests_s=${TESTS_S:-$(( left < 240 ? (left < 30 ? 30 : left) : 240 ))}
 echo "tests bounded at ${tests_s} s (${SECONDS} s spent)"
 # SIGINT at the bound: pytest still names the failures so far (a plain kill printed only dots)
 timeout -s INT -k 20 "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cacheprovider --timeout 120 \
+  tests/models/test_state_models.py tests/engine/test_kv_disk_tier.py \
   tests/attention/test_triton_attention.py tests/layers/test_triton_ops.py tests/worker/test_piecewise_graphs.py tests/layers/test_fused_moe.py tests/worker/test_platforms.py tests/quantization/test_triton_kernels.py \
   tests/lora/test_lora_triton.py::test_kernels_equal_the_reference \
   tests/quantization/test_fp8_blocks.py tests/quantization/test_quantized_models.py::test_quantize_tool_round_trip \
