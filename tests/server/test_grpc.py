@@ -209,6 +209,39 @@ def test_overload_is_unavailable_and_cancel_frees_kv(client, served):
     assert finished_by_length() == length_before + len(completed)
 
 
+def test_metadata_names_the_tenant_and_the_queue_time_limit(client, served):
+    """The call's metadata is read as the HTTP side's headers: a request kept waiting past
+    its x-max-queue-time (the one slot held) is RESOURCE_EXHAUSTED; x-tenant-id names the
+    tenant its tokens count for (not one --tenant-weights names: "other")."""
+    def other_tokens() -> float:
+        try:
+            return metric(served.metrics, "tokenmill:tenant_generation_tokens_total",
+                          tenant="other")
+        except KeyError:
+            return 0.0
+
+    before = other_tokens()
+    client.infer("ensemble", ensemble_inputs("hi", 3, min_length=("INT32", 3)),
+                 headers={"x-tenant-id": "team-a"})
+    assert wait_until(lambda: other_tokens() == before + 3)
+    long = {"text": "go", "max_dec_len": HOLD_TOKENS, "min_dec_len": HOLD_TOKENS,
+            "temperature": 0, "req_id": "hold-slot"}
+    busy = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports['grpc']}")
+    busy.start_stream(callback=lambda result, error: None)
+    busy.async_stream_infer("model", [seed_input([long])])
+    try:
+        assert wait_until(lambda: metric(served.metrics, "tokenmill:num_requests_running") == 1)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("ensemble", ensemble_inputs("x", 2), headers={"x-max-queue-time": "0.2"})
+        assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "max_queue_time" in str(err.value)
+    finally:
+        busy.stop_stream(cancel_requests=True)
+        busy.close()
+    assert wait_until(lambda: metric(served.metrics, "tokenmill:num_requests_running") == 0
+                      and metric(served.metrics, "tokenmill:kv_cache_blocks_used") == 0)
+
+
 def test_deadline_expiry_aborts_and_cancel_after_final_is_harmless(client, served):
     """Catalogue F4: a client deadline that expires mid-generation aborts the request (KV
     freed); cancelling a stream after its final response changes nothing; later RPCs work."""

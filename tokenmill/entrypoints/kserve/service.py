@@ -132,7 +132,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """Unary: the final response only (the whole text / the last native message)."""
         last = None
         try:
-            async for response in self._run(request, streaming=False):
+            async for response in self._run(request, False, _headers(context)):
                 last = response
         except GrpcError as exc:
             await context.abort(exc.code, exc.message)
@@ -145,10 +145,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         one_done, all_read = object(), object()
+        headers = _headers(context)
 
         async def serve_one(request) -> None:
             try:
-                async for response in self._run(request, streaming=True):
+                async for response in self._run(request, True, headers):
                     await out.put(pb.ModelStreamInferResponse(infer_response=response))
             except GrpcError as exc:
                 await out.put(pb.ModelStreamInferResponse(error_message=exc.message))
@@ -186,13 +187,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(reader, *tasks, return_exceptions=True)
 
-    async def _run(self, request: pb.ModelInferRequest,
-                   streaming: bool) -> AsyncIterator[pb.ModelInferResponse]:
-        """The responses of one request; a refusal is counted in the rejection metric; its
-        access line (engine/request_log.py) is written when it ends."""
+    async def _run(self, request: pb.ModelInferRequest, streaming: bool,
+                   headers: dict | None = None) -> AsyncIterator[pb.ModelInferResponse]:
+        """The responses of one request (`headers`: its call's metadata, read as HTTP
+        headers: tenant, X-Max-Queue-Time); a refusal is counted in the rejection metric;
+        its access line (engine/request_log.py) is written when it ends."""
         state = self.get_state()
         keep_text = state is not None and state.config.log_requests
-        record = request_log.RequestRecord(keep_text=keep_text)
+        record = request_log.RequestRecord(keep_text=keep_text, headers=headers)
         token = request_log.current.set(record)
         status = "OK"
         try:
@@ -372,3 +374,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     outputs.append(tensors.fp32_output("acceptance_rate",
                                                        [perf["acceptance_rate"]], [1]))
                 yield outputs, out.finished
+
+
+def _headers(context) -> dict[bytes, bytes]:
+    """A call's text metadata as the HTTP side holds headers (lower-case names, bytes)."""
+    return {key.encode("latin-1", "replace"): value.encode("latin-1", "replace")
+            for key, value in context.invocation_metadata() or ()
+            if isinstance(value, str)}
