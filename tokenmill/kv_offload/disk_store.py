@@ -37,7 +37,8 @@ class DiskKVStore:
         self.key = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         self.dir = os.path.join(root, self.key[:32])
         try:
-            os.makedirs(self.dir, exist_ok=True)
+            os.makedirs(root, mode=0o700, exist_ok=True)  # (made here: the server's user's)
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
             probe = os.path.join(self.dir, f".probe-{os.getpid()}")
             with open(probe, "wb") as f:
                 f.write(b"x")
@@ -67,7 +68,7 @@ class DiskKVStore:
                              "digest": _digest(payload)}).encode()
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(MAGIC + struct.pack("<I", len(header)) + header)
                 f.write(payload)
