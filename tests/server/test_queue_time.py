@@ -92,6 +92,9 @@ def test_a_request_kept_waiting_past_its_limit_is_refused_then(served):
                                      extra_body={"ignore_eos": True})
     next(iter(hold))  # (it holds the only slot now)
     limit = {"X-Max-Queue-Time": "0.2"}
+    late = lambda tenant: sample(served, "tokenmill:tenant_requests_total",  # noqa: E731
+                                 tenant=tenant, outcome="refused")
+    before = late("default"), late("other")
     try:
         refused = _routes(served.base, limit)
         with pytest.raises(openai.RateLimitError):
@@ -109,6 +112,8 @@ def test_a_request_kept_waiting_past_its_limit_is_refused_then(served):
     assert '"code":429' in refused["chat-stream"].text.replace(" ", "")  # (started: in-stream)
     engine = served.app.state.server.engine
     assert wait_until(lambda: engine.num_in_flight() == 0 and not engine.stats.num_running, 60)
+    # (counted as refused, by tenant: the four httpx requests, the openai client's two)
+    assert (late("default") - before[0], late("other") - before[1]) == (4, 2)
 
 
 def test_tenants_from_their_header_into_metrics(served):

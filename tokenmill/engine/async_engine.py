@@ -57,12 +57,11 @@ class AsyncLLM:
 
     def __init__(self, client: AsyncMPClient, tokenizer: Any, eos_token_ids: list[int],
                  dead_after_s: float = 10.0, stall_after_s: float | None = None,
-                 metrics: Metrics | None = None,
-                 stream_interval: int = 1, queue_wait: QueueWait | None = None) -> None:
+                 metrics: Metrics | None = None, stream_interval: int = 1,
+                 queue_wait: QueueWait | None = None) -> None:
         """`stream_interval`: a delta reader (a stream) is handed its first tokens at once,
-        then results once they hold this many new tokens, and its last result at once
-        (vLLM's and SGLang's `--stream-interval`: fewer, larger chunks per stream).
-        `queue_wait`: the expected queue time's estimate (its scheduling policy's)."""
+        then results once they hold this many new tokens, and its last at once (vLLM's and
+        SGLang's `--stream-interval`); `queue_wait`: the expected queue time's estimate."""
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}.")
         self.stream_interval = stream_interval
@@ -187,7 +186,8 @@ class AsyncLLM:
                 for item in deltas:
                     if isinstance(item, BaseException):
                         finished = True
-                        timer.finish("error")
+                        timer.finish("refused" if isinstance(item, EngineOverloadedError)
+                                     else "error")
                         raise item
                     total.add(item)
                     finished = item.finished
