@@ -112,15 +112,24 @@ class Metrics:
         self.sleep_level = Gauge("tokenmill:engine_sleep_level",
                                  "Sleep mode's level (0: awake; 1: KV cache freed; 2: weights "
                                  "too)", labels, registry=r)
-        # speculative decoding: counters fed by the core's cumulative counts (their increase
-        # since the replica's last report), the acceptance rate and mean accepted length
-        self.spec_counters = {
-            field: Counter(f"tokenmill:spec_decode_num_{name}", text, labels, registry=r)
+        # counters fed by the core's cumulative counts (their increase since the replica's
+        # last report): speculative decoding's, the KV disk tier's
+        self.counters = {
+            field: Counter(f"tokenmill:{name}", text, labels, registry=r)
             for field, name, text in (
-                ("spec_draft_tokens", "draft_tokens", "Draft tokens verified"),
-                ("spec_accepted_tokens", "accepted_tokens", "Draft tokens accepted"),
-                ("spec_emitted_tokens", "emitted_tokens", "Tokens emitted by drafted steps"))}
-        self._spec_seen: dict[tuple[str, str], int] = {}
+                ("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified"),
+                ("spec_accepted_tokens", "spec_decode_num_accepted_tokens",
+                 "Draft tokens accepted"),
+                ("spec_emitted_tokens", "spec_decode_num_emitted_tokens",
+                 "Tokens emitted by drafted steps"),
+                ("kv_disk_read_blocks", "kv_disk_blocks_read", "KV blocks read back from disk"),
+                ("kv_disk_written_blocks", "kv_disk_blocks_written", "KV blocks written to disk"),
+                ("kv_disk_rejected_blocks", "kv_disk_blocks_rejected",
+                 "KV block files that failed their checks (deleted, recomputed)"),
+                ("kv_disk_dropped_blocks", "kv_disk_blocks_dropped",
+                 "KV blocks not written: the writer was behind or the disk refused"))}
+        self._seen: dict[tuple[str, str], int] = {}
+        # speculative decoding's acceptance rate and mean accepted length
         self.spec_acceptance = Gauge("tokenmill:spec_decode_draft_acceptance_rate",
                                      "Draft tokens accepted / verified", labels, registry=r)
         self.spec_length = Gauge("tokenmill:spec_decode_mean_accepted_length",
@@ -162,11 +171,11 @@ class Metrics:
                                                     if queried else 0)
         self._m(self.preemptions, engine=e).set(stats.num_preemptions)
         self._m(self.sleep_level, engine=e).set(stats.sleeping)
-        for field, counter in self.spec_counters.items():
-            value, last = getattr(stats, field), self._spec_seen.get((field, e), 0)
+        for field, counter in self.counters.items():
+            value, last = getattr(stats, field), self._seen.get((field, e), 0)
             # (a replica that restarted counts from 0 again)
             self._m(counter, engine=e).inc(value - last if value >= last else value)
-            self._spec_seen[field, e] = value
+            self._seen[field, e] = value
         if stats.max_loras:
             self._observe_loras(stats, e)
         if stats.spec_draft_tokens:

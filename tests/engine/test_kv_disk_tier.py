@@ -168,3 +168,22 @@ def test_two_live_engines_share_the_folder(tiny_models, tmp_path, baseline):
         assert second.engine.core.disk_tier.num_read_blocks == 12
     assert again.num_cached_tokens == 192
     assert list(out.outputs[0].token_ids) == list(again.outputs[0].token_ids) == baseline[0]
+
+
+def test_the_tier_counts_into_the_engine_stats_and_metrics(tiny_models, tmp_path):
+    from tokenmill.metrics import Metrics
+
+    path = tiny_models("llama")[0]
+    run(path, [PROMPT], kv_cache_disk_dir=str(tmp_path))
+    engine = dict(kv_cache_memory_gib=0.02, max_model_len=512, kv_cache_disk_dir=str(tmp_path))
+    with LLM(path, **engine) as llm:
+        llm.generate([{"prompt_token_ids": OTHER}], PARAMS, use_tqdm=False)
+        assert llm.engine.core.disk_tier.flush(60)
+        stats = llm.engine.core.stats()
+    assert (stats.kv_disk_read_blocks, stats.kv_disk_written_blocks,
+            stats.kv_disk_rejected_blocks, stats.kv_disk_dropped_blocks) == (6, 4, 0, 0)
+    metrics = Metrics("tiny", 8)
+    metrics.observe_stats(stats)
+    value = lambda name: metrics.registry.get_sample_value(  # noqa: E731
+        f"tokenmill:{name}_total", {"model_name": "tiny", "engine": "0"})
+    assert (value("kv_disk_blocks_read"), value("kv_disk_blocks_written")) == (6, 4)

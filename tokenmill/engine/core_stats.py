@@ -20,7 +20,18 @@ def core_stats(core: Any) -> SchedulerStats:
         spec_accepted_tokens=scheduler.num_accepted_tokens,
         spec_emitted_tokens=scheduler.num_spec_emitted,
         spec_steps=scheduler.num_spec_steps, sleeping=core.sleeping,
-        num_admitted=scheduler.num_admitted, **_lora_stats(core))
+        num_admitted=scheduler.num_admitted, **_lora_stats(core), **_disk_stats(core))
+
+
+def _disk_stats(core: Any) -> dict:
+    tier = core.disk_tier
+    if tier is None:
+        return {}
+    store = tier.store
+    return {"kv_disk_read_blocks": tier.num_read_blocks,
+            "kv_disk_written_blocks": store.num_saved,
+            "kv_disk_rejected_blocks": store.num_rejected,
+            "kv_disk_dropped_blocks": tier.num_dropped + store.num_failed}
 
 
 def _lora_stats(core: Any) -> dict:

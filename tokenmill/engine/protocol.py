@@ -73,6 +73,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     max_loras: int = 0
     sleeping: int = 0  # sleep mode's level (0: awake; replicas added up: any asleep)
     num_admitted: int = 0  # requests scheduled for the first time (cumulative)
+    # the KV disk tier (--kv-cache-disk-dir), cumulative: blocks read back, written, whose
+    # file failed its checks, not written (the writer behind, or the disk refusing)
+    kv_disk_read_blocks: int = 0
+    kv_disk_written_blocks: int = 0
+    kv_disk_rejected_blocks: int = 0
+    kv_disk_dropped_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
