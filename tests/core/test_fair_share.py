@@ -5,7 +5,7 @@ tenant back from idle is owed nothing; the most-served tenant is preempted first
 tenant's requests run in (priority, arrival) order. Queue deadlines: a request that never
 started is refused once its deadline passes, one that started never is."""
 
-from collections import Counter
+from collections import Counter, deque
 
 import pytest
 
@@ -156,3 +156,24 @@ def test_a_request_past_its_deadline_is_refused_unless_it_started():
     assert late[0].status == RequestStatus.FINISHED_ABORTED
     assert [r.request_id for r in s.waiting] == ["patient"] and s.num_running == 1
     assert s.expire(1e9) == [] and s.num_deadlines == 1  # ("run" keeps its count till it ends)
+
+
+def test_the_queue_is_read_for_deadlines_only_once_the_earliest_passed():
+    s = make(policy="fcfs", max_seqs=1)
+    s.add_request(req("run", "a", max_tokens=30))
+    for i, deadline in enumerate((9.0, 7.0, 8.0)):
+        s.add_request(req(f"w{i}", "a", max_tokens=4, deadline=deadline))
+    run_step(s)
+    reads = []
+
+    class Counted(deque):  # (counts the scans of the queue)
+        def __iter__(self):
+            reads.append(1)
+            return super().__iter__()
+
+    s.waiting = Counted(s.waiting)
+    reads.clear()
+    assert s.expire(6.9) == [] and reads == []  # (before 7.0: not read)
+    assert [r.request_id for r in s.expire(7.5)] == ["w1"] and len(reads) == 1
+    assert s.expire(7.9) == [] and len(reads) == 1  # (next deadline 8.0)
+    assert [r.request_id for r in s.expire(8.5)] == ["w2"] and len(reads) == 2

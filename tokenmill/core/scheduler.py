@@ -80,7 +80,7 @@ class Scheduler:
         self.num_draft_tokens = self.num_accepted_tokens = self.num_spec_emitted = 0
         self.num_spec_steps = 0
         self.policy = QueuePolicy(config.policy, config.tenant_weights)
-        self.num_deadlines = 0  # requests in the scheduler with a deadline
+        self.num_deadlines, self._next_deadline = 0, float("inf")  # (and their earliest)
         self.num_admitted = 0  # requests scheduled for the first time (cumulative)
 
     # ---- request lifetime -------------------------------------------------------------
@@ -89,11 +89,10 @@ class Scheduler:
             raise ValueError(f"Request id {request.request_id!r} is already in the engine.")
         self.requests[request.request_id] = request
         self.policy.arrived(request)
-        self.num_deadlines += request.deadline is not None
-        self._wait(request)
-
-    def _wait(self, request: Request, front: bool = False) -> None:
-        self.policy.wait(self.waiting, request, front)
+        if request.deadline is not None:
+            self.num_deadlines += 1
+            self._next_deadline = min(self._next_deadline, request.deadline)
+        self.policy.wait(self.waiting, request)
 
     def _victim(self) -> Request:
         return self.policy.victim(self.running)
@@ -133,7 +132,7 @@ class Scheduler:
         request.num_pending = 0  # (the result of a step in flight is dropped)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._wait(request, front=True)
+        self.policy.wait(self.waiting, request, front=True)
 
     @property
     def num_waiting(self) -> int:
@@ -147,25 +146,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def expire(self, now: float) -> list[Request]:
-        """Waiting requests never scheduled whose deadline is before `now`: finished
-        (aborted), out of the queue."""
-        if not self.num_deadlines:
+        """Waiting requests never scheduled, past their deadline at `now`: finished (aborted),
+        out of the queue (read only once the earliest deadline has passed)."""
+        if not self.num_deadlines or now <= self._next_deadline:
             return []
-        late = [r for r in self.waiting if r.deadline is not None and r.deadline < now
-                and r.first_scheduled_time is None]
+        timed = [r for r in self.waiting
+                 if r.deadline is not None and r.first_scheduled_time is None]
+        late = [r for r in timed if r.deadline < now]
         for request in late:
             self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._next_deadline = min((r.deadline for r in timed if r.deadline >= now),
+                                  default=float("inf"))
         return late
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self, max_seqs: int | None = None, async_scheduling: bool = False
                  ) -> SchedulerOutput:
         """`max_seqs`: at most this many sequences in the step (a pipeline micro-batch's
-        share). A running request whose last step is still in flight (its next token not
-        on the host yet) is left out, unless `async_scheduling` and the
-        request allows it (`Request.may_schedule_async`, and that token cannot be its last): then
-        it decodes at that token's position, the runner taking the token from the device."""
+        share). A running request whose last step is still in flight (its next token not on
+        the host yet) is left out, unless `async_scheduling` and the request allows it
+        (`Request.may_schedule_async`, and that token cannot be its last): then it decodes at
+        that token's position, the runner taking the token from the device."""
         budget = self.config.max_num_batched_tokens
         encoder_budget = self.config.encoder_budget
         max_seqs = max_seqs or self.config.max_num_seqs
@@ -309,8 +311,7 @@ class Scheduler:
         return request
 
     def _displace(self, scheduled: list[ScheduledRequest]) -> int:
-        """Preempts the running request last in priority order for one that ranks ahead;
-        returns the step's tokens it had."""
+        """Preempts the last running request in priority order; its tokens in the step."""
         victim = self._victim()
         self.running.remove(victim)
         tokens = self._unschedule(scheduled, victim)
@@ -328,8 +329,7 @@ class Scheduler:
         return 0
 
     def _schedulable_async(self, request: Request) -> bool:
-        """Its pending token is not its last (max_tokens, the model's length) and its next
-        step needs none of its tokens on the host."""
+        """Its pending token is not its last, and its next step needs none on the host."""
         outputs = len(request.output_token_ids) + request.num_pending
         max_tokens = request.sampling_params.max_tokens
         return ((max_tokens is None or outputs < max_tokens)
@@ -341,9 +341,8 @@ class Scheduler:
         """Append each request's sampled tokens (one; with drafts, the accepted ones and the
         target's next), apply token-level stop rules token by token, release finished
         requests. With drafts, the KV of the rejected ones is left to be overwritten: the
-        request's computed tokens end after its last accepted one.
-
-        Returns the requests that got tokens (finished ones included), each with how many."""
+        request's computed tokens end after its last accepted one. Returns the requests that
+        got tokens (finished ones included), each with how many."""
         updated: list[tuple[Request, int]] = []
         finished = False
         for s in output.scheduled:
