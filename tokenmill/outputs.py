@@ -49,6 +49,8 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # a pooling model's request: its vector (an embedding, or a classifier's scores)
     pooled: list[float] | None = None
+    # prefill/decode disaggregation: what a prefill request hands its decode request (vLLM's)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class OutputKind(enum.Enum):
@@ -99,7 +101,7 @@ class OutputSum:
                 c.cumulative_logprob))
         return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, outputs,
                              last.finished, last.prompt_logprobs, last.num_cached_tokens,
-                             last.metrics, last.pooled)
+                             last.metrics, last.pooled, last.kv_transfer_params)
 
 
 @dataclass

@@ -6,6 +6,9 @@ import dataclasses
 import json as _json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.config.kv_transfer import check_params
 
 
 class InvalidParameter(ValueError):
@@ -116,6 +119,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens are generated (vLLM's)
     # the output follows a JSON schema / regex / choice / grammar (structured_output/)
     structured_outputs: StructuredOutputsParams | None = None
+    # prefill/decode disaggregation (vLLM's; config/kv_transfer.py): {"do_remote_decode":
+    # true} on a prefill instance, its answer's parameters on a decode instance
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine from the tokenizer/generation config; not part of the public surface.
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -208,6 +214,13 @@ class SamplingParams:
             raise bad("stop_token_ids", f"a list of integers in [0, {_INT64_MAX}]")
         if self.seed is not None and not -2**63 <= self.seed <= _UINT64_MAX:  # torch's range
             raise bad("seed", f"an integer in [{-2**63}, {_UINT64_MAX}]")
+        if self.kv_transfer_params is not None:
+            try:
+                self.kv_transfer_params = check_params(self.kv_transfer_params)
+            except ValueError as exc:
+                raise InvalidParameter("kv_transfer_params", str(exc)) from None
+            if self.kv_transfer_params is not None and self.n != 1:
+                raise InvalidParameter("kv_transfer_params", "kv_transfer_params needs n=1.")
 
     def for_child(self, index: int) -> SamplingParams:
         """The params of the `index`-th of `n` samples: with a seed, each its own (seed + index,

@@ -135,6 +135,9 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "no speculative decoding or --async-scheduling)")
     a("--kv-cache-disk-gib", type=float, default=None, metavar="GIB",
       help="the disk tier's bound (default 10): least recently used blocks go first")
+    a("--kv-transfer-config", default=None, metavar="JSON",
+      help='prefill/decode disaggregation over NIXL, e.g. \'{"kv_connector":"NixlConnector",'
+           '"kv_role":"kv_both"}\' (vLLM\'s flag; one rank; `tokenmill disagg-proxy` in front)')
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
       help="prompts split across steps by the token budget (default on)")
     a("--async-scheduling", action="store_true", default=None,

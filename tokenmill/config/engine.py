@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config.kernels import KernelConfig
+from tokenmill.config.kv_transfer import KVTransferConfig
 from tokenmill.config.multimodal import parse_limits
 from tokenmill.config.pooling import RUNNERS, parse_override
 from tokenmill.config.tenants import check_max_queue_time, parse_weights
@@ -71,6 +72,8 @@ class EngineConfig:
     # a prefix hit; bounded to kv_cache_disk_gib, least recently used files going first
     kv_cache_disk_dir: str | None = None
     kv_cache_disk_gib: float = 10.0
+    # prefill/decode disaggregation (engine/kv_transfer.py): a KVTransferConfig, or its JSON
+    kv_transfer_config: Any = None
     tenant_weights: Any = None
     # seconds a request may wait before its first step (None: no limit); one past it is
     # refused (429), and the API refuses at once one it expects to wait longer
@@ -238,6 +241,7 @@ class EngineConfig:
             raise ValueError("--tenant-weights needs --scheduling-policy fair.")
         self.max_queue_time = check_max_queue_time(self.max_queue_time, "max_queue_time")
         self._check_disk_tier()
+        self._check_kv_transfer()
         positive_int("max_loras")
         positive_int("max_lora_rank")
         positive_int("max_cpu_loras", allow_none=True)
@@ -278,6 +282,19 @@ class EngineConfig:
         if unsupported:
             raise ValueError(f"--kv-cache-disk-dir is not built with {unsupported[0]}: drop "
                              "one of them.")
+
+    def _check_kv_transfer(self) -> None:
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if self.kv_transfer_config is None:
+            return
+        unsupported = [flag for flag, on in (
+            ("tensor or pipeline parallel", self.world_size > 1),
+            ("--enable-sleep-mode", self.enable_sleep_mode),
+            ("--no-enable-prefix-caching", not self.enable_prefix_caching)) if on]
+        if unsupported:
+            raise ValueError(f"--kv-transfer-config is not built with {unsupported[0]}: drop "
+                             "one of them.")
+        _ = self.kv_transfer_config.secret  # (an unreadable secret file stops the start here)
 
 
 def parse_lora_modules(values: Any) -> list[tuple[str, str, str | None]] | None:

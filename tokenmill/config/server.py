@@ -215,6 +215,7 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "scheduling_policy": args.scheduling_policy or "fcfs",
         "tenant_weights": args.tenant_weights, "max_queue_time": args.max_queue_time,
         "kv_cache_disk_dir": args.kv_cache_disk_dir,
+        "kv_transfer_config": args.kv_transfer_config,
         **({"kv_cache_disk_gib": args.kv_cache_disk_gib}
            if args.kv_cache_disk_gib is not None else {}),
         "enable_lora": bool(args.enable_lora),

@@ -23,6 +23,7 @@ from tokenmill.engine.errors import (  # noqa: F401 - the front ends import them
     EngineRequestError,
     EngineSleepingError,
     ShutdownError,
+    request_error,
 )
 from tokenmill.engine.liveness import Liveness
 from tokenmill.engine.output_processor import OutputProcessor
@@ -331,9 +332,8 @@ class AsyncLLM:
         if parent is not None:
             queue = self._queues.get(parent)
             if queue is not None:
-                queue.put(EngineSleepingError(out.error) if out.error == SLEEPING
-                          else EngineRequestError(out.error) if out.retry_after is None
-                          else EngineOverloadedError(out.error, out.retry_after))
+                queue.put(request_error(out.error, out.retry_after, out.status,
+                                        out.error == SLEEPING))
             siblings = [c for c in self.processor.child_ids(parent) if c != out.request_id]
             self.processor.abort_request(parent)
             if siblings:

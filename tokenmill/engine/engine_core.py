@@ -43,6 +43,8 @@ class EngineCore:
                  exit_on_worker_death: bool = False) -> None:
         """`exit_on_worker_death`: a tensor-parallel worker's death ends this process (the
         engine-core process; the server then applies its engine-death policy)."""
+        from tokenmill.engine.kv_disk_tier import KVDiskTier
+        from tokenmill.engine.kv_transfer import KVTransfer
         from tokenmill.executor.multiproc import WorkerGroup
         from tokenmill.executor.ray_executor import RayWorkerGroup
         from tokenmill.platforms import check_kv_budget  # torch only from here on
@@ -90,10 +92,10 @@ class EngineCore:
                                        config.enable_prefix_caching, kv_window(self.hf_config),
                                        self.runner.num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
-        self.disk_tier = None  # --kv-cache-disk-dir (engine/kv_disk_tier.py)
-        if config.kv_cache_disk_dir:
-            from tokenmill.engine.kv_disk_tier import KVDiskTier
-            self.disk_tier = KVDiskTier.build(config, self)
+        self.disk_tier = KVDiskTier.build(config, self)  # --kv-cache-disk-dir
+        self.kv_transfer = KVTransfer.build(config, self)  # --kv-transfer-config
+        # where a new request's prompt blocks may come from, besides computing them
+        self.kv_tiers = [t for t in (self.kv_transfer, self.disk_tier) if t is not None]
         self.clock = StepClock()  # step timings for the engine's heartbeat
         self.sleeping = 0  # sleep mode's level (engine/sleep_mode.py)
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage
@@ -141,8 +143,8 @@ class EngineCore:
             shutil.rmtree(staging, ignore_errors=True)
         if getattr(self, "structured", None) is not None:
             self.structured.shutdown()
-        if getattr(self, "disk_tier", None) is not None:
-            self.disk_tier.shutdown()  # (the blocks queued are written first)
+        for tier in getattr(self, "kv_tiers", ()):
+            tier.shutdown()  # (the disk tier's queued blocks are written first)
         if getattr(self, "loras", None) is not None:
             self.loras.shutdown()
         workers, self.workers = self.workers, None
@@ -196,8 +198,8 @@ class EngineCore:
         self._enqueue(new)
 
     def _enqueue(self, request: Request, read_back: bool = False) -> None:
-        if not read_back and self.disk_tier is not None and self.disk_tier.lookup(request):
-            return  # (its blocks on disk are read off the step loop; `_admit_compiled` goes on)
+        if not read_back and any(tier.lookup(request) for tier in self.kv_tiers):
+            return  # (its blocks are read off the step loop; `_admit_compiled` goes on)
         if request.sampling_params.structured_outputs is not None:
             self.structured.submit(request)  # (enters the scheduler once compiled)
         else:
@@ -221,8 +223,8 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.structured.drop(request_ids)
         self.loras.drop(request_ids)
-        if self.disk_tier is not None:
-            self.disk_tier.drop(request_ids)
+        for tier in self.kv_tiers:
+            tier.drop(request_ids)
         self.scheduler.abort_requests(request_ids)
         if self.proposer is not None:
             self.proposer.release(request_ids)
@@ -236,7 +238,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
                 or bool(self.structured.pending) or bool(self.loras.pending)
-                or self.disk_tier is not None and bool(self.disk_tier.pending))
+                or any(tier.pending for tier in self.kv_tiers))
 
     def stats(self) -> SchedulerStats:
         return core_stats(self)
@@ -305,13 +307,17 @@ class EngineCore:
         read, refused = self.loras.ready(0.05 if idle else 0.0)
         for request in read:
             self._enqueue(request)
-        for request in self.disk_tier.ready(0.05 if idle else 0.0) if self.disk_tier else ():
-            self._enqueue(request, read_back=True)  # (its blocks read back: in the cache)
+        for tier in self.kv_tiers:  # (their blocks read: in the prefix cache now)
+            read, failed = tier.ready(0.05 if idle else 0.0)
+            for request in read:
+                self._enqueue(request, read_back=True)
+            refused += failed
         ready, failed = self.structured.ready(0.05 if idle and not waited else 0.0)
         for request in ready:
             self.scheduler.add_request(request)
-        return [EngineCoreOutput(r.request_id, [], int(FinishReason.ABORT), error=message)
-                for r, message in refused + failed] + [  # (those that waited too long)
+        return [EngineCoreOutput(r.request_id, [], int(FinishReason.ABORT), error=message,
+                                 status=status[0] if status else 0)
+                for r, message, *status in refused + failed] + [  # (those that waited too long)
             late_refusal(r) for r in self.scheduler.expire(time.monotonic())]
 
     def _kv_blocks(self, request: Request) -> tuple[int, int]:
@@ -332,8 +338,8 @@ class EngineCore:
             self.clock.stop()
 
     def _outputs(self, step: SchedulerOutput, result) -> list[EngineCoreOutput]:
-        if self.disk_tier is not None:  # (the blocks the step filled, written through)
-            self.disk_tier.save_new()
+        for tier in self.kv_tiers:  # (the step's new blocks written through to disk; blocks
+            tier.after_step()  # decode instances read let go)
         # (a micro-batch's requests may have been aborted or preempted while it ran: their
         # prompt logprobs are dropped)
         stale = {s.request.request_id for s in step.scheduled
@@ -382,8 +388,9 @@ class EngineCore:
                 spec_tokens=(request.num_draft_tokens, request.num_accepted_tokens)
                 if request.num_draft_tokens else None,
                 kv_blocks=None if finish is None else self._kv_blocks(request),
-                pooled=result.pooled.get(rid),
-                error=errors.get(rid)))
+                pooled=result.pooled.get(rid), error=errors.get(rid),
+                kv_transfer_params=None if finish is None or self.kv_transfer is None
+                else self.kv_transfer.hold(request)))
         # Prompt logprobs of chunks that sampled nothing travel on an empty output.
         sent = {o.request_id for o in outputs}
         for rid, scored in result.prompt_logprobs.items():

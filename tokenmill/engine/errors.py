@@ -36,3 +36,16 @@ class ShutdownError(EngineDeadError):
 
 class EngineSleepingError(EngineDeadError):
     """Sleep mode: the engine sleeps (every front end answers 503 with its message)."""
+
+
+def request_error(message: str, retry_after: float | None = None, status: int = 0,
+                  sleeping: bool = False) -> Exception:
+    """The error an engine core's refusal of one request raises on the API side."""
+    if sleeping:
+        return EngineSleepingError(message)
+    if retry_after is not None:
+        return EngineOverloadedError(message, retry_after)
+    error = EngineRequestError(message)
+    if status:
+        error.status = status
+    return error

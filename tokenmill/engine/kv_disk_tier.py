@@ -81,11 +81,11 @@ class KVDiskTier:
             out.append(payload)
         return out
 
-    def ready(self, timeout: float = 0.0) -> list[Any]:
-        """The requests whose reads finished (waiting up to `timeout` s for one), their
-        blocks in the prefix cache now."""
+    def ready(self, timeout: float = 0.0) -> tuple[list[Any], list]:
+        """(The requests whose reads finished, their blocks in the prefix cache now; none
+        refused: a failed read costs only compute), waiting up to `timeout` s for one."""
         if not self.pending:
-            return []
+            return [], []
         if timeout:
             concurrent.futures.wait([f for _, _, f in self.pending.values()], timeout,
                                     concurrent.futures.FIRST_COMPLETED)
@@ -104,7 +104,7 @@ class KVDiskTier:
             write_blocks(self.runner, [b for b, _ in pairs], [p for _, p in pairs])
             self.num_read_blocks += len(pairs)
             done.append(request)
-        return done
+        return done, []
 
     def drop(self, request_ids: list[str]) -> None:
         """Aborted while their blocks were read: forgotten (the read's result is dropped)."""
@@ -112,7 +112,7 @@ class KVDiskTier:
             self.pending.pop(request_id, None)
 
     # ---- writing through --------------------------------------------------------------
-    def save_new(self) -> None:
+    def after_step(self) -> None:
         """After a step: the blocks it filled, copied out and queued for the writer."""
         new = self.kv_cache.take_new_full_blocks()
         if not new:

@@ -12,6 +12,7 @@ from tokenmill.config.engine import EngineConfig
 from tokenmill.config.generation import log_defaults, sampling_defaults
 from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.errors import request_error
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.protocol import EngineCoreRequest
 from tokenmill.loading.checkpoint import load_tokenizer, resolve_model_path
@@ -150,6 +151,11 @@ class LLMEngine:
         """One engine step: the results of the requests it advanced (`final_only`: of those
         it finished; the offline `LLM` builds no result a request has not finished)."""
         outputs = self.client.get_output()
+        for out in outputs:  # (a request the core refused: its error raised)
+            if out.error is not None and not out.new_token_ids \
+                    and self.output_processor.parent_of(out.request_id):
+                self.abort_request([self.output_processor.parent_of(out.request_id)])
+                raise request_error(out.error, out.retry_after, out.status)
         results, stopped = self.output_processor.process_outputs(outputs, final_only)
         self.client.finish_requests(stopped)
         return results

@@ -66,6 +66,7 @@ class _RequestState:
     # epoch seconds: arrival_time, first_scheduled_time, first_token_time, last_token_time
     times: dict[str, float] = field(default_factory=dict)
     pooled: list[float] | None = None  # a pooling request's vector, once computed
+    kv_transfer_params: dict | None = None  # a prefill request's, once finished
 
     @property
     def finished(self) -> bool:
@@ -151,6 +152,8 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, *out.prompt_logprobs)
             if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             self._note_metrics(state, completion, out, now)
             if out.pooled is not None:  # (a pooling request ends with its vector)
                 state.pooled, completion.finish_reason = out.pooled, str(FinishReason.STOP)
@@ -247,4 +250,4 @@ class OutputProcessor:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              outputs, state.finished,
                              state.prompt_logprobs, state.num_cached_tokens, metrics,
-                             state.pooled)
+                             state.pooled, state.kv_transfer_params)

@@ -48,6 +48,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # on the last output: (KV blocks from the prefix cache, blocks its tokens fill)
     kv_blocks: tuple[int, int] | None = None
     pooled: list[float] | None = None  # a pooling request's vector (with its finish)
+    status: int = 0  # with `error`: the HTTP status it maps to (0: 400, or 429 with retry_after)
+    # prefill/decode disaggregation: a prefill request's answer to pass to a decode instance
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -289,11 +289,15 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                   dynamic_ncols=True) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step(final_only=True):
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step(final_only=True):
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except Exception:  # (one request failed: the others of this call stop too)
+                engine.abort_request([i for i in ids if i not in finished])
+                raise
         return [finished[i] for i in ids]
 
 

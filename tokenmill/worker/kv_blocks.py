@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 
-def _caches(runner: Any) -> list[torch.Tensor]:
+def cache_tensors(runner: Any) -> list[torch.Tensor]:
     """The runner's cache tensors in payload order ([blocks, block_size, heads, row] each;
     an empty V, as under MLA, is left out)."""
     return [t for layer in runner._layers for t in (layer.k_cache, layer.v_cache)
@@ -18,18 +18,18 @@ def _caches(runner: Any) -> list[torch.Tensor]:
 
 def layout(runner: Any) -> list:
     """Each cache's block shape and dtype, in payload order."""
-    return [[list(t.shape[1:]), str(t.dtype)] for t in _caches(runner)]
+    return [[list(t.shape[1:]), str(t.dtype)] for t in cache_tensors(runner)]
 
 
 def block_bytes(runner: Any) -> int:
-    return sum(t[0].numel() * t.element_size() for t in _caches(runner))
+    return sum(t[0].numel() * t.element_size() for t in cache_tensors(runner))
 
 
 def read_blocks(runner: Any, block_ids: list[int]) -> list[bytes]:
     """Each block's payload."""
     index = torch.tensor(block_ids, device=runner.device)
     rows = torch.cat([t.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
-                      for t in _caches(runner)], dim=1).cpu()
+                      for t in cache_tensors(runner)], dim=1).cpu()
     return [rows[i].numpy().tobytes() for i in range(len(block_ids))]
 
 
@@ -42,7 +42,7 @@ def write_blocks(runner: Any, block_ids: list[int], payloads: list[bytes]) -> No
     rows = rows.to(runner.device)
     index = torch.tensor(block_ids, device=runner.device)
     offset = 0
-    for cache in _caches(runner):
+    for cache in cache_tensors(runner):
         width = cache[0].numel() * cache.element_size()
         part = rows[:, offset:offset + width].contiguous().view(cache.dtype)
         cache.index_copy_(0, index, part.view(n, *cache.shape[1:]))

@@ -129,6 +129,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=CAPS.max_logprobs)
     # vLLM's: lower runs first under --scheduling-policy priority
     priority: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's (config/kv_transfer.py)
     use_beam_search: bool = False  # vLLM's: `n` beams
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
@@ -214,7 +215,7 @@ class _SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()}
             if self.logit_bias else None, prompt_logprobs=self.prompt_logprobs,
             allowed_token_ids=self.allowed_token_ids,
-            structured_outputs=self.structured()[0])
+            structured_outputs=self.structured()[0], kv_transfer_params=self.kv_transfer_params)
 
     def check(self) -> None:
         """Checks the schema (types, ranges, caps) cannot express; errors name the field."""
@@ -247,6 +248,9 @@ class CompletionRequest(_SamplingFields):
         super().check()
         if self.suffix:
             raise InvalidParameter("suffix", "suffix is not supported by this server.")
+        if self.kv_transfer_params and isinstance(self.prompt, list) and len(self.prompt) > 1 \
+                and not isinstance(self.prompt[0], int):
+            raise InvalidParameter("kv_transfer_params", "kv_transfer_params take one prompt.")
         if self.max_tokens == 0 and (not self.echo or self.stream or self.use_beam_search):
             raise InvalidParameter("max_tokens", "max_tokens 0 returns the prompt alone: it "
                                    "needs echo, without stream or beam search.")

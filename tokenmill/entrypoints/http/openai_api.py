@@ -123,6 +123,8 @@ class _Responder:
         if self.chat and self.req.prompt_logprobs is not None:  # (vLLM's, beside choices)
             body["prompt_logprobs"] = prompt_logprobs_field(finals[0].prompt_logprobs)
         body["usage"] = self._usage(generated)
+        if finals[0].kv_transfer_params is not None:  # (a prefill instance's answer)
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
         return JSONResponse(body)
 
     async def events(self) -> AsyncIterator[str]:
