@@ -113,7 +113,7 @@ class Metrics:
                                  "Sleep mode's level (0: awake; 1: KV cache freed; 2: weights "
                                  "too)", labels, registry=r)
         # counters fed by the core's cumulative counts (their increase since the replica's
-        # last report): speculative decoding's, the KV disk tier's
+        # last report): speculative decoding's, the KV disk tier's, KV transfers'
         self.counters = {
             field: Counter(f"tokenmill:{name}", text, labels, registry=r)
             for field, name, text in (
@@ -127,7 +127,11 @@ class Metrics:
                 ("kv_disk_rejected_blocks", "kv_disk_blocks_rejected",
                  "KV block files that failed their checks (deleted, recomputed)"),
                 ("kv_disk_dropped_blocks", "kv_disk_blocks_dropped",
-                 "KV blocks not written: the writer was behind or the disk refused"))}
+                 "KV blocks not written: the writer was behind or the disk refused"),
+                ("kv_transfer_read_blocks", "kv_transfer_blocks_read",
+                 "KV blocks read from prefill instances"),
+                ("kv_transfer_failed", "kv_transfer_failed_requests",
+                 "Requests whose KV read from a prefill instance failed or was refused"))}
         self._seen: dict[tuple[str, str], int] = {}
         # speculative decoding's acceptance rate and mean accepted length
         self.spec_acceptance = Gauge("tokenmill:spec_decode_draft_acceptance_rate",

@@ -108,6 +108,9 @@ def test_refusals_name_the_problem(engines):
         assert getattr(info.value, "status", 400) == status
     with pytest.raises(ValueError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params={"do_remote_prefill": True})
+    with LLM(d.engine.core.model_config.path, kv_cache_memory_gib=0.02,
+             max_model_len=512) as plain, pytest.raises(ValueError, match="kv_transfer_config"):
+        decode(plain, params)
     with pytest.raises(ValueError, match="n=1"):
         SamplingParams(n=2, kv_transfer_params={"do_remote_decode": True})
     d.engine.core.kv_cache.pool.check_integrity()

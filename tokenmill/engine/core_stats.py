@@ -20,7 +20,14 @@ def core_stats(core: Any) -> SchedulerStats:
         spec_accepted_tokens=scheduler.num_accepted_tokens,
         spec_emitted_tokens=scheduler.num_spec_emitted,
         spec_steps=scheduler.num_spec_steps, sleeping=core.sleeping,
-        num_admitted=scheduler.num_admitted, **_lora_stats(core), **_disk_stats(core))
+        num_admitted=scheduler.num_admitted, **_lora_stats(core), **_disk_stats(core),
+        **_transfer_stats(core))
+
+
+def _transfer_stats(core: Any) -> dict:
+    transfer = core.kv_transfer
+    return {} if transfer is None else {"kv_transfer_read_blocks": transfer.num_read_blocks,
+                                        "kv_transfer_failed": transfer.num_failed}
 
 
 def _disk_stats(core: Any) -> dict:

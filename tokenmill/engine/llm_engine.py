@@ -103,6 +103,8 @@ class LLMEngine:
         request_id = str(next(self._counter)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"Request id {request_id!r} is already in the engine.")
+        if params.kv_transfer_params and self.config.kv_transfer_config is None:
+            raise ValueError("kv_transfer_params need an engine with kv_transfer_config.")
         text, prompt_ids = self.tokenize_prompt(prompt)
         if params.structured_outputs is not None:  # a bad schema / regex / grammar: raised here
             self._grammars().compile(params.structured_outputs)

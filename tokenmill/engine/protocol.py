@@ -82,6 +82,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     kv_disk_written_blocks: int = 0
     kv_disk_rejected_blocks: int = 0
     kv_disk_dropped_blocks: int = 0
+    # prefill/decode disaggregation (--kv-transfer-config), cumulative: blocks read from
+    # prefill instances, requests whose read failed or was refused
+    kv_transfer_read_blocks: int = 0
+    kv_transfer_failed: int = 0
 
     @property
     def kv_usage(self) -> float:

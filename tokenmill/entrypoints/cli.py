@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("download", help="fetch a model from a hub (see `tokenmill download "
                    "--help`)")
     sub.add_parser("convert", help="HF <-> GGUF (see `tokenmill convert --help`)")
+    sub.add_parser("disagg-proxy", help="one OpenAI endpoint over prefill and decode "
+                   "instances (see `tokenmill disagg-proxy --help`)")
     sub.add_parser("run-batch", help="answer a JSONL file of OpenAI batch requests (see "
                    "`tokenmill run-batch --help`)")
 
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "run-batch":  # (its engine flags are serve's)
         from tokenmill.entrypoints.batch.run_batch import run as run_batch
         return run_batch(argv[1:])
+    if argv and argv[0] == "disagg-proxy":
+        from tokenmill.entrypoints.disagg_proxy import run as run_proxy
+        return run_proxy(argv[1:])
     if argv and argv[0] == "convert":
         from tokenmill.convert.cli import run as convert
         return convert(argv[1:])

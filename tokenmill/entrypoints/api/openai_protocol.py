@@ -76,7 +76,6 @@ UNSUPPORTED_FIELDS = {
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "continue_final_message": "continue_final_message is not supported",
     "documents": "documents are not supported",
-    "kv_transfer_params": "KV transfer is not supported",
     "vllm_xargs": "vllm_xargs is not supported",
     "lora_request": "a LoRA adapter is chosen by its name in `model` (--lora-modules); "
                     "this field is not supported",

@@ -44,6 +44,9 @@ def _parse(model_cls, body: dict, state: ServerState, check_model: bool):
     problem = state.priority_problem(req.priority or 0)
     if problem is not None:
         raise ApiError(problem, 400, "priority")
+    if req.kv_transfer_params and state.config.engine.kv_transfer_config is None:
+        raise ApiError("kv_transfer_params need a server started with --kv-transfer-config.",
+                       400, "kv_transfer_params")
     for name, ids in (("logit_bias", map(int, req.logit_bias or ())),
                       ("allowed_token_ids", req.allowed_token_ids or ())):
         refused = token_out_of_range(ids, state.engine.client.info.vocab_size)
