@@ -1,6 +1,6 @@
 """What the host-cost benchmarks share: their command line (`--batch`, `--lengths`, `--out`)
-and a result file with how it was made (the command, date, machine and CPU count beside the
-script's own fields); and a free loopback port for the servers the serving benchmarks start."""
+and a result file with how it was made (the command, date, machine, CPU count and git commit
+beside the script's own fields); and a free loopback port for the servers the serving benchmarks start."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import sys
 
 
@@ -20,13 +21,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def git_commit() -> str:
+    """The checkout's commit ("-dirty" after it when files differ from it; "" outside git)."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return commit + ("-dirty" if commit and dirty.strip() else "")
+
+
 def save(path: str, **fields) -> None:
     script = os.path.relpath(sys.argv[0], os.path.join(os.path.dirname(__file__), ".."))
     with open(path, "w") as f:
         json.dump({"command": " ".join(["python", script, *sys.argv[1:]]),
                    "date": datetime.date.today().isoformat(),
                    "machine": platform.processor() or platform.machine(),
-                   "cpus": os.cpu_count(), **fields}, f, indent=1)
+                   "cpus": os.cpu_count(), "commit": git_commit(), **fields}, f, indent=1)
 
 
 def parser(doc: str, batch: int, lengths: str) -> argparse.ArgumentParser:

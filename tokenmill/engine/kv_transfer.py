@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class KVTransfer:
     def __init__(self, config: KVTransferConfig, runner: Any, kv_cache: Any,
                  layout_key: str) -> None:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError:
             raise ValueError("--kv-transfer-config needs NIXL: pip install "
                              "'tokenmill[disagg]'.") from None
@@ -68,7 +69,11 @@ class KVTransfer:
         self.secret = config.secret
         self.block_size = kv_cache.block_size
         self.name = f"tokenmill-{uuid.uuid4().hex[:16]}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=config.backends))
+        # (not NIXL's progress thread: it spins a core, which halves a CPU engine's speed;
+        # `_progress` below polls only while blocks are held or read)
+        self.agent = nixl_agent(self.name, nixl_agent_config(
+            enable_prog_thread=False, backends=config.backends,
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         caches = cache_tensors(runner)
         if not all(t.is_contiguous() for t in caches):
             raise ValueError("--kv-transfer-config: this model's KV cache is not contiguous.")
@@ -85,6 +90,12 @@ class KVTransfer:
         self.refused: list[tuple[Request, str, int]] = []
         self.peers: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.num_read_blocks = self.num_held_blocks = self.num_failed = 0
+        self._notified: collections.deque[str] = collections.deque()  # transfer ids read
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._progress, name="kv-transfer",
+                                        daemon=True)
+        self._thread.start()
 
     @classmethod
     def build(cls, config: Any, core: Any) -> KVTransfer | None:
@@ -98,6 +109,20 @@ class KVTransfer:
         logger.info("KV transfer: NIXL agent %s (%s) over %d cache tensors", transfer.name,
                     config.kv_transfer_config.kv_role, len(transfer.bases))
         return transfer
+
+    def _progress(self) -> None:
+        """UCX's progress, every millisecond while this side holds blocks for a reader or
+        reads (the other side of a read over TCP needs it too), and the notifications of
+        reads done."""
+        while not self._stop:
+            if not (self.held or self.reads):
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            for messages in self.agent.get_new_notifs().values():
+                self._notified.extend(m[len(DONE):].decode(errors="replace")
+                                      for m in messages if m.startswith(DONE))
+            time.sleep(0.001)
 
     @property
     def pending(self) -> bool:
@@ -124,6 +149,7 @@ class KVTransfer:
             pool.touch(blocks)
             self.held[transfer_id] = (blocks, time.monotonic() + self.config.hold_seconds)
             self.num_held_blocks += len(blocks)
+            self._wake.set()
         out = {"do_remote_prefill": True, "remote_engine_id": self.name,
                "remote_request_id": transfer_id, "remote_agent_metadata": self.metadata,
                "kv_layout": self.layout_key,
@@ -137,12 +163,10 @@ class KVTransfer:
 
     def after_step(self) -> None:
         """After a step: blocks whose decode side notified, or whose hold ran out, go back."""
+        while self._notified:
+            self._release(self._notified.popleft())
         if not self.held:
             return
-        for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                if message.startswith(DONE):
-                    self._release(message[len(DONE):].decode(errors="replace"))
         now = time.monotonic()
         for transfer_id in [t for t, (_, until) in self.held.items() if until < now]:
             self._release(transfer_id)
@@ -216,6 +240,7 @@ class KVTransfer:
         self.reads[request.request_id] = _Read(
             request, blocks, hashes[start:start + count], handle, peer,
             time.monotonic() + self.config.timeout_seconds)
+        self._wake.set()
         return True
 
     def _descs(self, bases: np.ndarray, block_ids: list[int]) -> Any:
@@ -311,6 +336,9 @@ class KVTransfer:
         self.refused = [r for r in self.refused if r[0].request_id not in request_ids]
 
     def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(5)
         registered, self._registered = self._registered, None
         if registered is not None:
             with contextlib.suppress(Exception):  # (the process ends anyway)
