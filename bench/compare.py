@@ -40,7 +40,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_throughput import cpu_model  # noqa: E402 - sibling scripts, not a package
-from record import free_port  # noqa: E402
+from record import free_port, tree_commit  # noqa: E402
 from roofline import active_params, ceilings, count_params, measure, model_shape, read_bandwidth  # noqa: E402
 from server_process import start_server, stop_server, wait_ready  # noqa: E402
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
                           "python": platform.python_version()},
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
               "how_cores": {e: HOW_CORES[base(e)] for e in engines},
-              "trees": {label: _tree_commit(tree) for label, tree in TREES.items()},
+              "trees": {label: tree_commit(tree) for label, tree in TREES.items()},
               "skipped": skipped,
               "models": {}}
     for model in [m for m in args.models.split(",") if m]:
@@ -269,16 +269,6 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(report, f, indent=2)
     _plot(report, out.replace(".json", ".png"))
     print(f"wrote {out}")
-
-
-def _tree_commit(tree: str) -> str:
-    """The checkout's commit (and whether it has uncommitted changes)."""
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", tree, *a], capture_output=True,
-                              text=True).stdout.strip()
-
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short", "HEAD") + (" (modified)" if dirty else "")
 
 
 def workload_ceilings(hf_dir: str, roof: dict, args) -> dict:

