@@ -41,11 +41,12 @@ def tree_commit(tree: str | None = None) -> str:
 
 def save(path: str, **fields) -> None:
     script = os.path.relpath(sys.argv[0], os.path.join(os.path.dirname(__file__), ".."))
-    with open(path, "w") as f:
-        json.dump({"command": " ".join(["python", script, *sys.argv[1:]]),
-                   "date": datetime.date.today().isoformat(),
-                   "machine": platform.processor() or platform.machine(),
-                   "cpus": os.cpu_count(), "commit": tree_commit(), **fields}, f, indent=1)
+    record = {"command": " ".join(["python", script, *sys.argv[1:]]),
+              "date": datetime.date.today().isoformat(),
+              "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "commit": tree_commit(), **fields}  # (before the file
+    with open(path, "w") as f:  # is opened: a result file rewritten is a tracked change)
+        json.dump(record, f, indent=1)
 
 
 def parser(doc: str, batch: int, lengths: str) -> argparse.ArgumentParser:
