@@ -77,7 +77,7 @@ def main() -> None:
                 os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
             with LLM(args.model, **engine, **extra) as llm:
                 times, tokens, cached = ttfts(llm, [case[which] for case in cases])
-                tier = llm.engine.core.disk_tier
+                tier = llm.engine.core.offload_tier
                 if tier is not None:
                     tier.flush(600)
                 result[name] = {"ttft_s": round(statistics.median(times), 4),

@@ -113,7 +113,7 @@ class Metrics:
                                  "Sleep mode's level (0: awake; 1: KV cache freed; 2: weights "
                                  "too)", labels, registry=r)
         # counters fed by the core's cumulative counts (their increase since the replica's
-        # last report): speculative decoding's, the KV disk tier's, KV transfers'
+        # last report): speculative decoding's, the KV offloading tiers', KV transfers'
         self.counters = {
             field: Counter(f"tokenmill:{name}", text, labels, registry=r)
             for field, name, text in (
@@ -128,6 +128,14 @@ class Metrics:
                  "KV block files that failed their checks (deleted, recomputed)"),
                 ("kv_disk_dropped_blocks", "kv_disk_blocks_dropped",
                  "KV blocks not written: the writer was behind or the disk refused"),
+                ("kv_host_read_blocks", "kv_host_blocks_read",
+                 "KV blocks read back from host memory"),
+                ("kv_host_written_blocks", "kv_host_blocks_written",
+                 "KV blocks stored in host memory"),
+                ("kv_host_evicted_blocks", "kv_host_blocks_evicted",
+                 "KV blocks evicted from host memory (least recently used)"),
+                ("kv_host_dropped_blocks", "kv_host_blocks_dropped",
+                 "KV blocks not stored: the writer was behind"),
                 ("kv_transfer_read_blocks", "kv_transfer_blocks_read",
                  "KV blocks read from prefill instances"),
                 ("kv_transfer_failed", "kv_transfer_failed_requests",

@@ -251,3 +251,16 @@ def test_fair_share_queue_time_and_disk_tier_flags(tmp_path):
                         (["--max-queue-time", "0"], "max_queue_time")):
         with pytest.raises(ValueError, match=word):
             build_server_config(flags, {})
+
+
+def test_kv_offloading_and_transfer_flags():
+    config = build_server_config([
+        "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native",
+        "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'], {})
+    engine = config.engine
+    assert (engine.kv_offloading_size, engine.kv_offloading_backend) == (2.5, "native")
+    assert engine.kv_transfer_config.kv_role == "kv_producer"
+    defaults = build_server_config([], {}).engine
+    assert (defaults.kv_offloading_size, defaults.kv_transfer_config) == (None, None)
+    with pytest.raises(ValueError, match="kv_role"):
+        build_server_config(["--kv-transfer-config", '{"kv_role":"both"}'], {})

@@ -25,7 +25,7 @@ def run(path, prompts, **engine):
     with LLM(path, kv_cache_memory_gib=0.02, max_model_len=512, **engine) as llm:
         outs = [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0]
                 for p in prompts]
-        tier = llm.engine.core.disk_tier
+        tier = llm.engine.core.offload_tier
         assert tier is None or tier.flush(60)  # (what the writer thread has queued: written)
         counts = None if tier is None else (tier.num_read_blocks, tier.store.num_saved,
                                             tier.store.num_rejected)
@@ -163,9 +163,9 @@ def test_two_live_engines_share_the_folder(tiny_models, tmp_path, baseline):
     engine = dict(kv_cache_memory_gib=0.02, max_model_len=512, kv_cache_disk_dir=str(tmp_path))
     with LLM(path, **engine) as first, LLM(path, **engine) as second:
         out = first.generate([{"prompt_token_ids": PROMPT}], PARAMS, use_tqdm=False)[0]
-        assert first.engine.core.disk_tier.flush(60)
+        assert first.engine.core.offload_tier.flush(60)
         again = second.generate([{"prompt_token_ids": PROMPT}], PARAMS, use_tqdm=False)[0]
-        assert second.engine.core.disk_tier.num_read_blocks == 12
+        assert second.engine.core.offload_tier.num_read_blocks == 12
     assert again.num_cached_tokens == 192
     assert list(out.outputs[0].token_ids) == list(again.outputs[0].token_ids) == baseline[0]
 
@@ -178,7 +178,7 @@ def test_the_tier_counts_into_the_engine_stats_and_metrics(tiny_models, tmp_path
     engine = dict(kv_cache_memory_gib=0.02, max_model_len=512, kv_cache_disk_dir=str(tmp_path))
     with LLM(path, **engine) as llm:
         llm.generate([{"prompt_token_ids": OTHER}], PARAMS, use_tqdm=False)
-        assert llm.engine.core.disk_tier.flush(60)
+        assert llm.engine.core.offload_tier.flush(60)
         stats = llm.engine.core.stats()
     assert (stats.kv_disk_read_blocks, stats.kv_disk_written_blocks,
             stats.kv_disk_rejected_blocks, stats.kv_disk_dropped_blocks) == (6, 4, 0, 0)

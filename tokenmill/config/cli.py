@@ -135,6 +135,12 @@ def make_serve_parser(prog: str = "tokenmill serve", description: str | None = N
            "no speculative decoding or --async-scheduling)")
     a("--kv-cache-disk-gib", type=float, default=None, metavar="GIB",
       help="the disk tier's bound (default 10): least recently used blocks go first")
+    a("--kv-offloading-size", type=float, default=None, metavar="GIB",
+      help="a host-memory tier for the prefix cache, for an engine whose KV cache is on a GPU "
+           "(vLLM's flag): full blocks kept in GIB of host memory and read back on a prefix "
+           "hit (in front of --kv-cache-disk-dir if both are given)")
+    a("--kv-offloading-backend", default=None, choices=["native"],
+      help="the host-memory tier's implementation (vLLM's flag; native only)")
     a("--kv-transfer-config", default=None, metavar="JSON",
       help='prefill/decode disaggregation over NIXL, e.g. \'{"kv_connector":"NixlConnector",'
            '"kv_role":"kv_both"}\' (vLLM\'s flag; one rank; `tokenmill disagg-proxy` in front)')

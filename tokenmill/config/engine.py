@@ -67,11 +67,16 @@ class EngineConfig:
     # fair: tenants share the steps' tokens by `tenant_weights` (config/tenants.py; 1 for a
     # tenant it does not name), each tenant's requests by priority, then arrival
     scheduling_policy: str = "fcfs"
-    # the KV cache's disk tier (engine/kv_disk_tier.py): full blocks written through to this
+    # the KV cache's disk tier (engine/kv_offload_tier.py): full blocks written through to this
     # folder (shared by the replicas of one machine, kept across restarts) and read back on
     # a prefix hit; bounded to kv_cache_disk_gib, least recently used files going first
     kv_cache_disk_dir: str | None = None
     kv_cache_disk_gib: float = 10.0
+    # the KV cache's host-memory tier (vLLM's flags; the same engine/kv_offload_tier.py, in
+    # front of the disk tier if both are set): this many GiB of full blocks in host memory,
+    # for an engine whose cache is on a GPU
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     # prefill/decode disaggregation (engine/kv_transfer.py): a KVTransferConfig, or its JSON
     kv_transfer_config: Any = None
     tenant_weights: Any = None
@@ -240,7 +245,7 @@ class EngineConfig:
         if self.tenant_weights and self.scheduling_policy != "fair":
             raise ValueError("--tenant-weights needs --scheduling-policy fair.")
         self.max_queue_time = check_max_queue_time(self.max_queue_time, "max_queue_time")
-        self._check_disk_tier()
+        self._check_offload()
         self._check_kv_transfer()
         positive_int("max_loras")
         positive_int("max_lora_rank")
@@ -266,13 +271,21 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype must be 'auto', 'float32', 'bfloat16', 'int8' or "
                              f"'fp8', got {self.kv_cache_dtype!r}.")
 
-    def _check_disk_tier(self) -> None:
-        if not self.kv_cache_disk_dir:
+    def _check_offload(self) -> None:
+        """The KV offloading tiers: --kv-offloading-size (host memory), --kv-cache-disk-dir."""
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend must be 'native' (LMCache's is not built "
+                             f"here), got {self.kv_offloading_backend!r}.")
+        for name in ("kv_offloading_size", "kv_cache_disk_gib"):
+            value = getattr(self, name)
+            if (value is not None or name == "kv_cache_disk_gib") and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 < value < 2**20):
+                raise ValueError(f"{name} must be a number of GiB > 0, got {value!r}.")
+        flag = ("--kv-cache-disk-dir" if self.kv_cache_disk_dir
+                else "--kv-offloading-size" if self.kv_offloading_size else None)
+        if flag is None:
             return
-        if isinstance(self.kv_cache_disk_gib, bool) or not isinstance(
-                self.kv_cache_disk_gib, (int, float)) or not 0 < self.kv_cache_disk_gib < 2**20:
-            raise ValueError(f"kv_cache_disk_gib must be a number of GiB > 0, got "
-                             f"{self.kv_cache_disk_gib!r}.")
         unsupported = [flag for flag, on in (
             ("tensor or pipeline parallel", self.world_size > 1),
             ("--async-scheduling", self.async_scheduling),
@@ -280,8 +293,7 @@ class EngineConfig:
             ("--enable-sleep-mode", self.enable_sleep_mode),
             ("--no-enable-prefix-caching", not self.enable_prefix_caching)) if on]
         if unsupported:
-            raise ValueError(f"--kv-cache-disk-dir is not built with {unsupported[0]}: drop "
-                             "one of them.")
+            raise ValueError(f"{flag} is not built with {unsupported[0]}: drop one of them.")
 
     def _check_kv_transfer(self) -> None:
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)

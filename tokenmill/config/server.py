@@ -216,6 +216,8 @@ def build_server_config(argv: list[str], environ=None, **parser_text: str) -> Se
         "tenant_weights": args.tenant_weights, "max_queue_time": args.max_queue_time,
         "kv_cache_disk_dir": args.kv_cache_disk_dir,
         "kv_transfer_config": args.kv_transfer_config,
+        "kv_offloading_size": args.kv_offloading_size,
+        "kv_offloading_backend": args.kv_offloading_backend or "native",
         **({"kv_cache_disk_gib": args.kv_cache_disk_gib}
            if args.kv_cache_disk_gib is not None else {}),
         "enable_lora": bool(args.enable_lora),

@@ -39,7 +39,7 @@ class KVCacheManager:
         # a step converting lists)
         self._rows: dict[str, IntRow] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # the disk tier (engine/kv_disk_tier.py) sets a list: (block id, hash) of each block
+        # the disk tier (engine/kv_offload_tier.py) sets a list: (block id, hash) of each block
         # cached from then on, base-model blocks only (an adapter's key is its name and path)
         self.new_full_blocks: list[tuple[int, bytes]] | None = None
         # Prefix-cache statistics, in tokens, for metrics.
@@ -96,14 +96,18 @@ class KVCacheManager:
             return []
         return request.block_hashes[len(hits):(request.num_tokens - 1) // self.block_size]
 
-    def install(self, hashes: list[bytes]) -> list[Block | None]:
+    def install(self, hashes: list[bytes], request: Request | None = None) -> list[Block | None]:
         """Blocks for KV brought back from another tier, cached under `hashes` in order while
         blocks are free (free themselves, recently used: the request that asked admits them
-        as hits); None for a hash another request cached meanwhile."""
+        as hits); None for a hash another request cached meanwhile. The blocks `request`
+        already hits are not among those reused (they would break its run of hits)."""
+        hits = self.get_computed_blocks(request)[0] if request is not None else []
+        self.pool.touch(hits)
         out: list[Block | None] = []
         for block_hash in hashes[:self.pool.num_free_blocks]:
             cached = self.pool.get_cached_block(block_hash) is not None
             out.append(None if cached else self.pool.promote(block_hash))
+        self.pool.free_blocks(reversed(hits))  # (back as the most recently used)
         return out
 
     def take_new_full_blocks(self) -> list[tuple[int, bytes]]:

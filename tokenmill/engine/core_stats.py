@@ -31,14 +31,22 @@ def _transfer_stats(core: Any) -> dict:
 
 
 def _disk_stats(core: Any) -> dict:
-    tier = core.disk_tier
+    tier = core.offload_tier
     if tier is None:
         return {}
-    store = tier.store
-    return {"kv_disk_read_blocks": tier.num_read_blocks,
-            "kv_disk_written_blocks": store.num_saved,
-            "kv_disk_rejected_blocks": store.num_rejected,
-            "kv_disk_dropped_blocks": tier.num_dropped + store.num_failed}
+    out = {}
+    if tier.disk is not None:
+        disk = tier.disk
+        out.update(kv_disk_read_blocks=disk.num_loaded, kv_disk_written_blocks=disk.num_saved,
+                   kv_disk_rejected_blocks=disk.num_rejected,
+                   kv_disk_dropped_blocks=disk.num_failed + tier.num_dropped * (
+                       tier.host is None))
+    if tier.host is not None:
+        host = tier.host
+        out.update(kv_host_read_blocks=host.num_loaded, kv_host_written_blocks=host.num_saved,
+                   kv_host_evicted_blocks=host.num_evicted,
+                   kv_host_dropped_blocks=tier.num_dropped)
+    return out
 
 
 def _lora_stats(core: Any) -> dict:

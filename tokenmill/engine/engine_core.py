@@ -43,7 +43,7 @@ class EngineCore:
                  exit_on_worker_death: bool = False) -> None:
         """`exit_on_worker_death`: a tensor-parallel worker's death ends this process (the
         engine-core process; the server then applies its engine-death policy)."""
-        from tokenmill.engine.kv_disk_tier import KVDiskTier
+        from tokenmill.engine.kv_offload_tier import KVOffloadTier
         from tokenmill.engine.kv_transfer import KVTransfer
         from tokenmill.executor.multiproc import WorkerGroup
         from tokenmill.executor.ray_executor import RayWorkerGroup
@@ -92,10 +92,10 @@ class EngineCore:
                                        config.enable_prefix_caching, kv_window(self.hf_config),
                                        self.runner.num_state_slots)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
-        self.disk_tier = KVDiskTier.build(config, self)  # --kv-cache-disk-dir
+        self.offload_tier = KVOffloadTier.build(config, self)  # --kv-cache-disk-dir
         self.kv_transfer = KVTransfer.build(config, self)  # --kv-transfer-config
         # where a new request's prompt blocks may come from, besides computing them
-        self.kv_tiers = [t for t in (self.kv_transfer, self.disk_tier) if t is not None]
+        self.kv_tiers = [t for t in (self.kv_transfer, self.offload_tier) if t is not None]
         self.clock = StepClock()  # step timings for the engine's heartbeat
         self.sleeping = 0  # sleep mode's level (engine/sleep_mode.py)
         # pipeline parallel: the micro-batches in flight, oldest first, at most one per stage

@@ -102,7 +102,7 @@ class KVTransfer:
         """The connector an EngineCore `core` asks for (None: no --kv-transfer-config)."""
         if config.kv_transfer_config is None:
             return None
-        from tokenmill.engine.kv_disk_tier import model_key
+        from tokenmill.engine.kv_offload_tier import model_key
 
         transfer = cls(config.kv_transfer_config, core.runner, core.kv_cache,
                        layout_key(model_key(config, core)))
@@ -213,7 +213,8 @@ class KVTransfer:
             logger.warning("Request %s: its prompt is not the one prefilled; it is computed "
                            "here.", request.request_id)
             n = 0
-        count = min(n - len(hits), self.kv_cache.pool.num_free_blocks)
+        pool = self.kv_cache.pool
+        count = min(n - len(hits), pool.num_free_blocks - sum(b.ref_cnt == 0 for b in hits))
         peer, done = params["remote_engine_id"], DONE + params["remote_request_id"].encode()
         if count <= 0:  # (nothing to read: the prefill side may let its blocks go)
             try:
@@ -224,7 +225,9 @@ class KVTransfer:
             return False
         self._connect(peer, params["remote_agent_metadata"])
         start = len(hits)
-        blocks = self.kv_cache.pool.get_new_blocks(count)
+        pool.touch(hits)  # (not reused for the blocks read: they stay this request's hits)
+        blocks = pool.get_new_blocks(count)
+        pool.free_blocks(reversed(hits))
         local = self._descs(self.bases, [b.block_id for b in blocks])
         remote = self._descs(np.array(params["remote_cache_addrs"], dtype=np.uint64),
                              remote_ids[start:start + count])

@@ -82,6 +82,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     kv_disk_written_blocks: int = 0
     kv_disk_rejected_blocks: int = 0
     kv_disk_dropped_blocks: int = 0
+    # the KV host-memory tier (--kv-offloading-size), cumulative: blocks read back, stored,
+    # evicted (least recently used, past the bound), not stored (the writer behind)
+    kv_host_read_blocks: int = 0
+    kv_host_written_blocks: int = 0
+    kv_host_evicted_blocks: int = 0
+    kv_host_dropped_blocks: int = 0
     # prefill/decode disaggregation (--kv-transfer-config), cumulative: blocks read from
     # prefill instances, requests whose read failed or was refused
     kv_transfer_read_blocks: int = 0

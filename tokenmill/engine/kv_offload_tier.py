@@ -1,12 +1,15 @@
-"""The KV cache's disk tier in the engine core (`--kv-cache-disk-dir`). Every full block a
-base-model request fills is written through to disk: copied out after its step (a memory
-copy), written by a thread, and dropped rather than waited for when the writer falls behind.
-A new request whose prompt runs past its prefix-cache hits into blocks the disk holds waits
-while a thread reads and checks them, then enters the scheduler with them in the prefix
-cache (put there on the step loop: a memory copy), so their tokens are not computed again.
-The disk outlives the engine and is shared by the replicas of one machine
-(kv_offload/disk_store.py). One rank, no speculative decoding, no pipelined steps (the
-blocks a step fills are read back right after it)."""
+"""The KV cache's offloading tiers in the engine core: host memory (`--kv-offloading-size`,
+kv_offload/host_store.py: for an engine whose cache is on a GPU) and a disk folder
+(`--kv-cache-disk-dir`, kv_offload/disk_store.py), either or both (host memory in front).
+Every full block a base-model request fills is written through: copied out after its step
+(a memory copy; from a GPU, a device-to-host copy), stored by a thread, and dropped rather
+than waited for when the writer falls behind. A new request whose prompt runs past its
+prefix-cache hits into blocks a tier holds waits while a thread reads (and, from disk,
+checks) them, then enters the scheduler with them in the prefix cache (put there on the
+step loop: a copy into the cache), so their tokens are not computed again. The disk
+outlives the engine and is shared by the replicas of one machine. One rank, no
+speculative decoding, no pipelined steps (the blocks a step fills are read back right
+after it)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import threading
 from typing import Any
 
 from tokenmill.kv_offload.disk_store import DiskKVStore
+from tokenmill.kv_offload.host_store import HostKVStore
 from tokenmill.worker.kv_blocks import block_bytes, layout, read_blocks, write_blocks
 
 logger = logging.getLogger(__name__)
@@ -27,9 +31,11 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED_BYTES = 256 << 20  # blocks copied out, not yet written: past it new ones drop
 
 
-class KVDiskTier:
+class KVOffloadTier:
     def __init__(self, store: DiskKVStore, runner: Any, kv_cache: Any) -> None:
         self.store, self.runner, self.kv_cache = store, runner, kv_cache
+        self.host = store if isinstance(store, HostKVStore) else None
+        self.disk = store.below if self.host is not None else store
         kv_cache.new_full_blocks = []
         self.pending: dict[str, tuple[Any, list[bytes], concurrent.futures.Future]] = {}
         self.num_dropped = 0  # blocks not written: the writer was behind
@@ -38,27 +44,36 @@ class KVDiskTier:
         self._queued_bytes = 0
         self._cond = threading.Condition()
         self._stop = False
-        self._writer = threading.Thread(target=self._write, name="kv-disk-write", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="kv-offload-write", daemon=True)
         self._writer.start()
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, "kv-disk-read")
+        self._reader = concurrent.futures.ThreadPoolExecutor(1, "kv-offload-read")
 
     @classmethod
-    def build(cls, config: Any, core: Any) -> KVDiskTier | None:
-        """The tier an EngineCore `core` asks for (None: --kv-cache-disk-dir not given)."""
-        if not config.kv_cache_disk_dir:
+    def build(cls, config: Any, core: Any) -> KVOffloadTier | None:
+        """The tiers an EngineCore `core` asks for (None: neither --kv-offloading-size nor
+        --kv-cache-disk-dir given)."""
+        if not config.kv_cache_disk_dir and not config.kv_offloading_size:
             return None
+        flag = "--kv-cache-disk-dir" if config.kv_cache_disk_dir else "--kv-offloading-size"
         if not core.kv_cache.enable_prefix_caching:
-            raise ValueError("--kv-cache-disk-dir keeps prefix-cache blocks: this engine has "
-                             "none (--no-enable-prefix-caching, or a model with state layers).")
-        store = DiskKVStore(config.kv_cache_disk_dir, int(config.kv_cache_disk_gib * 2**30),
-                            model_key(config, core), block_bytes(core.runner))
-        logger.info("KV disk tier: %s (up to %.1f GiB, blocks of %d KiB)", store.dir,
-                    config.kv_cache_disk_gib, store.block_bytes >> 10)
+            raise ValueError(f"{flag} keeps prefix-cache blocks: this engine has none "
+                             "(--no-enable-prefix-caching, or a model with state layers).")
+        size = block_bytes(core.runner)
+        store = None
+        if config.kv_cache_disk_dir:
+            store = DiskKVStore(config.kv_cache_disk_dir, int(config.kv_cache_disk_gib * 2**30),
+                                model_key(config, core), size)
+            logger.info("KV disk tier: %s (up to %.1f GiB, blocks of %d KiB)", store.dir,
+                        config.kv_cache_disk_gib, size >> 10)
+        if config.kv_offloading_size:
+            store = HostKVStore(int(config.kv_offloading_size * 2**30), size, below=store)
+            logger.info("KV host-memory tier: up to %d blocks of %d KiB (%.1f GiB)",
+                        store.max_blocks, size >> 10, config.kv_offloading_size)
         return cls(store, core.runner, core.kv_cache)
 
     # ---- reading back -----------------------------------------------------------------
     def lookup(self, request: Any) -> bool:
-        """Whether `request` waits for blocks read back from disk (`ready` hands it on)."""
+        """Whether `request` waits for blocks read back (`ready` hands it on)."""
         hashes = []
         for block_hash in self.kv_cache.uncached_prefix(request):
             if not self.store.contains(block_hash):
@@ -97,9 +112,9 @@ class KVDiskTier:
             try:
                 payloads = future.result()
             except Exception:  # noqa: BLE001 - a failed read costs only the blocks' compute
-                logger.exception("KV disk tier: reading blocks failed; they are recomputed")
+                logger.exception("KV offload tier: reading blocks failed; they are recomputed")
                 payloads = []
-            blocks = self.kv_cache.install(hashes[:len(payloads)])
+            blocks = self.kv_cache.install(hashes[:len(payloads)], request)
             pairs = [(b.block_id, p) for b, p in zip(blocks, payloads) if b is not None]
             write_blocks(self.runner, [b for b, _ in pairs], [p for _, p in pairs])
             self.num_read_blocks += len(pairs)
