@@ -41,7 +41,8 @@ tests_s=${TESTS_S:-$(( left < 240 ? (left < 30 ? 30 : left) : 240 ))}
 echo "tests bounded at ${tests_s} s (${SECONDS} s spent)"
 # SIGINT at the bound: pytest still names the failures so far (a plain kill printed only dots)
 timeout -s INT -k 20 "$tests_s" python3 -m pytest -q --maxfail=60 -rf --tb=short -p no:cacheprovider --timeout 120 \
-  tests/models/test_state_models.py tests/engine/test_kv_disk_tier.py \
+  tests/models/test_state_models.py tests/engine/test_kv_disk_tier.py tests/engine/test_kv_host_tier.py \
+  tests/engine/test_kv_transfer.py \
   tests/attention/test_triton_attention.py tests/layers/test_triton_ops.py tests/worker/test_piecewise_graphs.py tests/layers/test_fused_moe.py tests/worker/test_platforms.py tests/quantization/test_triton_kernels.py \
   tests/lora/test_lora_triton.py::test_kernels_equal_the_reference \
   tests/quantization/test_fp8_blocks.py tests/quantization/test_quantized_models.py::test_quantize_tool_round_trip \
