@@ -96,6 +96,69 @@ def test_another_prompt_is_computed_not_read(engines):
     assert d.engine.core.kv_transfer.num_read_blocks == read
 
 
+def test_a_hold_that_runs_out_lets_its_blocks_go(engines):
+    p, _, _ = engines
+    params = prefill(p)
+    transfer, pool = p.engine.core.kv_transfer, p.engine.core.kv_cache.pool
+    transfer_id = params["remote_request_id"]
+    blocks, _ = transfer.held[transfer_id]
+    refs = [b.ref_cnt for b in blocks]
+    transfer.held[transfer_id] = (blocks, 0.0)  # (its hold_seconds passed)
+    generate(p, [5, 6, 7], max_tokens=1)  # (a step: where holds are looked at)
+    assert transfer_id not in transfer.held
+    assert [b.ref_cnt for b in blocks] == [r - 1 for r in refs]
+    pool.check_integrity()
+
+
+def test_a_read_that_does_not_finish_times_out(tiny_models, monkeypatch):
+    path = tiny_models("llama")[0]
+    config = ('{"kv_connector":"NixlConnector",'
+              '"kv_connector_extra_config":{"timeout_seconds":1}}')
+    with engine(path) as p, engine(path, config=config) as d:
+        params = prefill(p)
+        transfer = d.engine.core.kv_transfer
+        monkeypatch.setattr(transfer.agent, "check_xfer_state", lambda handle: "PROC")
+        with pytest.raises(ValueError, match="timed out") as info:
+            decode(d, params)
+        assert info.value.status == 503 and transfer.num_failed == 1
+        pool = d.engine.core.kv_cache.pool
+        pool.check_integrity()
+        assert pool.num_used_blocks == 0 and not transfer.reads
+
+
+def test_a_request_aborted_while_read_is_forgotten(tiny_models, monkeypatch):
+    path = tiny_models("llama")[0]
+    with engine(path) as p, engine(path) as d:
+        params = prefill(p)
+        transfer = d.engine.core.kv_transfer
+        monkeypatch.setattr(transfer.agent, "check_xfer_state", lambda handle: "PROC")
+        request_id = d.engine.add_request(None, {"prompt_token_ids": PROMPT}, SamplingParams(
+            max_tokens=4, kv_transfer_params=params, **GREEDY))
+        assert request_id in transfer.reads
+        d.engine.abort_request([request_id])
+        monkeypatch.undo()  # (the read finishes now)
+        for _ in range(10_000):
+            if not d.engine.has_unfinished_requests():
+                break
+            assert not d.engine.step()  # (no output for the aborted request)
+        assert not transfer.reads and transfer.num_read_blocks == 12
+        pool = d.engine.core.kv_cache.pool
+        pool.check_integrity()
+        assert pool.num_used_blocks == 0
+        # (the blocks it read stay in the prefix cache: the next decode reads nothing)
+        assert decode(d, prefill(p)).num_cached_tokens == 192
+        assert transfer.num_read_blocks == 12
+
+
+def test_a_data_parallel_decode_engine(engines, tiny_models):
+    """Each replica (an engine-core process) runs its own agent and reads for its requests."""
+    p, _, baseline = engines
+    with engine(tiny_models("llama")[0], data_parallel_size=2) as d:
+        for prompt_params in (prefill(p), prefill(p)):
+            out = decode(d, prompt_params)
+            assert list(out.outputs[0].token_ids) == baseline and out.num_cached_tokens == 192
+
+
 def test_refusals_name_the_problem(engines):
     p, d, _ = engines
     params = prefill(p)
