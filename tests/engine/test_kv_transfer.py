@@ -169,6 +169,10 @@ def test_refusals_name_the_problem(engines):
         with pytest.raises(ValueError, match=words) as info:
             decode(d, {**params, **change})
         assert getattr(info.value, "status", 400) == status
+    # (the real peer stays connected: its next parameters are read as before)
+    other, read = PROMPT[:100] + [7] * 100, d.engine.core.kv_transfer.num_read_blocks
+    assert decode(d, prefill(p, other), prompt=other).num_cached_tokens == 192
+    assert d.engine.core.kv_transfer.num_read_blocks > read
     with pytest.raises(ValueError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params={"do_remote_prefill": True})
     with LLM(d.engine.core.model_config.path, kv_cache_memory_gib=0.02,

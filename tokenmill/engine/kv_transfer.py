@@ -267,7 +267,8 @@ class KVTransfer:
                                   f"({type(exc).__name__}); retry the request.") from None
         name = name.decode() if isinstance(name, bytes) else name
         if name != peer:
-            self.agent.remove_remote_agent(name)
+            if name not in self.peers:  # (loaded just now for this: not kept)
+                self._forget(name)
             raise TransferRefused("kv_transfer_params: remote_engine_id does not match its "
                                   "agent metadata.", 400)
         self.peers[peer] = None
@@ -276,9 +277,16 @@ class KVTransfer:
             self._disconnect(old)
 
     def _disconnect(self, peer: str) -> None:
+        """Forgets `peer` (gone, or its parameters were bad) unless a read from it is in
+        flight; its next parameters connect again."""
+        if any(read.peer == peer for read in self.reads.values()):
+            return
         if self.peers.pop(peer, 0) is None:
-            with contextlib.suppress(Exception):  # (already gone)
-                self.agent.remove_remote_agent(peer)
+            self._forget(peer)
+
+    def _forget(self, peer: str) -> None:
+        with contextlib.suppress(Exception):  # (already gone)
+            self.agent.remove_remote_agent(peer)
 
     def _notify(self, peer: str, message: bytes) -> None:
         try:
