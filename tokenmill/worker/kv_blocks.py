@@ -1,6 +1,7 @@
-"""Whole KV blocks in and out of a runner's cache as bytes (the disk tier's payloads): one
-block's every layer, K then V, each as the cache holds it (int8 rows with their scales;
-MLA's latent rows alone)."""
+"""Whole KV blocks in and out of a runner's cache as bytes (the host-memory and disk tiers'
+payloads): one block's every layer, K then V, each as the cache holds it (int8 rows with
+their scales; MLA's latent rows alone); and the cache tensors themselves, in that order
+(what a KV transfer registers and reads block by block)."""
 
 from __future__ import annotations
 
