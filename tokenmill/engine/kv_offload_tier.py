@@ -32,7 +32,7 @@ MAX_QUEUED_BYTES = 256 << 20  # blocks copied out, not yet written: past it new 
 
 
 class KVOffloadTier:
-    def __init__(self, store: DiskKVStore, runner: Any, kv_cache: Any) -> None:
+    def __init__(self, store: HostKVStore | DiskKVStore, runner: Any, kv_cache: Any) -> None:
         self.store, self.runner, self.kv_cache = store, runner, kv_cache
         self.host = store if isinstance(store, HostKVStore) else None
         self.disk = store.below if self.host is not None else store
