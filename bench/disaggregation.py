@@ -12,16 +12,14 @@ stalled by other requests' prefills): on one 2-core machine both instances share
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
-import random
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from record import save  # noqa: E402
+from record import prompt_parser, random_prompts, save  # noqa: E402
 
 CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
 
@@ -49,17 +47,10 @@ def timed(llm, ids: list[int], **params) -> tuple[float, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--prompt", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out")
-    args = ap.parse_args()
+    args = prompt_parser(__doc__).parse_args()
     from tokenmill import LLM
 
-    rng = random.Random(0)
-    cases = [[rng.randrange(100, 30000) for _ in range(args.prompt)]
-             for _ in range(2 * args.rounds + 1)]
+    cases = random_prompts(2 * args.rounds + 1, args.prompt)
     engine = dict(max_model_len=args.prompt + 64, kv_cache_memory_gib=1.0)
     ours, theirs = multiprocessing.get_context("spawn").Pipe()
     child = multiprocessing.get_context("spawn").Process(

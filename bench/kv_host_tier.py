@@ -11,15 +11,13 @@ is host memory already, so the numbers show what the tier's copies cost against 
 
 from __future__ import annotations
 
-import argparse
 import os
-import random
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from record import save  # noqa: E402
+from record import prompt_parser, random_prompts, save  # noqa: E402
 
 
 def run(model, prompts: list[list[int]], **engine) -> tuple[list[float], list[list[int]]]:
@@ -46,15 +44,8 @@ def run(model, prompts: list[list[int]], **engine) -> tuple[list[float], list[li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--prompt", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out")
-    args = ap.parse_args()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt)]
-               for _ in range(args.rounds + 1)]
+    args = prompt_parser(__doc__).parse_args()
+    prompts = random_prompts(args.rounds + 1, args.prompt)
     blocks = args.prompt // 16 + 8
     engine = dict(max_model_len=args.prompt + 64, num_kv_blocks=blocks)
     cases = {"no tier": {}, "--kv-offloading-size 1": {"kv_offloading_size": 1.0}}

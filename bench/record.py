@@ -1,7 +1,7 @@
 """What the benchmarks share: the host-cost ones' command line (`--batch`, `--lengths`,
-`--out`); a result file with how it was made (the command, date, machine, CPU count and git
-commit beside the script's own fields); a free loopback port for the servers the serving
-benchmarks start."""
+`--out`) and the long-prompt ones' (`--prompt`, `--rounds`) with their prompts; a result
+file with how it was made (the command, date, machine, CPU count and git commit beside the
+script's own fields); a free loopback port for the servers the serving benchmarks start."""
 
 from __future__ import annotations
 
@@ -56,3 +56,22 @@ def parser(doc: str, batch: int, lengths: str) -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default=lengths, help="comma-separated context lengths")
     ap.add_argument("--out", help="a JSON result file")
     return ap
+
+
+def prompt_parser(doc: str, prompt: int = 2000, rounds: int = 3) -> argparse.ArgumentParser:
+    """The long-prompt benchmarks' flags: `--model` (default the bundled one), `--prompt`
+    tokens, `--rounds` prompts, results to `--out`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompt", type=int, default=prompt, help="tokens a prompt holds")
+    ap.add_argument("--rounds", type=int, default=rounds, help="prompts timed (the median)")
+    ap.add_argument("--out", help="a JSON result file")
+    return ap
+
+
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` token ids that share no prefix (ids 100-29,999)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 30000) for _ in range(length)] for _ in range(n)]
