@@ -89,7 +89,7 @@ class KVTransfer:
         self.reads: dict[str, _Read] = {}  # request id -> its read in flight
         self.refused: list[tuple[Request, str, int]] = []
         self.peers: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.num_read_blocks = self.num_held_blocks = self.num_failed = 0
+        self.num_read_blocks = self.num_failed = 0
         self._notified: collections.deque[str] = collections.deque()  # transfer ids read
         self._wake = threading.Event()
         self._stop = False
@@ -125,6 +125,11 @@ class KVTransfer:
             time.sleep(0.001)
 
     @property
+    def num_held_blocks(self) -> int:
+        """Blocks kept for decode instances' reads."""
+        return sum(len(blocks) for blocks, _ in self.held.values())
+
+    @property
     def pending(self) -> bool:
         """Reads in flight, or refusals not yet answered."""
         return bool(self.reads or self.refused)
@@ -148,7 +153,6 @@ class KVTransfer:
         if blocks:
             pool.touch(blocks)
             self.held[transfer_id] = (blocks, time.monotonic() + self.config.hold_seconds)
-            self.num_held_blocks += len(blocks)
             self._wake.set()
         out = {"do_remote_prefill": True, "remote_engine_id": self.name,
                "remote_request_id": transfer_id, "remote_agent_metadata": self.metadata,
@@ -175,7 +179,6 @@ class KVTransfer:
         held = self.held.pop(transfer_id, None)
         if held is not None:
             self.kv_cache.pool.free_blocks(reversed(held[0]))
-            self.num_held_blocks -= len(held[0])
 
     def _sign(self, params: dict) -> str:
         return hmac.new(self.secret, signed_text(params), hashlib.sha256).hexdigest()
