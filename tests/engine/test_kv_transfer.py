@@ -12,12 +12,13 @@ import sys
 import time
 
 import pytest
+from helpers import require_nixl
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config.engine import EngineConfig
 from tokenmill.config.kv_transfer import KVTransferConfig, check_params
 
-pytest.importorskip("nixl")
+require_nixl()
 
 PROMPT = [(i * 7) % 400 + 3 for i in range(200)]  # (12 full blocks of 16 and 8 tokens)
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import httpx
-import pytest
+from helpers import require_nixl
 from serving import Served, free_port, metric_sum, wait_until
 
-pytest.importorskip("nixl")
+require_nixl()
 
 CONFIG = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 PROMPT = [(i * 7) % 300 + 3 for i in range(200)]  # (12 full blocks of 16 and 8)
