@@ -39,8 +39,8 @@ class KVCacheManager:
         # a step converting lists)
         self._rows: dict[str, IntRow] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # the disk tier (engine/kv_offload_tier.py) sets a list: (block id, hash) of each block
-        # cached from then on, base-model blocks only (an adapter's key is its name and path)
+        # the offloading tiers (engine/kv_offload_tier.py) set a list: (block id, hash) of each
+        # block cached from then on, base-model blocks only (an adapter's key is its name and path)
         self.new_full_blocks: list[tuple[int, bytes]] | None = None
         # Prefix-cache statistics, in tokens, for metrics.
         self.num_queried_tokens = 0

@@ -154,9 +154,9 @@ class LLMEngine:
         it finished; the offline `LLM` builds no result a request has not finished)."""
         outputs = self.client.get_output()
         for out in outputs:  # (a request the core refused: its error raised)
-            if out.error is not None and not out.new_token_ids \
-                    and self.output_processor.parent_of(out.request_id):
-                self.abort_request([self.output_processor.parent_of(out.request_id)])
+            if out.error is not None and not out.new_token_ids and (
+                    parent := self.output_processor.parent_of(out.request_id)):
+                self.abort_request([parent])
                 raise request_error(out.error, out.retry_after, out.status)
         results, stopped = self.output_processor.process_outputs(outputs, final_only)
         self.client.finish_requests(stopped)
